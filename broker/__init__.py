@@ -1,0 +1,1 @@
+"""The broker: keeps providers, jobs, leases and artifacts; matches jobs to providers."""

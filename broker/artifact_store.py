@@ -1,0 +1,120 @@
+"""Blobs on disk named by their sha256, written atomically; partial uploads resume."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from gpumarket.proto.artifacts import CHUNK_BYTES
+from gpumarket.proto.errors import FailedPrecondition, InvalidArgument, NotFound
+from gpumarket.proto.jobspec import check_sha256
+
+
+@dataclass(frozen=True)
+class BlobStat:
+    complete: bool
+    size_bytes: int
+    received_bytes: int
+
+
+class ArtifactStore:
+    """Files under ``root/blobs/ab/<sha256>``; uploads in progress under ``root/partial``."""
+
+    def __init__(self, root: Path, max_blob_bytes: int) -> None:
+        self.root = root
+        self.max_blob_bytes = max_blob_bytes
+        (root / "blobs").mkdir(parents=True, exist_ok=True)
+        (root / "partial").mkdir(parents=True, exist_ok=True)
+
+    def blob_path(self, sha256: str) -> Path:
+        check_sha256(sha256, "sha256")
+        return self.root / "blobs" / sha256[:2] / sha256
+
+    def _partial_path(self, sha256: str) -> Path:
+        check_sha256(sha256, "sha256")
+        return self.root / "partial" / sha256
+
+    def stat(self, sha256: str) -> BlobStat:
+        path = self.blob_path(sha256)
+        if path.exists():
+            size = path.stat().st_size
+            return BlobStat(True, size, size)
+        partial = self._partial_path(sha256)
+        received = partial.stat().st_size if partial.exists() else 0
+        return BlobStat(False, 0, received)
+
+    def begin_upload(self, sha256: str, size_bytes: int, offset: int) -> "Upload | None":
+        """Start or continue an upload; None if the blob is already stored."""
+        if size_bytes > self.max_blob_bytes:
+            raise InvalidArgument(
+                f"artifact of {size_bytes} bytes is over the broker's limit of"
+                f" {self.max_blob_bytes} bytes"
+            )
+        st = self.stat(sha256)
+        if st.complete:
+            return None
+        if offset != st.received_bytes:
+            raise FailedPrecondition(
+                f"upload of {sha256[:12]} must continue at offset {st.received_bytes}, not {offset}"
+            )
+        return Upload(self, sha256, size_bytes, offset)
+
+    def open_read(self, sha256: str, offset: int):
+        path = self.blob_path(sha256)
+        try:
+            f = open(path, "rb")
+        except FileNotFoundError as exc:
+            raise NotFound(f"no artifact {sha256}") from exc
+        f.seek(offset)
+        return f
+
+
+class Upload:
+    """One upload stream's writer; finish() verifies the hash and publishes the blob."""
+
+    def __init__(self, store: ArtifactStore, sha256: str, size_bytes: int, offset: int) -> None:
+        self.store = store
+        self.sha256 = sha256
+        self.size_bytes = size_bytes
+        self.received = offset
+        self.path = store._partial_path(sha256)
+        self._file = open(self.path, "ab")
+
+    def write(self, data: bytes) -> None:
+        if len(data) > CHUNK_BYTES:
+            raise InvalidArgument(f"upload chunk of {len(data)} bytes is over {CHUNK_BYTES}")
+        if self.received + len(data) > self.size_bytes:
+            raise InvalidArgument(f"upload of {self.sha256[:12]} is longer than its declared size")
+        self._file.write(data)
+        self.received += len(data)
+
+    def close(self) -> None:
+        """Keep what arrived (flushed) so a broken upload can resume."""
+        if not self._file.closed:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+            self._file.close()
+
+    def finish(self) -> int:
+        """Verify and publish; return the size. The partial file is dropped on a mismatch."""
+        self.close()
+        if self.received != self.size_bytes:
+            raise FailedPrecondition(
+                f"upload of {self.sha256[:12]} ended at {self.received} of {self.size_bytes} bytes;"
+                " resume it"
+            )
+        h = hashlib.sha256()
+        with open(self.path, "rb") as f:
+            while chunk := f.read(CHUNK_BYTES):
+                h.update(chunk)
+        if h.hexdigest() != self.sha256:
+            self.path.unlink(missing_ok=True)
+            raise InvalidArgument(
+                f"uploaded bytes hash to {h.hexdigest()[:12]}…, not {self.sha256[:12]}…"
+            )
+        target = self.store.blob_path(self.sha256)
+        target.parent.mkdir(exist_ok=True)
+        os.replace(self.path, target)
+        return self.size_bytes

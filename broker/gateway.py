@@ -1,0 +1,258 @@
+"""ProviderGateway: each provider's one bidirectional session.
+
+Handshake: hello (public key) → challenge (nonce, broker key) → signed proof →
+welcome. Then offers, heartbeats and job updates flow up; leases, cancels and
+settlements flow down through the session's outbox.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+
+import grpc
+
+from gpumarket.broker import jobs
+from gpumarket.broker.matcher import DeviceSlot, OfferView
+from gpumarket.broker.sessions import ProviderSession
+from gpumarket.broker.state import BrokerState
+from gpumarket.broker import views
+from gpumarket.proto.envelope import open_envelope, payload_sha256
+from gpumarket.proto.errors import BadSignature, FailedPrecondition, GpumarketError, InvalidArgument
+from gpumarket.proto.identity import fingerprint
+from gpumarket.proto.jobspec import check_artifact_name, check_sha256, now_ms
+from gpumarket.proto.v1 import gateway_pb2 as gw
+from gpumarket.proto.v1 import gateway_pb2_grpc
+from gpumarket.proto.v1 import types_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+HANDSHAKE_TIMEOUT_S = 10.0
+PROOF_MAX_AGE_MS = 5 * 60 * 1000
+
+
+def offer_view(offer: pb.Offer) -> OfferView:
+    return OfferView(
+        provider_id=offer.provider_id,
+        price_per_gpu_hour=offer.price_per_gpu_hour,
+        kinds=frozenset(offer.kinds),
+        devices=tuple(DeviceSlot(d.index, d.accelerator, d.memory_bytes) for d in offer.devices),
+    )
+
+
+def check_offer(offer: pb.Offer, signer: str) -> None:
+    """Raise if a signed offer is not usable as this provider's offer."""
+    if offer.provider_id != signer:
+        raise BadSignature("offer names another provider than its signer")
+    if not offer.devices:
+        raise InvalidArgument("offer.devices: an offer needs at least one device")
+    if len({d.index for d in offer.devices}) != len(offer.devices):
+        raise InvalidArgument("offer.devices: device indices repeat")
+    if not offer.price_per_gpu_hour >= 0:
+        raise InvalidArgument("offer.price_per_gpu_hour: must not be negative")
+    if not offer.kinds:
+        raise InvalidArgument("offer.kinds: an offer needs at least one job kind")
+
+
+class ProviderGatewayServicer(gateway_pb2_grpc.ProviderGatewayServicer):
+    def __init__(self, state: BrokerState) -> None:
+        self.state = state
+
+    async def Session(self, request_iterator, context: grpc.aio.ServicerContext) -> None:
+        try:
+            provider_id = await self._handshake(context)
+        except GpumarketError as exc:
+            log.warning("provider session refused: %s", exc.message)
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED
+                                if isinstance(exc, BadSignature)
+                                else grpc.StatusCode.INVALID_ARGUMENT, exc.message)
+            return
+        except TimeoutError:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "handshake took too long")
+            return
+        session = self.state.sessions.open(provider_id)
+        log.info("provider %s connected", provider_id)
+        cfg = self.state.config
+        await context.write(gw.BrokerMessage(welcome=gw.SessionWelcome(
+            provider_id=provider_id,
+            heartbeat_interval_ms=int(cfg.heartbeat_interval_s * 1000),
+            lease_timeout_ms=int(cfg.lease_timeout_s * 1000),
+        )))
+        writer = asyncio.create_task(self._write_loop(session, context))
+        try:
+            while not session.closed:
+                message = await context.read()
+                if message is grpc.aio.EOF:
+                    break
+                await self._handle(session, message)
+        except asyncio.CancelledError:
+            raise
+        except grpc.aio.AbortError:
+            raise
+        except Exception:
+            log.exception("provider %s session failed", provider_id)
+        finally:
+            writer.cancel()
+            await self._closed(session)
+
+    async def _handshake(self, context: grpc.aio.ServicerContext) -> str:
+        first = await asyncio.wait_for(context.read(), HANDSHAKE_TIMEOUT_S)
+        if first is grpc.aio.EOF or first.WhichOneof("msg") != "hello":
+            raise InvalidArgument("a session must start with hello")
+        provider_id = fingerprint(first.hello.public_key)
+        nonce = os.urandom(32)
+        broker_key = self.state.identity.public_key
+        await context.write(gw.BrokerMessage(challenge=gw.SessionChallenge(
+            nonce=nonce, broker_public_key=broker_key)))
+        reply = await asyncio.wait_for(context.read(), HANDSHAKE_TIMEOUT_S)
+        if reply is grpc.aio.EOF or reply.WhichOneof("msg") != "proof":
+            raise InvalidArgument("expected the signed session proof")
+        proof, signer = open_envelope(reply.proof, gw.SessionProof)
+        if signer != provider_id or reply.proof.signer_public_key != first.hello.public_key:
+            raise BadSignature("session proof is signed by another key than the hello's")
+        if proof.nonce != nonce or proof.broker_public_key != broker_key:
+            raise BadSignature("session proof does not answer this challenge")
+        if abs(now_ms() - proof.at_ms) > PROOF_MAX_AGE_MS:
+            raise BadSignature("session proof is dated more than 5 minutes off (check clocks)")
+        banned = await self.state.store.write(_provider_online, provider_id,
+                                              bytes(first.hello.public_key), now_ms())
+        if banned:
+            raise BadSignature(f"provider {provider_id} is banned from this broker")
+        return provider_id
+
+    async def _write_loop(self, session: ProviderSession, context) -> None:
+        while True:
+            message = await session.outbox.get()
+            if message is None:
+                return
+            await context.write(message)
+
+    async def _closed(self, session: ProviderSession) -> None:
+        if not self.state.sessions.close(session):
+            return  # replaced by a newer session of the same provider
+        log.info("provider %s disconnected", session.provider_id)
+        await self.state.store.write(_provider_offline, session.provider_id, now_ms())
+        self.state.events.notify()
+        self.state.placement.notify()
+
+    async def _handle(self, session: ProviderSession, message: gw.ProviderMessage) -> None:
+        kind = message.WhichOneof("msg")
+        if kind == "offer":
+            try:
+                offer, signer = open_envelope(message.offer, pb.Offer)
+                check_offer(offer, signer)
+                if signer != session.provider_id:
+                    raise BadSignature("offer is signed by another key than the session's")
+            except GpumarketError as exc:
+                log.warning("offer from %s refused: %s", session.provider_id, exc.message)
+                return
+            await self.state.store.write(_store_offer, session.provider_id,
+                                         message.offer.SerializeToString(), offer, now_ms())
+            session.offer = offer_view(offer)
+            self.state.placement.notify()
+        elif kind == "heartbeat":
+            running = [(r.job_id, r.epoch) for r in message.heartbeat.running]
+            stale = await self.state.store.write(jobs.renew_leases, session.provider_id,
+                                                 running, now_ms())
+            for job_id, epoch in stale:
+                session.send(gw.BrokerMessage(cancel=gw.CancelLease(
+                    job_id=job_id, epoch=epoch, reason="this lease is no longer yours")))
+        elif kind == "job_update":
+            await self._job_update(session, message.job_update)
+        else:
+            log.warning("provider %s sent an unexpected %s", session.provider_id, kind)
+
+    async def _job_update(self, session: ProviderSession, update: gw.JobUpdate) -> None:
+        store, pid, now = self.state.store, session.provider_id, now_ms()
+        which = update.WhichOneof("update")
+        final = which in ("failed", "receipt", "rejected")
+        try:
+            if which == "started":
+                await store.write(jobs.mark_started, update.job_id, update.epoch, pid, now)
+            elif which == "progress":
+                await store.write(jobs.record_progress, update.job_id, update.epoch, pid,
+                                  update.progress, now)
+            elif which == "checkpoint":
+                await store.write(jobs.record_checkpoint, update.job_id, update.epoch, pid,
+                                  update.checkpoint, now)
+            elif which == "failed":
+                await store.write(jobs.fail, update.job_id, update.epoch, pid,
+                                  update.failed.error[:2000] or "job failed", now)
+            elif which == "rejected":
+                await store.write(jobs.fail, update.job_id, update.epoch, pid,
+                                  f"provider refused the job: {update.rejected.reason[:1000]}", now)
+            elif which == "receipt":
+                await self._receipt(pid, update, now)
+            else:
+                raise InvalidArgument("job update carries nothing")
+        except GpumarketError as exc:
+            log.info("update %s for %s from %s refused: %s", which, update.job_id, pid, exc.message)
+            if final:
+                session.send(gw.BrokerMessage(settled=gw.UpdateSettled(
+                    job_id=update.job_id, epoch=update.epoch, accepted=False, reason=exc.message)))
+            elif isinstance(exc, FailedPrecondition):
+                session.send(gw.BrokerMessage(cancel=gw.CancelLease(
+                    job_id=update.job_id, epoch=update.epoch, reason=exc.message)))
+            self.state.events.notify()
+            return
+        if final:
+            session.send(gw.BrokerMessage(settled=gw.UpdateSettled(
+                job_id=update.job_id, epoch=update.epoch, accepted=True)))
+            self.state.placement.notify()
+        self.state.events.notify()
+
+    async def _receipt(self, provider_id: str, update: gw.JobUpdate, now: int) -> None:
+        store = self.state.store
+        try:
+            receipt, signer = open_envelope(update.receipt, pb.Receipt)
+            if signer != provider_id or receipt.provider_id != provider_id:
+                raise BadSignature("receipt is not signed by the lease's provider")
+            if receipt.job_id != update.job_id or receipt.epoch != update.epoch:
+                raise BadSignature("receipt names another job or epoch than its update")
+            job = await store.read(jobs.job_row, update.job_id)
+            spec_env = pb.Envelope()
+            spec_env.ParseFromString(job["spec"])
+            if receipt.spec_sha256 != payload_sha256(spec_env):
+                raise BadSignature("receipt is for another job spec")
+            for i, out in enumerate(receipt.outputs):
+                check_artifact_name(out.name, f"receipt.outputs[{i}].name")
+                check_sha256(out.sha256, f"receipt.outputs[{i}].sha256")
+                size = await store.read(views.artifact_size, out.sha256)
+                if size is None or size != out.size_bytes:
+                    raise FailedPrecondition(f"output {out.name} was not uploaded intact")
+        except (BadSignature, FailedPrecondition, InvalidArgument) as exc:
+            # A bad receipt fails the job rather than leaving it running forever.
+            await store.write(jobs.fail, update.job_id, update.epoch, provider_id,
+                              f"receipt rejected: {exc.message}", now)
+            raise
+        await store.write(jobs.succeed, update.job_id, update.epoch, provider_id,
+                          update.receipt.SerializeToString(), now)
+
+
+def _provider_online(db, provider_id: str, public_key: bytes, now: int) -> bool:
+    """Upsert the provider as online; return True if it is banned."""
+    row = db.execute("SELECT banned FROM providers WHERE id = ?", [provider_id]).fetchone()
+    if row is None:
+        db["providers"].insert({"id": provider_id, "public_key": public_key,
+                                "first_seen_ms": now, "last_seen_ms": now, "online": 1})
+        return False
+    if row[0]:
+        return True
+    db.execute("UPDATE providers SET online = 1, last_seen_ms = ? WHERE id = ?", [now, provider_id])
+    return False
+
+
+def _store_offer(db, provider_id: str, envelope: bytes, offer: pb.Offer, now: int) -> None:
+    db["offers"].upsert({"provider_id": provider_id, "envelope": envelope,
+                         "price_per_gpu_hour": offer.price_per_gpu_hour,
+                         "device_count": len(offer.devices), "created_at_ms": now},
+                        pk="provider_id")
+
+
+def _provider_offline(db, provider_id: str, now: int) -> None:
+    """The session ended: its offer expires and its active leases are lost."""
+    db.execute("UPDATE providers SET online = 0, last_seen_ms = ? WHERE id = ?", [now, provider_id])
+    db.execute("DELETE FROM offers WHERE provider_id = ?", [provider_id])
+    for lease_id in views.active_leases_of(db, provider_id):
+        jobs.lose_lease(db, lease_id, "provider session ended", now)

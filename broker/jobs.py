@@ -1,0 +1,316 @@
+"""The job and lease state machine. Each function runs inside one write transaction
+(see Store.write) and appends the events it causes, so a state change and its
+event are never apart. No grpc here.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from sqlite_utils import Database
+
+from gpumarket.proto.errors import FailedPrecondition, NotFound, Replay
+from gpumarket.proto.jobspec import TERMINAL_STATES, state_name
+from gpumarket.proto.v1 import types_pb2 as pb
+
+QUEUED = pb.JOB_STATE_QUEUED
+LEASED = pb.JOB_STATE_LEASED
+RUNNING = pb.JOB_STATE_RUNNING
+SUCCEEDED = pb.JOB_STATE_SUCCEEDED
+FAILED = pb.JOB_STATE_FAILED
+CANCELLED = pb.JOB_STATE_CANCELLED
+ACTIVE_STATES = (LEASED, RUNNING)
+
+
+@dataclass(frozen=True)
+class NewJob:
+    """A verified, validated submission, ready to be stored."""
+
+    id: str
+    client_id: str
+    name: str
+    kind: int
+    spec: bytes            # the serialized signed Envelope, as received
+    spec_sha256: str
+    gpus: int
+    min_memory_bytes: int
+    accelerator: int
+    max_price_per_gpu_hour: float
+    expires_at_ms: int
+    max_attempts: int
+    nonce: str             # hex
+
+
+@dataclass(frozen=True)
+class EndedLease:
+    """What the caller must tell a provider after a lease ended on the broker's side."""
+
+    job_id: str
+    epoch: int
+    provider_id: str
+
+
+def append_event(
+    db: Database,
+    job_id: str,
+    type_: str,
+    state: int,
+    attempt: int,
+    now: int,
+    *,
+    provider_id: str = "",
+    message: str = "",
+    progress: dict | None = None,
+) -> None:
+    db.execute(
+        "INSERT INTO events (job_id, at_ms, type, state, attempt, provider_id, message, progress)"
+        " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+        [job_id, now, type_, state, attempt, provider_id, message,
+         json.dumps(progress) if progress is not None else None],
+    )
+
+
+def job_row(db: Database, job_id: str) -> dict:
+    """Return the job's row; raise NotFound."""
+    row = db.execute("SELECT * FROM jobs WHERE id = ?", [job_id]).fetchone()
+    if row is None:
+        raise NotFound(f"no job {job_id!r}")
+    cols = [d[0] for d in db.execute("SELECT * FROM jobs LIMIT 0").description]
+    return dict(zip(cols, row))
+
+
+def _set_job(db: Database, job_id: str, now: int, **values: object) -> None:
+    values["updated_at_ms"] = now
+    sets = ", ".join(f"{k} = ?" for k in values)
+    db.execute(f"UPDATE jobs SET {sets} WHERE id = ?", [*values.values(), job_id])
+
+
+def submit(db: Database, job: NewJob, now: int) -> None:
+    """Store a new QUEUED job; raise Replay if its nonce was used before."""
+    seen = db.execute(
+        "SELECT job_id FROM nonces WHERE signer_id = ? AND nonce = ?", [job.client_id, job.nonce]
+    ).fetchone()
+    if seen is not None:
+        raise Replay(f"this signed spec was already submitted as job {seen[0]} (nonce reused)")
+    if db.execute("SELECT 1 FROM jobs WHERE id = ?", [job.id]).fetchone():
+        raise Replay(f"job {job.id} already exists")
+    db["nonces"].insert(
+        {"signer_id": job.client_id, "nonce": job.nonce, "expires_at_ms": job.expires_at_ms,
+         "job_id": job.id}
+    )
+    db["jobs"].insert(
+        {
+            "id": job.id, "client_id": job.client_id, "name": job.name, "kind": job.kind,
+            "state": QUEUED, "spec": job.spec, "spec_sha256": job.spec_sha256,
+            "gpus": job.gpus, "min_memory_bytes": job.min_memory_bytes,
+            "accelerator": job.accelerator, "max_price_per_gpu_hour": job.max_price_per_gpu_hour,
+            "expires_at_ms": job.expires_at_ms, "attempt": 1, "max_attempts": job.max_attempts,
+            "epoch": 0, "created_at_ms": now, "updated_at_ms": now,
+        }
+    )
+    append_event(db, job.id, "submitted", QUEUED, 1, now, message=f"submitted by {job.client_id}")
+
+
+def create_lease(
+    db: Database,
+    job_id: str,
+    provider_id: str,
+    device_indices: list[int],
+    price_per_gpu_hour: float,
+    now: int,
+    accept_within_ms: int,
+    checkpoint_every: int,
+    sign: Callable[[pb.Lease], pb.Envelope],
+) -> pb.Envelope:
+    """Lease a QUEUED job to a provider; return the signed Lease envelope."""
+    job = job_row(db, job_id)
+    if job["state"] != QUEUED:
+        raise FailedPrecondition(f"job {job_id} is {state_name(job['state'])}, not QUEUED")
+    epoch = job["epoch"] + 1
+    lease = pb.Lease(
+        lease_id=f"{job_id}.{epoch}",
+        job_id=job_id,
+        attempt=job["attempt"],
+        epoch=epoch,
+        provider_id=provider_id,
+        client_id=job["client_id"],
+        price_per_gpu_hour=price_per_gpu_hour,
+        checkpoint_every=checkpoint_every,
+        device_indices=device_indices,
+        issued_at_ms=now,
+        expires_at_ms=now + accept_within_ms,
+    )
+    if job["resume_from"]:
+        lease.resume_from.CopyFrom(pb.ArtifactRef(**json.loads(job["resume_from"])))
+    lease.job_spec.ParseFromString(job["spec"])
+    envelope = sign(lease)
+    db["leases"].insert(
+        {
+            "id": lease.lease_id, "job_id": job_id, "attempt": lease.attempt, "epoch": epoch,
+            "provider_id": provider_id, "device_indices": json.dumps(device_indices),
+            "price_per_gpu_hour": price_per_gpu_hour, "state": "active", "issued_at_ms": now,
+            "renewed_at_ms": now, "envelope": envelope.SerializeToString(),
+        }
+    )
+    _set_job(db, job_id, now, state=LEASED, epoch=epoch, provider_id=provider_id,
+             lease_id=lease.lease_id, queue_reason="")
+    append_event(db, job_id, "leased", LEASED, lease.attempt, now, provider_id=provider_id,
+                 message=f"leased to {provider_id} at {price_per_gpu_hour:g}/GPU-hour"
+                 f" (attempt {lease.attempt})")
+    return envelope
+
+
+def _current(db: Database, job_id: str, epoch: int, provider_id: str) -> tuple[dict, dict]:
+    """Return (job, lease) if ``provider_id`` holds the job's current active lease."""
+    job = job_row(db, job_id)
+    row = db.execute(
+        "SELECT * FROM leases WHERE job_id = ? AND epoch = ?", [job_id, epoch]
+    ).fetchone()
+    cols = [d[0] for d in db.execute("SELECT * FROM leases LIMIT 0").description]
+    lease = dict(zip(cols, row)) if row else None
+    if lease is None or lease["provider_id"] != provider_id:
+        raise FailedPrecondition(f"job {job_id}: no lease of epoch {epoch} held by this provider")
+    if job["epoch"] != epoch or lease["state"] != "active" or job["state"] not in ACTIVE_STATES:
+        raise FailedPrecondition(
+            f"job {job_id}: lease epoch {epoch} is stale (job is {state_name(job['state'])},"
+            f" current epoch {job['epoch']})"
+        )
+    return job, lease
+
+
+def mark_started(db: Database, job_id: str, epoch: int, provider_id: str, now: int) -> None:
+    job, lease = _current(db, job_id, epoch, provider_id)
+    db.execute("UPDATE leases SET started_at_ms = ?, renewed_at_ms = ? WHERE id = ?",
+               [now, now, lease["id"]])
+    if job["state"] == LEASED:
+        _set_job(db, job_id, now, state=RUNNING)
+        append_event(db, job_id, "started", RUNNING, job["attempt"], now,
+                     provider_id=provider_id, message=f"running on {provider_id}")
+
+
+def record_progress(
+    db: Database, job_id: str, epoch: int, provider_id: str, progress: pb.Progress, now: int
+) -> None:
+    job, _ = _current(db, job_id, epoch, provider_id)
+    metrics = dict(progress.metrics)
+    _set_job(db, job_id, now, progress_step=progress.step, progress_total=progress.total,
+             progress_metrics=json.dumps(metrics))
+    append_event(db, job_id, "progress", job["state"], job["attempt"], now,
+                 provider_id=provider_id,
+                 progress={"step": progress.step, "total": progress.total, "metrics": metrics})
+
+
+def record_checkpoint(
+    db: Database, job_id: str, epoch: int, provider_id: str, report: object, now: int
+) -> None:
+    job, _ = _current(db, job_id, epoch, provider_id)
+    step = getattr(report, "step", 0)
+    append_event(db, job_id, "checkpoint", job["state"], job["attempt"], now,
+                 provider_id=provider_id, message=f"checkpoint at step {step}")
+
+
+def _end_lease(db: Database, lease_id: str, state: str, reason: str, now: int) -> None:
+    db.execute("UPDATE leases SET state = ?, ended_at_ms = ?, reason = ? WHERE id = ?",
+               [state, now, reason, lease_id])
+
+
+def succeed(
+    db: Database, job_id: str, epoch: int, provider_id: str, receipt: bytes, now: int
+) -> None:
+    job, lease = _current(db, job_id, epoch, provider_id)
+    _end_lease(db, lease["id"], "succeeded", "", now)
+    _set_job(db, job_id, now, state=SUCCEEDED, receipt=receipt,
+             progress_step=max(job["progress_step"], job["progress_total"]))
+    append_event(db, job_id, "succeeded", SUCCEEDED, job["attempt"], now,
+                 provider_id=provider_id, message="finished; receipt verified")
+
+
+def fail(db: Database, job_id: str, epoch: int, provider_id: str, error: str, now: int) -> None:
+    job, lease = _current(db, job_id, epoch, provider_id)
+    _end_lease(db, lease["id"], "failed", error, now)
+    _set_job(db, job_id, now, state=FAILED, error=error)
+    append_event(db, job_id, "failed", FAILED, job["attempt"], now,
+                 provider_id=provider_id, message=error)
+
+
+def cancel(db: Database, job_id: str, client_id: str, now: int) -> tuple[int, EndedLease | None]:
+    """Cancel the job for its client; return (new state, the lease to revoke if any)."""
+    job = job_row(db, job_id)
+    if job["client_id"] != client_id:
+        raise NotFound(f"no job {job_id!r}")
+    if job["state"] in TERMINAL_STATES:
+        return job["state"], None
+    ended = None
+    if job["state"] in ACTIVE_STATES and job["lease_id"]:
+        _end_lease(db, job["lease_id"], "cancelled", "cancelled by client", now)
+        ended = EndedLease(job_id, job["epoch"], job["provider_id"])
+    _set_job(db, job_id, now, state=CANCELLED, error="cancelled by client")
+    append_event(db, job_id, "cancelled", CANCELLED, job["attempt"], now,
+                 message="cancelled by client")
+    return CANCELLED, ended
+
+
+def lose_lease(db: Database, lease_id: str, reason: str, now: int) -> bool:
+    """End an active lease as lost; requeue its job (attempt + 1) or fail it past the limit.
+
+    Returns False when the lease was no longer active (nothing changed).
+    """
+    row = db.execute(
+        "SELECT job_id, epoch, provider_id, state FROM leases WHERE id = ?", [lease_id]
+    ).fetchone()
+    if row is None or row[3] != "active":
+        return False
+    job_id, epoch, provider_id, _ = row
+    _end_lease(db, lease_id, "lost", reason, now)
+    job = job_row(db, job_id)
+    if job["epoch"] != epoch or job["state"] not in ACTIVE_STATES:
+        return True
+    if job["attempt"] >= job["max_attempts"]:
+        error = f"gave up after {job['attempt']} attempts; last: {reason}"
+        _set_job(db, job_id, now, state=FAILED, error=error)
+        append_event(db, job_id, "failed", FAILED, job["attempt"], now,
+                     provider_id=provider_id, message=error)
+        return True
+    attempt = job["attempt"] + 1
+    _set_job(db, job_id, now, state=QUEUED, attempt=attempt, provider_id=None, lease_id=None)
+    append_event(db, job_id, "requeued", QUEUED, attempt, now, provider_id=provider_id,
+                 message=f"lease lost ({reason}); queued again as attempt {attempt}")
+    return True
+
+
+def renew_leases(
+    db: Database, provider_id: str, running: list[tuple[str, int]], now: int
+) -> list[tuple[str, int]]:
+    """Renew the provider's active leases it says it runs; return the (job, epoch) pairs
+    it runs that are no longer its to run."""
+    db.execute("UPDATE providers SET last_seen_ms = ? WHERE id = ?", [now, provider_id])
+    stale = []
+    for job_id, epoch in running:
+        cur = db.execute(
+            "UPDATE leases SET renewed_at_ms = ? WHERE job_id = ? AND epoch = ?"
+            " AND provider_id = ? AND state = 'active'",
+            [now, job_id, epoch, provider_id],
+        )
+        if cur.rowcount == 0:
+            stale.append((job_id, epoch))
+    return stale
+
+
+def expire_queued(db: Database, now: int) -> list[str]:
+    """Fail QUEUED jobs whose spec expired before any provider took them."""
+    rows = db.execute(
+        "SELECT id, attempt FROM jobs WHERE state = ? AND expires_at_ms <= ?", [QUEUED, now]
+    ).fetchall()
+    for job_id, attempt in rows:
+        error = "job spec expired before a provider could run it"
+        _set_job(db, job_id, now, state=FAILED, error=error)
+        append_event(db, job_id, "failed", FAILED, attempt, now, message=error)
+    return [r[0] for r in rows]
+
+
+def set_queue_reasons(db: Database, reasons: dict[str, str], now: int) -> None:
+    for job_id, reason in reasons.items():
+        db.execute("UPDATE jobs SET queue_reason = ? WHERE id = ? AND state = ?",
+                   [reason, job_id, QUEUED])

@@ -1,0 +1,141 @@
+"""Marketplace: what clients call. Thin: decode, call the domain, encode."""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+
+from gpumarket.broker import jobs, views
+from gpumarket.broker.rpc import streaming, unary
+from gpumarket.broker.state import BrokerState
+from gpumarket.proto.envelope import open_envelope, payload_sha256
+from gpumarket.proto.errors import BadSignature, FailedPrecondition, InvalidArgument
+from gpumarket.proto.jobspec import TERMINAL_STATES, check_fresh, check_spec, now_ms
+from gpumarket.proto.v1 import gateway_pb2 as gw
+from gpumarket.proto.v1 import marketplace_pb2 as mp
+from gpumarket.proto.v1 import marketplace_pb2_grpc
+from gpumarket.proto.v1 import types_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+MAX_LIST = 1000
+CANCEL_ORDER_MAX_AGE_MS = 10 * 60 * 1000
+
+
+class MarketplaceServicer(marketplace_pb2_grpc.MarketplaceServicer):
+    def __init__(self, state: BrokerState) -> None:
+        self.state = state
+
+    @unary
+    async def SubmitJob(self, request: mp.SubmitJobRequest, context) -> mp.SubmitJobResponse:
+        spec, client_id = open_envelope(request.spec, pb.JobSpec)
+        check_spec(spec)
+        check_fresh(spec)
+        for i, ref in enumerate(spec.inputs):
+            size = await self.state.store.read(views.artifact_size, ref.sha256)
+            if size is None:
+                raise FailedPrecondition(
+                    f"inputs[{i}] ({ref.name}): artifact {ref.sha256[:12]}… is not uploaded"
+                )
+            if size != ref.size_bytes:
+                raise InvalidArgument(f"inputs[{i}] ({ref.name}): size {ref.size_bytes} does"
+                                      f" not match the stored {size} bytes")
+        digest = payload_sha256(request.spec)
+        cfg = self.state.config
+        job = jobs.NewJob(
+            id=digest[:16],
+            client_id=client_id,
+            name=spec.name or spec.training.dataset,
+            kind=spec.kind,
+            spec=request.spec.SerializeToString(),
+            spec_sha256=digest,
+            gpus=spec.resources.gpus,
+            min_memory_bytes=spec.resources.min_memory_bytes,
+            accelerator=spec.resources.accelerator,
+            max_price_per_gpu_hour=spec.max_price_per_gpu_hour,
+            expires_at_ms=spec.expires_at_ms,
+            max_attempts=min(spec.max_attempts or cfg.max_attempts, 100),
+            nonce=spec.nonce.hex(),
+        )
+        await self.state.store.write(jobs.submit, job, now_ms())
+        log.info("job %s submitted by %s", job.id, client_id)
+        self.state.events.notify()
+        self.state.placement.notify()
+        return mp.SubmitJobResponse(job_id=job.id, state=pb.JOB_STATE_QUEUED)
+
+    @unary
+    async def GetJob(self, request: mp.GetJobRequest, context) -> mp.GetJobResponse:
+        return mp.GetJobResponse(job=await self.state.store.read(views.get_job, request.job_id))
+
+    @unary
+    async def ListJobs(self, request: mp.ListJobsRequest, context) -> mp.ListJobsResponse:
+        limit = min(request.limit or 100, MAX_LIST)
+        found = await self.state.store.read(views.list_jobs, request.client_id,
+                                            list(request.states), limit)
+        return mp.ListJobsResponse(jobs=found)
+
+    @streaming
+    async def WatchJob(self, request: mp.WatchJobRequest, context):
+        store = self.state.store
+        await store.read(jobs.job_row, request.job_id)  # NotFound before streaming
+        cursor = request.after_seq
+        while True:
+            # Read the state before the events: a terminal state then guarantees that
+            # the events read next include the final one.
+            state = await store.read(views.job_state, request.job_id)
+            events = await store.read(views.events_after, request.job_id, cursor)
+            for event in events:
+                cursor = event.seq
+                yield mp.WatchJobResponse(event=event)
+            if events:
+                continue
+            if state in TERMINAL_STATES:
+                return
+            await self.state.events.wait(timeout=1.0)
+
+    @unary
+    async def CancelJob(self, request: mp.CancelJobRequest, context) -> mp.CancelJobResponse:
+        order, client_id = open_envelope(request.order, mp.CancelOrder)
+        if abs(now_ms() - order.at_ms) > CANCEL_ORDER_MAX_AGE_MS:
+            raise BadSignature("cancel order is dated more than 10 minutes off (check the clock)")
+        state, ended = await self.state.store.write(jobs.cancel, order.job_id, client_id, now_ms())
+        if ended is not None:
+            session = self.state.sessions.get(ended.provider_id)
+            if session is not None:
+                session.send(gw.BrokerMessage(cancel=gw.CancelLease(
+                    job_id=ended.job_id, epoch=ended.epoch, reason="cancelled by client")))
+            self.state.placement.notify()
+        self.state.events.notify()
+        return mp.CancelJobResponse(state=state)
+
+    @unary
+    async def SearchOffers(self, request: mp.SearchOffersRequest, context):
+        rows = await self.state.store.read(views.offers)
+        busy = await self.state.store.read(views.busy_devices)
+        limit = min(request.limit or 100, MAX_LIST)
+        out = []
+        for row in rows:
+            env = pb.Envelope()
+            env.ParseFromString(row["envelope"])
+            offer = pb.Offer()
+            offer.ParseFromString(env.payload)  # verified when it was stored
+            if not _matches(offer, request):
+                continue
+            held = busy.get(offer.provider_id, set())
+            free = sum(1 for d in offer.devices if d.index not in held)
+            out.append(mp.OfferListing(offer=env, online=True, free_devices=free))
+            if len(out) >= limit:
+                break
+        return mp.SearchOffersResponse(offers=out)
+
+
+def _matches(offer: pb.Offer, q: mp.SearchOffersRequest) -> bool:
+    if q.kind and q.kind not in offer.kinds:
+        return False
+    if q.HasField("max_price_per_gpu_hour") and offer.price_per_gpu_hour > q.max_price_per_gpu_hour:
+        return False
+    good = [d for d in offer.devices
+            if (not q.accelerator or d.accelerator == q.accelerator)
+            and d.memory_bytes >= q.min_memory_bytes]
+    return len(good) >= max(q.min_gpus, 1)

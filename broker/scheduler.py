@@ -1,0 +1,108 @@
+"""The broker's loops: place queued jobs on live offers, and expire overdue leases."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import replace
+
+from gpumarket.broker import jobs, matcher, views
+from gpumarket.broker.state import BrokerState
+from gpumarket.proto.envelope import seal
+from gpumarket.proto.errors import FailedPrecondition
+from gpumarket.proto.jobspec import now_ms
+from gpumarket.proto.v1 import gateway_pb2 as gw
+from gpumarket.proto.v1 import types_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+QUEUE_SCAN = 1000
+
+
+def _checkpoint_every(spec_blob: bytes, default: int) -> int:
+    env = pb.Envelope()
+    env.ParseFromString(spec_blob)
+    spec = pb.JobSpec()
+    spec.ParseFromString(env.payload)
+    return spec.training.checkpoint_every or default
+
+
+async def place_queued(state: BrokerState) -> int:
+    """One placement pass: lease what fits, record why the rest waits. Returns leases made."""
+    store, cfg = state.store, state.config
+    queued = await store.read(views.queued_jobs, QUEUE_SCAN)
+    if not queued:
+        return 0
+    busy = await store.read(views.busy_devices)
+    offers = [replace(o, busy=frozenset(busy.get(o.provider_id, ()))) for o in state.sessions.offers()]
+    reasons: dict[str, str] = {}
+    made = 0
+    for row in queued:
+        need = matcher.JobNeeds(
+            job_id=row["id"], kind=row["kind"], gpus=row["gpus"],
+            min_memory_bytes=row["min_memory_bytes"], accelerator=row["accelerator"],
+            max_price_per_gpu_hour=row["max_price_per_gpu_hour"],
+        )
+        placement, excluded = matcher.first_fit(need, offers)
+        if placement is None:
+            reason = matcher.explain(excluded, len(offers))
+            if reason != row["queue_reason"]:
+                reasons[row["id"]] = reason
+            continue
+        session = state.sessions.get(placement.provider_id)
+        if session is None:
+            continue
+        try:
+            envelope = await store.write(
+                jobs.create_lease, row["id"], placement.provider_id,
+                list(placement.device_indices), placement.price_per_gpu_hour, now_ms(),
+                int(cfg.accept_within_s * 1000),
+                _checkpoint_every(row["spec"], cfg.default_checkpoint_every),
+                lambda lease: seal(state.identity, lease),
+            )
+        except FailedPrecondition:
+            continue  # cancelled meanwhile
+        made += 1
+        session.send(gw.BrokerMessage(lease=envelope))
+        log.info("job %s leased to %s on devices %s", row["id"], placement.provider_id,
+                 list(placement.device_indices))
+        offers = [
+            replace(o, busy=o.busy | set(placement.device_indices))
+            if o.provider_id == placement.provider_id else o
+            for o in offers
+        ]
+    if reasons:
+        await store.write(jobs.set_queue_reasons, reasons, now_ms())
+    if made:
+        state.events.notify()
+    return made
+
+
+async def expire(state: BrokerState) -> None:
+    """Lose leases whose heartbeats stopped; fail queued jobs whose spec expired."""
+    now = now_ms()
+    overdue = await state.store.read(
+        views.overdue_leases, now - int(state.config.lease_timeout_s * 1000))
+    changed = False
+    for lease_id in overdue:
+        if await state.store.write(jobs.lose_lease, lease_id, "missed heartbeats", now):
+            log.warning("lease %s lost: missed heartbeats", lease_id)
+            changed = True
+    if await state.store.write(jobs.expire_queued, now):
+        changed = True
+    if changed:
+        state.events.notify()
+        state.placement.notify()
+
+
+async def run(state: BrokerState) -> None:
+    """Place and expire until cancelled."""
+    while True:
+        try:
+            await place_queued(state)
+            await expire(state)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("scheduler pass failed; retrying")
+        await state.placement.wait(timeout=state.config.schedule_interval_s)

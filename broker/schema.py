@@ -1,0 +1,120 @@
+"""The broker's tables, as registered sqlite-utils migrations."""
+
+from __future__ import annotations
+
+from sqlite_utils import Database
+from sqlite_utils.migrations import Migrations
+
+migrations = Migrations("gpumarket.broker")
+
+
+@migrations()
+def m001_initial(db: Database) -> None:
+    db.execute(
+        """
+        CREATE TABLE providers (
+            id TEXT PRIMARY KEY,
+            public_key BLOB NOT NULL,
+            first_seen_ms INTEGER NOT NULL,
+            last_seen_ms INTEGER NOT NULL,
+            online INTEGER NOT NULL DEFAULT 0,
+            banned INTEGER NOT NULL DEFAULT 0
+        )"""
+    )
+    db.execute(
+        """
+        CREATE TABLE offers (
+            provider_id TEXT PRIMARY KEY REFERENCES providers(id),
+            envelope BLOB NOT NULL,
+            price_per_gpu_hour REAL NOT NULL,
+            device_count INTEGER NOT NULL,
+            created_at_ms INTEGER NOT NULL
+        )"""
+    )
+    db.execute(
+        """
+        CREATE TABLE jobs (
+            id TEXT PRIMARY KEY,
+            client_id TEXT NOT NULL,
+            name TEXT NOT NULL,
+            kind INTEGER NOT NULL,
+            state INTEGER NOT NULL,
+            spec BLOB NOT NULL,
+            spec_sha256 TEXT NOT NULL,
+            gpus INTEGER NOT NULL,
+            min_memory_bytes INTEGER NOT NULL,
+            accelerator INTEGER NOT NULL,
+            max_price_per_gpu_hour REAL NOT NULL,
+            expires_at_ms INTEGER NOT NULL,
+            attempt INTEGER NOT NULL DEFAULT 1,
+            max_attempts INTEGER NOT NULL,
+            epoch INTEGER NOT NULL DEFAULT 0,
+            provider_id TEXT,
+            lease_id TEXT,
+            progress_step INTEGER NOT NULL DEFAULT 0,
+            progress_total INTEGER NOT NULL DEFAULT 0,
+            progress_metrics TEXT NOT NULL DEFAULT '{}',
+            error TEXT NOT NULL DEFAULT '',
+            queue_reason TEXT NOT NULL DEFAULT '',
+            receipt BLOB,
+            resume_from TEXT,
+            created_at_ms INTEGER NOT NULL,
+            updated_at_ms INTEGER NOT NULL
+        )"""
+    )
+    db.execute("CREATE INDEX jobs_by_state ON jobs(state, created_at_ms)")
+    db.execute("CREATE INDEX jobs_by_client ON jobs(client_id, created_at_ms)")
+    db.execute(
+        """
+        CREATE TABLE leases (
+            id TEXT PRIMARY KEY,
+            job_id TEXT NOT NULL REFERENCES jobs(id),
+            attempt INTEGER NOT NULL,
+            epoch INTEGER NOT NULL,
+            provider_id TEXT NOT NULL,
+            device_indices TEXT NOT NULL,
+            price_per_gpu_hour REAL NOT NULL,
+            state TEXT NOT NULL,
+            issued_at_ms INTEGER NOT NULL,
+            renewed_at_ms INTEGER NOT NULL,
+            started_at_ms INTEGER,
+            ended_at_ms INTEGER,
+            reason TEXT NOT NULL DEFAULT '',
+            envelope BLOB NOT NULL,
+            UNIQUE (job_id, epoch)
+        )"""
+    )
+    db.execute("CREATE INDEX leases_by_provider ON leases(provider_id, state)")
+    db.execute(
+        """
+        CREATE TABLE events (
+            seq INTEGER PRIMARY KEY AUTOINCREMENT,
+            job_id TEXT NOT NULL REFERENCES jobs(id),
+            at_ms INTEGER NOT NULL,
+            type TEXT NOT NULL,
+            state INTEGER NOT NULL,
+            attempt INTEGER NOT NULL,
+            provider_id TEXT NOT NULL DEFAULT '',
+            message TEXT NOT NULL DEFAULT '',
+            progress TEXT
+        )"""
+    )
+    db.execute("CREATE INDEX events_by_job ON events(job_id, seq)")
+    db.execute(
+        """
+        CREATE TABLE artifacts (
+            sha256 TEXT PRIMARY KEY,
+            size_bytes INTEGER NOT NULL,
+            created_at_ms INTEGER NOT NULL
+        )"""
+    )
+    db.execute(
+        """
+        CREATE TABLE nonces (
+            signer_id TEXT NOT NULL,
+            nonce TEXT NOT NULL,
+            expires_at_ms INTEGER NOT NULL,
+            job_id TEXT NOT NULL,
+            PRIMARY KEY (signer_id, nonce)
+        )"""
+    )

@@ -1,0 +1,114 @@
+"""Assemble and run the broker: gRPC services, health, reflection, loops."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from gpumarket.broker import scheduler
+from gpumarket.broker.artifact_store import ArtifactStore
+from gpumarket.broker.artifacts import ArtifactsServicer
+from gpumarket.broker.config import BrokerConfig
+from gpumarket.broker.gateway import ProviderGatewayServicer
+from gpumarket.broker.marketplace import MarketplaceServicer
+from gpumarket.broker.state import BrokerState
+from gpumarket.broker.store import Store
+from gpumarket.proto.identity import Identity
+from gpumarket.proto.jobspec import now_ms
+from gpumarket.proto.v1 import artifacts_pb2, gateway_pb2, marketplace_pb2
+from gpumarket.proto.v1 import artifacts_pb2_grpc, gateway_pb2_grpc, marketplace_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+SERVICES = (
+    gateway_pb2.DESCRIPTOR.services_by_name["ProviderGateway"].full_name,
+    marketplace_pb2.DESCRIPTOR.services_by_name["Marketplace"].full_name,
+    artifacts_pb2.DESCRIPTOR.services_by_name["Artifacts"].full_name,
+)
+
+
+def _recover(db, now: int) -> int:
+    """After a (re)start no session is open: offers are gone, and leases that were
+    active get a full lease timeout from now for their providers to reconnect."""
+    db.execute("UPDATE providers SET online = 0")
+    db.execute("DELETE FROM offers")
+    return db.execute(
+        "UPDATE leases SET renewed_at_ms = ? WHERE state = 'active'", [now]).rowcount
+
+
+class BrokerServer:
+    def __init__(self, config: BrokerConfig) -> None:
+        self.config = config
+        self.server: grpc.aio.Server | None = None
+        self.address = ""
+        self.state: BrokerState | None = None
+
+    async def start(self) -> str:
+        cfg = self.config
+        cfg.data_dir.mkdir(parents=True, exist_ok=True)
+        identity = Identity.load_or_create(cfg.key_path)
+        store = Store(cfg.db_path)
+        store.open()
+        kept = await store.write(_recover, now_ms())
+        if kept:
+            log.info("%d leases were active at the last stop; waiting for their providers", kept)
+        artifacts = ArtifactStore(cfg.data_dir / "artifacts", cfg.max_artifact_bytes)
+        self.state = BrokerState(cfg, identity, store, artifacts)
+
+        server = grpc.aio.server()
+        gateway_pb2_grpc.add_ProviderGatewayServicer_to_server(
+            ProviderGatewayServicer(self.state), server)
+        marketplace_pb2_grpc.add_MarketplaceServicer_to_server(
+            MarketplaceServicer(self.state), server)
+        artifacts_pb2_grpc.add_ArtifactsServicer_to_server(ArtifactsServicer(self.state), server)
+        health_servicer = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        reflection.enable_server_reflection(
+            (*SERVICES, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+        host, _, port = cfg.listen.rpartition(":")
+        bound = server.add_insecure_port(cfg.listen)
+        if bound == 0:
+            raise OSError(f"cannot listen on {cfg.listen}")
+        await server.start()
+        for name in ("", *SERVICES):
+            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self.server = server
+        self.address = f"{host}:{bound}"
+        info = {"address": self.address, "pid": os.getpid(), "broker_id": identity.id}
+        tmp = cfg.data_dir / "broker.json.tmp"
+        tmp.write_text(json.dumps(info))
+        os.replace(tmp, cfg.data_dir / "broker.json")
+        log.info("broker %s listening on %s", identity.id, self.address)
+        return self.address
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            await self.server.stop(self.config.shutdown_grace_s)
+        if self.state is not None:
+            self.state.store.close()
+
+
+async def serve(config: BrokerConfig) -> None:
+    """Run the broker until SIGTERM or SIGINT."""
+    broker = BrokerServer(config)
+    await broker.start()
+    print(f"gpumarket broker listening on {broker.address}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        async with asyncio.TaskGroup() as tg:
+            loops = tg.create_task(scheduler.run(broker.state))
+            await stop.wait()
+            log.info("shutting down")
+            loops.cancel()
+    finally:
+        await broker.stop()

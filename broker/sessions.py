@@ -1,0 +1,53 @@
+"""Live provider sessions, in memory: who is connected and how to reach them."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from gpumarket.broker.matcher import OfferView
+from gpumarket.proto.v1 import gateway_pb2 as gw
+
+
+@dataclass(eq=False)
+class ProviderSession:
+    provider_id: str
+    outbox: asyncio.Queue = field(default_factory=asyncio.Queue)
+    offer: OfferView | None = None
+    closed: bool = False
+
+    def send(self, message: gw.BrokerMessage) -> None:
+        if not self.closed:
+            self.outbox.put_nowait(message)
+
+
+class Sessions:
+    def __init__(self) -> None:
+        self._by_provider: dict[str, ProviderSession] = {}
+
+    def open(self, provider_id: str) -> ProviderSession:
+        """Register a new session; an older one of the same provider is closed."""
+        old = self._by_provider.get(provider_id)
+        if old is not None:
+            old.closed = True
+            old.outbox.put_nowait(None)  # wakes its writer, which then ends
+        session = ProviderSession(provider_id)
+        self._by_provider[provider_id] = session
+        return session
+
+    def close(self, session: ProviderSession) -> bool:
+        """Forget ``session``; return True if it was the provider's current one."""
+        session.closed = True
+        if self._by_provider.get(session.provider_id) is session:
+            del self._by_provider[session.provider_id]
+            return True
+        return False
+
+    def get(self, provider_id: str) -> ProviderSession | None:
+        return self._by_provider.get(provider_id)
+
+    def offers(self) -> list[OfferView]:
+        return [s.offer for s in self._by_provider.values() if s.offer is not None]
+
+    def __len__(self) -> int:
+        return len(self._by_provider)

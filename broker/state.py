@@ -1,0 +1,40 @@
+"""What the servicers and the broker's loops share."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from gpumarket.broker.artifact_store import ArtifactStore
+from gpumarket.broker.config import BrokerConfig
+from gpumarket.broker.sessions import Sessions
+from gpumarket.broker.store import Store
+from gpumarket.proto.identity import Identity
+
+
+class Changes:
+    """Wakes watchers and the scheduler after a write: wait() returns at the next notify()."""
+
+    def __init__(self) -> None:
+        self._event = asyncio.Event()
+
+    def notify(self) -> None:
+        self._event.set()
+        self._event = asyncio.Event()
+
+    async def wait(self, timeout: float) -> None:
+        try:
+            await asyncio.wait_for(self._event.wait(), timeout)
+        except TimeoutError:
+            pass
+
+
+@dataclass
+class BrokerState:
+    config: BrokerConfig
+    identity: Identity
+    store: Store
+    artifacts: ArtifactStore
+    sessions: Sessions = field(default_factory=Sessions)
+    events: Changes = field(default_factory=Changes)      # job events were written
+    placement: Changes = field(default_factory=Changes)   # something a placement depends on

@@ -1,0 +1,113 @@
+"""Read queries and their protobuf views. No grpc here."""
+
+from __future__ import annotations
+
+import json
+
+from sqlite_utils import Database
+
+from gpumarket.broker.jobs import job_row
+from gpumarket.proto.v1 import types_pb2 as pb
+
+
+def _rows(db: Database, sql: str, params: list) -> list[dict]:
+    cur = db.execute(sql, params)
+    cols = [d[0] for d in cur.description]
+    return [dict(zip(cols, r)) for r in cur.fetchall()]
+
+
+def job_message(db: Database, row: dict, *, with_attempts: bool = True) -> pb.Job:
+    job = pb.Job(
+        job_id=row["id"], name=row["name"], kind=row["kind"], state=row["state"],
+        client_id=row["client_id"], attempt=row["attempt"], provider_id=row["provider_id"] or "",
+        error=row["error"], created_at_ms=row["created_at_ms"],
+        updated_at_ms=row["updated_at_ms"], queue_reason=row["queue_reason"],
+        progress=pb.Progress(step=row["progress_step"], total=row["progress_total"],
+                             metrics=json.loads(row["progress_metrics"])),
+    )
+    job.spec.ParseFromString(row["spec"])
+    if row["receipt"]:
+        job.receipt.ParseFromString(row["receipt"])
+    if with_attempts:
+        for lease in _rows(db, "SELECT * FROM leases WHERE job_id = ? ORDER BY epoch", [row["id"]]):
+            job.attempts.append(pb.Attempt(
+                attempt=lease["attempt"], epoch=lease["epoch"], provider_id=lease["provider_id"],
+                started_at_ms=lease["started_at_ms"] or lease["issued_at_ms"],
+                ended_at_ms=lease["ended_at_ms"] or 0,
+                outcome=lease["state"], reason=lease["reason"],
+            ))
+    return job
+
+
+def get_job(db: Database, job_id: str) -> pb.Job:
+    """Return the job with its attempts; raise NotFound."""
+    return job_message(db, job_row(db, job_id))
+
+
+def list_jobs(db: Database, client_id: str, states: list[int], limit: int) -> list[pb.Job]:
+    sql = "SELECT * FROM jobs WHERE 1 = 1"
+    params: list = []
+    if client_id:
+        sql += " AND client_id = ?"
+        params.append(client_id)
+    if states:
+        sql += f" AND state IN ({', '.join('?' for _ in states)})"
+        params += states
+    sql += " ORDER BY created_at_ms DESC, id LIMIT ?"
+    params.append(limit)
+    return [job_message(db, r, with_attempts=False) for r in _rows(db, sql, params)]
+
+
+def events_after(db: Database, job_id: str, seq: int, limit: int = 500) -> list[pb.JobEvent]:
+    out = []
+    for r in _rows(db, "SELECT * FROM events WHERE job_id = ? AND seq > ? ORDER BY seq LIMIT ?",
+                   [job_id, seq, limit]):
+        ev = pb.JobEvent(seq=r["seq"], job_id=r["job_id"], at_ms=r["at_ms"], type=r["type"],
+                         state=r["state"], attempt=r["attempt"], provider_id=r["provider_id"],
+                         message=r["message"])
+        if r["progress"]:
+            p = json.loads(r["progress"])
+            ev.progress.CopyFrom(pb.Progress(step=p["step"], total=p["total"],
+                                             metrics=p["metrics"]))
+        out.append(ev)
+    return out
+
+
+def job_state(db: Database, job_id: str) -> int:
+    row = db.execute("SELECT state FROM jobs WHERE id = ?", [job_id]).fetchone()
+    return row[0] if row else 0
+
+
+def queued_jobs(db: Database, limit: int) -> list[dict]:
+    return _rows(db, "SELECT id, kind, gpus, min_memory_bytes, accelerator,"
+                     " max_price_per_gpu_hour, expires_at_ms, queue_reason, spec"
+                     " FROM jobs WHERE state = ? ORDER BY created_at_ms, id LIMIT ?",
+                 [pb.JOB_STATE_QUEUED, limit])
+
+
+def busy_devices(db: Database) -> dict[str, set[int]]:
+    busy: dict[str, set[int]] = {}
+    for r in _rows(db, "SELECT provider_id, device_indices FROM leases WHERE state = 'active'", []):
+        busy.setdefault(r["provider_id"], set()).update(json.loads(r["device_indices"]))
+    return busy
+
+
+def overdue_leases(db: Database, renewed_before_ms: int) -> list[str]:
+    return [r[0] for r in db.execute(
+        "SELECT id FROM leases WHERE state = 'active' AND renewed_at_ms < ?", [renewed_before_ms]
+    ).fetchall()]
+
+
+def active_leases_of(db: Database, provider_id: str) -> list[str]:
+    return [r[0] for r in db.execute(
+        "SELECT id FROM leases WHERE state = 'active' AND provider_id = ?", [provider_id]
+    ).fetchall()]
+
+
+def artifact_size(db: Database, sha256: str) -> int | None:
+    row = db.execute("SELECT size_bytes FROM artifacts WHERE sha256 = ?", [sha256]).fetchone()
+    return row[0] if row else None
+
+
+def offers(db: Database) -> list[dict]:
+    return _rows(db, "SELECT * FROM offers ORDER BY price_per_gpu_hour, provider_id", [])

@@ -1,0 +1,1 @@
+"""The client: a typed broker client and the ``gpumarket`` CLI."""

@@ -1,0 +1,137 @@
+"""The typed broker client: the one place the client touches gRPC stubs.
+
+Every unary call carries a deadline; grpc.aio.AioRpcError becomes a gpumarket error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import grpc
+
+from gpumarket.proto.artifacts import iter_chunks, sha256_file
+from gpumarket.proto.errors import GpumarketError, InvalidArgument, Unavailable, from_code
+from gpumarket.proto.v1 import artifacts_pb2 as ap
+from gpumarket.proto.v1 import artifacts_pb2_grpc, marketplace_pb2_grpc
+from gpumarket.proto.v1 import marketplace_pb2 as mp
+from gpumarket.proto.v1 import types_pb2 as pb
+
+
+class BrokerClient:
+    """``async with BrokerClient("127.0.0.1:7070") as broker: ...``"""
+
+    def __init__(self, address: str, timeout_s: float = 15.0) -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+        self.channel = grpc.aio.insecure_channel(address)
+        self.market = marketplace_pb2_grpc.MarketplaceStub(self.channel)
+        self.artifacts = artifacts_pb2_grpc.ArtifactsStub(self.channel)
+
+    async def __aenter__(self) -> "BrokerClient":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    def _error(self, exc: grpc.aio.AioRpcError) -> GpumarketError:
+        if exc.code() == grpc.StatusCode.UNAVAILABLE:
+            return Unavailable(f"cannot reach the broker at {self.address}"
+                               f" ({(exc.details() or 'no answer').splitlines()[0]})")
+        if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return from_code("DEADLINE_EXCEEDED",
+                             f"the broker at {self.address} did not answer in time")
+        return from_code(exc.code().name, exc.details() or exc.code().name)
+
+    async def _call(self, method, request):
+        try:
+            return await method(request, timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise self._error(exc) from exc
+
+    async def submit(self, spec: pb.Envelope) -> mp.SubmitJobResponse:
+        return await self._call(self.market.SubmitJob, mp.SubmitJobRequest(spec=spec))
+
+    async def get_job(self, job_id: str) -> pb.Job:
+        return (await self._call(self.market.GetJob, mp.GetJobRequest(job_id=job_id))).job
+
+    async def list_jobs(self, client_id: str = "", states: list[int] | None = None,
+                        limit: int = 100) -> list[pb.Job]:
+        req = mp.ListJobsRequest(client_id=client_id, states=states or [], limit=limit)
+        return list((await self._call(self.market.ListJobs, req)).jobs)
+
+    async def cancel(self, order: pb.Envelope) -> int:
+        return (await self._call(self.market.CancelJob, mp.CancelJobRequest(order=order))).state
+
+    async def search_offers(self, request: mp.SearchOffersRequest) -> list[mp.OfferListing]:
+        return list((await self._call(self.market.SearchOffers, request)).offers)
+
+    async def watch(self, job_id: str, after_seq: int = 0) -> AsyncIterator[pb.JobEvent]:
+        """Yield the job's events until it ends; reconnects where the stream breaks."""
+        cursor = after_seq
+        retries = 0
+        while True:
+            stream = self.market.WatchJob(mp.WatchJobRequest(job_id=job_id, after_seq=cursor))
+            try:
+                async for resp in stream:
+                    retries = 0
+                    cursor = resp.event.seq
+                    yield resp.event
+                return
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() != grpc.StatusCode.UNAVAILABLE or retries >= 20:
+                    raise self._error(exc) from exc
+                retries += 1
+                await asyncio.sleep(min(0.5 * 2 ** retries, 5))
+            finally:
+                stream.cancel()
+
+    async def upload(self, path: Path, name: str,
+                     on_bytes: Callable[[int], None] | None = None) -> pb.ArtifactRef:
+        """Upload a file unless the broker has it; resumes a partial upload."""
+        sha, size = await asyncio.to_thread(sha256_file, path)
+        st = await self._call(self.artifacts.StatArtifact, ap.StatArtifactRequest(sha256=sha))
+        if not st.complete:
+            offset = st.received_bytes
+
+            async def parts():
+                yield ap.UploadRequest(header=ap.UploadHeader(sha256=sha, size_bytes=size,
+                                                              offset=offset))
+                for chunk in iter_chunks(path, offset):
+                    if on_bytes:
+                        on_bytes(len(chunk))
+                    yield ap.UploadRequest(data=chunk)
+
+            try:
+                await self.artifacts.Upload(parts(), timeout=self.timeout_s + size / 1e6)
+            except grpc.aio.AioRpcError as exc:
+                raise self._error(exc) from exc
+        return pb.ArtifactRef(name=name, sha256=sha, size_bytes=size)
+
+    async def download(self, ref: pb.ArtifactRef, target: Path) -> None:
+        """Download to ``target``; the file appears only once its sha256 checks out."""
+        tmp = target.with_name(f".{target.name}.partial")
+        try:
+            with open(tmp, "wb") as f:
+                stream = self.artifacts.Download(ap.DownloadRequest(sha256=ref.sha256),
+                                                 timeout=self.timeout_s + ref.size_bytes / 1e6)
+                async for part in stream:
+                    f.write(part.data)
+                    if f.tell() > ref.size_bytes:
+                        break
+                f.flush()
+                os.fsync(f.fileno())
+        except grpc.aio.AioRpcError as exc:
+            tmp.unlink(missing_ok=True)
+            raise self._error(exc) from exc
+        digest, size = await asyncio.to_thread(sha256_file, tmp)
+        if digest != ref.sha256 or size != ref.size_bytes:
+            tmp.unlink(missing_ok=True)
+            raise InvalidArgument(f"{ref.name}: downloaded bytes do not match the receipt's"
+                                  " sha256")
+        os.replace(tmp, target)

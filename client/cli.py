@@ -1,0 +1,370 @@
+"""gpumarket: submit signed jobs to a GPU marketplace, watch them, and fetch verified results.
+
+Exit codes: 0 ok; 1 error (bad input, broker unreachable, refused); 2 usage;
+3 the job FAILED; 4 the job was CANCELLED (watch and submit --watch).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import click
+from google.protobuf.json_format import MessageToDict
+from rich.console import Console
+from rich.table import Table
+
+from gpumarket.client import jobfile
+from gpumarket.client.api import BrokerClient
+from gpumarket.client.watch import EXIT_BY_STATE, follow
+from gpumarket.proto.artifacts import write_atomically
+from gpumarket.proto.envelope import open_envelope, payload_sha256, seal
+from gpumarket.proto.errors import BadSignature, FailedPrecondition, GpumarketError
+from gpumarket.proto.identity import Identity, home_dir
+from gpumarket.proto.jobspec import (
+    ACCELERATOR_NAMES, ACCELERATORS_BY_NAME, KINDS_BY_NAME, NONCE_BYTES, STATES_BY_NAME,
+    check_artifact_name, kind_name, now_ms, state_name,
+)
+from gpumarket.proto.v1 import marketplace_pb2 as mp
+from gpumarket.proto.v1 import types_pb2 as pb
+
+out = Console(highlight=False, soft_wrap=True)
+err = Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+def key_path() -> Path:
+    return home_dir() / "client.key"
+
+
+def load_identity() -> Identity:
+    path = key_path()
+    if not path.exists():
+        raise click.ClickException(f"no client key at {path}; run `gpumarket keys init` first")
+    return Identity.load(path)
+
+
+def command(fn):
+    """Run an async command; a GpumarketError becomes one line on stderr and exit 1."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return asyncio.run(fn(*args, **kwargs))
+        except GpumarketError as exc:
+            click.echo(f"error: {exc}", err=True)
+            sys.exit(1)
+        except KeyboardInterrupt:
+            sys.exit(130)
+
+    return wrapper
+
+
+def _dump(obj) -> None:
+    click.echo(json.dumps(obj, indent=2, sort_keys=True))
+
+
+def _job_dict(job: pb.Job) -> dict:
+    d = MessageToDict(job, preserving_proto_field_name=True)
+    d.pop("spec", None)
+    d.pop("receipt", None)
+    d["state"] = state_name(job.state)
+    d["kind"] = kind_name(job.kind)
+    return d
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--broker", envvar="GPUMARKET_BROKER", default="127.0.0.1:7070",
+              show_default=True, help="Broker address HOST:PORT (or $GPUMARKET_BROKER).")
+@click.pass_context
+def cli(ctx: click.Context, broker: str) -> None:
+    """gpumarket client: submit signed jobs to a GPU marketplace, watch them, and download
+    verified results.
+
+    Exit codes: 0 ok, 1 error, 2 usage, 3 job failed, 4 job cancelled.
+    """
+    ctx.obj = broker
+
+
+# -- keys ---------------------------------------------------------------------------------
+
+@cli.group()
+def keys() -> None:
+    """Manage this client's signing key ($GPUMARKET_HOME/client.key)."""
+
+
+@keys.command("init")
+def keys_init() -> None:
+    """Create the client's Ed25519 key (mode 0600) if there is none; print its id."""
+    path = key_path()
+    if path.exists():
+        identity = load_identity()
+        click.echo(f"key already exists: {path}")
+    else:
+        identity = Identity.generate()
+        identity.save(path)
+        click.echo(f"created key {path}")
+    click.echo(f"client id: {identity.id}")
+
+
+@keys.command("show")
+def keys_show() -> None:
+    """Print this client's id and key file."""
+    identity = load_identity()
+    click.echo(f"client id: {identity.id}\nkey file:  {key_path()}")
+
+
+# -- submit -------------------------------------------------------------------------------
+
+async def _upload_inputs(broker: BrokerClient, job: jobfile.JobFile) -> list[pb.ArtifactRef]:
+    refs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for item in job.inputs:
+            path = item.path
+            if path.is_dir():
+                path = Path(tmp) / item.name
+                path.write_bytes(await asyncio.to_thread(jobfile.pack_directory, item.path))
+            err.print(f"uploading {item.path} as {item.name}")
+            refs.append(await broker.upload(path, item.name))
+    return refs
+
+
+def build_spec(job: jobfile.JobFile, refs: list[pb.ArtifactRef], created_ms: int) -> pb.JobSpec:
+    spec = pb.JobSpec(
+        name=job.name, kind=job.kind,
+        resources=pb.Resources(gpus=job.gpus, min_memory_bytes=job.min_memory_bytes,
+                               accelerator=job.accelerator),
+        max_price_per_gpu_hour=job.max_price, inputs=refs, max_runtime_s=job.max_runtime_s,
+        max_attempts=job.max_attempts, nonce=os.urandom(NONCE_BYTES),
+        created_at_ms=created_ms, expires_at_ms=created_ms + job.expires_in_s * 1000,
+    )
+    spec.training.CopyFrom(pb.TrainingParams(**job.training))
+    return spec
+
+
+@cli.command()
+@click.argument("job_file", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--watch", "watch_", is_flag=True, help="Follow the job until it ends.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.pass_obj
+@command
+async def submit(broker_addr: str, job_file: Path, watch_: bool, as_json: bool) -> None:
+    """Upload JOB_FILE's inputs, sign the job, submit it, and print its id."""
+    job = jobfile.load(job_file)
+    identity = load_identity()
+    async with BrokerClient(broker_addr) as broker:
+        refs = await _upload_inputs(broker, job)
+        spec = build_spec(job, refs, now_ms())
+        resp = await broker.submit(seal(identity, spec))
+        if as_json:
+            _dump({"job_id": resp.job_id, "state": state_name(resp.state)})
+        else:
+            click.echo(resp.job_id)
+        if watch_:
+            state = await follow(broker, resp.job_id, as_json, out)
+            sys.exit(EXIT_BY_STATE.get(state, 1))
+
+
+# -- read commands ------------------------------------------------------------------------
+
+@cli.command()
+@click.argument("job_id")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.pass_obj
+@command
+async def status(broker_addr: str, job_id: str, as_json: bool) -> None:
+    """Show a job's state, progress and attempt history."""
+    async with BrokerClient(broker_addr) as broker:
+        job = await broker.get_job(job_id)
+    if as_json:
+        _dump(_job_dict(job))
+        return
+    out.print(f"job       {job.job_id}  ({job.name})")
+    out.print(f"kind      {kind_name(job.kind)}")
+    out.print(f"state     {state_name(job.state)}")
+    if job.progress.total:
+        metrics = ", ".join(f"{k} {v:.4g}" for k, v in sorted(job.progress.metrics.items()))
+        out.print(f"progress  {job.progress.step}/{job.progress.total}  {metrics}")
+    out.print(f"attempt   {job.attempt}")
+    if job.provider_id:
+        out.print(f"provider  {job.provider_id}")
+    if job.error:
+        out.print(f"error     {job.error}")
+    if job.queue_reason and job.state == pb.JOB_STATE_QUEUED:
+        out.print(f"queue     {job.queue_reason}")
+    if job.attempts:
+        table = Table("attempt", "epoch", "provider", "started", "ended", "outcome", "reason")
+        for a in job.attempts:
+            table.add_row(str(a.attempt), str(a.epoch), a.provider_id, _time(a.started_at_ms),
+                          _time(a.ended_at_ms), a.outcome, a.reason)
+        out.print(table)
+
+
+def _time(ms: int) -> str:
+    if not ms:
+        return "-"
+    import datetime as dt
+
+    return dt.datetime.fromtimestamp(ms / 1000).strftime("%H:%M:%S")
+
+
+@cli.command("list")
+@click.option("--state", "states", multiple=True,
+              type=click.Choice(sorted(STATES_BY_NAME), case_sensitive=False),
+              help="Only jobs in this state (repeatable).")
+@click.option("--all", "all_clients", is_flag=True, help="Jobs of every client, not just yours.")
+@click.option("--limit", type=click.IntRange(1, 1000), default=50, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.pass_obj
+@command
+async def list_(broker_addr: str, states: tuple[str, ...], all_clients: bool, limit: int,
+                as_json: bool) -> None:
+    """List your jobs, newest first."""
+    client_id = "" if all_clients else load_identity().id
+    async with BrokerClient(broker_addr) as broker:
+        jobs = await broker.list_jobs(client_id, [STATES_BY_NAME[s.upper()] for s in states],
+                                      limit)
+    if as_json:
+        _dump([_job_dict(j) for j in jobs])
+        return
+    table = Table("name", "kind", "state", "progress", "attempt", "provider")
+    table.add_column("job", no_wrap=True, min_width=16)
+    for j in jobs:
+        progress = f"{j.progress.step}/{j.progress.total}" if j.progress.total else "-"
+        table.add_row(j.name, kind_name(j.kind), state_name(j.state), progress,
+                      str(j.attempt), j.provider_id[:12] or "-", j.job_id)
+    out.print(table)
+
+
+@cli.command()
+@click.argument("job_id")
+@click.option("--json", "as_json", is_flag=True, help="Print each event as a JSON line.")
+@click.pass_obj
+@command
+async def watch(broker_addr: str, job_id: str, as_json: bool) -> None:
+    """Follow a job's events with a progress bar until it ends (exit 3 failed, 4 cancelled)."""
+    async with BrokerClient(broker_addr) as broker:
+        state = await follow(broker, job_id, as_json, out)
+    sys.exit(EXIT_BY_STATE.get(state, 1))
+
+
+@cli.command()
+@click.argument("job_id")
+@click.pass_obj
+@command
+async def cancel(broker_addr: str, job_id: str) -> None:
+    """Cancel one of your jobs (a running one is stopped on its provider)."""
+    identity = load_identity()
+    async with BrokerClient(broker_addr) as broker:
+        state = await broker.cancel(seal(identity, mp.CancelOrder(job_id=job_id, at_ms=now_ms())))
+    click.echo(f"{job_id} {state_name(state)}")
+
+
+def verify_receipt(job: pb.Job, client_id: str | None) -> pb.Receipt:
+    """Check that the job's receipt is signed by its provider and is for this exact spec."""
+    if job.state != pb.JOB_STATE_SUCCEEDED:
+        raise FailedPrecondition(f"job {job.job_id} is {state_name(job.state)}, not SUCCEEDED")
+    spec, signer = open_envelope(job.spec, pb.JobSpec)
+    if client_id is not None and signer != client_id:
+        raise BadSignature(f"job {job.job_id} was not signed by your key")
+    receipt, provider = open_envelope(job.receipt, pb.Receipt)
+    if provider != receipt.provider_id or provider != job.provider_id:
+        raise BadSignature("receipt is not signed by the provider that ran the job")
+    if receipt.job_id != job.job_id or receipt.spec_sha256 != payload_sha256(job.spec):
+        raise BadSignature("receipt is for another job")
+    for i, ref in enumerate(receipt.outputs):
+        check_artifact_name(ref.name, f"receipt.outputs[{i}].name")
+    return receipt
+
+
+@cli.command()
+@click.argument("job_id")
+@click.option("-o", "--output", "output_dir", type=click.Path(file_okay=False, path_type=Path),
+              required=True, help="Directory to write the outputs into.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.pass_obj
+@command
+async def results(broker_addr: str, job_id: str, output_dir: Path, as_json: bool) -> None:
+    """Download a finished job's outputs, checking the receipt's signature and every hash."""
+    identity = load_identity()
+    async with BrokerClient(broker_addr) as broker:
+        job = await broker.get_job(job_id)
+        receipt = verify_receipt(job, identity.id)
+        output_dir.mkdir(parents=True, exist_ok=True)
+        for ref in receipt.outputs:
+            await broker.download(ref, output_dir / ref.name)
+    summary = {
+        "job_id": job.job_id, "provider_id": receipt.provider_id, "attempt": receipt.attempt,
+        "wall_seconds": receipt.wall_seconds, "device_seconds": receipt.device_seconds,
+        "metrics": dict(receipt.metrics),
+        "outputs": [{"name": r.name, "sha256": r.sha256, "size_bytes": r.size_bytes}
+                    for r in receipt.outputs],
+        "receipt_signature": "verified",
+    }
+    write_atomically(output_dir / "receipt.json", json.dumps(summary, indent=2).encode())
+    if as_json:
+        _dump(summary)
+        return
+    out.print(f"receipt signed by provider {receipt.provider_id}: verified")
+    table = Table("output", "bytes", "sha256")
+    for r in receipt.outputs:
+        table.add_row(r.name, str(r.size_bytes), r.sha256[:16] + "…  ok")
+    out.print(table)
+    metrics = ", ".join(f"{k} {v:.4g}" for k, v in sorted(receipt.metrics.items()))
+    out.print(f"{len(receipt.outputs)} files in {output_dir}; {metrics}")
+
+
+@cli.command()
+@click.option("--kind", type=click.Choice(sorted(KINDS_BY_NAME)), help="Job kind to run.")
+@click.option("--gpus", type=click.IntRange(0), default=0, help="Minimum devices.")
+@click.option("--memory", default="0", help="Minimum memory per device (e.g. 24GiB).")
+@click.option("--accelerator", type=click.Choice(sorted(ACCELERATORS_BY_NAME)), default="any")
+@click.option("--max-price", type=float, default=None, help="Highest price per device-hour.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.pass_obj
+@command
+async def offers(broker_addr: str, kind: str | None, gpus: int, memory: str,
+                 accelerator: str, max_price: float | None, as_json: bool) -> None:
+    """List the live offers of connected providers (signatures checked)."""
+    try:
+        min_memory = jobfile.parse_size(memory, "--memory")
+    except GpumarketError as exc:
+        raise click.BadParameter(str(exc), param_hint="--memory") from exc
+    req = mp.SearchOffersRequest(kind=KINDS_BY_NAME.get(kind or "", 0), min_gpus=gpus,
+                                 min_memory_bytes=min_memory,
+                                 accelerator=ACCELERATORS_BY_NAME[accelerator])
+    if max_price is not None:
+        req.max_price_per_gpu_hour = max_price
+    async with BrokerClient(broker_addr) as broker:
+        listings = await broker.search_offers(req)
+    rows = []
+    for listing in listings:
+        offer, signer = open_envelope(listing.offer, pb.Offer)
+        if signer != offer.provider_id:
+            continue  # not signed by the provider it names
+        rows.append((offer, listing.free_devices))
+    if as_json:
+        _dump([{**MessageToDict(o, preserving_proto_field_name=True), "free_devices": free}
+               for o, free in rows])
+        return
+    table = Table("provider", "devices", "accel", "memory/dev", "GFLOP/s", "price/h", "free",
+                  "kinds")
+    for offer, free in rows:
+        d = offer.devices[0]
+        names = {x.name for x in offer.devices}
+        table.add_row(
+            offer.provider_id[:12], f"{len(offer.devices)}× {', '.join(sorted(names))}",
+            ACCELERATOR_NAMES[d.accelerator], f"{d.memory_bytes / 2**30:.0f} GiB",
+            f"{d.benchmark.matmul_flops / 1e9:.0f}", f"{offer.price_per_gpu_hour:g}",
+            str(free), ",".join(kind_name(k) for k in offer.kinds))
+    out.print(table)
+    if not rows:
+        err.print("no offers match")
+
+
+def main() -> None:
+    cli(prog_name="gpumarket")

@@ -1,0 +1,194 @@
+"""Job files (TOML) → a JobSpec plus the local files to upload as its inputs.
+
+Every problem is one JobFileError naming the file and the field.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import tarfile
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gpumarket.proto.errors import JobFileError
+from gpumarket.proto.jobspec import ACCELERATORS_BY_NAME, KINDS_BY_NAME
+
+DEFAULT_EXPIRY_S = 24 * 3600
+
+# field → (type, required). Types: int, float, str, "size", "path", "dir_or_file".
+TOP = {
+    "name": (str, False), "kind": (str, True), "max_price": (float, True),
+    "max_runtime": (int, False), "max_attempts": (int, False), "expires_in": (int, False),
+    "resources": (dict, False), "training": (dict, False),
+}
+RESOURCES = {"gpus": (int, False), "memory": ("size", False), "accelerator": (str, False)}
+TRAINING = {
+    "model_config": ("path", False), "base_model": ("dir_or_file", False),
+    "dataset": ("path", True), "steps": (int, True), "batch_size": (int, True),
+    "seq_len": (int, True), "learning_rate": (float, True), "seed": (int, False),
+    "warmup_steps": (int, False), "checkpoint_every": (int, False),
+}
+SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
+UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+         "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+@dataclass(frozen=True)
+class LocalInput:
+    name: str          # the input's name in the spec
+    path: Path         # file to upload (a tar made on the fly for directories)
+
+
+@dataclass(frozen=True)
+class JobFile:
+    """A parsed job file: plain values, ready to become a JobSpec once inputs are uploaded."""
+
+    path: Path
+    name: str
+    kind: int
+    max_price: float
+    max_runtime_s: int
+    max_attempts: int
+    expires_in_s: int
+    gpus: int
+    min_memory_bytes: int
+    accelerator: int
+    training: dict[str, Any]        # TrainingParams fields; input fields hold input names
+    inputs: tuple[LocalInput, ...]
+
+
+def parse_size(value: Any, where: str) -> int:
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    if isinstance(value, str):
+        m = SIZE_RE.match(value)
+        if m:
+            return int(float(m.group(1)) * UNITS[(m.group(2) or "B").lower()])
+    raise JobFileError(f"{where} must be a size like \"16GiB\" or a number of bytes, got {value!r}")
+
+
+def _type_name(t: Any) -> str:
+    return {int: "an integer", float: "a number", str: "a string", dict: "a table",
+            "size": "a size", "path": "a file path", "dir_or_file": "a path"}[t]
+
+
+def _check_table(table: dict, schema: dict, where: str, file: str) -> dict:
+    for key in table:
+        if key not in schema:
+            known = ", ".join(sorted(schema))
+            raise JobFileError(f"{file}: unknown field {where}{key!r} (known: {known})")
+    for key, (typ, required) in schema.items():
+        if key not in table:
+            if required:
+                raise JobFileError(f"{file}: missing required field {where}{key!r}")
+            continue
+        value = table[key]
+        ok = {
+            int: isinstance(value, int) and not isinstance(value, bool),
+            float: isinstance(value, (int, float)) and not isinstance(value, bool),
+            str: isinstance(value, str), dict: isinstance(value, dict),
+            "size": isinstance(value, (int, str)) and not isinstance(value, bool),
+            "path": isinstance(value, str), "dir_or_file": isinstance(value, str),
+        }[typ]
+        if not ok:
+            raise JobFileError(f"{file}: field {where}{key!r} must be {_type_name(typ)},"
+                               f" got {type(value).__name__} {value!r}")
+    return table
+
+
+def _file(base: Path, value: str, field: str, file: str) -> Path:
+    path = (base / value).expanduser()
+    if not path.exists():
+        raise JobFileError(f"{file}: {field} = {value!r}: no such file ({path})")
+    return path
+
+
+def load(path: Path) -> JobFile:
+    """Read and check a job file; raise JobFileError naming the problem."""
+    file = str(path)
+    try:
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError as exc:
+        raise JobFileError(f"{file}: no such job file") from exc
+    except (OSError, UnicodeDecodeError) as exc:
+        raise JobFileError(f"{file}: cannot read ({exc})") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise JobFileError(f"{file}: not valid TOML ({exc})") from exc
+    _check_table(raw, TOP, "", file)
+    kind_text = raw["kind"]
+    if kind_text not in KINDS_BY_NAME:
+        raise JobFileError(f"{file}: field 'kind' must be one of {sorted(KINDS_BY_NAME)},"
+                           f" got {kind_text!r}")
+    if kind_text != "training":
+        raise JobFileError(f"{file}: kind {kind_text!r} is not supported yet (only 'training')")
+    resources = _check_table(raw.get("resources", {}), RESOURCES, "resources.", file)
+    accel = resources.get("accelerator", "any")
+    if accel not in ACCELERATORS_BY_NAME:
+        raise JobFileError(f"{file}: field 'resources.accelerator' must be one of"
+                           f" {sorted(ACCELERATORS_BY_NAME)}, got {accel!r}")
+    if "training" not in raw:
+        raise JobFileError(f"{file}: a training job needs a [training] table")
+    training = dict(_check_table(raw["training"], TRAINING, "training.", file))
+    base = path.parent
+    inputs = []
+    has_config, has_base = "model_config" in training, "base_model" in training
+    if has_config == has_base:
+        raise JobFileError(f"{file}: [training] needs exactly one of model_config or base_model")
+    if has_config:
+        src = _file(base, training["model_config"], "training.model_config", file)
+        inputs.append(LocalInput("model_config.json", src))
+        training["model_config"] = "model_config.json"
+    else:
+        src = _file(base, training["base_model"], "training.base_model", file)
+        inputs.append(LocalInput("base_model.tar", src))
+        training["base_model"] = "base_model.tar"
+    src = _file(base, training["dataset"], "training.dataset", file)
+    inputs.append(LocalInput("dataset.jsonl", src))
+    training["dataset"] = "dataset.jsonl"
+    for key in ("steps", "batch_size", "seq_len", "warmup_steps", "checkpoint_every", "seed"):
+        if key in training and training[key] < 0:
+            raise JobFileError(f"{file}: field 'training.{key}' must not be negative")
+    training.setdefault("seed", 0)
+    numbers = {"max_runtime": raw.get("max_runtime", 0), "max_attempts": raw.get("max_attempts", 0),
+               "expires_in": raw.get("expires_in", DEFAULT_EXPIRY_S),
+               "resources.gpus": resources.get("gpus", 1)}
+    for key, value in numbers.items():
+        if value < 0:
+            raise JobFileError(f"{file}: field {key!r} must not be negative")
+    return JobFile(
+        path=path,
+        name=raw.get("name", path.stem),
+        kind=KINDS_BY_NAME[kind_text],
+        max_price=float(raw["max_price"]),
+        max_runtime_s=numbers["max_runtime"],
+        max_attempts=numbers["max_attempts"],
+        expires_in_s=numbers["expires_in"],
+        gpus=numbers["resources.gpus"],
+        min_memory_bytes=parse_size(resources.get("memory", 0), "resources.memory"),
+        accelerator=ACCELERATORS_BY_NAME[accel],
+        training=training,
+        inputs=tuple(inputs),
+    )
+
+
+def pack_directory(directory: Path) -> bytes:
+    """A deterministic tar of a model directory (sorted names, zeroed times and owners),
+    so the same directory always has the same sha256 and uploads once."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for root, dirs, files in os.walk(directory):
+            dirs.sort()
+            for fname in sorted(files):
+                full = Path(root) / fname
+                if full.is_symlink():
+                    continue
+                info = tar.gettarinfo(full, arcname=str(full.relative_to(directory)))
+                info.mtime, info.uid, info.gid, info.uname, info.gname = 0, 0, 0, "", ""
+                info.mode = 0o644
+                with open(full, "rb") as f:
+                    tar.addfile(info, f)
+    return buf.getvalue()

@@ -1,0 +1,130 @@
+"""JobSpec rules shared by the broker (on submit) and the provider (before running)."""
+
+from __future__ import annotations
+
+import re
+import time
+
+from gpumarket.proto.errors import Expired, InvalidArgument
+from gpumarket.proto.v1 import types_pb2
+
+NONCE_BYTES = 16
+# A spec may be signed a little "in the future" of a receiver whose clock is behind.
+CLOCK_SKEW_MS = 5 * 60 * 1000
+MAX_LIFETIME_MS = 30 * 24 * 3600 * 1000
+SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+KIND_NAMES = {
+    types_pb2.JOB_KIND_TRAINING: "training",
+    types_pb2.JOB_KIND_GENERATE: "generate",
+    types_pb2.JOB_KIND_EMBED: "embed",
+    types_pb2.JOB_KIND_RENDER: "render",
+}
+KINDS_BY_NAME = {v: k for k, v in KIND_NAMES.items()}
+ACCELERATOR_NAMES = {
+    types_pb2.ACCELERATOR_UNSPECIFIED: "any",
+    types_pb2.ACCELERATOR_CPU: "cpu",
+    types_pb2.ACCELERATOR_CUDA: "cuda",
+}
+ACCELERATORS_BY_NAME = {v: k for k, v in ACCELERATOR_NAMES.items()}
+STATE_NAMES = {
+    types_pb2.JOB_STATE_QUEUED: "QUEUED",
+    types_pb2.JOB_STATE_LEASED: "LEASED",
+    types_pb2.JOB_STATE_RUNNING: "RUNNING",
+    types_pb2.JOB_STATE_SUCCEEDED: "SUCCEEDED",
+    types_pb2.JOB_STATE_FAILED: "FAILED",
+    types_pb2.JOB_STATE_CANCELLED: "CANCELLED",
+}
+STATES_BY_NAME = {v: k for k, v in STATE_NAMES.items()}
+TERMINAL_STATES = frozenset(
+    {types_pb2.JOB_STATE_SUCCEEDED, types_pb2.JOB_STATE_FAILED, types_pb2.JOB_STATE_CANCELLED}
+)
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def kind_name(kind: int) -> str:
+    return KIND_NAMES.get(kind, "unspecified")
+
+
+def state_name(state: int) -> str:
+    return STATE_NAMES.get(state, "UNSPECIFIED")
+
+
+def check_artifact_name(name: str, where: str) -> None:
+    """Raise InvalidArgument unless ``name`` is a plain file name that stays in a work dir."""
+    if not NAME_RE.match(name) or name in {".", ".."}:
+        raise InvalidArgument(
+            f"{where}: {name!r} is not a plain file name (letters, digits, '.', '_', '-'; "
+            "no '/', no leading '.')"
+        )
+
+
+def check_sha256(value: str, where: str) -> None:
+    if not SHA256_RE.match(value):
+        raise InvalidArgument(f"{where}: {value!r} is not a lowercase hex sha256")
+
+
+def check_spec(spec: types_pb2.JobSpec) -> None:
+    """Raise InvalidArgument naming the first field that makes ``spec`` unrunnable."""
+    if spec.kind not in KIND_NAMES:
+        raise InvalidArgument("kind: not set to a known job kind")
+    if spec.kind != types_pb2.JOB_KIND_TRAINING:
+        raise InvalidArgument(f"kind: {kind_name(spec.kind)} jobs are not supported yet")
+    if len(spec.nonce) != NONCE_BYTES:
+        raise InvalidArgument(f"nonce: must be {NONCE_BYTES} bytes")
+    if spec.resources.gpus < 1:
+        raise InvalidArgument("resources.gpus: must be at least 1")
+    if spec.resources.gpus > 64:
+        raise InvalidArgument("resources.gpus: at most 64 devices on one provider")
+    if spec.resources.accelerator not in ACCELERATOR_NAMES:
+        raise InvalidArgument("resources.accelerator: unknown accelerator")
+    if not spec.max_price_per_gpu_hour > 0:
+        raise InvalidArgument("max_price_per_gpu_hour: must be greater than 0")
+    if spec.expires_at_ms <= spec.created_at_ms:
+        raise InvalidArgument("expires_at_ms: must be after created_at_ms")
+    if spec.expires_at_ms - spec.created_at_ms > MAX_LIFETIME_MS:
+        raise InvalidArgument("expires_at_ms: a spec may live at most 30 days")
+    names = set()
+    for i, ref in enumerate(spec.inputs):
+        check_artifact_name(ref.name, f"inputs[{i}].name")
+        check_sha256(ref.sha256, f"inputs[{i}].sha256")
+        if ref.name in names:
+            raise InvalidArgument(f"inputs[{i}].name: {ref.name!r} given twice")
+        names.add(ref.name)
+    if spec.WhichOneof("params") != "training":
+        raise InvalidArgument("training: a training job needs a [training] table")
+    _check_training(spec.training, names)
+
+
+def _check_training(t: types_pb2.TrainingParams, inputs: set[str]) -> None:
+    if bool(t.model_config) == bool(t.base_model):
+        raise InvalidArgument("training: give exactly one of model_config or base_model")
+    for field in ("model_config", "base_model", "dataset"):
+        value = getattr(t, field)
+        if value and value not in inputs:
+            raise InvalidArgument(f"training.{field}: names no input ({value!r})")
+    if not t.dataset:
+        raise InvalidArgument("training.dataset: required")
+    if not 1 <= t.steps <= 10_000_000:
+        raise InvalidArgument("training.steps: must be between 1 and 10,000,000")
+    if not 1 <= t.batch_size <= 65_536:
+        raise InvalidArgument("training.batch_size: must be between 1 and 65,536")
+    if not 2 <= t.seq_len <= 1_048_576:
+        raise InvalidArgument("training.seq_len: must be between 2 and 1,048,576")
+    if not 0 < t.learning_rate < 10:
+        raise InvalidArgument("training.learning_rate: must be in (0, 10)")
+    if t.warmup_steps > t.steps:
+        raise InvalidArgument("training.warmup_steps: more than training.steps")
+
+
+def check_fresh(spec: types_pb2.JobSpec, at_ms: int | None = None) -> None:
+    """Raise Expired if the spec is past its expiry or signed too far in the future."""
+    at = now_ms() if at_ms is None else at_ms
+    if spec.expires_at_ms <= at:
+        raise Expired(f"job spec expired {(at - spec.expires_at_ms) / 1000:.0f}s ago")
+    if spec.created_at_ms > at + CLOCK_SKEW_MS:
+        raise Expired("job spec is dated in the future (check the client's clock)")

@@ -1,0 +1,154 @@
+from gpumarket.proto.v1 import types_pb2 as _types_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ProviderHello(_message.Message):
+    __slots__ = ("public_key", "software_version")
+    PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    SOFTWARE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    public_key: bytes
+    software_version: str
+    def __init__(self, public_key: _Optional[bytes] = ..., software_version: _Optional[str] = ...) -> None: ...
+
+class SessionChallenge(_message.Message):
+    __slots__ = ("nonce", "broker_public_key")
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    BROKER_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    nonce: bytes
+    broker_public_key: bytes
+    def __init__(self, nonce: _Optional[bytes] = ..., broker_public_key: _Optional[bytes] = ...) -> None: ...
+
+class SessionProof(_message.Message):
+    __slots__ = ("nonce", "broker_public_key", "at_ms")
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    BROKER_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    AT_MS_FIELD_NUMBER: _ClassVar[int]
+    nonce: bytes
+    broker_public_key: bytes
+    at_ms: int
+    def __init__(self, nonce: _Optional[bytes] = ..., broker_public_key: _Optional[bytes] = ..., at_ms: _Optional[int] = ...) -> None: ...
+
+class SessionWelcome(_message.Message):
+    __slots__ = ("provider_id", "heartbeat_interval_ms", "lease_timeout_ms")
+    PROVIDER_ID_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    provider_id: str
+    heartbeat_interval_ms: int
+    lease_timeout_ms: int
+    def __init__(self, provider_id: _Optional[str] = ..., heartbeat_interval_ms: _Optional[int] = ..., lease_timeout_ms: _Optional[int] = ...) -> None: ...
+
+class RunningLease(_message.Message):
+    __slots__ = ("job_id", "epoch")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    epoch: int
+    def __init__(self, job_id: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
+
+class Heartbeat(_message.Message):
+    __slots__ = ("at_ms", "running")
+    AT_MS_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    at_ms: int
+    running: _containers.RepeatedCompositeFieldContainer[RunningLease]
+    def __init__(self, at_ms: _Optional[int] = ..., running: _Optional[_Iterable[_Union[RunningLease, _Mapping]]] = ...) -> None: ...
+
+class JobStarted(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class JobFailed(_message.Message):
+    __slots__ = ("error",)
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    error: str
+    def __init__(self, error: _Optional[str] = ...) -> None: ...
+
+class JobRejected(_message.Message):
+    __slots__ = ("reason",)
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    def __init__(self, reason: _Optional[str] = ...) -> None: ...
+
+class CheckpointReport(_message.Message):
+    __slots__ = ("step", "artifact")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    ARTIFACT_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    artifact: _types_pb2.ArtifactRef
+    def __init__(self, step: _Optional[int] = ..., artifact: _Optional[_Union[_types_pb2.ArtifactRef, _Mapping]] = ...) -> None: ...
+
+class JobUpdate(_message.Message):
+    __slots__ = ("job_id", "epoch", "started", "progress", "failed", "receipt", "rejected", "checkpoint")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    STARTED_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    RECEIPT_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    epoch: int
+    started: JobStarted
+    progress: _types_pb2.Progress
+    failed: JobFailed
+    receipt: _types_pb2.Envelope
+    rejected: JobRejected
+    checkpoint: CheckpointReport
+    def __init__(self, job_id: _Optional[str] = ..., epoch: _Optional[int] = ..., started: _Optional[_Union[JobStarted, _Mapping]] = ..., progress: _Optional[_Union[_types_pb2.Progress, _Mapping]] = ..., failed: _Optional[_Union[JobFailed, _Mapping]] = ..., receipt: _Optional[_Union[_types_pb2.Envelope, _Mapping]] = ..., rejected: _Optional[_Union[JobRejected, _Mapping]] = ..., checkpoint: _Optional[_Union[CheckpointReport, _Mapping]] = ...) -> None: ...
+
+class ProviderMessage(_message.Message):
+    __slots__ = ("hello", "proof", "offer", "heartbeat", "job_update")
+    HELLO_FIELD_NUMBER: _ClassVar[int]
+    PROOF_FIELD_NUMBER: _ClassVar[int]
+    OFFER_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
+    JOB_UPDATE_FIELD_NUMBER: _ClassVar[int]
+    hello: ProviderHello
+    proof: _types_pb2.Envelope
+    offer: _types_pb2.Envelope
+    heartbeat: Heartbeat
+    job_update: JobUpdate
+    def __init__(self, hello: _Optional[_Union[ProviderHello, _Mapping]] = ..., proof: _Optional[_Union[_types_pb2.Envelope, _Mapping]] = ..., offer: _Optional[_Union[_types_pb2.Envelope, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., job_update: _Optional[_Union[JobUpdate, _Mapping]] = ...) -> None: ...
+
+class CancelLease(_message.Message):
+    __slots__ = ("job_id", "epoch", "reason")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    epoch: int
+    reason: str
+    def __init__(self, job_id: _Optional[str] = ..., epoch: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class UpdateSettled(_message.Message):
+    __slots__ = ("job_id", "epoch", "accepted", "reason")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    epoch: int
+    accepted: bool
+    reason: str
+    def __init__(self, job_id: _Optional[str] = ..., epoch: _Optional[int] = ..., accepted: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class BrokerMessage(_message.Message):
+    __slots__ = ("challenge", "welcome", "lease", "cancel", "settled")
+    CHALLENGE_FIELD_NUMBER: _ClassVar[int]
+    WELCOME_FIELD_NUMBER: _ClassVar[int]
+    LEASE_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    SETTLED_FIELD_NUMBER: _ClassVar[int]
+    challenge: SessionChallenge
+    welcome: SessionWelcome
+    lease: _types_pb2.Envelope
+    cancel: CancelLease
+    settled: UpdateSettled
+    def __init__(self, challenge: _Optional[_Union[SessionChallenge, _Mapping]] = ..., welcome: _Optional[_Union[SessionWelcome, _Mapping]] = ..., lease: _Optional[_Union[_types_pb2.Envelope, _Mapping]] = ..., cancel: _Optional[_Union[CancelLease, _Mapping]] = ..., settled: _Optional[_Union[UpdateSettled, _Mapping]] = ...) -> None: ...

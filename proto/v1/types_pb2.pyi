@@ -1,0 +1,335 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class JobKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    JOB_KIND_UNSPECIFIED: _ClassVar[JobKind]
+    JOB_KIND_TRAINING: _ClassVar[JobKind]
+    JOB_KIND_GENERATE: _ClassVar[JobKind]
+    JOB_KIND_EMBED: _ClassVar[JobKind]
+    JOB_KIND_RENDER: _ClassVar[JobKind]
+
+class Accelerator(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ACCELERATOR_UNSPECIFIED: _ClassVar[Accelerator]
+    ACCELERATOR_CPU: _ClassVar[Accelerator]
+    ACCELERATOR_CUDA: _ClassVar[Accelerator]
+
+class JobState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    JOB_STATE_UNSPECIFIED: _ClassVar[JobState]
+    JOB_STATE_QUEUED: _ClassVar[JobState]
+    JOB_STATE_LEASED: _ClassVar[JobState]
+    JOB_STATE_RUNNING: _ClassVar[JobState]
+    JOB_STATE_SUCCEEDED: _ClassVar[JobState]
+    JOB_STATE_FAILED: _ClassVar[JobState]
+    JOB_STATE_CANCELLED: _ClassVar[JobState]
+JOB_KIND_UNSPECIFIED: JobKind
+JOB_KIND_TRAINING: JobKind
+JOB_KIND_GENERATE: JobKind
+JOB_KIND_EMBED: JobKind
+JOB_KIND_RENDER: JobKind
+ACCELERATOR_UNSPECIFIED: Accelerator
+ACCELERATOR_CPU: Accelerator
+ACCELERATOR_CUDA: Accelerator
+JOB_STATE_UNSPECIFIED: JobState
+JOB_STATE_QUEUED: JobState
+JOB_STATE_LEASED: JobState
+JOB_STATE_RUNNING: JobState
+JOB_STATE_SUCCEEDED: JobState
+JOB_STATE_FAILED: JobState
+JOB_STATE_CANCELLED: JobState
+
+class Envelope(_message.Message):
+    __slots__ = ("payload_type", "payload", "signer_public_key", "signature")
+    PAYLOAD_TYPE_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    SIGNER_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    payload_type: str
+    payload: bytes
+    signer_public_key: bytes
+    signature: bytes
+    def __init__(self, payload_type: _Optional[str] = ..., payload: _Optional[bytes] = ..., signer_public_key: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
+
+class ArtifactRef(_message.Message):
+    __slots__ = ("name", "sha256", "size_bytes")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    sha256: str
+    size_bytes: int
+    def __init__(self, name: _Optional[str] = ..., sha256: _Optional[str] = ..., size_bytes: _Optional[int] = ...) -> None: ...
+
+class Resources(_message.Message):
+    __slots__ = ("gpus", "min_memory_bytes", "accelerator")
+    GPUS_FIELD_NUMBER: _ClassVar[int]
+    MIN_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ACCELERATOR_FIELD_NUMBER: _ClassVar[int]
+    gpus: int
+    min_memory_bytes: int
+    accelerator: Accelerator
+    def __init__(self, gpus: _Optional[int] = ..., min_memory_bytes: _Optional[int] = ..., accelerator: _Optional[_Union[Accelerator, str]] = ...) -> None: ...
+
+class TrainingParams(_message.Message):
+    __slots__ = ("model_config", "base_model", "dataset", "steps", "batch_size", "learning_rate", "seed", "seq_len", "checkpoint_every", "warmup_steps")
+    MODEL_CONFIG_FIELD_NUMBER: _ClassVar[int]
+    BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
+    DATASET_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    SEQ_LEN_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_EVERY_FIELD_NUMBER: _ClassVar[int]
+    WARMUP_STEPS_FIELD_NUMBER: _ClassVar[int]
+    model_config: str
+    base_model: str
+    dataset: str
+    steps: int
+    batch_size: int
+    learning_rate: float
+    seed: int
+    seq_len: int
+    checkpoint_every: int
+    warmup_steps: int
+    def __init__(self, model_config: _Optional[str] = ..., base_model: _Optional[str] = ..., dataset: _Optional[str] = ..., steps: _Optional[int] = ..., batch_size: _Optional[int] = ..., learning_rate: _Optional[float] = ..., seed: _Optional[int] = ..., seq_len: _Optional[int] = ..., checkpoint_every: _Optional[int] = ..., warmup_steps: _Optional[int] = ...) -> None: ...
+
+class JobSpec(_message.Message):
+    __slots__ = ("name", "kind", "resources", "max_price_per_gpu_hour", "inputs", "max_runtime_s", "max_attempts", "training", "nonce", "created_at_ms", "expires_at_ms")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    RESOURCES_FIELD_NUMBER: _ClassVar[int]
+    MAX_PRICE_PER_GPU_HOUR_FIELD_NUMBER: _ClassVar[int]
+    INPUTS_FIELD_NUMBER: _ClassVar[int]
+    MAX_RUNTIME_S_FIELD_NUMBER: _ClassVar[int]
+    MAX_ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
+    TRAINING_FIELD_NUMBER: _ClassVar[int]
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_MS_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_AT_MS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    kind: JobKind
+    resources: Resources
+    max_price_per_gpu_hour: float
+    inputs: _containers.RepeatedCompositeFieldContainer[ArtifactRef]
+    max_runtime_s: int
+    max_attempts: int
+    training: TrainingParams
+    nonce: bytes
+    created_at_ms: int
+    expires_at_ms: int
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[JobKind, str]] = ..., resources: _Optional[_Union[Resources, _Mapping]] = ..., max_price_per_gpu_hour: _Optional[float] = ..., inputs: _Optional[_Iterable[_Union[ArtifactRef, _Mapping]]] = ..., max_runtime_s: _Optional[int] = ..., max_attempts: _Optional[int] = ..., training: _Optional[_Union[TrainingParams, _Mapping]] = ..., nonce: _Optional[bytes] = ..., created_at_ms: _Optional[int] = ..., expires_at_ms: _Optional[int] = ...) -> None: ...
+
+class Benchmark(_message.Message):
+    __slots__ = ("matmul_flops", "matmul_dtype", "memory_bandwidth_bytes_per_s", "measured_at_ms")
+    MATMUL_FLOPS_FIELD_NUMBER: _ClassVar[int]
+    MATMUL_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BANDWIDTH_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    MEASURED_AT_MS_FIELD_NUMBER: _ClassVar[int]
+    matmul_flops: float
+    matmul_dtype: str
+    memory_bandwidth_bytes_per_s: float
+    measured_at_ms: int
+    def __init__(self, matmul_flops: _Optional[float] = ..., matmul_dtype: _Optional[str] = ..., memory_bandwidth_bytes_per_s: _Optional[float] = ..., measured_at_ms: _Optional[int] = ...) -> None: ...
+
+class Device(_message.Message):
+    __slots__ = ("index", "name", "uuid", "accelerator", "memory_bytes", "compute_capability", "driver_version", "cuda_version", "cpu_cores", "benchmark")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    UUID_FIELD_NUMBER: _ClassVar[int]
+    ACCELERATOR_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_CAPABILITY_FIELD_NUMBER: _ClassVar[int]
+    DRIVER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CUDA_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CPU_CORES_FIELD_NUMBER: _ClassVar[int]
+    BENCHMARK_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    name: str
+    uuid: str
+    accelerator: Accelerator
+    memory_bytes: int
+    compute_capability: str
+    driver_version: str
+    cuda_version: str
+    cpu_cores: int
+    benchmark: Benchmark
+    def __init__(self, index: _Optional[int] = ..., name: _Optional[str] = ..., uuid: _Optional[str] = ..., accelerator: _Optional[_Union[Accelerator, str]] = ..., memory_bytes: _Optional[int] = ..., compute_capability: _Optional[str] = ..., driver_version: _Optional[str] = ..., cuda_version: _Optional[str] = ..., cpu_cores: _Optional[int] = ..., benchmark: _Optional[_Union[Benchmark, _Mapping]] = ...) -> None: ...
+
+class Offer(_message.Message):
+    __slots__ = ("provider_id", "devices", "price_per_gpu_hour", "kinds", "software_version", "created_at_ms")
+    PROVIDER_ID_FIELD_NUMBER: _ClassVar[int]
+    DEVICES_FIELD_NUMBER: _ClassVar[int]
+    PRICE_PER_GPU_HOUR_FIELD_NUMBER: _ClassVar[int]
+    KINDS_FIELD_NUMBER: _ClassVar[int]
+    SOFTWARE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_MS_FIELD_NUMBER: _ClassVar[int]
+    provider_id: str
+    devices: _containers.RepeatedCompositeFieldContainer[Device]
+    price_per_gpu_hour: float
+    kinds: _containers.RepeatedScalarFieldContainer[JobKind]
+    software_version: str
+    created_at_ms: int
+    def __init__(self, provider_id: _Optional[str] = ..., devices: _Optional[_Iterable[_Union[Device, _Mapping]]] = ..., price_per_gpu_hour: _Optional[float] = ..., kinds: _Optional[_Iterable[_Union[JobKind, str]]] = ..., software_version: _Optional[str] = ..., created_at_ms: _Optional[int] = ...) -> None: ...
+
+class Lease(_message.Message):
+    __slots__ = ("lease_id", "job_id", "attempt", "epoch", "provider_id", "client_id", "price_per_gpu_hour", "checkpoint_every", "resume_from", "device_indices", "issued_at_ms", "expires_at_ms", "job_spec")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    PROVIDER_ID_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    PRICE_PER_GPU_HOUR_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_EVERY_FIELD_NUMBER: _ClassVar[int]
+    RESUME_FROM_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_INDICES_FIELD_NUMBER: _ClassVar[int]
+    ISSUED_AT_MS_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_AT_MS_FIELD_NUMBER: _ClassVar[int]
+    JOB_SPEC_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    job_id: str
+    attempt: int
+    epoch: int
+    provider_id: str
+    client_id: str
+    price_per_gpu_hour: float
+    checkpoint_every: int
+    resume_from: ArtifactRef
+    device_indices: _containers.RepeatedScalarFieldContainer[int]
+    issued_at_ms: int
+    expires_at_ms: int
+    job_spec: Envelope
+    def __init__(self, lease_id: _Optional[str] = ..., job_id: _Optional[str] = ..., attempt: _Optional[int] = ..., epoch: _Optional[int] = ..., provider_id: _Optional[str] = ..., client_id: _Optional[str] = ..., price_per_gpu_hour: _Optional[float] = ..., checkpoint_every: _Optional[int] = ..., resume_from: _Optional[_Union[ArtifactRef, _Mapping]] = ..., device_indices: _Optional[_Iterable[int]] = ..., issued_at_ms: _Optional[int] = ..., expires_at_ms: _Optional[int] = ..., job_spec: _Optional[_Union[Envelope, _Mapping]] = ...) -> None: ...
+
+class Progress(_message.Message):
+    __slots__ = ("step", "total", "metrics")
+    class MetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    total: int
+    metrics: _containers.ScalarMap[str, float]
+    def __init__(self, step: _Optional[int] = ..., total: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
+class Receipt(_message.Message):
+    __slots__ = ("job_id", "lease_id", "attempt", "epoch", "provider_id", "spec_sha256", "outputs", "wall_seconds", "device_seconds", "metrics", "finished_at_ms")
+    class MetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    PROVIDER_ID_FIELD_NUMBER: _ClassVar[int]
+    SPEC_SHA256_FIELD_NUMBER: _ClassVar[int]
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    WALL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_AT_MS_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    lease_id: str
+    attempt: int
+    epoch: int
+    provider_id: str
+    spec_sha256: str
+    outputs: _containers.RepeatedCompositeFieldContainer[ArtifactRef]
+    wall_seconds: float
+    device_seconds: float
+    metrics: _containers.ScalarMap[str, float]
+    finished_at_ms: int
+    def __init__(self, job_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., attempt: _Optional[int] = ..., epoch: _Optional[int] = ..., provider_id: _Optional[str] = ..., spec_sha256: _Optional[str] = ..., outputs: _Optional[_Iterable[_Union[ArtifactRef, _Mapping]]] = ..., wall_seconds: _Optional[float] = ..., device_seconds: _Optional[float] = ..., metrics: _Optional[_Mapping[str, float]] = ..., finished_at_ms: _Optional[int] = ...) -> None: ...
+
+class JobEvent(_message.Message):
+    __slots__ = ("seq", "job_id", "at_ms", "type", "state", "attempt", "provider_id", "message", "progress")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    AT_MS_FIELD_NUMBER: _ClassVar[int]
+    TYPE_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    PROVIDER_ID_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    job_id: str
+    at_ms: int
+    type: str
+    state: JobState
+    attempt: int
+    provider_id: str
+    message: str
+    progress: Progress
+    def __init__(self, seq: _Optional[int] = ..., job_id: _Optional[str] = ..., at_ms: _Optional[int] = ..., type: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., attempt: _Optional[int] = ..., provider_id: _Optional[str] = ..., message: _Optional[str] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ...) -> None: ...
+
+class Attempt(_message.Message):
+    __slots__ = ("attempt", "epoch", "provider_id", "started_at_ms", "ended_at_ms", "outcome", "reason")
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    PROVIDER_ID_FIELD_NUMBER: _ClassVar[int]
+    STARTED_AT_MS_FIELD_NUMBER: _ClassVar[int]
+    ENDED_AT_MS_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    attempt: int
+    epoch: int
+    provider_id: str
+    started_at_ms: int
+    ended_at_ms: int
+    outcome: str
+    reason: str
+    def __init__(self, attempt: _Optional[int] = ..., epoch: _Optional[int] = ..., provider_id: _Optional[str] = ..., started_at_ms: _Optional[int] = ..., ended_at_ms: _Optional[int] = ..., outcome: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class Job(_message.Message):
+    __slots__ = ("job_id", "name", "kind", "state", "client_id", "attempt", "provider_id", "progress", "error", "created_at_ms", "updated_at_ms", "spec", "receipt", "attempts", "queue_reason")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    PROVIDER_ID_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_MS_FIELD_NUMBER: _ClassVar[int]
+    UPDATED_AT_MS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    RECEIPT_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_REASON_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    name: str
+    kind: JobKind
+    state: JobState
+    client_id: str
+    attempt: int
+    provider_id: str
+    progress: Progress
+    error: str
+    created_at_ms: int
+    updated_at_ms: int
+    spec: Envelope
+    receipt: Envelope
+    attempts: _containers.RepeatedCompositeFieldContainer[Attempt]
+    queue_reason: str
+    def __init__(self, job_id: _Optional[str] = ..., name: _Optional[str] = ..., kind: _Optional[_Union[JobKind, str]] = ..., state: _Optional[_Union[JobState, str]] = ..., client_id: _Optional[str] = ..., attempt: _Optional[int] = ..., provider_id: _Optional[str] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., error: _Optional[str] = ..., created_at_ms: _Optional[int] = ..., updated_at_ms: _Optional[int] = ..., spec: _Optional[_Union[Envelope, _Mapping]] = ..., receipt: _Optional[_Union[Envelope, _Mapping]] = ..., attempts: _Optional[_Iterable[_Union[Attempt, _Mapping]]] = ..., queue_reason: _Optional[str] = ...) -> None: ...

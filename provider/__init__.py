@@ -1,0 +1,1 @@
+"""The provider daemon: detects and benchmarks devices, advertises them, runs leased jobs."""

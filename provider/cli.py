@@ -1,0 +1,147 @@
+"""gpumarket-provider: rent out this machine's GPUs (or its CPU) on a gpumarket broker."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import sys
+from pathlib import Path
+
+import click
+
+from gpumarket.proto.errors import GpumarketError
+from gpumarket.proto.identity import Identity
+from gpumarket.proto.jobspec import ACCELERATOR_NAMES
+from gpumarket.provider.config import ProviderConfig
+
+log = logging.getLogger("gpumarket.provider")
+
+
+def _log_setup(level: str) -> None:
+    logging.basicConfig(level=getattr(logging, level.upper()),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def cli() -> None:
+    """gpumarket provider: detect and benchmark this machine's devices, offer them to a
+    broker, and run the jobs it leases."""
+
+
+@cli.command()
+@click.option("--broker", envvar="GPUMARKET_BROKER", required=True,
+              help="Broker address HOST:PORT (or $GPUMARKET_BROKER).")
+@click.option("--data-dir", type=click.Path(file_okay=False, path_type=Path), required=True,
+              help="Directory for the provider key, benchmark cache and job work dirs.")
+@click.option("--price", type=float, default=1.0, show_default=True,
+              help="Price per device-hour, in credits.")
+@click.option("--cpu-only", is_flag=True, help="Offer the CPU even where GPUs are present.")
+@click.option("--max-runtime", type=int, default=24 * 3600, show_default=True,
+              help="Longest a job may run, in seconds.")
+@click.option("--log-level", default="info", show_default=True,
+              type=click.Choice(["debug", "info", "warning", "error"]))
+def run(broker: str, data_dir: Path, price: float, cpu_only: bool, max_runtime: int,
+        log_level: str) -> None:
+    """Connect to a broker, advertise this machine, and run leased jobs until SIGTERM."""
+    _log_setup(log_level)
+    if price < 0:
+        raise click.BadParameter("must not be negative", param_hint="--price")
+    config = ProviderConfig(broker=broker, data_dir=data_dir, price_per_gpu_hour=price,
+                            cpu_only=cpu_only, max_runtime_s=max_runtime)
+    try:
+        asyncio.run(_run(config))
+    except GpumarketError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(1)
+
+
+async def _run(config: ProviderConfig) -> None:
+    from gpumarket.provider.benchmark import cached_benchmarks
+    from gpumarket.provider.daemon import ProviderDaemon
+    from gpumarket.provider.inventory import detect
+
+    config.data_dir.mkdir(parents=True, exist_ok=True)
+    identity = Identity.load_or_create(config.key_path)
+    devices, warning = await asyncio.to_thread(detect, config.cpu_only)
+    if warning:
+        log.warning("%s", warning)
+    benchmarks = await asyncio.to_thread(cached_benchmarks, devices,
+                                         config.data_dir / "benchmark.json")
+    for d in devices:
+        b = benchmarks[d.index]
+        log.info("device %d: %s (%s, %s), %.1f GFLOP/s %s, %.1f GB/s", d.index, d.name,
+                 ACCELERATOR_NAMES[d.accelerator], _gib(d.memory_bytes), b.matmul_flops / 1e9,
+                 b.matmul_dtype, b.memory_bandwidth_bytes_per_s / 1e9)
+    daemon = ProviderDaemon(config, identity, devices, benchmarks)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, daemon.stop)
+    print(f"gpumarket provider {identity.id} serving broker {config.broker}", flush=True)
+    await daemon.run()
+
+
+@cli.command()
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.option("--cpu-only", is_flag=True, help="Show only the CPU device.")
+def devices(as_json: bool, cpu_only: bool) -> None:
+    """List the devices this machine would offer."""
+    from gpumarket.provider.inventory import detect
+
+    found, warning = detect(cpu_only)
+    if warning:
+        click.echo(f"warning: {warning}", err=True)
+    rows = [{"index": d.index, "name": d.name, "uuid": d.uuid,
+             "accelerator": ACCELERATOR_NAMES[d.accelerator], "memory_bytes": d.memory_bytes,
+             "compute_capability": d.compute_capability, "driver_version": d.driver_version,
+             "cuda_version": d.cuda_version, "cpu_cores": d.cpu_cores} for d in found]
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+        return
+    for r in rows:
+        extra = (f"cc {r['compute_capability']}, driver {r['driver_version']}, CUDA "
+                 f"{r['cuda_version']}" if r["accelerator"] == "cuda"
+                 else f"{r['cpu_cores']} cores")
+        click.echo(f"{r['index']}  {r['accelerator']:4}  {r['name']}  "
+                   f"{_gib(r['memory_bytes'])}  {extra}  {r['uuid']}")
+
+
+@cli.command()
+@click.option("--data-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Cache the figures here (as `run` does); without it, always measure.")
+@click.option("--refresh", is_flag=True, help="Measure again even if cached.")
+@click.option("--cpu-only", is_flag=True, help="Benchmark only the CPU device.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def bench(data_dir: Path | None, refresh: bool, cpu_only: bool, as_json: bool) -> None:
+    """Measure each device's matmul throughput and memory bandwidth."""
+    import tempfile
+
+    from gpumarket.provider.benchmark import cached_benchmarks
+    from gpumarket.provider.inventory import detect
+
+    found, warning = detect(cpu_only)
+    if warning:
+        click.echo(f"warning: {warning}", err=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        cache = (data_dir or Path(tmp)) / "benchmark.json"
+        figures = cached_benchmarks(found, cache, refresh=refresh)
+    rows = [{"index": d.index, "name": d.name, "matmul_flops": figures[d.index].matmul_flops,
+             "matmul_dtype": figures[d.index].matmul_dtype,
+             "memory_bandwidth_bytes_per_s": figures[d.index].memory_bandwidth_bytes_per_s}
+            for d in found]
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+        return
+    for r in rows:
+        click.echo(f"{r['index']}  {r['name']}: {r['matmul_flops'] / 1e9:.1f} GFLOP/s "
+                   f"({r['matmul_dtype']} matmul), "
+                   f"{r['memory_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s memory")
+
+
+def main() -> None:
+    cli(prog_name="gpumarket-provider")

@@ -1,0 +1,113 @@
+"""What devices this host can rent out: NVIDIA GPUs through NVML, else the CPU.
+
+No grpc here; NVML calls block, so the daemon calls detect() in a thread.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+from dataclasses import dataclass
+
+from gpumarket.proto.v1 import types_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    index: int
+    name: str
+    uuid: str
+    accelerator: int                 # pb.ACCELERATOR_CPU or pb.ACCELERATOR_CUDA
+    memory_bytes: int
+    compute_capability: str = ""     # "9.0"
+    driver_version: str = ""
+    cuda_version: str = ""           # "12.4"
+    cpu_cores: int = 0
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.accelerator == pb.ACCELERATOR_CUDA
+
+    def message(self, benchmark: pb.Benchmark | None = None) -> pb.Device:
+        d = pb.Device(index=self.index, name=self.name, uuid=self.uuid,
+                      accelerator=self.accelerator, memory_bytes=self.memory_bytes,
+                      compute_capability=self.compute_capability,
+                      driver_version=self.driver_version, cuda_version=self.cuda_version,
+                      cpu_cores=self.cpu_cores)
+        if benchmark is not None:
+            d.benchmark.CopyFrom(benchmark)
+        return d
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "CPU"
+
+
+def cpu_device() -> DeviceInfo:
+    """The host CPU as one device: its usable cores and physical memory."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    host = platform.node().encode()
+    uuid = "CPU-" + hashlib.sha256(host + _cpu_name().encode()).hexdigest()[:16]
+    return DeviceInfo(index=0, name=_cpu_name(), uuid=uuid, accelerator=pb.ACCELERATOR_CPU,
+                      memory_bytes=memory, cpu_cores=cores or 1)
+
+
+def _text(value: object) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def nvidia_devices() -> list[DeviceInfo]:
+    """Every NVIDIA GPU NVML sees; raise RuntimeError with a one-line reason if none."""
+    try:
+        import pynvml
+    except ImportError as exc:
+        raise RuntimeError("nvidia-ml-py is not installed") from exc
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as exc:
+        raise RuntimeError(f"NVML could not start ({exc}): no NVIDIA driver?") from exc
+    try:
+        driver = _text(pynvml.nvmlSystemGetDriverVersion())
+        cuda = pynvml.nvmlSystemGetCudaDriverVersion_v2()
+        cuda_version = f"{cuda // 1000}.{cuda % 1000 // 10}"
+        devices = []
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            h = pynvml.nvmlDeviceGetHandleByIndex(i)
+            major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(h)
+            devices.append(DeviceInfo(
+                index=i,
+                name=_text(pynvml.nvmlDeviceGetName(h)),
+                uuid=_text(pynvml.nvmlDeviceGetUUID(h)),
+                accelerator=pb.ACCELERATOR_CUDA,
+                memory_bytes=int(pynvml.nvmlDeviceGetMemoryInfo(h).total),
+                compute_capability=f"{major}.{minor}",
+                driver_version=driver,
+                cuda_version=cuda_version,
+            ))
+    finally:
+        pynvml.nvmlShutdown()
+    if not devices:
+        raise RuntimeError("NVML found no NVIDIA GPU")
+    return devices
+
+
+def detect(cpu_only: bool = False) -> tuple[list[DeviceInfo], str | None]:
+    """Return (devices, warning): the GPUs, or the CPU and one line saying why."""
+    if cpu_only:
+        return [cpu_device()], None
+    try:
+        return nvidia_devices(), None
+    except RuntimeError as exc:
+        return [cpu_device()], f"no NVIDIA GPU found ({exc}); offering the CPU as a CPU device"

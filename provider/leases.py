@@ -1,0 +1,61 @@
+"""What a provider checks before it runs anything. No grpc here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gpumarket.proto.envelope import open_envelope, payload_sha256
+from gpumarket.proto.errors import BadSignature, Expired, GpumarketError, InvalidArgument
+from gpumarket.proto.identity import fingerprint
+from gpumarket.proto.jobspec import check_fresh, check_spec, kind_name, now_ms
+from gpumarket.proto.v1 import types_pb2 as pb
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """A lease that checked out, with the client's spec it carries."""
+
+    lease: pb.Lease
+    spec: pb.JobSpec
+    client_id: str
+    spec_sha256: str
+
+
+def check_lease(
+    envelope: pb.Envelope,
+    *,
+    broker_public_key: bytes,
+    provider_id: str,
+    device_indices: set[int],
+    kinds: set[int],
+    at_ms: int | None = None,
+) -> Assignment:
+    """Verify a lease and the job spec inside it; return the assignment.
+
+    Raises BadSignature (lease not from this broker, spec not from the lease's client,
+    tampered bytes), Expired (lease or spec past expiry) or InvalidArgument (a lease this
+    provider cannot honour). Nothing may run unless this returns.
+    """
+    at = now_ms() if at_ms is None else at_ms
+    lease, signer = open_envelope(envelope, pb.Lease)
+    if signer != fingerprint(broker_public_key):
+        raise BadSignature("lease is not signed by the broker of this session")
+    if lease.provider_id != provider_id:
+        raise BadSignature(f"lease is for provider {lease.provider_id}, not this one")
+    if lease.expires_at_ms <= at:
+        raise Expired("lease expired before it arrived")
+    spec, client_id = open_envelope(lease.job_spec, pb.JobSpec)
+    if client_id != lease.client_id:
+        raise BadSignature("job spec is not signed by the lease's client")
+    check_spec(spec)
+    check_fresh(spec, at)
+    if spec.kind not in kinds:
+        raise InvalidArgument(f"this provider does not run {kind_name(spec.kind)} jobs")
+    wanted = set(lease.device_indices)
+    if len(wanted) != spec.resources.gpus or not wanted <= device_indices:
+        raise InvalidArgument(f"lease names devices {sorted(wanted)} this provider cannot give")
+    return Assignment(lease, spec, client_id, payload_sha256(lease.job_spec))
+
+
+def refusal(exc: GpumarketError) -> str:
+    return f"{type(exc).__name__}: {exc.message}"

@@ -1,0 +1,1 @@
+"""Job runners: each runs in its own child process (``python -m ... WORKDIR``)."""

@@ -1,0 +1,133 @@
+"""Training checkpoints: safetensors for tensors, JSON for the rest; never pickle.
+
+A checkpoint is a directory written under a temporary name, fsynced, renamed into
+place, and finished with a COMPLETE marker; a directory without the marker is
+ignored, so a write killed halfway leaves the previous checkpoint usable.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, load_model, save_file, save_model
+
+MARKER = "COMPLETE"
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def _optimizer_split(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict]:
+    sd = opt.state_dict()
+    tensors, scalars = {}, {}
+    for pid, st in sd["state"].items():
+        for name, value in st.items():
+            if torch.is_tensor(value):
+                tensors[f"state.{pid}.{name}"] = value.detach().cpu().contiguous()
+            else:
+                scalars.setdefault(str(pid), {})[name] = value
+    return tensors, {"scalars": scalars, "param_groups": sd["param_groups"]}
+
+
+def _optimizer_join(tensors: dict[str, torch.Tensor], meta: dict) -> dict:
+    state: dict[int, dict[str, Any]] = {}
+    for key, value in tensors.items():
+        _, pid, name = key.split(".", 2)
+        state.setdefault(int(pid), {})[name] = value
+    for pid, values in meta["scalars"].items():
+        state.setdefault(int(pid), {}).update(values)
+    groups = meta["param_groups"]
+    for g in groups:
+        if "betas" in g:
+            g["betas"] = tuple(g["betas"])
+    return {"state": state, "param_groups": groups}
+
+
+def rng_state() -> tuple[dict[str, torch.Tensor], dict]:
+    tensors = {"rng.torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        for i, s in enumerate(torch.cuda.get_rng_state_all()):
+            tensors[f"rng.cuda.{i}"] = s
+    version, internal, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    meta = {"python": [version, list(internal), gauss],
+            "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(cached)]}
+    return tensors, meta
+
+
+def set_rng_state(tensors: dict[str, torch.Tensor], meta: dict) -> None:
+    torch.set_rng_state(tensors["rng.torch"])
+    cuda = sorted(k for k in tensors if k.startswith("rng.cuda."))
+    if cuda and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([tensors[k] for k in cuda])
+    version, internal, gauss = meta["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = meta["numpy"]
+    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+
+
+def save(root: Path, step: int, model: torch.nn.Module, opt: torch.optim.Optimizer,
+         sched: Any, extra: dict) -> Path:
+    """Write checkpoint ``root/step-NNNNNNNN`` atomically; return its path."""
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step-{step:08d}"
+    tmp = root / f".tmp-step-{step:08d}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    save_model(model, str(tmp / "model.safetensors"))
+    opt_tensors, opt_meta = _optimizer_split(opt)
+    rng_tensors, rng_meta = rng_state()
+    save_file({**opt_tensors, **rng_tensors}, str(tmp / "state.safetensors"))
+    meta = {"step": step, "optimizer": opt_meta, "scheduler": sched.state_dict(),
+            "rng": rng_meta, **extra}
+    (tmp / "state.json").write_text(json.dumps(meta))
+    for f in tmp.iterdir():
+        _fsync_file(f)
+    _fsync_dir(tmp)
+    if final.exists():
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    (final / MARKER).write_text(str(step))
+    _fsync_file(final / MARKER)
+    _fsync_dir(final)
+    _fsync_dir(root)
+    return final
+
+
+def latest(root: Path) -> Path | None:
+    """The newest complete checkpoint under ``root``."""
+    if not root.is_dir():
+        return None
+    done = sorted(p for p in root.glob("step-*") if (p / MARKER).exists())
+    return done[-1] if done else None
+
+
+def load(path: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any) -> dict:
+    """Restore everything saved by save(); return its JSON metadata."""
+    if not (path / MARKER).exists():
+        raise ValueError(f"{path.name} is not a complete checkpoint")
+    meta = json.loads((path / "state.json").read_text())
+    load_model(model, str(path / "model.safetensors"))
+    tensors = load_file(str(path / "state.safetensors"))
+    opt.load_state_dict(_optimizer_join(
+        {k: v for k, v in tensors.items() if k.startswith("state.")}, meta["optimizer"]))
+    sched.load_state_dict(meta["scheduler"])
+    set_rng_state({k: v for k, v in tensors.items() if k.startswith("rng.")}, meta["rng"])
+    return meta

@@ -1,0 +1,171 @@
+"""Train a causal language model with torch on a JSONL text dataset.
+
+    python -m gpumarket.provider.runners.training WORKDIR
+
+Reads WORKDIR/job.json (written by the daemon), trains with byte-level tokens
+(ids 0-255, so any config with vocab_size >= 256 works), checkpoints every
+``checkpoint_every`` steps, and writes the final weights (safetensors), the
+config and the loss curve to WORKDIR/outputs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from gpumarket.provider.runners import checkpoint
+from gpumarket.provider.runners.report import Reporter
+
+
+class JobError(Exception):
+    """A problem with the job's inputs: reported as one line, no traceback."""
+
+
+def load_tokens(path: Path, seq_len: int) -> torch.Tensor:
+    chunks = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError as exc:
+                raise JobError(f"dataset line {lineno}: not JSON") from exc
+            text = record.get("text") if isinstance(record, dict) else None
+            if not isinstance(text, str):
+                raise JobError(f"dataset line {lineno}: needs a string field \"text\"")
+            chunks.append(text.encode("utf-8") + b"\n")
+    data = b"".join(chunks)
+    if len(data) <= seq_len + 1:
+        raise JobError(f"dataset has {len(data)} bytes; needs more than seq_len + 1 ({seq_len + 1})")
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
+
+
+def batch_for(tokens: torch.Tensor, step: int, seed: int, batch: int, seq_len: int) -> torch.Tensor:
+    """The batch of ``step``: a function of (seed, step) alone, so the data position
+    is the step number and a resumed run sees the same batches."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    starts = torch.randint(0, len(tokens) - seq_len, (batch,), generator=g)
+    return torch.stack([tokens[s: s + seq_len] for s in starts.tolist()])
+
+
+def build_model(job: dict, workdir: Path):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    params = job["params"]
+    inputs = job["inputs"]
+    if params.get("base_model"):
+        target = workdir / "base_model"
+        target.mkdir(exist_ok=True)
+        try:
+            with tarfile.open(inputs[params["base_model"]]) as tar:
+                tar.extractall(target, filter="data")
+        except (tarfile.TarError, OSError) as exc:
+            raise JobError(f"base_model: not a readable model archive ({exc})") from exc
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                target, local_files_only=True, trust_remote_code=False, use_safetensors=True)
+        except (OSError, ValueError) as exc:
+            raise JobError(f"base_model: cannot load ({str(exc).splitlines()[0]})") from exc
+    else:
+        try:
+            raw = json.loads(Path(inputs[params["model_config"]]).read_text())
+            model_type = raw.pop("model_type")
+            config = AutoConfig.for_model(model_type, **raw)
+        except (ValueError, KeyError, TypeError) as exc:
+            raise JobError(f"model_config: not a usable transformers config ({exc})") from exc
+        model = AutoModelForCausalLM.from_config(config)
+    if model.config.vocab_size < 256:
+        raise JobError(f"model vocab_size is {model.config.vocab_size}; byte tokens need >= 256")
+    return model
+
+
+def lr_lambda(warmup: int, total: int):
+    def f(step: int) -> float:
+        if warmup and step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, total - warmup)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return f
+
+
+def train(workdir: Path, report: Reporter) -> None:
+    job = json.loads((workdir / "job.json").read_text())
+    p = job["params"]
+    seed, steps, batch, seq_len = int(p["seed"]), int(p["steps"]), int(p["batch_size"]), int(p["seq_len"])
+    every = int(job.get("checkpoint_every") or 0)
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    device = torch.device("cuda" if job.get("device") == "cuda" and torch.cuda.is_available()
+                          else "cpu")
+    tokens = load_tokens(Path(job["inputs"][p["dataset"]]), seq_len)
+    model = build_model(job, workdir).to(device)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=float(p["learning_rate"]), weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(int(p.get("warmup_steps", 0)), steps))
+    use_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+    losses: list[list[float]] = []
+    start = 0
+    ckpt_root = workdir / "checkpoints"
+    resume = job.get("resume_from")
+    if resume:
+        meta = checkpoint.load(Path(resume), model, opt, sched)
+        start, losses = int(meta["step"]), meta["losses"]
+        report.send("resumed", step=start)
+    t0, tokens_done = time.perf_counter(), 0
+    for step in range(start, steps):
+        x = batch_for(tokens, step, seed, batch, seq_len).to(device)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16):
+            loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        value = float(loss.detach())
+        losses.append([step + 1, value])
+        tokens_done += x.numel()
+        elapsed = time.perf_counter() - t0
+        report.progress(step + 1, steps, loss=value, lr=sched.get_last_lr()[0],
+                        tokens_per_s=tokens_done / elapsed if elapsed > 0 else 0.0)
+        if every and (step + 1) % every == 0 and step + 1 < steps:
+            path = checkpoint.save(ckpt_root, step + 1, model, opt, sched, {"losses": losses})
+            report.checkpoint(step + 1, str(path.relative_to(workdir)))
+    out = workdir / "outputs"
+    out.mkdir(exist_ok=True)
+    model.save_pretrained(out)
+    with open(out / "loss.jsonl", "w") as f:
+        for s, v in losses:
+            f.write(json.dumps({"step": s, "loss": v}) + "\n")
+    elapsed = time.perf_counter() - t0
+    metrics = {"final_loss": losses[-1][1] if losses else float("nan"), "steps": float(steps),
+               "train_seconds": elapsed,
+               "tokens_per_s": tokens_done / elapsed if elapsed > 0 else 0.0}
+    (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
+    report.done(**metrics)
+
+
+def main() -> int:
+    if len(sys.argv) != 2:
+        print("usage: python -m gpumarket.provider.runners.training WORKDIR", file=sys.stderr)
+        return 2
+    try:
+        train(Path(sys.argv[1]), Reporter())
+    except JobError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
