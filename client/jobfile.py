@@ -80,11 +80,11 @@ def _check_table(table: dict, schema: dict, where: str, file: str) -> dict:
     for key in table:
         if key not in schema:
             known = ", ".join(sorted(schema))
-            raise JobFileError(f"{file}: unknown field {where}{key!r} (known: {known})")
+            raise JobFileError(f"{file}: unknown field '{where}{key}' (known: {known})")
     for key, (typ, required) in schema.items():
         if key not in table:
             if required:
-                raise JobFileError(f"{file}: missing required field {where}{key!r}")
+                raise JobFileError(f"{file}: missing required field '{where}{key}'")
             continue
         value = table[key]
         ok = {
@@ -95,7 +95,7 @@ def _check_table(table: dict, schema: dict, where: str, file: str) -> dict:
             "path": isinstance(value, str), "dir_or_file": isinstance(value, str),
         }[typ]
         if not ok:
-            raise JobFileError(f"{file}: field {where}{key!r} must be {_type_name(typ)},"
+            raise JobFileError(f"{file}: field '{where}{key}' must be {_type_name(typ)},"
                                f" got {type(value).__name__} {value!r}")
     return table
 

@@ -1,0 +1,35 @@
+# Two commands do all the set-up on a fresh machine:
+#   make demo   a local marketplace (broker + provider processes, SQLite) runs a real training job
+#   make test   the test suite
+# Both create .venv on first run: torch==2.13.0 first (the CPU build these machines carry on
+# disk; any other torch requirement would pull a multi-GB CUDA build), then the project.
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+
+.PHONY: demo test proto proto-check bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[provider,dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) examples/demo.py
+
+test: $(STAMP)
+	$(PY) scripts/gen_proto.py --check
+	$(PY) -m pytest -q -ra
+
+proto: $(STAMP)
+	$(PY) scripts/gen_proto.py
+
+bench: $(STAMP)
+	$(PY) bench/placement.py
+
+clean:
+	rm -rf $(VENV) demo-output .pytest_cache

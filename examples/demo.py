@@ -1,0 +1,95 @@
+"""A local marketplace on one machine: a broker and a provider as real processes, a signed
+training job submitted with the CLI, watched to the end, and its results verified.
+
+    make demo        (or: .venv/bin/python examples/demo.py)
+
+Everything it writes lands in demo-output/ (broker database, provider work dirs, results).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+OUT = ROOT / "demo-output"
+
+
+def start(args: list[str], log: Path, env: dict) -> subprocess.Popen:
+    return subprocess.Popen(args, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env,
+                            start_new_session=True)
+
+
+def wait_for(check, what: str, timeout: float = 60) -> object:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise SystemExit(f"demo: timed out waiting for {what}")
+
+
+def main() -> int:
+    shutil.rmtree(OUT, ignore_errors=True)
+    OUT.mkdir()
+    env = {**os.environ, "GPUMARKET_HOME": str(OUT / "client-home")}
+    procs = []
+    try:
+        print("== starting the broker (SQLite in demo-output/broker)")
+        procs.append(start([str(BIN / "gpumarket-broker"), "serve", "--listen", "127.0.0.1:0",
+                            "--data-dir", str(OUT / "broker")], OUT / "broker.log", env))
+        info_file = OUT / "broker" / "broker.json"
+        wait_for(info_file.exists, "the broker to listen")
+        address = json.loads(info_file.read_text())["address"]
+        env["GPUMARKET_BROKER"] = address
+        print(f"   broker at {address}")
+        print("== starting a provider (detects devices, benchmarks them, offers them)")
+        procs.append(start([str(BIN / "gpumarket-provider"), "run", "--broker", address,
+                            "--data-dir", str(OUT / "provider"), "--price", "0.80"],
+                           OUT / "provider.log", env))
+        cli = [str(BIN / "gpumarket")]
+
+        def offers():
+            r = subprocess.run([*cli, "offers", "--json"], env=env, capture_output=True,
+                               text=True)
+            return r.returncode == 0 and json.loads(r.stdout)
+
+        wait_for(offers, "the provider's offer", timeout=120)
+        subprocess.run([*cli, "offers"], env=env, check=True)
+        print("== client key")
+        subprocess.run([*cli, "keys", "init"], env=env, check=True)
+        print("== submitting examples/training.toml and watching it")
+        sub = subprocess.run([*cli, "submit", str(ROOT / "examples" / "training.toml"),
+                              "--watch"], env=env, stdout=subprocess.PIPE, text=True)
+        print(sub.stdout, end="")
+        job_id = sub.stdout.split()[0]
+        if sub.returncode != 0:
+            print(f"demo: job {job_id} did not succeed (exit {sub.returncode})")
+            return 1
+        print("== downloading and verifying the results")
+        subprocess.run([*cli, "results", job_id, "-o", str(OUT / "results")], env=env,
+                       check=True)
+        subprocess.run([*cli, "status", job_id], env=env, check=True)
+        print(f"demo: job {job_id} SUCCEEDED; results verified in {OUT / 'results'}")
+        return 0
+    finally:
+        for p in reversed(procs):
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,163 @@
+"""Shared test helpers: real broker and provider processes on loopback, the CLI as a user runs it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+EXAMPLES = ROOT / "examples"
+
+
+def wait_until(check, what: str, timeout: float = 60.0, interval: float = 0.1):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+def training_job(path: Path, *, steps: int = 30, checkpoint_every: int = 10,
+                 config: Path | None = None, extra: str = "", max_price: float = 2.0,
+                 accelerator: str = "any") -> Path:
+    """Write a small training job file that uses the example model config and corpus."""
+    config = config or EXAMPLES / "data" / "tiny-llama.json"
+    path.write_text(f"""
+name = "test-{path.stem}"
+kind = "training"
+max_price = {max_price}
+{extra}
+[resources]
+gpus = 1
+accelerator = "{accelerator}"
+
+[training]
+model_config = "{config}"
+dataset = "{EXAMPLES / 'data' / 'tiny-corpus.jsonl'}"
+steps = {steps}
+batch_size = 4
+seq_len = 32
+learning_rate = 3e-3
+seed = 7
+checkpoint_every = {checkpoint_every}
+""")
+    return path
+
+
+class Process:
+    def __init__(self, args: list[str], log: Path, env: dict[str, str]) -> None:
+        self.log = log
+        self.proc = subprocess.Popen(args, stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                                     env=env, start_new_session=True)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 20) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+class Marketplace:
+    """A broker, any number of providers, and a client home, all under one tmp dir."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.home = root / "client-home"
+        self.broker: Process | None = None
+        self.providers: dict[str, Process] = {}
+        self.address = ""
+
+    @property
+    def env(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("GPUMARKET_")}
+        env.update({"GPUMARKET_HOME": str(self.home), "GPUMARKET_BROKER": self.address,
+                    "COLUMNS": "200"})
+        return env
+
+    def start_broker(self, *extra: str) -> str:
+        data = self.root / "broker"
+        info = data / "broker.json"
+        info.unlink(missing_ok=True)
+        self.broker = Process([str(BIN / "gpumarket-broker"), "serve", "--listen",
+                               "127.0.0.1:0", "--data-dir", str(data), *extra],
+                              self.root / "broker.log", self.env)
+        wait_until(lambda: info.exists() or not self.broker.alive(), "the broker to start")
+        assert self.broker.alive(), self.broker.text()
+        self.address = json.loads(info.read_text())["address"]
+        return self.address
+
+    def start_provider(self, name: str = "p1", price: float = 1.0, *extra: str) -> Process:
+        proc = Process([str(BIN / "gpumarket-provider"), "run", "--broker", self.address,
+                        "--data-dir", str(self.root / name), "--price", str(price), *extra],
+                       self.root / f"{name}.log", self.env)
+        self.providers[name] = proc
+        return proc
+
+    def provider_id(self, name: str) -> str:
+        from gpumarket.proto.identity import Identity
+
+        path = self.root / name / "provider.key"
+        wait_until(path.exists, f"{name}'s key")
+        return Identity.load(path).id
+
+    def wait_for_offers(self, n: int, timeout: float = 90) -> list[dict]:
+        def check():
+            r = self.cli("offers", "--json")
+            return r.returncode == 0 and len(json.loads(r.stdout)) >= n and json.loads(r.stdout)
+
+        return wait_until(check, f"{n} offers", timeout, interval=0.3)
+
+    def cli(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+        return subprocess.run([str(BIN / "gpumarket"), *args], env=self.env, capture_output=True,
+                              text=True, timeout=timeout)
+
+    def job(self, job_id: str) -> dict:
+        r = self.cli("status", job_id, "--json")
+        assert r.returncode == 0, r.stderr
+        return json.loads(r.stdout)
+
+    def wait_state(self, job_id: str, *states: str, timeout: float = 120) -> dict:
+        return wait_until(lambda: (j := self.job(job_id))["state"] in states and j,
+                          f"job {job_id} to reach {states}", timeout, interval=0.3)
+
+    def close(self) -> None:
+        for p in self.providers.values():
+            p.stop()
+        if self.broker is not None:
+            self.broker.stop()
+
+
+def job_processes(marker: str) -> list[int]:
+    """Pids whose command line mentions ``marker`` (a job's work dir)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if marker in cmd:
+            pids.append(int(entry.name))
+    return pids

@@ -1,0 +1,184 @@
+"""The broker's plain code: matcher, job state machine on a real SQLite file, artifact store."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+
+import pytest
+
+from gpumarket.broker import jobs, matcher, views
+from gpumarket.broker.artifact_store import ArtifactStore
+from gpumarket.broker.store import Store
+from gpumarket.proto.envelope import seal
+from gpumarket.proto.errors import FailedPrecondition, InvalidArgument, NotFound, Replay
+from gpumarket.proto.identity import Identity
+from gpumarket.proto.v1 import types_pb2 as pb
+
+CPU, CUDA, ANY = pb.ACCELERATOR_CPU, pb.ACCELERATOR_CUDA, pb.ACCELERATOR_UNSPECIFIED
+TRAIN = pb.JOB_KIND_TRAINING
+GiB = 2**30
+
+
+def offer(pid, price, devices, busy=()):
+    return matcher.OfferView(pid, price, frozenset({TRAIN}),
+                             tuple(matcher.DeviceSlot(i, a, m) for i, (a, m) in
+                                   enumerate(devices)), frozenset(busy))
+
+
+def need(gpus=1, mem=0, accel=ANY, price=10.0):
+    return matcher.JobNeeds("j", TRAIN, gpus, mem, accel, price)
+
+
+def test_first_fit_respects_every_hard_constraint():
+    offers = [
+        offer("expensive", 9.0, [(CUDA, 80 * GiB)] * 8),
+        offer("small", 1.0, [(CUDA, 16 * GiB)] * 2),
+        offer("cpu", 0.1, [(CPU, 64 * GiB)]),
+        offer("busy", 1.0, [(CUDA, 80 * GiB)] * 2, busy={0}),
+        offer("fits", 2.0, [(CUDA, 40 * GiB), (CUDA, 80 * GiB), (CUDA, 80 * GiB)]),
+    ]
+    placed, excluded = matcher.first_fit(need(2, 40 * GiB, CUDA, 5.0), offers)
+    assert placed.provider_id == "fits"
+    assert placed.device_indices == (0, 1)  # smallest devices that suffice
+    assert excluded == {"price": 1, "memory": 1, "gpus": 1, "busy": 1}
+    _, excluded = matcher.first_fit(need(1, 0, CUDA), [offer("cpu", 0.1, [(CPU, GiB)])])
+    assert excluded == {"accelerator": 1}
+
+
+def test_no_fit_explains_why():
+    offers = [offer("a", 3.0, [(CPU, GiB)]), offer("b", 0.5, [(CPU, GiB)], busy={0})]
+    placed, excluded = matcher.first_fit(need(price=1.0), offers)
+    assert placed is None
+    assert matcher.explain(excluded, 2) == ("waiting: of 2 offers, 1 ask more than "
+                                            "max_price_per_gpu_hour; 1 are busy with other jobs")
+    assert matcher.explain(excluded, 0) == "waiting: no provider is online"
+
+
+def new_job(client: Identity, job_id="j1", nonce="00" * 16, max_attempts=2):
+    env = seal(client, pb.JobSpec(name="x", kind=TRAIN))
+    return jobs.NewJob(id=job_id, client_id=client.id, name="x", kind=TRAIN,
+                       spec=env.SerializeToString(), spec_sha256="0" * 64, gpus=1,
+                       min_memory_bytes=0, accelerator=ANY, max_price_per_gpu_hour=1.0,
+                       expires_at_ms=10**13, max_attempts=max_attempts, nonce=nonce)
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = Store(tmp_path / "broker.db")
+    s.open()
+    yield s
+    s.close()
+
+
+def test_lifecycle_and_epochs(store):
+    broker, client = Identity.generate(), Identity.generate()
+
+    async def scenario():
+        w = store.write
+        await w(jobs.submit, new_job(client), 1)
+        with pytest.raises(Replay):
+            await w(jobs.submit, new_job(client, job_id="j2"), 2)
+        sign = lambda lease: seal(broker, lease)  # noqa: E731
+        await w(jobs.create_lease, "j1", "p1", [0], 1.0, 3, 60_000, 10, sign)
+        await w(jobs.mark_started, "j1", 1, "p1", 4)
+        # p2 does not hold the lease
+        with pytest.raises(FailedPrecondition):
+            await w(jobs.record_progress, "j1", 1, "p2", pb.Progress(step=1, total=2), 5)
+        await w(jobs.record_progress, "j1", 1, "p1", pb.Progress(step=1, total=2), 5)
+        # the lease is lost: attempt 2 on epoch 2; epoch 1 is stale from now on
+        assert await w(jobs.lose_lease, "j1.1", "missed heartbeats", 6)
+        with pytest.raises(FailedPrecondition, match="stale"):
+            await w(jobs.record_progress, "j1", 1, "p1", pb.Progress(step=2, total=2), 7)
+        await w(jobs.create_lease, "j1", "p2", [0], 1.0, 8, 60_000, 10, sign)
+        assert await w(jobs.renew_leases, "p1", [("j1", 1)], 9) == [("j1", 1)]
+        assert await w(jobs.renew_leases, "p2", [("j1", 2)], 9) == []
+        # losing the second lease exceeds max_attempts=2: the job fails
+        await w(jobs.lose_lease, "j1.2", "provider session ended", 10)
+        job = await store.read(views.get_job, "j1")
+        assert job.state == pb.JOB_STATE_FAILED
+        assert "gave up after 2 attempts" in job.error
+        assert [(a.epoch, a.outcome) for a in job.attempts] == [(1, "lost"), (2, "lost")]
+        events = await store.read(views.events_after, "j1", 0)
+        assert [e.type for e in events] == ["submitted", "leased", "started", "progress",
+                                            "requeued", "leased", "failed"]
+        with pytest.raises(NotFound):
+            await store.read(views.get_job, "nope")
+
+    asyncio.run(scenario())
+
+
+def test_cancel_is_the_owners_alone(store):
+    broker, client, other = Identity.generate(), Identity.generate(), Identity.generate()
+
+    async def scenario():
+        await store.write(jobs.submit, new_job(client), 1)
+        await store.write(jobs.create_lease, "j1", "p1", [0], 1.0, 2, 60_000, 10,
+                          lambda lease: seal(broker, lease))
+        with pytest.raises(NotFound):
+            await store.write(jobs.cancel, "j1", other.id, 3)
+        state, ended = await store.write(jobs.cancel, "j1", client.id, 3)
+        assert state == pb.JOB_STATE_CANCELLED
+        assert ended == jobs.EndedLease("j1", 1, "p1")
+        assert await store.read(views.busy_devices) == {}
+
+    asyncio.run(scenario())
+
+
+def test_a_failed_write_leaves_nothing(store):
+    client = Identity.generate()
+
+    def half_then_fail(db):
+        jobs.submit(db, new_job(client), 1)
+        raise RuntimeError("boom")
+
+    async def scenario():
+        with pytest.raises(RuntimeError):
+            await store.write(half_then_fail)
+        assert await store.read(lambda db: db.execute("SELECT count(*) FROM jobs").fetchone()[0]) == 0
+        assert await store.read(lambda db: db.execute("SELECT count(*) FROM events").fetchone()[0]) == 0
+
+    asyncio.run(scenario())
+
+
+def test_artifact_upload_resumes_and_checks_the_hash(tmp_path):
+    store = ArtifactStore(tmp_path, max_blob_bytes=1 << 20)
+    data = b"x" * 1000
+    sha = hashlib.sha256(data).hexdigest()
+    up = store.begin_upload(sha, len(data), 0)
+    up.write(data[:400])
+    up.close()  # connection broke
+    assert store.stat(sha).received_bytes == 400
+    with pytest.raises(FailedPrecondition, match="offset 400"):
+        store.begin_upload(sha, len(data), 0)
+    up = store.begin_upload(sha, len(data), 400)
+    up.write(data[400:])
+    assert up.finish() == 1000
+    assert store.stat(sha).complete
+    assert store.begin_upload(sha, len(data), 0) is None  # deduplicated
+
+    bad = hashlib.sha256(b"other").hexdigest()
+    up = store.begin_upload(bad, 5, 0)
+    up.write(b"wrong")
+    with pytest.raises(InvalidArgument, match="hash to"):
+        up.finish()
+    assert not store.stat(bad).complete and store.stat(bad).received_bytes == 0
+    with pytest.raises(InvalidArgument, match="over the broker's limit"):
+        store.begin_upload(sha.replace("a", "b", 1) if "a" in sha else "c" * 64, 2 << 20, 0)
+    with pytest.raises(InvalidArgument):
+        store.blob_path("../../etc/passwd")
+
+
+def test_busy_devices_view(store):
+    broker, client = Identity.generate(), Identity.generate()
+
+    async def scenario():
+        await store.write(jobs.submit, new_job(client), 1)
+        await store.write(jobs.create_lease, "j1", "p1", [1, 3], 1.0, 2, 60_000, 10,
+                          lambda lease: seal(broker, lease))
+        assert await store.read(views.busy_devices) == {"p1": {1, 3}}
+        row = await store.read(jobs.job_row, "j1")
+        assert json.loads(row["progress_metrics"]) == {}
+
+    asyncio.run(scenario())

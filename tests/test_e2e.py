@@ -1,0 +1,131 @@
+"""The marketplace end to end: real broker and provider processes, the public CLI."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+from safetensors.numpy import load_file
+
+from tests.helpers import EXAMPLES, job_processes, training_job, wait_until
+
+pytestmark = pytest.mark.e2e
+
+
+def submit(market, job_file, *args):
+    r = market.cli("submit", str(job_file), *args)
+    return r, (r.stdout.split()[0] if r.stdout.strip() else "")
+
+
+def test_training_job_end_to_end(market, tmp_path):
+    market.start_provider("p1", 0.5)
+    offers = market.wait_for_offers(1)
+    (device,) = offers[0]["devices"]
+    assert device["accelerator"] == "ACCELERATOR_CPU"  # advertised honestly as a CPU
+    assert device["benchmark"]["matmul_flops"] > 0
+
+    r, job_id = submit(market, training_job(tmp_path / "job.toml", steps=30), "--watch")
+    assert r.returncode == 0, r.stdout + r.stderr
+    for line in ("QUEUED", "LEASED", "RUNNING", "checkpoint", "SUCCEEDED"):
+        assert line in r.stdout
+
+    out = tmp_path / "results"
+    r = market.cli("results", job_id, "-o", str(out))
+    assert r.returncode == 0, r.stderr
+    assert "verified" in r.stdout
+    losses = [json.loads(line) for line in (out / "loss.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in losses] == list(range(1, 31))
+    assert losses[-1]["loss"] < losses[0]["loss"]
+    weights = load_file(out / "model.safetensors")
+    assert weights and all(w.size for w in weights.values())
+    receipt = json.loads((out / "receipt.json").read_text())
+    assert receipt["provider_id"] == market.provider_id("p1")
+    assert {o["name"] for o in receipt["outputs"]} >= {"model.safetensors", "config.json",
+                                                       "loss.jsonl", "metrics.json"}
+
+    job = market.job(job_id)
+    assert job["state"] == "SUCCEEDED"
+    assert job["attempts"][0]["outcome"] == "succeeded"
+    listed = json.loads(market.cli("list", "--json").stdout)
+    assert [j["job_id"] for j in listed] == [job_id]
+
+
+def test_job_queues_while_nothing_fits(market, tmp_path):
+    market.start_provider("p1", 5.0)
+    market.wait_for_offers(1)
+    r, job_id = submit(market, training_job(tmp_path / "cheap.toml", max_price=1.0))
+    assert r.returncode == 0, r.stderr
+    job = wait_until(lambda: (j := market.job(job_id)).get("queue_reason") and j,
+                     "a queue reason")
+    assert job["state"] == "QUEUED"
+    assert "1 ask more than max_price_per_gpu_hour" in job["queue_reason"]
+    r, cuda_job = submit(market, training_job(tmp_path / "cuda.toml", accelerator="cuda",
+                                              max_price=10.0))
+    job = wait_until(lambda: (j := market.job(cuda_job)).get("queue_reason") and j,
+                     "a queue reason")
+    assert job["state"] == "QUEUED"
+    assert "accelerator" in job["queue_reason"]
+
+
+def test_crashing_job_fails_and_daemon_keeps_serving(market, tmp_path):
+    provider = market.start_provider("p1")
+    market.wait_for_offers(1)
+    bad = json.loads((EXAMPLES / "data" / "tiny-llama.json").read_text())
+    bad["num_attention_heads"] = 5  # hidden_size 64 is not divisible by 5: the model raises
+    config = tmp_path / "bad-config.json"
+    config.write_text(json.dumps(bad))
+    r, job_id = submit(market, training_job(tmp_path / "crash.toml", config=config), "--watch")
+    assert r.returncode == 3, r.stdout + r.stderr
+    job = market.job(job_id)
+    assert job["state"] == "FAILED"
+    assert "exited with code 1" in job["error"]
+    assert provider.alive()
+
+    r, job_id = submit(market, training_job(tmp_path / "next.toml", steps=10), "--watch")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert market.job(job_id)["state"] == "SUCCEEDED"
+
+
+def test_cancel_running_job(market, tmp_path):
+    provider = market.start_provider("p1")
+    market.wait_for_offers(1)
+    r, job_id = submit(market, training_job(tmp_path / "long.toml", steps=1_000_000,
+                                            checkpoint_every=0))
+    assert r.returncode == 0, r.stderr
+    wait_until(lambda: market.job(job_id)["progress"].get("step", "0") not in ("0", 0),
+               "the job to make progress", timeout=120, interval=0.3)
+    workdir = str(market.root / "p1" / "jobs" / f"{job_id}.1")
+    assert job_processes(workdir), "the job's process should be running"
+
+    r = market.cli("cancel", job_id)
+    assert r.returncode == 0, r.stderr
+    assert "CANCELLED" in r.stdout
+    started = time.monotonic()
+    wait_until(lambda: not job_processes(workdir), "the job's process to end", timeout=15)
+    assert time.monotonic() - started < 15
+    job = market.job(job_id)
+    assert job["state"] == "CANCELLED"
+    assert job["attempts"][0]["outcome"] == "cancelled"
+    r = market.cli("watch", job_id)
+    assert r.returncode == 4
+    assert provider.alive()
+
+    r, job_id = submit(market, training_job(tmp_path / "after.toml", steps=5), "--watch")
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_provider_session_loss_requeues_on_another_provider(market, tmp_path):
+    p1 = market.start_provider("p1", 0.5)
+    market.wait_for_offers(1)
+    r, job_id = submit(market, training_job(tmp_path / "long.toml", steps=400,
+                                            checkpoint_every=0))
+    assert r.returncode == 0, r.stderr
+    market.wait_state(job_id, "RUNNING")
+    p1.stop()  # SIGTERM: the daemon ends its jobs and its session
+    job = market.wait_state(job_id, "QUEUED")
+    assert job["attempt"] == 2
+    market.start_provider("p2", 0.5)
+    job = market.wait_state(job_id, "SUCCEEDED", timeout=300)
+    assert job["provider_id"] == market.provider_id("p2")
+    assert [a["outcome"] for a in job["attempts"]] == ["lost", "succeeded"]

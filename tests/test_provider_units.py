@@ -1,0 +1,183 @@
+"""The provider's plain code: lease checks, inventory, executor, the training runner."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gpumarket.proto.envelope import seal
+from gpumarket.proto.errors import BadSignature, Expired, InvalidArgument
+from gpumarket.proto.identity import Identity
+from gpumarket.proto.jobspec import now_ms
+from gpumarket.proto.v1 import types_pb2 as pb
+from gpumarket.provider.executor import JobProcess, job_env
+from gpumarket.provider.inventory import detect
+from gpumarket.provider.leases import check_lease
+from tests.helpers import EXAMPLES, ROOT
+from tests.test_protocol import spec as make_spec
+
+BROKER, CLIENT, PROVIDER = Identity.generate(), Identity.generate(), Identity.generate()
+
+
+def lease_envelope(spec_env=None, *, signer=BROKER, provider=PROVIDER.id, devices=(0,),
+                   expires_in=60_000):
+    spec_env = spec_env or seal(CLIENT, make_spec())
+    lease = pb.Lease(lease_id="j.1", job_id="j", attempt=1, epoch=1, provider_id=provider,
+                     client_id=CLIENT.id, device_indices=list(devices), issued_at_ms=now_ms(),
+                     expires_at_ms=now_ms() + expires_in, job_spec=spec_env)
+    return seal(signer, lease)
+
+
+def check(env, kinds=(pb.JOB_KIND_TRAINING,)):
+    return check_lease(env, broker_public_key=BROKER.public_key, provider_id=PROVIDER.id,
+                       device_indices={0, 1}, kinds=set(kinds))
+
+
+def test_a_good_lease_checks_out():
+    a = check(lease_envelope())
+    assert a.client_id == CLIENT.id and a.lease.job_id == "j"
+
+
+def test_leases_that_must_not_run():
+    tampered = seal(CLIENT, make_spec())
+    payload = bytearray(tampered.payload)
+    payload[-3] ^= 0x01
+    tampered.payload = bytes(payload)
+    expired = make_spec()
+    expired.created_at_ms, expired.expires_at_ms = now_ms() - 7200_000, now_ms() - 1000
+    cases = [
+        (lease_envelope(tampered), BadSignature, "does not verify"),
+        (lease_envelope(seal(CLIENT, expired)), Expired, "expired"),
+        (lease_envelope(seal(Identity.generate(), make_spec())), BadSignature, "lease's client"),
+        (lease_envelope(signer=Identity.generate()), BadSignature, "not signed by the broker"),
+        (lease_envelope(provider="someone-else"), BadSignature, "not this one"),
+        (lease_envelope(expires_in=-1), Expired, "lease expired"),
+        (lease_envelope(devices=(7,)), InvalidArgument, "cannot give"),
+    ]
+    for env, error, message in cases:
+        with pytest.raises(error, match=message):
+            check(env)
+    with pytest.raises(InvalidArgument, match="does not run training"):
+        check(lease_envelope(), kinds=())
+
+
+def test_without_a_gpu_the_cpu_is_offered_honestly():
+    devices, warning = detect()
+    if devices[0].accelerator == pb.ACCELERATOR_CUDA:
+        pytest.skip("this host has NVIDIA GPUs")
+    assert [d.accelerator for d in devices] == [pb.ACCELERATOR_CPU]
+    assert devices[0].cpu_cores >= 1 and devices[0].memory_bytes > 0
+    assert warning and "offering the CPU" in warning and "\n" not in warning
+
+
+@pytest.mark.cuda
+def test_nvml_sees_the_gpus():
+    pytest.importorskip("pynvml")
+    from gpumarket.provider.inventory import nvidia_devices
+
+    try:
+        devices = nvidia_devices()
+    except RuntimeError as exc:
+        pytest.skip(f"no NVIDIA GPU: {exc}")
+    assert all(d.memory_bytes > 0 and d.compute_capability for d in devices)
+
+
+def _run_module(tmp_path: Path, source: str, stop_after: float | None = None, grace=1.0):
+    pkg = tmp_path / "pkgs"
+    pkg.mkdir(exist_ok=True)
+    (pkg / "fake_runner.py").write_text(source)
+    workdir = tmp_path / "work"
+    workdir.mkdir(exist_ok=True)
+    env = job_env(workdir, "", None)
+    env["PYTHONPATH"] = str(pkg)
+    reports = []
+
+    async def on_report(r):
+        reports.append(r)
+
+    async def scenario():
+        proc = JobProcess("fake_runner", workdir, env, on_report, max_runtime_s=60,
+                          grace_s=grace)
+        task = asyncio.create_task(proc.run())
+        if stop_after is not None:
+            await asyncio.sleep(stop_after)
+            await proc.stop("cancelled")
+        return await task
+
+    return asyncio.run(scenario()), reports, workdir
+
+
+def test_executor_reports_a_crash_with_its_last_line(tmp_path):
+    outcome, reports, _ = _run_module(tmp_path, """
+import json, os
+out = os.fdopen(int(os.environ["GPUMARKET_REPORT_FD"]), "w")
+out.write(json.dumps({"event": "progress", "step": 1, "total": 2}) + "\\n"); out.flush()
+raise RuntimeError("the model exploded")
+""")
+    assert outcome.exit_code == 1 and outcome.done is None
+    assert "RuntimeError: the model exploded" in outcome.error
+    assert reports == [{"event": "progress", "step": 1, "total": 2}]
+
+
+def test_executor_env_is_clean(tmp_path):
+    os.environ["GPUMARKET_SECRET_FOR_TEST"] = "hunter2"
+    try:
+        outcome, reports, workdir = _run_module(tmp_path, """
+import json, os
+out = os.fdopen(int(os.environ["GPUMARKET_REPORT_FD"]), "w")
+out.write(json.dumps({"event": "done", "metrics": {"n": len(os.environ)}, "env": sorted(os.environ)}) + "\\n")
+""")
+    finally:
+        del os.environ["GPUMARKET_SECRET_FOR_TEST"]
+    assert outcome.exit_code == 0
+    assert "GPUMARKET_SECRET_FOR_TEST" not in outcome.done["env"]
+    assert "CUDA_VISIBLE_DEVICES" in outcome.done["env"]
+
+
+def test_executor_kills_a_job_that_ignores_sigterm(tmp_path):
+    outcome, _, _ = _run_module(tmp_path, """
+import signal, time, subprocess, sys
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+time.sleep(600)
+""", stop_after=2.0, grace=0.5)
+    assert outcome.killed and outcome.exit_code == -signal.SIGKILL
+    assert "cancelled" in outcome.error
+
+
+def _train(workdir: Path, steps: int, resume: str | None = None) -> None:
+    inputs = workdir / "inputs"
+    inputs.mkdir(parents=True, exist_ok=True)
+    shutil.copy(EXAMPLES / "data" / "tiny-llama.json", inputs / "model_config.json")
+    shutil.copy(EXAMPLES / "data" / "tiny-corpus.jsonl", inputs / "dataset.jsonl")
+    job = {"job_id": "t", "params": {"model_config": "model_config.json",
+                                     "dataset": "dataset.jsonl", "steps": steps,
+                                     "batch_size": 4, "seq_len": 32, "learning_rate": 3e-3,
+                                     "seed": "11", "warmup_steps": 2},
+           "inputs": {"model_config.json": str(inputs / "model_config.json"),
+                      "dataset.jsonl": str(inputs / "dataset.jsonl")},
+           "checkpoint_every": 5, "device": "cpu", "resume_from": resume}
+    (workdir / "job.json").write_text(json.dumps(job))
+    r = subprocess.run([sys.executable, "-m", "gpumarket.provider.runners.training",
+                        str(workdir)], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+
+
+def test_training_resumes_bitwise_from_a_checkpoint(tmp_path):
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    _train(whole, 12)
+    ckpt = whole / "checkpoints" / "step-00000005"
+    assert (ckpt / "COMPLETE").exists()
+    _train(resumed, 12, resume=str(ckpt))
+    assert (whole / "outputs" / "model.safetensors").read_bytes() == \
+        (resumed / "outputs" / "model.safetensors").read_bytes()
+    assert (whole / "outputs" / "loss.jsonl").read_text() == \
+        (resumed / "outputs" / "loss.jsonl").read_text()
