@@ -35,16 +35,20 @@ def cli() -> None:
               help="Seconds between provider heartbeats.")
 @click.option("--max-attempts", type=int, default=5, show_default=True,
               help="Leases a job may lose before it fails.")
+@click.option("--artifact-grace", type=float, default=24 * 3600.0, show_default=True,
+              help="Seconds an artifact no job references is kept before it is deleted.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
 def serve(listen: str, data_dir: Path, lease_timeout: float, heartbeat_interval: float,
-          max_attempts: int, log_level: str) -> None:
+          max_attempts: int, artifact_grace: float, log_level: str) -> None:
     """Serve the broker's gRPC API until SIGTERM."""
     _log_setup(log_level)
     if heartbeat_interval <= 0 or lease_timeout <= heartbeat_interval:
         raise click.UsageError("--lease-timeout must be longer than --heartbeat-interval")
     config = BrokerConfig(data_dir=data_dir, listen=listen, lease_timeout_s=lease_timeout,
-                          heartbeat_interval_s=heartbeat_interval, max_attempts=max_attempts)
+                          heartbeat_interval_s=heartbeat_interval, max_attempts=max_attempts,
+                          artifact_grace_s=artifact_grace,
+                          gc_interval_s=min(60.0, max(1.0, artifact_grace / 2)))
     try:
         asyncio.run(serve_main(config))
     except GpumarketError as exc:

@@ -14,7 +14,8 @@ class BrokerConfig:
     heartbeat_interval_s: float = 3.0      # what providers are told to send
     accept_within_s: float = 60.0          # a provider must accept a lease within this
     max_attempts: int = 5                  # leases a job may lose before it fails
-    default_checkpoint_every: int = 50     # steps, when the job leaves it to the broker
+    artifact_grace_s: float = 24 * 3600    # unreferenced blobs older than this are deleted
+    gc_interval_s: float = 60.0            # how often to look for them
     max_artifact_bytes: int = 64 << 30     # largest blob accepted
     schedule_interval_s: float = 1.0       # placement pass at least this often
     shutdown_grace_s: float = 5.0          # in-flight RPCs get this long on SIGTERM

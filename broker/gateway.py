@@ -72,6 +72,7 @@ class ProviderGatewayServicer(gateway_pb2_grpc.ProviderGatewayServicer):
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "handshake took too long")
             return
         session = self.state.sessions.open(provider_id)
+        session.row_id = await self.state.store.write(_session_started, provider_id, now_ms())
         log.info("provider %s connected", provider_id)
         cfg = self.state.config
         await context.write(gw.BrokerMessage(welcome=gw.SessionWelcome(
@@ -82,7 +83,14 @@ class ProviderGatewayServicer(gateway_pb2_grpc.ProviderGatewayServicer):
         writer = asyncio.create_task(self._write_loop(session, context))
         try:
             while not session.closed:
-                message = await context.read()
+                try:
+                    message = await asyncio.wait_for(context.read(), cfg.lease_timeout_s)
+                except TimeoutError:
+                    # Heartbeats stopped: end the stream, so a provider that was only frozen
+                    # sees it end, reconnects, and learns which of its leases are gone.
+                    log.warning("provider %s went silent for %.0fs; ending its session",
+                                provider_id, cfg.lease_timeout_s)
+                    break
                 if message is grpc.aio.EOF:
                     break
                 await self._handle(session, message)
@@ -94,7 +102,8 @@ class ProviderGatewayServicer(gateway_pb2_grpc.ProviderGatewayServicer):
             log.exception("provider %s session failed", provider_id)
         finally:
             writer.cancel()
-            await self._closed(session)
+            # The handler may be cancelled; the bookkeeping must still happen.
+            await asyncio.shield(self._closed(session))
 
     async def _handshake(self, context: grpc.aio.ServicerContext) -> str:
         first = await asyncio.wait_for(context.read(), HANDSHAKE_TIMEOUT_S)
@@ -129,7 +138,10 @@ class ProviderGatewayServicer(gateway_pb2_grpc.ProviderGatewayServicer):
             await context.write(message)
 
     async def _closed(self, session: ProviderSession) -> None:
-        if not self.state.sessions.close(session):
+        current = self.state.sessions.close(session)
+        await self.state.store.write(_session_ended, session.row_id, now_ms(),
+                                     "replaced" if not current else "ended")
+        if not current:
             return  # replaced by a newer session of the same provider
         log.info("provider %s disconnected", session.provider_id)
         await self.state.store.write(_provider_offline, session.provider_id, now_ms())
@@ -152,10 +164,16 @@ class ProviderGatewayServicer(gateway_pb2_grpc.ProviderGatewayServicer):
             session.offer = offer_view(offer)
             self.state.placement.notify()
         elif kind == "heartbeat":
+            if message.heartbeat.draining and session.offer is not None:
+                log.info("provider %s is draining; its offer is withdrawn", session.provider_id)
+                session.offer = None
+                await self.state.store.write(_withdraw_offer, session.provider_id)
             running = [(r.job_id, r.epoch) for r in message.heartbeat.running]
             stale = await self.state.store.write(jobs.renew_leases, session.provider_id,
                                                  running, now_ms())
             for job_id, epoch in stale:
+                log.info("provider %s still runs job %s under stale epoch %d; told to stop",
+                         session.provider_id, job_id, epoch)
                 session.send(gw.BrokerMessage(cancel=gw.CancelLease(
                     job_id=job_id, epoch=epoch, reason="this lease is no longer yours")))
         elif kind == "job_update":
@@ -166,22 +184,30 @@ class ProviderGatewayServicer(gateway_pb2_grpc.ProviderGatewayServicer):
     async def _job_update(self, session: ProviderSession, update: gw.JobUpdate) -> None:
         store, pid, now = self.state.store, session.provider_id, now_ms()
         which = update.WhichOneof("update")
-        final = which in ("failed", "receipt", "rejected")
+        final = which in ("failed", "receipt", "rejected", "released")
         try:
             if which == "started":
-                await store.write(jobs.mark_started, update.job_id, update.epoch, pid, now)
+                await store.write(jobs.mark_started, update.job_id, update.epoch, pid, now,
+                                  update.started.resumed_from_step)
             elif which == "progress":
                 await store.write(jobs.record_progress, update.job_id, update.epoch, pid,
                                   update.progress, now)
             elif which == "checkpoint":
+                c = update.checkpoint
                 await store.write(jobs.record_checkpoint, update.job_id, update.epoch, pid,
-                                  update.checkpoint, now)
+                                  c.step, c.artifact, c.write_seconds, now)
+            elif which == "released":
+                await store.write(jobs.release, update.job_id, update.epoch, pid,
+                                  update.released.reason[:500] or "released by provider", now)
             elif which == "failed":
                 await store.write(jobs.fail, update.job_id, update.epoch, pid,
                                   update.failed.error[:2000] or "job failed", now)
             elif which == "rejected":
-                await store.write(jobs.fail, update.job_id, update.epoch, pid,
-                                  f"provider refused the job: {update.rejected.reason[:1000]}", now)
+                # Not the job's fault as far as the broker knows: it goes to another provider
+                # (and fails once it has used up its attempts).
+                await store.write(jobs.release, update.job_id, update.epoch, pid,
+                                  f"provider refused the lease: {update.rejected.reason[:500]}",
+                                  now, "rejected")
             elif which == "receipt":
                 await self._receipt(pid, update, now)
             else:
@@ -250,9 +276,22 @@ def _store_offer(db, provider_id: str, envelope: bytes, offer: pb.Offer, now: in
                         pk="provider_id")
 
 
+def _withdraw_offer(db, provider_id: str) -> None:
+    db.execute("DELETE FROM offers WHERE provider_id = ?", [provider_id])
+
+
 def _provider_offline(db, provider_id: str, now: int) -> None:
-    """The session ended: its offer expires and its active leases are lost."""
+    """The session ended: its offer expires. Its leases stay until they miss heartbeats for
+    the lease timeout, so a provider that reconnects in time (a restarted daemon, a network
+    blip, a restarted broker) re-attaches to its running jobs instead of losing them."""
     db.execute("UPDATE providers SET online = 0, last_seen_ms = ? WHERE id = ?", [now, provider_id])
     db.execute("DELETE FROM offers WHERE provider_id = ?", [provider_id])
-    for lease_id in views.active_leases_of(db, provider_id):
-        jobs.lose_lease(db, lease_id, "provider session ended", now)
+
+
+def _session_started(db, provider_id: str, now: int) -> int:
+    return db["provider_sessions"].insert({"provider_id": provider_id, "started_ms": now}).last_pk
+
+
+def _session_ended(db, row_id: int, now: int, reason: str) -> None:
+    db.execute("UPDATE provider_sessions SET ended_ms = ?, end_reason = ? WHERE id = ?"
+               " AND ended_ms IS NULL", [now, reason, row_id])

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from sqlite_utils import Database
 
-from gpumarket.proto.errors import FailedPrecondition, NotFound, Replay
+from gpumarket.proto.errors import FailedPrecondition, InvalidArgument, NotFound, Replay
 from gpumarket.proto.jobspec import TERMINAL_STATES, state_name
 from gpumarket.proto.v1 import types_pb2 as pb
 
@@ -41,6 +41,7 @@ class NewJob:
     expires_at_ms: int
     max_attempts: int
     nonce: str             # hex
+    inputs: tuple[str, ...] = ()   # sha256 of each input
 
 
 @dataclass(frozen=True)
@@ -110,6 +111,9 @@ def submit(db: Database, job: NewJob, now: int) -> None:
             "epoch": 0, "created_at_ms": now, "updated_at_ms": now,
         }
     )
+    for sha in set(job.inputs):
+        db.execute("INSERT OR IGNORE INTO artifact_refs (sha256, job_id, role) VALUES (?, ?, ?)",
+                   [sha, job.id, "input"])
     append_event(db, job.id, "submitted", QUEUED, 1, now, message=f"submitted by {job.client_id}")
 
 
@@ -123,6 +127,8 @@ def create_lease(
     accept_within_ms: int,
     checkpoint_every: int,
     sign: Callable[[pb.Lease], pb.Envelope],
+    provider_mtbf_s: float = 0.0,
+    checkpoint_interval_s: float = 0.0,
 ) -> pb.Envelope:
     """Lease a QUEUED job to a provider; return the signed Lease envelope."""
     job = job_row(db, job_id)
@@ -141,6 +147,8 @@ def create_lease(
         device_indices=device_indices,
         issued_at_ms=now,
         expires_at_ms=now + accept_within_ms,
+        provider_mtbf_s=provider_mtbf_s,
+        checkpoint_interval_s=checkpoint_interval_s,
     )
     if job["resume_from"]:
         lease.resume_from.CopyFrom(pb.ArtifactRef(**json.loads(job["resume_from"])))
@@ -156,9 +164,10 @@ def create_lease(
     )
     _set_job(db, job_id, now, state=LEASED, epoch=epoch, provider_id=provider_id,
              lease_id=lease.lease_id, queue_reason="")
+    resume = f", resuming from step {job['checkpoint_step']}" if job["resume_from"] else ""
     append_event(db, job_id, "leased", LEASED, lease.attempt, now, provider_id=provider_id,
                  message=f"leased to {provider_id} at {price_per_gpu_hour:g}/GPU-hour"
-                 f" (attempt {lease.attempt})")
+                 f" (attempt {lease.attempt}{resume})")
     return envelope
 
 
@@ -180,14 +189,16 @@ def _current(db: Database, job_id: str, epoch: int, provider_id: str) -> tuple[d
     return job, lease
 
 
-def mark_started(db: Database, job_id: str, epoch: int, provider_id: str, now: int) -> None:
+def mark_started(db: Database, job_id: str, epoch: int, provider_id: str, now: int,
+                 resumed_from_step: int = 0) -> None:
     job, lease = _current(db, job_id, epoch, provider_id)
     db.execute("UPDATE leases SET started_at_ms = ?, renewed_at_ms = ? WHERE id = ?",
                [now, now, lease["id"]])
     if job["state"] == LEASED:
         _set_job(db, job_id, now, state=RUNNING)
+        where = f", resumed from step {resumed_from_step}" if resumed_from_step else ""
         append_event(db, job_id, "started", RUNNING, job["attempt"], now,
-                     provider_id=provider_id, message=f"running on {provider_id}")
+                     provider_id=provider_id, message=f"running on {provider_id}{where}")
 
 
 def record_progress(
@@ -203,12 +214,39 @@ def record_progress(
 
 
 def record_checkpoint(
-    db: Database, job_id: str, epoch: int, provider_id: str, report: object, now: int
-) -> None:
+    db: Database, job_id: str, epoch: int, provider_id: str, step: int, artifact: pb.ArtifactRef,
+    write_seconds: float, now: int,
+) -> bool:
+    """Make a stored, hash-checked checkpoint the job's latest; False if it is not newer.
+
+    Raises InvalidArgument if the artifact was not uploaded intact (its hash was checked
+    when the upload finished, so a stored blob of that name and size is the checkpoint).
+    """
     job, _ = _current(db, job_id, epoch, provider_id)
-    step = getattr(report, "step", 0)
+    row = db.execute("SELECT size_bytes FROM artifacts WHERE sha256 = ?",
+                     [artifact.sha256]).fetchone()
+    if row is None or row[0] != artifact.size_bytes:
+        raise InvalidArgument(f"checkpoint at step {step} was not uploaded intact")
+    if step <= job["checkpoint_step"]:
+        return False
+    ref = {"name": artifact.name, "sha256": artifact.sha256, "size_bytes": artifact.size_bytes}
+    # The measured cost feeds the next lease's interval; smooth it over checkpoints.
+    cost = job["checkpoint_seconds"]
+    cost = write_seconds if cost <= 0 else 0.7 * cost + 0.3 * write_seconds
+    _set_job(db, job_id, now, resume_from=json.dumps(ref), checkpoint_step=step,
+             checkpoint_seconds=cost)
+    db.execute("DELETE FROM artifact_refs WHERE job_id = ? AND role = 'checkpoint'", [job_id])
+    db.execute("INSERT OR IGNORE INTO artifact_refs (sha256, job_id, role) VALUES (?, ?, ?)",
+               [artifact.sha256, job_id, "checkpoint"])
     append_event(db, job_id, "checkpoint", job["state"], job["attempt"], now,
-                 provider_id=provider_id, message=f"checkpoint at step {step}")
+                 provider_id=provider_id,
+                 message=f"checkpoint at step {step} stored ({artifact.sha256[:12]}, "
+                 f"{artifact.size_bytes} bytes, written in {write_seconds:.2f}s)")
+    return True
+
+
+def _drop_checkpoints(db: Database, job_id: str) -> None:
+    db.execute("DELETE FROM artifact_refs WHERE job_id = ? AND role = 'checkpoint'", [job_id])
 
 
 def _end_lease(db: Database, lease_id: str, state: str, reason: str, now: int) -> None:
@@ -223,6 +261,14 @@ def succeed(
     _end_lease(db, lease["id"], "succeeded", "", now)
     _set_job(db, job_id, now, state=SUCCEEDED, receipt=receipt,
              progress_step=max(job["progress_step"], job["progress_total"]))
+    parsed = pb.Envelope()
+    parsed.ParseFromString(receipt)
+    receipt_msg = pb.Receipt()
+    receipt_msg.ParseFromString(parsed.payload)
+    for out in receipt_msg.outputs:
+        db.execute("INSERT OR IGNORE INTO artifact_refs (sha256, job_id, role) VALUES (?, ?, ?)",
+                   [out.sha256, job_id, "output"])
+    _drop_checkpoints(db, job_id)
     append_event(db, job_id, "succeeded", SUCCEEDED, job["attempt"], now,
                  provider_id=provider_id, message="finished; receipt verified")
 
@@ -231,6 +277,7 @@ def fail(db: Database, job_id: str, epoch: int, provider_id: str, error: str, no
     job, lease = _current(db, job_id, epoch, provider_id)
     _end_lease(db, lease["id"], "failed", error, now)
     _set_job(db, job_id, now, state=FAILED, error=error)
+    _drop_checkpoints(db, job_id)
     append_event(db, job_id, "failed", FAILED, job["attempt"], now,
                  provider_id=provider_id, message=error)
 
@@ -247,13 +294,16 @@ def cancel(db: Database, job_id: str, client_id: str, now: int) -> tuple[int, En
         _end_lease(db, job["lease_id"], "cancelled", "cancelled by client", now)
         ended = EndedLease(job_id, job["epoch"], job["provider_id"])
     _set_job(db, job_id, now, state=CANCELLED, error="cancelled by client")
+    _drop_checkpoints(db, job_id)
     append_event(db, job_id, "cancelled", CANCELLED, job["attempt"], now,
                  message="cancelled by client")
     return CANCELLED, ended
 
 
-def lose_lease(db: Database, lease_id: str, reason: str, now: int) -> bool:
-    """End an active lease as lost; requeue its job (attempt + 1) or fail it past the limit.
+def lose_lease(db: Database, lease_id: str, reason: str, now: int, *,
+               outcome: str = "lost") -> bool:
+    """End an active lease (``lost``, or ``released`` by its provider); requeue its job with
+    attempt + 1 to resume from its latest checkpoint, or fail it past its attempt limit.
 
     Returns False when the lease was no longer active (nothing changed).
     """
@@ -263,21 +313,55 @@ def lose_lease(db: Database, lease_id: str, reason: str, now: int) -> bool:
     if row is None or row[3] != "active":
         return False
     job_id, epoch, provider_id, _ = row
-    _end_lease(db, lease_id, "lost", reason, now)
+    _end_lease(db, lease_id, outcome, reason, now)
     job = job_row(db, job_id)
     if job["epoch"] != epoch or job["state"] not in ACTIVE_STATES:
         return True
     if job["attempt"] >= job["max_attempts"]:
         error = f"gave up after {job['attempt']} attempts; last: {reason}"
         _set_job(db, job_id, now, state=FAILED, error=error)
+        _drop_checkpoints(db, job_id)
         append_event(db, job_id, "failed", FAILED, job["attempt"], now,
                      provider_id=provider_id, message=error)
         return True
     attempt = job["attempt"] + 1
     _set_job(db, job_id, now, state=QUEUED, attempt=attempt, provider_id=None, lease_id=None)
+    resume = (f"resumes from step {job['checkpoint_step']}" if job["resume_from"]
+              else "starts over (no checkpoint yet)")
+    what = outcome if outcome in ("released", "rejected") else "lost"
     append_event(db, job_id, "requeued", QUEUED, attempt, now, provider_id=provider_id,
-                 message=f"lease lost ({reason}); queued again as attempt {attempt}")
+                 message=f"lease {what} ({reason}); attempt {attempt} {resume}")
     return True
+
+
+def release(db: Database, job_id: str, epoch: int, provider_id: str, reason: str,
+            now: int, outcome: str = "released") -> None:
+    """The lease holder gives the job back (drain, or refused); it is queued again at once."""
+    _, lease = _current(db, job_id, epoch, provider_id)
+    lose_lease(db, lease["id"], reason, now, outcome=outcome)
+
+
+def previous_providers(db: Database, job_id: str) -> set[str]:
+    """Providers that lost or released this job before."""
+    return {r[0] for r in db.execute(
+        "SELECT provider_id FROM leases WHERE job_id = ?"
+        " AND state IN ('lost', 'released', 'rejected')",
+        [job_id]).fetchall()}
+
+
+def unreferenced_artifacts(db: Database, created_before_ms: int) -> list[str]:
+    """Blobs no job references any more (inputs, the latest checkpoint, outputs), older
+    than the cutoff so that inputs uploaded for a job not yet submitted survive."""
+    return [r[0] for r in db.execute(
+        "SELECT sha256 FROM artifacts a WHERE created_at_ms < ? AND NOT EXISTS"
+        " (SELECT 1 FROM artifact_refs r WHERE r.sha256 = a.sha256)", [created_before_ms]
+    ).fetchall()]
+
+
+def forget_artifacts(db: Database, shas: list[str]) -> None:
+    for sha in shas:
+        db.execute("DELETE FROM artifacts WHERE sha256 = ? AND NOT EXISTS"
+                   " (SELECT 1 FROM artifact_refs r WHERE r.sha256 = ?)", [sha, sha])
 
 
 def renew_leases(
@@ -306,6 +390,7 @@ def expire_queued(db: Database, now: int) -> list[str]:
     for job_id, attempt in rows:
         error = "job spec expired before a provider could run it"
         _set_job(db, job_id, now, state=FAILED, error=error)
+        _drop_checkpoints(db, job_id)
         append_event(db, job_id, "failed", FAILED, attempt, now, message=error)
     return [r[0] for r in rows]
 

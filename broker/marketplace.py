@@ -57,6 +57,7 @@ class MarketplaceServicer(marketplace_pb2_grpc.MarketplaceServicer):
             expires_at_ms=spec.expires_at_ms,
             max_attempts=min(spec.max_attempts or cfg.max_attempts, 100),
             nonce=spec.nonce.hex(),
+            inputs=tuple(ref.sha256 for ref in spec.inputs),
         )
         await self.state.store.write(jobs.submit, job, now_ms())
         log.info("job %s submitted by %s", job.id, client_id)

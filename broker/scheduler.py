@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import replace
 
-from gpumarket.broker import jobs, matcher, views
+from gpumarket.broker import jobs, matcher, reliability, views
 from gpumarket.broker.state import BrokerState
 from gpumarket.proto.envelope import seal
 from gpumarket.proto.errors import FailedPrecondition
@@ -19,12 +20,13 @@ log = logging.getLogger(__name__)
 QUEUE_SCAN = 1000
 
 
-def _checkpoint_every(spec_blob: bytes, default: int) -> int:
+def _checkpoint_every(spec_blob: bytes) -> int:
+    """The job file's own checkpoint_every (steps), which overrides the broker's interval."""
     env = pb.Envelope()
     env.ParseFromString(spec_blob)
     spec = pb.JobSpec()
     spec.ParseFromString(env.payload)
-    return spec.training.checkpoint_every or default
+    return spec.training.checkpoint_every
 
 
 async def place_queued(state: BrokerState) -> int:
@@ -43,7 +45,12 @@ async def place_queued(state: BrokerState) -> int:
             min_memory_bytes=row["min_memory_bytes"], accelerator=row["accelerator"],
             max_price_per_gpu_hour=row["max_price_per_gpu_hour"],
         )
-        placement, excluded = matcher.first_fit(need, offers)
+        candidates = offers
+        if row["attempt"] > 1:
+            # A job that was lost goes elsewhere first; its old provider only if nothing else fits.
+            before = await store.read(jobs.previous_providers, row["id"])
+            candidates = sorted(offers, key=lambda o: o.provider_id in before)
+        placement, excluded = matcher.first_fit(need, candidates)
         if placement is None:
             reason = matcher.explain(excluded, len(offers))
             if reason != row["queue_reason"]:
@@ -52,13 +59,15 @@ async def place_queued(state: BrokerState) -> int:
         session = state.sessions.get(placement.provider_id)
         if session is None:
             continue
+        history = await store.read(views.provider_history, placement.provider_id, now_ms())
+        mtbf = reliability.mtbf_s(history)
+        interval = reliability.checkpoint_interval_s(row["checkpoint_seconds"], mtbf)
         try:
             envelope = await store.write(
                 jobs.create_lease, row["id"], placement.provider_id,
                 list(placement.device_indices), placement.price_per_gpu_hour, now_ms(),
-                int(cfg.accept_within_s * 1000),
-                _checkpoint_every(row["spec"], cfg.default_checkpoint_every),
-                lambda lease: seal(state.identity, lease),
+                int(cfg.accept_within_s * 1000), _checkpoint_every(row["spec"]),
+                lambda lease: seal(state.identity, lease), mtbf, interval,
             )
         except FailedPrecondition:
             continue  # cancelled meanwhile
@@ -95,12 +104,34 @@ async def expire(state: BrokerState) -> None:
         state.placement.notify()
 
 
+async def collect_garbage(state: BrokerState) -> int:
+    """Delete blobs that no job references any more (after a grace period)."""
+    cutoff = now_ms() - int(state.config.artifact_grace_s * 1000)
+    shas = await state.store.read(jobs.unreferenced_artifacts, cutoff)
+    if not shas:
+        return 0
+    await state.store.write(jobs.forget_artifacts, shas)
+    removed = 0
+    for sha in shas:
+        st = await state.store.read(views.artifact_size, sha)
+        if st is None:  # still unreferenced after the write: the blob can go
+            state.artifacts.blob_path(sha).unlink(missing_ok=True)
+            removed += 1
+    if removed:
+        log.info("removed %d unreferenced artifacts", removed)
+    return removed
+
+
 async def run(state: BrokerState) -> None:
-    """Place and expire until cancelled."""
+    """Place, expire and collect garbage until cancelled."""
+    last_gc = 0.0
     while True:
         try:
             await place_queued(state)
             await expire(state)
+            if time.monotonic() - last_gc >= state.config.gc_interval_s:
+                last_gc = time.monotonic()
+                await collect_garbage(state)
         except asyncio.CancelledError:
             raise
         except Exception:

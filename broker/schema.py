@@ -118,3 +118,30 @@ def m001_initial(db: Database) -> None:
             PRIMARY KEY (signer_id, nonce)
         )"""
     )
+
+
+@migrations()
+def m002_checkpoints_and_sessions(db: Database) -> None:
+    db.execute("ALTER TABLE jobs ADD COLUMN checkpoint_step INTEGER NOT NULL DEFAULT 0")
+    db.execute("ALTER TABLE jobs ADD COLUMN checkpoint_seconds REAL NOT NULL DEFAULT 0")
+    db.execute(
+        """
+        CREATE TABLE artifact_refs (
+            sha256 TEXT NOT NULL,
+            job_id TEXT NOT NULL REFERENCES jobs(id),
+            role TEXT NOT NULL,
+            PRIMARY KEY (sha256, job_id, role)
+        )"""
+    )
+    db.execute("CREATE INDEX artifact_refs_by_job ON artifact_refs(job_id, role)")
+    db.execute(
+        """
+        CREATE TABLE provider_sessions (
+            id INTEGER PRIMARY KEY AUTOINCREMENT,
+            provider_id TEXT NOT NULL REFERENCES providers(id),
+            started_ms INTEGER NOT NULL,
+            ended_ms INTEGER,
+            end_reason TEXT NOT NULL DEFAULT ''
+        )"""
+    )
+    db.execute("CREATE INDEX provider_sessions_by_provider ON provider_sessions(provider_id, id)")

@@ -37,6 +37,8 @@ SERVICES = (
 def _recover(db, now: int) -> int:
     """After a (re)start no session is open: offers are gone, and leases that were
     active get a full lease timeout from now for their providers to reconnect."""
+    db.execute("UPDATE provider_sessions SET ended_ms = (SELECT last_seen_ms FROM providers p"
+               " WHERE p.id = provider_id), end_reason = 'broker restart' WHERE ended_ms IS NULL")
     db.execute("UPDATE providers SET online = 0")
     db.execute("DELETE FROM offers")
     return db.execute(

@@ -15,6 +15,7 @@ class ProviderSession:
     outbox: asyncio.Queue = field(default_factory=asyncio.Queue)
     offer: OfferView | None = None
     closed: bool = False
+    row_id: int = 0                                   # provider_sessions row
 
     def send(self, message: gw.BrokerMessage) -> None:
         if not self.closed:
@@ -48,6 +49,9 @@ class Sessions:
 
     def offers(self) -> list[OfferView]:
         return [s.offer for s in self._by_provider.values() if s.offer is not None]
+
+    def all(self) -> list[ProviderSession]:
+        return list(self._by_provider.values())
 
     def __len__(self) -> int:
         return len(self._by_provider)

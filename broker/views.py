@@ -7,6 +7,7 @@ import json
 from sqlite_utils import Database
 
 from gpumarket.broker.jobs import job_row
+from gpumarket.broker.reliability import ProviderHistory
 from gpumarket.proto.v1 import types_pb2 as pb
 
 
@@ -22,6 +23,7 @@ def job_message(db: Database, row: dict, *, with_attempts: bool = True) -> pb.Jo
         client_id=row["client_id"], attempt=row["attempt"], provider_id=row["provider_id"] or "",
         error=row["error"], created_at_ms=row["created_at_ms"],
         updated_at_ms=row["updated_at_ms"], queue_reason=row["queue_reason"],
+        checkpoint_step=row["checkpoint_step"],
         progress=pb.Progress(step=row["progress_step"], total=row["progress_total"],
                              metrics=json.loads(row["progress_metrics"])),
     )
@@ -80,7 +82,8 @@ def job_state(db: Database, job_id: str) -> int:
 
 def queued_jobs(db: Database, limit: int) -> list[dict]:
     return _rows(db, "SELECT id, kind, gpus, min_memory_bytes, accelerator,"
-                     " max_price_per_gpu_hour, expires_at_ms, queue_reason, spec"
+                     " max_price_per_gpu_hour, expires_at_ms, queue_reason, spec, attempt,"
+                     " checkpoint_seconds"
                      " FROM jobs WHERE state = ? ORDER BY created_at_ms, id LIMIT ?",
                  [pb.JOB_STATE_QUEUED, limit])
 
@@ -98,12 +101,6 @@ def overdue_leases(db: Database, renewed_before_ms: int) -> list[str]:
     ).fetchall()]
 
 
-def active_leases_of(db: Database, provider_id: str) -> list[str]:
-    return [r[0] for r in db.execute(
-        "SELECT id FROM leases WHERE state = 'active' AND provider_id = ?", [provider_id]
-    ).fetchall()]
-
-
 def artifact_size(db: Database, sha256: str) -> int | None:
     row = db.execute("SELECT size_bytes FROM artifacts WHERE sha256 = ?", [sha256]).fetchone()
     return row[0] if row else None
@@ -111,3 +108,14 @@ def artifact_size(db: Database, sha256: str) -> int | None:
 
 def offers(db: Database) -> list[dict]:
     return _rows(db, "SELECT * FROM offers ORDER BY price_per_gpu_hour, provider_id", [])
+
+
+def provider_history(db: Database, provider_id: str, now: int) -> ProviderHistory:
+    uptime_ms = db.execute(
+        "SELECT coalesce(sum(coalesce(ended_ms, ?) - started_ms), 0) FROM provider_sessions"
+        " WHERE provider_id = ?", [now, provider_id]).fetchone()[0]
+    counts = dict(db.execute(
+        "SELECT state, count(*) FROM leases WHERE provider_id = ? GROUP BY state",
+        [provider_id]).fetchall())
+    return ProviderHistory(uptime_s=uptime_ms / 1000, leases_lost=counts.get("lost", 0),
+                           leases_completed=counts.get("succeeded", 0))

@@ -189,6 +189,8 @@ async def status(broker_addr: str, job_id: str, as_json: bool) -> None:
     if job.progress.total:
         metrics = ", ".join(f"{k} {v:.4g}" for k, v in sorted(job.progress.metrics.items()))
         out.print(f"progress  {job.progress.step}/{job.progress.total}  {metrics}")
+    if job.checkpoint_step:
+        out.print(f"checkpoint step {job.checkpoint_step} (verified, resumable)")
     out.print(f"attempt   {job.attempt}")
     if job.provider_id:
         out.print(f"provider  {job.provider_id}")

@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 import click
@@ -80,10 +82,23 @@ async def _run(config: ProviderConfig) -> None:
                  b.matmul_dtype, b.memory_bandwidth_bytes_per_s / 1e9)
     daemon = ProviderDaemon(config, identity, devices, benchmarks)
     loop = asyncio.get_running_loop()
+
+    def on_signal() -> None:
+        # The first SIGTERM/SIGINT drains; a second one stops at once.
+        if daemon.draining:
+            daemon.stop()
+        else:
+            daemon.request_drain()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, daemon.stop)
+        loop.add_signal_handler(sig, on_signal)
+    pid_file = config.data_dir / "provider.pid"
+    pid_file.write_text(str(os.getpid()))
     print(f"gpumarket provider {identity.id} serving broker {config.broker}", flush=True)
-    await daemon.run()
+    try:
+        await daemon.run()
+    finally:
+        pid_file.unlink(missing_ok=True)
 
 
 @cli.command()
@@ -141,6 +156,40 @@ def bench(data_dir: Path | None, refresh: bool, cpu_only: bool, as_json: bool) -
         click.echo(f"{r['index']}  {r['name']}: {r['matmul_flops'] / 1e9:.1f} GFLOP/s "
                    f"({r['matmul_dtype']} matmul), "
                    f"{r['memory_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s memory")
+
+
+def _running(pid: int) -> bool:
+    """True while ``pid`` exists and has not exited (a zombie counts as exited)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return stat.rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@cli.command()
+@click.option("--data-dir", type=click.Path(file_okay=False, path_type=Path), required=True,
+              help="The data directory of the running provider.")
+@click.option("--timeout", type=float, default=180.0, show_default=True,
+              help="Seconds to wait for the daemon to finish draining.")
+def drain(data_dir: Path, timeout: float) -> None:
+    """Drain a running provider: checkpoint every job now, upload, give the leases back so
+    the jobs resume elsewhere at once, then exit (the same as sending it SIGTERM)."""
+    pid_file = data_dir / "provider.pid"
+    try:
+        pid = int(pid_file.read_text())
+        os.kill(pid, signal.SIGTERM)
+    except (OSError, ValueError):
+        click.echo(f"error: no running provider with data dir {data_dir}", err=True)
+        sys.exit(1)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not _running(pid):
+            click.echo(f"provider {pid} drained and stopped")
+            return
+        time.sleep(0.2)
+    click.echo(f"error: provider {pid} is still draining after {timeout:.0f}s", err=True)
+    sys.exit(1)
 
 
 def main() -> None:

@@ -13,6 +13,7 @@ class ProviderConfig:
     price_per_gpu_hour: float = 1.0      # credits per device-hour
     max_runtime_s: int = 24 * 3600       # wall-time limit per job unless the job asks less
     cancel_grace_s: float = 10.0         # SIGTERM, then SIGKILL after this
+    drain_timeout_s: float = 120.0       # longest a drain waits for jobs to checkpoint and stop
     progress_interval_s: float = 0.25    # at most this often a progress update goes up
     rpc_timeout_s: float = 30.0          # deadline on each unary call to the broker
     backoff_max_s: float = 30.0          # longest wait between reconnects

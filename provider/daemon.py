@@ -1,8 +1,10 @@
 """The provider daemon: one session with the broker, one child process per leased job.
 
-The session (hello → challenge → proof → welcome → offer, then heartbeats) is
-reopened with backoff whenever it breaks; jobs keep running meanwhile, and the
-final update of each job is kept until the broker says it has settled it.
+The session (hello → challenge → proof → welcome → offer, then heartbeats) is reopened
+with backoff whenever it breaks; jobs keep running meanwhile. Each job's checkpoints are
+packed, uploaded and reported as they appear; its final update is kept (in memory and in
+the journal) until the broker says it has settled it. SIGTERM drains: every job
+checkpoints now, uploads, and gives its lease back before the daemon exits.
 """
 
 from __future__ import annotations
@@ -10,8 +12,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import random
 import shutil
+import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,17 +24,19 @@ import grpc
 from google.protobuf.json_format import MessageToDict
 
 from gpumarket.proto import __version__
-from gpumarket.proto.envelope import open_envelope, seal
+from gpumarket.proto.envelope import open_envelope, payload_sha256, seal
 from gpumarket.proto.errors import GpumarketError, Unavailable
 from gpumarket.proto.identity import Identity
 from gpumarket.proto.jobspec import kind_name, now_ms
 from gpumarket.proto.v1 import gateway_pb2 as gw
 from gpumarket.proto.v1 import gateway_pb2_grpc
 from gpumarket.proto.v1 import types_pb2 as pb
+from gpumarket.provider import checkpoints
 from gpumarket.provider.broker_link import ArtifactLink
 from gpumarket.provider.config import ProviderConfig
-from gpumarket.provider.executor import JobProcess, job_env
+from gpumarket.provider.executor import JobProcess, job_env, pid_runs_in, read_reports, signal_group
 from gpumarket.provider.inventory import DeviceInfo
+from gpumarket.provider.journal import Journal
 from gpumarket.provider.leases import Assignment, check_lease, refusal
 
 log = logging.getLogger(__name__)
@@ -46,10 +52,18 @@ class RunningJob:
     cancelled: bool = False
     last_progress: float = 0.0
     task: asyncio.Task | None = field(default=None, repr=False)
+    pending_checkpoint: tuple[int, Path, float] | None = None
+    uploader: asyncio.Task | None = field(default=None, repr=False)
+    uploaded_step: int = 0
+    checkpoint_report: gw.ProviderMessage | None = None   # the latest, re-sent on reconnect
 
     @property
     def key(self) -> tuple[str, int]:
         return self.assignment.lease.job_id, self.assignment.lease.epoch
+
+    @property
+    def devices(self) -> set[int]:
+        return set(self.assignment.lease.device_indices)
 
 
 class ProviderDaemon:
@@ -65,9 +79,11 @@ class ProviderDaemon:
         self.outbox: asyncio.Queue | None = None
         self.broker_key: bytes | None = None
         self.stopping = asyncio.Event()
+        self.draining = False
         self.channel: grpc.aio.Channel | None = None
         self.artifacts: ArtifactLink | None = None
-        self.connected = asyncio.Event()
+        self.journal = Journal(config.data_dir / "journal.db")
+        self._background: set[asyncio.Task] = set()
 
     # -- offer ---------------------------------------------------------------------------
 
@@ -83,15 +99,16 @@ class ProviderDaemon:
         return seal(self.identity, offer)
 
     def free_devices(self) -> set[int]:
-        held = {i for j in self.jobs.values() for i in j.assignment.lease.device_indices}
+        held = {i for j in self.jobs.values() for i in j.devices}
         return {d.index for d in self.devices} - held
 
-    # -- the session ---------------------------------------------------------------------
+    # -- lifetime ------------------------------------------------------------------------
 
     async def run(self) -> None:
-        """Serve until stop() is called; then end every job."""
+        """Serve until stopped (after a drain, or at once by stop()); then end every job."""
         self.channel = grpc.aio.insecure_channel(self.config.broker)
         self.artifacts = ArtifactLink(self.channel, self.config.rpc_timeout_s)
+        await self._recover()
         backoff = 0.5
         try:
             while not self.stopping.is_set():
@@ -100,12 +117,11 @@ class ProviderDaemon:
                     await self._session()
                 except grpc.aio.AioRpcError as exc:
                     log.warning("broker %s: %s (%s)", self.config.broker,
-                                exc.details() or "no answer", exc.code().name)
+                                (exc.details() or "no answer").splitlines()[0], exc.code().name)
                 except GpumarketError as exc:
                     log.warning("broker %s: %s", self.config.broker, exc)
                 finally:
                     self.outbox = None
-                    self.connected.clear()
                 if self.stopping.is_set():
                     break
                 if time.monotonic() - began > 30:
@@ -120,9 +136,45 @@ class ProviderDaemon:
         finally:
             await self._stop_jobs("provider is shutting down")
             await self.channel.close()
+            self.journal.close()
 
     def stop(self) -> None:
+        """Stop now: jobs are killed and their leases lapse."""
         self.stopping.set()
+
+    def request_drain(self) -> None:
+        self._spawn(self.drain())
+
+    async def drain(self) -> None:
+        """Checkpoint every job now, upload, give the leases back, then stop."""
+        if self.draining:
+            return
+        self.draining = True
+        log.info("draining %d jobs: checkpoint, upload, release", len(self.jobs))
+        self.send(gw.ProviderMessage(heartbeat=gw.Heartbeat(
+            at_ms=now_ms(), running=[gw.RunningLease(job_id=j, epoch=e)
+                                     for j, e in (job.key for job in self.jobs.values())],
+            draining=True)))
+        for job in list(self.jobs.values()):
+            if job.process is not None:
+                job.process.request_drain()
+        tasks = [j.task for j in self.jobs.values() if j.task is not None]
+        if tasks:
+            await asyncio.wait(tasks, timeout=self.config.drain_timeout_s)
+        deadline = time.monotonic() + 15
+        while self.unsettled and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        if self.unsettled:
+            log.warning("%d job updates were not acknowledged before exit", len(self.unsettled))
+        self.stopping.set()
+
+    def _spawn(self, coro) -> asyncio.Task:
+        task = asyncio.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
+
+    # -- the session ---------------------------------------------------------------------
 
     async def _session(self) -> None:
         stub = gateway_pb2_grpc.ProviderGatewayStub(self.channel)
@@ -134,6 +186,8 @@ class ProviderDaemon:
             if challenge is grpc.aio.EOF or challenge.WhichOneof("msg") != "challenge":
                 raise Unavailable("broker closed the session during the handshake")
             key = challenge.challenge.broker_public_key
+            if self.broker_key and key != self.broker_key:
+                log.warning("the broker's key changed since the last session")
             proof = gw.SessionProof(nonce=challenge.challenge.nonce, broker_public_key=key,
                                     at_ms=now_ms())
             await call.write(gw.ProviderMessage(proof=seal(self.identity, proof)))
@@ -145,23 +199,24 @@ class ProviderDaemon:
                      welcome.welcome.provider_id)
             outbox: asyncio.Queue = asyncio.Queue()
             outbox.put_nowait(gw.ProviderMessage(offer=self.offer()))
+            for job in self.jobs.values():
+                if job.checkpoint_report is not None:
+                    outbox.put_nowait(job.checkpoint_report)
             for message in self.unsettled.values():
                 outbox.put_nowait(message)
             self.outbox = outbox
-            self.connected.set()
             interval = max(welcome.welcome.heartbeat_interval_ms, 200) / 1000
             tasks = [asyncio.create_task(self._write_loop(call, outbox)),
-                     asyncio.create_task(self._heartbeat_loop(outbox, interval))]
-            reader = asyncio.create_task(self._read_loop(call))
-            stopper = asyncio.create_task(self.stopping.wait())
+                     asyncio.create_task(self._heartbeat_loop(outbox, interval)),
+                     asyncio.create_task(self._read_loop(call)),
+                     asyncio.create_task(self.stopping.wait())]
             try:
-                done, _ = await asyncio.wait([reader, stopper, *tasks],
-                                             return_when=asyncio.FIRST_COMPLETED)
+                done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
                 for t in done:
-                    if t is not stopper and t.exception() is not None:
+                    if not t.cancelled() and t.exception() is not None:
                         raise t.exception()
             finally:
-                for t in (reader, stopper, *tasks):
+                for t in tasks:
                     t.cancel()
         finally:
             call.cancel()
@@ -174,8 +229,8 @@ class ProviderDaemon:
         while True:
             running = [gw.RunningLease(job_id=j, epoch=e) for j, e in
                        [job.key for job in self.jobs.values()]]
-            outbox.put_nowait(gw.ProviderMessage(
-                heartbeat=gw.Heartbeat(at_ms=now_ms(), running=running)))
+            outbox.put_nowait(gw.ProviderMessage(heartbeat=gw.Heartbeat(
+                at_ms=now_ms(), running=running, draining=self.draining)))
             await asyncio.sleep(interval)
 
     async def _read_loop(self, call) -> None:
@@ -185,11 +240,11 @@ class ProviderDaemon:
                 raise Unavailable("broker ended the session")
             which = message.WhichOneof("msg")
             if which == "lease":
-                self._start_job(message.lease)
+                await self._start_job(message.lease)
             elif which == "cancel":
                 await self._cancel(message.cancel)
             elif which == "settled":
-                self._settled(message.settled)
+                await self._settled(message.settled)
 
     def send(self, message: gw.ProviderMessage) -> None:
         if self.outbox is not None:
@@ -199,10 +254,12 @@ class ProviderDaemon:
         job_id, epoch = job.key
         return gw.ProviderMessage(job_update=gw.JobUpdate(job_id=job_id, epoch=epoch, **fields))
 
-    # -- jobs ----------------------------------------------------------------------------
+    # -- accepting a lease ---------------------------------------------------------------
 
-    def _start_job(self, envelope: pb.Envelope) -> None:
+    async def _start_job(self, envelope: pb.Envelope) -> None:
         try:
+            if self.draining:
+                raise Unavailable("provider is draining")
             assignment = check_lease(
                 envelope, broker_public_key=self.broker_key or b"",
                 provider_id=self.identity.id, device_indices=self.free_devices(),
@@ -216,13 +273,15 @@ class ProviderDaemon:
         workdir = self.config.jobs_dir / f"{lease.job_id}.{lease.epoch}"
         job = RunningJob(assignment, workdir)
         self.jobs[lease.job_id] = job
+        await asyncio.to_thread(self.journal.add, lease.job_id, lease.epoch,
+                                envelope.SerializeToString(), str(workdir))
         job.task = asyncio.create_task(self._run_job(job))
         log.info("job %s (%s) leased, attempt %d", lease.job_id,
                  kind_name(assignment.spec.kind), lease.attempt)
 
     def _refuse(self, envelope: pb.Envelope, reason: str) -> None:
-        """Answer a lease that failed its checks; only a lease signed by the broker gets an
-        answer, since an unsigned one names nothing we should act on."""
+        """Answer a lease that failed its checks; only one signed by the broker gets an
+        answer, since anything else names nothing we should act on."""
         try:
             lease, _ = open_envelope(envelope, pb.Lease)
         except GpumarketError:
@@ -232,32 +291,32 @@ class ProviderDaemon:
                 job_id=lease.job_id, epoch=lease.epoch,
                 rejected=gw.JobRejected(reason=reason))))
 
+    # -- running a job -------------------------------------------------------------------
+
+    def _process(self, job: RunningJob) -> JobProcess:
+        a = job.assignment
+        devices = [d for d in self.devices if d.index in job.devices]
+        cuda = any(d.is_cuda for d in devices)
+        limit = min(a.spec.max_runtime_s or self.config.max_runtime_s, self.config.max_runtime_s)
+        env = job_env(job.workdir, ",".join(d.uuid for d in devices) if cuda else "", None)
+        return JobProcess(RUNNERS[a.spec.kind], job.workdir, env,
+                          lambda report: self._on_report(job, report), limit,
+                          self.config.cancel_grace_s)
+
     async def _run_job(self, job: RunningJob) -> None:
         a = job.assignment
-        final: gw.ProviderMessage | None = None
         try:
-            inputs = await self._fetch_inputs(job)
+            resumed_from = await self._prepare(job)
             if job.cancelled:
                 return
-            self._write_job_file(job, inputs)
-            self.send(self._update(job, started=gw.JobStarted()))
-            devices = [d for d in self.devices if d.index in set(a.lease.device_indices)]
-            cuda = any(d.is_cuda for d in devices)
-            limit = min(a.spec.max_runtime_s or self.config.max_runtime_s,
-                        self.config.max_runtime_s)
-            job.process = JobProcess(
-                RUNNERS[a.spec.kind], job.workdir,
-                job_env(job.workdir, ",".join(d.uuid for d in devices) if cuda else "", None),
-                lambda report: self._on_report(job, report), limit, self.config.cancel_grace_s)
-            outcome = await job.process.run()
-            if job.cancelled:
-                return
-            if outcome.done is not None:
-                final = self._update(job, receipt=await self._receipt(job, outcome))
-                log.info("job %s succeeded in %.1fs", a.lease.job_id, outcome.wall_seconds)
+            if self.draining:
+                final = self._update(job, released=gw.JobReleased(reason="provider is draining"))
             else:
-                final = self._update(job, failed=gw.JobFailed(error=outcome.error))
-                log.warning("job %s failed: %s", a.lease.job_id, outcome.error)
+                job.process = self._process(job)
+                pid = await job.process.start()
+                await asyncio.to_thread(self.journal.set_pid, *job.key, pid)
+                self.send(self._update(job, started=gw.JobStarted(resumed_from_step=resumed_from)))
+                final = await self._follow(job)
         except asyncio.CancelledError:
             raise
         except GpumarketError as exc:
@@ -266,55 +325,94 @@ class ProviderDaemon:
         except Exception:
             log.exception("job %s failed in the provider", a.lease.job_id)
             final = self._update(job, failed=gw.JobFailed(error="provider error while running"))
-        finally:
-            if final is None:
-                self._forget(job)
+        if final is None or job.cancelled:
+            return
+        await self._finalize(job, final)
+
+    async def _follow(self, job: RunningJob) -> gw.ProviderMessage | None:
+        """Follow the job process to its end; return the final update (None if cancelled)."""
+        job_id = job.key[0]
+        outcome = await job.process.run()
+        if job.cancelled:
+            return None
+        if outcome.succeeded:
+            if job.uploader is not None:
+                job.uploader.cancel()
+            log.info("job %s succeeded in %.1fs", job_id, outcome.wall_seconds)
+            return self._update(job, receipt=await self._receipt(job, outcome.done,
+                                                                 outcome.wall_seconds))
+        if outcome.drained or self.draining:
+            # Also a job that died of the drain request itself: it resumes elsewhere from
+            # its last uploaded checkpoint rather than failing.
+            if job.uploader is not None:
+                await asyncio.gather(job.uploader, return_exceptions=True)
+            log.info("job %s drained at step %d", job_id, job.uploaded_step)
+            return self._update(job, released=gw.JobReleased(reason="provider is draining"))
+        log.warning("job %s failed: %s", job_id, outcome.error)
+        return self._update(job, failed=gw.JobFailed(error=outcome.error))
+
+    async def _finalize(self, job: RunningJob, final: gw.ProviderMessage) -> None:
         self.unsettled[job.key] = final
+        await asyncio.to_thread(self.journal.set_final, *job.key, final.SerializeToString())
         self.send(final)
 
-    async def _fetch_inputs(self, job: RunningJob) -> dict[str, str]:
+    async def _prepare(self, job: RunningJob) -> int:
+        """Fetch inputs and the checkpoint to resume from; write job.json. Returns the step
+        the job resumes from (0 for a fresh start)."""
+        a = job.assignment
         inputs_dir = job.workdir / "inputs"
         inputs_dir.mkdir(parents=True, exist_ok=True)
-        self.config.cache_dir.mkdir(parents=True, exist_ok=True)
         paths = {}
-        for ref in job.assignment.spec.inputs:
-            cached = self.config.cache_dir / ref.sha256
-            if not cached.exists():
-                await self._with_broker(lambda ref=ref, cached=cached:
-                                        self.artifacts.download(ref, cached))
+        for ref in a.spec.inputs:
             target = inputs_dir / ref.name
-            target.unlink(missing_ok=True)
-            try:
-                target.hardlink_to(cached)
-            except OSError:
-                shutil.copyfile(cached, target)
+            await self._cached(ref, target)
             paths[ref.name] = str(target)
-        return paths
-
-    async def _with_broker(self, call, attempts: int = 8):
-        """Run an artifact call, waiting out short broker outages."""
-        for i in range(attempts):
-            try:
-                return await call()
-            except Unavailable:
-                if i == attempts - 1:
-                    raise
-                await asyncio.sleep(min(2 ** i, 10))
-
-    def _write_job_file(self, job: RunningJob, inputs: dict[str, str]) -> None:
-        a = job.assignment
-        devices = [d for d in self.devices if d.index in set(a.lease.device_indices)]
+        resume_dir, step = None, 0
+        if a.lease.resume_from.sha256:
+            archive = job.workdir / "resume.tar"
+            await self._cached(a.lease.resume_from, archive)
+            resume_dir = await asyncio.to_thread(checkpoints.unpack, archive,
+                                                 job.workdir / "resume")
+            step = checkpoints.step_of(resume_dir)
+            job.uploaded_step = step
+            archive.unlink()
+        devices = [d for d in self.devices if d.index in job.devices]
         spec = {
             "job_id": a.lease.job_id,
             "attempt": a.lease.attempt,
             "kind": kind_name(a.spec.kind),
             "params": MessageToDict(a.spec.training, preserving_proto_field_name=True),
-            "inputs": inputs,
+            "inputs": paths,
             "checkpoint_every": a.spec.training.checkpoint_every or a.lease.checkpoint_every,
+            "checkpoint_interval_s": a.lease.checkpoint_interval_s,
+            "provider_mtbf_s": a.lease.provider_mtbf_s,
             "device": "cuda" if any(d.is_cuda for d in devices) else "cpu",
-            "resume_from": None,
+            "resume_from": str(resume_dir) if resume_dir else None,
         }
         (job.workdir / "job.json").write_text(json.dumps(spec, indent=2))
+        return step
+
+    async def _cached(self, ref: pb.ArtifactRef, target: Path) -> None:
+        """Put a verified copy of an artifact at ``target`` (downloaded once per host)."""
+        self.config.cache_dir.mkdir(parents=True, exist_ok=True)
+        cached = self.config.cache_dir / ref.sha256
+        if not cached.exists():
+            await self._with_broker(lambda: self.artifacts.download(ref, cached))
+        target.unlink(missing_ok=True)
+        try:
+            target.hardlink_to(cached)
+        except OSError:
+            shutil.copyfile(cached, target)
+
+    async def _with_broker(self, call, attempts: int = 10):
+        """Run an artifact call, waiting out broker outages of up to a minute or so."""
+        for i in range(attempts):
+            try:
+                return await call()
+            except Unavailable:
+                if i == attempts - 1 or self.stopping.is_set():
+                    raise
+                await asyncio.sleep(min(0.5 * 2 ** i, 8))
 
     async def _on_report(self, job: RunningJob, report: dict) -> None:
         event = report.get("event")
@@ -329,38 +427,76 @@ class ProviderDaemon:
             self.send(self._update(job, progress=pb.Progress(step=step, total=total,
                                                              metrics=metrics)))
         elif event == "checkpoint":
-            self.send(self._update(job, checkpoint=gw.CheckpointReport(
-                step=int(report.get("step", 0)))))
+            path = (job.workdir / str(report.get("path", ""))).resolve()
+            if not path.is_relative_to(job.workdir.resolve()):
+                log.warning("job %s reported a checkpoint outside its work dir", job.key[0])
+                return
+            job.pending_checkpoint = (int(report.get("step", 0)), path,
+                                      float(report.get("write_seconds", 0.0)))
+            if job.uploader is None or job.uploader.done():
+                job.uploader = asyncio.create_task(self._upload_checkpoints(job))
 
-    async def _receipt(self, job: RunningJob, outcome) -> pb.Envelope:
+    async def _upload_checkpoints(self, job: RunningJob) -> None:
+        """Upload the newest pending checkpoint (older pending ones are skipped)."""
+        while job.pending_checkpoint is not None:
+            step, path, write_s = job.pending_checkpoint
+            job.pending_checkpoint = None
+            if step <= job.uploaded_step:
+                continue
+            upload_dir = job.workdir / "upload"
+            upload_dir.mkdir(exist_ok=True)
+            tar = upload_dir / f"step-{step:08d}.tar"
+            try:
+                await asyncio.to_thread(checkpoints.pack, path, tar)
+                ref = await self._with_broker(
+                    lambda: self.artifacts.upload(tar, "checkpoint.tar"))
+            except GpumarketError as exc:
+                log.warning("job %s: checkpoint at step %d not uploaded: %s", job.key[0], step,
+                            exc)
+                continue
+            finally:
+                tar.unlink(missing_ok=True)
+            job.uploaded_step = step
+            job.checkpoint_report = self._update(job, checkpoint=gw.CheckpointReport(
+                step=step, artifact=ref, write_seconds=write_s))
+            self.send(job.checkpoint_report)
+            for old in (job.workdir / "checkpoints").glob("step-*"):
+                if old.name < path.name:  # names sort by step; newer ones may be in progress
+                    shutil.rmtree(old, ignore_errors=True)
+
+    async def _receipt(self, job: RunningJob, done: dict, wall_seconds: float) -> pb.Envelope:
         a = job.assignment
         outputs = []
         out_dir = job.workdir / "outputs"
         for path in sorted(p for p in out_dir.iterdir() if p.is_file() and not p.is_symlink()):
             ref = await self._with_broker(lambda path=path: self.artifacts.upload(path, path.name))
             outputs.append(ref)
-        metrics = {k: float(v) for k, v in (outcome.done.get("metrics") or {}).items()
+        metrics = {k: float(v) for k, v in (done.get("metrics") or {}).items()
                    if isinstance(v, (int, float))}
         receipt = pb.Receipt(
             job_id=a.lease.job_id, lease_id=a.lease.lease_id, attempt=a.lease.attempt,
             epoch=a.lease.epoch, provider_id=self.identity.id, spec_sha256=a.spec_sha256,
-            outputs=outputs, wall_seconds=outcome.wall_seconds,
-            device_seconds=outcome.wall_seconds * len(a.lease.device_indices),
+            outputs=outputs, wall_seconds=wall_seconds,
+            device_seconds=wall_seconds * len(a.lease.device_indices),
             metrics=metrics, finished_at_ms=now_ms())
         return seal(self.identity, receipt)
+
+    # -- what the broker says ------------------------------------------------------------
 
     async def _cancel(self, cancel: gw.CancelLease) -> None:
         job = self.jobs.get(cancel.job_id)
         if job is None or job.key[1] != cancel.epoch:
             return
-        log.info("job %s cancelled by the broker: %s", cancel.job_id, cancel.reason)
+        log.info("job %s stopped by the broker: %s", cancel.job_id, cancel.reason)
         job.cancelled = True
         self.unsettled.pop(job.key, None)
         if job.process is not None:
             await job.process.stop(cancel.reason)
-        self._forget(job)
+        if job.task is not None and not job.task.done():
+            job.task.cancel()
+        await self._forget(job)
 
-    def _settled(self, settled: gw.UpdateSettled) -> None:
+    async def _settled(self, settled: gw.UpdateSettled) -> None:
         key = (settled.job_id, settled.epoch)
         self.unsettled.pop(key, None)
         job = self.jobs.get(settled.job_id)
@@ -368,11 +504,14 @@ class ProviderDaemon:
             if not settled.accepted:
                 log.warning("broker refused the result of job %s: %s", settled.job_id,
                             settled.reason)
-            self._forget(job)
+            await self._forget(job)
 
-    def _forget(self, job: RunningJob) -> None:
+    async def _forget(self, job: RunningJob) -> None:
         if self.jobs.get(job.key[0]) is job:
             del self.jobs[job.key[0]]
+        if job.uploader is not None:
+            job.uploader.cancel()
+        await asyncio.to_thread(self.journal.remove, *job.key)
         shutil.rmtree(job.workdir, ignore_errors=True)
 
     async def _stop_jobs(self, reason: str) -> None:
@@ -380,5 +519,85 @@ class ProviderDaemon:
             job.cancelled = True
             if job.process is not None:
                 await job.process.stop(reason)
-            if job.task is not None:
-                job.task.cancel()
+            for task in (job.task, job.uploader):
+                if task is not None:
+                    task.cancel()
+        for task in list(self._background):
+            task.cancel()
+
+    # -- after a restart -----------------------------------------------------------------
+
+    async def _recover(self) -> None:
+        """Re-attach to jobs that outlived the previous daemon, finish or give back the
+        ones that ended meanwhile, and clean up what no journal entry accounts for."""
+        entries = await asyncio.to_thread(self.journal.entries)
+        attached: set[int] = set()
+        for e in entries:
+            try:
+                envelope = pb.Envelope.FromString(e.lease)
+                lease, _ = open_envelope(envelope, pb.Lease)
+                spec, client_id = open_envelope(lease.job_spec, pb.JobSpec)
+            except GpumarketError:
+                await asyncio.to_thread(self.journal.remove, e.job_id, e.epoch)
+                continue
+            job = RunningJob(Assignment(lease, spec, client_id, payload_sha256(lease.job_spec)),
+                             Path(e.workdir))
+            self.jobs[lease.job_id] = job
+            if e.final is not None:
+                self.unsettled[job.key] = gw.ProviderMessage.FromString(e.final)
+                log.info("job %s: re-sending its final update", lease.job_id)
+            elif e.pid and pid_runs_in(e.pid, job.workdir):
+                attached.add(e.pid)
+                job.process = self._process(job)
+                job.process.attach(e.pid)
+                job.task = asyncio.create_task(self._reattached(job))
+                log.info("job %s: re-attached to its running process %d", lease.job_id, e.pid)
+            else:
+                done = [r for r in read_reports(job.workdir) if r.get("event") == "done"]
+                if done:
+                    job.task = asyncio.create_task(self._finished_meanwhile(job, done[-1]))
+                else:
+                    log.warning("job %s: its process ended while the daemon was down",
+                                lease.job_id)
+                    await self._finalize(job, self._update(job, released=gw.JobReleased(
+                        reason="job process ended while the provider daemon was down")))
+        self._kill_orphans(attached)
+        known = {Path(e.workdir).name for e in entries}
+        if self.config.jobs_dir.is_dir():
+            for d in self.config.jobs_dir.iterdir():
+                if d.name not in known:
+                    shutil.rmtree(d, ignore_errors=True)
+
+    async def _reattached(self, job: RunningJob) -> None:
+        ckpts = [r for r in read_reports(job.workdir) if r.get("event") == "checkpoint"]
+        if ckpts:
+            await self._on_report(job, ckpts[-1])
+        final = await self._follow(job)
+        if final is not None and not job.cancelled:
+            await self._finalize(job, final)
+
+    async def _finished_meanwhile(self, job: RunningJob, done: dict) -> None:
+        try:
+            seconds = float((done.get("metrics") or {}).get("train_seconds", 0.0))
+            final = self._update(job, receipt=await self._receipt(job, done, seconds))
+        except GpumarketError as exc:
+            final = self._update(job, failed=gw.JobFailed(error=str(exc)))
+        await self._finalize(job, final)
+
+    def _kill_orphans(self, keep: set[int]) -> None:
+        marker = str(self.config.jobs_dir).encode()
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit() or int(entry.name) in keep:
+                continue
+            try:
+                cmd = (entry / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if marker in cmd and b"gpumarket.provider.runners" in cmd:
+                pid = int(entry.name)
+                log.warning("killing orphaned job process %d", pid)
+                signal_group(pid, signal.SIGKILL)
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass

@@ -1,8 +1,10 @@
 """Runs one job attempt in its own child process and work directory.
 
-The child reports on a pipe (one JSON object a line, see runners/report.py); its
-stdout and stderr go to ``job.log`` in the work directory. The child leads its own
-process group, so a cancel reaches everything it started: SIGTERM, then SIGKILL.
+The child appends reports (one JSON object a line, see runners/report.py) to
+``reports.jsonl`` in its work directory and its stdout and stderr to ``job.log``. It
+leads its own process group, so a cancel reaches everything it started: SIGTERM, then
+SIGKILL. Because reports go to a file, a restarted daemon can re-attach to a job that
+outlived the daemon before it (``JobProcess.attach``).
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-MAX_LINE = 1 << 20
+REPORTS = "reports.jsonl"
+POLL_S = 0.05
 
 # Only what a job needs from the daemon's environment; never the daemon's secrets.
 PASSTHROUGH_ENV = ("PATH", "LANG", "LC_ALL", "TZ", "VIRTUAL_ENV")
@@ -28,11 +31,16 @@ PASSTHROUGH_ENV = ("PATH", "LANG", "LC_ALL", "TZ", "VIRTUAL_ENV")
 
 @dataclass
 class Outcome:
-    exit_code: int
+    exit_code: int | None      # None for a re-attached job (not our child)
     done: dict | None          # the runner's final "done" report, if it got that far
-    error: str                 # last lines of the log for a failure
+    drained: bool              # the runner checkpointed and stopped on request
+    error: str                 # for a failure: what happened, with the log's last line
     wall_seconds: float
     killed: bool               # ended by cancel or time limit
+
+    @property
+    def succeeded(self) -> bool:
+        return self.done is not None and self.exit_code in (0, None)
 
 
 def job_env(workdir: Path, visible_devices: str, threads: int | None) -> dict[str, str]:
@@ -44,13 +52,14 @@ def job_env(workdir: Path, visible_devices: str, threads: int | None) -> dict[st
         "PYTHONUNBUFFERED": "1",
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
+        "GPUMARKET_REPORT_FILE": str(workdir / REPORTS),
     })
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
     return env
 
 
-def _tail(path: Path, lines: int = 5) -> str:
+def log_tail(path: Path, lines: int = 5) -> str:
     try:
         with open(path, "rb") as f:
             f.seek(0, os.SEEK_END)
@@ -62,8 +71,35 @@ def _tail(path: Path, lines: int = 5) -> str:
     return "\n".join(kept[-lines:])
 
 
+def read_reports(workdir: Path) -> list[dict]:
+    """Every complete report line the job wrote so far."""
+    try:
+        data = (workdir / REPORTS).read_bytes()
+    except OSError:
+        return []
+    out = []
+    for line in data.split(b"\n")[:-1]:
+        try:
+            item = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(item, dict):
+            out.append(item)
+    return out
+
+
+def pid_runs_in(pid: int, workdir: Path) -> bool:
+    """True if ``pid`` is alive and is a job process started for ``workdir``."""
+    try:
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z" and str(workdir).encode() in cmd
+
+
 class JobProcess:
-    """One running child; ``run()`` returns its Outcome, ``stop()`` ends it."""
+    """One job process; ``run()`` follows it to the end, ``stop()`` ends it."""
 
     def __init__(self, module: str, workdir: Path, env: dict[str, str],
                  on_report: Callable[[dict], Awaitable[None]], max_runtime_s: float,
@@ -75,88 +111,132 @@ class JobProcess:
         self.max_runtime_s = max_runtime_s
         self.grace_s = grace_s
         self.proc: asyncio.subprocess.Process | None = None
+        self.pid: int | None = None
+        self._offset = 0
         self._killed = False
         self._stop_reason = ""
 
-    async def run(self) -> Outcome:
+    async def start(self) -> int:
+        """Spawn the job; return its pid (also its process group id)."""
         (self.workdir / "tmp").mkdir(exist_ok=True)
-        read_fd, write_fd = os.pipe()
-        log_file = open(self.workdir / "job.log", "ab")
-        start = time.monotonic()
-        try:
+        (self.workdir / REPORTS).touch()
+        with open(self.workdir / "job.log", "ab") as log_file:
             self.proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", self.module, str(self.workdir),
-                cwd=self.workdir, env={**self.env, "GPUMARKET_REPORT_FD": str(write_fd)},
-                stdin=asyncio.subprocess.DEVNULL, stdout=log_file, stderr=log_file,
-                pass_fds=(write_fd,), start_new_session=True,
+                cwd=self.workdir, env=self.env, stdin=asyncio.subprocess.DEVNULL,
+                stdout=log_file, stderr=log_file, start_new_session=True,
             )
-        finally:
-            os.close(write_fd)
-            log_file.close()
-        done = None
+        self.pid = self.proc.pid
+        return self.pid
+
+    def attach(self, pid: int) -> None:
+        """Follow a job started by an earlier daemon, from the end of its reports so far."""
+        self.pid = pid
         try:
-            done = await asyncio.wait_for(self._read_reports(read_fd), self.max_runtime_s)
+            self._offset = (self.workdir / REPORTS).stat().st_size
+        except OSError:
+            self._offset = 0
+
+    def alive(self) -> bool:
+        if self.proc is not None:
+            return self.proc.returncode is None
+        return self.pid is not None and pid_runs_in(self.pid, self.workdir)
+
+    async def run(self) -> Outcome:
+        if self.pid is None:
+            await self.start()
+        started = time.monotonic()
+        state = {"done": None, "drained": False}
+        try:
+            await asyncio.wait_for(self._follow(state), self.max_runtime_s)
         except TimeoutError:
             self._stop_reason = f"exceeded its time limit of {self.max_runtime_s:.0f}s"
             await self.stop()
-        code = await self.proc.wait()
-        wall = time.monotonic() - start
+            await self._drain_reports(state)
+        code = await self.proc.wait() if self.proc is not None else None
+        wall = time.monotonic() - started
+        done = state["done"] if code in (0, None) else None
         error = ""
-        if code != 0 or done is None:
-            tail = _tail(self.workdir / "job.log")
+        if done is None and not state["drained"]:
             if self._stop_reason:
                 error = f"job {self._stop_reason}"
+            elif code is None:
+                error = "job ended without finishing"
             elif code < 0:
                 error = f"job killed by signal {-code}"
             else:
                 error = f"job exited with code {code}"
+            tail = log_tail(self.workdir / "job.log")
             if tail and not self._killed:
                 error += ": " + tail.splitlines()[-1][:500]
-        return Outcome(code, done if code == 0 else None, error, wall, self._killed)
+        return Outcome(code, done, state["drained"] and done is None, error, wall, self._killed)
 
-    async def _read_reports(self, read_fd: int) -> dict | None:
-        loop = asyncio.get_running_loop()
-        reader = asyncio.StreamReader(limit=MAX_LINE)
-        pipe = os.fdopen(read_fd, "rb", buffering=0)
-        transport, _ = await loop.connect_read_pipe(
-            lambda: asyncio.StreamReaderProtocol(reader), pipe)
-        done = None
+    async def _follow(self, state: dict) -> None:
+        while True:
+            running = self.alive()
+            await self._drain_reports(state)
+            if not running:
+                await self._drain_reports(state)
+                return
+            await asyncio.sleep(POLL_S)
+
+    async def _drain_reports(self, state: dict) -> None:
+        path = self.workdir / REPORTS
         try:
-            while line := await reader.readline():
-                try:
-                    report = json.loads(line)
-                except ValueError:
-                    log.warning("job wrote an unreadable report line")
-                    continue
-                if not isinstance(report, dict):
-                    continue
-                if report.get("event") == "done":
-                    done = report
-                else:
-                    await self.on_report(report)
-        finally:
-            transport.close()
-        return done
+            with open(path, "rb") as f:
+                f.seek(self._offset)
+                data = f.read()
+        except OSError:
+            return
+        end = data.rfind(b"\n")
+        if end < 0:
+            return
+        self._offset += end + 1
+        for line in data[:end].split(b"\n"):
+            try:
+                report = json.loads(line)
+            except ValueError:
+                log.warning("job wrote an unreadable report line")
+                continue
+            if not isinstance(report, dict):
+                continue
+            event = report.get("event")
+            if event == "done":
+                state["done"] = report
+            elif event == "drained":
+                state["drained"] = True
+            else:
+                await self.on_report(report)
+
+    def request_drain(self) -> None:
+        """Ask the runner to checkpoint at the end of its current step and stop."""
+        if self.pid is not None and self.alive():
+            try:
+                os.kill(self.pid, signal.SIGUSR1)
+            except ProcessLookupError:
+                pass
 
     async def stop(self, reason: str = "") -> None:
         """SIGTERM the job's process group, SIGKILL after the grace period."""
         if reason and not self._stop_reason:
             self._stop_reason = reason
-        proc = self.proc
-        if proc is None or proc.returncode is not None:
+        if self.pid is None or not self.alive():
             return
         self._killed = True
-        _signal_group(proc.pid, signal.SIGTERM)
-        try:
-            await asyncio.wait_for(proc.wait(), self.grace_s)
-        except TimeoutError:
-            _signal_group(proc.pid, signal.SIGKILL)
-            await proc.wait()
-        # Children the job left behind in its group go too.
-        _signal_group(proc.pid, signal.SIGKILL)
+        signal_group(self.pid, signal.SIGTERM)
+        deadline = time.monotonic() + self.grace_s
+        while self.alive() and time.monotonic() < deadline:
+            await asyncio.sleep(POLL_S)
+        # Whatever is left of the group goes, the job's own children too.
+        signal_group(self.pid, signal.SIGKILL)
+        if self.proc is not None:
+            await self.proc.wait()
+        else:
+            while self.alive():
+                await asyncio.sleep(POLL_S)
 
 
-def _signal_group(pgid: int, sig: int) -> None:
+def signal_group(pgid: int, sig: int) -> None:
     try:
         os.killpg(pgid, sig)
     except (ProcessLookupError, PermissionError):

@@ -2,14 +2,14 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers import Marketplace
+from tests.helpers import LEASE_ARGS, Marketplace
 
 
 @pytest.fixture
 def market(tmp_path):
     """A running broker and a client key; tests start the providers they need."""
     m = Marketplace(tmp_path)
-    m.start_broker()
+    m.start_broker(*LEASE_ARGS)
     r = m.cli("keys", "init")
     assert r.returncode == 0, r.stderr
     yield m

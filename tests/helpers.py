@@ -13,6 +13,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 EXAMPLES = ROOT / "examples"
+# Short leases keep failover tests quick: a silent provider loses its leases after 4 s.
+LEASE_ARGS = ("--lease-timeout", "4", "--heartbeat-interval", "0.5")
 
 
 def wait_until(check, what: str, timeout: float = 60.0, interval: float = 0.1):
@@ -56,7 +58,7 @@ checkpoint_every = {checkpoint_every}
 class Process:
     def __init__(self, args: list[str], log: Path, env: dict[str, str]) -> None:
         self.log = log
-        self.proc = subprocess.Popen(args, stdout=open(log, "w"), stderr=subprocess.STDOUT,
+        self.proc = subprocess.Popen(args, stdout=open(log, "a"), stderr=subprocess.STDOUT,
                                      env=env, start_new_session=True)
 
     def alive(self) -> bool:
@@ -95,12 +97,12 @@ class Marketplace:
                     "COLUMNS": "200"})
         return env
 
-    def start_broker(self, *extra: str) -> str:
+    def start_broker(self, *extra: str, listen: str = "127.0.0.1:0") -> str:
         data = self.root / "broker"
         info = data / "broker.json"
         info.unlink(missing_ok=True)
         self.broker = Process([str(BIN / "gpumarket-broker"), "serve", "--listen",
-                               "127.0.0.1:0", "--data-dir", str(data), *extra],
+                               listen, "--data-dir", str(data), *extra],
                               self.root / "broker.log", self.env)
         wait_until(lambda: info.exists() or not self.broker.alive(), "the broker to start")
         assert self.broker.alive(), self.broker.text()
@@ -108,6 +110,7 @@ class Marketplace:
         return self.address
 
     def start_provider(self, name: str = "p1", price: float = 1.0, *extra: str) -> Process:
+        (self.root / name).mkdir(exist_ok=True)
         proc = Process([str(BIN / "gpumarket-provider"), "run", "--broker", self.address,
                         "--data-dir", str(self.root / name), "--price", str(price), *extra],
                        self.root / f"{name}.log", self.env)
@@ -161,3 +164,41 @@ def job_processes(marker: str) -> list[int]:
         if marker in cmd:
             pids.append(int(entry.name))
     return pids
+
+
+def events(address: str, job_id: str, quiet_s: float = 1.0) -> list[dict]:
+    """The job's events so far, read through WatchJob until the stream is quiet."""
+    import asyncio
+
+    import grpc
+    from google.protobuf.json_format import MessageToDict
+
+    from gpumarket.proto.v1 import marketplace_pb2 as mp
+    from gpumarket.proto.v1 import marketplace_pb2_grpc
+
+    async def read():
+        out = []
+        async with grpc.aio.insecure_channel(address) as channel:
+            stream = marketplace_pb2_grpc.MarketplaceStub(channel).WatchJob(
+                mp.WatchJobRequest(job_id=job_id))
+            try:
+                while True:
+                    resp = await asyncio.wait_for(stream.read(), quiet_s)
+                    if resp is grpc.aio.EOF:
+                        break
+                    out.append(MessageToDict(resp.event, preserving_proto_field_name=True))
+            except TimeoutError:
+                pass
+            finally:
+                stream.cancel()
+        return out
+
+    return asyncio.run(read())
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

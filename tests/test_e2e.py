@@ -113,19 +113,3 @@ def test_cancel_running_job(market, tmp_path):
 
     r, job_id = submit(market, training_job(tmp_path / "after.toml", steps=5), "--watch")
     assert r.returncode == 0, r.stdout + r.stderr
-
-
-def test_provider_session_loss_requeues_on_another_provider(market, tmp_path):
-    p1 = market.start_provider("p1", 0.5)
-    market.wait_for_offers(1)
-    r, job_id = submit(market, training_job(tmp_path / "long.toml", steps=400,
-                                            checkpoint_every=0))
-    assert r.returncode == 0, r.stderr
-    market.wait_state(job_id, "RUNNING")
-    p1.stop()  # SIGTERM: the daemon ends its jobs and its session
-    job = market.wait_state(job_id, "QUEUED")
-    assert job["attempt"] == 2
-    market.start_provider("p2", 0.5)
-    job = market.wait_state(job_id, "SUCCEEDED", timeout=300)
-    assert job["provider_id"] == market.provider_id("p2")
-    assert [a["outcome"] for a in job["attempts"]] == ["lost", "succeeded"]

@@ -118,7 +118,7 @@ def _run_module(tmp_path: Path, source: str, stop_after: float | None = None, gr
 def test_executor_reports_a_crash_with_its_last_line(tmp_path):
     outcome, reports, _ = _run_module(tmp_path, """
 import json, os
-out = os.fdopen(int(os.environ["GPUMARKET_REPORT_FD"]), "w")
+out = open(os.environ["GPUMARKET_REPORT_FILE"], "a")
 out.write(json.dumps({"event": "progress", "step": 1, "total": 2}) + "\\n"); out.flush()
 raise RuntimeError("the model exploded")
 """)
@@ -132,7 +132,7 @@ def test_executor_env_is_clean(tmp_path):
     try:
         outcome, reports, workdir = _run_module(tmp_path, """
 import json, os
-out = os.fdopen(int(os.environ["GPUMARKET_REPORT_FD"]), "w")
+out = open(os.environ["GPUMARKET_REPORT_FILE"], "a")
 out.write(json.dumps({"event": "done", "metrics": {"n": len(os.environ)}, "env": sorted(os.environ)}) + "\\n")
 """)
     finally:

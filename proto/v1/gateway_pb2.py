@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from gpumarket.proto.v1 import types_pb2 as gpumarket_dot_proto_dot_v1_dot_types__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n gpumarket/proto/v1/gateway.proto\x12\x0cgpumarket.v1\x1a\x1egpumarket/proto/v1/types.proto\"=\n\rProviderHello\x12\x12\n\npublic_key\x18\x01 \x01(\x0c\x12\x18\n\x10software_version\x18\x02 \x01(\t\"<\n\x10SessionChallenge\x12\r\n\x05nonce\x18\x01 \x01(\x0c\x12\x19\n\x11\x62roker_public_key\x18\x02 \x01(\x0c\"G\n\x0cSessionProof\x12\r\n\x05nonce\x18\x01 \x01(\x0c\x12\x19\n\x11\x62roker_public_key\x18\x02 \x01(\x0c\x12\r\n\x05\x61t_ms\x18\x03 \x01(\x03\"^\n\x0eSessionWelcome\x12\x13\n\x0bprovider_id\x18\x01 \x01(\t\x12\x1d\n\x15heartbeat_interval_ms\x18\x02 \x01(\r\x12\x18\n\x10lease_timeout_ms\x18\x03 \x01(\r\"-\n\x0cRunningLease\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\"G\n\tHeartbeat\x12\r\n\x05\x61t_ms\x18\x01 \x01(\x03\x12+\n\x07running\x18\x02 \x03(\x0b\x32\x1a.gpumarket.v1.RunningLease\"\x0c\n\nJobStarted\"\x1a\n\tJobFailed\x12\r\n\x05\x65rror\x18\x01 \x01(\t\"\x1d\n\x0bJobRejected\x12\x0e\n\x06reason\x18\x01 \x01(\t\"M\n\x10\x43heckpointReport\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12+\n\x08\x61rtifact\x18\x02 \x01(\x0b\x32\x19.gpumarket.v1.ArtifactRef\"\xc8\x02\n\tJobUpdate\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12+\n\x07started\x18\x03 \x01(\x0b\x32\x18.gpumarket.v1.JobStartedH\x00\x12*\n\x08progress\x18\x04 \x01(\x0b\x32\x16.gpumarket.v1.ProgressH\x00\x12)\n\x06\x66\x61iled\x18\x05 \x01(\x0b\x32\x17.gpumarket.v1.JobFailedH\x00\x12)\n\x07receipt\x18\x06 \x01(\x0b\x32\x16.gpumarket.v1.EnvelopeH\x00\x12-\n\x08rejected\x18\x07 \x01(\x0b\x32\x19.gpumarket.v1.JobRejectedH\x00\x12\x34\n\ncheckpoint\x18\x08 \x01(\x0b\x32\x1e.gpumarket.v1.CheckpointReportH\x00\x42\x08\n\x06update\"\xf5\x01\n\x0fProviderMessage\x12,\n\x05hello\x18\x01 \x01(\x0b\x32\x1b.gpumarket.v1.ProviderHelloH\x00\x12\'\n\x05proof\x18\x02 \x01(\x0b\x32\x16.gpumarket.v1.EnvelopeH\x00\x12\'\n\x05offer\x18\x03 \x01(\x0b\x32\x16.gpumarket.v1.EnvelopeH\x00\x12,\n\theartbeat\x18\x04 \x01(\x0b\x32\x17.gpumarket.v1.HeartbeatH\x00\x12-\n\njob_update\x18\x05 \x01(\x0b\x32\x17.gpumarket.v1.JobUpdateH\x00\x42\x05\n\x03msg\"<\n\x0b\x43\x61ncelLease\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0e\n\x06reason\x18\x03 \x01(\t\"P\n\rUpdateSettled\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x03 \x01(\x08\x12\x0e\n\x06reason\x18\x04 \x01(\t\"\x82\x02\n\rBrokerMessage\x12\x33\n\tchallenge\x18\x01 \x01(\x0b\x32\x1e.gpumarket.v1.SessionChallengeH\x00\x12/\n\x07welcome\x18\x02 \x01(\x0b\x32\x1c.gpumarket.v1.SessionWelcomeH\x00\x12\'\n\x05lease\x18\x03 \x01(\x0b\x32\x16.gpumarket.v1.EnvelopeH\x00\x12+\n\x06\x63\x61ncel\x18\x04 \x01(\x0b\x32\x19.gpumarket.v1.CancelLeaseH\x00\x12.\n\x07settled\x18\x05 \x01(\x0b\x32\x1b.gpumarket.v1.UpdateSettledH\x00\x42\x05\n\x03msg2\\\n\x0fProviderGateway\x12I\n\x07Session\x12\x1d.gpumarket.v1.ProviderMessage\x1a\x1b.gpumarket.v1.BrokerMessage(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n gpumarket/proto/v1/gateway.proto\x12\x0cgpumarket.v1\x1a\x1egpumarket/proto/v1/types.proto\"=\n\rProviderHello\x12\x12\n\npublic_key\x18\x01 \x01(\x0c\x12\x18\n\x10software_version\x18\x02 \x01(\t\"<\n\x10SessionChallenge\x12\r\n\x05nonce\x18\x01 \x01(\x0c\x12\x19\n\x11\x62roker_public_key\x18\x02 \x01(\x0c\"G\n\x0cSessionProof\x12\r\n\x05nonce\x18\x01 \x01(\x0c\x12\x19\n\x11\x62roker_public_key\x18\x02 \x01(\x0c\x12\r\n\x05\x61t_ms\x18\x03 \x01(\x03\"^\n\x0eSessionWelcome\x12\x13\n\x0bprovider_id\x18\x01 \x01(\t\x12\x1d\n\x15heartbeat_interval_ms\x18\x02 \x01(\r\x12\x18\n\x10lease_timeout_ms\x18\x03 \x01(\r\"-\n\x0cRunningLease\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\"Y\n\tHeartbeat\x12\r\n\x05\x61t_ms\x18\x01 \x01(\x03\x12+\n\x07running\x18\x02 \x03(\x0b\x32\x1a.gpumarket.v1.RunningLease\x12\x10\n\x08\x64raining\x18\x03 \x01(\x08\"\'\n\nJobStarted\x12\x19\n\x11resumed_from_step\x18\x01 \x01(\x04\"\x1a\n\tJobFailed\x12\r\n\x05\x65rror\x18\x01 \x01(\t\"\x1d\n\x0bJobRejected\x12\x0e\n\x06reason\x18\x01 \x01(\t\"d\n\x10\x43heckpointReport\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12+\n\x08\x61rtifact\x18\x02 \x01(\x0b\x32\x19.gpumarket.v1.ArtifactRef\x12\x15\n\rwrite_seconds\x18\x03 \x01(\x01\"\x1d\n\x0bJobReleased\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\xf7\x02\n\tJobUpdate\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12+\n\x07started\x18\x03 \x01(\x0b\x32\x18.gpumarket.v1.JobStartedH\x00\x12*\n\x08progress\x18\x04 \x01(\x0b\x32\x16.gpumarket.v1.ProgressH\x00\x12)\n\x06\x66\x61iled\x18\x05 \x01(\x0b\x32\x17.gpumarket.v1.JobFailedH\x00\x12)\n\x07receipt\x18\x06 \x01(\x0b\x32\x16.gpumarket.v1.EnvelopeH\x00\x12-\n\x08rejected\x18\x07 \x01(\x0b\x32\x19.gpumarket.v1.JobRejectedH\x00\x12\x34\n\ncheckpoint\x18\x08 \x01(\x0b\x32\x1e.gpumarket.v1.CheckpointReportH\x00\x12-\n\x08released\x18\t \x01(\x0b\x32\x19.gpumarket.v1.JobReleasedH\x00\x42\x08\n\x06update\"\xf5\x01\n\x0fProviderMessage\x12,\n\x05hello\x18\x01 \x01(\x0b\x32\x1b.gpumarket.v1.ProviderHelloH\x00\x12\'\n\x05proof\x18\x02 \x01(\x0b\x32\x16.gpumarket.v1.EnvelopeH\x00\x12\'\n\x05offer\x18\x03 \x01(\x0b\x32\x16.gpumarket.v1.EnvelopeH\x00\x12,\n\theartbeat\x18\x04 \x01(\x0b\x32\x17.gpumarket.v1.HeartbeatH\x00\x12-\n\njob_update\x18\x05 \x01(\x0b\x32\x17.gpumarket.v1.JobUpdateH\x00\x42\x05\n\x03msg\"<\n\x0b\x43\x61ncelLease\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0e\n\x06reason\x18\x03 \x01(\t\"P\n\rUpdateSettled\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x03 \x01(\x08\x12\x0e\n\x06reason\x18\x04 \x01(\t\"\x82\x02\n\rBrokerMessage\x12\x33\n\tchallenge\x18\x01 \x01(\x0b\x32\x1e.gpumarket.v1.SessionChallengeH\x00\x12/\n\x07welcome\x18\x02 \x01(\x0b\x32\x1c.gpumarket.v1.SessionWelcomeH\x00\x12\'\n\x05lease\x18\x03 \x01(\x0b\x32\x16.gpumarket.v1.EnvelopeH\x00\x12+\n\x06\x63\x61ncel\x18\x04 \x01(\x0b\x32\x19.gpumarket.v1.CancelLeaseH\x00\x12.\n\x07settled\x18\x05 \x01(\x0b\x32\x1b.gpumarket.v1.UpdateSettledH\x00\x42\x05\n\x03msg2\\\n\x0fProviderGateway\x12I\n\x07Session\x12\x1d.gpumarket.v1.ProviderMessage\x1a\x1b.gpumarket.v1.BrokerMessage(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -43,25 +43,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RUNNINGLEASE']._serialized_start=376
   _globals['_RUNNINGLEASE']._serialized_end=421
   _globals['_HEARTBEAT']._serialized_start=423
-  _globals['_HEARTBEAT']._serialized_end=494
-  _globals['_JOBSTARTED']._serialized_start=496
-  _globals['_JOBSTARTED']._serialized_end=508
-  _globals['_JOBFAILED']._serialized_start=510
-  _globals['_JOBFAILED']._serialized_end=536
-  _globals['_JOBREJECTED']._serialized_start=538
-  _globals['_JOBREJECTED']._serialized_end=567
-  _globals['_CHECKPOINTREPORT']._serialized_start=569
-  _globals['_CHECKPOINTREPORT']._serialized_end=646
-  _globals['_JOBUPDATE']._serialized_start=649
-  _globals['_JOBUPDATE']._serialized_end=977
-  _globals['_PROVIDERMESSAGE']._serialized_start=980
-  _globals['_PROVIDERMESSAGE']._serialized_end=1225
-  _globals['_CANCELLEASE']._serialized_start=1227
-  _globals['_CANCELLEASE']._serialized_end=1287
-  _globals['_UPDATESETTLED']._serialized_start=1289
-  _globals['_UPDATESETTLED']._serialized_end=1369
-  _globals['_BROKERMESSAGE']._serialized_start=1372
-  _globals['_BROKERMESSAGE']._serialized_end=1630
-  _globals['_PROVIDERGATEWAY']._serialized_start=1632
-  _globals['_PROVIDERGATEWAY']._serialized_end=1724
+  _globals['_HEARTBEAT']._serialized_end=512
+  _globals['_JOBSTARTED']._serialized_start=514
+  _globals['_JOBSTARTED']._serialized_end=553
+  _globals['_JOBFAILED']._serialized_start=555
+  _globals['_JOBFAILED']._serialized_end=581
+  _globals['_JOBREJECTED']._serialized_start=583
+  _globals['_JOBREJECTED']._serialized_end=612
+  _globals['_CHECKPOINTREPORT']._serialized_start=614
+  _globals['_CHECKPOINTREPORT']._serialized_end=714
+  _globals['_JOBRELEASED']._serialized_start=716
+  _globals['_JOBRELEASED']._serialized_end=745
+  _globals['_JOBUPDATE']._serialized_start=748
+  _globals['_JOBUPDATE']._serialized_end=1123
+  _globals['_PROVIDERMESSAGE']._serialized_start=1126
+  _globals['_PROVIDERMESSAGE']._serialized_end=1371
+  _globals['_CANCELLEASE']._serialized_start=1373
+  _globals['_CANCELLEASE']._serialized_end=1433
+  _globals['_UPDATESETTLED']._serialized_start=1435
+  _globals['_UPDATESETTLED']._serialized_end=1515
+  _globals['_BROKERMESSAGE']._serialized_start=1518
+  _globals['_BROKERMESSAGE']._serialized_end=1776
+  _globals['_PROVIDERGATEWAY']._serialized_start=1778
+  _globals['_PROVIDERGATEWAY']._serialized_end=1870
 # @@protoc_insertion_point(module_scope)

@@ -52,16 +52,20 @@ class RunningLease(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
-    __slots__ = ("at_ms", "running")
+    __slots__ = ("at_ms", "running", "draining")
     AT_MS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     at_ms: int
     running: _containers.RepeatedCompositeFieldContainer[RunningLease]
-    def __init__(self, at_ms: _Optional[int] = ..., running: _Optional[_Iterable[_Union[RunningLease, _Mapping]]] = ...) -> None: ...
+    draining: bool
+    def __init__(self, at_ms: _Optional[int] = ..., running: _Optional[_Iterable[_Union[RunningLease, _Mapping]]] = ..., draining: _Optional[bool] = ...) -> None: ...
 
 class JobStarted(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("resumed_from_step",)
+    RESUMED_FROM_STEP_FIELD_NUMBER: _ClassVar[int]
+    resumed_from_step: int
+    def __init__(self, resumed_from_step: _Optional[int] = ...) -> None: ...
 
 class JobFailed(_message.Message):
     __slots__ = ("error",)
@@ -76,15 +80,23 @@ class JobRejected(_message.Message):
     def __init__(self, reason: _Optional[str] = ...) -> None: ...
 
 class CheckpointReport(_message.Message):
-    __slots__ = ("step", "artifact")
+    __slots__ = ("step", "artifact", "write_seconds")
     STEP_FIELD_NUMBER: _ClassVar[int]
     ARTIFACT_FIELD_NUMBER: _ClassVar[int]
+    WRITE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     step: int
     artifact: _types_pb2.ArtifactRef
-    def __init__(self, step: _Optional[int] = ..., artifact: _Optional[_Union[_types_pb2.ArtifactRef, _Mapping]] = ...) -> None: ...
+    write_seconds: float
+    def __init__(self, step: _Optional[int] = ..., artifact: _Optional[_Union[_types_pb2.ArtifactRef, _Mapping]] = ..., write_seconds: _Optional[float] = ...) -> None: ...
+
+class JobReleased(_message.Message):
+    __slots__ = ("reason",)
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    def __init__(self, reason: _Optional[str] = ...) -> None: ...
 
 class JobUpdate(_message.Message):
-    __slots__ = ("job_id", "epoch", "started", "progress", "failed", "receipt", "rejected", "checkpoint")
+    __slots__ = ("job_id", "epoch", "started", "progress", "failed", "receipt", "rejected", "checkpoint", "released")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     STARTED_FIELD_NUMBER: _ClassVar[int]
@@ -93,6 +105,7 @@ class JobUpdate(_message.Message):
     RECEIPT_FIELD_NUMBER: _ClassVar[int]
     REJECTED_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     epoch: int
     started: JobStarted
@@ -101,7 +114,8 @@ class JobUpdate(_message.Message):
     receipt: _types_pb2.Envelope
     rejected: JobRejected
     checkpoint: CheckpointReport
-    def __init__(self, job_id: _Optional[str] = ..., epoch: _Optional[int] = ..., started: _Optional[_Union[JobStarted, _Mapping]] = ..., progress: _Optional[_Union[_types_pb2.Progress, _Mapping]] = ..., failed: _Optional[_Union[JobFailed, _Mapping]] = ..., receipt: _Optional[_Union[_types_pb2.Envelope, _Mapping]] = ..., rejected: _Optional[_Union[JobRejected, _Mapping]] = ..., checkpoint: _Optional[_Union[CheckpointReport, _Mapping]] = ...) -> None: ...
+    released: JobReleased
+    def __init__(self, job_id: _Optional[str] = ..., epoch: _Optional[int] = ..., started: _Optional[_Union[JobStarted, _Mapping]] = ..., progress: _Optional[_Union[_types_pb2.Progress, _Mapping]] = ..., failed: _Optional[_Union[JobFailed, _Mapping]] = ..., receipt: _Optional[_Union[_types_pb2.Envelope, _Mapping]] = ..., rejected: _Optional[_Union[JobRejected, _Mapping]] = ..., checkpoint: _Optional[_Union[CheckpointReport, _Mapping]] = ..., released: _Optional[_Union[JobReleased, _Mapping]] = ...) -> None: ...
 
 class ProviderMessage(_message.Message):
     __slots__ = ("hello", "proof", "offer", "heartbeat", "job_update")

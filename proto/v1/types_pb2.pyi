@@ -181,7 +181,7 @@ class Offer(_message.Message):
     def __init__(self, provider_id: _Optional[str] = ..., devices: _Optional[_Iterable[_Union[Device, _Mapping]]] = ..., price_per_gpu_hour: _Optional[float] = ..., kinds: _Optional[_Iterable[_Union[JobKind, str]]] = ..., software_version: _Optional[str] = ..., created_at_ms: _Optional[int] = ...) -> None: ...
 
 class Lease(_message.Message):
-    __slots__ = ("lease_id", "job_id", "attempt", "epoch", "provider_id", "client_id", "price_per_gpu_hour", "checkpoint_every", "resume_from", "device_indices", "issued_at_ms", "expires_at_ms", "job_spec")
+    __slots__ = ("lease_id", "job_id", "attempt", "epoch", "provider_id", "client_id", "price_per_gpu_hour", "checkpoint_every", "resume_from", "device_indices", "issued_at_ms", "expires_at_ms", "job_spec", "provider_mtbf_s", "checkpoint_interval_s")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
@@ -195,6 +195,8 @@ class Lease(_message.Message):
     ISSUED_AT_MS_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_AT_MS_FIELD_NUMBER: _ClassVar[int]
     JOB_SPEC_FIELD_NUMBER: _ClassVar[int]
+    PROVIDER_MTBF_S_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     job_id: str
     attempt: int
@@ -208,7 +210,9 @@ class Lease(_message.Message):
     issued_at_ms: int
     expires_at_ms: int
     job_spec: Envelope
-    def __init__(self, lease_id: _Optional[str] = ..., job_id: _Optional[str] = ..., attempt: _Optional[int] = ..., epoch: _Optional[int] = ..., provider_id: _Optional[str] = ..., client_id: _Optional[str] = ..., price_per_gpu_hour: _Optional[float] = ..., checkpoint_every: _Optional[int] = ..., resume_from: _Optional[_Union[ArtifactRef, _Mapping]] = ..., device_indices: _Optional[_Iterable[int]] = ..., issued_at_ms: _Optional[int] = ..., expires_at_ms: _Optional[int] = ..., job_spec: _Optional[_Union[Envelope, _Mapping]] = ...) -> None: ...
+    provider_mtbf_s: float
+    checkpoint_interval_s: float
+    def __init__(self, lease_id: _Optional[str] = ..., job_id: _Optional[str] = ..., attempt: _Optional[int] = ..., epoch: _Optional[int] = ..., provider_id: _Optional[str] = ..., client_id: _Optional[str] = ..., price_per_gpu_hour: _Optional[float] = ..., checkpoint_every: _Optional[int] = ..., resume_from: _Optional[_Union[ArtifactRef, _Mapping]] = ..., device_indices: _Optional[_Iterable[int]] = ..., issued_at_ms: _Optional[int] = ..., expires_at_ms: _Optional[int] = ..., job_spec: _Optional[_Union[Envelope, _Mapping]] = ..., provider_mtbf_s: _Optional[float] = ..., checkpoint_interval_s: _Optional[float] = ...) -> None: ...
 
 class Progress(_message.Message):
     __slots__ = ("step", "total", "metrics")
@@ -301,7 +305,7 @@ class Attempt(_message.Message):
     def __init__(self, attempt: _Optional[int] = ..., epoch: _Optional[int] = ..., provider_id: _Optional[str] = ..., started_at_ms: _Optional[int] = ..., ended_at_ms: _Optional[int] = ..., outcome: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class Job(_message.Message):
-    __slots__ = ("job_id", "name", "kind", "state", "client_id", "attempt", "provider_id", "progress", "error", "created_at_ms", "updated_at_ms", "spec", "receipt", "attempts", "queue_reason")
+    __slots__ = ("job_id", "name", "kind", "state", "client_id", "attempt", "provider_id", "progress", "error", "created_at_ms", "updated_at_ms", "spec", "receipt", "attempts", "queue_reason", "checkpoint_step")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
@@ -317,6 +321,7 @@ class Job(_message.Message):
     RECEIPT_FIELD_NUMBER: _ClassVar[int]
     ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_REASON_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_STEP_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     name: str
     kind: JobKind
@@ -332,4 +337,5 @@ class Job(_message.Message):
     receipt: Envelope
     attempts: _containers.RepeatedCompositeFieldContainer[Attempt]
     queue_reason: str
-    def __init__(self, job_id: _Optional[str] = ..., name: _Optional[str] = ..., kind: _Optional[_Union[JobKind, str]] = ..., state: _Optional[_Union[JobState, str]] = ..., client_id: _Optional[str] = ..., attempt: _Optional[int] = ..., provider_id: _Optional[str] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., error: _Optional[str] = ..., created_at_ms: _Optional[int] = ..., updated_at_ms: _Optional[int] = ..., spec: _Optional[_Union[Envelope, _Mapping]] = ..., receipt: _Optional[_Union[Envelope, _Mapping]] = ..., attempts: _Optional[_Iterable[_Union[Attempt, _Mapping]]] = ..., queue_reason: _Optional[str] = ...) -> None: ...
+    checkpoint_step: int
+    def __init__(self, job_id: _Optional[str] = ..., name: _Optional[str] = ..., kind: _Optional[_Union[JobKind, str]] = ..., state: _Optional[_Union[JobState, str]] = ..., client_id: _Optional[str] = ..., attempt: _Optional[int] = ..., provider_id: _Optional[str] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., error: _Optional[str] = ..., created_at_ms: _Optional[int] = ..., updated_at_ms: _Optional[int] = ..., spec: _Optional[_Union[Envelope, _Mapping]] = ..., receipt: _Optional[_Union[Envelope, _Mapping]] = ..., attempts: _Optional[_Iterable[_Union[Attempt, _Mapping]]] = ..., queue_reason: _Optional[str] = ..., checkpoint_step: _Optional[int] = ...) -> None: ...

@@ -1,4 +1,8 @@
-"""How a runner talks to the daemon: one JSON object a line on GPUMARKET_REPORT_FD."""
+"""How a runner talks to the daemon: one JSON object a line, appended to a reports file.
+
+A file (not a pipe) so that a job survives its daemon: a restarted daemon re-attaches to the
+running job and goes on reading where the file ends.
+"""
 
 from __future__ import annotations
 
@@ -10,8 +14,8 @@ from typing import IO, Any
 
 class Reporter:
     def __init__(self) -> None:
-        fd = int(os.environ.get("GPUMARKET_REPORT_FD", "-1"))
-        self._out: IO[str] = os.fdopen(fd, "w", buffering=1) if fd >= 0 else sys.stdout
+        path = os.environ.get("GPUMARKET_REPORT_FILE")
+        self._out: IO[str] = open(path, "a", buffering=1) if path else sys.stdout
 
     def send(self, event: str, **fields: Any) -> None:
         self._out.write(json.dumps({"event": event, **fields}) + "\n")
@@ -20,8 +24,11 @@ class Reporter:
     def progress(self, step: int, total: int, **metrics: float) -> None:
         self.send("progress", step=step, total=total, metrics=metrics)
 
-    def checkpoint(self, step: int, path: str) -> None:
-        self.send("checkpoint", step=step, path=path)
+    def checkpoint(self, step: int, path: str, write_seconds: float) -> None:
+        self.send("checkpoint", step=step, path=path, write_seconds=write_seconds)
+
+    def drained(self, step: int) -> None:
+        self.send("drained", step=step)
 
     def done(self, **metrics: float) -> None:
         self.send("done", metrics=metrics)

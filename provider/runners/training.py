@@ -10,23 +10,60 @@ config and the loss curve to WORKDIR/outputs.
 
 from __future__ import annotations
 
-import json
-import math
-import random
-import sys
-import tarfile
-import time
-from pathlib import Path
+import signal
 
-import numpy as np
-import torch
+_drain_requested = False
 
-from gpumarket.provider.runners import checkpoint
-from gpumarket.provider.runners.report import Reporter
+
+def _request_drain(signum, frame) -> None:
+    global _drain_requested
+    _drain_requested = True
+
+
+# Before the slow imports: a drain request may come while torch is still loading.
+signal.signal(signal.SIGUSR1, _request_drain)
+
+import json  # noqa: E402
+import math  # noqa: E402
+import random  # noqa: E402
+import sys  # noqa: E402
+import tarfile  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from gpumarket.provider.runners import checkpoint  # noqa: E402
+from gpumarket.provider.runners.report import Reporter  # noqa: E402
 
 
 class JobError(Exception):
     """A problem with the job's inputs: reported as one line, no traceback."""
+
+
+class Cadence:
+    """When to checkpoint: every N steps if the job says so, else every Young interval
+    sqrt(2 x measured write time x provider MTBF), re-estimated after each checkpoint."""
+
+    MIN_S, MAX_S = 5.0, 3600.0
+
+    def __init__(self, every_steps: int, interval_s: float, mtbf_s: float) -> None:
+        self.every_steps = every_steps
+        self.interval_s = interval_s
+        self.mtbf_s = mtbf_s
+        self.last = time.monotonic()
+
+    def due(self, step: int) -> bool:
+        if self.every_steps:
+            return step % self.every_steps == 0
+        return self.interval_s > 0 and time.monotonic() - self.last >= self.interval_s
+
+    def written(self, write_seconds: float) -> None:
+        self.last = time.monotonic()
+        if not self.every_steps and self.mtbf_s > 0:
+            young = math.sqrt(2 * max(write_seconds, 1e-3) * self.mtbf_s)
+            self.interval_s = min(self.MAX_S, max(self.MIN_S, young))
 
 
 def load_tokens(path: Path, seq_len: int) -> torch.Tensor:
@@ -101,7 +138,9 @@ def train(workdir: Path, report: Reporter) -> None:
     job = json.loads((workdir / "job.json").read_text())
     p = job["params"]
     seed, steps, batch, seq_len = int(p["seed"]), int(p["steps"]), int(p["batch_size"]), int(p["seq_len"])
-    every = int(job.get("checkpoint_every") or 0)
+    cadence = Cadence(int(job.get("checkpoint_every") or 0),
+                      float(job.get("checkpoint_interval_s") or 0),
+                      float(job.get("provider_mtbf_s") or 0))
     torch.manual_seed(seed)
     random.seed(seed)
     np.random.seed(seed % 2**32)
@@ -123,6 +162,18 @@ def train(workdir: Path, report: Reporter) -> None:
         start, losses = int(meta["step"]), meta["losses"]
         report.send("resumed", step=start)
     t0, tokens_done = time.perf_counter(), 0
+    ckpt_seconds, ckpt_count = 0.0, 0
+
+    def save(at: int) -> None:
+        nonlocal ckpt_seconds, ckpt_count
+        began = time.perf_counter()
+        path = checkpoint.save(ckpt_root, at, model, opt, sched, {"losses": losses})
+        took = time.perf_counter() - began
+        ckpt_seconds += took
+        ckpt_count += 1
+        cadence.written(took)
+        report.checkpoint(at, str(path.relative_to(workdir)), took)
+
     for step in range(start, steps):
         x = batch_for(tokens, step, seed, batch, seq_len).to(device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16):
@@ -138,9 +189,11 @@ def train(workdir: Path, report: Reporter) -> None:
         elapsed = time.perf_counter() - t0
         report.progress(step + 1, steps, loss=value, lr=sched.get_last_lr()[0],
                         tokens_per_s=tokens_done / elapsed if elapsed > 0 else 0.0)
-        if every and (step + 1) % every == 0 and step + 1 < steps:
-            path = checkpoint.save(ckpt_root, step + 1, model, opt, sched, {"losses": losses})
-            report.checkpoint(step + 1, str(path.relative_to(workdir)))
+        if step + 1 < steps and (_drain_requested or cadence.due(step + 1)):
+            save(step + 1)
+            if _drain_requested:
+                report.drained(step + 1)
+                return
     out = workdir / "outputs"
     out.mkdir(exist_ok=True)
     model.save_pretrained(out)
@@ -150,7 +203,10 @@ def train(workdir: Path, report: Reporter) -> None:
     elapsed = time.perf_counter() - t0
     metrics = {"final_loss": losses[-1][1] if losses else float("nan"), "steps": float(steps),
                "train_seconds": elapsed,
-               "tokens_per_s": tokens_done / elapsed if elapsed > 0 else 0.0}
+               "tokens_per_s": tokens_done / elapsed if elapsed > 0 else 0.0,
+               "checkpoints": float(ckpt_count), "checkpoint_seconds": ckpt_seconds,
+               "checkpoint_overhead": ckpt_seconds / elapsed if elapsed > 0 else 0.0,
+               "resumed_from_step": float(start)}
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
     report.done(**metrics)
 

@@ -1,0 +1,60 @@
+"""Checkpoints as single artifacts: a deterministic tar of the runner's checkpoint directory,
+and a safe way back (only the expected plain files, nothing else, nothing outside)."""
+
+from __future__ import annotations
+
+import tarfile
+from pathlib import Path
+
+from gpumarket.proto.errors import InvalidArgument
+
+FILES = ("model.safetensors", "state.safetensors", "state.json", "COMPLETE")
+MAX_MEMBER_BYTES = 1 << 40
+
+
+def pack(directory: Path, target: Path) -> Path:
+    """Write ``directory``'s checkpoint files into the tar ``target`` (fixed order, zeroed
+    times and owners, so the same checkpoint always hashes the same)."""
+    with tarfile.open(target, "w", format=tarfile.PAX_FORMAT) as tar:
+        for name in FILES:
+            path = directory / name
+            if not path.is_file():
+                raise InvalidArgument(f"checkpoint {directory.name} lacks {name}")
+            info = tar.gettarinfo(path, arcname=name)
+            info.mtime, info.uid, info.gid, info.uname, info.gname, info.mode = 0, 0, 0, "", "", 0o644
+            with open(path, "rb") as f:
+                tar.addfile(info, f)
+    return target
+
+
+def unpack(archive: Path, target: Path) -> Path:
+    """Extract a checkpoint tar into ``target``; refuse anything but the expected files."""
+    target.mkdir(parents=True, exist_ok=True)
+    try:
+        with tarfile.open(archive, "r:") as tar:
+            members = tar.getmembers()
+            names = [m.name for m in members]
+            if sorted(names) != sorted(FILES) or not all(m.isfile() for m in members):
+                raise InvalidArgument("checkpoint archive holds unexpected entries")
+            for m in members:
+                if m.size > MAX_MEMBER_BYTES:
+                    raise InvalidArgument(f"checkpoint entry {m.name} is too large")
+                src = tar.extractfile(m)
+                with open(target / m.name, "wb") as out:
+                    while chunk := src.read(1 << 20):
+                        out.write(chunk)
+    except tarfile.TarError as exc:
+        raise InvalidArgument(f"checkpoint archive is unreadable ({exc})") from exc
+    return target
+
+
+def step_of(directory: Path) -> int:
+    import json
+
+    try:
+        return int(json.loads((directory / "state.json").read_text())["step"])
+    except (OSError, ValueError, KeyError) as exc:
+        raise InvalidArgument("checkpoint has no readable step") from exc
+
+
+

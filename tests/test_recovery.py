@@ -1,0 +1,214 @@
+"""A job survives the loss of its provider, of the daemon and of the broker (real processes,
+SIGKILL, loopback)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sqlite3
+import time
+
+import pytest
+
+from tests.helpers import (LEASE_ARGS, free_port, events, job_processes, training_job,
+                           wait_until)
+
+pytestmark = pytest.mark.e2e
+
+# Long enough to be interrupted mid-run, short enough for CI: a few seconds of CPU per 1,000
+# steps of the tiny model.
+STEPS, EVERY = 1500, 100
+
+
+def submit(market, path, **kw):
+    r = market.cli("submit", str(training_job(path, **kw)))
+    assert r.returncode == 0, r.stderr
+    return r.stdout.split()[0]
+
+
+def wait_checkpoint(market, job_id, at_least=EVERY, timeout=180):
+    return wait_until(lambda: int((j := market.job(job_id)).get("checkpoint_step", 0))
+                      >= at_least and j, f"a checkpoint at step >= {at_least}", timeout, 0.2)
+
+
+def kill_machine(market, name, job_id, epoch):
+    """SIGKILL the daemon and its job process: the machine is gone."""
+    market.providers[name].stop(signal.SIGKILL)
+    workdir = str(market.root / name / "jobs" / f"{job_id}.{epoch}")
+    for pid in job_processes(workdir):
+        os.kill(pid, signal.SIGKILL)
+
+
+def results(market, job_id, out):
+    r = market.cli("results", job_id, "-o", str(out))
+    assert r.returncode == 0, r.stderr
+    return (out / "model.safetensors").read_bytes(), (out / "loss.jsonl").read_text()
+
+
+def test_kill9_provider_resumes_on_another_with_identical_weights(market, tmp_path):
+    market.start_provider("p1")
+    market.wait_for_offers(1)
+    job_id = submit(market, tmp_path / "job.toml", steps=STEPS, checkpoint_every=EVERY)
+    market.wait_state(job_id, "RUNNING")
+    market.start_provider("p2")
+    market.wait_for_offers(2)
+    ckpt = int(wait_checkpoint(market, job_id, 2 * EVERY)["checkpoint_step"])
+    kill_machine(market, "p1", job_id, 1)
+    job = market.wait_state(job_id, "SUCCEEDED", timeout=300)
+    assert job["provider_id"] == market.provider_id("p2")
+    assert [a["outcome"] for a in job["attempts"]] == ["lost", "succeeded"]
+    evs = events(market.address, job_id)
+    started = [e for e in evs if e["type"] == "started"]
+    assert "resumed from step" in started[-1]["message"]
+    resumed_at = int(started[-1]["message"].rsplit(" ", 1)[1])
+    assert resumed_at >= ckpt
+    weights, losses = results(market, job_id, tmp_path / "interrupted")
+
+    # The same job, never interrupted, on the surviving provider.
+    clean = submit(market, tmp_path / "clean.toml", steps=STEPS, checkpoint_every=EVERY)
+    market.wait_state(clean, "SUCCEEDED", timeout=300)
+    clean_weights, clean_losses = results(market, clean, tmp_path / "clean")
+    assert losses == clean_losses
+    assert weights == clean_weights  # bitwise: same seed, same torch, same CPU
+
+
+def test_kill9_broker_and_restart(tmp_path):
+    from tests.helpers import Marketplace
+
+    market = Marketplace(tmp_path)
+    port = free_port()
+    try:
+        market.start_broker(*LEASE_ARGS, listen=f"127.0.0.1:{port}")
+        assert market.cli("keys", "init").returncode == 0
+        market.start_provider("p1")
+        market.wait_for_offers(1)
+        job_id = submit(market, tmp_path / "job.toml", steps=STEPS, checkpoint_every=EVERY)
+        wait_checkpoint(market, job_id)
+        seen = events(market.address, job_id)
+        market.broker.stop(signal.SIGKILL)
+        time.sleep(1.0)
+        market.start_broker(*LEASE_ARGS, listen=f"127.0.0.1:{port}")
+        job = market.wait_state(job_id, "SUCCEEDED", timeout=300)
+        assert [a["outcome"] for a in job["attempts"]] == ["succeeded"]  # never re-assigned
+        after = events(market.address, job_id)
+        by_seq = {e["seq"]: e for e in after}
+        for e in seen:  # every event a client was shown before the kill is still there
+            assert by_seq[e["seq"]] == e
+        db = sqlite3.connect(tmp_path / "broker" / "broker.db")
+        assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+        leased = db.execute("SELECT count(*) FROM leases WHERE job_id = ?", [job_id]).fetchone()
+        assert leased[0] == 1
+        assert "Traceback" not in market.broker.text()
+    finally:
+        market.close()
+
+
+def test_stale_provider_cannot_report(market, tmp_path):
+    p1 = market.start_provider("p1")
+    market.wait_for_offers(1)
+    job_id = submit(market, tmp_path / "job.toml", steps=STEPS, checkpoint_every=EVERY)
+    wait_checkpoint(market, job_id)
+    market.start_provider("p2")
+    market.wait_for_offers(2)
+    os.killpg(p1.proc.pid, signal.SIGSTOP)  # the daemon freezes; its job runs on
+    try:
+        job = market.wait_state(job_id, "LEASED", "RUNNING", timeout=60)
+        job = wait_until(lambda: (j := market.job(job_id))["attempt"] == 2 and j,
+                         "the job to move on", timeout=60)
+    finally:
+        os.killpg(p1.proc.pid, signal.SIGCONT)
+    job = market.wait_state(job_id, "SUCCEEDED", timeout=300)
+    assert job["provider_id"] == market.provider_id("p2")
+    assert [a["outcome"] for a in job["attempts"]] == ["lost", "succeeded"]
+    # p1 came back and was told its lease is gone: its job process was stopped.
+    wait_until(lambda: not job_processes(str(market.root / "p1" / "jobs" / f"{job_id}.1")),
+               "the stale job process to end", timeout=30)
+    log = market.broker.text()
+    assert "stale" in log or "no longer yours" in log or "lease epoch 1" in log
+
+
+def test_sigterm_drain_moves_the_job_at_once(market, tmp_path):
+    p1 = market.start_provider("p1")
+    market.wait_for_offers(1)
+    job_id = submit(market, tmp_path / "job.toml", steps=STEPS, checkpoint_every=0)
+    market.wait_state(job_id, "RUNNING")
+    wait_until(lambda: int(market.job(job_id)["progress"].get("step", 0)) > 50, "progress")
+    market.start_provider("p2")
+    market.wait_for_offers(2)
+    began = time.monotonic()
+    r = market.cli("--help")  # noqa: F841  (keeps the CLI warm; nothing to check)
+    from tests.helpers import BIN
+    import subprocess
+
+    drained = subprocess.run([str(BIN / "gpumarket-provider"), "drain", "--data-dir",
+                              str(market.root / "p1")], capture_output=True, text=True,
+                             timeout=120)
+    assert drained.returncode == 0, drained.stderr
+    assert not p1.alive()
+    job = wait_until(lambda: (j := market.job(job_id))["attempt"] == 2 and j, "a requeue")
+    assert time.monotonic() - began < 4  # well before the 4 s lease timeout would have ended it
+    assert job["attempts"][0]["outcome"] == "released"
+    assert int(job["checkpoint_step"]) > 50  # the drain checkpoint
+    job = market.wait_state(job_id, "SUCCEEDED", timeout=300)
+    assert job["provider_id"] == market.provider_id("p2")
+    started = [e for e in events(market.address, job_id) if e["type"] == "started"]
+    assert f"resumed from step {job['checkpoint_step']}" not in started[0]["message"]
+    assert "resumed from step" in started[-1]["message"]
+
+
+def test_daemon_restart_reattaches_to_its_running_job(tmp_path):
+    from tests.helpers import Marketplace
+
+    market = Marketplace(tmp_path)
+    try:
+        market.start_broker("--lease-timeout", "20", "--heartbeat-interval", "0.5")
+        assert market.cli("keys", "init").returncode == 0
+        p1 = market.start_provider("p1")
+        market.wait_for_offers(1)
+        job_id = submit(market, tmp_path / "job.toml", steps=STEPS, checkpoint_every=EVERY)
+        wait_checkpoint(market, job_id)
+        workdir = str(tmp_path / "p1" / "jobs" / f"{job_id}.1")
+        (pid,) = job_processes(workdir)
+        p1.stop(signal.SIGKILL)  # the daemon dies; its job process lives on
+        assert job_processes(workdir) == [pid]
+        # an orphan from some earlier life of this provider, which nothing accounts for
+        stray = tmp_path / "p1" / "jobs" / "stray.1"
+        stray.mkdir()
+        market.start_provider("p1")
+        job = market.wait_state(job_id, "SUCCEEDED", timeout=300)
+        assert [a["outcome"] for a in job["attempts"]] == ["succeeded"]
+        assert not stray.exists()
+        text = market.providers["p1"].text()
+        assert f"re-attached to its running process {pid}" in text
+    finally:
+        market.close()
+
+
+def test_unreferenced_artifacts_are_collected(tmp_path):
+    from tests.helpers import Marketplace
+
+    market = Marketplace(tmp_path)
+    try:
+        market.start_broker(*LEASE_ARGS, "--artifact-grace", "1")
+        assert market.cli("keys", "init").returncode == 0
+        market.start_provider("p1")
+        market.wait_for_offers(1)
+        job_id = submit(market, tmp_path / "job.toml", steps=400, checkpoint_every=50)
+        job = market.wait_state(job_id, "SUCCEEDED", timeout=300)
+        spec_inputs = {"dataset", "model_config"}
+        assert spec_inputs
+        receipt = results(market, job_id, tmp_path / "out")
+        assert receipt
+        outputs = {o["sha256"] for o in json.loads((tmp_path / "out" / "receipt.json")
+                                                   .read_text())["outputs"]}
+        blobs_dir = tmp_path / "broker" / "artifacts" / "blobs"
+
+        def only_live():
+            blobs = {p.name for p in blobs_dir.rglob("*") if p.is_file()}
+            return outputs <= blobs and len(blobs - outputs) == 2 and blobs
+
+        wait_until(only_live, "checkpoints to be collected", timeout=30)
+        assert int(job["checkpoint_step"]) >= 350
+    finally:
+        market.close()
