@@ -14,7 +14,6 @@ import os
 import grpc
 
 from gpumarket.broker import jobs
-from gpumarket.broker.matcher import DeviceSlot, OfferView
 from gpumarket.broker.sessions import ProviderSession
 from gpumarket.broker.state import BrokerState
 from gpumarket.broker import views
@@ -30,15 +29,6 @@ log = logging.getLogger(__name__)
 
 HANDSHAKE_TIMEOUT_S = 10.0
 PROOF_MAX_AGE_MS = 5 * 60 * 1000
-
-
-def offer_view(offer: pb.Offer) -> OfferView:
-    return OfferView(
-        provider_id=offer.provider_id,
-        price_per_gpu_hour=offer.price_per_gpu_hour,
-        kinds=frozenset(offer.kinds),
-        devices=tuple(DeviceSlot(d.index, d.accelerator, d.memory_bytes) for d in offer.devices),
-    )
 
 
 def check_offer(offer: pb.Offer, signer: str) -> None:
@@ -161,7 +151,7 @@ class ProviderGatewayServicer(gateway_pb2_grpc.ProviderGatewayServicer):
                 return
             await self.state.store.write(_store_offer, session.provider_id,
                                          message.offer.SerializeToString(), offer, now_ms())
-            session.offer = offer_view(offer)
+            session.offer = offer
             self.state.placement.notify()
         elif kind == "heartbeat":
             if message.heartbeat.draining and session.offer is not None:

@@ -42,6 +42,14 @@ class NewJob:
     max_attempts: int
     nonce: str             # hex
     inputs: tuple[str, ...] = ()   # sha256 of each input
+    objective: str = "cheapest"
+    deadline_s: int = 0
+    min_reliability: float = 0.0
+    min_compute_capability: float = 0.0
+    gpu_models: tuple[str, ...] = ()
+    work_flops: float = 0.0
+    est_memory_bytes: int = 0
+    max_runtime_s: int = 0
 
 
 @dataclass(frozen=True)
@@ -109,6 +117,11 @@ def submit(db: Database, job: NewJob, now: int) -> None:
             "accelerator": job.accelerator, "max_price_per_gpu_hour": job.max_price_per_gpu_hour,
             "expires_at_ms": job.expires_at_ms, "attempt": 1, "max_attempts": job.max_attempts,
             "epoch": 0, "created_at_ms": now, "updated_at_ms": now,
+            "objective": job.objective, "deadline_s": job.deadline_s,
+            "min_reliability": job.min_reliability,
+            "min_compute_capability": job.min_compute_capability,
+            "gpu_models": json.dumps(list(job.gpu_models)), "work_flops": job.work_flops,
+            "est_memory_bytes": job.est_memory_bytes, "max_runtime_s": job.max_runtime_s,
         }
     )
     for sha in set(job.inputs):
@@ -269,8 +282,29 @@ def succeed(
         db.execute("INSERT OR IGNORE INTO artifact_refs (sha256, job_id, role) VALUES (?, ?, ?)",
                    [out.sha256, job_id, "output"])
     _drop_checkpoints(db, job_id)
+    _record_throughput(db, job, provider_id, receipt_msg, now)
     append_event(db, job_id, "succeeded", SUCCEEDED, job["attempt"], now,
                  provider_id=provider_id, message="finished; receipt verified")
+
+
+def _record_throughput(db: Database, job: dict, provider_id: str, receipt: pb.Receipt,
+                       now: int) -> None:
+    """Keep the speed this provider achieved on a whole job (FLOP/s per device), so the
+    matcher can prefer it over the benchmark's claim. Only uninterrupted attempts count."""
+    seconds = receipt.metrics.get("train_seconds", 0.0)
+    if job["work_flops"] <= 0 or seconds <= 0 or receipt.metrics.get("resumed_from_step", 0):
+        return
+    achieved = job["work_flops"] / seconds / max(1, job["gpus"])
+    row = db.execute("SELECT flops_per_device, samples FROM throughput WHERE provider_id = ?"
+                     " AND kind = ?", [provider_id, job["kind"]]).fetchone()
+    if row is None:
+        db["throughput"].insert({"provider_id": provider_id, "kind": job["kind"],
+                                 "flops_per_device": achieved, "samples": 1, "updated_ms": now})
+    else:
+        value = 0.7 * row[0] + 0.3 * achieved
+        db.execute("UPDATE throughput SET flops_per_device = ?, samples = ?, updated_ms = ?"
+                   " WHERE provider_id = ? AND kind = ?",
+                   [value, row[1] + 1, now, provider_id, job["kind"]])
 
 
 def fail(db: Database, job_id: str, epoch: int, provider_id: str, error: str, now: int) -> None:

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
 import logging
 
-import grpc
-
-from gpumarket.broker import jobs, views
+from gpumarket.broker import estimates, jobs, matcher, reliability, scheduler, views
 from gpumarket.broker.rpc import streaming, unary
 from gpumarket.broker.state import BrokerState
 from gpumarket.proto.envelope import open_envelope, payload_sha256
 from gpumarket.proto.errors import BadSignature, FailedPrecondition, InvalidArgument
-from gpumarket.proto.jobspec import TERMINAL_STATES, check_fresh, check_spec, now_ms
+from gpumarket.proto.jobspec import (
+    OBJECTIVE_NAMES, TERMINAL_STATES, check_fresh, check_spec, now_ms,
+)
 from gpumarket.proto.v1 import gateway_pb2 as gw
 from gpumarket.proto.v1 import marketplace_pb2 as mp
 from gpumarket.proto.v1 import marketplace_pb2_grpc
@@ -41,6 +43,7 @@ class MarketplaceServicer(marketplace_pb2_grpc.MarketplaceServicer):
             if size != ref.size_bytes:
                 raise InvalidArgument(f"inputs[{i}] ({ref.name}): size {ref.size_bytes} does"
                                       f" not match the stored {size} bytes")
+        est = await asyncio.to_thread(estimates.estimate, spec, self.state.artifacts.blob_path)
         digest = payload_sha256(request.spec)
         cfg = self.state.config
         job = jobs.NewJob(
@@ -51,13 +54,21 @@ class MarketplaceServicer(marketplace_pb2_grpc.MarketplaceServicer):
             spec=request.spec.SerializeToString(),
             spec_sha256=digest,
             gpus=spec.resources.gpus,
-            min_memory_bytes=spec.resources.min_memory_bytes,
+            min_memory_bytes=spec.resources.min_memory_bytes or est.memory_bytes,
             accelerator=spec.resources.accelerator,
             max_price_per_gpu_hour=spec.max_price_per_gpu_hour,
             expires_at_ms=spec.expires_at_ms,
             max_attempts=min(spec.max_attempts or cfg.max_attempts, 100),
             nonce=spec.nonce.hex(),
             inputs=tuple(ref.sha256 for ref in spec.inputs),
+            objective=OBJECTIVE_NAMES[spec.objective],
+            deadline_s=spec.deadline_s,
+            min_reliability=spec.min_reliability,
+            min_compute_capability=spec.resources.min_compute_capability,
+            gpu_models=tuple(spec.resources.gpu_models),
+            work_flops=est.work_flops,
+            est_memory_bytes=est.memory_bytes,
+            max_runtime_s=spec.max_runtime_s,
         )
         await self.state.store.write(jobs.submit, job, now_ms())
         log.info("job %s submitted by %s", job.id, client_id)
@@ -112,9 +123,12 @@ class MarketplaceServicer(marketplace_pb2_grpc.MarketplaceServicer):
 
     @unary
     async def SearchOffers(self, request: mp.SearchOffersRequest, context):
-        rows = await self.state.store.read(views.offers)
-        busy = await self.state.store.read(views.busy_devices)
+        store = self.state.store
+        rows = await store.read(views.offers)
+        busy = await store.read(views.busy_devices)
+        achieved = await store.read(views.achieved_flops)
         limit = min(request.limit or 100, MAX_LIST)
+        now = now_ms()
         out = []
         for row in rows:
             env = pb.Envelope()
@@ -125,10 +139,51 @@ class MarketplaceServicer(marketplace_pb2_grpc.MarketplaceServicer):
                 continue
             held = busy.get(offer.provider_id, set())
             free = sum(1 for d in offer.devices if d.index not in held)
-            out.append(mp.OfferListing(offer=env, online=True, free_devices=free))
+            h = await store.read(views.provider_history, offer.provider_id, now)
+            out.append(mp.OfferListing(
+                offer=env, online=True, free_devices=free,
+                reliability=reliability.score(h), mtbf_s=reliability.mtbf_s(h),
+                leases_completed=h.leases_completed, leases_lost=h.leases_lost,
+                achieved_flops=achieved.get((offer.provider_id, pb.JOB_KIND_TRAINING), 0.0),
+                uptime_7d=h.uptime_window_s / h.window_s if h.window_s else 0.0))
             if len(out) >= limit:
                 break
         return mp.SearchOffersResponse(offers=out)
+
+    @unary
+    async def Quote(self, request: mp.QuoteRequest, context) -> mp.QuoteResponse:
+        spec = request.spec
+        check_spec_for_quote(spec)
+        est = await asyncio.to_thread(estimates.estimate, spec, self.state.artifacts.blob_path)
+        row = {
+            "id": "quote", "kind": spec.kind, "gpus": spec.resources.gpus,
+            "min_memory_bytes": spec.resources.min_memory_bytes or est.memory_bytes,
+            "accelerator": spec.resources.accelerator,
+            "max_price_per_gpu_hour": spec.max_price_per_gpu_hour, "client_id": "",
+            "min_compute_capability": spec.resources.min_compute_capability,
+            "gpu_models": json.dumps(list(spec.resources.gpu_models)),
+            "min_reliability": spec.min_reliability, "work_flops": est.work_flops,
+            "objective": OBJECTIVE_NAMES[spec.objective], "deadline_s": spec.deadline_s,
+            "created_at_ms": now_ms(), "max_runtime_s": spec.max_runtime_s,
+            "checkpoint_seconds": 0.0,
+        }
+        book = await scheduler.offer_book(self.state)
+        job = scheduler.needs_of(row)
+        found, excluded = book.candidates(job, min(request.limit or 5, 50))
+        out = mp.QuoteResponse(estimated_memory_bytes=row["min_memory_bytes"],
+                               work_flops=est.work_flops, offers=len(book),
+                               excluded={k: v for k, v in excluded.items()})
+        for c in found:
+            i = book.index[c.provider_id]
+            out.candidates.append(mp.QuoteCandidate(
+                provider_id=c.provider_id, gpu_name=book.offers[i].gpu_name,
+                price_per_gpu_hour=c.price_per_gpu_hour, runtime_s=c.runtime_s,
+                expected_s=c.expected_s, expected_cost=c.expected_cost,
+                p_uninterrupted=c.p_uninterrupted, reliability=c.reliability,
+                free_devices=int(book.free[i])))
+        if not found:
+            out.explanation = matcher.explain(excluded, len(book))
+        return out
 
 
 def _matches(offer: pb.Offer, q: mp.SearchOffersRequest) -> bool:
@@ -140,3 +195,12 @@ def _matches(offer: pb.Offer, q: mp.SearchOffersRequest) -> bool:
             if (not q.accelerator or d.accelerator == q.accelerator)
             and d.memory_bytes >= q.min_memory_bytes]
     return len(good) >= max(q.min_gpus, 1)
+
+
+def check_spec_for_quote(spec: pb.JobSpec) -> None:
+    """A quote needs a well-formed spec but no nonce, times or signature."""
+    probe = pb.JobSpec()
+    probe.CopyFrom(spec)
+    probe.nonce = b"\0" * 16
+    probe.created_at_ms, probe.expires_at_ms = 1, 2
+    check_spec(probe)

@@ -1,35 +1,119 @@
-"""First-fit matching on hard constraints. Plain code: no grpc, no database.
+"""Matching jobs to offers. Plain code: no grpc, no database.
 
-A job fits an offer when the offer's provider has ``gpus`` free devices of the
-asked accelerator with at least ``min_memory_bytes`` each, runs the job's kind,
-and asks no more than the job's maximum price.
+Hard constraints first: job kind, provider policy (client allow/deny lists), hours of
+availability, maximum job duration, price, device count, accelerator, compute capability,
+GPU model allow-list, memory per device, minimum reliability, a deadline the offer cannot meet,
+and free devices. Then the feasible offers are ranked by the job's objective, using the
+expected time and cost to finish (see reliability.expected_time_s):
+
+    runtime   = work (FLOPs) / (effective FLOP/s per device x devices)
+    expected  = runtime x (1 + C/tau) + runtime/MTBF x (tau/2 + restart),  tau = Young interval
+    cost      = price x devices x expected / 3600
+
+``cheapest`` minimises cost, ``fastest`` expected time, ``reliable`` maximises the reliability
+score, and ``deadline`` is the cheapest offer expected to finish in time. Offers within 0.1 % of
+the best are equivalent; among them the least loaded provider wins, so work spreads out.
+
+``Book`` does this for many offers with numpy; ``exclusion`` and ``expected`` are the plain
+reference the property tests hold the book to.
 """
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
 
+import numpy as np
+
+from gpumarket.broker import reliability
+from gpumarket.broker.reliability import PRIOR_UPTIME_S
 from gpumarket.proto.v1 import types_pb2 as pb
+
+OBJECTIVES = ("cheapest", "fastest", "reliable", "deadline")
+NOMINAL_WORK_FLOPS = 1e15       # ranking work when a job's size is unknown
+EQUIVALENT = 1e-3               # offers this close to the best are interchangeable
+ANY = pb.ACCELERATOR_UNSPECIFIED
+
+# The order in which exclusions are counted: what can never change first, "busy" last.
+CONSTRAINTS = ("kind", "policy", "hours", "duration", "price", "gpus", "accelerator",
+               "compute_capability", "gpu_model", "memory", "reliability", "deadline", "busy")
+REASON_TEXT = {
+    "kind": "do not run this job kind",
+    "policy": "do not accept this client",
+    "hours": "are outside their hours of availability",
+    "duration": "cap job duration below this job's",
+    "price": "ask more than max_price_per_gpu_hour",
+    "gpus": "have fewer devices than asked",
+    "accelerator": "have no device of the asked accelerator",
+    "compute_capability": "have a lower compute capability than asked",
+    "gpu_model": "have no GPU model on the job's allow-list",
+    "memory": "have too little memory per device",
+    "reliability": "are less reliable than asked",
+    "deadline": "are not expected to finish before the deadline",
+    "busy": "are busy with other jobs",
+}
 
 
 @dataclass(frozen=True)
-class DeviceSlot:
-    index: int
-    accelerator: int
-    memory_bytes: int
+class Window:
+    """Hours of availability, in UTC: on ``days`` (0 = Monday) from start to end minute."""
+
+    days: frozenset[int]
+    start_minute: int
+    end_minute: int
+
+    def contains(self, t: datetime) -> bool:
+        minute = t.hour * 60 + t.minute
+        if self.start_minute <= self.end_minute:
+            return t.weekday() in self.days and self.start_minute <= minute < self.end_minute
+        # wraps past midnight: the part after midnight belongs to the previous day's window
+        if minute >= self.start_minute:
+            return t.weekday() in self.days
+        return minute < self.end_minute and (t.weekday() - 1) % 7 in self.days
+
+
+@dataclass(frozen=True)
+class Policy:
+    allowed_clients: frozenset[str] = frozenset()   # empty = everyone not denied
+    denied_clients: frozenset[str] = frozenset()
+    max_job_s: float = 0.0                          # 0 = no cap
+    windows: tuple[Window, ...] = ()                # empty = always
+
+    def accepts(self, client_id: str) -> bool:
+        if client_id in self.denied_clients:
+            return False
+        return not self.allowed_clients or client_id in self.allowed_clients
+
+    def available(self, t: datetime) -> bool:
+        return not self.windows or any(w.contains(t) for w in self.windows)
 
 
 @dataclass(frozen=True)
 class OfferView:
-    """What the matcher needs to know of one live offer."""
+    """What the matcher needs to know of one live offer (devices taken as alike: the
+    smallest memory and compute capability stand for all of them)."""
 
     provider_id: str
     price_per_gpu_hour: float
     kinds: frozenset[int]
-    devices: tuple[DeviceSlot, ...]
-    busy: frozenset[int] = frozenset()   # device indices held by active leases
+    device_indices: tuple[int, ...]
+    accelerator: int
+    device_memory_bytes: int
+    compute_capability: float = 0.0
+    gpu_name: str = ""
+    flops: float = 1e11                  # effective FLOP/s per device for this kind of work
+    reliability: float = 0.2
+    mtbf_s: float = PRIOR_UPTIME_S
+    policy: Policy = field(default_factory=Policy)
+    busy: frozenset[int] = frozenset()
+    load: int = 0                        # active leases
+
+    @property
+    def free(self) -> tuple[int, ...]:
+        return tuple(i for i in self.device_indices if i not in self.busy)
 
 
 @dataclass(frozen=True)
@@ -38,8 +122,29 @@ class JobNeeds:
     kind: int
     gpus: int
     min_memory_bytes: int
-    accelerator: int                     # ACCELERATOR_UNSPECIFIED = any
+    accelerator: int                     # ANY = any
     max_price_per_gpu_hour: float
+    client_id: str = ""
+    min_compute_capability: float = 0.0
+    gpu_models: frozenset[str] = frozenset()   # substrings of GPU names; empty = any
+    min_reliability: float = 0.0
+    work_flops: float = 0.0              # 0 = unknown
+    objective: str = "cheapest"
+    deadline_s: float = 0.0
+    max_runtime_s: float = 0.0
+    checkpoint_cost_s: float = 0.0
+    avoid: frozenset[str] = frozenset()  # providers that lost this job: last resort
+
+
+@dataclass(frozen=True)
+class Estimate:
+    provider_id: str
+    price_per_gpu_hour: float
+    runtime_s: float
+    expected_s: float
+    expected_cost: float
+    p_uninterrupted: float
+    reliability: float
 
 
 @dataclass(frozen=True)
@@ -47,72 +152,255 @@ class Placement:
     provider_id: str
     device_indices: tuple[int, ...]
     price_per_gpu_hour: float
+    estimate: Estimate
 
 
-def _suitable(job: JobNeeds, device: DeviceSlot) -> bool:
-    if job.accelerator != pb.ACCELERATOR_UNSPECIFIED and device.accelerator != job.accelerator:
-        return False
-    return device.memory_bytes >= job.min_memory_bytes
+def _work(job: JobNeeds) -> float:
+    return job.work_flops if job.work_flops > 0 else NOMINAL_WORK_FLOPS
 
 
-def exclusion(job: JobNeeds, offer: OfferView) -> str | None:
-    """Return the first hard constraint ``offer`` fails for ``job`` (None if it fits).
+def expected(job: JobNeeds, offer: OfferView) -> Estimate:
+    """Expected runtime, time and cost of ``job`` on ``offer`` (the reference formula)."""
+    runtime = _work(job) / (offer.flops * job.gpus)
+    t = reliability.expected_time_s(runtime, offer.mtbf_s, job.checkpoint_cost_s)
+    return Estimate(offer.provider_id, offer.price_per_gpu_hour, runtime, t,
+                    offer.price_per_gpu_hour * job.gpus * t / 3600,
+                    reliability.p_uninterrupted(t, offer.mtbf_s), offer.reliability)
 
-    Constraints that can never be met by this provider come before "busy", so the
-    reasons shown to a client tell a wait apart from an impossible ask.
-    """
+
+def _model_ok(job: JobNeeds, name: str) -> bool:
+    return not job.gpu_models or any(m.lower() in name.lower() for m in job.gpu_models)
+
+
+def exclusion(job: JobNeeds, offer: OfferView, now: datetime | None = None) -> str | None:
+    """The first hard constraint ``offer`` fails for ``job``, or None if the job fits."""
+    now = now or datetime.now(timezone.utc)
     if job.kind not in offer.kinds:
         return "kind"
+    if not offer.policy.accepts(job.client_id):
+        return "policy"
+    if not offer.policy.available(now):
+        return "hours"
+    est = expected(job, offer)
+    if offer.policy.max_job_s and (job.max_runtime_s or est.runtime_s) > offer.policy.max_job_s:
+        return "duration"
     if offer.price_per_gpu_hour > job.max_price_per_gpu_hour:
         return "price"
-    if len(offer.devices) < job.gpus:
+    if len(offer.device_indices) < job.gpus:
         return "gpus"
-    if not any(
-        job.accelerator in (pb.ACCELERATOR_UNSPECIFIED, d.accelerator) for d in offer.devices
-    ):
+    if job.accelerator != ANY and offer.accelerator != job.accelerator:
         return "accelerator"
-    suitable = [d for d in offer.devices if _suitable(job, d)]
-    if len(suitable) < job.gpus:
+    if offer.compute_capability < job.min_compute_capability:
+        return "compute_capability"
+    if not _model_ok(job, offer.gpu_name):
+        return "gpu_model"
+    if offer.device_memory_bytes < job.min_memory_bytes:
         return "memory"
-    if sum(1 for d in suitable if d.index not in offer.busy) < job.gpus:
+    if offer.reliability < job.min_reliability:
+        return "reliability"
+    if job.objective == "deadline" and job.deadline_s and est.expected_s > job.deadline_s:
+        return "deadline"
+    if len(offer.free) < job.gpus:
         return "busy"
     return None
 
 
-def place(job: JobNeeds, offer: OfferView) -> Placement:
-    """Pick the job's devices on an offer it fits (smallest suitable devices first)."""
-    free = sorted(
-        (d for d in offer.devices if d.index not in offer.busy and _suitable(job, d)),
-        key=lambda d: (d.memory_bytes, d.index),
-    )
-    chosen = tuple(sorted(d.index for d in free[: job.gpus]))
-    return Placement(offer.provider_id, chosen, offer.price_per_gpu_hour)
-
-
-def first_fit(job: JobNeeds, offers: Iterable[OfferView]) -> tuple[Placement | None, Counter]:
-    """Return the first offer the job fits, or None and how many offers each constraint excluded."""
-    excluded: Counter = Counter()
-    for offer in offers:
-        reason = exclusion(job, offer)
-        if reason is None:
-            return place(job, offer), excluded
-        excluded[reason] += 1
-    return None, excluded
-
-
-REASON_TEXT = {
-    "kind": "do not run this job kind",
-    "price": "ask more than max_price_per_gpu_hour",
-    "gpus": "have fewer devices than asked",
-    "accelerator": "have no device of the asked accelerator",
-    "memory": "have too few devices with enough memory",
-    "busy": "are busy with other jobs",
-}
+def objective_key(job: JobNeeds, est: Estimate) -> tuple[float, float]:
+    """(primary, secondary): lower is better."""
+    if job.objective == "fastest":
+        return est.expected_s, est.expected_cost
+    if job.objective == "reliable":
+        return -est.reliability, est.expected_cost
+    return est.expected_cost, est.expected_s
 
 
 def explain(excluded: Counter, total: int) -> str:
     """One line saying why no offer was chosen."""
     if total == 0:
         return "waiting: no provider is online"
-    parts = [f"{n} {REASON_TEXT[r]}" for r, n in excluded.most_common()]
+    parts = [f"{n} {REASON_TEXT[r]}" for r, n in sorted(
+        excluded.items(), key=lambda kv: (-kv[1], CONSTRAINTS.index(kv[0])))]
     return f"waiting: of {total} offers, " + "; ".join(parts)
+
+
+class Book:
+    """Live offers as columns, for placing many jobs quickly.
+
+    The static part of a job's feasibility (everything but free devices and the deadline)
+    is cached per job shape, and so are the per-offer speed/reliability factors per
+    checkpoint cost: a placement is then a few vector operations over the offers.
+    """
+
+    def __init__(self, offers: Iterable[OfferView], now: datetime | None = None) -> None:
+        self.offers = list(offers)
+        self.now = now or datetime.now(timezone.utc)
+        o = self.offers
+        self.index = {x.provider_id: i for i, x in enumerate(o)}
+        self.price = np.array([x.price_per_gpu_hour for x in o], dtype=float)
+        self.count = np.array([len(x.device_indices) for x in o], dtype=np.int64)
+        self.free = np.array([len(x.free) for x in o], dtype=np.int64)
+        self.load = np.array([x.load for x in o], dtype=np.int64)
+        self.accel = np.array([x.accelerator for x in o], dtype=np.int64)
+        self.memory = np.array([x.device_memory_bytes for x in o], dtype=np.int64)
+        self.cc = np.array([x.compute_capability for x in o], dtype=float)
+        self.flops = np.array([max(x.flops, 1.0) for x in o], dtype=float)
+        self.rel = np.array([x.reliability for x in o], dtype=float)
+        self.mtbf = np.array([max(x.mtbf_s, 1.0) for x in o], dtype=float)
+        self.max_job = np.array([x.policy.max_job_s for x in o], dtype=float)
+        self.available = np.array([x.policy.available(self.now) for x in o], dtype=bool)
+        kinds = sorted({k for x in o for k in x.kinds})
+        self._kind_bit = {k: 1 << i for i, k in enumerate(kinds)}
+        self.kinds = np.array([sum(self._kind_bit[k] for k in x.kinds) for x in o],
+                              dtype=np.int64)
+        self.restricted = np.array([bool(x.policy.allowed_clients or x.policy.denied_clients)
+                                    for x in o], dtype=bool)
+        self.free_devices = [list(x.free) for x in o]
+        self._static: dict[tuple, tuple[np.ndarray, list[np.ndarray]]] = {}
+        self._factors: dict[float, np.ndarray] = {}
+
+    def __len__(self) -> int:
+        return len(self.offers)
+
+    def _time_factor(self, cost_s: float) -> np.ndarray:
+        """expected time = work / (flops x gpus) x factor (per offer, per checkpoint cost)."""
+        c = round(cost_s if cost_s > 0 else reliability.DEFAULT_CHECKPOINT_COST_S, 3)
+        f = self._factors.get(c)
+        if f is None:
+            tau = np.clip(np.sqrt(2 * c * self.mtbf), reliability.MIN_INTERVAL_S,
+                          reliability.MAX_INTERVAL_S)
+            f = (1 + c / tau) + (tau / 2 + reliability.RESTART_S) / self.mtbf
+            self._factors[c] = f
+        return f
+
+    def _static_masks(self, job: JobNeeds) -> tuple[np.ndarray, list[np.ndarray]]:
+        key = (job.kind, job.client_id, job.max_price_per_gpu_hour, job.gpus, job.accelerator,
+               job.min_compute_capability, job.gpu_models, job.min_memory_bytes,
+               job.min_reliability, job.max_runtime_s, job.work_flops)
+        hit = self._static.get(key)
+        if hit is not None:
+            return hit
+        n = len(self.offers)
+        kind = (self.kinds & self._kind_bit.get(job.kind, 0)) != 0
+        policy = np.ones(n, dtype=bool)
+        for i in np.flatnonzero(self.restricted):
+            policy[i] = self.offers[i].policy.accepts(job.client_id)
+        runtime = _work(job) / (self.flops * job.gpus)
+        wanted = job.max_runtime_s if job.max_runtime_s else runtime
+        duration = (self.max_job == 0) | (wanted <= self.max_job)
+        accel = (self.accel == job.accelerator) if job.accelerator != ANY else np.ones(n, bool)
+        if job.gpu_models:
+            model = np.array([_model_ok(job, x.gpu_name) for x in self.offers], dtype=bool)
+        else:
+            model = np.ones(n, dtype=bool)
+        masks = [kind, policy, self.available, duration,
+                 self.price <= job.max_price_per_gpu_hour, self.count >= job.gpus, accel,
+                 self.cc >= job.min_compute_capability, model,
+                 self.memory >= job.min_memory_bytes, self.rel >= job.min_reliability]
+        combined = np.logical_and.reduce(masks) if n else np.zeros(0, dtype=bool)
+        self._static[key] = (combined, masks)
+        return combined, masks
+
+    def _keys(self, job: JobNeeds, factor: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        t = _work(job) / (self.flops * job.gpus) * factor
+        cost = self.price * job.gpus * t / 3600
+        if job.objective == "fastest":
+            return t, cost
+        if job.objective == "reliable":
+            return -self.rel, cost
+        return cost, t
+
+    def _feasible(self, job: JobNeeds) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        static, _ = self._static_masks(job)
+        factor = self._time_factor(job.checkpoint_cost_s)
+        mask = static & (self.free >= job.gpus)
+        if job.objective == "deadline" and job.deadline_s:
+            t = _work(job) / (self.flops * job.gpus) * factor
+            mask &= t <= job.deadline_s
+        return mask, factor, static
+
+    def exclusions(self, job: JobNeeds) -> Counter:
+        """How many offers each constraint excludes (first failing constraint counted)."""
+        _, masks = self._static_masks(job)
+        factor = self._time_factor(job.checkpoint_cost_s)
+        t = _work(job) / (self.flops * job.gpus) * factor
+        deadline = (t <= job.deadline_s) if job.objective == "deadline" and job.deadline_s \
+            else np.ones(len(self.offers), dtype=bool)
+        remaining = np.ones(len(self.offers), dtype=bool)
+        out: Counter = Counter()
+        for name, m in zip(CONSTRAINTS, [*masks, deadline, self.free >= job.gpus]):
+            failed = remaining & ~m
+            if failed.any():
+                out[name] = int(failed.sum())
+            remaining &= m
+        return out
+
+    def best(self, job: JobNeeds) -> int | None:
+        """Index of the offer the job should go to, or None."""
+        mask, factor, _ = self._feasible(job)
+        if not mask.any():
+            return None
+        if job.avoid:
+            preferred = mask.copy()
+            for pid in job.avoid:
+                i = self.index.get(pid)
+                if i is not None:
+                    preferred[i] = False
+            if preferred.any():
+                mask = preferred
+        primary, secondary = self._keys(job, factor)
+        keyed = np.where(mask, primary, np.inf)
+        i = int(np.argmin(keyed))
+        best = keyed[i]
+        margin = abs(best) * EQUIVALENT
+        ties = np.flatnonzero(keyed <= best + margin)
+        if len(ties) > 1:
+            # equivalent offers: least loaded first, then the secondary key
+            order = np.lexsort((secondary[ties], self.load[ties]))
+            i = int(ties[order[0]])
+        return i
+
+    def estimate(self, job: JobNeeds, i: int) -> Estimate:
+        o = self.offers[i]
+        factor = self._time_factor(job.checkpoint_cost_s)[i]
+        runtime = _work(job) / (self.flops[i] * job.gpus)
+        t = runtime * factor
+        return Estimate(o.provider_id, o.price_per_gpu_hour, runtime, t,
+                        o.price_per_gpu_hour * job.gpus * t / 3600,
+                        math.exp(-t / self.mtbf[i]), o.reliability)
+
+    def place(self, job: JobNeeds) -> tuple[Placement | None, Counter]:
+        """Choose an offer and its devices, and take them; or say why nothing fits."""
+        i = self.best(job)
+        if i is None:
+            return None, self.exclusions(job)
+        devices = tuple(sorted(self.free_devices[i][: job.gpus]))
+        est = self.estimate(job, i)
+        self.take(i, devices)
+        return Placement(self.offers[i].provider_id, devices, float(self.price[i]), est), Counter()
+
+    def take(self, i: int, devices: tuple[int, ...]) -> None:
+        self.free_devices[i] = [d for d in self.free_devices[i] if d not in devices]
+        self.free[i] = len(self.free_devices[i])
+        self.load[i] += 1
+
+    def candidates(self, job: JobNeeds, n: int = 5) -> tuple[list[Estimate], Counter]:
+        """The best ``n`` feasible offers in objective order (free devices or not), and the
+        exclusions of the rest."""
+        static, _ = self._static_masks(job)
+        factor = self._time_factor(job.checkpoint_cost_s)
+        mask = static.copy()
+        if job.objective == "deadline" and job.deadline_s:
+            mask &= _work(job) / (self.flops * job.gpus) * factor <= job.deadline_s
+        excluded = self.exclusions(job)
+        excluded.pop("busy", None)
+        idx = np.flatnonzero(mask)
+        if not len(idx):
+            return [], excluded
+        primary, secondary = self._keys(job, factor)
+        order = idx[np.lexsort((self.load[idx], secondary[idx], primary[idx]))][:n]
+        return [self.estimate(job, int(i)) for i in order], excluded
+
+
+def first_fit(job: JobNeeds, offers: Iterable[OfferView]) -> tuple[Placement | None, Counter]:
+    """Place one job on a small set of offers (the broker's scheduling pass)."""
+    return Book(offers).place(job)

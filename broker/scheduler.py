@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
-from dataclasses import replace
+from collections import defaultdict, deque
 
 from gpumarket.broker import jobs, matcher, reliability, views
+from gpumarket.broker.offers import offer_view
 from gpumarket.broker.state import BrokerState
 from gpumarket.proto.envelope import seal
 from gpumarket.proto.errors import FailedPrecondition
@@ -29,30 +31,73 @@ def _checkpoint_every(spec_blob: bytes) -> int:
     return spec.training.checkpoint_every
 
 
+def fair_order(rows: list[dict], running: dict[str, int]) -> list[dict]:
+    """Queued jobs in the order to place them: one job per client in turn (clients with
+    fewer running jobs first), each client's jobs oldest first, so that one client's thousand
+    queued jobs never starve another's one."""
+    by_client: dict[str, deque] = defaultdict(deque)
+    for row in rows:
+        by_client[row["client_id"]].append(row)
+    clients = sorted(by_client, key=lambda c: (running.get(c, 0), by_client[c][0]["created_at_ms"]))
+    out = []
+    while clients:
+        for c in list(clients):
+            out.append(by_client[c].popleft())
+            if not by_client[c]:
+                clients.remove(c)
+    return out
+
+
+def needs_of(row: dict, avoid: frozenset[str] = frozenset()) -> matcher.JobNeeds:
+    return matcher.JobNeeds(
+        job_id=row["id"], kind=row["kind"], gpus=row["gpus"],
+        min_memory_bytes=row["min_memory_bytes"], accelerator=row["accelerator"],
+        max_price_per_gpu_hour=row["max_price_per_gpu_hour"], client_id=row["client_id"],
+        min_compute_capability=row["min_compute_capability"],
+        gpu_models=frozenset(json.loads(row["gpu_models"])),
+        min_reliability=row["min_reliability"], work_flops=row["work_flops"],
+        objective=row["objective"],
+        deadline_s=max(0.0, row["deadline_s"] - (now_ms() - row["created_at_ms"]) / 1000)
+        if row["deadline_s"] else 0.0,
+        max_runtime_s=row["max_runtime_s"], checkpoint_cost_s=row["checkpoint_seconds"],
+        avoid=avoid,
+    )
+
+
+async def offer_book(state: BrokerState) -> matcher.Book:
+    """The live offers, corrected by what the broker observed, as one Book."""
+    store = state.store
+    offers = state.sessions.offers()
+    now = now_ms()
+    busy = await store.read(views.busy_devices)
+    loads = await store.read(views.active_lease_counts)
+    hist = await store.read(views.histories, [o.provider_id for o in offers], now)
+    achieved = await store.read(views.achieved_flops)
+    return matcher.Book([
+        offer_view(o, hist[o.provider_id], achieved.get((o.provider_id, pb.JOB_KIND_TRAINING), 0.0),
+                   frozenset(busy.get(o.provider_id, ())), loads.get(o.provider_id, 0))
+        for o in offers
+    ])
+
+
 async def place_queued(state: BrokerState) -> int:
     """One placement pass: lease what fits, record why the rest waits. Returns leases made."""
     store, cfg = state.store, state.config
     queued = await store.read(views.queued_jobs, QUEUE_SCAN)
     if not queued:
         return 0
-    busy = await store.read(views.busy_devices)
-    offers = [replace(o, busy=frozenset(busy.get(o.provider_id, ()))) for o in state.sessions.offers()]
+    book = await offer_book(state)
+    running = await store.read(views.running_by_client)
     reasons: dict[str, str] = {}
     made = 0
-    for row in queued:
-        need = matcher.JobNeeds(
-            job_id=row["id"], kind=row["kind"], gpus=row["gpus"],
-            min_memory_bytes=row["min_memory_bytes"], accelerator=row["accelerator"],
-            max_price_per_gpu_hour=row["max_price_per_gpu_hour"],
-        )
-        candidates = offers
+    for row in fair_order(queued, running):
+        avoid: frozenset[str] = frozenset()
         if row["attempt"] > 1:
             # A job that was lost goes elsewhere first; its old provider only if nothing else fits.
-            before = await store.read(jobs.previous_providers, row["id"])
-            candidates = sorted(offers, key=lambda o: o.provider_id in before)
-        placement, excluded = matcher.first_fit(need, candidates)
+            avoid = frozenset(await store.read(jobs.previous_providers, row["id"]))
+        placement, excluded = book.place(needs_of(row, avoid))
         if placement is None:
-            reason = matcher.explain(excluded, len(offers))
+            reason = matcher.explain(excluded, len(book))
             if reason != row["queue_reason"]:
                 reasons[row["id"]] = reason
             continue
@@ -73,13 +118,10 @@ async def place_queued(state: BrokerState) -> int:
             continue  # cancelled meanwhile
         made += 1
         session.send(gw.BrokerMessage(lease=envelope))
-        log.info("job %s leased to %s on devices %s", row["id"], placement.provider_id,
-                 list(placement.device_indices))
-        offers = [
-            replace(o, busy=o.busy | set(placement.device_indices))
-            if o.provider_id == placement.provider_id else o
-            for o in offers
-        ]
+        log.info("job %s leased to %s on devices %s (%s: expected %.0fs, %.4g credits)",
+                 row["id"], placement.provider_id, list(placement.device_indices),
+                 row["objective"], placement.estimate.expected_s,
+                 placement.estimate.expected_cost)
     if reasons:
         await store.write(jobs.set_queue_reasons, reasons, now_ms())
     if made:

@@ -145,3 +145,29 @@ def m002_checkpoints_and_sessions(db: Database) -> None:
         )"""
     )
     db.execute("CREATE INDEX provider_sessions_by_provider ON provider_sessions(provider_id, id)")
+
+
+@migrations()
+def m003_matching(db: Database) -> None:
+    for column in (
+        "objective TEXT NOT NULL DEFAULT 'cheapest'",
+        "deadline_s INTEGER NOT NULL DEFAULT 0",
+        "min_reliability REAL NOT NULL DEFAULT 0",
+        "min_compute_capability REAL NOT NULL DEFAULT 0",
+        "gpu_models TEXT NOT NULL DEFAULT '[]'",
+        "work_flops REAL NOT NULL DEFAULT 0",
+        "est_memory_bytes INTEGER NOT NULL DEFAULT 0",
+        "max_runtime_s INTEGER NOT NULL DEFAULT 0",
+    ):
+        db.execute(f"ALTER TABLE jobs ADD COLUMN {column}")
+    db.execute(
+        """
+        CREATE TABLE throughput (
+            provider_id TEXT NOT NULL,
+            kind INTEGER NOT NULL,
+            flops_per_device REAL NOT NULL,
+            samples INTEGER NOT NULL,
+            updated_ms INTEGER NOT NULL,
+            PRIMARY KEY (provider_id, kind)
+        )"""
+    )

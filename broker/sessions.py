@@ -5,15 +5,15 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-from gpumarket.broker.matcher import OfferView
 from gpumarket.proto.v1 import gateway_pb2 as gw
+from gpumarket.proto.v1 import types_pb2 as pb
 
 
 @dataclass(eq=False)
 class ProviderSession:
     provider_id: str
     outbox: asyncio.Queue = field(default_factory=asyncio.Queue)
-    offer: OfferView | None = None
+    offer: pb.Offer | None = None                     # None until offered, or while draining
     closed: bool = False
     row_id: int = 0                                   # provider_sessions row
 
@@ -47,7 +47,7 @@ class Sessions:
     def get(self, provider_id: str) -> ProviderSession | None:
         return self._by_provider.get(provider_id)
 
-    def offers(self) -> list[OfferView]:
+    def offers(self) -> list[pb.Offer]:
         return [s.offer for s in self._by_provider.values() if s.offer is not None]
 
     def all(self) -> list[ProviderSession]:

@@ -7,7 +7,7 @@ import json
 from sqlite_utils import Database
 
 from gpumarket.broker.jobs import job_row
-from gpumarket.broker.reliability import ProviderHistory
+from gpumarket.broker.reliability import WINDOW_S, ProviderHistory
 from gpumarket.proto.v1 import types_pb2 as pb
 
 
@@ -81,9 +81,11 @@ def job_state(db: Database, job_id: str) -> int:
 
 
 def queued_jobs(db: Database, limit: int) -> list[dict]:
-    return _rows(db, "SELECT id, kind, gpus, min_memory_bytes, accelerator,"
+    return _rows(db, "SELECT id, client_id, kind, gpus, min_memory_bytes, accelerator,"
                      " max_price_per_gpu_hour, expires_at_ms, queue_reason, spec, attempt,"
-                     " checkpoint_seconds"
+                     " checkpoint_seconds, objective, deadline_s, min_reliability,"
+                     " min_compute_capability, gpu_models, work_flops, max_runtime_s,"
+                     " created_at_ms"
                      " FROM jobs WHERE state = ? ORDER BY created_at_ms, id LIMIT ?",
                  [pb.JOB_STATE_QUEUED, limit])
 
@@ -111,11 +113,42 @@ def offers(db: Database) -> list[dict]:
 
 
 def provider_history(db: Database, provider_id: str, now: int) -> ProviderHistory:
-    uptime_ms = db.execute(
-        "SELECT coalesce(sum(coalesce(ended_ms, ?) - started_ms), 0) FROM provider_sessions"
-        " WHERE provider_id = ?", [now, provider_id]).fetchone()[0]
+    """What the broker saw of a provider: online time (all and in the last 7 days), leases
+    completed and lost, and its age."""
+    start = now - int(WINDOW_S * 1000)
+    uptime_ms, window_ms = db.execute(
+        "SELECT coalesce(sum(coalesce(ended_ms, ?) - started_ms), 0),"
+        " coalesce(sum(max(0, coalesce(ended_ms, ?) - max(started_ms, ?))), 0)"
+        " FROM provider_sessions WHERE provider_id = ?",
+        [now, now, start, provider_id]).fetchone()
     counts = dict(db.execute(
         "SELECT state, count(*) FROM leases WHERE provider_id = ? GROUP BY state",
         [provider_id]).fetchall())
+    first = db.execute("SELECT first_seen_ms FROM providers WHERE id = ?",
+                       [provider_id]).fetchone()
+    age_ms = max(0, now - first[0]) if first else 0
     return ProviderHistory(uptime_s=uptime_ms / 1000, leases_lost=counts.get("lost", 0),
-                           leases_completed=counts.get("succeeded", 0))
+                           leases_completed=counts.get("succeeded", 0),
+                           uptime_window_s=window_ms / 1000,
+                           window_s=min(age_ms, WINDOW_S * 1000) / 1000, age_s=age_ms / 1000)
+
+
+def histories(db: Database, provider_ids: list[str], now: int) -> dict[str, ProviderHistory]:
+    return {p: provider_history(db, p, now) for p in provider_ids}
+
+
+def achieved_flops(db: Database) -> dict[tuple[str, int], float]:
+    return {(r[0], r[1]): r[2] for r in db.execute(
+        "SELECT provider_id, kind, flops_per_device FROM throughput").fetchall()}
+
+
+def active_lease_counts(db: Database) -> dict[str, int]:
+    return dict(db.execute(
+        "SELECT provider_id, count(*) FROM leases WHERE state = 'active' GROUP BY provider_id"
+    ).fetchall())
+
+
+def running_by_client(db: Database) -> dict[str, int]:
+    return dict(db.execute(
+        "SELECT client_id, count(*) FROM jobs WHERE state IN (?, ?) GROUP BY client_id",
+        [pb.JOB_STATE_LEASED, pb.JOB_STATE_RUNNING]).fetchall())

@@ -37,6 +37,14 @@ STATE_NAMES = {
     types_pb2.JOB_STATE_CANCELLED: "CANCELLED",
 }
 STATES_BY_NAME = {v: k for k, v in STATE_NAMES.items()}
+OBJECTIVE_NAMES = {
+    types_pb2.OBJECTIVE_UNSPECIFIED: "cheapest",
+    types_pb2.OBJECTIVE_CHEAPEST: "cheapest",
+    types_pb2.OBJECTIVE_FASTEST: "fastest",
+    types_pb2.OBJECTIVE_RELIABLE: "reliable",
+    types_pb2.OBJECTIVE_DEADLINE: "deadline",
+}
+OBJECTIVES_BY_NAME = {v: k for k, v in OBJECTIVE_NAMES.items() if k}
 TERMINAL_STATES = frozenset(
     {types_pb2.JOB_STATE_SUCCEEDED, types_pb2.JOB_STATE_FAILED, types_pb2.JOB_STATE_CANCELLED}
 )
@@ -82,6 +90,17 @@ def check_spec(spec: types_pb2.JobSpec) -> None:
         raise InvalidArgument("resources.gpus: at most 64 devices on one provider")
     if spec.resources.accelerator not in ACCELERATOR_NAMES:
         raise InvalidArgument("resources.accelerator: unknown accelerator")
+    if spec.objective not in OBJECTIVE_NAMES:
+        raise InvalidArgument("objective: unknown objective")
+    if spec.objective == types_pb2.OBJECTIVE_DEADLINE and not spec.deadline_s:
+        raise InvalidArgument("deadline: the deadline objective needs a deadline")
+    if not 0 <= spec.min_reliability <= 1:
+        raise InvalidArgument("min_reliability: must be between 0 and 1")
+    if not 0 <= spec.resources.min_compute_capability < 100:
+        raise InvalidArgument("resources.compute_capability: must be like 8.0")
+    if len(spec.resources.gpu_models) > 64 or any(
+            not 0 < len(m) <= 64 for m in spec.resources.gpu_models):
+        raise InvalidArgument("resources.gpu_models: at most 64 names of 1 to 64 characters")
     if not spec.max_price_per_gpu_hour > 0:
         raise InvalidArgument("max_price_per_gpu_hour: must be greater than 0")
     if spec.expires_at_ms <= spec.created_at_ms:

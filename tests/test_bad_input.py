@@ -162,3 +162,27 @@ def test_typed_client_maps_unavailable():
                 await broker.get_job("x")
 
     run(scenario())
+
+
+def test_a_corrupted_blob_is_refused_on_download(market, tmp_path):
+    from gpumarket.proto.errors import InvalidArgument
+    from gpumarket.provider.broker_link import ArtifactLink
+
+    blob = tmp_path / "blob"
+    blob.write_bytes(b"a checkpoint" * 1000)
+
+    async def scenario():
+        async with BrokerClient(market.address) as broker:
+            ref = await broker.upload(blob, "checkpoint.tar")
+        stored = tmp_path / "broker" / "artifacts" / "blobs" / ref.sha256[:2] / ref.sha256
+        data = bytearray(stored.read_bytes())
+        data[100] ^= 0xFF
+        stored.write_bytes(bytes(data))
+        async with grpc.aio.insecure_channel(market.address) as channel:
+            link = ArtifactLink(channel, 10)
+            target = tmp_path / "got"
+            with pytest.raises(InvalidArgument, match="do not match its sha256"):
+                await link.download(ref, target)
+            assert not target.exists()
+
+    run(scenario())

@@ -1,4 +1,4 @@
-"""The broker's plain code: matcher, job state machine on a real SQLite file, artifact store."""
+"""The broker's plain code: job state machine on a real SQLite file, artifact store."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from gpumarket.broker import jobs, matcher, views
+from gpumarket.broker import jobs, views
 from gpumarket.broker.artifact_store import ArtifactStore
 from gpumarket.broker.store import Store
 from gpumarket.proto.envelope import seal
@@ -16,44 +16,8 @@ from gpumarket.proto.errors import FailedPrecondition, InvalidArgument, NotFound
 from gpumarket.proto.identity import Identity
 from gpumarket.proto.v1 import types_pb2 as pb
 
-CPU, CUDA, ANY = pb.ACCELERATOR_CPU, pb.ACCELERATOR_CUDA, pb.ACCELERATOR_UNSPECIFIED
+ANY = pb.ACCELERATOR_UNSPECIFIED
 TRAIN = pb.JOB_KIND_TRAINING
-GiB = 2**30
-
-
-def offer(pid, price, devices, busy=()):
-    return matcher.OfferView(pid, price, frozenset({TRAIN}),
-                             tuple(matcher.DeviceSlot(i, a, m) for i, (a, m) in
-                                   enumerate(devices)), frozenset(busy))
-
-
-def need(gpus=1, mem=0, accel=ANY, price=10.0):
-    return matcher.JobNeeds("j", TRAIN, gpus, mem, accel, price)
-
-
-def test_first_fit_respects_every_hard_constraint():
-    offers = [
-        offer("expensive", 9.0, [(CUDA, 80 * GiB)] * 8),
-        offer("small", 1.0, [(CUDA, 16 * GiB)] * 2),
-        offer("cpu", 0.1, [(CPU, 64 * GiB)]),
-        offer("busy", 1.0, [(CUDA, 80 * GiB)] * 2, busy={0}),
-        offer("fits", 2.0, [(CUDA, 40 * GiB), (CUDA, 80 * GiB), (CUDA, 80 * GiB)]),
-    ]
-    placed, excluded = matcher.first_fit(need(2, 40 * GiB, CUDA, 5.0), offers)
-    assert placed.provider_id == "fits"
-    assert placed.device_indices == (0, 1)  # smallest devices that suffice
-    assert excluded == {"price": 1, "memory": 1, "gpus": 1, "busy": 1}
-    _, excluded = matcher.first_fit(need(1, 0, CUDA), [offer("cpu", 0.1, [(CPU, GiB)])])
-    assert excluded == {"accelerator": 1}
-
-
-def test_no_fit_explains_why():
-    offers = [offer("a", 3.0, [(CPU, GiB)]), offer("b", 0.5, [(CPU, GiB)], busy={0})]
-    placed, excluded = matcher.first_fit(need(price=1.0), offers)
-    assert placed is None
-    assert matcher.explain(excluded, 2) == ("waiting: of 2 offers, 1 ask more than "
-                                            "max_price_per_gpu_hour; 1 are busy with other jobs")
-    assert matcher.explain(excluded, 0) == "waiting: no provider is online"
 
 
 def new_job(client: Identity, job_id="j1", nonce="00" * 16, max_attempts=2):

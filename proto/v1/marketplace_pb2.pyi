@@ -100,17 +100,82 @@ class SearchOffersRequest(_message.Message):
     def __init__(self, kind: _Optional[_Union[_types_pb2.JobKind, str]] = ..., min_gpus: _Optional[int] = ..., min_memory_bytes: _Optional[int] = ..., accelerator: _Optional[_Union[_types_pb2.Accelerator, str]] = ..., max_price_per_gpu_hour: _Optional[float] = ..., limit: _Optional[int] = ...) -> None: ...
 
 class OfferListing(_message.Message):
-    __slots__ = ("offer", "online", "free_devices")
+    __slots__ = ("offer", "online", "free_devices", "reliability", "mtbf_s", "leases_completed", "leases_lost", "achieved_flops", "uptime_7d")
     OFFER_FIELD_NUMBER: _ClassVar[int]
     ONLINE_FIELD_NUMBER: _ClassVar[int]
     FREE_DEVICES_FIELD_NUMBER: _ClassVar[int]
+    RELIABILITY_FIELD_NUMBER: _ClassVar[int]
+    MTBF_S_FIELD_NUMBER: _ClassVar[int]
+    LEASES_COMPLETED_FIELD_NUMBER: _ClassVar[int]
+    LEASES_LOST_FIELD_NUMBER: _ClassVar[int]
+    ACHIEVED_FLOPS_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_7D_FIELD_NUMBER: _ClassVar[int]
     offer: _types_pb2.Envelope
     online: bool
     free_devices: int
-    def __init__(self, offer: _Optional[_Union[_types_pb2.Envelope, _Mapping]] = ..., online: _Optional[bool] = ..., free_devices: _Optional[int] = ...) -> None: ...
+    reliability: float
+    mtbf_s: float
+    leases_completed: int
+    leases_lost: int
+    achieved_flops: float
+    uptime_7d: float
+    def __init__(self, offer: _Optional[_Union[_types_pb2.Envelope, _Mapping]] = ..., online: _Optional[bool] = ..., free_devices: _Optional[int] = ..., reliability: _Optional[float] = ..., mtbf_s: _Optional[float] = ..., leases_completed: _Optional[int] = ..., leases_lost: _Optional[int] = ..., achieved_flops: _Optional[float] = ..., uptime_7d: _Optional[float] = ...) -> None: ...
 
 class SearchOffersResponse(_message.Message):
     __slots__ = ("offers",)
     OFFERS_FIELD_NUMBER: _ClassVar[int]
     offers: _containers.RepeatedCompositeFieldContainer[OfferListing]
     def __init__(self, offers: _Optional[_Iterable[_Union[OfferListing, _Mapping]]] = ...) -> None: ...
+
+class QuoteRequest(_message.Message):
+    __slots__ = ("spec", "limit")
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    spec: _types_pb2.JobSpec
+    limit: int
+    def __init__(self, spec: _Optional[_Union[_types_pb2.JobSpec, _Mapping]] = ..., limit: _Optional[int] = ...) -> None: ...
+
+class QuoteCandidate(_message.Message):
+    __slots__ = ("provider_id", "gpu_name", "price_per_gpu_hour", "runtime_s", "expected_s", "expected_cost", "p_uninterrupted", "reliability", "free_devices")
+    PROVIDER_ID_FIELD_NUMBER: _ClassVar[int]
+    GPU_NAME_FIELD_NUMBER: _ClassVar[int]
+    PRICE_PER_GPU_HOUR_FIELD_NUMBER: _ClassVar[int]
+    RUNTIME_S_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_S_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_COST_FIELD_NUMBER: _ClassVar[int]
+    P_UNINTERRUPTED_FIELD_NUMBER: _ClassVar[int]
+    RELIABILITY_FIELD_NUMBER: _ClassVar[int]
+    FREE_DEVICES_FIELD_NUMBER: _ClassVar[int]
+    provider_id: str
+    gpu_name: str
+    price_per_gpu_hour: float
+    runtime_s: float
+    expected_s: float
+    expected_cost: float
+    p_uninterrupted: float
+    reliability: float
+    free_devices: int
+    def __init__(self, provider_id: _Optional[str] = ..., gpu_name: _Optional[str] = ..., price_per_gpu_hour: _Optional[float] = ..., runtime_s: _Optional[float] = ..., expected_s: _Optional[float] = ..., expected_cost: _Optional[float] = ..., p_uninterrupted: _Optional[float] = ..., reliability: _Optional[float] = ..., free_devices: _Optional[int] = ...) -> None: ...
+
+class QuoteResponse(_message.Message):
+    __slots__ = ("candidates", "excluded", "estimated_memory_bytes", "work_flops", "offers", "explanation")
+    class ExcludedEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    CANDIDATES_FIELD_NUMBER: _ClassVar[int]
+    EXCLUDED_FIELD_NUMBER: _ClassVar[int]
+    ESTIMATED_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WORK_FLOPS_FIELD_NUMBER: _ClassVar[int]
+    OFFERS_FIELD_NUMBER: _ClassVar[int]
+    EXPLANATION_FIELD_NUMBER: _ClassVar[int]
+    candidates: _containers.RepeatedCompositeFieldContainer[QuoteCandidate]
+    excluded: _containers.ScalarMap[str, int]
+    estimated_memory_bytes: int
+    work_flops: float
+    offers: int
+    explanation: str
+    def __init__(self, candidates: _Optional[_Iterable[_Union[QuoteCandidate, _Mapping]]] = ..., excluded: _Optional[_Mapping[str, int]] = ..., estimated_memory_bytes: _Optional[int] = ..., work_flops: _Optional[float] = ..., offers: _Optional[int] = ..., explanation: _Optional[str] = ...) -> None: ...

@@ -64,6 +64,11 @@ class MarketplaceStub:
                 request_serializer=gpumarket_dot_proto_dot_v1_dot_marketplace__pb2.SearchOffersRequest.SerializeToString,
                 response_deserializer=gpumarket_dot_proto_dot_v1_dot_marketplace__pb2.SearchOffersResponse.FromString,
                 _registered_method=True)
+        self.Quote = channel.unary_unary(
+                '/gpumarket.v1.Marketplace/Quote',
+                request_serializer=gpumarket_dot_proto_dot_v1_dot_marketplace__pb2.QuoteRequest.SerializeToString,
+                response_deserializer=gpumarket_dot_proto_dot_v1_dot_marketplace__pb2.QuoteResponse.FromString,
+                _registered_method=True)
 
 
 class MarketplaceServicer:
@@ -105,6 +110,12 @@ class MarketplaceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Quote(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MarketplaceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -137,6 +148,11 @@ def add_MarketplaceServicer_to_server(servicer, server):
                     servicer.SearchOffers,
                     request_deserializer=gpumarket_dot_proto_dot_v1_dot_marketplace__pb2.SearchOffersRequest.FromString,
                     response_serializer=gpumarket_dot_proto_dot_v1_dot_marketplace__pb2.SearchOffersResponse.SerializeToString,
+            ),
+            'Quote': grpc.unary_unary_rpc_method_handler(
+                    servicer.Quote,
+                    request_deserializer=gpumarket_dot_proto_dot_v1_dot_marketplace__pb2.QuoteRequest.FromString,
+                    response_serializer=gpumarket_dot_proto_dot_v1_dot_marketplace__pb2.QuoteResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -301,6 +317,33 @@ class Marketplace:
             '/gpumarket.v1.Marketplace/SearchOffers',
             gpumarket_dot_proto_dot_v1_dot_marketplace__pb2.SearchOffersRequest.SerializeToString,
             gpumarket_dot_proto_dot_v1_dot_marketplace__pb2.SearchOffersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Quote(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gpumarket.v1.Marketplace/Quote',
+            gpumarket_dot_proto_dot_v1_dot_marketplace__pb2.QuoteRequest.SerializeToString,
+            gpumarket_dot_proto_dot_v1_dot_marketplace__pb2.QuoteResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -30,6 +30,14 @@ class JobState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     JOB_STATE_SUCCEEDED: _ClassVar[JobState]
     JOB_STATE_FAILED: _ClassVar[JobState]
     JOB_STATE_CANCELLED: _ClassVar[JobState]
+
+class Objective(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    OBJECTIVE_UNSPECIFIED: _ClassVar[Objective]
+    OBJECTIVE_CHEAPEST: _ClassVar[Objective]
+    OBJECTIVE_FASTEST: _ClassVar[Objective]
+    OBJECTIVE_RELIABLE: _ClassVar[Objective]
+    OBJECTIVE_DEADLINE: _ClassVar[Objective]
 JOB_KIND_UNSPECIFIED: JobKind
 JOB_KIND_TRAINING: JobKind
 JOB_KIND_GENERATE: JobKind
@@ -45,6 +53,11 @@ JOB_STATE_RUNNING: JobState
 JOB_STATE_SUCCEEDED: JobState
 JOB_STATE_FAILED: JobState
 JOB_STATE_CANCELLED: JobState
+OBJECTIVE_UNSPECIFIED: Objective
+OBJECTIVE_CHEAPEST: Objective
+OBJECTIVE_FASTEST: Objective
+OBJECTIVE_RELIABLE: Objective
+OBJECTIVE_DEADLINE: Objective
 
 class Envelope(_message.Message):
     __slots__ = ("payload_type", "payload", "signer_public_key", "signature")
@@ -69,14 +82,18 @@ class ArtifactRef(_message.Message):
     def __init__(self, name: _Optional[str] = ..., sha256: _Optional[str] = ..., size_bytes: _Optional[int] = ...) -> None: ...
 
 class Resources(_message.Message):
-    __slots__ = ("gpus", "min_memory_bytes", "accelerator")
+    __slots__ = ("gpus", "min_memory_bytes", "accelerator", "min_compute_capability", "gpu_models")
     GPUS_FIELD_NUMBER: _ClassVar[int]
     MIN_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     ACCELERATOR_FIELD_NUMBER: _ClassVar[int]
+    MIN_COMPUTE_CAPABILITY_FIELD_NUMBER: _ClassVar[int]
+    GPU_MODELS_FIELD_NUMBER: _ClassVar[int]
     gpus: int
     min_memory_bytes: int
     accelerator: Accelerator
-    def __init__(self, gpus: _Optional[int] = ..., min_memory_bytes: _Optional[int] = ..., accelerator: _Optional[_Union[Accelerator, str]] = ...) -> None: ...
+    min_compute_capability: float
+    gpu_models: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, gpus: _Optional[int] = ..., min_memory_bytes: _Optional[int] = ..., accelerator: _Optional[_Union[Accelerator, str]] = ..., min_compute_capability: _Optional[float] = ..., gpu_models: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class TrainingParams(_message.Message):
     __slots__ = ("model_config", "base_model", "dataset", "steps", "batch_size", "learning_rate", "seed", "seq_len", "checkpoint_every", "warmup_steps")
@@ -103,7 +120,7 @@ class TrainingParams(_message.Message):
     def __init__(self, model_config: _Optional[str] = ..., base_model: _Optional[str] = ..., dataset: _Optional[str] = ..., steps: _Optional[int] = ..., batch_size: _Optional[int] = ..., learning_rate: _Optional[float] = ..., seed: _Optional[int] = ..., seq_len: _Optional[int] = ..., checkpoint_every: _Optional[int] = ..., warmup_steps: _Optional[int] = ...) -> None: ...
 
 class JobSpec(_message.Message):
-    __slots__ = ("name", "kind", "resources", "max_price_per_gpu_hour", "inputs", "max_runtime_s", "max_attempts", "training", "nonce", "created_at_ms", "expires_at_ms")
+    __slots__ = ("name", "kind", "resources", "max_price_per_gpu_hour", "inputs", "max_runtime_s", "max_attempts", "objective", "deadline_s", "min_reliability", "training", "nonce", "created_at_ms", "expires_at_ms")
     NAME_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     RESOURCES_FIELD_NUMBER: _ClassVar[int]
@@ -111,6 +128,9 @@ class JobSpec(_message.Message):
     INPUTS_FIELD_NUMBER: _ClassVar[int]
     MAX_RUNTIME_S_FIELD_NUMBER: _ClassVar[int]
     MAX_ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
+    OBJECTIVE_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
+    MIN_RELIABILITY_FIELD_NUMBER: _ClassVar[int]
     TRAINING_FIELD_NUMBER: _ClassVar[int]
     NONCE_FIELD_NUMBER: _ClassVar[int]
     CREATED_AT_MS_FIELD_NUMBER: _ClassVar[int]
@@ -122,26 +142,44 @@ class JobSpec(_message.Message):
     inputs: _containers.RepeatedCompositeFieldContainer[ArtifactRef]
     max_runtime_s: int
     max_attempts: int
+    objective: Objective
+    deadline_s: int
+    min_reliability: float
     training: TrainingParams
     nonce: bytes
     created_at_ms: int
     expires_at_ms: int
-    def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[JobKind, str]] = ..., resources: _Optional[_Union[Resources, _Mapping]] = ..., max_price_per_gpu_hour: _Optional[float] = ..., inputs: _Optional[_Iterable[_Union[ArtifactRef, _Mapping]]] = ..., max_runtime_s: _Optional[int] = ..., max_attempts: _Optional[int] = ..., training: _Optional[_Union[TrainingParams, _Mapping]] = ..., nonce: _Optional[bytes] = ..., created_at_ms: _Optional[int] = ..., expires_at_ms: _Optional[int] = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[JobKind, str]] = ..., resources: _Optional[_Union[Resources, _Mapping]] = ..., max_price_per_gpu_hour: _Optional[float] = ..., inputs: _Optional[_Iterable[_Union[ArtifactRef, _Mapping]]] = ..., max_runtime_s: _Optional[int] = ..., max_attempts: _Optional[int] = ..., objective: _Optional[_Union[Objective, str]] = ..., deadline_s: _Optional[int] = ..., min_reliability: _Optional[float] = ..., training: _Optional[_Union[TrainingParams, _Mapping]] = ..., nonce: _Optional[bytes] = ..., created_at_ms: _Optional[int] = ..., expires_at_ms: _Optional[int] = ...) -> None: ...
 
 class Benchmark(_message.Message):
-    __slots__ = ("matmul_flops", "matmul_dtype", "memory_bandwidth_bytes_per_s", "measured_at_ms")
+    __slots__ = ("matmul_flops", "matmul_dtype", "memory_bandwidth_bytes_per_s", "measured_at_ms", "matmul_flops_by_dtype", "host_to_device_bytes_per_s", "sm_count", "interconnect")
+    class MatmulFlopsByDtypeEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     MATMUL_FLOPS_FIELD_NUMBER: _ClassVar[int]
     MATMUL_DTYPE_FIELD_NUMBER: _ClassVar[int]
     MEMORY_BANDWIDTH_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
     MEASURED_AT_MS_FIELD_NUMBER: _ClassVar[int]
+    MATMUL_FLOPS_BY_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    HOST_TO_DEVICE_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    SM_COUNT_FIELD_NUMBER: _ClassVar[int]
+    INTERCONNECT_FIELD_NUMBER: _ClassVar[int]
     matmul_flops: float
     matmul_dtype: str
     memory_bandwidth_bytes_per_s: float
     measured_at_ms: int
-    def __init__(self, matmul_flops: _Optional[float] = ..., matmul_dtype: _Optional[str] = ..., memory_bandwidth_bytes_per_s: _Optional[float] = ..., measured_at_ms: _Optional[int] = ...) -> None: ...
+    matmul_flops_by_dtype: _containers.ScalarMap[str, float]
+    host_to_device_bytes_per_s: float
+    sm_count: int
+    interconnect: str
+    def __init__(self, matmul_flops: _Optional[float] = ..., matmul_dtype: _Optional[str] = ..., memory_bandwidth_bytes_per_s: _Optional[float] = ..., measured_at_ms: _Optional[int] = ..., matmul_flops_by_dtype: _Optional[_Mapping[str, float]] = ..., host_to_device_bytes_per_s: _Optional[float] = ..., sm_count: _Optional[int] = ..., interconnect: _Optional[str] = ...) -> None: ...
 
 class Device(_message.Message):
-    __slots__ = ("index", "name", "uuid", "accelerator", "memory_bytes", "compute_capability", "driver_version", "cuda_version", "cpu_cores", "benchmark")
+    __slots__ = ("index", "name", "uuid", "accelerator", "memory_bytes", "compute_capability", "driver_version", "cuda_version", "cpu_cores", "benchmark", "price_per_hour")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     UUID_FIELD_NUMBER: _ClassVar[int]
@@ -152,6 +190,7 @@ class Device(_message.Message):
     CUDA_VERSION_FIELD_NUMBER: _ClassVar[int]
     CPU_CORES_FIELD_NUMBER: _ClassVar[int]
     BENCHMARK_FIELD_NUMBER: _ClassVar[int]
+    PRICE_PER_HOUR_FIELD_NUMBER: _ClassVar[int]
     index: int
     name: str
     uuid: str
@@ -162,23 +201,48 @@ class Device(_message.Message):
     cuda_version: str
     cpu_cores: int
     benchmark: Benchmark
-    def __init__(self, index: _Optional[int] = ..., name: _Optional[str] = ..., uuid: _Optional[str] = ..., accelerator: _Optional[_Union[Accelerator, str]] = ..., memory_bytes: _Optional[int] = ..., compute_capability: _Optional[str] = ..., driver_version: _Optional[str] = ..., cuda_version: _Optional[str] = ..., cpu_cores: _Optional[int] = ..., benchmark: _Optional[_Union[Benchmark, _Mapping]] = ...) -> None: ...
+    price_per_hour: float
+    def __init__(self, index: _Optional[int] = ..., name: _Optional[str] = ..., uuid: _Optional[str] = ..., accelerator: _Optional[_Union[Accelerator, str]] = ..., memory_bytes: _Optional[int] = ..., compute_capability: _Optional[str] = ..., driver_version: _Optional[str] = ..., cuda_version: _Optional[str] = ..., cpu_cores: _Optional[int] = ..., benchmark: _Optional[_Union[Benchmark, _Mapping]] = ..., price_per_hour: _Optional[float] = ...) -> None: ...
+
+class AvailabilityWindow(_message.Message):
+    __slots__ = ("days", "start_minute", "end_minute")
+    DAYS_FIELD_NUMBER: _ClassVar[int]
+    START_MINUTE_FIELD_NUMBER: _ClassVar[int]
+    END_MINUTE_FIELD_NUMBER: _ClassVar[int]
+    days: _containers.RepeatedScalarFieldContainer[int]
+    start_minute: int
+    end_minute: int
+    def __init__(self, days: _Optional[_Iterable[int]] = ..., start_minute: _Optional[int] = ..., end_minute: _Optional[int] = ...) -> None: ...
+
+class Policy(_message.Message):
+    __slots__ = ("allowed_clients", "denied_clients", "max_job_seconds", "windows")
+    ALLOWED_CLIENTS_FIELD_NUMBER: _ClassVar[int]
+    DENIED_CLIENTS_FIELD_NUMBER: _ClassVar[int]
+    MAX_JOB_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    WINDOWS_FIELD_NUMBER: _ClassVar[int]
+    allowed_clients: _containers.RepeatedScalarFieldContainer[str]
+    denied_clients: _containers.RepeatedScalarFieldContainer[str]
+    max_job_seconds: int
+    windows: _containers.RepeatedCompositeFieldContainer[AvailabilityWindow]
+    def __init__(self, allowed_clients: _Optional[_Iterable[str]] = ..., denied_clients: _Optional[_Iterable[str]] = ..., max_job_seconds: _Optional[int] = ..., windows: _Optional[_Iterable[_Union[AvailabilityWindow, _Mapping]]] = ...) -> None: ...
 
 class Offer(_message.Message):
-    __slots__ = ("provider_id", "devices", "price_per_gpu_hour", "kinds", "software_version", "created_at_ms")
+    __slots__ = ("provider_id", "devices", "price_per_gpu_hour", "kinds", "software_version", "created_at_ms", "policy")
     PROVIDER_ID_FIELD_NUMBER: _ClassVar[int]
     DEVICES_FIELD_NUMBER: _ClassVar[int]
     PRICE_PER_GPU_HOUR_FIELD_NUMBER: _ClassVar[int]
     KINDS_FIELD_NUMBER: _ClassVar[int]
     SOFTWARE_VERSION_FIELD_NUMBER: _ClassVar[int]
     CREATED_AT_MS_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
     provider_id: str
     devices: _containers.RepeatedCompositeFieldContainer[Device]
     price_per_gpu_hour: float
     kinds: _containers.RepeatedScalarFieldContainer[JobKind]
     software_version: str
     created_at_ms: int
-    def __init__(self, provider_id: _Optional[str] = ..., devices: _Optional[_Iterable[_Union[Device, _Mapping]]] = ..., price_per_gpu_hour: _Optional[float] = ..., kinds: _Optional[_Iterable[_Union[JobKind, str]]] = ..., software_version: _Optional[str] = ..., created_at_ms: _Optional[int] = ...) -> None: ...
+    policy: Policy
+    def __init__(self, provider_id: _Optional[str] = ..., devices: _Optional[_Iterable[_Union[Device, _Mapping]]] = ..., price_per_gpu_hour: _Optional[float] = ..., kinds: _Optional[_Iterable[_Union[JobKind, str]]] = ..., software_version: _Optional[str] = ..., created_at_ms: _Optional[int] = ..., policy: _Optional[_Union[Policy, _Mapping]] = ...) -> None: ...
 
 class Lease(_message.Message):
     __slots__ = ("lease_id", "job_id", "attempt", "epoch", "provider_id", "client_id", "price_per_gpu_hour", "checkpoint_every", "resume_from", "device_indices", "issued_at_ms", "expires_at_ms", "job_spec", "provider_mtbf_s", "checkpoint_interval_s")

@@ -46,11 +46,13 @@ class Cadence:
     """When to checkpoint: every N steps if the job says so, else every Young interval
     sqrt(2 x measured write time x provider MTBF), re-estimated after each checkpoint."""
 
-    MIN_S, MAX_S = 5.0, 3600.0
+    MIN_S, MAX_S, FIRST_S = 5.0, 3600.0, 10.0
 
     def __init__(self, every_steps: int, interval_s: float, mtbf_s: float) -> None:
         self.every_steps = every_steps
-        self.interval_s = interval_s
+        # Until this job's own checkpoint cost is measured, the broker's interval rests on a
+        # guess: checkpoint early once (at most FIRST_S in) to measure it.
+        self.interval_s = min(interval_s, self.FIRST_S) if mtbf_s > 0 else interval_s
         self.mtbf_s = mtbf_s
         self.last = time.monotonic()
 

@@ -1,0 +1,62 @@
+"""What a job will need, from its inputs: memory per device and work in FLOPs.
+
+The broker reads the model's config.json from the artifact store (the ``model_config``
+input, or the config.json inside a ``base_model`` archive), bounded in size, and sizes the
+job with model_size. Plain code, no grpc.
+"""
+
+from __future__ import annotations
+
+import json
+import tarfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from gpumarket.broker import model_size
+from gpumarket.proto.errors import InvalidArgument
+from gpumarket.proto.v1 import types_pb2 as pb
+
+MAX_CONFIG_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class JobEstimate:
+    memory_bytes: int          # per device; 0 = unknown
+    work_flops: float          # 0 = unknown
+    params: int
+
+
+def _config_from_blob(path: Path, archive: bool) -> dict:
+    if not archive:
+        if path.stat().st_size > MAX_CONFIG_BYTES:
+            raise InvalidArgument("model config: larger than 1 MiB")
+        return json.loads(path.read_text())
+    with tarfile.open(path, "r:") as tar:
+        member = next((m for m in tar.getmembers() if m.name in ("config.json", "./config.json")
+                       and m.isfile()), None)
+        if member is None or member.size > MAX_CONFIG_BYTES:
+            raise InvalidArgument("base_model: no config.json of at most 1 MiB in the archive")
+        return json.loads(tar.extractfile(member).read())
+
+
+def estimate(spec: pb.JobSpec, blob_path: Callable[[str], Path]) -> JobEstimate:
+    """Size a training job; raise InvalidArgument naming the input if its config is unusable."""
+    t = spec.training
+    refs = {r.name: r for r in spec.inputs}
+    name = t.model_config or t.base_model
+    ref = refs.get(name)
+    if ref is None:
+        return JobEstimate(0, 0.0, 0)
+    try:
+        cfg = _config_from_blob(blob_path(ref.sha256), archive=bool(t.base_model))
+        shape = model_size.shape(cfg)
+    except (OSError, ValueError, tarfile.TarError) as exc:
+        raise InvalidArgument(f"training.{'base_model' if t.base_model else 'model_config'}:"
+                              f" cannot read a model config ({exc})") from exc
+    except InvalidArgument as exc:
+        raise InvalidArgument(f"training: {exc.message}") from exc
+    tokens = t.steps * t.batch_size * t.seq_len
+    # The runner keeps fp32 weights (with bf16 autocast on CUDA).
+    memory = model_size.training_bytes(shape, "fp32", t.batch_size, t.seq_len)
+    return JobEstimate(memory, model_size.training_flops(shape, tokens), shape.params)

@@ -1,0 +1,58 @@
+"""Signed offers as the matcher sees them: the provider's claims, corrected by what the broker
+observed (reliability, throughput achieved on real jobs). No grpc here."""
+
+from __future__ import annotations
+
+from gpumarket.broker import reliability
+from gpumarket.broker.matcher import OfferView, Policy, Window
+from gpumarket.proto.v1 import types_pb2 as pb
+
+# Share of the benchmark's dense-matmul FLOP/s a training job is assumed to reach until its
+# receipts say otherwise.
+CLAIM_EFFICIENCY = 0.35
+
+
+def policy_of(p: pb.Policy) -> Policy:
+    return Policy(
+        allowed_clients=frozenset(p.allowed_clients),
+        denied_clients=frozenset(p.denied_clients),
+        max_job_s=float(p.max_job_seconds),
+        windows=tuple(Window(frozenset(w.days), w.start_minute, w.end_minute) for w in p.windows),
+    )
+
+
+def offer_price(offer: pb.Offer) -> float:
+    """The price the matcher charges for any device of the offer: the highest of the offer's
+    and its devices' own prices (never more than the provider asks for one of them)."""
+    return max([offer.price_per_gpu_hour, *(d.price_per_hour for d in offer.devices)])
+
+
+def compute_capability(d: pb.Device) -> float:
+    try:
+        return float(d.compute_capability) if d.compute_capability else 0.0
+    except ValueError:
+        return 0.0
+
+
+def offer_view(offer: pb.Offer, history: reliability.ProviderHistory, achieved_flops: float,
+               busy: frozenset[int] = frozenset(), load: int = 0) -> OfferView:
+    devices = list(offer.devices)
+    cuda = [d for d in devices if d.accelerator == pb.ACCELERATOR_CUDA]
+    accel = pb.ACCELERATOR_CUDA if cuda else pb.ACCELERATOR_CPU
+    claimed = min((d.benchmark.matmul_flops for d in devices), default=0.0) * CLAIM_EFFICIENCY
+    return OfferView(
+        provider_id=offer.provider_id,
+        price_per_gpu_hour=offer_price(offer),
+        kinds=frozenset(offer.kinds),
+        device_indices=tuple(d.index for d in devices),
+        accelerator=accel,
+        device_memory_bytes=min(d.memory_bytes for d in devices),
+        compute_capability=min(compute_capability(d) for d in devices),
+        gpu_name=devices[0].name if devices else "",
+        flops=achieved_flops if achieved_flops > 0 else max(claimed, 1e6),
+        reliability=reliability.score(history),
+        mtbf_s=reliability.mtbf_s(history),
+        policy=policy_of(offer.policy),
+        busy=busy,
+        load=load,
+    )
