@@ -30,6 +30,7 @@ import numpy as np
 
 from gpumarket.broker import reliability
 from gpumarket.broker.reliability import PRIOR_UPTIME_S
+from gpumarket.proto.policy import Policy, Window  # noqa: F401  (part of this module's API)
 from gpumarket.proto.v1 import types_pb2 as pb
 
 OBJECTIVES = ("cheapest", "fastest", "reliable", "deadline")
@@ -55,40 +56,6 @@ REASON_TEXT = {
     "deadline": "are not expected to finish before the deadline",
     "busy": "are busy with other jobs",
 }
-
-
-@dataclass(frozen=True)
-class Window:
-    """Hours of availability, in UTC: on ``days`` (0 = Monday) from start to end minute."""
-
-    days: frozenset[int]
-    start_minute: int
-    end_minute: int
-
-    def contains(self, t: datetime) -> bool:
-        minute = t.hour * 60 + t.minute
-        if self.start_minute <= self.end_minute:
-            return t.weekday() in self.days and self.start_minute <= minute < self.end_minute
-        # wraps past midnight: the part after midnight belongs to the previous day's window
-        if minute >= self.start_minute:
-            return t.weekday() in self.days
-        return minute < self.end_minute and (t.weekday() - 1) % 7 in self.days
-
-
-@dataclass(frozen=True)
-class Policy:
-    allowed_clients: frozenset[str] = frozenset()   # empty = everyone not denied
-    denied_clients: frozenset[str] = frozenset()
-    max_job_s: float = 0.0                          # 0 = no cap
-    windows: tuple[Window, ...] = ()                # empty = always
-
-    def accepts(self, client_id: str) -> bool:
-        if client_id in self.denied_clients:
-            return False
-        return not self.allowed_clients or client_id in self.allowed_clients
-
-    def available(self, t: datetime) -> bool:
-        return not self.windows or any(w.contains(t) for w in self.windows)
 
 
 @dataclass(frozen=True)
@@ -255,7 +222,11 @@ class Book:
         self.restricted = np.array([bool(x.policy.allowed_clients or x.policy.denied_clients)
                                     for x in o], dtype=bool)
         self.free_devices = [list(x.free) for x in o]
-        self._static: dict[tuple, tuple[np.ndarray, list[np.ndarray]]] = {}
+        self._restricted_idx = np.flatnonzero(self.restricted)
+        self._capped_idx = np.flatnonzero(self.max_job > 0)
+        self._all_true = np.ones(len(o), dtype=bool)
+        self._static: dict[tuple, list[np.ndarray]] = {}
+        self._clients: dict[str, np.ndarray] = {}
         self._factors: dict[float, np.ndarray] = {}
 
     def __len__(self) -> int:
@@ -272,33 +243,56 @@ class Book:
             self._factors[c] = f
         return f
 
-    def _static_masks(self, job: JobNeeds) -> tuple[np.ndarray, list[np.ndarray]]:
-        key = (job.kind, job.client_id, job.max_price_per_gpu_hour, job.gpus, job.accelerator,
+    def _shape_masks(self, job: JobNeeds) -> list[np.ndarray]:
+        """Masks that depend only on the job's shape (cached: jobs repeat shapes)."""
+        key = (job.kind, job.max_price_per_gpu_hour, job.gpus, job.accelerator,
                job.min_compute_capability, job.gpu_models, job.min_memory_bytes,
-               job.min_reliability, job.max_runtime_s, job.work_flops)
+               job.min_reliability)
         hit = self._static.get(key)
         if hit is not None:
             return hit
         n = len(self.offers)
         kind = (self.kinds & self._kind_bit.get(job.kind, 0)) != 0
-        policy = np.ones(n, dtype=bool)
-        for i in np.flatnonzero(self.restricted):
-            policy[i] = self.offers[i].policy.accepts(job.client_id)
-        runtime = _work(job) / (self.flops * job.gpus)
-        wanted = job.max_runtime_s if job.max_runtime_s else runtime
-        duration = (self.max_job == 0) | (wanted <= self.max_job)
         accel = (self.accel == job.accelerator) if job.accelerator != ANY else np.ones(n, bool)
         if job.gpu_models:
             model = np.array([_model_ok(job, x.gpu_name) for x in self.offers], dtype=bool)
         else:
             model = np.ones(n, dtype=bool)
-        masks = [kind, policy, self.available, duration,
-                 self.price <= job.max_price_per_gpu_hour, self.count >= job.gpus, accel,
+        masks = [kind, self.price <= job.max_price_per_gpu_hour, self.count >= job.gpus, accel,
                  self.cc >= job.min_compute_capability, model,
                  self.memory >= job.min_memory_bytes, self.rel >= job.min_reliability]
-        combined = np.logical_and.reduce(masks) if n else np.zeros(0, dtype=bool)
-        self._static[key] = (combined, masks)
-        return combined, masks
+        masks.append(np.logical_and.reduce(masks) if n else np.zeros(0, dtype=bool))
+        self._static[key] = masks
+        return masks
+
+    def _client_mask(self, client_id: str) -> np.ndarray:
+        """Allow/deny lists: evaluated only on the few offers that have them."""
+        mask = self._clients.get(client_id)
+        if mask is None:
+            mask = np.ones(len(self.offers), dtype=bool)
+            for i in self._restricted_idx:
+                mask[i] = self.offers[i].policy.accepts(client_id)
+            self._clients[client_id] = mask
+        return mask
+
+    def _duration_mask(self, job: JobNeeds) -> np.ndarray:
+        """Providers' caps on job duration: evaluated only on offers that have one."""
+        idx = self._capped_idx
+        if not len(idx):
+            return self._all_true
+        runtime = _work(job) / (self.flops[idx] * job.gpus)
+        wanted = job.max_runtime_s if job.max_runtime_s else runtime
+        mask = self._all_true.copy()
+        mask[idx] = wanted <= self.max_job[idx]
+        return mask
+
+    def _static_masks(self, job: JobNeeds) -> tuple[np.ndarray, list[np.ndarray]]:
+        """Everything but free devices and the deadline: (combined, masks in CONSTRAINTS
+        order)."""
+        shape = self._shape_masks(job)
+        client, duration = self._client_mask(job.client_id), self._duration_mask(job)
+        combined = shape[-1] & client & self.available & duration
+        return combined, [shape[0], client, self.available, duration, *shape[1:-1]]
 
     def _keys(self, job: JobNeeds, factor: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         t = _work(job) / (self.flops * job.gpus) * factor
@@ -382,6 +376,12 @@ class Book:
         self.free_devices[i] = [d for d in self.free_devices[i] if d not in devices]
         self.free[i] = len(self.free_devices[i])
         self.load[i] += 1
+
+    def release(self, i: int, devices: tuple[int, ...]) -> None:
+        """A placement ended: its devices are free again."""
+        self.free_devices[i] = sorted({*self.free_devices[i], *devices})
+        self.free[i] = len(self.free_devices[i])
+        self.load[i] -= 1
 
     def candidates(self, job: JobNeeds, n: int = 5) -> tuple[list[Estimate], Counter]:
         """The best ``n`` feasible offers in objective order (free devices or not), and the

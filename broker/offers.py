@@ -4,21 +4,13 @@ observed (reliability, throughput achieved on real jobs). No grpc here."""
 from __future__ import annotations
 
 from gpumarket.broker import reliability
-from gpumarket.broker.matcher import OfferView, Policy, Window
+from gpumarket.broker.matcher import OfferView
+from gpumarket.proto.policy import Policy
 from gpumarket.proto.v1 import types_pb2 as pb
 
 # Share of the benchmark's dense-matmul FLOP/s a training job is assumed to reach until its
 # receipts say otherwise.
 CLAIM_EFFICIENCY = 0.35
-
-
-def policy_of(p: pb.Policy) -> Policy:
-    return Policy(
-        allowed_clients=frozenset(p.allowed_clients),
-        denied_clients=frozenset(p.denied_clients),
-        max_job_s=float(p.max_job_seconds),
-        windows=tuple(Window(frozenset(w.days), w.start_minute, w.end_minute) for w in p.windows),
-    )
 
 
 def offer_price(offer: pb.Offer) -> float:
@@ -52,7 +44,7 @@ def offer_view(offer: pb.Offer, history: reliability.ProviderHistory, achieved_f
         flops=achieved_flops if achieved_flops > 0 else max(claimed, 1e6),
         reliability=reliability.score(history),
         mtbf_s=reliability.mtbf_s(history),
-        policy=policy_of(offer.policy),
+        policy=Policy.from_message(offer.policy),
         busy=busy,
         load=load,
     )

@@ -71,6 +71,11 @@ class BrokerClient:
     async def search_offers(self, request: mp.SearchOffersRequest) -> list[mp.OfferListing]:
         return list((await self._call(self.market.SearchOffers, request)).offers)
 
+    async def quote(self, spec: pb.JobSpec, limit: int = 5,
+                    client_id: str = "") -> mp.QuoteResponse:
+        return await self._call(self.market.Quote, mp.QuoteRequest(spec=spec, limit=limit,
+                                                                   client_id=client_id))
+
     async def watch(self, job_id: str, after_seq: int = 0) -> AsyncIterator[pb.JobEvent]:
         """Yield the job's events until it ends; reconnects where the stream breaks."""
         cursor = after_seq

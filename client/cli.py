@@ -137,7 +137,10 @@ def build_spec(job: jobfile.JobFile, refs: list[pb.ArtifactRef], created_ms: int
     spec = pb.JobSpec(
         name=job.name, kind=job.kind,
         resources=pb.Resources(gpus=job.gpus, min_memory_bytes=job.min_memory_bytes,
-                               accelerator=job.accelerator),
+                               accelerator=job.accelerator,
+                               min_compute_capability=job.min_compute_capability,
+                               gpu_models=list(job.gpu_models)),
+        objective=job.objective, deadline_s=job.deadline_s, min_reliability=job.min_reliability,
         max_price_per_gpu_hour=job.max_price, inputs=refs, max_runtime_s=job.max_runtime_s,
         max_attempts=job.max_attempts, nonce=os.urandom(NONCE_BYTES),
         created_at_ms=created_ms, expires_at_ms=created_ms + job.expires_in_s * 1000,
@@ -320,52 +323,133 @@ async def results(broker_addr: str, job_id: str, output_dir: Path, as_json: bool
     out.print(f"{len(receipt.outputs)} files in {output_dir}; {metrics}")
 
 
+def offer_row(listing: mp.OfferListing, offer: pb.Offer) -> dict:
+    """The fields of the query grammar (client/query.py) for one verified offer."""
+    devices = list(offer.devices)
+    d = devices[0]
+    return {
+        "provider": offer.provider_id,
+        "gpus": len(devices),
+        "free_gpus": listing.free_devices,
+        "gpu_ram": round(min(x.memory_bytes for x in devices) / 2**30, 1),
+        "gpu_name": d.name,
+        "accelerator": ACCELERATOR_NAMES[d.accelerator],
+        "compute_cap": float(d.compute_capability or 0),
+        "tflops": round(min(x.benchmark.matmul_flops for x in devices) / 1e12, 3),
+        "bandwidth": round(min(x.benchmark.memory_bandwidth_bytes_per_s
+                               for x in devices) / 1e9, 1),
+        "price": max([offer.price_per_gpu_hour, *(x.price_per_hour for x in devices)]),
+        "reliability": round(listing.reliability, 3),
+        "mtbf_h": round(listing.mtbf_s / 3600, 2),
+        "uptime": round(listing.uptime_7d, 3),
+        "completed": listing.leases_completed,
+        "lost": listing.leases_lost,
+        "kind": [kind_name(k) for k in offer.kinds],
+    }
+
+
 @cli.command()
-@click.option("--kind", type=click.Choice(sorted(KINDS_BY_NAME)), help="Job kind to run.")
-@click.option("--gpus", type=click.IntRange(0), default=0, help="Minimum devices.")
-@click.option("--memory", default="0", help="Minimum memory per device (e.g. 24GiB).")
-@click.option("--accelerator", type=click.Choice(sorted(ACCELERATORS_BY_NAME)), default="any")
-@click.option("--max-price", type=float, default=None, help="Highest price per device-hour.")
+@click.argument("query_text", metavar="[QUERY]", required=False, default="")
+@click.option("--sort", "sort_by", default="price", show_default=True,
+              help="Field to sort by; prefix with - for descending (e.g. -reliability).")
+@click.option("--fields", "list_fields", is_flag=True, help="List the fields a query can use.")
+@click.option("--limit", type=click.IntRange(1, 1000), default=100, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @click.pass_obj
 @command
-async def offers(broker_addr: str, kind: str | None, gpus: int, memory: str,
-                 accelerator: str, max_price: float | None, as_json: bool) -> None:
-    """List the live offers of connected providers (signatures checked)."""
-    try:
-        min_memory = jobfile.parse_size(memory, "--memory")
-    except GpumarketError as exc:
-        raise click.BadParameter(str(exc), param_hint="--memory") from exc
-    req = mp.SearchOffersRequest(kind=KINDS_BY_NAME.get(kind or "", 0), min_gpus=gpus,
-                                 min_memory_bytes=min_memory,
-                                 accelerator=ACCELERATORS_BY_NAME[accelerator])
-    if max_price is not None:
-        req.max_price_per_gpu_hour = max_price
+async def offers(broker_addr: str, query_text: str, sort_by: str, list_fields: bool,
+                 limit: int, as_json: bool) -> None:
+    """Search the live offers (signatures checked), e.g.
+
+        gpumarket offers 'gpu_ram>=24 reliability>0.95 price<=1.5 kind=training' --sort price
+
+    Operators: = != < <= > >= and `in [a,b]`; on text fields = means contains.
+    """
+    from gpumarket.client import query
+
+    if list_fields:
+        for name, (kind, text) in query.FIELDS.items():
+            click.echo(f"{name:12} {kind:7} {text}")
+        return
+    clauses = query.parse(query_text)
+    sort_field, descending = query.sort_key(sort_by)
     async with BrokerClient(broker_addr) as broker:
-        listings = await broker.search_offers(req)
+        listings = await broker.search_offers(mp.SearchOffersRequest(limit=1000))
     rows = []
     for listing in listings:
         offer, signer = open_envelope(listing.offer, pb.Offer)
         if signer != offer.provider_id:
             continue  # not signed by the provider it names
-        rows.append((offer, listing.free_devices))
+        row = offer_row(listing, offer)
+        if all(c.matches(row) for c in clauses):
+            rows.append((row, offer))
+    rows.sort(key=lambda r: (r[0][sort_field] if not isinstance(r[0][sort_field], list)
+                             else ",".join(r[0][sort_field])), reverse=descending)
+    rows = rows[:limit]
     if as_json:
-        _dump([{**MessageToDict(o, preserving_proto_field_name=True), "free_devices": free}
-               for o, free in rows])
+        _dump([{**row, "offer": MessageToDict(o, preserving_proto_field_name=True)}
+               for row, o in rows])
         return
-    table = Table("provider", "devices", "accel", "memory/dev", "GFLOP/s", "price/h", "free",
-                  "kinds")
-    for offer, free in rows:
-        d = offer.devices[0]
-        names = {x.name for x in offer.devices}
-        table.add_row(
-            offer.provider_id[:12], f"{len(offer.devices)}× {', '.join(sorted(names))}",
-            ACCELERATOR_NAMES[d.accelerator], f"{d.memory_bytes / 2**30:.0f} GiB",
-            f"{d.benchmark.matmul_flops / 1e9:.0f}", f"{offer.price_per_gpu_hour:g}",
-            str(free), ",".join(kind_name(k) for k in offer.kinds))
+    table = Table("devices", "accel", "GiB/dev", "TFLOP/s", "price/h", "free", "reliability",
+                  "MTBF h", "kinds")
+    table.add_column("provider", no_wrap=True)
+    for row, _ in rows:
+        table.add_row(f"{row['gpus']}× {row['gpu_name']}", row["accelerator"],
+                      f"{row['gpu_ram']:g}", f"{row['tflops']:.3g}", f"{row['price']:g}",
+                      str(row["free_gpus"]), f"{row['reliability']:.2f}",
+                      f"{row['mtbf_h']:.1f}", ",".join(row["kind"]), row["provider"])
     out.print(table)
     if not rows:
         err.print("no offers match")
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f}s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f}m"
+    return f"{seconds / 3600:.1f}h"
+
+
+@cli.command()
+@click.argument("job_file", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("-n", "limit", type=click.IntRange(1, 50), default=5, show_default=True,
+              help="How many candidates to show.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.pass_obj
+@command
+async def quote(broker_addr: str, job_file: Path, limit: int, as_json: bool) -> None:
+    """Show where JOB_FILE would run: the best candidates with expected runtime, cost and the
+    chance of finishing without an interruption, and what excluded the other offers."""
+    job = jobfile.load(job_file)
+    key = key_path()
+    client_id = Identity.load(key).id if key.exists() else ""
+    async with BrokerClient(broker_addr) as broker:
+        refs = await _upload_inputs(broker, job)  # the broker sizes the job from its model config
+        spec = build_spec(job, refs, now_ms())
+        resp = await broker.quote(spec, limit, client_id)
+    if as_json:
+        _dump(MessageToDict(resp, preserving_proto_field_name=True))
+        return
+    if resp.estimated_memory_bytes or resp.work_flops:
+        out.print(f"job needs about {resp.estimated_memory_bytes / 2**30:.2f} GiB per device and"
+                  f" {resp.work_flops:.3g} FLOPs of work")
+    table = Table("gpu", "price/h", "runtime", "expected", "cost", "P(no interruption)",
+                  "reliability", "free")
+    table.add_column("provider", no_wrap=True)
+    for c in resp.candidates:
+        table.add_row(c.gpu_name, f"{c.price_per_gpu_hour:g}", _duration(c.runtime_s),
+                      _duration(c.expected_s), f"{c.expected_cost:.4g}",
+                      f"{c.p_uninterrupted:.1%}", f"{c.reliability:.2f}", str(c.free_devices),
+                      c.provider_id)
+    if resp.candidates:
+        out.print(table)
+    excluded = ", ".join(f"{n} by {k}" for k, n in sorted(resp.excluded.items(),
+                                                          key=lambda kv: -kv[1]))
+    out.print(f"{len(resp.candidates)} of {resp.offers} offers shown"
+              + (f"; excluded: {excluded}" if excluded else ""))
+    if resp.explanation:
+        out.print(resp.explanation)
 
 
 def main() -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from gpumarket.proto.errors import JobFileError
-from gpumarket.proto.jobspec import ACCELERATORS_BY_NAME, KINDS_BY_NAME
+from gpumarket.proto.jobspec import ACCELERATORS_BY_NAME, KINDS_BY_NAME, OBJECTIVES_BY_NAME
 
 DEFAULT_EXPIRY_S = 24 * 3600
 
@@ -23,9 +23,13 @@ DEFAULT_EXPIRY_S = 24 * 3600
 TOP = {
     "name": (str, False), "kind": (str, True), "max_price": (float, True),
     "max_runtime": (int, False), "max_attempts": (int, False), "expires_in": (int, False),
+    "objective": (str, False), "deadline": ("duration", False),
+    "min_reliability": (float, False),
     "resources": (dict, False), "training": (dict, False),
 }
-RESOURCES = {"gpus": (int, False), "memory": ("size", False), "accelerator": (str, False)}
+RESOURCES = {"gpus": (int, False), "memory": ("size", False), "accelerator": (str, False),
+             "compute_capability": ("version", False), "gpu_models": ("strings", False)}
+DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*$")
 TRAINING = {
     "model_config": ("path", False), "base_model": ("dir_or_file", False),
     "dataset": ("path", True), "steps": (int, True), "batch_size": (int, True),
@@ -57,6 +61,11 @@ class JobFile:
     gpus: int
     min_memory_bytes: int
     accelerator: int
+    objective: int
+    deadline_s: int
+    min_reliability: float
+    min_compute_capability: float
+    gpu_models: tuple[str, ...]
     training: dict[str, Any]        # TrainingParams fields; input fields hold input names
     inputs: tuple[LocalInput, ...]
 
@@ -71,9 +80,26 @@ def parse_size(value: Any, where: str) -> int:
     raise JobFileError(f"{where} must be a size like \"16GiB\" or a number of bytes, got {value!r}")
 
 
+def parse_duration(value: Any, where: str) -> int:
+    """Seconds from an integer or a string like "90m", "2h", "1.5d"."""
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    if isinstance(value, str):
+        m = DURATION_RE.match(value)
+        if m:
+            scale = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[m.group(2)]
+            seconds = int(float(m.group(1)) * scale)
+            if seconds > 0:
+                return seconds
+    raise JobFileError(f"{where} must be a duration like \"2h\" or a number of seconds,"
+                       f" got {value!r}")
+
+
 def _type_name(t: Any) -> str:
     return {int: "an integer", float: "a number", str: "a string", dict: "a table",
-            "size": "a size", "path": "a file path", "dir_or_file": "a path"}[t]
+            "size": "a size", "path": "a file path", "dir_or_file": "a path",
+            "duration": "a duration", "version": "a version like \"8.0\"",
+            "strings": "a list of strings"}[t]
 
 
 def _check_table(table: dict, schema: dict, where: str, file: str) -> dict:
@@ -93,6 +119,9 @@ def _check_table(table: dict, schema: dict, where: str, file: str) -> dict:
             str: isinstance(value, str), dict: isinstance(value, dict),
             "size": isinstance(value, (int, str)) and not isinstance(value, bool),
             "path": isinstance(value, str), "dir_or_file": isinstance(value, str),
+            "duration": isinstance(value, (int, str)) and not isinstance(value, bool),
+            "version": isinstance(value, (int, float, str)) and not isinstance(value, bool),
+            "strings": isinstance(value, list) and all(isinstance(v, str) for v in value),
         }[typ]
         if not ok:
             raise JobFileError(f"{file}: field '{where}{key}' must be {_type_name(typ)},"
@@ -159,8 +188,29 @@ def load(path: Path) -> JobFile:
     for key, value in numbers.items():
         if value < 0:
             raise JobFileError(f"{file}: field {key!r} must not be negative")
+    objective = raw.get("objective", "cheapest")
+    if objective not in OBJECTIVES_BY_NAME:
+        raise JobFileError(f"{file}: field 'objective' must be one of"
+                           f" {sorted(OBJECTIVES_BY_NAME)}, got {objective!r}")
+    deadline = parse_duration(raw["deadline"], f"{file}: field 'deadline'") \
+        if "deadline" in raw else 0
+    if objective == "deadline" and not deadline:
+        raise JobFileError(f"{file}: objective \"deadline\" needs a field 'deadline'")
+    min_rel = float(raw.get("min_reliability", 0.0))
+    if not 0 <= min_rel <= 1:
+        raise JobFileError(f"{file}: field 'min_reliability' must be between 0 and 1")
+    try:
+        cc = float(resources.get("compute_capability", 0))
+    except ValueError as exc:
+        raise JobFileError(f"{file}: field 'resources.compute_capability' must be like"
+                           f" \"8.0\"") from exc
     return JobFile(
         path=path,
+        objective=OBJECTIVES_BY_NAME[objective],
+        deadline_s=deadline,
+        min_reliability=min_rel,
+        min_compute_capability=cc,
+        gpu_models=tuple(resources.get("gpu_models", [])),
         name=raw.get("name", path.stem),
         kind=KINDS_BY_NAME[kind_text],
         max_price=float(raw["max_price"]),

@@ -16,7 +16,7 @@ import click
 from gpumarket.proto.errors import GpumarketError
 from gpumarket.proto.identity import Identity
 from gpumarket.proto.jobspec import ACCELERATOR_NAMES
-from gpumarket.provider.config import ProviderConfig
+from gpumarket.provider.config import ProviderConfig  # noqa: F401
 
 log = logging.getLogger("gpumarket.provider")
 
@@ -37,30 +37,56 @@ def cli() -> None:
 
 
 @cli.command()
-@click.option("--broker", envvar="GPUMARKET_BROKER", required=True,
-              help="Broker address HOST:PORT (or $GPUMARKET_BROKER).")
-@click.option("--data-dir", type=click.Path(file_okay=False, path_type=Path), required=True,
+@click.option("--config", "config_file", type=click.Path(dir_okay=False, path_type=Path),
+              help="TOML config: price, accepted kinds, clients, hours (see `config --example`).")
+@click.option("--broker", envvar="GPUMARKET_BROKER",
+              help="Broker address HOST:PORT (or $GPUMARKET_BROKER, or the config's broker).")
+@click.option("--data-dir", type=click.Path(file_okay=False, path_type=Path),
               help="Directory for the provider key, benchmark cache and job work dirs.")
-@click.option("--price", type=float, default=1.0, show_default=True,
-              help="Price per device-hour, in credits.")
+@click.option("--price", type=float, help="Price per device-hour, in credits (default 1.0).")
 @click.option("--cpu-only", is_flag=True, help="Offer the CPU even where GPUs are present.")
-@click.option("--max-runtime", type=int, default=24 * 3600, show_default=True,
-              help="Longest a job may run, in seconds.")
+@click.option("--max-runtime", type=int, help="Longest a job may run, in seconds (default 1 day).")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
-def run(broker: str, data_dir: Path, price: float, cpu_only: bool, max_runtime: int,
-        log_level: str) -> None:
-    """Connect to a broker, advertise this machine, and run leased jobs until SIGTERM."""
+def run(config_file: Path | None, broker: str | None, data_dir: Path | None,
+        price: float | None, cpu_only: bool, max_runtime: int | None, log_level: str) -> None:
+    """Connect to a broker, advertise this machine, and run leased jobs until SIGTERM
+    (SIGTERM drains: jobs checkpoint and move elsewhere; a second SIGTERM stops at once)."""
+    from gpumarket.provider import config as provider_config
+
     _log_setup(log_level)
-    if price < 0:
+    try:
+        settings = provider_config.load(config_file) if config_file else {}
+    except GpumarketError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(1)
+    for key, value in (("broker", broker), ("data_dir", data_dir),
+                       ("price_per_gpu_hour", price), ("max_runtime_s", max_runtime)):
+        if value is not None:
+            settings[key] = value
+    if cpu_only:
+        settings["cpu_only"] = True
+    if not settings.get("broker"):
+        raise click.UsageError("give --broker (or $GPUMARKET_BROKER, or broker in --config)")
+    if not settings.get("data_dir"):
+        raise click.UsageError("give --data-dir (or data_dir in --config)")
+    if settings.get("price_per_gpu_hour", 0) < 0:
         raise click.BadParameter("must not be negative", param_hint="--price")
-    config = ProviderConfig(broker=broker, data_dir=data_dir, price_per_gpu_hour=price,
-                            cpu_only=cpu_only, max_runtime_s=max_runtime)
+    config = provider_config.build(settings)
     try:
         asyncio.run(_run(config))
     except GpumarketError as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(1)
+
+
+@cli.command("config")
+@click.option("--example", is_flag=True, required=True, help="Print a commented example.")
+def config_cmd(example: bool) -> None:
+    """Print a commented example provider config (for run --config)."""
+    from gpumarket.provider.config import EXAMPLE
+
+    click.echo(EXAMPLE, nl=False)
 
 
 async def _run(config: ProviderConfig) -> None:

@@ -1,9 +1,41 @@
-"""The provider's settings, built once in main() and passed down."""
+"""The provider's settings: built once in main() from the TOML config and the command line
+(which wins), then passed down."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import tomllib
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+
+from gpumarket.proto.errors import InvalidArgument
+from gpumarket.proto.jobspec import KINDS_BY_NAME
+from gpumarket.proto.policy import Policy, parse_window
+from gpumarket.proto.v1 import types_pb2 as pb
+
+EXAMPLE = """\
+# gpumarket provider config (gpumarket-provider run --config THIS_FILE)
+# Command-line options override what is set here.
+
+# broker = "broker.example.org:7070"
+price_per_gpu_hour = 1.20        # credits per device-hour
+kinds = ["training"]             # job kinds this provider accepts
+max_job_hours = 24               # longest job accepted
+allow_clients = []               # client ids; empty = everyone not denied
+deny_clients = []
+
+# Hours of availability, UTC. No [[availability]] table = always available.
+# [[availability]]
+# days = ["mon", "tue", "wed", "thu", "fri"]
+# hours = "18:00-08:00"
+
+# A device's own price, if it differs (by device index):
+# [devices.1]
+# price_per_hour = 2.50
+"""
+
+KEYS = {"broker", "data_dir", "price_per_gpu_hour", "kinds", "max_job_hours", "allow_clients",
+        "deny_clients", "availability", "devices"}
 
 
 @dataclass(frozen=True)
@@ -11,13 +43,16 @@ class ProviderConfig:
     broker: str                          # broker gRPC address HOST:PORT
     data_dir: Path                       # key, journal, benchmark cache, job work dirs
     price_per_gpu_hour: float = 1.0      # credits per device-hour
-    max_runtime_s: int = 24 * 3600       # wall-time limit per job unless the job asks less
+    max_runtime_s: int = 24 * 3600       # longest a job may run (the policy's cap too)
     cancel_grace_s: float = 10.0         # SIGTERM, then SIGKILL after this
     drain_timeout_s: float = 120.0       # longest a drain waits for jobs to checkpoint and stop
     progress_interval_s: float = 0.25    # at most this often a progress update goes up
     rpc_timeout_s: float = 30.0          # deadline on each unary call to the broker
     backoff_max_s: float = 30.0          # longest wait between reconnects
     cpu_only: bool = False               # advertise the CPU even where GPUs are present
+    kinds: frozenset[int] = frozenset({pb.JOB_KIND_TRAINING})   # accepted job kinds
+    policy: Policy = field(default_factory=Policy)  # clients and hours served
+    device_prices: dict[int, float] = field(default_factory=dict)  # per device index
 
     @property
     def key_path(self) -> Path:
@@ -30,3 +65,72 @@ class ProviderConfig:
     @property
     def cache_dir(self) -> Path:
         return self.data_dir / "cache"
+
+
+def _list_of_str(raw: dict, key: str, file: str) -> list[str]:
+    value = raw.get(key, [])
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise InvalidArgument(f"{file}: {key} must be a list of strings")
+    return value
+
+
+def load(path: Path) -> dict[str, Any]:
+    """Read a provider config file into ProviderConfig keyword arguments."""
+    file = str(path)
+    try:
+        raw = tomllib.loads(path.read_text())
+    except FileNotFoundError as exc:
+        raise InvalidArgument(f"{file}: no such config file") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise InvalidArgument(f"{file}: not valid TOML ({exc})") from exc
+    unknown = sorted(set(raw) - KEYS)
+    if unknown:
+        raise InvalidArgument(f"{file}: unknown setting {unknown[0]!r} (known: {', '.join(sorted(KEYS))})")
+    out: dict[str, Any] = {}
+    if "broker" in raw:
+        out["broker"] = str(raw["broker"])
+    if "data_dir" in raw:
+        out["data_dir"] = Path(raw["data_dir"]).expanduser()
+    if "price_per_gpu_hour" in raw:
+        price = raw["price_per_gpu_hour"]
+        if not isinstance(price, (int, float)) or price < 0:
+            raise InvalidArgument(f"{file}: price_per_gpu_hour must be a number >= 0")
+        out["price_per_gpu_hour"] = float(price)
+    if "kinds" in raw:
+        names = _list_of_str(raw, "kinds", file)
+        bad = [k for k in names if k not in KINDS_BY_NAME]
+        if bad or not names:
+            raise InvalidArgument(f"{file}: kinds must name some of {sorted(KINDS_BY_NAME)}")
+        out["kinds"] = frozenset(KINDS_BY_NAME[k] for k in names)
+    if "max_job_hours" in raw:
+        hours = raw["max_job_hours"]
+        if not isinstance(hours, (int, float)) or hours <= 0:
+            raise InvalidArgument(f"{file}: max_job_hours must be a number > 0")
+        out["max_runtime_s"] = int(hours * 3600)
+    windows = []
+    for i, w in enumerate(raw.get("availability", [])):
+        if not isinstance(w, dict) or set(w) - {"days", "hours"}:
+            raise InvalidArgument(f"{file}: availability[{i}] takes days and hours")
+        windows.append(parse_window(w.get("days", ["all"]), w.get("hours", ""),
+                                    f"{file}: availability[{i}]"))
+    out["policy_parts"] = {
+        "allowed_clients": frozenset(_list_of_str(raw, "allow_clients", file)),
+        "denied_clients": frozenset(_list_of_str(raw, "deny_clients", file)),
+        "windows": tuple(windows),
+    }
+    prices = {}
+    for index, table in raw.get("devices", {}).items():
+        if not index.isdigit() or not isinstance(table, dict) or \
+                not isinstance(table.get("price_per_hour"), (int, float)):
+            raise InvalidArgument(f"{file}: [devices.N] tables take price_per_hour")
+        prices[int(index)] = float(table["price_per_hour"])
+    out["device_prices"] = prices
+    return out
+
+
+def build(settings: dict[str, Any]) -> ProviderConfig:
+    """A ProviderConfig from merged settings (config file, then command line)."""
+    parts = settings.pop("policy_parts", {})
+    max_runtime = settings.get("max_runtime_s", 24 * 3600)
+    settings["policy"] = Policy(max_job_s=float(max_runtime), **parts)
+    return ProviderConfig(**settings)

@@ -73,7 +73,7 @@ class ProviderDaemon:
         self.identity = identity
         self.devices = devices
         self.benchmarks = benchmarks
-        self.kinds = set(RUNNERS)
+        self.kinds = set(RUNNERS) & set(config.kinds)
         self.jobs: dict[str, RunningJob] = {}
         self.unsettled: dict[tuple[str, int], gw.ProviderMessage] = {}
         self.outbox: asyncio.Queue | None = None
@@ -88,13 +88,19 @@ class ProviderDaemon:
     # -- offer ---------------------------------------------------------------------------
 
     def offer(self) -> pb.Envelope:
+        devices = []
+        for d in self.devices:
+            m = d.message(self.benchmarks.get(d.index))
+            m.price_per_hour = self.config.device_prices.get(d.index, 0.0)
+            devices.append(m)
         offer = pb.Offer(
             provider_id=self.identity.id,
-            devices=[d.message(self.benchmarks.get(d.index)) for d in self.devices],
+            devices=devices,
             price_per_gpu_hour=self.config.price_per_gpu_hour,
             kinds=sorted(self.kinds),
             software_version=__version__,
             created_at_ms=now_ms(),
+            policy=self.config.policy.message(),
         )
         return seal(self.identity, offer)
 
@@ -263,7 +269,7 @@ class ProviderDaemon:
             assignment = check_lease(
                 envelope, broker_public_key=self.broker_key or b"",
                 provider_id=self.identity.id, device_indices=self.free_devices(),
-                kinds=self.kinds)
+                kinds=self.kinds, policy=self.config.policy)
         except GpumarketError as exc:
             reason = refusal(exc)
             log.warning("refused a lease: %s", reason)

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import datetime, timezone
 
 from gpumarket.proto.envelope import open_envelope, payload_sha256
-from gpumarket.proto.errors import BadSignature, Expired, GpumarketError, InvalidArgument
+from gpumarket.proto.errors import (
+    BadSignature, Expired, GpumarketError, InvalidArgument, PermissionDenied,
+)
 from gpumarket.proto.identity import fingerprint
 from gpumarket.proto.jobspec import check_fresh, check_spec, kind_name, now_ms
+from gpumarket.proto.policy import Policy
 from gpumarket.proto.v1 import types_pb2 as pb
 
 
@@ -28,6 +32,7 @@ def check_lease(
     provider_id: str,
     device_indices: set[int],
     kinds: set[int],
+    policy: Policy | None = None,
     at_ms: int | None = None,
 ) -> Assignment:
     """Verify a lease and the job spec inside it; return the assignment.
@@ -51,6 +56,15 @@ def check_lease(
     check_fresh(spec, at)
     if spec.kind not in kinds:
         raise InvalidArgument(f"this provider does not run {kind_name(spec.kind)} jobs")
+    if policy is not None:
+        if not policy.accepts(client_id):
+            raise PermissionDenied("this provider does not serve this client")
+        when = datetime.fromtimestamp(at / 1000, timezone.utc)
+        if not policy.available(when):
+            raise PermissionDenied("this provider is outside its hours of availability")
+        if policy.max_job_s and spec.max_runtime_s > policy.max_job_s:
+            raise PermissionDenied(f"job asks {spec.max_runtime_s}s; this provider runs jobs"
+                                   f" of at most {policy.max_job_s:.0f}s")
     wanted = set(lease.device_indices)
     if len(wanted) != spec.resources.gpus or not wanted <= device_indices:
         raise InvalidArgument(f"lease names devices {sorted(wanted)} this provider cannot give")

@@ -181,3 +181,47 @@ def test_training_resumes_bitwise_from_a_checkpoint(tmp_path):
         (resumed / "outputs" / "model.safetensors").read_bytes()
     assert (whole / "outputs" / "loss.jsonl").read_text() == \
         (resumed / "outputs" / "loss.jsonl").read_text()
+
+
+def test_provider_policy_is_enforced_on_leases():
+    from gpumarket.proto.errors import PermissionDenied
+    from gpumarket.proto.policy import Policy, Window
+
+    env = lease_envelope()
+
+    def with_policy(policy):
+        return check_lease(env, broker_public_key=BROKER.public_key, provider_id=PROVIDER.id,
+                           device_indices={0}, kinds={pb.JOB_KIND_TRAINING}, policy=policy)
+
+    assert with_policy(Policy()).client_id == CLIENT.id
+    with pytest.raises(PermissionDenied, match="does not serve this client"):
+        with_policy(Policy(denied_clients=frozenset({CLIENT.id})))
+    with pytest.raises(PermissionDenied, match="does not serve this client"):
+        with_policy(Policy(allowed_clients=frozenset({"someone-else"})))
+    never = Window(frozenset(), 0, 60)
+    with pytest.raises(PermissionDenied, match="outside its hours"):
+        with_policy(Policy(windows=(never,)))
+
+
+def test_provider_config_file(tmp_path):
+    from gpumarket.proto.errors import InvalidArgument
+    from gpumarket.provider import config
+
+    path = tmp_path / "provider.toml"
+    path.write_text(config.EXAMPLE + '''
+[[availability]]
+days = ["sat", "sun"]
+hours = "00:00-24:00"
+
+[devices.0]
+price_per_hour = 3.0
+''')
+    built = config.build({**config.load(path), "broker": "x:1", "data_dir": tmp_path})
+    assert built.price_per_gpu_hour == 1.2 and built.device_prices == {0: 3.0}
+    assert built.policy.max_job_s == 24 * 3600 and len(built.policy.windows) == 1
+    path.write_text("price_per_gpu_hour = 1\nprise = 2\n")
+    with pytest.raises(InvalidArgument, match="unknown setting 'prise'"):
+        config.load(path)
+    path.write_text('[[availability]]\ndays = ["mon"]\nhours = "9-5"\n')
+    with pytest.raises(InvalidArgument, match="hours"):
+        config.load(path)

@@ -128,12 +128,14 @@ class SearchOffersResponse(_message.Message):
     def __init__(self, offers: _Optional[_Iterable[_Union[OfferListing, _Mapping]]] = ...) -> None: ...
 
 class QuoteRequest(_message.Message):
-    __slots__ = ("spec", "limit")
+    __slots__ = ("spec", "limit", "client_id")
     SPEC_FIELD_NUMBER: _ClassVar[int]
     LIMIT_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     spec: _types_pb2.JobSpec
     limit: int
-    def __init__(self, spec: _Optional[_Union[_types_pb2.JobSpec, _Mapping]] = ..., limit: _Optional[int] = ...) -> None: ...
+    client_id: str
+    def __init__(self, spec: _Optional[_Union[_types_pb2.JobSpec, _Mapping]] = ..., limit: _Optional[int] = ..., client_id: _Optional[str] = ...) -> None: ...
 
 class QuoteCandidate(_message.Message):
     __slots__ = ("provider_id", "gpu_name", "price_per_gpu_hour", "runtime_s", "expected_s", "expected_cost", "p_uninterrupted", "reliability", "free_devices")
