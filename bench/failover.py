@@ -25,7 +25,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.helpers import Marketplace, events, job_processes, training_job, wait_until  # noqa: E402
+from tests.helpers import (Marketplace, events, first_event, job_processes,  # noqa: E402
+                           training_job, wait_until)
 
 CONFIG = Path(__file__).resolve().parent / "data" / "small-llama.json"
 
@@ -97,18 +98,14 @@ def main() -> int:
             market.providers[victim].stop(signal.SIGKILL)
             for pid in job_processes(str(root / victim / "jobs")):
                 os.kill(pid, signal.SIGKILL)
-            # the machine comes back later, as a fresh daemon on the same data dir
+            # The machine is gone: the lease must expire before the job moves on.
+            started = first_event(market.address, job_id, lambda e: e["type"] == "started"
+                                  and int(e.get("attempt", 0)) > attempt, timeout=600)
+            progress = first_event(market.address, job_id, lambda e: e["type"] == "progress"
+                                   and int(e.get("attempt", 0)) > attempt, timeout=600,
+                                   after_seq=int(started["seq"]))
+            # ... and comes back later, as a fresh daemon on the same data dir
             market.start_provider(victim)
-
-            def resumed():
-                evs = events(market.address, job_id, quiet_s=0.3)
-                after = [e for e in evs if e["type"] == "progress"
-                         and int(e.get("attempt", 0)) > attempt]
-                started = [e for e in evs if e["type"] == "started"
-                           and int(e.get("attempt", 0)) > attempt]
-                return after and started and (after[0], started[-1])
-
-            progress, started = wait_until(resumed, "resumed progress", timeout=600, interval=0.5)
             msg = started["message"]
             from_step = int(msg.rsplit(" ", 1)[1]) if "resumed from step" in msg else 0
             resume_s = int(progress["at_ms"]) / 1000 - killed_at

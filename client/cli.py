@@ -27,7 +27,7 @@ from gpumarket.proto.envelope import open_envelope, payload_sha256, seal
 from gpumarket.proto.errors import BadSignature, FailedPrecondition, GpumarketError
 from gpumarket.proto.identity import Identity, home_dir
 from gpumarket.proto.jobspec import (
-    ACCELERATOR_NAMES, ACCELERATORS_BY_NAME, KINDS_BY_NAME, NONCE_BYTES, STATES_BY_NAME,
+    ACCELERATOR_NAMES, NONCE_BYTES, STATES_BY_NAME,
     check_artifact_name, kind_name, now_ms, state_name,
 )
 from gpumarket.proto.v1 import marketplace_pb2 as mp

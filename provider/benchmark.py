@@ -1,7 +1,8 @@
-"""A short speed measurement of each device, cached per device and driver.
-
-Figures: dense matmul FLOP/s (fp32 on the CPU, bf16 on CUDA devices that have it)
-and device memory bandwidth from a large tensor copy. Torch is imported here only.
+"""Device speed, measured: dense matmul throughput per dtype the device supports (fp32, tf32,
+bf16, fp16, fp8 where present), device memory bandwidth, host-to-device bandwidth, and for CUDA
+devices the SM count and the link (PCIe generation and width, NVLink). Results are cached per
+device, driver and torch version, and measured again when any of them changes.
+Torch is imported here only.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from gpumarket.proto.v1 import types_pb2 as pb
 from gpumarket.provider.inventory import DeviceInfo
 
 log = logging.getLogger(__name__)
-CACHE_VERSION = 1
+CACHE_VERSION = 2
 
 
 def _timed(fn, repeat: int, sync) -> float:
@@ -30,30 +31,92 @@ def _timed(fn, repeat: int, sync) -> float:
     return (time.perf_counter() - start) / repeat
 
 
+def _matmul_flops(torch, dev, dtype, n: int, sync, repeat: int = 5) -> float:
+    a = torch.randn(n, n, device=dev).to(dtype)
+    b = torch.randn(n, n, device=dev).to(dtype)
+    return 2 * n**3 / _timed(lambda: torch.mm(a, b), repeat, sync)
+
+
+def _fp8_flops(torch, dev, n: int, sync) -> float:
+    """FP8 (e4m3) dense matmul through torch._scaled_mm (Hopper/Ada and later)."""
+    a = torch.randn(n, n, device=dev).to(torch.float8_e4m3fn)
+    b = torch.randn(n, n, device=dev).to(torch.float8_e4m3fn).t()
+    one = torch.tensor(1.0, device=dev)
+    fn = lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)  # noqa: E731
+    return 2 * n**3 / _timed(fn, 5, sync)
+
+
+def _link(index: int) -> str:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            h = pynvml.nvmlDeviceGetHandleByIndex(index)
+            gen = pynvml.nvmlDeviceGetCurrPcieLinkGeneration(h)
+            width = pynvml.nvmlDeviceGetCurrPcieLinkWidth(h)
+            links = 0
+            for link in range(18):
+                try:
+                    if pynvml.nvmlDeviceGetNvLinkState(h, link):
+                        links += 1
+                except pynvml.NVMLError:
+                    break
+            text = f"PCIe gen{gen} x{width}"
+            return f"{text}, NVLink x{links}" if links else text
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # NVML is optional for the figures; the benchmark must not fail on it
+        return ""
+
+
 def measure(device: DeviceInfo) -> pb.Benchmark:
-    """Measure one device; takes about a second on a CPU."""
+    """Measure one device (a few seconds on a CPU, under a minute on a GPU)."""
     import torch
 
+    figures: dict[str, float] = {}
+    h2d = 0.0
+    sm_count, link = 0, ""
     if device.is_cuda:
         dev = torch.device("cuda", device.index)
-        dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        n, copy_bytes = 8192, 1 << 30
         sync = lambda: torch.cuda.synchronize(dev)  # noqa: E731
+        props = torch.cuda.get_device_properties(dev)
+        sm_count = props.multi_processor_count
+        n = 8192
+        torch.backends.cuda.matmul.allow_tf32 = False
+        figures["fp32"] = _matmul_flops(torch, dev, torch.float32, n, sync)
+        torch.backends.cuda.matmul.allow_tf32 = True
+        figures["tf32"] = _matmul_flops(torch, dev, torch.float32, n, sync)
+        torch.backends.cuda.matmul.allow_tf32 = False
+        figures["fp16"] = _matmul_flops(torch, dev, torch.float16, n, sync)
+        if torch.cuda.is_bf16_supported():
+            figures["bf16"] = _matmul_flops(torch, dev, torch.bfloat16, n, sync)
+        if (props.major, props.minor) >= (8, 9) and hasattr(torch, "float8_e4m3fn"):
+            try:
+                figures["fp8"] = _fp8_flops(torch, dev, n, sync)
+            except RuntimeError as exc:
+                log.info("fp8 matmul not measured: %s", str(exc).splitlines()[0])
+        copy_bytes = 1 << 30
+        host = torch.empty(copy_bytes // 4, dtype=torch.float32).pin_memory()
+        target = torch.empty(copy_bytes // 4, dtype=torch.float32, device=dev)
+        h2d = copy_bytes / _timed(lambda: target.copy_(host, non_blocking=True), 5, sync)
+        link = _link(device.index)
+        headline = "bf16" if "bf16" in figures else "fp16"
     else:
         dev = torch.device("cpu")
-        dtype = torch.float32
-        n, copy_bytes = 1024, 1 << 27
         sync = lambda: None  # noqa: E731
-    a = torch.randn(n, n, device=dev, dtype=dtype)
-    b = torch.randn(n, n, device=dev, dtype=dtype)
-    seconds = _timed(lambda: torch.mm(a, b), 5, sync)
-    flops = 2 * n**3 / seconds
+        figures["fp32"] = _matmul_flops(torch, dev, torch.float32, 1024, sync)
+        figures["bf16"] = _matmul_flops(torch, dev, torch.bfloat16, 512, sync, repeat=3)
+        copy_bytes = 1 << 27
+        headline = "fp32"
     src = torch.empty(copy_bytes // 4, device=dev, dtype=torch.float32).fill_(1.0)
     dst = torch.empty_like(src)
-    seconds = _timed(lambda: dst.copy_(src), 5, sync)
-    bandwidth = 2 * copy_bytes / seconds  # read + write
-    return pb.Benchmark(matmul_flops=flops, matmul_dtype=str(dtype).removeprefix("torch."),
-                        memory_bandwidth_bytes_per_s=bandwidth, measured_at_ms=now_ms())
+    bandwidth = 2 * copy_bytes / _timed(lambda: dst.copy_(src), 5, sync)  # read + write
+    return pb.Benchmark(
+        matmul_flops=figures[headline], matmul_dtype=headline,
+        memory_bandwidth_bytes_per_s=bandwidth, measured_at_ms=now_ms(),
+        matmul_flops_by_dtype=figures, host_to_device_bytes_per_s=h2d, sm_count=sm_count,
+        interconnect=link)
 
 
 def _key(device: DeviceInfo) -> str:
@@ -62,9 +125,17 @@ def _key(device: DeviceInfo) -> str:
     return f"{device.uuid}|{device.name}|{device.driver_version}|torch {torch.__version__}"
 
 
+def _entry(b: pb.Benchmark) -> dict:
+    from google.protobuf.json_format import MessageToDict
+
+    return MessageToDict(b, preserving_proto_field_name=True)
+
+
 def cached_benchmarks(devices: list[DeviceInfo], cache: Path, *,
                       refresh: bool = False) -> dict[int, pb.Benchmark]:
     """Return each device's figures, measuring those not cached for this device and driver."""
+    from google.protobuf.json_format import ParseDict
+
     try:
         saved = json.loads(cache.read_text()) if cache.exists() and not refresh else {}
     except (OSError, ValueError):
@@ -77,13 +148,10 @@ def cached_benchmarks(devices: list[DeviceInfo], cache: Path, *,
         entry = saved["devices"].get(key)
         if entry is None:
             log.info("measuring %s (%s)", device.name, device.uuid)
-            bench = measure(device)
-            entry = {"matmul_flops": bench.matmul_flops, "matmul_dtype": bench.matmul_dtype,
-                     "memory_bandwidth_bytes_per_s": bench.memory_bandwidth_bytes_per_s,
-                     "measured_at_ms": bench.measured_at_ms}
+            entry = _entry(measure(device))
             saved["devices"][key] = entry
             changed = True
-        out[device.index] = pb.Benchmark(**entry)
+        out[device.index] = ParseDict(entry, pb.Benchmark())
     if changed:
         cache.parent.mkdir(parents=True, exist_ok=True)
         write_atomically(cache, json.dumps(saved, indent=2).encode())

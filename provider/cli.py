@@ -16,7 +16,7 @@ import click
 from gpumarket.proto.errors import GpumarketError
 from gpumarket.proto.identity import Identity
 from gpumarket.proto.jobspec import ACCELERATOR_NAMES
-from gpumarket.provider.config import ProviderConfig  # noqa: F401
+from gpumarket.provider.config import ProviderConfig
 
 log = logging.getLogger("gpumarket.provider")
 
@@ -171,17 +171,25 @@ def bench(data_dir: Path | None, refresh: bool, cpu_only: bool, as_json: bool) -
     with tempfile.TemporaryDirectory() as tmp:
         cache = (data_dir or Path(tmp)) / "benchmark.json"
         figures = cached_benchmarks(found, cache, refresh=refresh)
-    rows = [{"index": d.index, "name": d.name, "matmul_flops": figures[d.index].matmul_flops,
-             "matmul_dtype": figures[d.index].matmul_dtype,
-             "memory_bandwidth_bytes_per_s": figures[d.index].memory_bandwidth_bytes_per_s}
+    from google.protobuf.json_format import MessageToDict
+
+    rows = [{"index": d.index, "name": d.name,
+             **MessageToDict(figures[d.index], preserving_proto_field_name=True)}
             for d in found]
     if as_json:
         click.echo(json.dumps(rows, indent=2))
         return
-    for r in rows:
-        click.echo(f"{r['index']}  {r['name']}: {r['matmul_flops'] / 1e9:.1f} GFLOP/s "
-                   f"({r['matmul_dtype']} matmul), "
-                   f"{r['memory_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s memory")
+    for d in found:
+        b = figures[d.index]
+        dtypes = ", ".join(f"{k} {v / 1e12:.3g}" for k, v in
+                           sorted(b.matmul_flops_by_dtype.items()))
+        click.echo(f"{d.index}  {d.name}")
+        click.echo(f"   matmul TFLOP/s: {dtypes}")
+        click.echo(f"   memory bandwidth {b.memory_bandwidth_bytes_per_s / 1e9:.1f} GB/s"
+                   + (f", host-to-device {b.host_to_device_bytes_per_s / 1e9:.1f} GB/s"
+                      if b.host_to_device_bytes_per_s else "")
+                   + (f", {b.sm_count} SMs" if b.sm_count else "")
+                   + (f", {b.interconnect}" if b.interconnect else ""))
 
 
 def _running(pid: int) -> bool:

@@ -12,10 +12,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import random
 import shutil
-import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,17 +22,17 @@ import grpc
 from google.protobuf.json_format import MessageToDict
 
 from gpumarket.proto import __version__
-from gpumarket.proto.envelope import open_envelope, payload_sha256, seal
+from gpumarket.proto.envelope import open_envelope, seal
 from gpumarket.proto.errors import GpumarketError, Unavailable
 from gpumarket.proto.identity import Identity
 from gpumarket.proto.jobspec import kind_name, now_ms
 from gpumarket.proto.v1 import gateway_pb2 as gw
 from gpumarket.proto.v1 import gateway_pb2_grpc
 from gpumarket.proto.v1 import types_pb2 as pb
-from gpumarket.provider import checkpoints
+from gpumarket.provider import checkpoints, recovery
 from gpumarket.provider.broker_link import ArtifactLink
 from gpumarket.provider.config import ProviderConfig
-from gpumarket.provider.executor import JobProcess, job_env, pid_runs_in, read_reports, signal_group
+from gpumarket.provider.executor import JobProcess, job_env, pid_runs_in, read_reports
 from gpumarket.provider.inventory import DeviceInfo
 from gpumarket.provider.journal import Journal
 from gpumarket.provider.leases import Assignment, check_lease, refusal
@@ -539,15 +537,12 @@ class ProviderDaemon:
         entries = await asyncio.to_thread(self.journal.entries)
         attached: set[int] = set()
         for e in entries:
-            try:
-                envelope = pb.Envelope.FromString(e.lease)
-                lease, _ = open_envelope(envelope, pb.Lease)
-                spec, client_id = open_envelope(lease.job_spec, pb.JobSpec)
-            except GpumarketError:
+            assignment = recovery.assignment_of(e)
+            if assignment is None:
                 await asyncio.to_thread(self.journal.remove, e.job_id, e.epoch)
                 continue
-            job = RunningJob(Assignment(lease, spec, client_id, payload_sha256(lease.job_spec)),
-                             Path(e.workdir))
+            lease = assignment.lease
+            job = RunningJob(assignment, Path(e.workdir))
             self.jobs[lease.job_id] = job
             if e.final is not None:
                 self.unsettled[job.key] = gw.ProviderMessage.FromString(e.final)
@@ -567,7 +562,7 @@ class ProviderDaemon:
                                 lease.job_id)
                     await self._finalize(job, self._update(job, released=gw.JobReleased(
                         reason="job process ended while the provider daemon was down")))
-        self._kill_orphans(attached)
+        recovery.kill_orphans(self.config.jobs_dir, attached)
         known = {Path(e.workdir).name for e in entries}
         if self.config.jobs_dir.is_dir():
             for d in self.config.jobs_dir.iterdir():
@@ -589,21 +584,3 @@ class ProviderDaemon:
         except GpumarketError as exc:
             final = self._update(job, failed=gw.JobFailed(error=str(exc)))
         await self._finalize(job, final)
-
-    def _kill_orphans(self, keep: set[int]) -> None:
-        marker = str(self.config.jobs_dir).encode()
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit() or int(entry.name) in keep:
-                continue
-            try:
-                cmd = (entry / "cmdline").read_bytes()
-            except OSError:
-                continue
-            if marker in cmd and b"gpumarket.provider.runners" in cmd:
-                pid = int(entry.name)
-                log.warning("killing orphaned job process %d", pid)
-                signal_group(pid, signal.SIGKILL)
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass

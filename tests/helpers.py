@@ -202,3 +202,30 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def first_event(address: str, job_id: str, match, timeout: float = 300.0,
+                after_seq: int = 0) -> dict:
+    """The first event of the job (after ``after_seq``) for which ``match(event)`` holds."""
+    import asyncio
+
+    import grpc
+    from google.protobuf.json_format import MessageToDict
+
+    from gpumarket.proto.v1 import marketplace_pb2 as mp
+    from gpumarket.proto.v1 import marketplace_pb2_grpc
+
+    async def read():
+        async with grpc.aio.insecure_channel(address) as channel:
+            stream = marketplace_pb2_grpc.MarketplaceStub(channel).WatchJob(
+                mp.WatchJobRequest(job_id=job_id, after_seq=after_seq))
+            try:
+                async for resp in stream:
+                    event = MessageToDict(resp.event, preserving_proto_field_name=True)
+                    if match(event):
+                        return event
+            finally:
+                stream.cancel()
+        raise AssertionError(f"job {job_id} ended without the awaited event")
+
+    return asyncio.run(asyncio.wait_for(read(), timeout))

@@ -225,3 +225,33 @@ price_per_hour = 3.0
     path.write_text('[[availability]]\ndays = ["mon"]\nhours = "9-5"\n')
     with pytest.raises(InvalidArgument, match="hours"):
         config.load(path)
+
+
+def test_benchmark_figures_are_cached_per_device(tmp_path):
+    from gpumarket.provider.benchmark import cached_benchmarks
+    from gpumarket.provider.inventory import cpu_device
+
+    device = cpu_device()
+    first = cached_benchmarks([device], tmp_path / "bench.json")[0]
+    assert first.matmul_dtype == "fp32" and first.matmul_flops > 0
+    assert set(first.matmul_flops_by_dtype) >= {"fp32", "bf16"}
+    assert first.memory_bandwidth_bytes_per_s > 0
+    again = cached_benchmarks([device], tmp_path / "bench.json")[0]
+    assert again.measured_at_ms == first.measured_at_ms  # from the cache
+    from dataclasses import replace
+
+    other = cached_benchmarks([replace(device, driver_version="new")], tmp_path / "bench.json")[0]
+    assert other.measured_at_ms >= first.measured_at_ms  # a new driver is measured again
+
+
+@pytest.mark.cuda
+def test_gpu_benchmark_on_cuda(tmp_path):
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from gpumarket.provider.benchmark import measure
+    from gpumarket.provider.inventory import nvidia_devices
+
+    b = measure(nvidia_devices()[0])
+    assert b.sm_count > 0 and b.host_to_device_bytes_per_s > 0
+    assert b.matmul_flops_by_dtype["bf16"] > b.matmul_flops_by_dtype["fp32"]
