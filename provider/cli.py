@@ -46,10 +46,14 @@ def cli() -> None:
 @click.option("--price", type=float, help="Price per device-hour, in credits (default 1.0).")
 @click.option("--cpu-only", is_flag=True, help="Offer the CPU even where GPUs are present.")
 @click.option("--max-runtime", type=int, help="Longest a job may run, in seconds (default 1 day).")
+@click.option("--no-warm", is_flag=True,
+              help="Do not keep an idle runner with its imports done (saves its memory; jobs "
+                   "start a few seconds slower).")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
 def run(config_file: Path | None, broker: str | None, data_dir: Path | None,
-        price: float | None, cpu_only: bool, max_runtime: int | None, log_level: str) -> None:
+        price: float | None, cpu_only: bool, max_runtime: int | None, no_warm: bool,
+        log_level: str) -> None:
     """Connect to a broker, advertise this machine, and run leased jobs until SIGTERM
     (SIGTERM drains: jobs checkpoint and move elsewhere; a second SIGTERM stops at once)."""
     from gpumarket.provider import config as provider_config
@@ -66,6 +70,8 @@ def run(config_file: Path | None, broker: str | None, data_dir: Path | None,
             settings[key] = value
     if cpu_only:
         settings["cpu_only"] = True
+    if no_warm:
+        settings["warm_runners"] = False
     if not settings.get("broker"):
         raise click.UsageError("give --broker (or $GPUMARKET_BROKER, or broker in --config)")
     if not settings.get("data_dir"):

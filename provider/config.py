@@ -50,6 +50,7 @@ class ProviderConfig:
     rpc_timeout_s: float = 30.0          # deadline on each unary call to the broker
     backoff_max_s: float = 30.0          # longest wait between reconnects
     cpu_only: bool = False               # advertise the CPU even where GPUs are present
+    warm_runners: bool = True            # keep one idle runner per kind with imports done
     kinds: frozenset[int] = frozenset({pb.JOB_KIND_TRAINING})   # accepted job kinds
     policy: Policy = field(default_factory=Policy)  # clients and hours served
     device_prices: dict[int, float] = field(default_factory=dict)  # per device index

@@ -14,6 +14,7 @@ import json
 import logging
 import random
 import shutil
+import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,7 +33,9 @@ from gpumarket.proto.v1 import types_pb2 as pb
 from gpumarket.provider import checkpoints, recovery
 from gpumarket.provider.broker_link import ArtifactLink
 from gpumarket.provider.config import ProviderConfig
-from gpumarket.provider.executor import JobProcess, job_env, pid_runs_in, read_reports
+from gpumarket.provider.executor import (
+    JobProcess, job_env, pid_runs_in, read_reports, signal_group, spawn_warm,
+)
 from gpumarket.provider.inventory import DeviceInfo
 from gpumarket.provider.journal import Journal
 from gpumarket.provider.leases import Assignment, check_lease, refusal
@@ -82,6 +85,7 @@ class ProviderDaemon:
         self.artifacts: ArtifactLink | None = None
         self.journal = Journal(config.data_dir / "journal.db")
         self._background: set[asyncio.Task] = set()
+        self.warm: dict[int, asyncio.subprocess.Process] = {}   # kind -> idle warm runner
 
     # -- offer ---------------------------------------------------------------------------
 
@@ -113,6 +117,8 @@ class ProviderDaemon:
         self.channel = grpc.aio.insecure_channel(self.config.broker)
         self.artifacts = ArtifactLink(self.channel, self.config.rpc_timeout_s)
         await self._recover()
+        for kind in self.kinds:
+            await self._refill_warm(kind)
         backoff = 0.5
         try:
             while not self.stopping.is_set():
@@ -297,7 +303,8 @@ class ProviderDaemon:
 
     # -- running a job -------------------------------------------------------------------
 
-    def _process(self, job: RunningJob) -> JobProcess:
+    def _process(self, job: RunningJob, warm: asyncio.subprocess.Process | None = None
+                 ) -> JobProcess:
         a = job.assignment
         devices = [d for d in self.devices if d.index in job.devices]
         cuda = any(d.is_cuda for d in devices)
@@ -305,7 +312,7 @@ class ProviderDaemon:
         env = job_env(job.workdir, ",".join(d.uuid for d in devices) if cuda else "", None)
         return JobProcess(RUNNERS[a.spec.kind], job.workdir, env,
                           lambda report: self._on_report(job, report), limit,
-                          self.config.cancel_grace_s)
+                          self.config.cancel_grace_s, warm)
 
     async def _run_job(self, job: RunningJob) -> None:
         a = job.assignment
@@ -316,7 +323,7 @@ class ProviderDaemon:
             if self.draining:
                 final = self._update(job, released=gw.JobReleased(reason="provider is draining"))
             else:
-                job.process = self._process(job)
+                job.process = self._process(job, self._take_warm(a.spec.kind))
                 pid = await job.process.start()
                 await asyncio.to_thread(self.journal.set_pid, *job.key, pid)
                 self.send(self._update(job, started=gw.JobStarted(resumed_from_step=resumed_from)))
@@ -528,6 +535,27 @@ class ProviderDaemon:
                     task.cancel()
         for task in list(self._background):
             task.cancel()
+        for proc in self.warm.values():
+            if proc.returncode is None:
+                signal_group(proc.pid, signal.SIGKILL)
+                await proc.wait()
+        self.warm.clear()
+
+    async def _refill_warm(self, kind: int) -> None:
+        """Keep one idle runner of ``kind`` with its imports done, ready for the next lease."""
+        if not self.config.warm_runners or self.stopping.is_set() or self.draining:
+            return
+        current = self.warm.get(kind)
+        if current is not None and current.returncode is None:
+            return
+        module = RUNNERS[kind].rsplit(".", 1)[1]
+        env = job_env(self.config.jobs_dir, "", None)
+        self.warm[kind] = await spawn_warm(module, self.config.jobs_dir, env)
+
+    def _take_warm(self, kind: int) -> asyncio.subprocess.Process | None:
+        proc = self.warm.pop(kind, None)
+        self._spawn(self._refill_warm(kind))
+        return proc if proc is not None and proc.returncode is None else None
 
     # -- after a restart -----------------------------------------------------------------
 

@@ -89,13 +89,27 @@ def read_reports(workdir: Path) -> list[dict]:
 
 
 def pid_runs_in(pid: int, workdir: Path) -> bool:
-    """True if ``pid`` is alive and is a job process started for ``workdir``."""
+    """True if ``pid`` is alive and is a job process for ``workdir`` (started for it, or a
+    warm runner that took it on and moved into it)."""
     try:
         cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        cwd = os.readlink(f"/proc/{pid}/cwd")
     except OSError:
         return False
-    return state != "Z" and str(workdir).encode() in cmd
+    if state == "Z" or b"gpumarket.provider.runners" not in b" ".join(cmd):
+        return False
+    return str(workdir).encode() in cmd or cwd == str(workdir)
+
+
+async def spawn_warm(kind: str, jobs_dir: Path, env: dict[str, str]) -> asyncio.subprocess.Process:
+    """Start a warm runner for ``kind`` (see runners/warm.py)."""
+    jobs_dir.mkdir(parents=True, exist_ok=True)
+    return await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "gpumarket.provider.runners.warm", kind, str(jobs_dir),
+        cwd=jobs_dir, env=env, stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
+        start_new_session=True)
 
 
 class JobProcess:
@@ -103,7 +117,8 @@ class JobProcess:
 
     def __init__(self, module: str, workdir: Path, env: dict[str, str],
                  on_report: Callable[[dict], Awaitable[None]], max_runtime_s: float,
-                 grace_s: float) -> None:
+                 grace_s: float, warm: asyncio.subprocess.Process | None = None) -> None:
+        self.warm = warm
         self.module = module
         self.workdir = workdir
         self.env = env
@@ -117,9 +132,21 @@ class JobProcess:
         self._stop_reason = ""
 
     async def start(self) -> int:
-        """Spawn the job; return its pid (also its process group id)."""
+        """Start the job (on the warm runner if one was given and is alive); return its pid
+        (also its process group id)."""
         (self.workdir / "tmp").mkdir(exist_ok=True)
         (self.workdir / REPORTS).touch()
+        warm, self.warm = self.warm, None
+        if warm is not None and warm.returncode is None and warm.stdin is not None:
+            order = json.dumps({"workdir": str(self.workdir), "env": self.env}) + "\n"
+            try:
+                warm.stdin.write(order.encode())
+                await warm.stdin.drain()
+                warm.stdin.close()
+                self.proc, self.pid = warm, warm.pid
+                return self.pid
+            except (BrokenPipeError, ConnectionResetError):
+                log.warning("warm runner %d was gone; starting the job cold", warm.pid)
         with open(self.workdir / "job.log", "ab") as log_file:
             self.proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", self.module, str(self.workdir),

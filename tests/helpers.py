@@ -152,16 +152,23 @@ class Marketplace:
 
 
 def job_processes(marker: str) -> list[int]:
-    """Pids whose command line mentions ``marker`` (a job's work dir)."""
+    """Pids of job processes for ``marker`` (a job's work dir, or a jobs dir): started for it
+    (its path is in their command line) or working in it (a warm runner that took it on)."""
     pids = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
             cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            cwd = os.readlink(entry / "cwd")
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
         except OSError:
             continue
-        if marker in cmd:
+        if "gpumarket.provider.runners" not in cmd or state == "Z":
+            continue
+        if "runners.warm" in cmd and cwd != marker and not cwd.startswith(marker + "/"):
+            continue  # an idle warm runner waits in the jobs dir: no job of ours
+        if marker in cmd or cwd == marker or cwd.startswith(marker + "/"):
             pids.append(int(entry.name))
     return pids
 

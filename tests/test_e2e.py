@@ -21,7 +21,7 @@ def submit(market, job_file, *args):
 def test_training_job_end_to_end(market, tmp_path):
     market.start_provider("p1", 0.5)
     offers = market.wait_for_offers(1)
-    (device,) = offers[0]["devices"]
+    (device,) = offers[0]["offer"]["devices"]
     assert device["accelerator"] == "ACCELERATOR_CPU"  # advertised honestly as a CPU
     assert device["benchmark"]["matmul_flops"] > 0
 

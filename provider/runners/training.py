@@ -213,6 +213,13 @@ def train(workdir: Path, report: Reporter) -> None:
     report.done(**metrics)
 
 
+def warm_up() -> None:
+    """Import what a job will need, ahead of the job (see runners/warm.py)."""
+    import transformers  # noqa: F401
+    from transformers import AutoConfig, AutoModelForCausalLM  # noqa: F401
+    from transformers.models.llama import modeling_llama  # noqa: F401
+
+
 def main() -> int:
     if len(sys.argv) != 2:
         print("usage: python -m gpumarket.provider.runners.training WORKDIR", file=sys.stderr)

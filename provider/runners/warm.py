@@ -1,0 +1,46 @@
+"""A runner started ahead of its job: it imports torch and the kind's runner (transformers
+included) while idle, then waits for one job on stdin — so a leased job, and above all a job
+resuming after a failover, starts in milliseconds instead of seconds.
+
+    python -m gpumarket.provider.runners.warm KIND JOBS_DIR
+
+Reads one JSON line ``{"workdir": ..., "env": {...}}``, takes on that environment, work
+directory and log, and runs the kind's runner as if started as
+``python -m gpumarket.provider.runners.KIND WORKDIR``. EOF on stdin means "not needed": exit.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import sys
+
+KINDS = {"training"}
+
+
+def main() -> int:
+    if len(sys.argv) != 3 or sys.argv[1] not in KINDS:
+        print("usage: python -m gpumarket.provider.runners.warm KIND JOBS_DIR", file=sys.stderr)
+        return 2
+    module = importlib.import_module(f"gpumarket.provider.runners.{sys.argv[1]}")
+    module.warm_up()
+    line = sys.stdin.readline()
+    if not line.strip():
+        return 0
+    order = json.loads(line)
+    workdir = order["workdir"]
+    os.chdir(workdir)
+    os.environ.clear()
+    os.environ.update(order["env"])
+    log = os.open(os.path.join(workdir, "job.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND,
+                  0o644)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
+    sys.argv = [module.__file__, workdir]
+    return module.main()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
