@@ -26,12 +26,28 @@ def compute_capability(d: pb.Device) -> float:
         return 0.0
 
 
+def claimed_flops(offer: pb.Offer) -> float:
+    """The benchmark's headline matmul FLOP/s of the offer's slowest device."""
+    return min((d.benchmark.matmul_flops for d in offer.devices), default=0.0)
+
+
+def claim_efficiency(offers: list[pb.Offer], achieved: dict[str, float]) -> float:
+    """The share of their claimed FLOP/s that providers with finished jobs really reached
+    (median), to discount the claims of those without: CLAIM_EFFICIENCY until there is any."""
+    ratios = sorted(achieved[o.provider_id] / claimed_flops(o) for o in offers
+                    if o.provider_id in achieved and claimed_flops(o) > 0)
+    if not ratios:
+        return CLAIM_EFFICIENCY
+    return ratios[len(ratios) // 2]
+
+
 def offer_view(offer: pb.Offer, history: reliability.ProviderHistory, achieved_flops: float,
-               busy: frozenset[int] = frozenset(), load: int = 0) -> OfferView:
+               busy: frozenset[int] = frozenset(), load: int = 0,
+               efficiency: float = CLAIM_EFFICIENCY) -> OfferView:
     devices = list(offer.devices)
     cuda = [d for d in devices if d.accelerator == pb.ACCELERATOR_CUDA]
     accel = pb.ACCELERATOR_CUDA if cuda else pb.ACCELERATOR_CPU
-    claimed = min((d.benchmark.matmul_flops for d in devices), default=0.0) * CLAIM_EFFICIENCY
+    claimed = claimed_flops(offer) * efficiency
     return OfferView(
         provider_id=offer.provider_id,
         price_per_gpu_hour=offer_price(offer),

@@ -9,7 +9,7 @@ import time
 from collections import defaultdict, deque
 
 from gpumarket.broker import jobs, matcher, reliability, views
-from gpumarket.broker.offers import offer_view
+from gpumarket.broker.offers import claim_efficiency, offer_view
 from gpumarket.broker.state import BrokerState
 from gpumarket.proto.envelope import seal
 from gpumarket.proto.errors import FailedPrecondition
@@ -72,10 +72,13 @@ async def offer_book(state: BrokerState) -> matcher.Book:
     busy = await store.read(views.busy_devices)
     loads = await store.read(views.active_lease_counts)
     hist = await store.read(views.histories, [o.provider_id for o in offers], now)
-    achieved = await store.read(views.achieved_flops)
+    achieved = {p: f for (p, kind), f in (await store.read(views.achieved_flops)).items()
+                if kind == pb.JOB_KIND_TRAINING}
+    efficiency = claim_efficiency(offers, achieved)
     return matcher.Book([
-        offer_view(o, hist[o.provider_id], achieved.get((o.provider_id, pb.JOB_KIND_TRAINING), 0.0),
-                   frozenset(busy.get(o.provider_id, ())), loads.get(o.provider_id, 0))
+        offer_view(o, hist[o.provider_id], achieved.get(o.provider_id, 0.0),
+                   frozenset(busy.get(o.provider_id, ())), loads.get(o.provider_id, 0),
+                   efficiency)
         for o in offers
     ])
 

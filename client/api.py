@@ -76,8 +76,10 @@ class BrokerClient:
         return await self._call(self.market.Quote, mp.QuoteRequest(spec=spec, limit=limit,
                                                                    client_id=client_id))
 
-    async def watch(self, job_id: str, after_seq: int = 0) -> AsyncIterator[pb.JobEvent]:
-        """Yield the job's events until it ends; reconnects where the stream breaks."""
+    async def watch(self, job_id: str, after_seq: int = 0,
+                    on_retry: Callable[[str], None] | None = None) -> AsyncIterator[pb.JobEvent]:
+        """Yield the job's events until it ends; reconnects where the stream breaks (calling
+        ``on_retry`` with the reason), resuming after the last event it yielded."""
         cursor = after_seq
         retries = 0
         while True:
@@ -92,6 +94,8 @@ class BrokerClient:
                 if exc.code() != grpc.StatusCode.UNAVAILABLE or retries >= 20:
                     raise self._error(exc) from exc
                 retries += 1
+                if on_retry is not None:
+                    on_retry(f"lost the broker at {self.address}; reconnecting")
                 await asyncio.sleep(min(0.5 * 2 ** retries, 5))
             finally:
                 stream.cancel()

@@ -445,7 +445,7 @@ async def quote(broker_addr: str, job_file: Path, limit: int, as_json: bool) -> 
     if resp.candidates:
         out.print(table)
     excluded = ", ".join(f"{n} by {k}" for k, n in sorted(resp.excluded.items(),
-                                                          key=lambda kv: -kv[1]))
+                                                          key=lambda kv: (-kv[1], kv[0])))
     out.print(f"{len(resp.candidates)} of {resp.offers} offers shown"
               + (f"; excluded: {excluded}" if excluded else ""))
     if resp.explanation:

@@ -36,7 +36,8 @@ async def follow(broker: BrokerClient, job_id: str, as_json: bool, console: Cons
     task = None
     last_tenth = -1
     with progress:
-        async for ev in broker.watch(job_id):
+        notice = lambda text: progress.console.print(f"{'':22} ({text})")  # noqa: E731
+        async for ev in broker.watch(job_id, on_retry=notice):
             state = ev.state
             if ev.type == "progress":
                 p = ev.progress
