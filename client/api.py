@@ -6,13 +6,12 @@ Every unary call carries a deadline; grpc.aio.AioRpcError becomes a gpumarket er
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import grpc
 
-from gpumarket.proto.artifacts import iter_chunks, sha256_file
+from gpumarket.proto.artifacts import publish_verified, receive, sha256_file, upload_requests
 from gpumarket.proto.errors import GpumarketError, InvalidArgument, Unavailable, from_code
 from gpumarket.proto.v1 import artifacts_pb2 as ap
 from gpumarket.proto.v1 import artifacts_pb2_grpc, marketplace_pb2_grpc
@@ -106,18 +105,10 @@ class BrokerClient:
         sha, size = await asyncio.to_thread(sha256_file, path)
         st = await self._call(self.artifacts.StatArtifact, ap.StatArtifactRequest(sha256=sha))
         if not st.complete:
-            offset = st.received_bytes
-
-            async def parts():
-                yield ap.UploadRequest(header=ap.UploadHeader(sha256=sha, size_bytes=size,
-                                                              offset=offset))
-                for chunk in iter_chunks(path, offset):
-                    if on_bytes:
-                        on_bytes(len(chunk))
-                    yield ap.UploadRequest(data=chunk)
-
             try:
-                await self.artifacts.Upload(parts(), timeout=self.timeout_s + size / 1e6)
+                await self.artifacts.Upload(
+                    upload_requests(path, sha, size, st.received_bytes, on_bytes),
+                    timeout=self.timeout_s + size / 1e6)
             except grpc.aio.AioRpcError as exc:
                 raise self._error(exc) from exc
         return pb.ArtifactRef(name=name, sha256=sha, size_bytes=size)
@@ -126,21 +117,13 @@ class BrokerClient:
         """Download to ``target``; the file appears only once its sha256 checks out."""
         tmp = target.with_name(f".{target.name}.partial")
         try:
-            with open(tmp, "wb") as f:
-                stream = self.artifacts.Download(ap.DownloadRequest(sha256=ref.sha256),
-                                                 timeout=self.timeout_s + ref.size_bytes / 1e6)
-                async for part in stream:
-                    f.write(part.data)
-                    if f.tell() > ref.size_bytes:
-                        break
-                f.flush()
-                os.fsync(f.fileno())
+            stream = self.artifacts.Download(ap.DownloadRequest(sha256=ref.sha256),
+                                             timeout=self.timeout_s + ref.size_bytes / 1e6)
+            await receive(stream, tmp, ref.size_bytes, append=False)
         except grpc.aio.AioRpcError as exc:
             tmp.unlink(missing_ok=True)
             raise self._error(exc) from exc
-        digest, size = await asyncio.to_thread(sha256_file, tmp)
-        if digest != ref.sha256 or size != ref.size_bytes:
-            tmp.unlink(missing_ok=True)
+        if not await asyncio.to_thread(publish_verified, tmp, target, ref.sha256,
+                                       ref.size_bytes):
             raise InvalidArgument(f"{ref.name}: downloaded bytes do not match the receipt's"
                                   " sha256")
-        os.replace(tmp, target)

@@ -38,3 +38,38 @@ def write_atomically(path: Path, data: bytes) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def upload_requests(path: Path, sha256: str, size: int, offset: int = 0,
+                    on_bytes=None):
+    """The messages of one Artifacts.Upload stream: the header, then the file's chunks
+    from ``offset`` (to continue a partial upload)."""
+    from gpumarket.proto.v1 import artifacts_pb2 as ap
+
+    yield ap.UploadRequest(header=ap.UploadHeader(sha256=sha256, size_bytes=size, offset=offset))
+    for chunk in iter_chunks(path, offset):
+        if on_bytes is not None:
+            on_bytes(len(chunk))
+        yield ap.UploadRequest(data=chunk)
+
+
+async def receive(responses, partial: Path, size_bytes: int, *, append: bool) -> None:
+    """Write a Download stream's chunks to ``partial`` (never past the expected size), fsynced."""
+    with open(partial, "ab" if append else "wb") as f:
+        async for part in responses:
+            f.write(part.data)
+            if f.tell() > size_bytes:
+                break
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def publish_verified(partial: Path, target: Path, sha256: str, size_bytes: int) -> bool:
+    """Move ``partial`` to ``target`` if its bytes hash to ``sha256``; else delete it and
+    return False."""
+    digest, size = sha256_file(partial)
+    if digest != sha256 or size != size_bytes:
+        partial.unlink(missing_ok=True)
+        return False
+    os.replace(partial, target)
+    return True

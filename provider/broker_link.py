@@ -6,13 +6,11 @@ Every call has a deadline; grpc errors become gpumarket errors.
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import os
 from pathlib import Path
 
 import grpc
 
-from gpumarket.proto.artifacts import iter_chunks, sha256_file
+from gpumarket.proto.artifacts import publish_verified, receive, sha256_file, upload_requests
 from gpumarket.proto.errors import GpumarketError, InvalidArgument, Unavailable, from_code
 from gpumarket.proto.v1 import artifacts_pb2 as ap
 from gpumarket.proto.v1 import artifacts_pb2_grpc, types_pb2 as pb
@@ -37,15 +35,8 @@ class ArtifactLink:
             st = await self.stub.StatArtifact(ap.StatArtifactRequest(sha256=sha),
                                               timeout=self.timeout_s)
             if not st.complete:
-                offset = st.received_bytes
-
-                async def parts():
-                    yield ap.UploadRequest(header=ap.UploadHeader(
-                        sha256=sha, size_bytes=size, offset=offset))
-                    for chunk in iter_chunks(path, offset):
-                        yield ap.UploadRequest(data=chunk)
-
-                await self.stub.Upload(parts(), timeout=self.timeout_s + size / 1e6)
+                await self.stub.Upload(upload_requests(path, sha, size, st.received_bytes),
+                                       timeout=self.timeout_s + size / 1e6)
         except grpc.aio.AioRpcError as exc:
             raise as_error(exc, f"upload of {name}") from exc
         return pb.ArtifactRef(name=name, sha256=sha, size_bytes=size)
@@ -57,21 +48,9 @@ class ArtifactLink:
         try:
             stream = self.stub.Download(ap.DownloadRequest(sha256=ref.sha256, offset=offset),
                                         timeout=self.timeout_s + ref.size_bytes / 1e6)
-            with open(partial, "ab") as f:
-                async for part in stream:
-                    f.write(part.data)
-                    if f.tell() > ref.size_bytes:
-                        break
-                f.flush()
-                os.fsync(f.fileno())
+            await receive(stream, partial, ref.size_bytes, append=True)
         except grpc.aio.AioRpcError as exc:
             raise as_error(exc, f"download of {ref.name}") from exc
-        digest, size = await asyncio.to_thread(sha256_file, partial)
-        if digest != ref.sha256 or size != ref.size_bytes:
-            partial.unlink(missing_ok=True)
+        if not await asyncio.to_thread(publish_verified, partial, target, ref.sha256,
+                                       ref.size_bytes):
             raise InvalidArgument(f"input {ref.name}: downloaded bytes do not match its sha256")
-        os.replace(partial, target)
-
-
-def sha256_bytes(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
