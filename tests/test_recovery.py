@@ -136,8 +136,6 @@ def test_sigterm_drain_moves_the_job_at_once(market, tmp_path):
     wait_until(lambda: int(market.job(job_id)["progress"].get("step", 0)) > 50, "progress")
     market.start_provider("p2")
     market.wait_for_offers(2)
-    began = time.monotonic()
-    r = market.cli("--help")  # noqa: F841  (keeps the CLI warm; nothing to check)
     from tests.helpers import BIN
     import subprocess
 
@@ -147,8 +145,9 @@ def test_sigterm_drain_moves_the_job_at_once(market, tmp_path):
     assert drained.returncode == 0, drained.stderr
     assert not p1.alive()
     job = wait_until(lambda: (j := market.job(job_id))["attempt"] == 2 and j, "a requeue")
-    assert time.monotonic() - began < 4  # well before the 4 s lease timeout would have ended it
+    # released by the provider, not lost: the job moved without waiting for the lease to expire
     assert job["attempts"][0]["outcome"] == "released"
+    assert job["attempts"][0]["reason"] == "provider is draining"
     assert int(job["checkpoint_step"]) > 50  # the drain checkpoint
     job = market.wait_state(job_id, "SUCCEEDED", timeout=300)
     assert job["provider_id"] == market.provider_id("p2")
