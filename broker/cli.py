@@ -29,6 +29,8 @@ def cli() -> None:
               help="gRPC address HOST:PORT (port 0 picks a free port).")
 @click.option("--data-dir", type=click.Path(file_okay=False, path_type=Path), required=True,
               help="Directory for the database, the broker key and the artifact store.")
+@click.option("--http", default="", help="HTTP address HOST:PORT for /healthz, /readyz, "
+              "/metrics and /api (port 0 picks a free port); off when not given.")
 @click.option("--lease-timeout", type=float, default=15.0, show_default=True,
               help="Seconds without heartbeats after which a provider's leases are lost.")
 @click.option("--heartbeat-interval", type=float, default=3.0, show_default=True,
@@ -39,13 +41,15 @@ def cli() -> None:
               help="Seconds an artifact no job references is kept before it is deleted.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
-def serve(listen: str, data_dir: Path, lease_timeout: float, heartbeat_interval: float,
-          max_attempts: int, artifact_grace: float, log_level: str) -> None:
+def serve(listen: str, data_dir: Path, http: str, lease_timeout: float,
+          heartbeat_interval: float, max_attempts: int, artifact_grace: float,
+          log_level: str) -> None:
     """Serve the broker's gRPC API until SIGTERM."""
     _log_setup(log_level)
     if heartbeat_interval <= 0 or lease_timeout <= heartbeat_interval:
         raise click.UsageError("--lease-timeout must be longer than --heartbeat-interval")
-    config = BrokerConfig(data_dir=data_dir, listen=listen, lease_timeout_s=lease_timeout,
+    config = BrokerConfig(data_dir=data_dir, listen=listen, http=http,
+                          lease_timeout_s=lease_timeout,
                           heartbeat_interval_s=heartbeat_interval, max_attempts=max_attempts,
                           artifact_grace_s=artifact_grace,
                           gc_interval_s=min(60.0, max(1.0, artifact_grace / 2)))

@@ -10,6 +10,7 @@ from pathlib import Path
 class BrokerConfig:
     data_dir: Path                         # holds broker.db, broker.key, artifacts/
     listen: str = "127.0.0.1:7070"         # gRPC HOST:PORT; port 0 picks a free port
+    http: str = ""                         # HTTP HOST:PORT for health and metrics; "" = none
     lease_timeout_s: float = 15.0          # a lease not renewed by heartbeats this long is lost
     heartbeat_interval_s: float = 3.0      # what providers are told to send
     accept_within_s: float = 60.0          # a provider must accept a lease within this

@@ -54,6 +54,7 @@ class ProviderGatewayServicer(gateway_pb2_grpc.ProviderGatewayServicer):
             provider_id = await self._handshake(context)
         except GpumarketError as exc:
             log.warning("provider session refused: %s", exc.message)
+            self.state.metrics.rejected.labels(reason=exc.code).inc()
             await context.abort(grpc.StatusCode.UNAUTHENTICATED
                                 if isinstance(exc, BadSignature)
                                 else grpc.StatusCode.INVALID_ARGUMENT, exc.message)

@@ -32,9 +32,13 @@ STATUS: dict[str, grpc.StatusCode] = {
 }
 
 
-async def abort_for(exc: BaseException, context: grpc.aio.ServicerContext, rpc: str) -> None:
+async def abort_for(exc: BaseException, context: grpc.aio.ServicerContext, rpc: str,
+                    servicer: Any = None) -> None:
     if isinstance(exc, GpumarketError):
         log.info("%s rejected: %s (%s)", rpc, exc.message, exc.code)
+        state = getattr(servicer, "state", None)
+        if state is not None:
+            state.metrics.rejected.labels(reason=exc.code).inc()
         await context.abort(STATUS.get(exc.code, grpc.StatusCode.INTERNAL), exc.message)
     log.error("%s failed unexpectedly", rpc, exc_info=exc)
     await context.abort(grpc.StatusCode.INTERNAL, "internal error (see the broker's log)")
@@ -50,7 +54,7 @@ def unary(handler: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any
         except grpc.aio.AbortError:
             raise
         except Exception as exc:
-            await abort_for(exc, context, handler.__name__)
+            await abort_for(exc, context, handler.__name__, self)
 
     return wrapper
 
@@ -66,6 +70,6 @@ def streaming(handler: Callable[..., AsyncIterator[Any]]) -> Callable[..., Async
         except grpc.aio.AbortError:
             raise
         except Exception as exc:
-            await abort_for(exc, context, handler.__name__)
+            await abort_for(exc, context, handler.__name__, self)
 
     return wrapper

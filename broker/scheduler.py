@@ -120,6 +120,13 @@ async def place_queued(state: BrokerState) -> int:
         except FailedPrecondition:
             continue  # cancelled meanwhile
         made += 1
+        now = now_ms()
+        state.metrics.placements.inc()
+        state.metrics.queue_wait.observe(max(0, now - row["updated_at_ms"]) / 1000)
+        if row["attempt"] == 1:
+            state.metrics.time_to_lease.observe(max(0, now - row["created_at_ms"]) / 1000)
+        else:
+            state.metrics.resumes.inc()
         session.send(gw.BrokerMessage(lease=envelope))
         log.info("job %s leased to %s on devices %s (%s: expected %.0fs, %.4g credits)",
                  row["id"], placement.provider_id, list(placement.device_indices),
@@ -141,6 +148,7 @@ async def expire(state: BrokerState) -> None:
     for lease_id in overdue:
         if await state.store.write(jobs.lose_lease, lease_id, "missed heartbeats", now):
             log.warning("lease %s lost: missed heartbeats", lease_id)
+            state.metrics.lease_expiries.inc()
             changed = True
     if await state.store.write(jobs.expire_queued, now):
         changed = True

@@ -17,6 +17,7 @@ from gpumarket.broker.artifact_store import ArtifactStore
 from gpumarket.broker.artifacts import ArtifactsServicer
 from gpumarket.broker.config import BrokerConfig
 from gpumarket.broker.gateway import ProviderGatewayServicer
+from gpumarket.broker.http import BrokerHttp
 from gpumarket.broker.marketplace import MarketplaceServicer
 from gpumarket.broker.state import BrokerState
 from gpumarket.broker.store import Store
@@ -51,6 +52,7 @@ class BrokerServer:
         self.server: grpc.aio.Server | None = None
         self.address = ""
         self.state: BrokerState | None = None
+        self.http: BrokerHttp | None = None
 
     async def start(self) -> str:
         cfg = self.config
@@ -84,6 +86,10 @@ class BrokerServer:
         self.server = server
         self.address = f"{host}:{bound}"
         info = {"address": self.address, "pid": os.getpid(), "broker_id": identity.id}
+        if cfg.http:
+            self.http = BrokerHttp(self.state, lambda: self.server is not None)
+            info["http"] = await self.http.start(cfg.http)
+            log.info("HTTP (health, metrics) on %s", info["http"])
         tmp = cfg.data_dir / "broker.json.tmp"
         tmp.write_text(json.dumps(info))
         os.replace(tmp, cfg.data_dir / "broker.json")
@@ -91,8 +97,11 @@ class BrokerServer:
         return self.address
 
     async def stop(self) -> None:
+        if self.http is not None:
+            await self.http.stop()
         if self.server is not None:
-            await self.server.stop(self.config.shutdown_grace_s)
+            server, self.server = self.server, None
+            await server.stop(self.config.shutdown_grace_s)
         if self.state is not None:
             self.state.store.close()
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from gpumarket.broker.artifact_store import ArtifactStore
 from gpumarket.broker.config import BrokerConfig
+from gpumarket.broker.metrics import BrokerMetrics
 from gpumarket.broker.sessions import Sessions
 from gpumarket.broker.store import Store
 from gpumarket.proto.identity import Identity
@@ -38,3 +39,4 @@ class BrokerState:
     sessions: Sessions = field(default_factory=Sessions)
     events: Changes = field(default_factory=Changes)      # job events were written
     placement: Changes = field(default_factory=Changes)   # something a placement depends on
+    metrics: BrokerMetrics = field(default_factory=BrokerMetrics)

@@ -1,0 +1,41 @@
+"""The broker's Prometheus metrics (prometheus-client), on their own registry.
+
+Counters and histograms are updated where things happen; gauges that mirror the database or
+the live sessions are refreshed just before each scrape.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from gpumarket.proto.jobspec import STATE_NAMES
+
+WAIT_BUCKETS = (0.1, 0.5, 1, 2, 5, 10, 30, 60, 300, 900, 3600, 4 * 3600, 24 * 3600)
+
+
+class BrokerMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.providers_online = Gauge("gpumarket_providers_online",
+                                      "Providers with an open session", registry=r)
+        self.gpus = Gauge("gpumarket_gpus", "Devices offered by online providers",
+                          ["model", "accelerator"], registry=r)
+        self.jobs = Gauge("gpumarket_jobs", "Jobs by state", ["state"], registry=r)
+        self.queue_wait = Histogram("gpumarket_queue_wait_seconds",
+                                    "Time a job waited in QUEUED before each lease",
+                                    buckets=WAIT_BUCKETS, registry=r)
+        self.time_to_lease = Histogram("gpumarket_time_to_first_lease_seconds",
+                                       "Time from submission to a job's first lease",
+                                       buckets=WAIT_BUCKETS, registry=r)
+        self.placements = Counter("gpumarket_placements", "Leases granted", registry=r)
+        self.lease_expiries = Counter("gpumarket_lease_expiries",
+                                      "Leases lost to missed heartbeats", registry=r)
+        self.resumes = Counter("gpumarket_resumes",
+                               "Leases granted to resume a job from a checkpoint", registry=r)
+        self.rejected = Counter("gpumarket_rejected_requests",
+                                "Requests refused, by reason (status code)", ["reason"],
+                                registry=r)
+        self.artifact_bytes = Gauge("gpumarket_artifact_bytes",
+                                    "Bytes held in the artifact store", registry=r)
+        for state in STATE_NAMES.values():
+            self.jobs.labels(state=state)
