@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import click
@@ -25,34 +26,50 @@ def cli() -> None:
 
 
 @cli.command()
-@click.option("--listen", default="127.0.0.1:7070", show_default=True,
-              help="gRPC address HOST:PORT (port 0 picks a free port).")
-@click.option("--data-dir", type=click.Path(file_okay=False, path_type=Path), required=True,
+@click.option("--config", "config_file", type=click.Path(dir_okay=False, path_type=Path),
+              help="TOML config (see `gpumarket-broker config --example`); options below win.")
+@click.option("--listen", help="gRPC address HOST:PORT (port 0 picks a free port) "
+              "[default: 127.0.0.1:7070].")
+@click.option("--data-dir", type=click.Path(file_okay=False, path_type=Path),
               help="Directory for the database, the broker key and the artifact store.")
-@click.option("--http", default="", help="HTTP address HOST:PORT for /healthz, /readyz, "
-              "/metrics and /api (port 0 picks a free port); off when not given.")
-@click.option("--lease-timeout", type=float, default=15.0, show_default=True,
-              help="Seconds without heartbeats after which a provider's leases are lost.")
-@click.option("--heartbeat-interval", type=float, default=3.0, show_default=True,
-              help="Seconds between provider heartbeats.")
-@click.option("--max-attempts", type=int, default=5, show_default=True,
-              help="Leases a job may lose before it fails.")
-@click.option("--artifact-grace", type=float, default=24 * 3600.0, show_default=True,
-              help="Seconds an artifact no job references is kept before it is deleted.")
+@click.option("--http", help="HTTP address HOST:PORT for /healthz, /readyz, /metrics and /api "
+              "(port 0 picks a free port); off when not given.")
+@click.option("--lease-timeout", type=float,
+              help="Seconds without heartbeats after which a provider's leases are lost "
+              "[default: 15].")
+@click.option("--heartbeat-interval", type=float,
+              help="Seconds between provider heartbeats [default: 3].")
+@click.option("--max-attempts", type=int, help="Leases a job may lose before it fails "
+              "[default: 5].")
+@click.option("--artifact-grace", type=float,
+              help="Seconds an artifact no job references is kept before it is deleted "
+              "[default: 86400].")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
-def serve(listen: str, data_dir: Path, http: str, lease_timeout: float,
-          heartbeat_interval: float, max_attempts: int, artifact_grace: float,
-          log_level: str) -> None:
-    """Serve the broker's gRPC API until SIGTERM."""
+def serve(config_file: Path | None, listen: str | None, data_dir: Path | None,
+          http: str | None, lease_timeout: float | None, heartbeat_interval: float | None,
+          max_attempts: int | None, artifact_grace: float | None, log_level: str) -> None:
+    """Serve the broker's gRPC API (and HTTP side) until SIGTERM."""
+    from gpumarket.broker import config as broker_config
+
     _log_setup(log_level)
-    if heartbeat_interval <= 0 or lease_timeout <= heartbeat_interval:
-        raise click.UsageError("--lease-timeout must be longer than --heartbeat-interval")
-    config = BrokerConfig(data_dir=data_dir, listen=listen, http=http,
-                          lease_timeout_s=lease_timeout,
-                          heartbeat_interval_s=heartbeat_interval, max_attempts=max_attempts,
-                          artifact_grace_s=artifact_grace,
-                          gc_interval_s=min(60.0, max(1.0, artifact_grace / 2)))
+    try:
+        settings = broker_config.load(config_file) if config_file else {}
+    except GpumarketError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(1)
+    for key, value in (("listen", listen), ("data_dir", data_dir), ("http", http),
+                       ("lease_timeout_s", lease_timeout),
+                       ("heartbeat_interval_s", heartbeat_interval),
+                       ("max_attempts", max_attempts), ("artifact_grace_s", artifact_grace)):
+        if value is not None:
+            settings[key] = value
+    if "data_dir" not in settings:
+        raise click.UsageError("give --data-dir (or data_dir in --config)")
+    config = BrokerConfig(**settings)
+    if config.heartbeat_interval_s <= 0 or config.lease_timeout_s <= config.heartbeat_interval_s:
+        raise click.UsageError("the lease timeout must be longer than the heartbeat interval")
+    config = replace(config, gc_interval_s=min(60.0, max(1.0, config.artifact_grace_s / 2)))
     try:
         asyncio.run(serve_main(config))
     except GpumarketError as exc:
@@ -61,6 +78,15 @@ def serve(listen: str, data_dir: Path, http: str, lease_timeout: float,
     except OSError as exc:
         click.echo(f"error: cannot start the broker: {exc}", err=True)
         sys.exit(1)
+
+
+@cli.command("config")
+@click.option("--example", is_flag=True, required=True, help="Print a commented example.")
+def config_cmd(example: bool) -> None:
+    """Print a commented example broker config (for serve --config)."""
+    from gpumarket.broker.config import EXAMPLE
+
+    click.echo(EXAMPLE, nl=False)
 
 
 async def serve_main(config: BrokerConfig) -> None:

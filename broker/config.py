@@ -28,3 +28,56 @@ class BrokerConfig:
     @property
     def key_path(self) -> Path:
         return self.data_dir / "broker.key"
+
+
+EXAMPLE = """\
+# gpumarket broker config (gpumarket-broker serve --config THIS_FILE)
+# Every setting can also be given on the command line, which wins.
+
+listen = "0.0.0.0:7070"            # gRPC HOST:PORT
+http = "127.0.0.1:7071"            # /healthz, /readyz, /metrics, /api; "" = off
+data_dir = "/var/lib/gpumarket"    # broker.db, broker.key, artifacts/
+lease_timeout = 15.0               # seconds without heartbeats before a lease is lost
+heartbeat_interval = 3.0           # seconds between provider heartbeats
+max_attempts = 5                   # leases a job may lose before it fails
+artifact_grace = 86400.0           # seconds an unreferenced blob is kept
+max_artifact_gib = 64              # largest blob accepted, GiB
+"""
+
+# config key -> (BrokerConfig field, type, scale)
+KEYS = {
+    "listen": ("listen", str, None), "http": ("http", str, None),
+    "data_dir": ("data_dir", Path, None),
+    "lease_timeout": ("lease_timeout_s", float, None),
+    "heartbeat_interval": ("heartbeat_interval_s", float, None),
+    "max_attempts": ("max_attempts", int, None),
+    "artifact_grace": ("artifact_grace_s", float, None),
+    "max_artifact_gib": ("max_artifact_bytes", int, 2**30),
+}
+
+
+def load(path: Path) -> dict:
+    """Read a broker config file into BrokerConfig keyword arguments."""
+    import tomllib
+
+    from gpumarket.proto.errors import InvalidArgument
+
+    try:
+        raw = tomllib.loads(path.read_text())
+    except FileNotFoundError as exc:
+        raise InvalidArgument(f"{path}: no such config file") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise InvalidArgument(f"{path}: not valid TOML ({exc})") from exc
+    out = {}
+    for key, value in raw.items():
+        if key not in KEYS:
+            raise InvalidArgument(f"{path}: unknown setting {key!r} (known: {', '.join(KEYS)})")
+        field_name, typ, scale = KEYS[key]
+        ok = isinstance(value, str) if typ in (str, Path) else (
+            isinstance(value, (int, float)) and not isinstance(value, bool)
+            and (typ is float or float(value).is_integer()))
+        if not ok:
+            raise InvalidArgument(f"{path}: {key} must be {'text' if typ in (str, Path) else 'a number'}")
+        value = typ(value) if typ is not Path else Path(value).expanduser()
+        out[field_name] = value * scale if scale else value
+    return out

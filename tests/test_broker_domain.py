@@ -146,3 +146,17 @@ def test_busy_devices_view(store):
         assert json.loads(row["progress_metrics"]) == {}
 
     asyncio.run(scenario())
+
+
+def test_broker_config_example_loads(tmp_path):
+    from gpumarket.broker import config as broker_config
+    from gpumarket.broker.config import BrokerConfig
+
+    path = tmp_path / "broker.toml"
+    path.write_text(broker_config.EXAMPLE)
+    cfg = BrokerConfig(**broker_config.load(path))
+    assert cfg.listen == "0.0.0.0:7070" and cfg.lease_timeout_s == 15.0
+    assert cfg.max_artifact_bytes == 64 * 2**30
+    path.write_text('lease_timeout = "soon"\n')
+    with pytest.raises(InvalidArgument, match="lease_timeout must be a number"):
+        broker_config.load(path)
