@@ -113,3 +113,31 @@ def test_cancel_running_job(market, tmp_path):
 
     r, job_id = submit(market, training_job(tmp_path / "after.toml", steps=5), "--watch")
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_fine_tune_a_model_directory(market, tmp_path):
+    """A base_model directory is packed by the client, unpacked by the provider, loaded with
+    safetensors, and trained further."""
+    market.start_provider("p1")
+    market.wait_for_offers(1)
+    r, job_id = submit(market, training_job(tmp_path / "scratch.toml", steps=10), "--watch")
+    assert r.returncode == 0, r.stdout + r.stderr
+    base = tmp_path / "base-model"
+    assert market.cli("results", job_id, "-o", str(base)).returncode == 0
+    scratch_first = json.loads((base / "loss.jsonl").read_text().splitlines()[0])["loss"]
+    for extra in ("loss.jsonl", "metrics.json", "receipt.json"):
+        (base / extra).unlink()
+    job = tmp_path / "finetune.toml"
+    job.write_text(training_job(tmp_path / "tmp.toml", steps=10).read_text().replace(
+        f'model_config = "{EXAMPLES / "data" / "tiny-llama.json"}"', f'base_model = "{base}"'))
+    assert "base_model" in job.read_text()
+    r, tuned = submit(market, job, "--watch")
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = tmp_path / "tuned"
+    assert market.cli("results", tuned, "-o", str(out)).returncode == 0
+    before = load_file(base / "model.safetensors")
+    after = load_file(out / "model.safetensors")
+    assert before.keys() == after.keys()
+    assert any((before[k] != after[k]).any() for k in before)  # trained further
+    first_loss = json.loads((out / "loss.jsonl").read_text().splitlines()[0])["loss"]
+    assert first_loss < scratch_first - 0.5  # starts from the trained weights, not from scratch
