@@ -89,10 +89,12 @@ class BrokerHttp:
         from gpumarket.broker import reliability
 
         out = []
-        now = now_ms()
+        offers = self.state.sessions.offers()
         busy = await self.state.store.read(views.busy_devices)
-        for offer in self.state.sessions.offers():
-            h = await self.state.store.read(views.provider_history, offer.provider_id, now)
+        hist = await self.state.store.read(views.histories, [o.provider_id for o in offers],
+                                           now_ms())
+        for offer in offers:
+            h = hist[offer.provider_id]
             out.append({
                 "provider_id": offer.provider_id,
                 "online": True,

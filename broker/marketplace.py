@@ -128,7 +128,7 @@ class MarketplaceServicer(marketplace_pb2_grpc.MarketplaceServicer):
         busy = await store.read(views.busy_devices)
         achieved = await store.read(views.achieved_flops)
         limit = min(request.limit or 100, MAX_LIST)
-        now = now_ms()
+        hist = await store.read(views.histories, [r["provider_id"] for r in rows], now_ms())
         out = []
         for row in rows:
             env = pb.Envelope()
@@ -139,7 +139,7 @@ class MarketplaceServicer(marketplace_pb2_grpc.MarketplaceServicer):
                 continue
             held = busy.get(offer.provider_id, set())
             free = sum(1 for d in offer.devices if d.index not in held)
-            h = await store.read(views.provider_history, offer.provider_id, now)
+            h = hist[offer.provider_id]
             out.append(mp.OfferListing(
                 offer=env, online=True, free_devices=free,
                 reliability=reliability.score(h), mtbf_s=reliability.mtbf_s(h),

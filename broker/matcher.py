@@ -400,7 +400,3 @@ class Book:
         order = idx[np.lexsort((self.load[idx], secondary[idx], primary[idx]))][:n]
         return [self.estimate(job, int(i)) for i in order], excluded
 
-
-def first_fit(job: JobNeeds, offers: Iterable[OfferView]) -> tuple[Placement | None, Counter]:
-    """Place one job on a small set of offers (the broker's scheduling pass)."""
-    return Book(offers).place(job)

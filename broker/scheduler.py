@@ -107,8 +107,7 @@ async def place_queued(state: BrokerState) -> int:
         session = state.sessions.get(placement.provider_id)
         if session is None:
             continue
-        history = await store.read(views.provider_history, placement.provider_id, now_ms())
-        mtbf = reliability.mtbf_s(history)
+        mtbf = book.offers[book.index[placement.provider_id]].mtbf_s  # read with the book
         interval = reliability.checkpoint_interval_s(row["checkpoint_seconds"], mtbf)
         try:
             envelope = await store.write(

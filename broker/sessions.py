@@ -50,8 +50,5 @@ class Sessions:
     def offers(self) -> list[pb.Offer]:
         return [s.offer for s in self._by_provider.values() if s.offer is not None]
 
-    def all(self) -> list[ProviderSession]:
-        return list(self._by_provider.values())
-
     def __len__(self) -> int:
         return len(self._by_provider)

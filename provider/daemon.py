@@ -14,13 +14,11 @@ import json
 import logging
 import random
 import shutil
-import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
-from google.protobuf.json_format import MessageToDict
 
 from gpumarket.proto import __version__
 from gpumarket.proto.envelope import open_envelope, seal
@@ -34,11 +32,12 @@ from gpumarket.provider import checkpoints, recovery
 from gpumarket.provider.broker_link import ArtifactLink
 from gpumarket.provider.config import ProviderConfig
 from gpumarket.provider.executor import (
-    JobProcess, job_env, pid_runs_in, read_reports, signal_group, spawn_warm,
+    JobProcess, job_env, pid_runs_in, read_reports,
 )
 from gpumarket.provider.inventory import DeviceInfo
 from gpumarket.provider.journal import Journal
-from gpumarket.provider.leases import Assignment, check_lease, refusal
+from gpumarket.provider.leases import Assignment, check_lease, refusal, runner_config
+from gpumarket.provider.warm_pool import WarmPool
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +84,7 @@ class ProviderDaemon:
         self.artifacts: ArtifactLink | None = None
         self.journal = Journal(config.data_dir / "journal.db")
         self._background: set[asyncio.Task] = set()
-        self.warm: dict[int, asyncio.subprocess.Process] = {}   # kind -> idle warm runner
+        self.warm = WarmPool(config.jobs_dir, config.warm_runners)
 
     # -- offer ---------------------------------------------------------------------------
 
@@ -306,7 +305,7 @@ class ProviderDaemon:
     def _process(self, job: RunningJob, warm: asyncio.subprocess.Process | None = None
                  ) -> JobProcess:
         a = job.assignment
-        devices = [d for d in self.devices if d.index in job.devices]
+        devices = self._devices_of(job)
         cuda = any(d.is_cuda for d in devices)
         limit = min(a.spec.max_runtime_s or self.config.max_runtime_s, self.config.max_runtime_s)
         env = job_env(job.workdir, ",".join(d.uuid for d in devices) if cuda else "", None)
@@ -387,21 +386,13 @@ class ProviderDaemon:
             step = checkpoints.step_of(resume_dir)
             job.uploaded_step = step
             archive.unlink()
-        devices = [d for d in self.devices if d.index in job.devices]
-        spec = {
-            "job_id": a.lease.job_id,
-            "attempt": a.lease.attempt,
-            "kind": kind_name(a.spec.kind),
-            "params": MessageToDict(a.spec.training, preserving_proto_field_name=True),
-            "inputs": paths,
-            "checkpoint_every": a.spec.training.checkpoint_every or a.lease.checkpoint_every,
-            "checkpoint_interval_s": a.lease.checkpoint_interval_s,
-            "provider_mtbf_s": a.lease.provider_mtbf_s,
-            "device": "cuda" if any(d.is_cuda for d in devices) else "cpu",
-            "resume_from": str(resume_dir) if resume_dir else None,
-        }
+        cuda = any(d.is_cuda for d in self._devices_of(job))
+        spec = runner_config(a, paths, resume_dir, cuda)
         (job.workdir / "job.json").write_text(json.dumps(spec, indent=2))
         return step
+
+    def _devices_of(self, job: RunningJob) -> list[DeviceInfo]:
+        return [d for d in self.devices if d.index in job.devices]
 
     async def _cached(self, ref: pb.ArtifactRef, target: Path) -> None:
         """Put a verified copy of an artifact at ``target`` (downloaded once per host)."""
@@ -535,27 +526,17 @@ class ProviderDaemon:
                     task.cancel()
         for task in list(self._background):
             task.cancel()
-        for proc in self.warm.values():
-            if proc.returncode is None:
-                signal_group(proc.pid, signal.SIGKILL)
-                await proc.wait()
-        self.warm.clear()
+        await self.warm.close()
 
     async def _refill_warm(self, kind: int) -> None:
         """Keep one idle runner of ``kind`` with its imports done, ready for the next lease."""
-        if not self.config.warm_runners or self.stopping.is_set() or self.draining:
-            return
-        current = self.warm.get(kind)
-        if current is not None and current.returncode is None:
-            return
-        module = RUNNERS[kind].rsplit(".", 1)[1]
-        env = job_env(self.config.jobs_dir, "", None)
-        self.warm[kind] = await spawn_warm(module, self.config.jobs_dir, env)
+        if not (self.stopping.is_set() or self.draining):
+            await self.warm.refill(RUNNERS[kind].rsplit(".", 1)[1])
 
     def _take_warm(self, kind: int) -> asyncio.subprocess.Process | None:
-        proc = self.warm.pop(kind, None)
+        proc = self.warm.take(RUNNERS[kind].rsplit(".", 1)[1])
         self._spawn(self._refill_warm(kind))
-        return proc if proc is not None and proc.returncode is None else None
+        return proc
 
     # -- after a restart -----------------------------------------------------------------
 

@@ -102,16 +102,6 @@ def pid_runs_in(pid: int, workdir: Path) -> bool:
     return str(workdir).encode() in cmd or cwd == str(workdir)
 
 
-async def spawn_warm(kind: str, jobs_dir: Path, env: dict[str, str]) -> asyncio.subprocess.Process:
-    """Start a warm runner for ``kind`` (see runners/warm.py)."""
-    jobs_dir.mkdir(parents=True, exist_ok=True)
-    return await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "gpumarket.provider.runners.warm", kind, str(jobs_dir),
-        cwd=jobs_dir, env=env, stdin=asyncio.subprocess.PIPE,
-        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
-        start_new_session=True)
-
-
 class JobProcess:
     """One job process; ``run()`` follows it to the end, ``stop()`` ends it."""
 

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from pathlib import Path
+
+from google.protobuf.json_format import MessageToDict
 
 from gpumarket.proto.envelope import open_envelope, payload_sha256
 from gpumarket.proto.errors import (
@@ -69,6 +72,24 @@ def check_lease(
     if len(wanted) != spec.resources.gpus or not wanted <= device_indices:
         raise InvalidArgument(f"lease names devices {sorted(wanted)} this provider cannot give")
     return Assignment(lease, spec, client_id, payload_sha256(lease.job_spec))
+
+
+def runner_config(a: Assignment, inputs: dict[str, str], resume_dir: Path | None,
+                  cuda: bool) -> dict:
+    """The job.json a runner reads: its parameters, input paths, checkpoint cadence, device
+    and the checkpoint to resume from."""
+    return {
+        "job_id": a.lease.job_id,
+        "attempt": a.lease.attempt,
+        "kind": kind_name(a.spec.kind),
+        "params": MessageToDict(a.spec.training, preserving_proto_field_name=True),
+        "inputs": inputs,
+        "checkpoint_every": a.spec.training.checkpoint_every or a.lease.checkpoint_every,
+        "checkpoint_interval_s": a.lease.checkpoint_interval_s,
+        "provider_mtbf_s": a.lease.provider_mtbf_s,
+        "device": "cuda" if cuda else "cpu",
+        "resume_from": str(resume_dir) if resume_dir else None,
+    }
 
 
 def refusal(exc: GpumarketError) -> str:

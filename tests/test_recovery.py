@@ -195,10 +195,7 @@ def test_unreferenced_artifacts_are_collected(tmp_path):
         market.wait_for_offers(1)
         job_id = submit(market, tmp_path / "job.toml", steps=400, checkpoint_every=50)
         job = market.wait_state(job_id, "SUCCEEDED", timeout=300)
-        spec_inputs = {"dataset", "model_config"}
-        assert spec_inputs
-        receipt = results(market, job_id, tmp_path / "out")
-        assert receipt
+        results(market, job_id, tmp_path / "out")
         outputs = {o["sha256"] for o in json.loads((tmp_path / "out" / "receipt.json")
                                                    .read_text())["outputs"]}
         blobs_dir = tmp_path / "broker" / "artifacts" / "blobs"
