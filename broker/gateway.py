@@ -48,6 +48,7 @@ def check_offer(offer: pb.Offer, signer: str) -> None:
 class ProviderGatewayServicer(gateway_pb2_grpc.ProviderGatewayServicer):
     def __init__(self, state: BrokerState) -> None:
         self.state = state
+        self.cleanups: set[asyncio.Future] = set()   # sessions being closed
 
     async def Session(self, request_iterator, context: grpc.aio.ServicerContext) -> None:
         try:
@@ -86,15 +87,22 @@ class ProviderGatewayServicer(gateway_pb2_grpc.ProviderGatewayServicer):
                     break
                 await self._handle(session, message)
         except asyncio.CancelledError:
-            raise
+            pass  # the stream is being torn down (provider gone, or the server stopping)
         except grpc.aio.AbortError:
             raise
         except Exception:
             log.exception("provider %s session failed", provider_id)
         finally:
             writer.cancel()
-            # The handler may be cancelled; the bookkeeping must still happen.
-            await asyncio.shield(self._closed(session))
+            # The bookkeeping must happen even when the handler is cancelled again while it
+            # waits; BrokerServer.stop waits for these before it closes the store.
+            cleanup = asyncio.ensure_future(self._closed(session))
+            self.cleanups.add(cleanup)
+            cleanup.add_done_callback(self.cleanups.discard)
+            try:
+                await asyncio.shield(cleanup)
+            except asyncio.CancelledError:
+                pass
 
     async def _handshake(self, context: grpc.aio.ServicerContext) -> str:
         first = await asyncio.wait_for(context.read(), HANDSHAKE_TIMEOUT_S)

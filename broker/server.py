@@ -53,6 +53,7 @@ class BrokerServer:
         self.address = ""
         self.state: BrokerState | None = None
         self.http: BrokerHttp | None = None
+        self.gateway: ProviderGatewayServicer | None = None
 
     async def start(self) -> str:
         cfg = self.config
@@ -67,8 +68,8 @@ class BrokerServer:
         self.state = BrokerState(cfg, identity, store, artifacts)
 
         server = grpc.aio.server()
-        gateway_pb2_grpc.add_ProviderGatewayServicer_to_server(
-            ProviderGatewayServicer(self.state), server)
+        self.gateway = ProviderGatewayServicer(self.state)
+        gateway_pb2_grpc.add_ProviderGatewayServicer_to_server(self.gateway, server)
         marketplace_pb2_grpc.add_MarketplaceServicer_to_server(
             MarketplaceServicer(self.state), server)
         artifacts_pb2_grpc.add_ArtifactsServicer_to_server(ArtifactsServicer(self.state), server)
@@ -102,6 +103,8 @@ class BrokerServer:
         if self.server is not None:
             server, self.server = self.server, None
             await server.stop(self.config.shutdown_grace_s)
+        if self.gateway is not None and self.gateway.cleanups:
+            await asyncio.gather(*self.gateway.cleanups, return_exceptions=True)
         if self.state is not None:
             self.state.store.close()
 
