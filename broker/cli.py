@@ -44,11 +44,15 @@ def cli() -> None:
 @click.option("--artifact-grace", type=float,
               help="Seconds an artifact no job references is kept before it is deleted "
               "[default: 86400].")
+@click.option("--operator", "operators", multiple=True,
+              help="Key id allowed the admin commands (repeatable; the broker's own key "
+              "always is).")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
 def serve(config_file: Path | None, listen: str | None, data_dir: Path | None,
           http: str | None, lease_timeout: float | None, heartbeat_interval: float | None,
-          max_attempts: int | None, artifact_grace: float | None, log_level: str) -> None:
+          max_attempts: int | None, artifact_grace: float | None, operators: tuple[str, ...],
+          log_level: str) -> None:
     """Serve the broker's gRPC API (and HTTP side) until SIGTERM."""
     from gpumarket.broker import config as broker_config
 
@@ -61,7 +65,8 @@ def serve(config_file: Path | None, listen: str | None, data_dir: Path | None,
     for key, value in (("listen", listen), ("data_dir", data_dir), ("http", http),
                        ("lease_timeout_s", lease_timeout),
                        ("heartbeat_interval_s", heartbeat_interval),
-                       ("max_attempts", max_attempts), ("artifact_grace_s", artifact_grace)):
+                       ("max_attempts", max_attempts), ("artifact_grace_s", artifact_grace),
+                       ("operators", operators or None)):
         if value is not None:
             settings[key] = value
     if "data_dir" not in settings:
@@ -93,6 +98,16 @@ async def serve_main(config: BrokerConfig) -> None:
     from gpumarket.broker.server import serve as run_server
 
     await run_server(config)
+
+
+def _add_admin_commands() -> None:
+    from gpumarket.broker.admin_cli import COMMANDS
+
+    for command in COMMANDS:
+        cli.add_command(command)
+
+
+_add_admin_commands()
 
 
 def main() -> None:

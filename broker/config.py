@@ -20,6 +20,7 @@ class BrokerConfig:
     max_artifact_bytes: int = 64 << 30     # largest blob accepted
     schedule_interval_s: float = 1.0       # placement pass at least this often
     shutdown_grace_s: float = 5.0          # in-flight RPCs get this long on SIGTERM
+    operators: tuple[str, ...] = ()        # key ids allowed the Admin calls (and broker.key)
 
     @property
     def db_path(self) -> Path:
@@ -42,6 +43,9 @@ heartbeat_interval = 3.0           # seconds between provider heartbeats
 max_attempts = 5                   # leases a job may lose before it fails
 artifact_grace = 86400.0           # seconds an unreferenced blob is kept
 max_artifact_gib = 64              # largest blob accepted, GiB
+# Key ids (`gpumarket keys show`) that may run the admin commands (providers, jobs, ban,
+# unban, backup, vacuum). The broker's own key (data_dir/broker.key) always may.
+operators = []
 """
 
 # config key -> (BrokerConfig field, type, scale)
@@ -53,6 +57,7 @@ KEYS = {
     "max_attempts": ("max_attempts", int, None),
     "artifact_grace": ("artifact_grace_s", float, None),
     "max_artifact_gib": ("max_artifact_bytes", int, 2**30),
+    "operators": ("operators", tuple, None),
 }
 
 
@@ -73,6 +78,11 @@ def load(path: Path) -> dict:
         if key not in KEYS:
             raise InvalidArgument(f"{path}: unknown setting {key!r} (known: {', '.join(KEYS)})")
         field_name, typ, scale = KEYS[key]
+        if typ is tuple:
+            if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+                raise InvalidArgument(f"{path}: {key} must be a list of key ids")
+            out[field_name] = tuple(value)
+            continue
         ok = isinstance(value, str) if typ in (str, Path) else (
             isinstance(value, (int, float)) and not isinstance(value, bool)
             and (typ is float or float(value).is_integer()))

@@ -13,12 +13,15 @@ import os
 
 import grpc
 
-from gpumarket.broker import jobs
+from gpumarket.broker import jobs, logs
+from gpumarket.broker.rpc import STATUS
 from gpumarket.broker.sessions import ProviderSession
 from gpumarket.broker.state import BrokerState
 from gpumarket.broker import views
 from gpumarket.proto.envelope import open_envelope, payload_sha256
-from gpumarket.proto.errors import BadSignature, FailedPrecondition, GpumarketError, InvalidArgument
+from gpumarket.proto.errors import (
+    BadSignature, FailedPrecondition, GpumarketError, InvalidArgument, PermissionDenied,
+)
 from gpumarket.proto.identity import fingerprint
 from gpumarket.proto.jobspec import check_artifact_name, check_sha256, now_ms
 from gpumarket.proto.v1 import gateway_pb2 as gw
@@ -56,9 +59,8 @@ class ProviderGatewayServicer(gateway_pb2_grpc.ProviderGatewayServicer):
         except GpumarketError as exc:
             log.warning("provider session refused: %s", exc.message)
             self.state.metrics.rejected.labels(reason=exc.code).inc()
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED
-                                if isinstance(exc, BadSignature)
-                                else grpc.StatusCode.INVALID_ARGUMENT, exc.message)
+            await context.abort(STATUS.get(exc.code, grpc.StatusCode.INVALID_ARGUMENT),
+                                exc.message)
             return
         except TimeoutError:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "handshake took too long")
@@ -126,7 +128,7 @@ class ProviderGatewayServicer(gateway_pb2_grpc.ProviderGatewayServicer):
         banned = await self.state.store.write(_provider_online, provider_id,
                                               bytes(first.hello.public_key), now_ms())
         if banned:
-            raise BadSignature(f"provider {provider_id} is banned from this broker")
+            raise PermissionDenied(f"provider {provider_id} is banned from this broker")
         return provider_id
 
     async def _write_loop(self, session: ProviderSession, context) -> None:
@@ -209,6 +211,11 @@ class ProviderGatewayServicer(gateway_pb2_grpc.ProviderGatewayServicer):
                                   now, "rejected")
             elif which == "receipt":
                 await self._receipt(pid, update, now)
+            elif which == "log":
+                await store.write(logs.append, update.job_id, update.epoch, pid,
+                                  list(update.log.lines), now)
+                self.state.logs.notify()
+                return
             else:
                 raise InvalidArgument("job update carries nothing")
         except GpumarketError as exc:

@@ -1,17 +1,26 @@
-"""The broker's HTTP side (aiohttp): liveness, readiness, Prometheus metrics, JSON reads."""
+"""The broker's HTTP side (aiohttp): liveness, readiness, Prometheus metrics, the JSON
+reads behind the dashboard, and the dashboard itself (plain HTML/CSS/JS, no build step)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from collections import deque
+from pathlib import Path
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from gpumarket.broker import views
+from gpumarket.broker import standing, views
 from gpumarket.broker.state import BrokerState
 from gpumarket.proto.jobspec import ACCELERATOR_NAMES, STATE_NAMES, kind_name, now_ms
+from gpumarket.proto.v1 import types_pb2 as pb
 
 log = logging.getLogger(__name__)
+
+DASHBOARD = Path(__file__).parent / "dashboard"
+SAMPLE_EVERY_S = 2.0
+SAMPLES_KEPT = 1800         # an hour at SAMPLE_EVERY_S
 
 
 def _db_counts(db) -> tuple[dict[int, int], int]:
@@ -35,9 +44,15 @@ class BrokerHttp:
             web.get("/metrics", self.metrics),
             web.get("/api/providers", self.providers),
             web.get("/api/jobs", self.jobs),
+            web.get("/api/series", self.series),
+            web.get("/", self.dashboard),
+            web.get("/dashboard.js", self.asset),
+            web.get("/dashboard.css", self.asset),
         ])
         self.runner: web.AppRunner | None = None
         self.address = ""
+        self.samples: deque[dict] = deque(maxlen=SAMPLES_KEPT)
+        self._sampler: asyncio.Task | None = None
 
     async def start(self, listen: str) -> str:
         host, _, port = listen.rpartition(":")
@@ -47,11 +62,38 @@ class BrokerHttp:
         await site.start()
         bound = site._server.sockets[0].getsockname()[1]  # port 0 picks one
         self.address = f"{host}:{bound}"
+        self._sampler = asyncio.create_task(self._sample_loop())
         return self.address
 
     async def stop(self) -> None:
+        if self._sampler is not None:
+            self._sampler.cancel()
         if self.runner is not None:
             await self.runner.cleanup()
+
+    async def _sample_loop(self) -> None:
+        """Queue depth and GPU utilization over time, for the dashboard's chart."""
+        while True:
+            try:
+                queued = await self.state.store.read(views.count_in_state, pb.JOB_STATE_QUEUED)
+                busy = await self.state.store.read(views.busy_devices)
+                offers = self.state.sessions.offers()
+                self.samples.append({
+                    "at_ms": now_ms(), "queued": queued,
+                    "gpus": sum(len(o.devices) for o in offers),
+                    "gpus_busy": sum(len(busy.get(o.provider_id, ())) for o in offers)})
+            except Exception:  # a sample is not worth the loop
+                log.warning("dashboard sample failed", exc_info=True)
+            await asyncio.sleep(SAMPLE_EVERY_S)
+
+    async def dashboard(self, request: web.Request) -> web.FileResponse:
+        return web.FileResponse(DASHBOARD / "index.html")
+
+    async def asset(self, request: web.Request) -> web.FileResponse:
+        return web.FileResponse(DASHBOARD / request.path.lstrip("/"))
+
+    async def series(self, request: web.Request) -> web.Response:
+        return web.json_response({"every_s": SAMPLE_EVERY_S, "samples": list(self.samples)})
 
     async def healthz(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
@@ -86,28 +128,24 @@ class BrokerHttp:
                             headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def providers(self, request: web.Request) -> web.Response:
-        from gpumarket.broker import reliability
-
-        out = []
-        offers = self.state.sessions.offers()
+        now = now_ms()
+        offers = {o.provider_id: o for o in self.state.sessions.offers()}
         busy = await self.state.store.read(views.busy_devices)
-        hist = await self.state.store.read(views.histories, [o.provider_id for o in offers],
-                                           now_ms())
-        for offer in offers:
-            h = hist[offer.provider_id]
+        rows = await self.state.store.read(standing.standings, None, now)
+        out = []
+        for p in rows:
+            offer = offers.get(p.provider_id)
             out.append({
-                "provider_id": offer.provider_id,
-                "online": True,
-                "price_per_gpu_hour": offer.price_per_gpu_hour,
+                "provider_id": p.provider_id, "online": offer is not None, "banned": p.banned,
+                "price_per_gpu_hour": p.price_per_gpu_hour,
                 "devices": [{"name": d.name, "accelerator": ACCELERATOR_NAMES[d.accelerator],
                              "memory_bytes": d.memory_bytes,
                              "matmul_flops": d.benchmark.matmul_flops,
-                             "busy": d.index in busy.get(offer.provider_id, set())}
-                            for d in offer.devices],
-                "reliability": reliability.score(h),
-                "mtbf_s": reliability.mtbf_s(h),
-                "leases_completed": h.leases_completed,
-                "leases_lost": h.leases_lost,
+                             "busy": d.index in busy.get(p.provider_id, set())}
+                            for d in (offer.devices if offer else ())],
+                "reliability": p.reliability, "leases_completed": p.leases_completed,
+                "leases_lost": p.leases_lost, "running": p.running, "earned": p.earned,
+                "last_seen_ms": p.last_seen_ms,
             })
         return web.json_response({"providers": out})
 
@@ -117,12 +155,15 @@ class BrokerHttp:
         except ValueError:
             return web.json_response({"error": "limit must be a number"}, status=400)
         found = await self.state.store.read(views.list_jobs, "", [], limit)
+        costs = await self.state.store.read(standing.job_costs, [j.job_id for j in found],
+                                            now_ms())
         return web.json_response({"jobs": [{
             "job_id": j.job_id, "name": j.name, "kind": kind_name(j.kind),
             "state": STATE_NAMES.get(j.state, "UNSPECIFIED"), "attempt": j.attempt,
             "provider_id": j.provider_id, "step": j.progress.step, "total": j.progress.total,
             "metrics": dict(j.progress.metrics), "error": j.error,
             "created_at_ms": j.created_at_ms, "updated_at_ms": j.updated_at_ms,
+            "cost": costs.get(j.job_id, 0.0),
         } for j in found]})
 
 

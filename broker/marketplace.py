@@ -6,11 +6,13 @@ import asyncio
 import json
 import logging
 
-from gpumarket.broker import estimates, jobs, matcher, reliability, scheduler, views
+from gpumarket.broker import (
+    estimates, jobs, logs, matcher, reliability, scheduler, standing, views,
+)
 from gpumarket.broker.rpc import streaming, unary
 from gpumarket.broker.state import BrokerState
 from gpumarket.proto.envelope import open_envelope, payload_sha256
-from gpumarket.proto.errors import BadSignature, FailedPrecondition, InvalidArgument
+from gpumarket.proto.errors import BadSignature, FailedPrecondition, InvalidArgument, NotFound
 from gpumarket.proto.jobspec import (
     OBJECTIVE_NAMES, TERMINAL_STATES, check_fresh, check_spec, now_ms,
 )
@@ -105,6 +107,29 @@ class MarketplaceServicer(marketplace_pb2_grpc.MarketplaceServicer):
             if state in TERMINAL_STATES:
                 return
             await self.state.events.wait(timeout=1.0)
+
+    @streaming
+    async def StreamLogs(self, request: mp.StreamLogsRequest, context):
+        store = self.state.store
+        await store.read(jobs.job_row, request.job_id)  # NotFound before streaming
+        cursor = request.after_seq
+        while True:
+            state = await store.read(views.job_state, request.job_id)
+            lines = await store.read(logs.lines_after, request.job_id, cursor)
+            if lines:
+                cursor = lines[-1].seq
+                yield mp.StreamLogsResponse(lines=lines)
+                continue
+            if not request.follow or state in TERMINAL_STATES:
+                return
+            await self.state.logs.wait(timeout=1.0)
+
+    @unary
+    async def GetProvider(self, request: mp.GetProviderRequest, context):
+        found = await self.state.store.read(standing.standings, [request.provider_id], now_ms())
+        if not found:
+            raise NotFound(f"no provider {request.provider_id!r} has connected to this broker")
+        return mp.GetProviderResponse(provider=found[0])
 
     @unary
     async def CancelJob(self, request: mp.CancelJobRequest, context) -> mp.CancelJobResponse:

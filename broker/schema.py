@@ -171,3 +171,19 @@ def m003_matching(db: Database) -> None:
             PRIMARY KEY (provider_id, kind)
         )"""
     )
+
+
+@migrations()
+def m004_logs(db: Database) -> None:
+    db.execute(
+        """
+        CREATE TABLE job_logs (
+            seq INTEGER PRIMARY KEY AUTOINCREMENT,
+            job_id TEXT NOT NULL REFERENCES jobs(id),
+            attempt INTEGER NOT NULL,
+            at_ms INTEGER NOT NULL,
+            text TEXT NOT NULL
+        )"""
+    )
+    db.execute("CREATE INDEX job_logs_by_job ON job_logs(job_id, seq)")
+    db.execute("ALTER TABLE jobs ADD COLUMN log_lines INTEGER NOT NULL DEFAULT 0")

@@ -13,6 +13,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from gpumarket.broker import scheduler
+from gpumarket.broker.admin import AdminServicer
 from gpumarket.broker.artifact_store import ArtifactStore
 from gpumarket.broker.artifacts import ArtifactsServicer
 from gpumarket.broker.config import BrokerConfig
@@ -23,8 +24,10 @@ from gpumarket.broker.state import BrokerState
 from gpumarket.broker.store import Store
 from gpumarket.proto.identity import Identity
 from gpumarket.proto.jobspec import now_ms
-from gpumarket.proto.v1 import artifacts_pb2, gateway_pb2, marketplace_pb2
-from gpumarket.proto.v1 import artifacts_pb2_grpc, gateway_pb2_grpc, marketplace_pb2_grpc
+from gpumarket.proto.v1 import admin_pb2, artifacts_pb2, gateway_pb2, marketplace_pb2
+from gpumarket.proto.v1 import (
+    admin_pb2_grpc, artifacts_pb2_grpc, gateway_pb2_grpc, marketplace_pb2_grpc,
+)
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +35,7 @@ SERVICES = (
     gateway_pb2.DESCRIPTOR.services_by_name["ProviderGateway"].full_name,
     marketplace_pb2.DESCRIPTOR.services_by_name["Marketplace"].full_name,
     artifacts_pb2.DESCRIPTOR.services_by_name["Artifacts"].full_name,
+    admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name,
 )
 
 
@@ -73,6 +77,7 @@ class BrokerServer:
         marketplace_pb2_grpc.add_MarketplaceServicer_to_server(
             MarketplaceServicer(self.state), server)
         artifacts_pb2_grpc.add_ArtifactsServicer_to_server(ArtifactsServicer(self.state), server)
+        admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(self.state), server)
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         reflection.enable_server_reflection(

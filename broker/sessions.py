@@ -44,6 +44,14 @@ class Sessions:
             return True
         return False
 
+    def end(self, provider_id: str) -> None:
+        """End the provider's session (its handler then cleans up as after a disconnect)."""
+        session = self._by_provider.get(provider_id)
+        if session is not None:
+            session.offer = None
+            session.outbox.put_nowait(None)
+            session.closed = True
+
     def get(self, provider_id: str) -> ProviderSession | None:
         return self._by_provider.get(provider_id)
 

@@ -39,4 +39,10 @@ class BrokerState:
     sessions: Sessions = field(default_factory=Sessions)
     events: Changes = field(default_factory=Changes)      # job events were written
     placement: Changes = field(default_factory=Changes)   # something a placement depends on
+    logs: Changes = field(default_factory=Changes)        # job log lines were written
     metrics: BrokerMetrics = field(default_factory=BrokerMetrics)
+
+    @property
+    def operators(self) -> set[str]:
+        """Key ids allowed the Admin calls: the configured ones and the broker's own."""
+        return {*self.config.operators, self.identity.id}

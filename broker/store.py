@@ -76,28 +76,43 @@ class Store:
             if item is _STOP:
                 db.conn.close()
                 return
-            fn, args, loop, future = item
+            fn, args, loop, future, transaction = item
             try:
-                db.conn.execute("BEGIN IMMEDIATE")
-                try:
+                if not transaction:  # VACUUM cannot run inside a transaction
                     result = fn(db, *args)
-                except BaseException:
-                    db.conn.execute("ROLLBACK")
-                    raise
-                db.conn.execute("COMMIT")
+                else:
+                    db.conn.execute("BEGIN IMMEDIATE")
+                    try:
+                        result = fn(db, *args)
+                    except BaseException:
+                        db.conn.execute("ROLLBACK")
+                        raise
+                    db.conn.execute("COMMIT")
             except BaseException as exc:  # handed to the awaiting coroutine
                 loop.call_soon_threadsafe(_settle, future, None, exc)
             else:
                 loop.call_soon_threadsafe(_settle, future, result, None)
 
-    async def write(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run ``fn(db, *args)`` in one IMMEDIATE transaction on the writer thread."""
+    async def write(self, fn: Callable[..., T], *args: Any, transaction: bool = True) -> T:
+        """Run ``fn(db, *args)`` in one IMMEDIATE transaction on the writer thread
+        (``transaction=False``: outside one, for VACUUM)."""
         if self._writer is None:
             raise RuntimeError("store is not open")
         loop = asyncio.get_running_loop()
         future: asyncio.Future[T] = loop.create_future()
-        self._queue.put((fn, args, loop, future))
+        self._queue.put((fn, args, loop, future, transaction))
         return await future
+
+    def backup_to(self, target: Path) -> None:
+        """Copy the database to ``target`` with SQLite's online backup: a consistent
+        snapshot, taken while writes go on (run it in a worker thread)."""
+        source = sqlite3.connect(self.path, timeout=30)
+        copy = sqlite3.connect(target)
+        try:
+            source.backup(copy)  # one step: a WAL reader never blocks the writer
+        finally:
+            copy.close()
+            source.close()
 
     def _reader(self) -> Database:
         db = getattr(self._local, "db", None)

@@ -90,6 +90,10 @@ def queued_jobs(db: Database, limit: int) -> list[dict]:
                  [pb.JOB_STATE_QUEUED, limit])
 
 
+def count_in_state(db: Database, state: int) -> int:
+    return db.execute("SELECT count(*) FROM jobs WHERE state = ?", [state]).fetchone()[0]
+
+
 def busy_devices(db: Database) -> dict[str, set[int]]:
     busy: dict[str, set[int]] = {}
     for r in _rows(db, "SELECT provider_id, device_indices FROM leases WHERE state = 'active'", []):

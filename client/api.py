@@ -14,7 +14,8 @@ import grpc
 from gpumarket.proto.artifacts import publish_verified, receive, sha256_file, upload_requests
 from gpumarket.proto.errors import GpumarketError, InvalidArgument, Unavailable, from_code
 from gpumarket.proto.v1 import artifacts_pb2 as ap
-from gpumarket.proto.v1 import artifacts_pb2_grpc, marketplace_pb2_grpc
+from gpumarket.proto.v1 import admin_pb2 as ad
+from gpumarket.proto.v1 import admin_pb2_grpc, artifacts_pb2_grpc, marketplace_pb2_grpc
 from gpumarket.proto.v1 import marketplace_pb2 as mp
 from gpumarket.proto.v1 import types_pb2 as pb
 
@@ -28,6 +29,7 @@ class BrokerClient:
         self.channel = grpc.aio.insecure_channel(address)
         self.market = marketplace_pb2_grpc.MarketplaceStub(self.channel)
         self.artifacts = artifacts_pb2_grpc.ArtifactsStub(self.channel)
+        self.admin = admin_pb2_grpc.AdminStub(self.channel)
 
     async def __aenter__(self) -> "BrokerClient":
         return self
@@ -74,6 +76,55 @@ class BrokerClient:
                     client_id: str = "") -> mp.QuoteResponse:
         return await self._call(self.market.Quote, mp.QuoteRequest(spec=spec, limit=limit,
                                                                    client_id=client_id))
+
+    async def get_provider(self, provider_id: str) -> pb.ProviderStanding:
+        req = mp.GetProviderRequest(provider_id=provider_id)
+        return (await self._call(self.market.GetProvider, req)).provider
+
+    async def logs(self, job_id: str, follow: bool = False) -> AsyncIterator[pb.LogLine]:
+        """Yield the job's log lines (``follow``: until the job ends); resumes after the last
+        line it yielded where the stream breaks."""
+        cursor, retries = 0, 0
+        while True:
+            stream = self.market.StreamLogs(mp.StreamLogsRequest(job_id=job_id, after_seq=cursor,
+                                                                 follow=follow))
+            try:
+                async for resp in stream:
+                    retries = 0
+                    for line in resp.lines:
+                        cursor = line.seq
+                        yield line
+                return
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() != grpc.StatusCode.UNAVAILABLE or retries >= 20:
+                    raise self._error(exc) from exc
+                retries += 1
+                await asyncio.sleep(min(0.5 * 2 ** retries, 5))
+            finally:
+                stream.cancel()
+
+    async def admin_call(self, method: str, order: pb.Envelope):
+        """Call the unary Admin ``method`` with a signed AdminOrder."""
+        return await self._call(getattr(self.admin, method), ad.AdminRequest(order=order))
+
+    async def backup(self, order: pb.Envelope, target: Path) -> int:
+        """Stream the broker's database backup to ``target`` (published only once its sha256
+        checks out); return its size."""
+        tmp = target.with_name(f".{target.name}.partial")
+        size, digest = 0, ""
+        try:
+            with open(tmp, "wb") as f:
+                async for chunk in self.admin.Backup(ad.AdminRequest(order=order),
+                                                     timeout=self.timeout_s * 20):
+                    if chunk.sha256:
+                        size, digest = chunk.total_bytes, chunk.sha256
+                    f.write(chunk.data)
+        except grpc.aio.AioRpcError as exc:
+            tmp.unlink(missing_ok=True)
+            raise self._error(exc) from exc
+        if not await asyncio.to_thread(publish_verified, tmp, target, digest, size):
+            raise InvalidArgument("the backup arrived damaged (sha256 mismatch); try again")
+        return size
 
     async def watch(self, job_id: str, after_seq: int = 0,
                     on_retry: Callable[[str], None] | None = None) -> AsyncIterator[pb.JobEvent]:

@@ -259,6 +259,28 @@ async def watch(broker_addr: str, job_id: str, as_json: bool) -> None:
 
 @cli.command()
 @click.argument("job_id")
+@click.option("-f", "--follow", is_flag=True, help="Keep printing new lines until the job ends.")
+@click.option("--json", "as_json", is_flag=True, help="Print each line as a JSON object.")
+@click.pass_obj
+@command
+async def logs(broker_addr: str, job_id: str, follow: bool, as_json: bool) -> None:
+    """Print the job's stdout and stderr (from every attempt), as its provider shipped them;
+    kept by the broker after the job ends."""
+    async with BrokerClient(broker_addr) as broker:
+        attempt = 0
+        async for line in broker.logs(job_id, follow=follow):
+            if as_json:
+                print(json.dumps({"seq": line.seq, "at_ms": line.at_ms, "attempt": line.attempt,
+                                  "text": line.text}), flush=True)
+                continue
+            if line.attempt != attempt and attempt:
+                click.echo(f"--- attempt {line.attempt} ---")
+            attempt = line.attempt
+            click.echo(line.text)
+
+
+@cli.command()
+@click.argument("job_id")
 @click.pass_obj
 @command
 async def cancel(broker_addr: str, job_id: str) -> None:

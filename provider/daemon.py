@@ -428,6 +428,9 @@ class ProviderDaemon:
                        if isinstance(v, (int, float))}
             self.send(self._update(job, progress=pb.Progress(step=step, total=total,
                                                              metrics=metrics)))
+        elif event == "log" and isinstance(report.get("lines"), list):
+            lines = [str(line)[:4096] for line in report["lines"][:256]]
+            self.send(self._update(job, log=gw.JobLog(lines=lines)))
         elif event == "checkpoint":
             path = (job.workdir / str(report.get("path", ""))).resolve()
             if not path.is_relative_to(job.workdir.resolve()):

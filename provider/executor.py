@@ -22,6 +22,9 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
+LOG_BATCH = 256                # lines per log update (the broker's limit)
+LOG_READ_BYTES = 1 << 20       # read at most this much of job.log per poll
+
 REPORTS = "reports.jsonl"
 POLL_S = 0.05
 
@@ -118,6 +121,7 @@ class JobProcess:
         self.proc: asyncio.subprocess.Process | None = None
         self.pid: int | None = None
         self._offset = 0
+        self._log_offset = 0
         self._killed = False
         self._stop_reason = ""
 
@@ -151,8 +155,9 @@ class JobProcess:
         self.pid = pid
         try:
             self._offset = (self.workdir / REPORTS).stat().st_size
+            self._log_offset = (self.workdir / "job.log").stat().st_size
         except OSError:
-            self._offset = 0
+            pass
 
     def alive(self) -> bool:
         if self.proc is not None:
@@ -192,10 +197,31 @@ class JobProcess:
         while True:
             running = self.alive()
             await self._drain_reports(state)
+            await self._drain_log()
             if not running:
                 await self._drain_reports(state)
+                await self._drain_log(final=True)
                 return
             await asyncio.sleep(POLL_S)
+
+    async def _drain_log(self, final: bool = False) -> None:
+        """Hand the job's new stdout/stderr lines on as ``{"event": "log", "lines": [...]}``
+        reports, LOG_BATCH lines at a time (a last partial line only at the end)."""
+        try:
+            with open(self.workdir / "job.log", "rb") as f:
+                f.seek(self._log_offset)
+                data = f.read(LOG_READ_BYTES)
+        except OSError:
+            return
+        end = len(data) if final else data.rfind(b"\n") + 1
+        if end <= 0:
+            return
+        self._log_offset += end
+        lines = data[:end].decode("utf-8", "replace").splitlines()
+        for i in range(0, len(lines), LOG_BATCH):
+            await self.on_report({"event": "log", "lines": lines[i:i + LOG_BATCH]})
+        if final and len(data) == LOG_READ_BYTES:
+            await self._drain_log(final=True)
 
     async def _drain_reports(self, state: dict) -> None:
         path = self.workdir / REPORTS

@@ -181,3 +181,31 @@ class QuoteResponse(_message.Message):
     offers: int
     explanation: str
     def __init__(self, candidates: _Optional[_Iterable[_Union[QuoteCandidate, _Mapping]]] = ..., excluded: _Optional[_Mapping[str, int]] = ..., estimated_memory_bytes: _Optional[int] = ..., work_flops: _Optional[float] = ..., offers: _Optional[int] = ..., explanation: _Optional[str] = ...) -> None: ...
+
+class StreamLogsRequest(_message.Message):
+    __slots__ = ("job_id", "after_seq", "follow")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    AFTER_SEQ_FIELD_NUMBER: _ClassVar[int]
+    FOLLOW_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    after_seq: int
+    follow: bool
+    def __init__(self, job_id: _Optional[str] = ..., after_seq: _Optional[int] = ..., follow: _Optional[bool] = ...) -> None: ...
+
+class StreamLogsResponse(_message.Message):
+    __slots__ = ("lines",)
+    LINES_FIELD_NUMBER: _ClassVar[int]
+    lines: _containers.RepeatedCompositeFieldContainer[_types_pb2.LogLine]
+    def __init__(self, lines: _Optional[_Iterable[_Union[_types_pb2.LogLine, _Mapping]]] = ...) -> None: ...
+
+class GetProviderRequest(_message.Message):
+    __slots__ = ("provider_id",)
+    PROVIDER_ID_FIELD_NUMBER: _ClassVar[int]
+    provider_id: str
+    def __init__(self, provider_id: _Optional[str] = ...) -> None: ...
+
+class GetProviderResponse(_message.Message):
+    __slots__ = ("provider",)
+    PROVIDER_FIELD_NUMBER: _ClassVar[int]
+    provider: _types_pb2.ProviderStanding
+    def __init__(self, provider: _Optional[_Union[_types_pb2.ProviderStanding, _Mapping]] = ...) -> None: ...

@@ -69,6 +69,16 @@ class MarketplaceStub:
                 request_serializer=gpumarket_dot_proto_dot_v1_dot_marketplace__pb2.QuoteRequest.SerializeToString,
                 response_deserializer=gpumarket_dot_proto_dot_v1_dot_marketplace__pb2.QuoteResponse.FromString,
                 _registered_method=True)
+        self.StreamLogs = channel.unary_stream(
+                '/gpumarket.v1.Marketplace/StreamLogs',
+                request_serializer=gpumarket_dot_proto_dot_v1_dot_marketplace__pb2.StreamLogsRequest.SerializeToString,
+                response_deserializer=gpumarket_dot_proto_dot_v1_dot_marketplace__pb2.StreamLogsResponse.FromString,
+                _registered_method=True)
+        self.GetProvider = channel.unary_unary(
+                '/gpumarket.v1.Marketplace/GetProvider',
+                request_serializer=gpumarket_dot_proto_dot_v1_dot_marketplace__pb2.GetProviderRequest.SerializeToString,
+                response_deserializer=gpumarket_dot_proto_dot_v1_dot_marketplace__pb2.GetProviderResponse.FromString,
+                _registered_method=True)
 
 
 class MarketplaceServicer:
@@ -116,6 +126,18 @@ class MarketplaceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StreamLogs(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetProvider(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MarketplaceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -153,6 +175,16 @@ def add_MarketplaceServicer_to_server(servicer, server):
                     servicer.Quote,
                     request_deserializer=gpumarket_dot_proto_dot_v1_dot_marketplace__pb2.QuoteRequest.FromString,
                     response_serializer=gpumarket_dot_proto_dot_v1_dot_marketplace__pb2.QuoteResponse.SerializeToString,
+            ),
+            'StreamLogs': grpc.unary_stream_rpc_method_handler(
+                    servicer.StreamLogs,
+                    request_deserializer=gpumarket_dot_proto_dot_v1_dot_marketplace__pb2.StreamLogsRequest.FromString,
+                    response_serializer=gpumarket_dot_proto_dot_v1_dot_marketplace__pb2.StreamLogsResponse.SerializeToString,
+            ),
+            'GetProvider': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetProvider,
+                    request_deserializer=gpumarket_dot_proto_dot_v1_dot_marketplace__pb2.GetProviderRequest.FromString,
+                    response_serializer=gpumarket_dot_proto_dot_v1_dot_marketplace__pb2.GetProviderResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -344,6 +376,60 @@ class Marketplace:
             '/gpumarket.v1.Marketplace/Quote',
             gpumarket_dot_proto_dot_v1_dot_marketplace__pb2.QuoteRequest.SerializeToString,
             gpumarket_dot_proto_dot_v1_dot_marketplace__pb2.QuoteResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StreamLogs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/gpumarket.v1.Marketplace/StreamLogs',
+            gpumarket_dot_proto_dot_v1_dot_marketplace__pb2.StreamLogsRequest.SerializeToString,
+            gpumarket_dot_proto_dot_v1_dot_marketplace__pb2.StreamLogsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetProvider(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gpumarket.v1.Marketplace/GetProvider',
+            gpumarket_dot_proto_dot_v1_dot_marketplace__pb2.GetProviderRequest.SerializeToString,
+            gpumarket_dot_proto_dot_v1_dot_marketplace__pb2.GetProviderResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -403,3 +403,43 @@ class Job(_message.Message):
     queue_reason: str
     checkpoint_step: int
     def __init__(self, job_id: _Optional[str] = ..., name: _Optional[str] = ..., kind: _Optional[_Union[JobKind, str]] = ..., state: _Optional[_Union[JobState, str]] = ..., client_id: _Optional[str] = ..., attempt: _Optional[int] = ..., provider_id: _Optional[str] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., error: _Optional[str] = ..., created_at_ms: _Optional[int] = ..., updated_at_ms: _Optional[int] = ..., spec: _Optional[_Union[Envelope, _Mapping]] = ..., receipt: _Optional[_Union[Envelope, _Mapping]] = ..., attempts: _Optional[_Iterable[_Union[Attempt, _Mapping]]] = ..., queue_reason: _Optional[str] = ..., checkpoint_step: _Optional[int] = ...) -> None: ...
+
+class ProviderStanding(_message.Message):
+    __slots__ = ("provider_id", "online", "banned", "devices", "price_per_gpu_hour", "reliability", "leases_completed", "leases_lost", "running", "earned", "last_seen_ms", "first_seen_ms")
+    PROVIDER_ID_FIELD_NUMBER: _ClassVar[int]
+    ONLINE_FIELD_NUMBER: _ClassVar[int]
+    BANNED_FIELD_NUMBER: _ClassVar[int]
+    DEVICES_FIELD_NUMBER: _ClassVar[int]
+    PRICE_PER_GPU_HOUR_FIELD_NUMBER: _ClassVar[int]
+    RELIABILITY_FIELD_NUMBER: _ClassVar[int]
+    LEASES_COMPLETED_FIELD_NUMBER: _ClassVar[int]
+    LEASES_LOST_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    EARNED_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEEN_MS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_SEEN_MS_FIELD_NUMBER: _ClassVar[int]
+    provider_id: str
+    online: bool
+    banned: bool
+    devices: _containers.RepeatedScalarFieldContainer[str]
+    price_per_gpu_hour: float
+    reliability: float
+    leases_completed: int
+    leases_lost: int
+    running: int
+    earned: float
+    last_seen_ms: int
+    first_seen_ms: int
+    def __init__(self, provider_id: _Optional[str] = ..., online: _Optional[bool] = ..., banned: _Optional[bool] = ..., devices: _Optional[_Iterable[str]] = ..., price_per_gpu_hour: _Optional[float] = ..., reliability: _Optional[float] = ..., leases_completed: _Optional[int] = ..., leases_lost: _Optional[int] = ..., running: _Optional[int] = ..., earned: _Optional[float] = ..., last_seen_ms: _Optional[int] = ..., first_seen_ms: _Optional[int] = ...) -> None: ...
+
+class LogLine(_message.Message):
+    __slots__ = ("seq", "at_ms", "attempt", "text")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    AT_MS_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    at_ms: int
+    attempt: int
+    text: str
+    def __init__(self, seq: _Optional[int] = ..., at_ms: _Optional[int] = ..., attempt: _Optional[int] = ..., text: _Optional[str] = ...) -> None: ...

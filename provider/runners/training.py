@@ -165,6 +165,10 @@ def train(workdir: Path, report: Reporter) -> None:
         report.send("resumed", step=start)
     t0, tokens_done = time.perf_counter(), 0
     ckpt_seconds, ckpt_count = 0.0, 0
+    log_every = max(1, steps // 20)
+    print(f"training {type(model).__name__} ({sum(t.numel() for t in model.parameters()):,}"
+          f" parameters) on {device}{' with bf16 autocast' if use_bf16 else ''},"
+          f" steps {start + 1}..{steps}", flush=True)
 
     def save(at: int) -> None:
         nonlocal ckpt_seconds, ckpt_count
@@ -175,6 +179,7 @@ def train(workdir: Path, report: Reporter) -> None:
         ckpt_count += 1
         cadence.written(took)
         report.checkpoint(at, str(path.relative_to(workdir)), took)
+        print(f"checkpoint at step {at} written in {took:.2f}s", flush=True)
 
     for step in range(start, steps):
         x = batch_for(tokens, step, seed, batch, seq_len).to(device)
@@ -191,6 +196,9 @@ def train(workdir: Path, report: Reporter) -> None:
         elapsed = time.perf_counter() - t0
         report.progress(step + 1, steps, loss=value, lr=sched.get_last_lr()[0],
                         tokens_per_s=tokens_done / elapsed if elapsed > 0 else 0.0)
+        if (step + 1) % log_every == 0 or step + 1 == steps:
+            print(f"step {step + 1}/{steps} loss {value:.4f} lr {sched.get_last_lr()[0]:.2e}"
+                  f" tokens/s {tokens_done / max(elapsed, 1e-9):,.0f}", flush=True)
         if step + 1 < steps and (_drain_requested or cadence.due(step + 1)):
             save(step + 1)
             if _drain_requested:
@@ -203,13 +211,18 @@ def train(workdir: Path, report: Reporter) -> None:
         for s, v in losses:
             f.write(json.dumps({"step": s, "loss": v}) + "\n")
     elapsed = time.perf_counter() - t0
+    done_steps = steps - start
     metrics = {"final_loss": losses[-1][1] if losses else float("nan"), "steps": float(steps),
                "train_seconds": elapsed,
                "tokens_per_s": tokens_done / elapsed if elapsed > 0 else 0.0,
+               "samples_per_s": done_steps * batch / elapsed if elapsed > 0 else 0.0,
+               "step_seconds": elapsed / done_steps if done_steps else 0.0,
                "checkpoints": float(ckpt_count), "checkpoint_seconds": ckpt_seconds,
                "checkpoint_overhead": ckpt_seconds / elapsed if elapsed > 0 else 0.0,
                "resumed_from_step": float(start)}
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
+    print(f"done: final loss {metrics['final_loss']:.4f}, {metrics['tokens_per_s']:,.0f}"
+          f" tokens/s, {elapsed:.1f}s", flush=True)
     report.done(**metrics)
 
 

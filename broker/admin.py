@@ -1,0 +1,128 @@
+"""Admin: what the broker's operators call (`gpumarket-broker providers|jobs|ban|unban|
+backup|vacuum`). Every call carries an AdminOrder signed by an operator key, made for that
+one method and dated within ADMIN_ORDER_MAX_AGE_MS."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import tempfile
+from pathlib import Path
+
+from gpumarket.broker import jobs, standing, views
+from gpumarket.broker.rpc import streaming, unary
+from gpumarket.broker.state import BrokerState
+from gpumarket.proto.artifacts import iter_chunks, sha256_file
+from gpumarket.proto.envelope import open_envelope
+from gpumarket.proto.errors import BadSignature, NotFound, PermissionDenied
+from gpumarket.proto.jobspec import now_ms
+from gpumarket.proto.v1 import admin_pb2 as ad
+from gpumarket.proto.v1 import admin_pb2_grpc
+from gpumarket.proto.v1 import gateway_pb2 as gw
+
+log = logging.getLogger(__name__)
+
+ADMIN_ORDER_MAX_AGE_MS = 5 * 60 * 1000
+
+
+class AdminServicer(admin_pb2_grpc.AdminServicer):
+    def __init__(self, state: BrokerState) -> None:
+        self.state = state
+
+    def _order(self, request: ad.AdminRequest, method: str) -> ad.AdminOrder:
+        order, signer = open_envelope(request.order, ad.AdminOrder)
+        if order.method != method:
+            raise BadSignature(f"admin order is for {order.method or 'nothing'}, not {method}")
+        if abs(now_ms() - order.at_ms) > ADMIN_ORDER_MAX_AGE_MS:
+            raise BadSignature("admin order is dated more than 5 minutes off (check the clock)")
+        if signer not in self.state.operators:
+            raise PermissionDenied(f"key {signer} is not an operator of this broker")
+        log.info("admin %s %s by operator %s", method, order.target, signer)
+        return order
+
+    @unary
+    async def ListProviders(self, request, context) -> ad.ListProvidersResponse:
+        self._order(request, "ListProviders")
+        found = await self.state.store.read(standing.standings, None, now_ms())
+        return ad.ListProvidersResponse(providers=found)
+
+    @unary
+    async def ListAllJobs(self, request, context) -> ad.ListAllJobsResponse:
+        order = self._order(request, "ListAllJobs")
+        found = await self.state.store.read(views.list_jobs, "", list(order.states),
+                                            min(order.limit or 100, 1000))
+        return ad.ListAllJobsResponse(jobs=found)
+
+    @unary
+    async def Ban(self, request, context) -> ad.BanResponse:
+        order = self._order(request, "Ban")
+        reason = f"provider banned by the operator: {order.reason[:200] or 'no reason given'}"
+        ended = await self.state.store.write(_ban, order.target, True, reason, now_ms())
+        session = self.state.sessions.get(order.target)
+        if session is not None:
+            for job_id, epoch in ended:
+                session.send(gw.BrokerMessage(cancel=gw.CancelLease(
+                    job_id=job_id, epoch=epoch, reason=reason)))
+            self.state.sessions.end(order.target)
+        log.warning("provider %s banned (%s); %d leases taken away", order.target, reason,
+                    len(ended))
+        self.state.events.notify()
+        self.state.placement.notify()
+        return ad.BanResponse(provider_id=order.target, banned=True, leases_lost=len(ended))
+
+    @unary
+    async def Unban(self, request, context) -> ad.BanResponse:
+        order = self._order(request, "Unban")
+        await self.state.store.write(_ban, order.target, False, "", now_ms())
+        log.warning("provider %s unbanned", order.target)
+        return ad.BanResponse(provider_id=order.target, banned=False)
+
+    @streaming
+    async def Backup(self, request, context):
+        self._order(request, "Backup")
+        store = self.state.store
+        fd, name = tempfile.mkstemp(prefix=".backup-", suffix=".db", dir=store.path.parent)
+        os.close(fd)
+        tmp = Path(name)
+        try:
+            await asyncio.to_thread(store.backup_to, tmp)
+            digest, size = await asyncio.to_thread(sha256_file, tmp)
+            first = True
+            for chunk in iter_chunks(tmp):
+                yield ad.BackupChunk(data=chunk, total_bytes=size if first else 0,
+                                     sha256=digest if first else "")
+                first = False
+            log.info("backup of %d bytes sent", size)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    @unary
+    async def Vacuum(self, request, context) -> ad.VacuumResponse:
+        self._order(request, "Vacuum")
+        path = self.state.store.path
+        before = path.stat().st_size
+        await self.state.store.write(_vacuum, transaction=False)
+        return ad.VacuumResponse(bytes_before=before, bytes_after=path.stat().st_size)
+
+
+def _ban(db, provider_id: str, banned: bool, reason: str, now: int) -> list[tuple[str, int]]:
+    """Set the ban flag; banning also withdraws the offer and takes the active leases away
+    (their jobs are queued again). Returns the (job, epoch) of those leases."""
+    if db.execute("SELECT 1 FROM providers WHERE id = ?", [provider_id]).fetchone() is None:
+        raise NotFound(f"no provider {provider_id!r} has connected to this broker")
+    db.execute("UPDATE providers SET banned = ? WHERE id = ?", [int(banned), provider_id])
+    if not banned:
+        return []
+    db.execute("DELETE FROM offers WHERE provider_id = ?", [provider_id])
+    leases = db.execute("SELECT id, job_id, epoch FROM leases WHERE provider_id = ?"
+                        " AND state = 'active'", [provider_id]).fetchall()
+    for lease_id, _, _ in leases:
+        jobs.lose_lease(db, lease_id, reason, now)
+    return [(job_id, epoch) for _, job_id, epoch in leases]
+
+
+def _vacuum(db) -> None:
+    db.execute("VACUUM")
+    db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+

@@ -1,0 +1,157 @@
+"""gpumarket-broker's operator commands: providers, jobs, ban, unban, backup, vacuum.
+
+Each signs an AdminOrder with the operator's key (``--key``; the broker's own
+data_dir/broker.key works on the broker's host) and calls the broker's Admin service.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import os
+import sys
+from pathlib import Path
+
+import click
+from google.protobuf.json_format import MessageToDict
+from rich.console import Console
+from rich.table import Table
+
+from gpumarket.client.api import BrokerClient
+from gpumarket.proto.envelope import seal
+from gpumarket.proto.errors import GpumarketError
+from gpumarket.proto.identity import Identity, home_dir
+from gpumarket.proto.jobspec import STATES_BY_NAME, kind_name, now_ms, state_name
+from gpumarket.proto.v1 import admin_pb2 as ad
+
+out = Console(highlight=False, soft_wrap=True)
+
+
+def _default_key() -> str:
+    return os.environ.get("GPUMARKET_OPERATOR_KEY") or str(home_dir() / "client.key")
+
+
+def admin_options(fn):
+    """--broker and --key, and one line on stderr (exit 1) for a GpumarketError."""
+
+    @click.option("--broker", envvar="GPUMARKET_BROKER", default="127.0.0.1:7070",
+                  show_default=True, help="Broker gRPC address (env GPUMARKET_BROKER).")
+    @click.option("--key", "key_file", type=click.Path(dir_okay=False, path_type=Path),
+                  default=_default_key, show_default="$GPUMARKET_OPERATOR_KEY or "
+                  "$GPUMARKET_HOME/client.key",
+                  help="Operator key: the broker's data_dir/broker.key, or a key listed in "
+                  "its config's `operators`.")
+    @functools.wraps(fn)
+    def wrapper(broker: str, key_file: Path, **kwargs):
+        try:
+            if not key_file.exists():
+                raise click.ClickException(f"no operator key at {key_file}")
+            identity = Identity.load(key_file)
+            return asyncio.run(fn(broker, identity, **kwargs))
+        except GpumarketError as exc:
+            click.echo(f"error: {exc}", err=True)
+            sys.exit(1)
+
+    return wrapper
+
+
+async def _call(broker: str, identity: Identity, method: str, **order) -> object:
+    envelope = seal(identity, ad.AdminOrder(method=method, at_ms=now_ms(), **order))
+    async with BrokerClient(broker) as client:
+        return await client.admin_call(method, envelope)
+
+
+@click.command()
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@admin_options
+async def providers(broker: str, identity: Identity, as_json: bool) -> None:
+    """Every provider the broker has seen: online, banned, devices, price, reliability,
+    leases, earnings."""
+    found = (await _call(broker, identity, "ListProviders")).providers
+    if as_json:
+        click.echo(json.dumps([MessageToDict(p, preserving_proto_field_name=True)
+                               for p in found], indent=2))
+        return
+    table = Table("provider", "status", "devices", "price/GPU·h", "reliability", "done",
+                  "lost", "running", "earned")
+    for p in found:
+        status = "banned" if p.banned else ("online" if p.online else "offline")
+        table.add_row(p.provider_id, status, "\n".join(p.devices) or "-",
+                      f"{p.price_per_gpu_hour:.3f}" if p.devices else "-",
+                      f"{p.reliability:.2f}", str(p.leases_completed), str(p.leases_lost),
+                      str(p.running), f"{p.earned:.4f}")
+    out.print(table)
+
+
+@click.command()
+@click.option("--state", "states", multiple=True,
+              type=click.Choice(sorted(STATES_BY_NAME), case_sensitive=False),
+              help="Only jobs in this state (repeatable).")
+@click.option("--limit", type=click.IntRange(1, 1000), default=100, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@admin_options
+async def jobs(broker: str, identity: Identity, states: tuple[str, ...], limit: int,
+               as_json: bool) -> None:
+    """Every client's jobs, newest first."""
+    codes = [STATES_BY_NAME[s.upper()] for s in states]
+    found = (await _call(broker, identity, "ListAllJobs", states=codes, limit=limit)).jobs
+    if as_json:
+        click.echo(json.dumps([{**MessageToDict(j, preserving_proto_field_name=True,
+                                                always_print_fields_with_no_presence=False),
+                                "state": state_name(j.state), "kind": kind_name(j.kind),
+                                "spec": None, "receipt": None} for j in found], indent=2))
+        return
+    table = Table("job", "client", "kind", "state", "progress", "attempt", "provider")
+    for j in found:
+        table.add_row(j.job_id, j.client_id, kind_name(j.kind), state_name(j.state),
+                      f"{j.progress.step}/{j.progress.total}", str(j.attempt),
+                      j.provider_id or "-")
+    out.print(table)
+
+
+@click.command()
+@click.argument("provider_id")
+@click.option("--reason", default="", help="Why (kept in the broker's log).")
+@admin_options
+async def ban(broker: str, identity: Identity, provider_id: str, reason: str) -> None:
+    """Ban a provider: its session ends, its offer goes, its running jobs are queued again
+    for other providers, and it cannot connect until unbanned."""
+    resp = await _call(broker, identity, "Ban", target=provider_id, reason=reason)
+    out.print(f"banned {resp.provider_id}; {resp.leases_lost} running job(s) queued again")
+
+
+@click.command()
+@click.argument("provider_id")
+@admin_options
+async def unban(broker: str, identity: Identity, provider_id: str) -> None:
+    """Let a banned provider connect again."""
+    resp = await _call(broker, identity, "Unban", target=provider_id)
+    out.print(f"unbanned {resp.provider_id}")
+
+
+@click.command()
+@click.argument("path", type=click.Path(dir_okay=False, path_type=Path))
+@admin_options
+async def backup(broker: str, identity: Identity, path: Path) -> None:
+    """Copy the broker's database to PATH (here) while it serves: SQLite's online backup,
+    a consistent snapshot, checked by sha256 on arrival."""
+    if path.exists():
+        raise click.ClickException(f"{path} exists; give a new file name")
+    if not path.parent.is_dir():
+        raise click.ClickException(f"{path.parent} is not a directory")
+    envelope = seal(identity, ad.AdminOrder(method="Backup", at_ms=now_ms()))
+    async with BrokerClient(broker) as client:
+        size = await client.backup(envelope, path)
+    out.print(f"backup written to {path} ({size:,} bytes)")
+
+
+@click.command()
+@admin_options
+async def vacuum(broker: str, identity: Identity) -> None:
+    """Rebuild the broker's database file to give free pages back to the disk."""
+    resp = await _call(broker, identity, "Vacuum")
+    out.print(f"vacuumed: {resp.bytes_before:,} → {resp.bytes_after:,} bytes")
+
+
+COMMANDS = (providers, jobs, ban, unban, backup, vacuum)

@@ -1,0 +1,37 @@
+"""Job logs: the lines a job writes to stdout and stderr, shipped by its provider, kept by the
+broker for as long as the job, and streamed to its client (``gpumarket logs ID --follow``)."""
+
+from __future__ import annotations
+
+from sqlite_utils import Database
+
+from gpumarket.broker.jobs import _current
+from gpumarket.proto.v1 import types_pb2 as pb
+
+MAX_LINES_PER_JOB = 50_000
+MAX_LINE_CHARS = 4096
+MAX_LINES_PER_UPDATE = 256
+
+
+def append(db: Database, job_id: str, epoch: int, provider_id: str, lines: list[str],
+           now: int) -> int:
+    """Keep the lines from the lease holder of the current epoch; return how many were kept.
+    Past MAX_LINES_PER_JOB one last line says the log was cut."""
+    job, _ = _current(db, job_id, epoch, provider_id)
+    room = MAX_LINES_PER_JOB - job["log_lines"]
+    if room <= 0:
+        return 0
+    lines = [line[:MAX_LINE_CHARS] for line in lines[:MAX_LINES_PER_UPDATE]]
+    if len(lines) >= room:
+        lines = lines[:room - 1] + [f"[gpumarket: log cut at {MAX_LINES_PER_JOB} lines]"]
+    db["job_logs"].insert_all(
+        {"job_id": job_id, "attempt": job["attempt"], "at_ms": now, "text": text}
+        for text in lines)
+    db.execute("UPDATE jobs SET log_lines = log_lines + ? WHERE id = ?", [len(lines), job_id])
+    return len(lines)
+
+
+def lines_after(db: Database, job_id: str, seq: int, limit: int = 1000) -> list[pb.LogLine]:
+    return [pb.LogLine(seq=r[0], at_ms=r[1], attempt=r[2], text=r[3]) for r in db.execute(
+        "SELECT seq, at_ms, attempt, text FROM job_logs WHERE job_id = ? AND seq > ?"
+        " ORDER BY seq LIMIT ?", [job_id, seq, limit]).fetchall()]

@@ -1,0 +1,65 @@
+"""A provider's standing as the broker sees it: offer, reliability, leases, earnings."""
+
+from __future__ import annotations
+
+from sqlite_utils import Database
+
+from gpumarket.broker import reliability, views
+from gpumarket.proto.v1 import types_pb2 as pb
+
+# Credits a lease earns: its price x the devices it held x the hours it ran.
+_EARNED = (
+    "SELECT provider_id, sum(price_per_gpu_hour * json_array_length(device_indices)"
+    " * (coalesce(ended_at_ms, ?) - coalesce(started_at_ms, issued_at_ms)) / 3600000.0)"
+    " FROM leases WHERE state = 'succeeded' {where} GROUP BY provider_id"
+)
+
+
+def _device_line(d: pb.DeviceInfo) -> str:
+    return f"{d.name} ({d.memory_bytes / 2**30:.1f} GiB)"
+
+
+def standings(db: Database, provider_ids: list[str] | None, now: int) -> list[pb.ProviderStanding]:
+    """Standing of the given providers (None: every provider the broker has seen)."""
+    if provider_ids is None:
+        rows = list(db.query("SELECT * FROM providers ORDER BY last_seen_ms DESC"))
+    else:
+        marks = ",".join("?" * len(provider_ids))
+        rows = list(db.query(f"SELECT * FROM providers WHERE id IN ({marks})", provider_ids))
+    ids = [r["id"] for r in rows]
+    offers = {r["provider_id"]: r for r in views.offers(db)}
+    running = views.active_lease_counts(db)
+    marks = ",".join("?" * len(ids))
+    earned = dict(db.execute(_EARNED.format(where=f"AND provider_id IN ({marks})"),
+                             [now, *ids]).fetchall()) if ids else {}
+    out = []
+    for row in rows:
+        h = views.provider_history(db, row["id"], now)
+        standing = pb.ProviderStanding(
+            provider_id=row["id"], online=bool(row["online"]), banned=bool(row["banned"]),
+            reliability=reliability.score(h), leases_completed=h.leases_completed,
+            leases_lost=h.leases_lost, running=running.get(row["id"], 0),
+            earned=earned.get(row["id"], 0.0), last_seen_ms=row["last_seen_ms"],
+            first_seen_ms=row["first_seen_ms"])
+        offer_row = offers.get(row["id"])
+        if offer_row is not None:
+            envelope = pb.Envelope.FromString(offer_row["envelope"])
+            offer = pb.Offer.FromString(envelope.payload)
+            standing.price_per_gpu_hour = offer.price_per_gpu_hour
+            standing.devices.extend(_device_line(d) for d in offer.devices)
+        out.append(standing)
+    return out
+
+
+def job_costs(db: Database, job_ids: list[str], now: int) -> dict[str, float]:
+    """Credits each job has cost so far: every lease's price x devices x hours, the running
+    one up to now."""
+    if not job_ids:
+        return {}
+    marks = ",".join("?" * len(job_ids))
+    return dict(db.execute(
+        "SELECT job_id, sum(price_per_gpu_hour * json_array_length(device_indices)"
+        " * max(0, coalesce(ended_at_ms, ?) - coalesce(started_at_ms, ended_at_ms, ?))"
+        f" / 3600000.0) FROM leases WHERE job_id IN ({marks}) GROUP BY job_id",
+        [now, now, *job_ids]).fetchall())
+
