@@ -9,7 +9,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo test proto proto-check bench clean
+.PHONY: demo test proto proto-check bench screenshot clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,11 +25,17 @@ test: $(STAMP)
 	$(PY) scripts/gen_proto.py --check
 	$(PY) -m pytest -q -ra
 
+# The dashboard, in headless Chromium (apt-get install chromium), with a job running.
+screenshot: $(STAMP)
+	mkdir -p docs/img
+	GPUMARKET_SCREENSHOT_DIR=docs/img $(PY) -m pytest -q tests/test_dashboard.py
+
 proto: $(STAMP)
 	$(PY) scripts/gen_proto.py
 
 bench: $(STAMP)
-	$(PY) bench/placement.py
+	$(PY) bench/matching.py
+	$(PY) bench/failover.py
 
 clean:
 	rm -rf $(VENV) demo-output .pytest_cache

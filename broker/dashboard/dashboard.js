@@ -45,7 +45,7 @@ function renderJobs(jobs) {
   body.replaceChildren(...jobs.map((j) => {
     const bar = el("progress", { max: String(j.total || 1), value: String(j.step) });
     const loss = j.metrics.loss !== undefined ? ` loss ${j.metrics.loss.toFixed(3)}` : "";
-    return el("tr", { "data-job-id": j.job_id, "data-state": j.state },
+    return el("tr", { "data-job-id": j.job_id, "data-state": j.state, "data-step": j.step },
       el("td", { class: "id", title: j.job_id }, j.name ? `${j.name} (${short(j.job_id)})` : short(j.job_id)),
       el("td", {}, j.kind),
       el("td", { class: "state-" + j.state }, j.state),
@@ -78,9 +78,8 @@ function renderChart(series) {
     const line = (cls, f) => node("polyline", { class: cls, points: samples.map((s) => `${x(s).toFixed(1)},${y(f(s)).toFixed(1)}`).join(" ") });
     parts.push(line("queue", (s) => s.queued / maxQ));
     parts.push(line("util", (s) => (s.gpus ? s.gpus_busy / s.gpus : 0)));
-    const label = node("text", { x: 4, y: pad - 4 });
-    label.textContent = `queue max ${maxQ} · 100% · last ${Math.round((t1 - t0) / 60000)} min`;
-    parts.push(label);
+    $("#chart-note").textContent =
+      `top of the chart: ${maxQ} queued, 100% busy · last ${Math.max(1, Math.round((t1 - t0) / 60000))} min`;
   }
   svg.replaceChildren(...parts);
 }
