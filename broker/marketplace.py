@@ -129,7 +129,7 @@ class MarketplaceServicer(marketplace_pb2_grpc.MarketplaceServicer):
         found = await self.state.store.read(standing.standings, [request.provider_id], now_ms())
         if not found:
             raise NotFound(f"no provider {request.provider_id!r} has connected to this broker")
-        return mp.GetProviderResponse(provider=found[0])
+        return mp.GetProviderResponse(provider=found[0], broker_time_ms=now_ms())
 
     @unary
     async def CancelJob(self, request: mp.CancelJobRequest, context) -> mp.CancelJobResponse:

@@ -77,9 +77,9 @@ class BrokerClient:
         return await self._call(self.market.Quote, mp.QuoteRequest(spec=spec, limit=limit,
                                                                    client_id=client_id))
 
-    async def get_provider(self, provider_id: str) -> pb.ProviderStanding:
+    async def get_provider(self, provider_id: str) -> mp.GetProviderResponse:
         req = mp.GetProviderRequest(provider_id=provider_id)
-        return (await self._call(self.market.GetProvider, req)).provider
+        return await self._call(self.market.GetProvider, req)
 
     async def logs(self, job_id: str, follow: bool = False) -> AsyncIterator[pb.LogLine]:
         """Yield the job's log lines (``follow``: until the job ends); resumes after the last

@@ -232,5 +232,165 @@ def drain(data_dir: Path, timeout: float) -> None:
     sys.exit(1)
 
 
+@cli.command()
+@click.option("--data-dir", type=click.Path(file_okay=False, path_type=Path), required=True,
+              help="Where the key, config, benchmark cache and job work dirs will live.")
+@click.option("--broker", envvar="GPUMARKET_BROKER", default="",
+              help="Broker address HOST:PORT to put in the config (and to check it answers).")
+@click.option("--price", type=click.FloatRange(min=0), default=1.0, show_default=True,
+              help="Price per device-hour, in credits.")
+@click.option("--cpu-only", is_flag=True, help="Offer the CPU even where GPUs are present.")
+@click.option("--force", is_flag=True, help="Overwrite an existing provider.toml.")
+def init(data_dir: Path, broker: str, price: float, cpu_only: bool, force: bool) -> None:
+    """Set this machine up as a provider: create its key, write a commented config with the
+    devices found (DATA_DIR/provider.toml), self-test and benchmark each device, and print
+    the provider's fingerprint."""
+    from gpumarket.provider.benchmark import cached_benchmarks
+    from gpumarket.provider.inventory import detect
+    from gpumarket.provider.onboarding import config_text, self_test
+
+    config_path = data_dir / "provider.toml"
+    if config_path.exists() and not force:
+        click.echo(f"error: {config_path} exists (give --force to overwrite it)", err=True)
+        sys.exit(1)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    identity = Identity.load_or_create(data_dir / "provider.key")
+    found, warning = detect(cpu_only)
+    if warning:
+        click.echo(f"warning: {warning}", err=True)
+    config_path.write_text(config_text(found, broker, str(data_dir.resolve()), price))
+    failed = 0
+    figures = cached_benchmarks(found, data_dir / "benchmark.json", refresh=True)
+    for d in found:
+        test = self_test(d)
+        b = figures[d.index]
+        verdict = "ok" if test.ok else f"FAILED: {test.problem}"
+        failed += not test.ok
+        click.echo(f"device {d.index}: {d.name} ({ACCELERATOR_NAMES[d.accelerator]},"
+                   f" {_gib(d.memory_bytes)}): self-test {verdict}; allocated"
+                   f" {_gib(test.allocated_bytes)}, matmul error {test.matmul_max_error:.1e},"
+                   f" {b.matmul_flops / 1e12:.3g} TFLOP/s {b.matmul_dtype},"
+                   f" {b.memory_bandwidth_bytes_per_s / 1e9:.1f} GB/s")
+    if broker:
+        try:
+            asyncio.run(_broker_standing(broker, identity.id))
+            click.echo(f"broker {broker} answers")
+        except GpumarketError as exc:
+            if exc.code == "NOT_FOUND":
+                click.echo(f"broker {broker} answers (this provider has not connected yet)")
+            else:
+                click.echo(f"warning: {exc}", err=True)
+    click.echo(f"config written to {config_path}")
+    click.echo(f"provider fingerprint: {identity.id}")
+    click.echo(f"start it with: gpumarket-provider run --config {config_path}")
+    if failed:
+        click.echo(f"error: {failed} device(s) failed the self-test", err=True)
+        sys.exit(1)
+
+
+async def _broker_standing(broker: str, provider_id: str):
+    from gpumarket.client.api import BrokerClient
+
+    async with BrokerClient(broker, timeout_s=10) as client:
+        return await client.get_provider(provider_id)
+
+
+CLOCK_SKEW_WARN_MS = 60_000
+
+
+@cli.command()
+@click.option("--data-dir", type=click.Path(file_okay=False, path_type=Path), required=True,
+              help="The provider's data directory.")
+@click.option("--broker", envvar="GPUMARKET_BROKER", default="",
+              help="Broker to ask (default: the config's, or $GPUMARKET_BROKER).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def status(data_dir: Path, broker: str, as_json: bool) -> None:
+    """This provider's devices, the jobs it runs now, and what the broker reports of it
+    (online, reliability, completed and lost leases, earnings so far)."""
+    from google.protobuf.json_format import MessageToDict
+
+    from gpumarket.proto.jobspec import now_ms
+    from gpumarket.provider.benchmark import cached_benchmarks
+    from gpumarket.provider.inventory import detect
+    from gpumarket.provider.journal import Journal
+
+    key = data_dir / "provider.key"
+    if not key.exists():
+        click.echo(f"error: no provider key in {data_dir}; run `gpumarket-provider init`",
+                   err=True)
+        sys.exit(1)
+    identity = Identity.load(key)
+    if not broker and (data_dir / "provider.toml").exists():
+        from gpumarket.provider import config as provider_config
+
+        broker = provider_config.load(data_dir / "provider.toml").get("broker", "")
+    found, warning = detect()
+    if warning:
+        click.echo(f"warning: {warning}", err=True)
+    figures = cached_benchmarks(found, data_dir / "benchmark.json")
+    journal = Journal(data_dir / "journal.db")
+    running = [{"job_id": e.job_id, "epoch": e.epoch, "pid": e.pid,
+                "process": "running" if e.pid and _running(e.pid) else "not running",
+                "reported": e.final is not None} for e in journal.entries()]
+    journal.close()
+    pid_file = data_dir / "provider.pid"
+    daemon = int(pid_file.read_text()) if pid_file.exists() else 0
+    report = {"provider_id": identity.id,
+              "daemon": "running" if daemon and _running(daemon) else "stopped",
+              "devices": [{"index": d.index, "name": d.name,
+                           "accelerator": ACCELERATOR_NAMES[d.accelerator],
+                           "memory_bytes": d.memory_bytes,
+                           "matmul_flops": figures[d.index].matmul_flops} for d in found],
+              "jobs": running, "broker": broker}
+    problem = ""
+    if broker:
+        try:
+            resp = asyncio.run(_broker_standing(broker, identity.id))
+            report["standing"] = MessageToDict(resp.provider, preserving_proto_field_name=True)
+            report["clock_skew_ms"] = now_ms() - resp.broker_time_ms
+        except GpumarketError as exc:
+            problem = str(exc) if exc.code != "NOT_FOUND" else ""
+            report["standing"] = None
+            report["broker_error"] = problem
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+    else:
+        _print_status(report)
+    if problem:
+        click.echo(f"error: {problem}", err=True)
+        sys.exit(1)
+
+
+def _print_status(r: dict) -> None:
+    click.echo(f"provider {r['provider_id']} (daemon {r['daemon']})")
+    for d in r["devices"]:
+        click.echo(f"  device {d['index']}: {d['name']} ({d['accelerator']},"
+                   f" {_gib(d['memory_bytes'])}), {d['matmul_flops'] / 1e12:.3g} TFLOP/s")
+    click.echo(f"  jobs here: {len(r['jobs'])}")
+    for j in r["jobs"]:
+        click.echo(f"    {j['job_id']} epoch {j['epoch']}: {j['process']}"
+                   + (", result waiting for the broker" if j["reported"] else ""))
+    standing = r.get("standing")
+    if not r["broker"]:
+        click.echo("  broker: none configured (give --broker)")
+    elif r.get("broker_error"):
+        click.echo(f"  broker {r['broker']}: unreachable")
+    elif standing is None:
+        click.echo(f"  broker {r['broker']}: has not seen this provider yet")
+    else:
+        state = ("banned" if standing.get("banned") else
+                 "online" if standing.get("online") else "offline")
+        click.echo(f"  broker {r['broker']}: {state}, reliability"
+                   f" {standing.get('reliability', 0):.2f}, leases completed"
+                   f" {standing.get('leases_completed', 0)}, lost {standing.get('leases_lost', 0)},"
+                   f" running {standing.get('running', 0)}, earned {standing.get('earned', 0):.4f}")
+        skew = r.get("clock_skew_ms", 0)
+        if abs(skew) > CLOCK_SKEW_WARN_MS:
+            click.echo(f"warning: this machine's clock is {abs(skew) / 1000:.0f}s"
+                       f" {'ahead of' if skew > 0 else 'behind'} the broker's; signatures dated"
+                       " more than 300s off are refused (sync it: timedatectl set-ntp true)",
+                       err=True)
+
+
 def main() -> None:
     cli(prog_name="gpumarket-provider")

@@ -73,11 +73,15 @@ def nvidia_devices() -> list[DeviceInfo]:
     try:
         import pynvml
     except ImportError as exc:
-        raise RuntimeError("nvidia-ml-py is not installed") from exc
+        raise RuntimeError("NVML bindings missing: pip install nvidia-ml-py") from exc
     try:
         pynvml.nvmlInit()
+    except pynvml.NVMLError_LibraryNotFound as exc:
+        raise RuntimeError("no NVIDIA driver installed (libnvidia-ml.so.1 not found)") from exc
+    except pynvml.NVMLError_DriverNotLoaded as exc:
+        raise RuntimeError("the NVIDIA driver is installed but not loaded") from exc
     except pynvml.NVMLError as exc:
-        raise RuntimeError(f"NVML could not start ({exc}): no NVIDIA driver?") from exc
+        raise RuntimeError(f"NVML could not start: {exc}") from exc
     try:
         driver = _text(pynvml.nvmlSystemGetDriverVersion())
         cuda = pynvml.nvmlSystemGetCudaDriverVersion_v2()

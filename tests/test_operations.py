@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from tests.helpers import BIN, LEASE_ARGS, Marketplace, training_job, wait_until
+from tests.helpers import BIN, LEASE_ARGS, Marketplace, Process, training_job, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -97,5 +97,50 @@ def test_admin_ban_backup_vacuum_and_logs(tmp_path):
         assert r.returncode == 0 and "vacuumed" in r.stdout, r.stderr
         r = admin(market, "ban", "no-such-provider")
         assert r.returncode == 1 and "no provider" in r.stderr
+    finally:
+        market.close()
+
+
+def provider_cmd(market: Marketplace, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([str(BIN / "gpumarket-provider"), *args], env=market.env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_provider_init_then_run_from_its_config_and_status(tmp_path):
+    from gpumarket.provider import config as provider_config
+
+    market = Marketplace(tmp_path)
+    try:
+        market.start_broker(*LEASE_ARGS)
+        data = tmp_path / "newbox"
+        r = provider_cmd(market, "init", "--data-dir", str(data), "--broker", market.address,
+                         "--price", "0.4", "--cpu-only")
+        assert r.returncode == 0, r.stderr
+        assert "self-test ok" in r.stdout and "matmul error" in r.stdout
+        fingerprint = r.stdout.split("provider fingerprint: ")[1].split()[0]
+        settings = provider_config.load(data / "provider.toml")
+        assert settings["broker"] == market.address and settings["price_per_gpu_hour"] == 0.4
+        assert "# device 0:" in (data / "provider.toml").read_text()
+        r = provider_cmd(market, "init", "--data-dir", str(data))
+        assert r.returncode == 1 and "exists" in r.stderr
+
+        r = provider_cmd(market, "status", "--data-dir", str(data))
+        assert r.returncode == 0, r.stderr
+        assert "has not seen this provider yet" in r.stdout
+
+        market.providers["newbox"] = provider = Process(
+            [str(BIN / "gpumarket-provider"), "run", "--config", str(data / "provider.toml"),
+             "--cpu-only"], tmp_path / "newbox.log", market.env)
+        market.wait_for_offers(1)
+        r = provider_cmd(market, "status", "--data-dir", str(data), "--json")
+        assert r.returncode == 0, r.stderr
+        report = json.loads(r.stdout)
+        assert report["provider_id"] == fingerprint and report["daemon"] == "running"
+        assert report["standing"]["online"] and abs(report["clock_skew_ms"]) < 60_000
+        provider.stop()
+
+        r = provider_cmd(market, "status", "--data-dir", str(data), "--broker", "127.0.0.1:1")
+        assert r.returncode == 1 and "unreachable" in r.stdout
+        assert r.stderr.strip().splitlines()[-1].startswith("error: cannot reach the broker")
     finally:
         market.close()

@@ -205,7 +205,9 @@ class GetProviderRequest(_message.Message):
     def __init__(self, provider_id: _Optional[str] = ...) -> None: ...
 
 class GetProviderResponse(_message.Message):
-    __slots__ = ("provider",)
+    __slots__ = ("provider", "broker_time_ms")
     PROVIDER_FIELD_NUMBER: _ClassVar[int]
+    BROKER_TIME_MS_FIELD_NUMBER: _ClassVar[int]
     provider: _types_pb2.ProviderStanding
-    def __init__(self, provider: _Optional[_Union[_types_pb2.ProviderStanding, _Mapping]] = ...) -> None: ...
+    broker_time_ms: int
+    def __init__(self, provider: _Optional[_Union[_types_pb2.ProviderStanding, _Mapping]] = ..., broker_time_ms: _Optional[int] = ...) -> None: ...
