@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import click
 import pytest
@@ -42,3 +44,29 @@ def test_generated_protocol_code_has_not_drifted():
     r = subprocess.run([sys.executable, "scripts/gen_proto.py", "--check"], cwd=ROOT,
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="no systemd-analyze here")
+def test_systemd_units_verify(tmp_path):
+    """The units in deploy/ pass `systemd-analyze verify` (with ExecStart pointed at this
+    environment's scripts, since /opt/gpumarket does not exist here)."""
+    units = sorted((ROOT / "deploy").glob("*.service"))
+    assert [u.name for u in units] == ["gpumarket-broker.service", "gpumarket-provider.service"]
+    for unit in units:
+        text = unit.read_text().replace("/opt/gpumarket/venv/bin", str(Path(sys.executable).parent))
+        (tmp_path / unit.name).write_text(text)
+        for setting in ("NoNewPrivileges=true", "ProtectSystem=strict", "Restart=on-failure",
+                        "User=gpumarket"):
+            assert setting in text, (unit.name, setting)
+    r = subprocess.run(["systemd-analyze", "verify", *map(str, tmp_path.glob("*.service"))],
+                       capture_output=True, text=True)
+    assert r.returncode == 0 and not r.stderr.strip(), r.stderr
+
+
+def test_broker_example_config_loads(tmp_path):
+    from gpumarket.broker.config import EXAMPLE, load
+
+    path = tmp_path / "broker.toml"
+    path.write_text(EXAMPLE)
+    settings = load(path)
+    assert settings["operators"] == () and settings["http"] == "127.0.0.1:7071"
