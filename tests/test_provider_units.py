@@ -124,7 +124,10 @@ raise RuntimeError("the model exploded")
 """)
     assert outcome.exit_code == 1 and outcome.done is None
     assert "RuntimeError: the model exploded" in outcome.error
-    assert reports == [{"event": "progress", "step": 1, "total": 2}]
+    assert [r for r in reports if r["event"] != "log"] == [
+        {"event": "progress", "step": 1, "total": 2}]
+    logged = [line for r in reports if r["event"] == "log" for line in r["lines"]]
+    assert logged[-1] == "RuntimeError: the model exploded"  # its stderr, shipped as log lines
 
 
 def test_executor_env_is_clean(tmp_path):
