@@ -41,7 +41,9 @@ def _config_from_blob(path: Path, archive: bool) -> dict:
 
 
 def estimate(spec: pb.JobSpec, blob_path: Callable[[str], Path]) -> JobEstimate:
-    """Size a training job; raise InvalidArgument naming the input if its config is unusable."""
+    """Size a job; raise InvalidArgument naming the input if its config is unusable."""
+    if spec.WhichOneof("params") in ("generate", "embed"):
+        return _inference_estimate(spec, blob_path)
     t = spec.training
     refs = {r.name: r for r in spec.inputs}
     name = t.model_config or t.base_model
@@ -60,3 +62,19 @@ def estimate(spec: pb.JobSpec, blob_path: Callable[[str], Path]) -> JobEstimate:
     # The runner keeps fp32 weights (with bf16 autocast on CUDA).
     memory = model_size.training_bytes(shape, "fp32", t.batch_size, t.seq_len)
     return JobEstimate(memory, model_size.training_flops(shape, tokens), shape.params)
+
+
+def _inference_estimate(spec: pb.JobSpec, blob_path: Callable[[str], Path]) -> JobEstimate:
+    """Weights in 16-bit plus a quarter for activations and the KV cache; the work is not
+    known without reading the prompts, so it stays 0 (unknown)."""
+    field = spec.WhichOneof("params")
+    ref = {r.name: r for r in spec.inputs}.get(getattr(spec, field).model)
+    if ref is None:
+        return JobEstimate(0, 0.0, 0)
+    try:
+        shape = model_size.shape(_config_from_blob(blob_path(ref.sha256), archive=True))
+    except (OSError, ValueError, tarfile.TarError) as exc:
+        raise InvalidArgument(f"{field}.model: cannot read a model config ({exc})") from exc
+    except InvalidArgument as exc:
+        raise InvalidArgument(f"{field}.model: {exc.message}") from exc
+    return JobEstimate(int(shape.params * 2 * 1.25), 0.0, shape.params)

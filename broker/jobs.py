@@ -50,6 +50,7 @@ class NewJob:
     work_flops: float = 0.0
     est_memory_bytes: int = 0
     max_runtime_s: int = 0
+    engine: str = ""                 # inference engine the job requires; "" = any
 
 
 @dataclass(frozen=True)
@@ -122,6 +123,7 @@ def submit(db: Database, job: NewJob, now: int) -> None:
             "min_compute_capability": job.min_compute_capability,
             "gpu_models": json.dumps(list(job.gpu_models)), "work_flops": job.work_flops,
             "est_memory_bytes": job.est_memory_bytes, "max_runtime_s": job.max_runtime_s,
+            "engine": job.engine,
         }
     )
     for sha in set(job.inputs):

@@ -42,7 +42,7 @@ ANY = pb.ACCELERATOR_UNSPECIFIED
 CONSTRAINTS = ("kind", "policy", "hours", "duration", "price", "gpus", "accelerator",
                "compute_capability", "gpu_model", "memory", "reliability", "deadline", "busy")
 REASON_TEXT = {
-    "kind": "do not run this job kind",
+    "kind": "do not run this job kind (with the engine it asks for)",
     "policy": "do not accept this client",
     "hours": "are outside their hours of availability",
     "duration": "cap job duration below this job's",
@@ -77,6 +77,7 @@ class OfferView:
     policy: Policy = field(default_factory=Policy)
     busy: frozenset[int] = frozenset()
     load: int = 0                        # active leases
+    engines: frozenset[str] = frozenset()   # inference engines it runs
 
     @property
     def free(self) -> tuple[int, ...]:
@@ -101,6 +102,7 @@ class JobNeeds:
     max_runtime_s: float = 0.0
     checkpoint_cost_s: float = 0.0
     avoid: frozenset[str] = frozenset()  # providers that lost this job: last resort
+    engine: str = ""                     # inference engine required; "" = any
 
 
 @dataclass(frozen=True)
@@ -142,7 +144,7 @@ def _model_ok(job: JobNeeds, name: str) -> bool:
 def exclusion(job: JobNeeds, offer: OfferView, now: datetime | None = None) -> str | None:
     """The first hard constraint ``offer`` fails for ``job``, or None if the job fits."""
     now = now or datetime.now(timezone.utc)
-    if job.kind not in offer.kinds:
+    if job.kind not in offer.kinds or (job.engine and job.engine not in offer.engines):
         return "kind"
     if not offer.policy.accepts(job.client_id):
         return "policy"
@@ -245,7 +247,7 @@ class Book:
 
     def _shape_masks(self, job: JobNeeds) -> list[np.ndarray]:
         """Masks that depend only on the job's shape (cached: jobs repeat shapes)."""
-        key = (job.kind, job.max_price_per_gpu_hour, job.gpus, job.accelerator,
+        key = (job.kind, job.engine, job.max_price_per_gpu_hour, job.gpus, job.accelerator,
                job.min_compute_capability, job.gpu_models, job.min_memory_bytes,
                job.min_reliability)
         hit = self._static.get(key)
@@ -253,6 +255,8 @@ class Book:
             return hit
         n = len(self.offers)
         kind = (self.kinds & self._kind_bit.get(job.kind, 0)) != 0
+        if job.engine:
+            kind &= np.array([job.engine in x.engines for x in self.offers], dtype=bool)
         accel = (self.accel == job.accelerator) if job.accelerator != ANY else np.ones(n, bool)
         if job.gpu_models:
             model = np.array([_model_ok(job, x.gpu_name) for x in self.offers], dtype=bool)

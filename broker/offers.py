@@ -52,6 +52,7 @@ def offer_view(offer: pb.Offer, history: reliability.ProviderHistory, achieved_f
         provider_id=offer.provider_id,
         price_per_gpu_hour=offer_price(offer),
         kinds=frozenset(offer.kinds),
+        engines=frozenset(offer.engines),
         device_indices=tuple(d.index for d in devices),
         accelerator=accel,
         device_memory_bytes=min(d.memory_bytes for d in devices),

@@ -187,3 +187,8 @@ def m004_logs(db: Database) -> None:
     )
     db.execute("CREATE INDEX job_logs_by_job ON job_logs(job_id, seq)")
     db.execute("ALTER TABLE jobs ADD COLUMN log_lines INTEGER NOT NULL DEFAULT 0")
+
+
+@migrations()
+def m005_engine(db: Database) -> None:
+    db.execute("ALTER TABLE jobs ADD COLUMN engine TEXT NOT NULL DEFAULT ''")

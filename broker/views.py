@@ -85,7 +85,7 @@ def queued_jobs(db: Database, limit: int) -> list[dict]:
                      " max_price_per_gpu_hour, expires_at_ms, queue_reason, spec, attempt,"
                      " checkpoint_seconds, objective, deadline_s, min_reliability,"
                      " min_compute_capability, gpu_models, work_flops, max_runtime_s,"
-                     " created_at_ms, updated_at_ms"
+                     " created_at_ms, updated_at_ms, engine"
                      " FROM jobs WHERE state = ? ORDER BY created_at_ms, id LIMIT ?",
                  [pb.JOB_STATE_QUEUED, limit])
 

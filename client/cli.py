@@ -145,7 +145,9 @@ def build_spec(job: jobfile.JobFile, refs: list[pb.ArtifactRef], created_ms: int
         max_attempts=job.max_attempts, nonce=os.urandom(NONCE_BYTES),
         created_at_ms=created_ms, expires_at_ms=created_ms + job.expires_in_s * 1000,
     )
-    spec.training.CopyFrom(pb.TrainingParams(**job.training))
+    message = {"training": pb.TrainingParams, "generate": pb.GenerateParams,
+               "embed": pb.EmbedParams}[job.params_field]
+    getattr(spec, job.params_field).CopyFrom(message(**job.params))
     return spec
 
 

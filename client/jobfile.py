@@ -25,7 +25,8 @@ TOP = {
     "max_runtime": (int, False), "max_attempts": (int, False), "expires_in": (int, False),
     "objective": (str, False), "deadline": ("duration", False),
     "min_reliability": (float, False),
-    "resources": (dict, False), "training": (dict, False),
+    "resources": (dict, False), "training": (dict, False), "generate": (dict, False),
+    "embed": (dict, False),
 }
 RESOURCES = {"gpus": (int, False), "memory": ("size", False), "accelerator": (str, False),
              "compute_capability": ("version", False), "gpu_models": ("strings", False)}
@@ -35,6 +36,17 @@ TRAINING = {
     "dataset": ("path", True), "steps": (int, True), "batch_size": (int, True),
     "seq_len": (int, True), "learning_rate": (float, True), "seed": (int, False),
     "warmup_steps": (int, False), "checkpoint_every": (int, False),
+}
+GENERATE = {
+    "model": ("dir_or_file", True), "prompts": ("path", True), "max_tokens": (int, False),
+    "temperature": (float, False), "top_p": (float, False), "seed": (int, False),
+    "stop": ("strings", False), "batch_size": (int, False), "engine": (str, False),
+    "dtype": (str, False), "quantization": (str, False), "checkpoint_every": (int, False),
+}
+EMBED = {
+    "model": ("dir_or_file", True), "texts": ("path", True), "batch_size": (int, False),
+    "output_format": (str, False), "normalize": (bool, False), "engine": (str, False),
+    "dtype": (str, False), "checkpoint_every": (int, False),
 }
 SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
 UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -66,7 +78,8 @@ class JobFile:
     min_reliability: float
     min_compute_capability: float
     gpu_models: tuple[str, ...]
-    training: dict[str, Any]        # TrainingParams fields; input fields hold input names
+    params_field: str               # "training", "generate" or "embed"
+    params: dict[str, Any]          # that message's fields; input fields hold input names
     inputs: tuple[LocalInput, ...]
 
 
@@ -96,7 +109,7 @@ def parse_duration(value: Any, where: str) -> int:
 
 
 def _type_name(t: Any) -> str:
-    return {int: "an integer", float: "a number", str: "a string", dict: "a table",
+    return {bool: "true or false", int: "an integer", float: "a number", str: "a string", dict: "a table",
             "size": "a size", "path": "a file path", "dir_or_file": "a path",
             "duration": "a duration", "version": "a version like \"8.0\"",
             "strings": "a list of strings"}[t]
@@ -122,6 +135,7 @@ def _check_table(table: dict, schema: dict, where: str, file: str) -> dict:
             "duration": isinstance(value, (int, str)) and not isinstance(value, bool),
             "version": isinstance(value, (int, float, str)) and not isinstance(value, bool),
             "strings": isinstance(value, list) and all(isinstance(v, str) for v in value),
+            bool: isinstance(value, bool),
         }[typ]
         if not ok:
             raise JobFileError(f"{file}: field '{where}{key}' must be {_type_name(typ)},"
@@ -152,36 +166,20 @@ def load(path: Path) -> JobFile:
     if kind_text not in KINDS_BY_NAME:
         raise JobFileError(f"{file}: field 'kind' must be one of {sorted(KINDS_BY_NAME)},"
                            f" got {kind_text!r}")
-    if kind_text != "training":
-        raise JobFileError(f"{file}: kind {kind_text!r} is not supported yet (only 'training')")
+    if kind_text not in PARSERS:
+        raise JobFileError(f"{file}: kind {kind_text!r} is not supported yet (supported:"
+                           f" {', '.join(PARSERS)})")
     resources = _check_table(raw.get("resources", {}), RESOURCES, "resources.", file)
     accel = resources.get("accelerator", "any")
     if accel not in ACCELERATORS_BY_NAME:
         raise JobFileError(f"{file}: field 'resources.accelerator' must be one of"
                            f" {sorted(ACCELERATORS_BY_NAME)}, got {accel!r}")
-    if "training" not in raw:
-        raise JobFileError(f"{file}: a training job needs a [training] table")
-    training = dict(_check_table(raw["training"], TRAINING, "training.", file))
-    base = path.parent
-    inputs = []
-    has_config, has_base = "model_config" in training, "base_model" in training
-    if has_config == has_base:
-        raise JobFileError(f"{file}: [training] needs exactly one of model_config or base_model")
-    if has_config:
-        src = _file(base, training["model_config"], "training.model_config", file)
-        inputs.append(LocalInput("model_config.json", src))
-        training["model_config"] = "model_config.json"
-    else:
-        src = _file(base, training["base_model"], "training.base_model", file)
-        inputs.append(LocalInput("base_model.tar", src))
-        training["base_model"] = "base_model.tar"
-    src = _file(base, training["dataset"], "training.dataset", file)
-    inputs.append(LocalInput("dataset.jsonl", src))
-    training["dataset"] = "dataset.jsonl"
-    for key in ("steps", "batch_size", "seq_len", "warmup_steps", "checkpoint_every", "seed"):
-        if key in training and training[key] < 0:
-            raise JobFileError(f"{file}: field 'training.{key}' must not be negative")
-    training.setdefault("seed", 0)
+    for other in PARSERS:
+        if other != kind_text and other in raw:
+            raise JobFileError(f"{file}: a {kind_text} job takes no [{other}] table")
+    if kind_text not in raw:
+        raise JobFileError(f"{file}: a {kind_text} job needs a [{kind_text}] table")
+    params, inputs = PARSERS[kind_text](raw[kind_text], path.parent, file)
     numbers = {"max_runtime": raw.get("max_runtime", 0), "max_attempts": raw.get("max_attempts", 0),
                "expires_in": raw.get("expires_in", DEFAULT_EXPIRY_S),
                "resources.gpus": resources.get("gpus", 1)}
@@ -220,9 +218,59 @@ def load(path: Path) -> JobFile:
         gpus=numbers["resources.gpus"],
         min_memory_bytes=parse_size(resources.get("memory", 0), "resources.memory"),
         accelerator=ACCELERATORS_BY_NAME[accel],
-        training=training,
+        params_field=kind_text,
+        params=params,
         inputs=tuple(inputs),
     )
+
+
+def _training(table: dict, base: Path, file: str) -> tuple[dict, list[LocalInput]]:
+    training = dict(_check_table(table, TRAINING, "training.", file))
+    inputs = []
+    has_config, has_base = "model_config" in training, "base_model" in training
+    if has_config == has_base:
+        raise JobFileError(f"{file}: [training] needs exactly one of model_config or base_model")
+    if has_config:
+        src = _file(base, training["model_config"], "training.model_config", file)
+        inputs.append(LocalInput("model_config.json", src))
+        training["model_config"] = "model_config.json"
+    else:
+        src = _file(base, training["base_model"], "training.base_model", file)
+        inputs.append(LocalInput("base_model.tar", src))
+        training["base_model"] = "base_model.tar"
+    src = _file(base, training["dataset"], "training.dataset", file)
+    inputs.append(LocalInput("dataset.jsonl", src))
+    training["dataset"] = "dataset.jsonl"
+    for key in ("steps", "batch_size", "seq_len", "warmup_steps", "checkpoint_every", "seed"):
+        if key in training and training[key] < 0:
+            raise JobFileError(f"{file}: field 'training.{key}' must not be negative")
+    training.setdefault("seed", 0)
+    return training, inputs
+
+
+def _inference(kind: str, schema: dict, data_field: str, table: dict, base: Path,
+               file: str) -> tuple[dict, list[LocalInput]]:
+    params = dict(_check_table(table, schema, f"{kind}.", file))
+    model = _file(base, params["model"], f"{kind}.model", file)
+    if model.is_dir() and not (model / "config.json").exists():
+        raise JobFileError(f"{file}: {kind}.model = {params['model']!r}: a model directory"
+                           " needs a config.json")
+    data = _file(base, params[data_field], f"{kind}.{data_field}", file)
+    inputs = [LocalInput("model.tar", model), LocalInput(f"{data_field}.jsonl", data)]
+    params["model"], params[data_field] = "model.tar", f"{data_field}.jsonl"
+    for key in ("max_tokens", "seed", "batch_size", "checkpoint_every"):
+        if key in params and params[key] < 0:
+            raise JobFileError(f"{file}: field '{kind}.{key}' must not be negative")
+    if "normalize" in params:
+        params["keep_scale"] = not params.pop("normalize")
+    return params, inputs
+
+
+PARSERS = {
+    "training": _training,
+    "generate": lambda t, b, f: _inference("generate", GENERATE, "prompts", t, b, f),
+    "embed": lambda t, b, f: _inference("embed", EMBED, "texts", t, b, f),
+}
 
 
 def pack_directory(directory: Path) -> bytes:

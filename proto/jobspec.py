@@ -80,7 +80,7 @@ def check_spec(spec: types_pb2.JobSpec) -> None:
     """Raise InvalidArgument naming the first field that makes ``spec`` unrunnable."""
     if spec.kind not in KIND_NAMES:
         raise InvalidArgument("kind: not set to a known job kind")
-    if spec.kind != types_pb2.JOB_KIND_TRAINING:
+    if spec.kind not in PARAMS_OF_KIND:
         raise InvalidArgument(f"kind: {kind_name(spec.kind)} jobs are not supported yet")
     if len(spec.nonce) != NONCE_BYTES:
         raise InvalidArgument(f"nonce: must be {NONCE_BYTES} bytes")
@@ -114,9 +114,54 @@ def check_spec(spec: types_pb2.JobSpec) -> None:
         if ref.name in names:
             raise InvalidArgument(f"inputs[{i}].name: {ref.name!r} given twice")
         names.add(ref.name)
-    if spec.WhichOneof("params") != "training":
-        raise InvalidArgument("training: a training job needs a [training] table")
-    _check_training(spec.training, names)
+    field = PARAMS_OF_KIND[spec.kind]
+    if spec.WhichOneof("params") != field:
+        raise InvalidArgument(f"{field}: a {kind_name(spec.kind)} job needs a [{field}] table")
+    CHECKS[field](getattr(spec, field), names)
+
+
+def _check_inputs(params, fields: tuple[str, ...], where: str, inputs: set[str]) -> None:
+    for name in fields:
+        value = getattr(params, name)
+        if not value:
+            raise InvalidArgument(f"{where}.{name}: required")
+        if value not in inputs:
+            raise InvalidArgument(f"{where}.{name}: names no input ({value!r})")
+
+
+def _check_engine(params, where: str) -> None:
+    if params.engine not in ENGINES:
+        raise InvalidArgument(f"{where}.engine: must be one of {sorted(ENGINES - {''})}")
+    if params.dtype not in DTYPES:
+        raise InvalidArgument(f"{where}.dtype: must be one of {sorted(DTYPES - {''})}")
+
+
+def _check_generate(g: types_pb2.GenerateParams, inputs: set[str]) -> None:
+    _check_inputs(g, ("model", "prompts"), "generate", inputs)
+    _check_engine(g, "generate")
+    if g.max_tokens > 1_000_000:
+        raise InvalidArgument("generate.max_tokens: at most 1,000,000")
+    if not 0 <= g.temperature <= 100:
+        raise InvalidArgument("generate.temperature: must be between 0 and 100")
+    if not 0 <= g.top_p <= 1:
+        raise InvalidArgument("generate.top_p: must be between 0 and 1")
+    if len(g.stop) > 16 or any(not 0 < len(s) <= 256 for s in g.stop):
+        raise InvalidArgument("generate.stop: at most 16 strings of 1 to 256 characters")
+    if g.batch_size > 4096:
+        raise InvalidArgument("generate.batch_size: at most 4,096")
+    if g.quantization and g.engine != "vllm":
+        raise InvalidArgument("generate.quantization: needs engine = \"vllm\"")
+
+
+def _check_embed(e: types_pb2.EmbedParams, inputs: set[str]) -> None:
+    _check_inputs(e, ("model", "texts"), "embed", inputs)
+    _check_engine(e, "embed")
+    if e.engine == "vllm":
+        raise InvalidArgument("embed.engine: embed jobs run on transformers")
+    if e.output_format not in ("", "jsonl", "npy"):
+        raise InvalidArgument("embed.output_format: must be jsonl or npy")
+    if e.batch_size > 65_536:
+        raise InvalidArgument("embed.batch_size: at most 65,536")
 
 
 def _check_training(t: types_pb2.TrainingParams, inputs: set[str]) -> None:
@@ -138,6 +183,13 @@ def _check_training(t: types_pb2.TrainingParams, inputs: set[str]) -> None:
         raise InvalidArgument("training.learning_rate: must be in (0, 10)")
     if t.warmup_steps > t.steps:
         raise InvalidArgument("training.warmup_steps: more than training.steps")
+
+
+PARAMS_OF_KIND = {types_pb2.JOB_KIND_TRAINING: "training",
+                  types_pb2.JOB_KIND_GENERATE: "generate", types_pb2.JOB_KIND_EMBED: "embed"}
+CHECKS = {"training": _check_training, "generate": _check_generate, "embed": _check_embed}
+ENGINES = {"", "transformers", "vllm"}
+DTYPES = {"", "auto", "float32", "bfloat16", "float16"}
 
 
 def check_fresh(spec: types_pb2.JobSpec, at_ms: int | None = None) -> None:

@@ -8,18 +8,27 @@ from pathlib import Path
 
 from gpumarket.proto.errors import InvalidArgument
 
-FILES = ("model.safetensors", "state.safetensors", "state.json", "COMPLETE")
+# The plain files a checkpoint may hold, by runner: training state, or the results so far of
+# an inference job. A checkpoint is exactly one of these sets.
+LAYOUTS = (
+    ("model.safetensors", "state.safetensors", "state.json", "COMPLETE"),
+    ("results.jsonl", "state.json", "COMPLETE"),
+)
+FILES = LAYOUTS[0]
 MAX_MEMBER_BYTES = 1 << 40
 
 
 def pack(directory: Path, target: Path) -> Path:
     """Write ``directory``'s checkpoint files into the tar ``target`` (fixed order, zeroed
     times and owners, so the same checkpoint always hashes the same)."""
+    layout = next((files for files in LAYOUTS
+                   if all((directory / name).is_file() for name in files)), None)
+    if layout is None:
+        missing = [n for n in FILES if not (directory / n).is_file()]
+        raise InvalidArgument(f"checkpoint {directory.name} lacks {', '.join(missing)}")
     with tarfile.open(target, "w", format=tarfile.PAX_FORMAT) as tar:
-        for name in FILES:
+        for name in layout:
             path = directory / name
-            if not path.is_file():
-                raise InvalidArgument(f"checkpoint {directory.name} lacks {name}")
             info = tar.gettarinfo(path, arcname=name)
             info.mtime, info.uid, info.gid, info.uname, info.gname, info.mode = 0, 0, 0, "", "", 0o644
             with open(path, "rb") as f:
@@ -34,7 +43,8 @@ def unpack(archive: Path, target: Path) -> Path:
         with tarfile.open(archive, "r:") as tar:
             members = tar.getmembers()
             names = [m.name for m in members]
-            if sorted(names) != sorted(FILES) or not all(m.isfile() for m in members):
+            if sorted(names) not in [sorted(files) for files in LAYOUTS] or not all(
+                    m.isfile() for m in members):
                 raise InvalidArgument("checkpoint archive holds unexpected entries")
             for m in members:
                 if m.size > MAX_MEMBER_BYTES:

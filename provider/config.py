@@ -19,7 +19,7 @@ EXAMPLE = """\
 
 # broker = "broker.example.org:7070"
 price_per_gpu_hour = 1.20        # credits per device-hour
-kinds = ["training"]             # job kinds this provider accepts
+kinds = ["training", "generate", "embed"]   # job kinds this provider accepts
 max_job_hours = 24               # longest job accepted
 allow_clients = []               # client ids; empty = everyone not denied
 deny_clients = []
@@ -51,7 +51,8 @@ class ProviderConfig:
     backoff_max_s: float = 30.0          # longest wait between reconnects
     cpu_only: bool = False               # advertise the CPU even where GPUs are present
     warm_runners: bool = True            # keep one idle runner per kind with imports done
-    kinds: frozenset[int] = frozenset({pb.JOB_KIND_TRAINING})   # accepted job kinds
+    kinds: frozenset[int] = frozenset({pb.JOB_KIND_TRAINING, pb.JOB_KIND_GENERATE,
+                                       pb.JOB_KIND_EMBED})   # accepted job kinds
     policy: Policy = field(default_factory=Policy)  # clients and hours served
     device_prices: dict[int, float] = field(default_factory=dict)  # per device index
 

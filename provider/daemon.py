@@ -34,14 +34,17 @@ from gpumarket.provider.config import ProviderConfig
 from gpumarket.provider.executor import (
     JobProcess, job_env, pid_runs_in, read_reports,
 )
-from gpumarket.provider.inventory import DeviceInfo
+from gpumarket.provider.inventory import DeviceInfo, inference_engines
 from gpumarket.provider.journal import Journal
 from gpumarket.provider.leases import Assignment, check_lease, refusal, runner_config
 from gpumarket.provider.warm_pool import WarmPool
 
 log = logging.getLogger(__name__)
 
-RUNNERS = {pb.JOB_KIND_TRAINING: "gpumarket.provider.runners.training"}
+RUNNERS = {pb.JOB_KIND_TRAINING: "gpumarket.provider.runners.training",
+           pb.JOB_KIND_GENERATE: "gpumarket.provider.runners.generate",
+           pb.JOB_KIND_EMBED: "gpumarket.provider.runners.embed"}
+WARM_KINDS = {pb.JOB_KIND_TRAINING}   # one idle runner each: training resumes fastest
 
 
 @dataclass(eq=False)
@@ -74,6 +77,7 @@ class ProviderDaemon:
         self.devices = devices
         self.benchmarks = benchmarks
         self.kinds = set(RUNNERS) & set(config.kinds)
+        self.engines = inference_engines(any(d.is_cuda for d in devices))
         self.jobs: dict[str, RunningJob] = {}
         self.unsettled: dict[tuple[str, int], gw.ProviderMessage] = {}
         self.outbox: asyncio.Queue | None = None
@@ -99,6 +103,7 @@ class ProviderDaemon:
             devices=devices,
             price_per_gpu_hour=self.config.price_per_gpu_hour,
             kinds=sorted(self.kinds),
+            engines=sorted(self.engines),
             software_version=__version__,
             created_at_ms=now_ms(),
             policy=self.config.policy.message(),
@@ -116,7 +121,7 @@ class ProviderDaemon:
         self.channel = grpc.aio.insecure_channel(self.config.broker)
         self.artifacts = ArtifactLink(self.channel, self.config.rpc_timeout_s)
         await self._recover()
-        for kind in self.kinds:
+        for kind in self.kinds & WARM_KINDS:
             await self._refill_warm(kind)
         backoff = 0.5
         try:
@@ -272,7 +277,7 @@ class ProviderDaemon:
             assignment = check_lease(
                 envelope, broker_public_key=self.broker_key or b"",
                 provider_id=self.identity.id, device_indices=self.free_devices(),
-                kinds=self.kinds, policy=self.config.policy)
+                kinds=self.kinds, engines=self.engines, policy=self.config.policy)
         except GpumarketError as exc:
             reason = refusal(exc)
             log.warning("refused a lease: %s", reason)
@@ -533,10 +538,12 @@ class ProviderDaemon:
 
     async def _refill_warm(self, kind: int) -> None:
         """Keep one idle runner of ``kind`` with its imports done, ready for the next lease."""
-        if not (self.stopping.is_set() or self.draining):
+        if kind in WARM_KINDS and not (self.stopping.is_set() or self.draining):
             await self.warm.refill(RUNNERS[kind].rsplit(".", 1)[1])
 
     def _take_warm(self, kind: int) -> asyncio.subprocess.Process | None:
+        if kind not in WARM_KINDS:
+            return None
         proc = self.warm.take(RUNNERS[kind].rsplit(".", 1)[1])
         self._spawn(self._refill_warm(kind))
         return proc

@@ -115,3 +115,14 @@ def detect(cpu_only: bool = False) -> tuple[list[DeviceInfo], str | None]:
         return nvidia_devices(), None
     except RuntimeError as exc:
         return [cpu_device()], f"no NVIDIA GPU found ({exc}); offering the CPU as a CPU device"
+
+
+def inference_engines(has_cuda: bool) -> frozenset[str]:
+    """The inference engines this provider can run: transformers always; vLLM where its
+    package is installed and there is a CUDA device (it runs on nothing else)."""
+    import importlib.util
+
+    engines = {"transformers"}
+    if has_cuda and importlib.util.find_spec("vllm") is not None:
+        engines.add("vllm")
+    return frozenset(engines)

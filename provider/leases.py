@@ -35,6 +35,7 @@ def check_lease(
     provider_id: str,
     device_indices: set[int],
     kinds: set[int],
+    engines: frozenset[str] = frozenset({"transformers"}),
     policy: Policy | None = None,
     at_ms: int | None = None,
 ) -> Assignment:
@@ -68,6 +69,10 @@ def check_lease(
         if policy.max_job_s and spec.max_runtime_s > policy.max_job_s:
             raise PermissionDenied(f"job asks {spec.max_runtime_s}s; this provider runs jobs"
                                    f" of at most {policy.max_job_s:.0f}s")
+    engine = getattr(getattr(spec, spec.WhichOneof("params")), "engine", "")
+    if engine and engine not in engines:
+        raise InvalidArgument(f"this provider has no {engine} engine (it has:"
+                              f" {', '.join(sorted(engines)) or 'none'})")
     wanted = set(lease.device_indices)
     if len(wanted) != spec.resources.gpus or not wanted <= device_indices:
         raise InvalidArgument(f"lease names devices {sorted(wanted)} this provider cannot give")
@@ -78,13 +83,14 @@ def runner_config(a: Assignment, inputs: dict[str, str], resume_dir: Path | None
                   cuda: bool) -> dict:
     """The job.json a runner reads: its parameters, input paths, checkpoint cadence, device
     and the checkpoint to resume from."""
+    params = getattr(a.spec, a.spec.WhichOneof("params"))
     return {
         "job_id": a.lease.job_id,
         "attempt": a.lease.attempt,
         "kind": kind_name(a.spec.kind),
-        "params": MessageToDict(a.spec.training, preserving_proto_field_name=True),
+        "params": MessageToDict(params, preserving_proto_field_name=True),
         "inputs": inputs,
-        "checkpoint_every": a.spec.training.checkpoint_every or a.lease.checkpoint_every,
+        "checkpoint_every": params.checkpoint_every or a.lease.checkpoint_every,
         "checkpoint_interval_s": a.lease.checkpoint_interval_s,
         "provider_mtbf_s": a.lease.provider_mtbf_s,
         "device": "cuda" if cuda else "cpu",

@@ -119,8 +119,56 @@ class TrainingParams(_message.Message):
     warmup_steps: int
     def __init__(self, model_config: _Optional[str] = ..., base_model: _Optional[str] = ..., dataset: _Optional[str] = ..., steps: _Optional[int] = ..., batch_size: _Optional[int] = ..., learning_rate: _Optional[float] = ..., seed: _Optional[int] = ..., seq_len: _Optional[int] = ..., checkpoint_every: _Optional[int] = ..., warmup_steps: _Optional[int] = ...) -> None: ...
 
+class GenerateParams(_message.Message):
+    __slots__ = ("model", "prompts", "max_tokens", "temperature", "top_p", "seed", "stop", "batch_size", "engine", "dtype", "quantization", "checkpoint_every")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    PROMPTS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_EVERY_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    prompts: str
+    max_tokens: int
+    temperature: float
+    top_p: float
+    seed: int
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    batch_size: int
+    engine: str
+    dtype: str
+    quantization: str
+    checkpoint_every: int
+    def __init__(self, model: _Optional[str] = ..., prompts: _Optional[str] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., batch_size: _Optional[int] = ..., engine: _Optional[str] = ..., dtype: _Optional[str] = ..., quantization: _Optional[str] = ..., checkpoint_every: _Optional[int] = ...) -> None: ...
+
+class EmbedParams(_message.Message):
+    __slots__ = ("model", "texts", "batch_size", "output_format", "keep_scale", "engine", "dtype", "checkpoint_every")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    TEXTS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    KEEP_SCALE_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_EVERY_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    texts: str
+    batch_size: int
+    output_format: str
+    keep_scale: bool
+    engine: str
+    dtype: str
+    checkpoint_every: int
+    def __init__(self, model: _Optional[str] = ..., texts: _Optional[str] = ..., batch_size: _Optional[int] = ..., output_format: _Optional[str] = ..., keep_scale: _Optional[bool] = ..., engine: _Optional[str] = ..., dtype: _Optional[str] = ..., checkpoint_every: _Optional[int] = ...) -> None: ...
+
 class JobSpec(_message.Message):
-    __slots__ = ("name", "kind", "resources", "max_price_per_gpu_hour", "inputs", "max_runtime_s", "max_attempts", "objective", "deadline_s", "min_reliability", "training", "nonce", "created_at_ms", "expires_at_ms")
+    __slots__ = ("name", "kind", "resources", "max_price_per_gpu_hour", "inputs", "max_runtime_s", "max_attempts", "objective", "deadline_s", "min_reliability", "training", "generate", "embed", "nonce", "created_at_ms", "expires_at_ms")
     NAME_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     RESOURCES_FIELD_NUMBER: _ClassVar[int]
@@ -132,6 +180,8 @@ class JobSpec(_message.Message):
     DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
     MIN_RELIABILITY_FIELD_NUMBER: _ClassVar[int]
     TRAINING_FIELD_NUMBER: _ClassVar[int]
+    GENERATE_FIELD_NUMBER: _ClassVar[int]
+    EMBED_FIELD_NUMBER: _ClassVar[int]
     NONCE_FIELD_NUMBER: _ClassVar[int]
     CREATED_AT_MS_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_AT_MS_FIELD_NUMBER: _ClassVar[int]
@@ -146,10 +196,12 @@ class JobSpec(_message.Message):
     deadline_s: int
     min_reliability: float
     training: TrainingParams
+    generate: GenerateParams
+    embed: EmbedParams
     nonce: bytes
     created_at_ms: int
     expires_at_ms: int
-    def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[JobKind, str]] = ..., resources: _Optional[_Union[Resources, _Mapping]] = ..., max_price_per_gpu_hour: _Optional[float] = ..., inputs: _Optional[_Iterable[_Union[ArtifactRef, _Mapping]]] = ..., max_runtime_s: _Optional[int] = ..., max_attempts: _Optional[int] = ..., objective: _Optional[_Union[Objective, str]] = ..., deadline_s: _Optional[int] = ..., min_reliability: _Optional[float] = ..., training: _Optional[_Union[TrainingParams, _Mapping]] = ..., nonce: _Optional[bytes] = ..., created_at_ms: _Optional[int] = ..., expires_at_ms: _Optional[int] = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[JobKind, str]] = ..., resources: _Optional[_Union[Resources, _Mapping]] = ..., max_price_per_gpu_hour: _Optional[float] = ..., inputs: _Optional[_Iterable[_Union[ArtifactRef, _Mapping]]] = ..., max_runtime_s: _Optional[int] = ..., max_attempts: _Optional[int] = ..., objective: _Optional[_Union[Objective, str]] = ..., deadline_s: _Optional[int] = ..., min_reliability: _Optional[float] = ..., training: _Optional[_Union[TrainingParams, _Mapping]] = ..., generate: _Optional[_Union[GenerateParams, _Mapping]] = ..., embed: _Optional[_Union[EmbedParams, _Mapping]] = ..., nonce: _Optional[bytes] = ..., created_at_ms: _Optional[int] = ..., expires_at_ms: _Optional[int] = ...) -> None: ...
 
 class Benchmark(_message.Message):
     __slots__ = ("matmul_flops", "matmul_dtype", "memory_bandwidth_bytes_per_s", "measured_at_ms", "matmul_flops_by_dtype", "host_to_device_bytes_per_s", "sm_count", "interconnect")
@@ -227,7 +279,7 @@ class Policy(_message.Message):
     def __init__(self, allowed_clients: _Optional[_Iterable[str]] = ..., denied_clients: _Optional[_Iterable[str]] = ..., max_job_seconds: _Optional[int] = ..., windows: _Optional[_Iterable[_Union[AvailabilityWindow, _Mapping]]] = ...) -> None: ...
 
 class Offer(_message.Message):
-    __slots__ = ("provider_id", "devices", "price_per_gpu_hour", "kinds", "software_version", "created_at_ms", "policy")
+    __slots__ = ("provider_id", "devices", "price_per_gpu_hour", "kinds", "software_version", "created_at_ms", "policy", "engines")
     PROVIDER_ID_FIELD_NUMBER: _ClassVar[int]
     DEVICES_FIELD_NUMBER: _ClassVar[int]
     PRICE_PER_GPU_HOUR_FIELD_NUMBER: _ClassVar[int]
@@ -235,6 +287,7 @@ class Offer(_message.Message):
     SOFTWARE_VERSION_FIELD_NUMBER: _ClassVar[int]
     CREATED_AT_MS_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
+    ENGINES_FIELD_NUMBER: _ClassVar[int]
     provider_id: str
     devices: _containers.RepeatedCompositeFieldContainer[Device]
     price_per_gpu_hour: float
@@ -242,7 +295,8 @@ class Offer(_message.Message):
     software_version: str
     created_at_ms: int
     policy: Policy
-    def __init__(self, provider_id: _Optional[str] = ..., devices: _Optional[_Iterable[_Union[Device, _Mapping]]] = ..., price_per_gpu_hour: _Optional[float] = ..., kinds: _Optional[_Iterable[_Union[JobKind, str]]] = ..., software_version: _Optional[str] = ..., created_at_ms: _Optional[int] = ..., policy: _Optional[_Union[Policy, _Mapping]] = ...) -> None: ...
+    engines: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, provider_id: _Optional[str] = ..., devices: _Optional[_Iterable[_Union[Device, _Mapping]]] = ..., price_per_gpu_hour: _Optional[float] = ..., kinds: _Optional[_Iterable[_Union[JobKind, str]]] = ..., software_version: _Optional[str] = ..., created_at_ms: _Optional[int] = ..., policy: _Optional[_Union[Policy, _Mapping]] = ..., engines: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Lease(_message.Message):
     __slots__ = ("lease_id", "job_id", "attempt", "epoch", "provider_id", "client_id", "price_per_gpu_hour", "checkpoint_every", "resume_from", "device_indices", "issued_at_ms", "expires_at_ms", "job_spec", "provider_mtbf_s", "checkpoint_interval_s")

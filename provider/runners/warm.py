@@ -16,7 +16,7 @@ import json
 import os
 import sys
 
-KINDS = {"training"}
+KINDS = {"training", "generate", "embed"}
 
 
 def main() -> int:

@@ -1,0 +1,105 @@
+"""The embed runner: one vector per text of a JSONL, with a transformers encoder and mean
+pooling over the attention mask (the sentence-transformers recipe), resumable per batch.
+
+    python -m gpumarket.provider.runners.embed WORKDIR
+
+Writes outputs/embeddings.jsonl ({"index", "embedding"}) or outputs/embeddings.npy
+(float32, one row per text, input order) and outputs/metrics.json.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+from gpumarket.provider.runners.inference import (
+    Results, percentiles, read_items, run_main, torch_device, torch_dtype, unpack_model,
+)
+from gpumarket.provider.runners.report import Reporter
+from gpumarket.provider.runners.training import JobError
+
+DEFAULT_BATCH = 32
+
+
+def embed(workdir: Path, report: Reporter) -> None:
+    import numpy as np
+    import torch
+    from transformers import AutoModel, AutoTokenizer
+
+    job = json.loads((workdir / "job.json").read_text())
+    p = job["params"]
+    texts = read_items(job["inputs"][p["texts"]], "text", "texts")
+    fmt = p.get("output_format") or "jsonl"
+    if fmt not in ("jsonl", "npy"):
+        raise JobError(f"output_format {fmt!r} is not jsonl or npy")
+    device = torch_device(job)
+    model_dir = unpack_model(job, "model", workdir)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True,
+                                                  trust_remote_code=False)
+        model = AutoModel.from_pretrained(model_dir, local_files_only=True, use_safetensors=True,
+                                          trust_remote_code=False,
+                                          dtype=torch_dtype(p.get("dtype", ""), device))
+    except (OSError, ValueError) as exc:
+        raise JobError(f"model: cannot load ({str(exc).splitlines()[0]})") from exc
+    model = model.to(device).eval()
+    normalize = not p.get("keep_scale", False)
+    max_len = min(int(getattr(tokenizer, "model_max_length", 512) or 512), 8192)
+    results = Results(workdir, job, len(texts), int(p.get("batch_size") or DEFAULT_BATCH),
+                      report)
+    print(f"embedding {len(texts)} texts with {type(model).__name__} on {device},"
+          f" batch {results.batch_size}", flush=True)
+    began, tokens, latencies = time.perf_counter(), 0, []
+    for indices in results.batches():
+        start = time.perf_counter()
+        enc = tokenizer([texts[i] for i in indices], return_tensors="pt", padding=True,
+                        truncation=True, max_length=max_len).to(device)
+        with torch.inference_mode():
+            hidden = model(**enc).last_hidden_state
+        mask = enc["attention_mask"].unsqueeze(-1).to(hidden.dtype)
+        vectors = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
+        if normalize:
+            vectors = torch.nn.functional.normalize(vectors, dim=-1)
+        vectors = vectors.float().cpu().numpy()
+        tokens += int(enc["attention_mask"].sum())
+        latencies.append(time.perf_counter() - start)
+        results.add([{"index": i, "embedding": vectors[row].tolist(),
+                      "tokens": int(enc["attention_mask"][row].sum())}
+                     for row, i in enumerate(indices)],
+                    texts_per_s=len(results.done) / max(time.perf_counter() - began, 1e-9))
+    elapsed = time.perf_counter() - began
+    ordered = results.in_order()
+    out = workdir / "outputs"
+    out.mkdir(exist_ok=True)
+    if fmt == "npy":
+        np.save(out / "embeddings.npy", np.array([r["embedding"] for r in ordered],
+                                                 dtype=np.float32))
+    else:
+        with open(out / "embeddings.jsonl", "w", encoding="utf-8") as f:
+            for r in ordered:
+                f.write(json.dumps({"index": r["index"], "embedding": r["embedding"]}) + "\n")
+    done_now = len(texts) - results.resumed_from
+    metrics = {"texts": float(len(texts)), "dimensions": float(len(ordered[0]["embedding"])),
+               "tokens": float(sum(r["tokens"] for r in ordered)),
+               "texts_per_s": done_now / elapsed if elapsed > 0 else 0.0,
+               "tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0,
+               "embed_seconds": elapsed, "batch_size": float(results.batch_size),
+               "resumed_from_step": float(results.resumed_from),
+               **percentiles(latencies, "batch_s")}
+    (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
+    print(f"done: {len(texts)} texts, {metrics['texts_per_s']:,.1f} texts/s", flush=True)
+    report.done(**metrics)
+
+
+def warm_up() -> None:
+    from transformers import AutoModel, AutoTokenizer  # noqa: F401
+
+
+def main() -> int:
+    return run_main("embed", embed)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

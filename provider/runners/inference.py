@@ -1,0 +1,187 @@
+"""What the generate and embed runners share: the model directory, the JSONL input, results
+kept per batch so a resumed job skips what is done, checkpoints of those results, figures.
+
+A job's items are cut into fixed batches in input order (the batch size is kept in the
+checkpoint, so a resumed attempt cuts them the same way and a seeded sampler draws the same
+numbers for the same batch). After each batch its results are appended to ``results.jsonl``;
+a checkpoint is a copy of that file. The final output is written in input order at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tarfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from gpumarket.provider.runners.checkpoint import MARKER, _fsync_dir, _fsync_file
+from gpumarket.provider.runners.report import Reporter
+from gpumarket.provider.runners.training import Cadence, JobError
+
+RESULTS = "results.jsonl"
+
+
+def unpack_model(job: dict, field: str, workdir: Path) -> Path:
+    """Unpack the model archive named by params[field] into the work dir (safe extraction:
+    no paths outside it, no links)."""
+    archive = job["inputs"].get(job["params"].get(field, ""))
+    if not archive:
+        raise JobError(f"{field}: no model archive among the job's inputs")
+    target = workdir / "model"
+    if target.exists():
+        shutil.rmtree(target)
+    target.mkdir()
+    try:
+        with tarfile.open(archive) as tar:
+            tar.extractall(target, filter="data")
+    except (tarfile.TarError, OSError) as exc:
+        raise JobError(f"{field}: not a readable model archive ({exc})") from exc
+    if not (target / "config.json").exists():
+        raise JobError(f"{field}: the archive has no config.json at its top level")
+    return target
+
+
+def read_items(path: str, key: str, what: str) -> list[str]:
+    """The string field ``key`` of every JSONL line (blank lines skipped)."""
+    items = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError as exc:
+                raise JobError(f"{what} line {lineno}: not JSON") from exc
+            value = record.get(key) if isinstance(record, dict) else None
+            if not isinstance(value, str):
+                raise JobError(f"{what} line {lineno}: needs a string field \"{key}\"")
+            items.append(value)
+    if not items:
+        raise JobError(f"{what}: no items")
+    return items
+
+
+def percentiles(values: list[float], name: str) -> dict[str, float]:
+    if not values:
+        return {}
+    ordered = sorted(values)
+
+    def at(q: float) -> float:
+        return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+    return {f"{name}_p50": at(0.50), f"{name}_p95": at(0.95), f"{name}_p99": at(0.99)}
+
+
+class Results:
+    """Results by item index, appended per batch to ``results.jsonl`` and checkpointed."""
+
+    def __init__(self, workdir: Path, job: dict, total: int, batch_size: int,
+                 report: Reporter) -> None:
+        self.workdir, self.total, self.report = workdir, total, report
+        self.path = workdir / RESULTS
+        self.done: dict[int, dict] = {}
+        self.batch_size = batch_size
+        resume = job.get("resume_from")
+        if resume:
+            meta = json.loads((Path(resume) / "state.json").read_text())
+            self.batch_size = int(meta["batch_size"])
+            shutil.copyfile(Path(resume) / RESULTS, self.path)
+        elif self.path.exists():
+            self.path.unlink()
+        if self.path.exists():
+            with open(self.path, encoding="utf-8") as f:
+                for line in f:
+                    record = json.loads(line)
+                    self.done[record["index"]] = record
+        self.resumed_from = len(self.done)
+        if self.resumed_from:
+            report.send("resumed", step=self.resumed_from)
+            print(f"resuming: {self.resumed_from} of {total} items already done", flush=True)
+        self.cadence = Cadence(int(job.get("checkpoint_every") or 0),
+                               float(job.get("checkpoint_interval_s") or 0),
+                               float(job.get("provider_mtbf_s") or 0))
+
+    def batches(self) -> Iterator[list[int]]:
+        """The batches not done yet, each a list of item indices in input order."""
+        for start in range(0, self.total, self.batch_size):
+            batch = list(range(start, min(start + self.batch_size, self.total)))
+            if not all(i in self.done for i in batch):
+                yield batch
+
+    def add(self, records: list[dict], **metrics: float) -> None:
+        with open(self.path, "a", encoding="utf-8") as f:
+            for record in records:
+                f.write(json.dumps(record) + "\n")
+                self.done[record["index"]] = record
+            f.flush()
+            os.fsync(f.fileno())
+        step = len(self.done)
+        self.report.progress(step, self.total, **metrics)
+        if step < self.total and self.cadence.due(step):
+            self.checkpoint(step)
+
+    def checkpoint(self, step: int) -> None:
+        began = time.perf_counter()
+        root = self.workdir / "checkpoints"
+        root.mkdir(exist_ok=True)
+        final, tmp = root / f"step-{step:08d}", root / f".tmp-step-{step:08d}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        shutil.copyfile(self.path, tmp / RESULTS)
+        (tmp / "state.json").write_text(json.dumps({"step": step, "batch_size": self.batch_size}))
+        for name in (RESULTS, "state.json"):
+            _fsync_file(tmp / name)
+        _fsync_dir(tmp)
+        if final.exists():
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        (final / MARKER).write_text(str(step))
+        _fsync_file(final / MARKER)
+        _fsync_dir(root)
+        took = time.perf_counter() - began
+        self.cadence.written(took)
+        self.report.checkpoint(step, str(final.relative_to(self.workdir)), took)
+
+    def in_order(self) -> list[dict]:
+        missing = [i for i in range(self.total) if i not in self.done]
+        if missing:
+            raise JobError(f"{len(missing)} items have no result (first: {missing[0]})")
+        return [self.done[i] for i in range(self.total)]
+
+
+def torch_device(job: dict):
+    import torch
+
+    return torch.device("cuda" if job.get("device") == "cuda" and torch.cuda.is_available()
+                        else "cpu")
+
+
+def torch_dtype(name: str, device):
+    import torch
+
+    if name in ("", "auto"):
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.float32
+    table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if name not in table:
+        raise JobError(f"dtype {name!r} is not one of auto, {', '.join(table)}")
+    return table[name]
+
+
+def run_main(module_name: str, fn) -> int:
+    import sys
+
+    if len(sys.argv) != 2:
+        print(f"usage: python -m gpumarket.provider.runners.{module_name} WORKDIR",
+              file=sys.stderr)
+        return 2
+    try:
+        fn(Path(sys.argv[1]), Reporter())
+    except JobError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
