@@ -151,7 +151,8 @@ def exclusion(job: JobNeeds, offer: OfferView, now: datetime | None = None) -> s
     if not offer.policy.available(now):
         return "hours"
     est = expected(job, offer)
-    if offer.policy.max_job_s and (job.max_runtime_s or est.runtime_s) > offer.policy.max_job_s:
+    wanted = job.max_runtime_s or (est.runtime_s if job.work_flops > 0 else 0.0)
+    if offer.policy.max_job_s and wanted > offer.policy.max_job_s:
         return "duration"
     if offer.price_per_gpu_hour > job.max_price_per_gpu_hour:
         return "price"
@@ -282,8 +283,8 @@ class Book:
     def _duration_mask(self, job: JobNeeds) -> np.ndarray:
         """Providers' caps on job duration: evaluated only on offers that have one."""
         idx = self._capped_idx
-        if not len(idx):
-            return self._all_true
+        if not len(idx) or not (job.max_runtime_s or job.work_flops > 0):
+            return self._all_true  # no cap applies to a job of unknown length
         runtime = _work(job) / (self.flops[idx] * job.gpus)
         wanted = job.max_runtime_s if job.max_runtime_s else runtime
         mask = self._all_true.copy()

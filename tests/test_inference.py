@@ -61,7 +61,7 @@ def test_generate_end_to_end_with_figures(market, tmp_path):
     market.wait_for_offers(1)
     job = generate_job(tmp_path / "job.toml", model, prompts, max_tokens=8, batch_size=4,
                        stop=["zzz-never"])
-    r = market.cli("submit", str(job), "--watch", timeout=40)
+    r = market.cli("submit", str(job), "--watch")
     assert r.returncode == 0, r.stdout + r.stderr
     job_id = r.stdout.split()[0]
     got = completions(market, job_id, tmp_path / "out")
