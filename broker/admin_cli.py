@@ -19,11 +19,13 @@ from rich.console import Console
 from rich.table import Table
 
 from gpumarket.client.api import BrokerClient
+from gpumarket.client.cli import job_dict
 from gpumarket.proto.envelope import seal
 from gpumarket.proto.errors import GpumarketError
 from gpumarket.proto.identity import Identity, home_dir
 from gpumarket.proto.jobspec import STATES_BY_NAME, kind_name, now_ms, state_name
 from gpumarket.proto.v1 import admin_pb2 as ad
+from gpumarket.proto.v1 import types_pb2 as pb
 
 out = Console(highlight=False, soft_wrap=True)
 
@@ -56,10 +58,14 @@ def admin_options(fn):
     return wrapper
 
 
-async def _call(broker: str, identity: Identity, method: str, **order) -> object:
-    envelope = seal(identity, ad.AdminOrder(method=method, at_ms=now_ms(), **order))
+def _order(identity: Identity, method: str, **fields) -> pb.Envelope:
+    """An AdminOrder for ``method``, dated now and signed by the operator's key."""
+    return seal(identity, ad.AdminOrder(method=method, at_ms=now_ms(), **fields))
+
+
+async def _call(broker: str, identity: Identity, method: str, **fields) -> object:
     async with BrokerClient(broker) as client:
-        return await client.admin_call(method, envelope)
+        return await client.admin_call(method, _order(identity, method, **fields))
 
 
 @click.command()
@@ -97,10 +103,7 @@ async def jobs(broker: str, identity: Identity, states: tuple[str, ...], limit: 
     codes = [STATES_BY_NAME[s.upper()] for s in states]
     found = (await _call(broker, identity, "ListAllJobs", states=codes, limit=limit)).jobs
     if as_json:
-        click.echo(json.dumps([{**MessageToDict(j, preserving_proto_field_name=True,
-                                                always_print_fields_with_no_presence=False),
-                                "state": state_name(j.state), "kind": kind_name(j.kind),
-                                "spec": None, "receipt": None} for j in found], indent=2))
+        click.echo(json.dumps([job_dict(j) for j in found], indent=2))
         return
     table = Table("job", "client", "kind", "state", "progress", "attempt", "provider")
     for j in found:
@@ -140,9 +143,8 @@ async def backup(broker: str, identity: Identity, path: Path) -> None:
         raise click.ClickException(f"{path} exists; give a new file name")
     if not path.parent.is_dir():
         raise click.ClickException(f"{path.parent} is not a directory")
-    envelope = seal(identity, ad.AdminOrder(method="Backup", at_ms=now_ms()))
     async with BrokerClient(broker) as client:
-        size = await client.backup(envelope, path)
+        size = await client.backup(_order(identity, "Backup"), path)
     out.print(f"backup written to {path} ({size:,} bytes)")
 
 

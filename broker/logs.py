@@ -6,11 +6,10 @@ from __future__ import annotations
 from sqlite_utils import Database
 
 from gpumarket.broker.jobs import _current
+from gpumarket.proto.jobspec import LOG_LINE_CHARS, LOG_LINES_PER_UPDATE
 from gpumarket.proto.v1 import types_pb2 as pb
 
 MAX_LINES_PER_JOB = 50_000
-MAX_LINE_CHARS = 4096
-MAX_LINES_PER_UPDATE = 256
 
 
 def append(db: Database, job_id: str, epoch: int, provider_id: str, lines: list[str],
@@ -21,7 +20,7 @@ def append(db: Database, job_id: str, epoch: int, provider_id: str, lines: list[
     room = MAX_LINES_PER_JOB - job["log_lines"]
     if room <= 0:
         return 0
-    lines = [line[:MAX_LINE_CHARS] for line in lines[:MAX_LINES_PER_UPDATE]]
+    lines = [line[:LOG_LINE_CHARS] for line in lines[:LOG_LINES_PER_UPDATE]]
     if len(lines) >= room:
         lines = lines[:room - 1] + [f"[gpumarket: log cut at {MAX_LINES_PER_JOB} lines]"]
     db["job_logs"].insert_all(

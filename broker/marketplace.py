@@ -15,6 +15,7 @@ from gpumarket.proto.envelope import open_envelope, payload_sha256
 from gpumarket.proto.errors import BadSignature, FailedPrecondition, InvalidArgument, NotFound
 from gpumarket.proto.jobspec import (
     OBJECTIVE_NAMES, TERMINAL_STATES, check_fresh, check_spec, kind_name, now_ms,
+    required_engine,
 )
 from gpumarket.proto.v1 import gateway_pb2 as gw
 from gpumarket.proto.v1 import marketplace_pb2 as mp
@@ -71,7 +72,7 @@ class MarketplaceServicer(marketplace_pb2_grpc.MarketplaceServicer):
             work_flops=est.work_flops,
             est_memory_bytes=est.memory_bytes,
             max_runtime_s=spec.max_runtime_s,
-            engine=getattr(getattr(spec, spec.WhichOneof("params")), "engine", ""),
+            engine=required_engine(spec),
         )
         await self.state.store.write(jobs.submit, job, now_ms())
         log.info("job %s submitted by %s", job.id, client_id)
@@ -193,8 +194,7 @@ class MarketplaceServicer(marketplace_pb2_grpc.MarketplaceServicer):
             "objective": OBJECTIVE_NAMES[spec.objective], "deadline_s": spec.deadline_s,
             "created_at_ms": now_ms(), "max_runtime_s": spec.max_runtime_s,
             "checkpoint_seconds": 0.0,
-            "engine": getattr(getattr(spec, spec.WhichOneof("params") or "training"), "engine",
-                              ""),
+            "engine": required_engine(spec),
         }
         book = await scheduler.offer_book(self.state)
         job = scheduler.needs_of(row)

@@ -7,15 +7,14 @@ from sqlite_utils import Database
 from gpumarket.broker import reliability, views
 from gpumarket.proto.v1 import types_pb2 as pb
 
-# Credits a lease earns: its price x the devices it held x the hours it ran.
-_EARNED = (
-    "SELECT provider_id, sum(price_per_gpu_hour * json_array_length(device_indices)"
-    " * (coalesce(ended_at_ms, ?) - coalesce(started_at_ms, issued_at_ms)) / 3600000.0)"
-    " FROM leases WHERE state = 'succeeded' {where} GROUP BY provider_id"
-)
+# Credits of a lease: its price x the devices it held x the hours it ran (a running lease up to
+# now, given twice as a parameter; a lease that never started costs nothing).
+_CREDITS = ("sum(price_per_gpu_hour * json_array_length(device_indices)"
+            " * max(0, coalesce(ended_at_ms, ?) - coalesce(started_at_ms, ended_at_ms, ?))"
+            " / 3600000.0)")
 
 
-def _device_line(d: pb.DeviceInfo) -> str:
+def _device_line(d: pb.Device) -> str:
     return f"{d.name} ({d.memory_bytes / 2**30:.1f} GiB)"
 
 
@@ -30,8 +29,9 @@ def standings(db: Database, provider_ids: list[str] | None, now: int) -> list[pb
     offers = {r["provider_id"]: r for r in views.offers(db)}
     running = views.active_lease_counts(db)
     marks = ",".join("?" * len(ids))
-    earned = dict(db.execute(_EARNED.format(where=f"AND provider_id IN ({marks})"),
-                             [now, *ids]).fetchall()) if ids else {}
+    earned = dict(db.execute(
+        f"SELECT provider_id, {_CREDITS} FROM leases WHERE state = 'succeeded'"
+        f" AND provider_id IN ({marks}) GROUP BY provider_id", [now, now, *ids]).fetchall())
     out = []
     for row in rows:
         h = views.provider_history(db, row["id"], now)
@@ -58,8 +58,5 @@ def job_costs(db: Database, job_ids: list[str], now: int) -> dict[str, float]:
         return {}
     marks = ",".join("?" * len(job_ids))
     return dict(db.execute(
-        "SELECT job_id, sum(price_per_gpu_hour * json_array_length(device_indices)"
-        " * max(0, coalesce(ended_at_ms, ?) - coalesce(started_at_ms, ended_at_ms, ?))"
-        f" / 3600000.0) FROM leases WHERE job_id IN ({marks}) GROUP BY job_id",
+        f"SELECT job_id, {_CREDITS} FROM leases WHERE job_id IN ({marks}) GROUP BY job_id",
         [now, now, *job_ids]).fetchall())
-

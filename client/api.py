@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -84,24 +85,10 @@ class BrokerClient:
     async def logs(self, job_id: str, follow: bool = False) -> AsyncIterator[pb.LogLine]:
         """Yield the job's log lines (``follow``: until the job ends); resumes after the last
         line it yielded where the stream breaks."""
-        cursor, retries = 0, 0
-        while True:
-            stream = self.market.StreamLogs(mp.StreamLogsRequest(job_id=job_id, after_seq=cursor,
-                                                                 follow=follow))
-            try:
-                async for resp in stream:
-                    retries = 0
-                    for line in resp.lines:
-                        cursor = line.seq
-                        yield line
-                return
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() != grpc.StatusCode.UNAVAILABLE or retries >= 20:
-                    raise self._error(exc) from exc
-                retries += 1
-                await asyncio.sleep(min(0.5 * 2 ** retries, 5))
-            finally:
-                stream.cancel()
+        open_stream = lambda cursor: self.market.StreamLogs(  # noqa: E731
+            mp.StreamLogsRequest(job_id=job_id, after_seq=cursor, follow=follow))
+        async for line in self._resuming(open_stream, lambda resp: resp.lines):
+            yield line
 
     async def admin_call(self, method: str, order: pb.Envelope):
         """Call the unary Admin ``method`` with a signed AdminOrder."""
@@ -130,15 +117,27 @@ class BrokerClient:
                     on_retry: Callable[[str], None] | None = None) -> AsyncIterator[pb.JobEvent]:
         """Yield the job's events until it ends; reconnects where the stream breaks (calling
         ``on_retry`` with the reason), resuming after the last event it yielded."""
-        cursor = after_seq
+        open_stream = lambda cursor: self.market.WatchJob(  # noqa: E731
+            mp.WatchJobRequest(job_id=job_id, after_seq=cursor))
+        async for event in self._resuming(open_stream, lambda resp: (resp.event,), after_seq,
+                                          on_retry):
+            yield event
+
+    async def _resuming(self, open_stream: Callable[[int], Any], items: Callable[[Any], Any],
+                        cursor: int = 0, on_retry: Callable[[str], None] | None = None
+                        ) -> AsyncIterator[Any]:
+        """Yield the items (each with a ``seq``) of the server stream ``open_stream(cursor)``;
+        where it breaks with UNAVAILABLE, reopen it after the last item yielded (backing off,
+        up to 20 times in a row)."""
         retries = 0
         while True:
-            stream = self.market.WatchJob(mp.WatchJobRequest(job_id=job_id, after_seq=cursor))
+            stream = open_stream(cursor)
             try:
                 async for resp in stream:
                     retries = 0
-                    cursor = resp.event.seq
-                    yield resp.event
+                    for item in items(resp):
+                        cursor = item.seq
+                        yield item
                 return
             except grpc.aio.AioRpcError as exc:
                 if exc.code() != grpc.StatusCode.UNAVAILABLE or retries >= 20:

@@ -68,7 +68,8 @@ def _dump(obj) -> None:
     click.echo(json.dumps(obj, indent=2, sort_keys=True))
 
 
-def _job_dict(job: pb.Job) -> dict:
+def job_dict(job: pb.Job) -> dict:
+    """A job as JSON-ready values: names for enums, without the signed spec and receipt."""
     d = MessageToDict(job, preserving_proto_field_name=True)
     d.pop("spec", None)
     d.pop("receipt", None)
@@ -145,9 +146,8 @@ def build_spec(job: jobfile.JobFile, refs: list[pb.ArtifactRef], created_ms: int
         max_attempts=job.max_attempts, nonce=os.urandom(NONCE_BYTES),
         created_at_ms=created_ms, expires_at_ms=created_ms + job.expires_in_s * 1000,
     )
-    message = {"training": pb.TrainingParams, "generate": pb.GenerateParams,
-               "embed": pb.EmbedParams}[job.params_field]
-    getattr(spec, job.params_field).CopyFrom(message(**job.params))
+    params = getattr(spec, job.params_field)
+    params.CopyFrom(type(params)(**job.params))
     return spec
 
 
@@ -186,7 +186,7 @@ async def status(broker_addr: str, job_id: str, as_json: bool) -> None:
     async with BrokerClient(broker_addr) as broker:
         job = await broker.get_job(job_id)
     if as_json:
-        _dump(_job_dict(job))
+        _dump(job_dict(job))
         return
     out.print(f"job       {job.job_id}  ({job.name})")
     out.print(f"kind      {kind_name(job.kind)}")
@@ -236,7 +236,7 @@ async def list_(broker_addr: str, states: tuple[str, ...], all_clients: bool, li
         jobs = await broker.list_jobs(client_id, [STATES_BY_NAME[s.upper()] for s in states],
                                       limit)
     if as_json:
-        _dump([_job_dict(j) for j in jobs])
+        _dump([job_dict(j) for j in jobs])
         return
     table = Table("name", "kind", "state", "progress", "attempt", "provider")
     table.add_column("job", no_wrap=True, min_width=16)

@@ -109,7 +109,8 @@ def parse_duration(value: Any, where: str) -> int:
 
 
 def _type_name(t: Any) -> str:
-    return {bool: "true or false", int: "an integer", float: "a number", str: "a string", dict: "a table",
+    return {bool: "true or false", int: "an integer", float: "a number", str: "a string",
+            dict: "a table",
             "size": "a size", "path": "a file path", "dir_or_file": "a path",
             "duration": "a duration", "version": "a version like \"8.0\"",
             "strings": "a list of strings"}[t]

@@ -192,6 +192,21 @@ ENGINES = {"", "transformers", "vllm"}
 DTYPES = {"", "auto", "float32", "bfloat16", "float16"}
 
 
+def job_params(spec: types_pb2.JobSpec):
+    """The spec's kind-specific parameters (its TrainingParams, GenerateParams, ...)."""
+    return getattr(spec, spec.WhichOneof("params") or "training")
+
+
+def required_engine(spec: types_pb2.JobSpec) -> str:
+    """The inference engine the job asks for; "" for any (and for kinds without engines)."""
+    return getattr(job_params(spec), "engine", "")
+
+
+# Job logs travel in updates of at most this many lines, each cut to this many characters.
+LOG_LINES_PER_UPDATE = 256
+LOG_LINE_CHARS = 4096
+
+
 def check_fresh(spec: types_pb2.JobSpec, at_ms: int | None = None) -> None:
     """Raise Expired if the spec is past its expiry or signed too far in the future."""
     at = now_ms() if at_ms is None else at_ms

@@ -24,7 +24,7 @@ from gpumarket.proto import __version__
 from gpumarket.proto.envelope import open_envelope, seal
 from gpumarket.proto.errors import GpumarketError, Unavailable
 from gpumarket.proto.identity import Identity
-from gpumarket.proto.jobspec import kind_name, now_ms
+from gpumarket.proto.jobspec import LOG_LINE_CHARS, LOG_LINES_PER_UPDATE, kind_name, now_ms
 from gpumarket.proto.v1 import gateway_pb2 as gw
 from gpumarket.proto.v1 import gateway_pb2_grpc
 from gpumarket.proto.v1 import types_pb2 as pb
@@ -121,7 +121,7 @@ class ProviderDaemon:
         self.channel = grpc.aio.insecure_channel(self.config.broker)
         self.artifacts = ArtifactLink(self.channel, self.config.rpc_timeout_s)
         await self._recover()
-        for kind in self.kinds & WARM_KINDS:
+        for kind in self.kinds:
             await self._refill_warm(kind)
         backoff = 0.5
         try:
@@ -434,7 +434,8 @@ class ProviderDaemon:
             self.send(self._update(job, progress=pb.Progress(step=step, total=total,
                                                              metrics=metrics)))
         elif event == "log" and isinstance(report.get("lines"), list):
-            lines = [str(line)[:4096] for line in report["lines"][:256]]
+            lines = [str(line)[:LOG_LINE_CHARS]
+                     for line in report["lines"][:LOG_LINES_PER_UPDATE]]
             self.send(self._update(job, log=gw.JobLog(lines=lines)))
         elif event == "checkpoint":
             path = (job.workdir / str(report.get("path", ""))).resolve()
@@ -542,8 +543,6 @@ class ProviderDaemon:
             await self.warm.refill(RUNNERS[kind].rsplit(".", 1)[1])
 
     def _take_warm(self, kind: int) -> asyncio.subprocess.Process | None:
-        if kind not in WARM_KINDS:
-            return None
         proc = self.warm.take(RUNNERS[kind].rsplit(".", 1)[1])
         self._spawn(self._refill_warm(kind))
         return proc

@@ -20,9 +20,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from gpumarket.proto.jobspec import LOG_LINES_PER_UPDATE
+
 log = logging.getLogger(__name__)
 
-LOG_BATCH = 256                # lines per log update (the broker's limit)
 LOG_READ_BYTES = 1 << 20       # read at most this much of job.log per poll
 
 REPORTS = "reports.jsonl"
@@ -206,22 +207,24 @@ class JobProcess:
 
     async def _drain_log(self, final: bool = False) -> None:
         """Hand the job's new stdout/stderr lines on as ``{"event": "log", "lines": [...]}``
-        reports, LOG_BATCH lines at a time (a last partial line only at the end)."""
-        try:
-            with open(self.workdir / "job.log", "rb") as f:
-                f.seek(self._log_offset)
-                data = f.read(LOG_READ_BYTES)
-        except OSError:
-            return
-        end = len(data) if final else data.rfind(b"\n") + 1
-        if end <= 0:
-            return
-        self._log_offset += end
-        lines = data[:end].decode("utf-8", "replace").splitlines()
-        for i in range(0, len(lines), LOG_BATCH):
-            await self.on_report({"event": "log", "lines": lines[i:i + LOG_BATCH]})
-        if final and len(data) == LOG_READ_BYTES:
-            await self._drain_log(final=True)
+        reports, LOG_LINES_PER_UPDATE lines at a time (a last partial line only at the end)."""
+        while True:
+            try:
+                with open(self.workdir / "job.log", "rb") as f:
+                    f.seek(self._log_offset)
+                    data = f.read(LOG_READ_BYTES)
+            except OSError:
+                return
+            end = len(data) if final else data.rfind(b"\n") + 1
+            if end <= 0:
+                return
+            self._log_offset += end
+            lines = data[:end].decode("utf-8", "replace").splitlines()
+            for i in range(0, len(lines), LOG_LINES_PER_UPDATE):
+                await self.on_report({"event": "log",
+                                      "lines": lines[i:i + LOG_LINES_PER_UPDATE]})
+            if not (final and len(data) == LOG_READ_BYTES):
+                return
 
     async def _drain_reports(self, state: dict) -> None:
         path = self.workdir / REPORTS

@@ -13,7 +13,9 @@ from gpumarket.proto.errors import (
     BadSignature, Expired, GpumarketError, InvalidArgument, PermissionDenied,
 )
 from gpumarket.proto.identity import fingerprint
-from gpumarket.proto.jobspec import check_fresh, check_spec, kind_name, now_ms
+from gpumarket.proto.jobspec import (
+    check_fresh, check_spec, job_params, kind_name, now_ms, required_engine,
+)
 from gpumarket.proto.policy import Policy
 from gpumarket.proto.v1 import types_pb2 as pb
 
@@ -69,7 +71,7 @@ def check_lease(
         if policy.max_job_s and spec.max_runtime_s > policy.max_job_s:
             raise PermissionDenied(f"job asks {spec.max_runtime_s}s; this provider runs jobs"
                                    f" of at most {policy.max_job_s:.0f}s")
-    engine = getattr(getattr(spec, spec.WhichOneof("params")), "engine", "")
+    engine = required_engine(spec)
     if engine and engine not in engines:
         raise InvalidArgument(f"this provider has no {engine} engine (it has:"
                               f" {', '.join(sorted(engines)) or 'none'})")
@@ -83,7 +85,7 @@ def runner_config(a: Assignment, inputs: dict[str, str], resume_dir: Path | None
                   cuda: bool) -> dict:
     """The job.json a runner reads: its parameters, input paths, checkpoint cadence, device
     and the checkpoint to resume from."""
-    params = getattr(a.spec, a.spec.WhichOneof("params"))
+    params = job_params(a.spec)
     return {
         "job_id": a.lease.job_id,
         "attempt": a.lease.attempt,
