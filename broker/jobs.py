@@ -51,6 +51,7 @@ class NewJob:
     est_memory_bytes: int = 0
     max_runtime_s: int = 0
     engine: str = ""                 # inference engine the job requires; "" = any
+    part_sizes: tuple[int, ...] = ()  # a split job: the steps (frames) of each part
 
 
 @dataclass(frozen=True)
@@ -73,13 +74,84 @@ def append_event(
     provider_id: str = "",
     message: str = "",
     progress: dict | None = None,
-) -> None:
+    mirror: bool = True,
+) -> list[EndedLease]:
+    """Append a job event. An event of a split job's part also updates the parent (its
+    state follows its parts) and is repeated on it; returns the leases of sibling parts
+    that this ended (a part failed or was cancelled), to tell their providers."""
     db.execute(
         "INSERT INTO events (job_id, at_ms, type, state, attempt, provider_id, message, progress)"
         " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
         [job_id, now, type_, state, attempt, provider_id, message,
          json.dumps(progress) if progress is not None else None],
     )
+    if not mirror or type_ == "submitted":
+        return []
+    row = db.execute("SELECT parent_id, part, parts FROM jobs WHERE id = ?", [job_id]).fetchone()
+    if row is None or row[0] is None:
+        return []
+    return _follow_parts(db, row[0], now, f"part {row[1]}/{row[2]}: {message}", type_,
+                         provider_id)
+
+
+# The event type a split job gets when its parts move it into a state.
+PARENT_EVENT = {QUEUED: "requeued", LEASED: "leased", RUNNING: "started",
+                SUCCEEDED: "succeeded", FAILED: "failed", CANCELLED: "cancelled"}
+
+
+def _parts_of(db: Database, parent_id: str) -> list[dict]:
+    cur = db.execute("SELECT * FROM jobs WHERE parent_id = ? ORDER BY part", [parent_id])
+    cols = [d[0] for d in cur.description]
+    return [dict(zip(cols, r)) for r in cur.fetchall()]
+
+
+def _follow_parts(db: Database, parent_id: str, now: int, message: str, type_: str,
+                  provider_id: str) -> list[EndedLease]:
+    """Set a split job's state from its parts: failed or cancelled if one part is (the
+    others are stopped), succeeded when all are, else running, leased or queued."""
+    parent = job_row(db, parent_id)
+    if parent["state"] in TERMINAL_STATES:
+        return []
+    parts = _parts_of(db, parent_id)
+    states = [p["state"] for p in parts]
+    failed = next((p for p in parts if p["state"] == FAILED), None)
+    ended: list[EndedLease] = []
+    error = ""
+    if failed is not None or CANCELLED in states:
+        state = FAILED if failed is not None else CANCELLED
+        error = (f"part {failed['part']}/{failed['parts']} failed: {failed['error']}"
+                 if failed is not None else "a part was cancelled")
+        for p in parts:
+            if p["state"] in TERMINAL_STATES:
+                continue
+            if p["state"] in ACTIVE_STATES and p["lease_id"]:
+                _end_lease(db, p["lease_id"], "cancelled", error, now)
+                ended.append(EndedLease(p["id"], p["epoch"], p["provider_id"]))
+            _set_job(db, p["id"], now, state=CANCELLED, error=error)
+            _drop_checkpoints(db, p["id"])
+            append_event(db, p["id"], "cancelled", CANCELLED, p["attempt"], now,
+                         message=f"stopped: {error}", mirror=False)
+    elif all(s == SUCCEEDED for s in states):
+        state = SUCCEEDED
+    elif RUNNING in states:
+        state = RUNNING
+    elif LEASED in states:
+        state = LEASED
+    else:
+        state = QUEUED
+    step = sum(p["progress_step"] for p in parts)
+    reason = next((p["queue_reason"] for p in parts if p["state"] == QUEUED), "")
+    attempt = max(p["attempt"] for p in parts)
+    _set_job(db, parent_id, now, state=state, progress_step=step, attempt=attempt,
+             error=error, queue_reason=reason)
+    if type_ == "progress" and state == parent["state"]:
+        append_event(db, parent_id, "progress", state, attempt, now, provider_id=provider_id,
+                     progress={"step": step, "total": parent["progress_total"], "metrics": {}})
+    else:
+        changed = state != parent["state"]
+        append_event(db, parent_id, PARENT_EVENT[state] if changed else "part", state, attempt,
+                     now, provider_id=provider_id, message=message)
+    return ended
 
 
 def job_row(db: Database, job_id: str) -> dict:
@@ -110,8 +182,7 @@ def submit(db: Database, job: NewJob, now: int) -> None:
         {"signer_id": job.client_id, "nonce": job.nonce, "expires_at_ms": job.expires_at_ms,
          "job_id": job.id}
     )
-    db["jobs"].insert(
-        {
+    row = {
             "id": job.id, "client_id": job.client_id, "name": job.name, "kind": job.kind,
             "state": QUEUED, "spec": job.spec, "spec_sha256": job.spec_sha256,
             "gpus": job.gpus, "min_memory_bytes": job.min_memory_bytes,
@@ -124,8 +195,16 @@ def submit(db: Database, job: NewJob, now: int) -> None:
             "gpu_models": json.dumps(list(job.gpu_models)), "work_flops": job.work_flops,
             "est_memory_bytes": job.est_memory_bytes, "max_runtime_s": job.max_runtime_s,
             "engine": job.engine,
-        }
-    )
+    }
+    if len(job.part_sizes) > 1:
+        row.update(parts=len(job.part_sizes), progress_total=sum(job.part_sizes))
+    db["jobs"].insert(row)
+    for i, size in enumerate(job.part_sizes if len(job.part_sizes) > 1 else (), 1):
+        part_id = f"{job.id}-{i}"
+        db["jobs"].insert({**row, "id": part_id, "name": f"{job.name} part {i}",
+                           "parent_id": job.id, "part": i, "progress_total": size})
+        append_event(db, part_id, "submitted", QUEUED, 1, now,
+                     message=f"part {i}/{len(job.part_sizes)} of job {job.id}")
     for sha in set(job.inputs):
         db.execute("INSERT OR IGNORE INTO artifact_refs (sha256, job_id, role) VALUES (?, ?, ?)",
                    [sha, job.id, "input"])
@@ -164,6 +243,8 @@ def create_lease(
         expires_at_ms=now + accept_within_ms,
         provider_mtbf_s=provider_mtbf_s,
         checkpoint_interval_s=checkpoint_interval_s,
+        part=job["part"],
+        parts=job["parts"] if job["part"] else 0,
     )
     if job["resume_from"]:
         lease.resume_from.CopyFrom(pb.ArtifactRef(**json.loads(job["resume_from"])))
@@ -318,21 +399,28 @@ def fail(db: Database, job_id: str, epoch: int, provider_id: str, error: str, no
                  provider_id=provider_id, message=error)
 
 
-def cancel(db: Database, job_id: str, client_id: str, now: int) -> tuple[int, EndedLease | None]:
-    """Cancel the job for its client; return (new state, the lease to revoke if any)."""
+def cancel(db: Database, job_id: str, client_id: str, now: int
+           ) -> tuple[int, list[EndedLease]]:
+    """Cancel the job (all its parts, if split) for its client; return (new state, the
+    leases to revoke)."""
     job = job_row(db, job_id)
     if job["client_id"] != client_id:
         raise NotFound(f"no job {job_id!r}")
     if job["state"] in TERMINAL_STATES:
-        return job["state"], None
-    ended = None
-    if job["state"] in ACTIVE_STATES and job["lease_id"]:
-        _end_lease(db, job["lease_id"], "cancelled", "cancelled by client", now)
-        ended = EndedLease(job_id, job["epoch"], job["provider_id"])
-    _set_job(db, job_id, now, state=CANCELLED, error="cancelled by client")
-    _drop_checkpoints(db, job_id)
-    append_event(db, job_id, "cancelled", CANCELLED, job["attempt"], now,
-                 message="cancelled by client")
+        return job["state"], []
+    ended: list[EndedLease] = []
+    parts = _parts_of(db, job_id) if job["parts"] and not job["part"] else []
+    for row in [*parts, job]:
+        if row["state"] in TERMINAL_STATES:
+            continue
+        if row["state"] in ACTIVE_STATES and row["lease_id"]:
+            _end_lease(db, row["lease_id"], "cancelled", "cancelled by client", now)
+            ended.append(EndedLease(row["id"], row["epoch"], row["provider_id"]))
+        _set_job(db, row["id"], now, state=CANCELLED, error="cancelled by client")
+        _drop_checkpoints(db, row["id"])
+        ended += append_event(db, row["id"], "cancelled", CANCELLED, row["attempt"], now,
+                              message="cancelled by client",
+                              mirror=row is job and bool(job["parent_id"]))
     return CANCELLED, ended
 
 
@@ -435,3 +523,5 @@ def set_queue_reasons(db: Database, reasons: dict[str, str], now: int) -> None:
     for job_id, reason in reasons.items():
         db.execute("UPDATE jobs SET queue_reason = ? WHERE id = ? AND state = ?",
                    [reason, job_id, QUEUED])
+        db.execute("UPDATE jobs SET queue_reason = ? WHERE state = ? AND id ="
+                   " (SELECT parent_id FROM jobs WHERE id = ?)", [reason, QUEUED, job_id])

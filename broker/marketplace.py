@@ -15,7 +15,7 @@ from gpumarket.proto.envelope import open_envelope, payload_sha256
 from gpumarket.proto.errors import BadSignature, FailedPrecondition, InvalidArgument, NotFound
 from gpumarket.proto.jobspec import (
     OBJECTIVE_NAMES, TERMINAL_STATES, check_fresh, check_spec, kind_name, now_ms,
-    required_engine,
+    part_frames, required_engine, split_parts,
 )
 from gpumarket.proto.v1 import gateway_pb2 as gw
 from gpumarket.proto.v1 import marketplace_pb2 as mp
@@ -73,6 +73,9 @@ class MarketplaceServicer(marketplace_pb2_grpc.MarketplaceServicer):
             est_memory_bytes=est.memory_bytes,
             max_runtime_s=spec.max_runtime_s,
             engine=required_engine(spec),
+            part_sizes=tuple(len(part_frames(spec.render.frame_start, spec.render.frame_end,
+                                             i, split_parts(spec)))
+                             for i in range(1, split_parts(spec) + 1)),
         )
         await self.state.store.write(jobs.submit, job, now_ms())
         log.info("job %s submitted by %s", job.id, client_id)
@@ -139,11 +142,12 @@ class MarketplaceServicer(marketplace_pb2_grpc.MarketplaceServicer):
         if abs(now_ms() - order.at_ms) > CANCEL_ORDER_MAX_AGE_MS:
             raise BadSignature("cancel order is dated more than 10 minutes off (check the clock)")
         state, ended = await self.state.store.write(jobs.cancel, order.job_id, client_id, now_ms())
-        if ended is not None:
-            session = self.state.sessions.get(ended.provider_id)
+        for lease in ended:
+            session = self.state.sessions.get(lease.provider_id)
             if session is not None:
                 session.send(gw.BrokerMessage(cancel=gw.CancelLease(
-                    job_id=ended.job_id, epoch=ended.epoch, reason="cancelled by client")))
+                    job_id=lease.job_id, epoch=lease.epoch, reason="cancelled by client")))
+        if ended:
             self.state.placement.notify()
         self.state.events.notify()
         return mp.CancelJobResponse(state=state)

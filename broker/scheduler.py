@@ -98,6 +98,9 @@ async def place_queued(state: BrokerState) -> int:
         if row["attempt"] > 1:
             # A job that was lost goes elsewhere first; its old provider only if nothing else fits.
             avoid = frozenset(await store.read(jobs.previous_providers, row["id"]))
+        if row["parent_id"]:
+            # The parts of a split job go to different providers, where there are enough.
+            avoid |= await store.read(views.busy_siblings, row["parent_id"])
         placement, excluded = book.place(needs_of(row, avoid))
         if placement is None:
             reason = matcher.explain(excluded, len(book))

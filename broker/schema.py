@@ -192,3 +192,13 @@ def m004_logs(db: Database) -> None:
 @migrations()
 def m005_engine(db: Database) -> None:
     db.execute("ALTER TABLE jobs ADD COLUMN engine TEXT NOT NULL DEFAULT ''")
+
+
+@migrations()
+def m006_parts(db: Database) -> None:
+    # A split job is a parent row (parts = N, part = 0) that is never leased itself, and N
+    # part rows (parent_id set, part = 1..N) that are leased like any job.
+    db.execute("ALTER TABLE jobs ADD COLUMN parent_id TEXT REFERENCES jobs(id)")
+    db.execute("ALTER TABLE jobs ADD COLUMN part INTEGER NOT NULL DEFAULT 0")
+    db.execute("ALTER TABLE jobs ADD COLUMN parts INTEGER NOT NULL DEFAULT 0")
+    db.execute("CREATE INDEX jobs_by_parent ON jobs(parent_id, part)")

@@ -30,6 +30,18 @@ def job_message(db: Database, row: dict, *, with_attempts: bool = True) -> pb.Jo
     job.spec.ParseFromString(row["spec"])
     if row["receipt"]:
         job.receipt.ParseFromString(row["receipt"])
+    if row["parts"] and not row["part"]:
+        for part in _rows(db, "SELECT * FROM jobs WHERE parent_id = ? ORDER BY part",
+                          [row["id"]]):
+            message = pb.JobPart(
+                part=part["part"], job_id=part["id"], state=part["state"],
+                attempt=part["attempt"], provider_id=part["provider_id"] or "",
+                error=part["error"],
+                progress=pb.Progress(step=part["progress_step"], total=part["progress_total"],
+                                     metrics=json.loads(part["progress_metrics"])))
+            if part["receipt"]:
+                message.receipt.ParseFromString(part["receipt"])
+            job.parts.append(message)
     if with_attempts:
         for lease in _rows(db, "SELECT * FROM leases WHERE job_id = ? ORDER BY epoch", [row["id"]]):
             job.attempts.append(pb.Attempt(
@@ -47,7 +59,7 @@ def get_job(db: Database, job_id: str) -> pb.Job:
 
 
 def list_jobs(db: Database, client_id: str, states: list[int], limit: int) -> list[pb.Job]:
-    sql = "SELECT * FROM jobs WHERE 1 = 1"
+    sql = "SELECT * FROM jobs WHERE parent_id IS NULL"   # a split job is listed once
     params: list = []
     if client_id:
         sql += " AND client_id = ?"
@@ -85,13 +97,22 @@ def queued_jobs(db: Database, limit: int) -> list[dict]:
                      " max_price_per_gpu_hour, expires_at_ms, queue_reason, spec, attempt,"
                      " checkpoint_seconds, objective, deadline_s, min_reliability,"
                      " min_compute_capability, gpu_models, work_flops, max_runtime_s,"
-                     " created_at_ms, updated_at_ms, engine"
-                     " FROM jobs WHERE state = ? ORDER BY created_at_ms, id LIMIT ?",
+                     " created_at_ms, updated_at_ms, engine, parent_id"
+                     " FROM jobs WHERE state = ? AND NOT (parts > 0 AND part = 0)"
+                     " ORDER BY created_at_ms, id LIMIT ?",
                  [pb.JOB_STATE_QUEUED, limit])
 
 
+def busy_siblings(db: Database, parent_id: str) -> set[str]:
+    """Providers running other parts of a split job now."""
+    return {r[0] for r in db.execute(
+        "SELECT provider_id FROM jobs WHERE parent_id = ? AND state IN (?, ?)",
+        [parent_id, pb.JOB_STATE_LEASED, pb.JOB_STATE_RUNNING]).fetchall()}
+
+
 def count_in_state(db: Database, state: int) -> int:
-    return db.execute("SELECT count(*) FROM jobs WHERE state = ?", [state]).fetchone()[0]
+    return db.execute("SELECT count(*) FROM jobs WHERE state = ? AND parent_id IS NULL",
+                      [state]).fetchone()[0]
 
 
 def busy_devices(db: Database) -> dict[str, set[int]]:
@@ -154,5 +175,6 @@ def active_lease_counts(db: Database) -> dict[str, int]:
 
 def running_by_client(db: Database) -> dict[str, int]:
     return dict(db.execute(
-        "SELECT client_id, count(*) FROM jobs WHERE state IN (?, ?) GROUP BY client_id",
+        "SELECT client_id, count(*) FROM jobs WHERE state IN (?, ?)"
+        " AND NOT (parts > 0 AND part = 0) GROUP BY client_id",
         [pb.JOB_STATE_LEASED, pb.JOB_STATE_RUNNING]).fetchall())

@@ -75,6 +75,9 @@ def job_dict(job: pb.Job) -> dict:
     d.pop("receipt", None)
     d["state"] = state_name(job.state)
     d["kind"] = kind_name(job.kind)
+    for part, message in zip(d.get("parts", []), job.parts):
+        part.pop("receipt", None)
+        part["state"] = state_name(message.state)
     return d
 
 
@@ -203,6 +206,13 @@ async def status(broker_addr: str, job_id: str, as_json: bool) -> None:
         out.print(f"error     {job.error}")
     if job.queue_reason and job.state == pb.JOB_STATE_QUEUED:
         out.print(f"queue     {job.queue_reason}")
+    if job.parts:
+        table = Table("part", "job", "state", "progress", "attempt", "provider", "error")
+        for p in job.parts:
+            table.add_row(str(p.part), p.job_id, state_name(p.state),
+                          f"{p.progress.step}/{p.progress.total}", str(p.attempt),
+                          p.provider_id or "-", p.error)
+        out.print(table)
     if job.attempts:
         table = Table("attempt", "epoch", "provider", "started", "ended", "outcome", "reason")
         for a in job.attempts:
@@ -293,21 +303,55 @@ async def cancel(broker_addr: str, job_id: str) -> None:
     click.echo(f"{job_id} {state_name(state)}")
 
 
-def verify_receipt(job: pb.Job, client_id: str | None) -> pb.Receipt:
-    """Check that the job's receipt is signed by its provider and is for this exact spec."""
+def verify_receipts(job: pb.Job, client_id: str | None) -> list[pb.Receipt]:
+    """Check that the job's receipt (one per part for a split job) is signed by the provider
+    that ran it and is for this exact spec; return them."""
     if job.state != pb.JOB_STATE_SUCCEEDED:
         raise FailedPrecondition(f"job {job.job_id} is {state_name(job.state)}, not SUCCEEDED")
     spec, signer = open_envelope(job.spec, pb.JobSpec)
     if client_id is not None and signer != client_id:
         raise BadSignature(f"job {job.job_id} was not signed by your key")
-    receipt, provider = open_envelope(job.receipt, pb.Receipt)
-    if provider != receipt.provider_id or provider != job.provider_id:
-        raise BadSignature("receipt is not signed by the provider that ran the job")
-    if receipt.job_id != job.job_id or receipt.spec_sha256 != payload_sha256(job.spec):
-        raise BadSignature("receipt is for another job")
-    for i, ref in enumerate(receipt.outputs):
-        check_artifact_name(ref.name, f"receipt.outputs[{i}].name")
-    return receipt
+    runs = [(p.job_id, p.provider_id, p.receipt) for p in job.parts] or [
+        (job.job_id, job.provider_id, job.receipt)]
+    receipts, names = [], set()
+    for job_id, provider_id, envelope in runs:
+        receipt, provider = open_envelope(envelope, pb.Receipt)
+        if provider != receipt.provider_id or provider != provider_id:
+            raise BadSignature(f"receipt of {job_id} is not signed by the provider that ran it")
+        if receipt.job_id != job_id or receipt.spec_sha256 != payload_sha256(job.spec):
+            raise BadSignature(f"receipt of {job_id} is for another job")
+        for i, ref in enumerate(receipt.outputs):
+            check_artifact_name(ref.name, f"receipt.outputs[{i}].name")
+            if ref.name in names:
+                raise BadSignature(f"two parts of job {job.job_id} both wrote {ref.name}")
+            names.add(ref.name)
+        receipts.append(receipt)
+    if spec.WhichOneof("params") == "render":
+        missing = [f for f in range(spec.render.frame_start, spec.render.frame_end + 1)
+                   if f"frame_{f:06d}.png" not in names]
+        if missing:
+            raise BadSignature(f"job {job.job_id}: {len(missing)} frames missing from its"
+                               f" receipts (first: {missing[0]})")
+    return receipts
+
+
+def merged_metrics(receipts: list[pb.Receipt]) -> dict[str, float]:
+    """One job's figures from its parts' receipts: counts add up, seconds per frame is
+    weighted by frames rendered, frames per hour adds up (the parts run at once)."""
+    if len(receipts) == 1:
+        return dict(receipts[0].metrics)
+    merged: dict[str, float] = {}
+    for r in receipts:
+        for key, value in r.metrics.items():
+            merged[key] = merged.get(key, 0.0) + value
+    rendered = sum(r.metrics.get("frames_rendered", 0.0) for r in receipts)
+    if rendered:
+        merged["seconds_per_frame"] = sum(r.metrics.get("seconds_per_frame", 0.0)
+                                          * r.metrics.get("frames_rendered", 0.0)
+                                          for r in receipts) / rendered
+    merged["gpu"] = max((r.metrics.get("gpu", 0.0) for r in receipts), default=0.0)
+    merged["parts"] = float(len(receipts))
+    return merged
 
 
 @cli.command()
@@ -318,33 +362,45 @@ def verify_receipt(job: pb.Job, client_id: str | None) -> pb.Receipt:
 @click.pass_obj
 @command
 async def results(broker_addr: str, job_id: str, output_dir: Path, as_json: bool) -> None:
-    """Download a finished job's outputs, checking the receipt's signature and every hash."""
+    """Download a finished job's outputs, checking every receipt's signature and every hash
+    (a split job's parts are merged into one directory)."""
     identity = load_identity()
     async with BrokerClient(broker_addr) as broker:
         job = await broker.get_job(job_id)
-        receipt = verify_receipt(job, identity.id)
+        receipts = verify_receipts(job, identity.id)
         output_dir.mkdir(parents=True, exist_ok=True)
-        for ref in receipt.outputs:
-            await broker.download(ref, output_dir / ref.name)
+        for receipt in receipts:
+            for ref in receipt.outputs:
+                await broker.download(ref, output_dir / ref.name)
+    outputs = [r for receipt in receipts for r in receipt.outputs]
     summary = {
-        "job_id": job.job_id, "provider_id": receipt.provider_id, "attempt": receipt.attempt,
-        "wall_seconds": receipt.wall_seconds, "device_seconds": receipt.device_seconds,
-        "metrics": dict(receipt.metrics),
+        "job_id": job.job_id,
+        "provider_id": ",".join(dict.fromkeys(r.provider_id for r in receipts)),
+        "attempt": max(r.attempt for r in receipts),
+        "wall_seconds": max(r.wall_seconds for r in receipts),
+        "device_seconds": sum(r.device_seconds for r in receipts),
+        "metrics": merged_metrics(receipts),
         "outputs": [{"name": r.name, "sha256": r.sha256, "size_bytes": r.size_bytes}
-                    for r in receipt.outputs],
+                    for r in outputs],
         "receipt_signature": "verified",
     }
+    if len(receipts) > 1:
+        summary["parts"] = [{"part": i, "job_id": r.job_id, "provider_id": r.provider_id,
+                             "attempt": r.attempt, "wall_seconds": r.wall_seconds,
+                             "metrics": dict(r.metrics)} for i, r in enumerate(receipts, 1)]
     write_atomically(output_dir / "receipt.json", json.dumps(summary, indent=2).encode())
     if as_json:
         _dump(summary)
         return
-    out.print(f"receipt signed by provider {receipt.provider_id}: verified")
+    for r in receipts:
+        out.print(f"receipt signed by provider {r.provider_id}: verified"
+                  + (f" ({r.job_id})" if len(receipts) > 1 else ""))
     table = Table("output", "bytes", "sha256")
-    for r in receipt.outputs:
+    for r in outputs:
         table.add_row(r.name, str(r.size_bytes), r.sha256[:16] + "…  ok")
     out.print(table)
-    metrics = ", ".join(f"{k} {v:.4g}" for k, v in sorted(receipt.metrics.items()))
-    out.print(f"{len(receipt.outputs)} files in {output_dir}; {metrics}")
+    metrics = ", ".join(f"{k} {v:.4g}" for k, v in sorted(summary["metrics"].items()))
+    out.print(f"{len(outputs)} files in {output_dir}; {metrics}")
 
 
 def offer_row(listing: mp.OfferListing, offer: pb.Offer) -> dict:

@@ -26,7 +26,7 @@ TOP = {
     "objective": (str, False), "deadline": ("duration", False),
     "min_reliability": (float, False),
     "resources": (dict, False), "training": (dict, False), "generate": (dict, False),
-    "embed": (dict, False),
+    "embed": (dict, False), "render": (dict, False),
 }
 RESOURCES = {"gpus": (int, False), "memory": ("size", False), "accelerator": (str, False),
              "compute_capability": ("version", False), "gpu_models": ("strings", False)}
@@ -47,6 +47,12 @@ EMBED = {
     "model": ("dir_or_file", True), "texts": ("path", True), "batch_size": (int, False),
     "output_format": (str, False), "normalize": (bool, False), "engine": (str, False),
     "dtype": (str, False), "checkpoint_every": (int, False),
+}
+RENDER = {
+    "scene": ("path", True), "frame_start": (int, True), "frame_end": (int, True),
+    "resolution_x": (int, False), "resolution_y": (int, False), "samples": (int, False),
+    "device": (str, False), "output_format": (str, False), "split": (int, False),
+    "engine": (str, False), "checkpoint_every": (int, False),
 }
 SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
 UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -78,7 +84,7 @@ class JobFile:
     min_reliability: float
     min_compute_capability: float
     gpu_models: tuple[str, ...]
-    params_field: str               # "training", "generate" or "embed"
+    params_field: str               # "training", "generate", "embed" or "render"
     params: dict[str, Any]          # that message's fields; input fields hold input names
     inputs: tuple[LocalInput, ...]
 
@@ -267,10 +273,25 @@ def _inference(kind: str, schema: dict, data_field: str, table: dict, base: Path
     return params, inputs
 
 
+def _render(table: dict, base: Path, file: str) -> tuple[dict, list[LocalInput]]:
+    params = dict(_check_table(table, RENDER, "render.", file))
+    scene = _file(base, params["scene"], "render.scene", file)
+    if scene.is_dir() or scene.suffix != ".blend":
+        raise JobFileError(f"{file}: render.scene = {params['scene']!r}: not a .blend file")
+    for key in RENDER:
+        if RENDER[key][0] is int and key in params and params[key] < 0:
+            raise JobFileError(f"{file}: field 'render.{key}' must not be negative")
+    if params["frame_end"] < params["frame_start"]:
+        raise JobFileError(f"{file}: field 'render.frame_end' is before 'render.frame_start'")
+    params["scene"] = "scene.blend"
+    return params, [LocalInput("scene.blend", scene)]
+
+
 PARSERS = {
     "training": _training,
     "generate": lambda t, b, f: _inference("generate", GENERATE, "prompts", t, b, f),
     "embed": lambda t, b, f: _inference("embed", EMBED, "texts", t, b, f),
+    "render": _render,
 }
 
 

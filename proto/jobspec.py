@@ -185,9 +185,62 @@ def _check_training(t: types_pb2.TrainingParams, inputs: set[str]) -> None:
         raise InvalidArgument("training.warmup_steps: more than training.steps")
 
 
+RENDER_DEVICES = {"", "auto", "cpu", "cuda", "optix"}
+MAX_FRAMES = 1_000_000
+MAX_PARTS = 64
+
+
+def _check_render(r: types_pb2.RenderParams, inputs: set[str]) -> None:
+    _check_inputs(r, ("scene",), "render", inputs)
+    if not r.scene.endswith(".blend"):
+        raise InvalidArgument(f"render.scene: {r.scene!r} is not a .blend file")
+    if r.frame_end < r.frame_start:
+        raise InvalidArgument("render.frame_end: before render.frame_start")
+    frames = r.frame_end - r.frame_start + 1
+    if frames > MAX_FRAMES:
+        raise InvalidArgument(f"render: at most {MAX_FRAMES:,} frames in one job")
+    for name in ("resolution_x", "resolution_y"):
+        if getattr(r, name) > 16384:
+            raise InvalidArgument(f"render.{name}: at most 16,384 pixels")
+    if r.samples > 1_000_000:
+        raise InvalidArgument("render.samples: at most 1,000,000")
+    if r.device not in RENDER_DEVICES:
+        raise InvalidArgument(f"render.device: must be one of {sorted(RENDER_DEVICES - {''})}")
+    if r.output_format not in ("", "PNG"):
+        raise InvalidArgument("render.output_format: only \"PNG\" is supported")
+    if r.engine not in ("", "cycles"):
+        raise InvalidArgument("render.engine: only \"cycles\" renders headless")
+    if r.split > min(MAX_PARTS, frames):
+        raise InvalidArgument(f"render.split: at most {min(MAX_PARTS, frames)} parts"
+                              f" (one frame each at least, {MAX_PARTS} at most)")
+
+
+def part_frames(first: int, last: int, part: int, parts: int) -> range:
+    """The frames of part ``part`` (1-based) of ``parts``: contiguous ranges that cover
+    first..last once, the earlier parts one frame longer when they do not divide evenly.
+    Part 0 (or one part) is the whole range."""
+    if parts <= 1 or part == 0:
+        return range(first, last + 1)
+    if not 1 <= part <= parts:
+        raise InvalidArgument(f"part {part} of {parts} does not exist")
+    count = last - first + 1
+    size, extra = divmod(count, parts)
+    start = first + (part - 1) * size + min(part - 1, extra)
+    return range(start, start + size + (1 if part <= extra else 0))
+
+
+def split_parts(spec: types_pb2.JobSpec) -> int:
+    """How many parts the job runs as (1 unless it is a render job with split > 1)."""
+    if spec.WhichOneof("params") == "render":
+        return max(1, spec.render.split)
+    return 1
+
+
 PARAMS_OF_KIND = {types_pb2.JOB_KIND_TRAINING: "training",
-                  types_pb2.JOB_KIND_GENERATE: "generate", types_pb2.JOB_KIND_EMBED: "embed"}
-CHECKS = {"training": _check_training, "generate": _check_generate, "embed": _check_embed}
+                  types_pb2.JOB_KIND_GENERATE: "generate", types_pb2.JOB_KIND_EMBED: "embed",
+                  types_pb2.JOB_KIND_RENDER: "render"}
+CHECKS = {"training": _check_training, "generate": _check_generate, "embed": _check_embed,
+          "render": _check_render}
 ENGINES = {"", "transformers", "vllm"}
 DTYPES = {"", "auto", "float32", "bfloat16", "float16"}
 

@@ -8,11 +8,12 @@ from pathlib import Path
 
 from gpumarket.proto.errors import InvalidArgument
 
-# The plain files a checkpoint may hold, by runner: training state, or the results so far of
-# an inference job. A checkpoint is exactly one of these sets.
+# The plain files a checkpoint may hold, by runner: training state, the results so far of
+# an inference job, or the frames rendered so far. A checkpoint is exactly one of these sets.
 LAYOUTS = (
     ("model.safetensors", "state.safetensors", "state.json", "COMPLETE"),
     ("results.jsonl", "state.json", "COMPLETE"),
+    ("frames.tar", "state.json", "COMPLETE"),
 )
 FILES = LAYOUTS[0]
 MAX_MEMBER_BYTES = 1 << 40

@@ -19,7 +19,7 @@ EXAMPLE = """\
 
 # broker = "broker.example.org:7070"
 price_per_gpu_hour = 1.20        # credits per device-hour
-kinds = ["training", "generate", "embed"]   # job kinds this provider accepts
+kinds = ["training", "generate", "embed", "render"]  # render needs bpy
 max_job_hours = 24               # longest job accepted
 allow_clients = []               # client ids; empty = everyone not denied
 deny_clients = []
@@ -52,7 +52,7 @@ class ProviderConfig:
     cpu_only: bool = False               # advertise the CPU even where GPUs are present
     warm_runners: bool = True            # keep one idle runner per kind with imports done
     kinds: frozenset[int] = frozenset({pb.JOB_KIND_TRAINING, pb.JOB_KIND_GENERATE,
-                                       pb.JOB_KIND_EMBED})   # accepted job kinds
+                                       pb.JOB_KIND_EMBED, pb.JOB_KIND_RENDER})  # accepted
     policy: Policy = field(default_factory=Policy)  # clients and hours served
     device_prices: dict[int, float] = field(default_factory=dict)  # per device index
 

@@ -43,7 +43,8 @@ log = logging.getLogger(__name__)
 
 RUNNERS = {pb.JOB_KIND_TRAINING: "gpumarket.provider.runners.training",
            pb.JOB_KIND_GENERATE: "gpumarket.provider.runners.generate",
-           pb.JOB_KIND_EMBED: "gpumarket.provider.runners.embed"}
+           pb.JOB_KIND_EMBED: "gpumarket.provider.runners.embed",
+           pb.JOB_KIND_RENDER: "gpumarket.provider.runners.render"}
 WARM_KINDS = {pb.JOB_KIND_TRAINING}   # one idle runner each: training resumes fastest
 
 
@@ -76,8 +77,10 @@ class ProviderDaemon:
         self.identity = identity
         self.devices = devices
         self.benchmarks = benchmarks
-        self.kinds = set(RUNNERS) & set(config.kinds)
         self.engines = inference_engines(any(d.is_cuda for d in devices))
+        self.kinds = set(RUNNERS) & set(config.kinds)
+        if "cycles" not in self.engines:
+            self.kinds.discard(pb.JOB_KIND_RENDER)
         self.jobs: dict[str, RunningJob] = {}
         self.unsettled: dict[tuple[str, int], gw.ProviderMessage] = {}
         self.outbox: asyncio.Queue | None = None

@@ -118,11 +118,21 @@ def detect(cpu_only: bool = False) -> tuple[list[DeviceInfo], str | None]:
 
 
 def inference_engines(has_cuda: bool) -> frozenset[str]:
-    """The inference engines this provider can run: transformers always; vLLM where its
-    package is installed and there is a CUDA device (it runs on nothing else)."""
+    """The engines this provider can run: transformers always; vLLM where its package is
+    installed and there is a CUDA device (it runs on nothing else); Blender's Cycles where
+    the bpy package is installed."""
     import importlib.util
 
     engines = {"transformers"}
     if has_cuda and importlib.util.find_spec("vllm") is not None:
         engines.add("vllm")
+    if renderer_available():
+        engines.add("cycles")
     return frozenset(engines)
+
+
+def renderer_available() -> bool:
+    """Whether render jobs can run here: Blender as the bpy package."""
+    import importlib.util
+
+    return importlib.util.find_spec("bpy") is not None

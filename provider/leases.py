@@ -97,6 +97,8 @@ def runner_config(a: Assignment, inputs: dict[str, str], resume_dir: Path | None
         "provider_mtbf_s": a.lease.provider_mtbf_s,
         "device": "cuda" if cuda else "cpu",
         "resume_from": str(resume_dir) if resume_dir else None,
+        "part": a.lease.part,
+        "parts": a.lease.parts,
     }
 
 

@@ -79,7 +79,7 @@ def config_text(devices: list[DeviceInfo], broker: str, data_dir: str, price: fl
         f'broker = "{broker}"' if broker else '# broker = "broker.example.org:7070"',
         f'data_dir = "{data_dir}"',
         f"price_per_gpu_hour = {price}        # credits per device-hour",
-        'kinds = ["training", "generate", "embed"]   # job kinds this provider accepts',
+        'kinds = ["training", "generate", "embed", "render"]  # render needs bpy',
         "max_job_hours = 24               # longest job accepted",
         "allow_clients = []               # client ids; empty = everyone not denied",
         "deny_clients = []",

@@ -84,7 +84,7 @@ def test_cancel_is_the_owners_alone(store):
             await store.write(jobs.cancel, "j1", other.id, 3)
         state, ended = await store.write(jobs.cancel, "j1", client.id, 3)
         assert state == pb.JOB_STATE_CANCELLED
-        assert ended == jobs.EndedLease("j1", 1, "p1")
+        assert ended == [jobs.EndedLease("j1", 1, "p1")]
         assert await store.read(views.busy_devices) == {}
 
     asyncio.run(scenario())
@@ -160,3 +160,50 @@ def test_broker_config_example_loads(tmp_path):
     path.write_text('lease_timeout = "soon"\n')
     with pytest.raises(InvalidArgument, match="lease_timeout must be a number"):
         broker_config.load(path)
+
+
+def test_a_split_job_follows_its_parts(store):
+    """A split job is never leased itself; it runs while a part runs, succeeds when every
+    part has, and fails (its other parts stopped) when one part fails."""
+    import dataclasses
+
+    broker, client = Identity.generate(), Identity.generate()
+    sign = lambda lease: seal(broker, lease)  # noqa: E731
+
+    async def scenario():
+        w = store.write
+        await w(jobs.submit, dataclasses.replace(new_job(client), part_sizes=(3, 3)), 1)
+        queued = [r["id"] for r in await store.read(views.queued_jobs, 10)]
+        assert queued == ["j1-1", "j1-2"]                   # the parent is not leasable
+        lease = await w(jobs.create_lease, "j1-1", "p1", [0], 1.0, 2, 60_000, 10, sign)
+        assert pb.Lease.FromString(lease.payload).part == 1
+        assert pb.Lease.FromString(lease.payload).parts == 2
+        await w(jobs.mark_started, "j1-1", 1, "p1", 3)
+        job = await store.read(views.get_job, "j1")
+        assert job.state == pb.JOB_STATE_RUNNING
+        assert [p.state for p in job.parts] == [pb.JOB_STATE_RUNNING, pb.JOB_STATE_QUEUED]
+        await w(jobs.record_progress, "j1-1", 1, "p1", pb.Progress(step=2, total=3), 4)
+        job = await store.read(views.get_job, "j1")
+        assert (job.progress.step, job.progress.total) == (2, 6)
+        assert await store.read(views.busy_siblings, "j1") == {"p1"}
+        await w(jobs.create_lease, "j1-2", "p2", [0], 1.0, 5, 60_000, 10, sign)
+        await w(jobs.fail, "j1-2", 1, "p2", "scene: Blender cannot open it", 6)
+        job = await store.read(views.get_job, "j1")
+        assert job.state == pb.JOB_STATE_FAILED
+        assert job.error == "part 2/2 failed: scene: Blender cannot open it"
+        assert job.parts[0].state == pb.JOB_STATE_CANCELLED
+        # p1 learns at its next heartbeat that part 1 is no longer its to run
+        assert await w(jobs.renew_leases, "p1", [("j1-1", 1)], 7) == [("j1-1", 1)]
+        listed = await store.read(views.list_jobs, client.id, [], 10)
+        assert [j.job_id for j in listed] == ["j1"]
+
+        await w(jobs.submit, dataclasses.replace(new_job(client, "j2", "11" * 16),
+                                                 part_sizes=(1, 1, 1)), 8)
+        await w(jobs.create_lease, "j2-3", "p1", [0], 1.0, 9, 60_000, 10, sign)
+        state, ended = await w(jobs.cancel, "j2", client.id, 10)
+        assert state == pb.JOB_STATE_CANCELLED and ended == [jobs.EndedLease("j2-3", 1, "p1")]
+        job = await store.read(views.get_job, "j2")
+        assert job.error == "cancelled by client"
+        assert [p.state for p in job.parts] == [pb.JOB_STATE_CANCELLED] * 3
+
+    asyncio.run(scenario())

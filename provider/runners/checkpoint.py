@@ -18,20 +18,9 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, load_model, save_file, save_model
 
-MARKER = "COMPLETE"
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
+from gpumarket.provider.runners.base import MARKER
+from gpumarket.provider.runners.base import fsync_dir as _fsync_dir
+from gpumarket.provider.runners.base import fsync_file as _fsync_file
 
 
 def _optimizer_split(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict]:

@@ -19,7 +19,7 @@ from gpumarket.provider.runners.inference import (
     Results, percentiles, read_items, run_main, torch_device, torch_dtype, unpack_model,
 )
 from gpumarket.provider.runners.report import Reporter
-from gpumarket.provider.runners.training import JobError
+from gpumarket.provider.runners.base import JobError
 
 CPU_BATCH = 8
 MAX_BATCH = 128

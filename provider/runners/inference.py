@@ -17,9 +17,10 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from gpumarket.provider.runners.checkpoint import MARKER, _fsync_dir, _fsync_file
+from gpumarket.provider.runners.base import MARKER, Cadence, JobError
+from gpumarket.provider.runners.base import fsync_dir as _fsync_dir
+from gpumarket.provider.runners.base import fsync_file as _fsync_file
 from gpumarket.provider.runners.report import Reporter
-from gpumarket.provider.runners.training import Cadence, JobError
 
 RESULTS = "results.jsonl"
 

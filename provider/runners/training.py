@@ -10,18 +10,9 @@ config and the loss curve to WORKDIR/outputs.
 
 from __future__ import annotations
 
-import signal
+from gpumarket.provider.runners.base import listen_for_drain
 
-_drain_requested = False
-
-
-def _request_drain(signum, frame) -> None:
-    global _drain_requested
-    _drain_requested = True
-
-
-# Before the slow imports: a drain request may come while torch is still loading.
-signal.signal(signal.SIGUSR1, _request_drain)
+listen_for_drain()
 
 import json  # noqa: E402
 import math  # noqa: E402
@@ -35,37 +26,10 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from gpumarket.provider.runners import checkpoint  # noqa: E402
+from gpumarket.provider.runners.base import (  # noqa: E402, F401 (JobError, Cadence: re-exported)
+    Cadence, JobError, drain_requested,
+)
 from gpumarket.provider.runners.report import Reporter  # noqa: E402
-
-
-class JobError(Exception):
-    """A problem with the job's inputs: reported as one line, no traceback."""
-
-
-class Cadence:
-    """When to checkpoint: every N steps if the job says so, else every Young interval
-    sqrt(2 x measured write time x provider MTBF), re-estimated after each checkpoint."""
-
-    MIN_S, MAX_S, FIRST_S = 5.0, 3600.0, 10.0
-
-    def __init__(self, every_steps: int, interval_s: float, mtbf_s: float) -> None:
-        self.every_steps = every_steps
-        # Until this job's own checkpoint cost is measured, the broker's interval rests on a
-        # guess: checkpoint early once (at most FIRST_S in) to measure it.
-        self.interval_s = min(interval_s, self.FIRST_S) if mtbf_s > 0 else interval_s
-        self.mtbf_s = mtbf_s
-        self.last = time.monotonic()
-
-    def due(self, step: int) -> bool:
-        if self.every_steps:
-            return step % self.every_steps == 0
-        return self.interval_s > 0 and time.monotonic() - self.last >= self.interval_s
-
-    def written(self, write_seconds: float) -> None:
-        self.last = time.monotonic()
-        if not self.every_steps and self.mtbf_s > 0:
-            young = math.sqrt(2 * max(write_seconds, 1e-3) * self.mtbf_s)
-            self.interval_s = min(self.MAX_S, max(self.MIN_S, young))
 
 
 def load_tokens(path: Path, seq_len: int) -> torch.Tensor:
@@ -199,9 +163,9 @@ def train(workdir: Path, report: Reporter) -> None:
         if (step + 1) % log_every == 0 or step + 1 == steps:
             print(f"step {step + 1}/{steps} loss {value:.4f} lr {sched.get_last_lr()[0]:.2e}"
                   f" tokens/s {tokens_done / max(elapsed, 1e-9):,.0f}", flush=True)
-        if step + 1 < steps and (_drain_requested or cadence.due(step + 1)):
+        if step + 1 < steps and (drain_requested() or cadence.due(step + 1)):
             save(step + 1)
-            if _drain_requested:
+            if drain_requested():
                 report.drained(step + 1)
                 return
     out = workdir / "outputs"
