@@ -23,7 +23,7 @@ from gpumarket.proto.errors import (
     BadSignature, FailedPrecondition, GpumarketError, InvalidArgument, PermissionDenied,
 )
 from gpumarket.proto.identity import fingerprint
-from gpumarket.proto.jobspec import check_artifact_name, check_sha256, now_ms
+from gpumarket.proto.jobspec import NAME_RE, SHA256_RE, check_artifact_name, check_sha256, now_ms
 from gpumarket.proto.v1 import gateway_pb2 as gw
 from gpumarket.proto.v1 import gateway_pb2_grpc
 from gpumarket.proto.v1 import types_pb2 as pb
@@ -46,6 +46,10 @@ def check_offer(offer: pb.Offer, signer: str) -> None:
         raise InvalidArgument("offer.price_per_gpu_hour: must not be negative")
     if not offer.kinds:
         raise InvalidArgument("offer.kinds: an offer needs at least one job kind")
+    if len(offer.models) > 1024 or any(not NAME_RE.match(m) for m in offer.models):
+        raise InvalidArgument("offer.models: at most 1,024 plain names")
+    if len(offer.cached) > 256 or any(not SHA256_RE.match(c) for c in offer.cached):
+        raise InvalidArgument("offer.cached: at most 256 lowercase hex sha256")
 
 
 class ProviderGatewayServicer(gateway_pb2_grpc.ProviderGatewayServicer):

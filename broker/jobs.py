@@ -52,6 +52,8 @@ class NewJob:
     max_runtime_s: int = 0
     engine: str = ""                 # inference engine the job requires; "" = any
     part_sizes: tuple[int, ...] = ()  # a split job: the steps (frames) of each part
+    model_name: str = ""             # a model the provider must hold
+    model_sha256: str = ""           # the model archive it sends (providers caching it: preferred)
 
 
 @dataclass(frozen=True)
@@ -194,7 +196,8 @@ def submit(db: Database, job: NewJob, now: int) -> None:
             "min_compute_capability": job.min_compute_capability,
             "gpu_models": json.dumps(list(job.gpu_models)), "work_flops": job.work_flops,
             "est_memory_bytes": job.est_memory_bytes, "max_runtime_s": job.max_runtime_s,
-            "engine": job.engine,
+            "engine": job.engine, "model_name": job.model_name,
+            "model_sha256": job.model_sha256,
     }
     if len(job.part_sizes) > 1:
         row.update(parts=len(job.part_sizes), progress_total=sum(job.part_sizes))

@@ -15,7 +15,7 @@ from gpumarket.proto.envelope import open_envelope, payload_sha256
 from gpumarket.proto.errors import BadSignature, FailedPrecondition, InvalidArgument, NotFound
 from gpumarket.proto.jobspec import (
     OBJECTIVE_NAMES, TERMINAL_STATES, check_fresh, check_spec, kind_name, now_ms,
-    part_frames, required_engine, split_parts,
+    model_input_sha256, part_frames, required_engine, required_model, split_parts,
 )
 from gpumarket.proto.v1 import gateway_pb2 as gw
 from gpumarket.proto.v1 import marketplace_pb2 as mp
@@ -73,6 +73,8 @@ class MarketplaceServicer(marketplace_pb2_grpc.MarketplaceServicer):
             est_memory_bytes=est.memory_bytes,
             max_runtime_s=spec.max_runtime_s,
             engine=required_engine(spec),
+            model_name=required_model(spec),
+            model_sha256=model_input_sha256(spec),
             part_sizes=tuple(len(part_frames(spec.render.frame_start, spec.render.frame_end,
                                              i, split_parts(spec)))
                              for i in range(1, split_parts(spec) + 1)),
@@ -199,6 +201,7 @@ class MarketplaceServicer(marketplace_pb2_grpc.MarketplaceServicer):
             "created_at_ms": now_ms(), "max_runtime_s": spec.max_runtime_s,
             "checkpoint_seconds": 0.0,
             "engine": required_engine(spec),
+            "model_name": required_model(spec), "model_sha256": model_input_sha256(spec),
         }
         book = await scheduler.offer_book(self.state)
         job = scheduler.needs_of(row)

@@ -13,6 +13,8 @@ expected time and cost to finish (see reliability.expected_time_s):
 ``cheapest`` minimises cost, ``fastest`` expected time, ``reliable`` maximises the reliability
 score, and ``deadline`` is the cheapest offer expected to finish in time. Offers within 0.1 % of
 the best are equivalent; among them the least loaded provider wins, so work spreads out.
+A provider that already holds the job's model archive in its cache (a warm cache) wins over
+the best offer unless that one is more than ``WARM_MARGIN`` better.
 
 ``Book`` does this for many offers with numpy; ``exclusion`` and ``expected`` are the plain
 reference the property tests hold the book to.
@@ -36,13 +38,14 @@ from gpumarket.proto.v1 import types_pb2 as pb
 OBJECTIVES = ("cheapest", "fastest", "reliable", "deadline")
 NOMINAL_WORK_FLOPS = 1e15       # ranking work when a job's size is unknown
 EQUIVALENT = 1e-3               # offers this close to the best are interchangeable
+WARM_MARGIN = 0.10              # a warm cache is worth this much of the objective
 ANY = pb.ACCELERATOR_UNSPECIFIED
 
 # The order in which exclusions are counted: what can never change first, "busy" last.
 CONSTRAINTS = ("kind", "policy", "hours", "duration", "price", "gpus", "accelerator",
                "compute_capability", "gpu_model", "memory", "reliability", "deadline", "busy")
 REASON_TEXT = {
-    "kind": "do not run this job kind (with the engine it asks for)",
+    "kind": "do not run this job kind (with the engine and local model it asks for)",
     "policy": "do not accept this client",
     "hours": "are outside their hours of availability",
     "duration": "cap job duration below this job's",
@@ -78,6 +81,8 @@ class OfferView:
     busy: frozenset[int] = frozenset()
     load: int = 0                        # active leases
     engines: frozenset[str] = frozenset()   # inference engines it runs
+    models: frozenset[str] = frozenset()    # models in its local model directory
+    cached: frozenset[str] = frozenset()    # sha256 of artifacts in its cache
 
     @property
     def free(self) -> tuple[int, ...]:
@@ -103,6 +108,8 @@ class JobNeeds:
     checkpoint_cost_s: float = 0.0
     avoid: frozenset[str] = frozenset()  # providers that lost this job: last resort
     engine: str = ""                     # inference engine required; "" = any
+    model_name: str = ""                 # a model the provider must hold; "" = none
+    warm_sha256: str = ""                # the job's model archive: holders are preferred
 
 
 @dataclass(frozen=True)
@@ -144,7 +151,8 @@ def _model_ok(job: JobNeeds, name: str) -> bool:
 def exclusion(job: JobNeeds, offer: OfferView, now: datetime | None = None) -> str | None:
     """The first hard constraint ``offer`` fails for ``job``, or None if the job fits."""
     now = now or datetime.now(timezone.utc)
-    if job.kind not in offer.kinds or (job.engine and job.engine not in offer.engines):
+    if job.kind not in offer.kinds or (job.engine and job.engine not in offer.engines) or (
+            job.model_name and job.model_name not in offer.models):
         return "kind"
     if not offer.policy.accepts(job.client_id):
         return "policy"
@@ -248,7 +256,8 @@ class Book:
 
     def _shape_masks(self, job: JobNeeds) -> list[np.ndarray]:
         """Masks that depend only on the job's shape (cached: jobs repeat shapes)."""
-        key = (job.kind, job.engine, job.max_price_per_gpu_hour, job.gpus, job.accelerator,
+        key = (job.kind, job.engine, job.model_name, job.max_price_per_gpu_hour, job.gpus,
+               job.accelerator,
                job.min_compute_capability, job.gpu_models, job.min_memory_bytes,
                job.min_reliability)
         hit = self._static.get(key)
@@ -258,6 +267,8 @@ class Book:
         kind = (self.kinds & self._kind_bit.get(job.kind, 0)) != 0
         if job.engine:
             kind &= np.array([job.engine in x.engines for x in self.offers], dtype=bool)
+        if job.model_name:
+            kind &= np.array([job.model_name in x.models for x in self.offers], dtype=bool)
         accel = (self.accel == job.accelerator) if job.accelerator != ANY else np.ones(n, bool)
         if job.gpu_models:
             model = np.array([_model_ok(job, x.gpu_name) for x in self.offers], dtype=bool)
@@ -347,6 +358,13 @@ class Book:
             if preferred.any():
                 mask = preferred
         primary, secondary = self._keys(job, factor)
+        if job.warm_sha256:
+            warm = mask & np.array([job.warm_sha256 in x.cached for x in self.offers],
+                                   dtype=bool)
+            if warm.any():
+                best_any = primary[mask].min()
+                if primary[warm].min() <= best_any + abs(best_any) * WARM_MARGIN:
+                    mask = warm
         keyed = np.where(mask, primary, np.inf)
         i = int(np.argmin(keyed))
         best = keyed[i]

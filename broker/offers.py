@@ -53,6 +53,8 @@ def offer_view(offer: pb.Offer, history: reliability.ProviderHistory, achieved_f
         price_per_gpu_hour=offer_price(offer),
         kinds=frozenset(offer.kinds),
         engines=frozenset(offer.engines),
+        models=frozenset(offer.models),
+        cached=frozenset(offer.cached),
         device_indices=tuple(d.index for d in devices),
         accelerator=accel,
         device_memory_bytes=min(d.memory_bytes for d in devices),

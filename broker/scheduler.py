@@ -60,7 +60,8 @@ def needs_of(row: dict, avoid: frozenset[str] = frozenset()) -> matcher.JobNeeds
         deadline_s=max(0.0, row["deadline_s"] - (now_ms() - row["created_at_ms"]) / 1000)
         if row["deadline_s"] else 0.0,
         max_runtime_s=row["max_runtime_s"], checkpoint_cost_s=row["checkpoint_seconds"],
-        avoid=avoid, engine=row["engine"],
+        avoid=avoid, engine=row["engine"], model_name=row["model_name"],
+        warm_sha256=row["model_sha256"],
     )
 
 

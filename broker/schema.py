@@ -202,3 +202,9 @@ def m006_parts(db: Database) -> None:
     db.execute("ALTER TABLE jobs ADD COLUMN part INTEGER NOT NULL DEFAULT 0")
     db.execute("ALTER TABLE jobs ADD COLUMN parts INTEGER NOT NULL DEFAULT 0")
     db.execute("CREATE INDEX jobs_by_parent ON jobs(parent_id, part)")
+
+
+@migrations()
+def m007_models(db: Database) -> None:
+    db.execute("ALTER TABLE jobs ADD COLUMN model_name TEXT NOT NULL DEFAULT ''")
+    db.execute("ALTER TABLE jobs ADD COLUMN model_sha256 TEXT NOT NULL DEFAULT ''")

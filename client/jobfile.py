@@ -38,13 +38,13 @@ TRAINING = {
     "warmup_steps": (int, False), "checkpoint_every": (int, False),
 }
 GENERATE = {
-    "model": ("dir_or_file", True), "prompts": ("path", True), "max_tokens": (int, False),
+    "model": ("dir_or_file", False), "model_name": (str, False), "prompts": ("path", True), "max_tokens": (int, False),
     "temperature": (float, False), "top_p": (float, False), "seed": (int, False),
     "stop": ("strings", False), "batch_size": (int, False), "engine": (str, False),
     "dtype": (str, False), "quantization": (str, False), "checkpoint_every": (int, False),
 }
 EMBED = {
-    "model": ("dir_or_file", True), "texts": ("path", True), "batch_size": (int, False),
+    "model": ("dir_or_file", False), "model_name": (str, False), "texts": ("path", True), "batch_size": (int, False),
     "output_format": (str, False), "normalize": (bool, False), "engine": (str, False),
     "dtype": (str, False), "checkpoint_every": (int, False),
 }
@@ -258,13 +258,19 @@ def _training(table: dict, base: Path, file: str) -> tuple[dict, list[LocalInput
 def _inference(kind: str, schema: dict, data_field: str, table: dict, base: Path,
                file: str) -> tuple[dict, list[LocalInput]]:
     params = dict(_check_table(table, schema, f"{kind}.", file))
-    model = _file(base, params["model"], f"{kind}.model", file)
-    if model.is_dir() and not (model / "config.json").exists():
-        raise JobFileError(f"{file}: {kind}.model = {params['model']!r}: a model directory"
-                           " needs a config.json")
+    if ("model" in params) == ("model_name" in params):
+        raise JobFileError(f"{file}: [{kind}] needs exactly one of model (a model directory to"
+                           " send) or model_name (a model the provider holds)")
     data = _file(base, params[data_field], f"{kind}.{data_field}", file)
-    inputs = [LocalInput("model.tar", model), LocalInput(f"{data_field}.jsonl", data)]
-    params["model"], params[data_field] = "model.tar", f"{data_field}.jsonl"
+    inputs = [LocalInput(f"{data_field}.jsonl", data)]
+    params[data_field] = f"{data_field}.jsonl"
+    if "model" in params:
+        model = _file(base, params["model"], f"{kind}.model", file)
+        if model.is_dir() and not (model / "config.json").exists():
+            raise JobFileError(f"{file}: {kind}.model = {params['model']!r}: a model directory"
+                               " needs a config.json")
+        inputs.insert(0, LocalInput("model.tar", model))
+        params["model"] = "model.tar"
     for key in ("max_tokens", "seed", "batch_size", "checkpoint_every"):
         if key in params and params[key] < 0:
             raise JobFileError(f"{file}: field '{kind}.{key}' must not be negative")

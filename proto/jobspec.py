@@ -136,8 +136,20 @@ def _check_engine(params, where: str) -> None:
         raise InvalidArgument(f"{where}.dtype: must be one of {sorted(DTYPES - {''})}")
 
 
+def _check_model(params, where: str, inputs: set[str]) -> None:
+    """Exactly one of model (an input: a tar of a model directory) and model_name (a model
+    the provider holds)."""
+    if bool(params.model) == bool(params.model_name):
+        raise InvalidArgument(f"{where}: give exactly one of model or model_name")
+    if params.model:
+        _check_inputs(params, ("model",), where, inputs)
+    elif not NAME_RE.match(params.model_name):
+        raise InvalidArgument(f"{where}.model_name: {params.model_name!r} is not a plain name")
+
+
 def _check_generate(g: types_pb2.GenerateParams, inputs: set[str]) -> None:
-    _check_inputs(g, ("model", "prompts"), "generate", inputs)
+    _check_model(g, "generate", inputs)
+    _check_inputs(g, ("prompts",), "generate", inputs)
     _check_engine(g, "generate")
     if g.max_tokens > 1_000_000:
         raise InvalidArgument("generate.max_tokens: at most 1,000,000")
@@ -154,7 +166,8 @@ def _check_generate(g: types_pb2.GenerateParams, inputs: set[str]) -> None:
 
 
 def _check_embed(e: types_pb2.EmbedParams, inputs: set[str]) -> None:
-    _check_inputs(e, ("model", "texts"), "embed", inputs)
+    _check_model(e, "embed", inputs)
+    _check_inputs(e, ("texts",), "embed", inputs)
     _check_engine(e, "embed")
     if e.engine == "vllm":
         raise InvalidArgument("embed.engine: embed jobs run on transformers")
@@ -253,6 +266,18 @@ def job_params(spec: types_pb2.JobSpec):
 def required_engine(spec: types_pb2.JobSpec) -> str:
     """The inference engine the job asks for; "" for any (and for kinds without engines)."""
     return getattr(job_params(spec), "engine", "")
+
+
+def required_model(spec: types_pb2.JobSpec) -> str:
+    """The name of a model the job wants from the provider's model directory; "" if none."""
+    return getattr(job_params(spec), "model_name", "")
+
+
+def model_input_sha256(spec: types_pb2.JobSpec) -> str:
+    """The sha256 of the model archive the job sends as an input; "" if none (a provider
+    that has it cached already is preferred: a warm cache)."""
+    name = getattr(job_params(spec), "model", "")
+    return next((ref.sha256 for ref in spec.inputs if name and ref.name == name), "")
 
 
 # Job logs travel in updates of at most this many lines, each cut to this many characters.

@@ -45,6 +45,10 @@ def cli() -> None:
               help="Directory for the provider key, benchmark cache and job work dirs.")
 @click.option("--price", type=float, help="Price per device-hour, in credits (default 1.0).")
 @click.option("--cpu-only", is_flag=True, help="Offer the CPU even where GPUs are present.")
+@click.option("--cpu-devices", type=click.IntRange(1, 64),
+              help="Offer the CPU as this many devices, each an equal share (default 1).")
+@click.option("--models-dir", type=click.Path(file_okay=False, path_type=Path),
+              help="Models jobs may name, one directory each (default: DATA_DIR/models).")
 @click.option("--max-runtime", type=int, help="Longest a job may run, in seconds (default 1 day).")
 @click.option("--no-warm", is_flag=True,
               help="Do not keep an idle runner with its imports done (saves its memory; jobs "
@@ -52,7 +56,8 @@ def cli() -> None:
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
 def run(config_file: Path | None, broker: str | None, data_dir: Path | None,
-        price: float | None, cpu_only: bool, max_runtime: int | None, no_warm: bool,
+        price: float | None, cpu_only: bool, cpu_devices: int | None,
+        models_dir: Path | None, max_runtime: int | None, no_warm: bool,
         log_level: str) -> None:
     """Connect to a broker, advertise this machine, and run leased jobs until SIGTERM
     (SIGTERM drains: jobs checkpoint and move elsewhere; a second SIGTERM stops at once)."""
@@ -65,7 +70,8 @@ def run(config_file: Path | None, broker: str | None, data_dir: Path | None,
         click.echo(f"error: {exc}", err=True)
         sys.exit(1)
     for key, value in (("broker", broker), ("data_dir", data_dir),
-                       ("price_per_gpu_hour", price), ("max_runtime_s", max_runtime)):
+                       ("price_per_gpu_hour", price), ("max_runtime_s", max_runtime),
+                       ("cpu_devices", cpu_devices), ("models_path", models_dir)):
         if value is not None:
             settings[key] = value
     if cpu_only:
@@ -102,7 +108,7 @@ async def _run(config: ProviderConfig) -> None:
 
     config.data_dir.mkdir(parents=True, exist_ok=True)
     identity = Identity.load_or_create(config.key_path)
-    devices, warning = await asyncio.to_thread(detect, config.cpu_only)
+    devices, warning = await asyncio.to_thread(detect, config.cpu_only, config.cpu_devices)
     if warning:
         log.warning("%s", warning)
     benchmarks = await asyncio.to_thread(cached_benchmarks, devices,

@@ -21,6 +21,8 @@ EXAMPLE = """\
 price_per_gpu_hour = 1.20        # credits per device-hour
 kinds = ["training", "generate", "embed", "render"]  # render needs bpy
 max_job_hours = 24               # longest job accepted
+# cpu_devices = 2                # without GPUs: offer the CPU as 2 devices (equal shares)
+# models_dir = "/srv/models"     # models jobs may name (one directory each); default: data dir/models
 allow_clients = []               # client ids; empty = everyone not denied
 deny_clients = []
 
@@ -35,7 +37,7 @@ deny_clients = []
 """
 
 KEYS = {"broker", "data_dir", "price_per_gpu_hour", "kinds", "max_job_hours", "allow_clients",
-        "deny_clients", "availability", "devices"}
+        "deny_clients", "availability", "devices", "cpu_devices", "models_dir"}
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,8 @@ class ProviderConfig:
     rpc_timeout_s: float = 30.0          # deadline on each unary call to the broker
     backoff_max_s: float = 30.0          # longest wait between reconnects
     cpu_only: bool = False               # advertise the CPU even where GPUs are present
+    cpu_devices: int = 1                 # offer the CPU as this many devices (equal shares)
+    models_path: Path | None = None      # local model directory; default data_dir/models
     warm_runners: bool = True            # keep one idle runner per kind with imports done
     kinds: frozenset[int] = frozenset({pb.JOB_KIND_TRAINING, pb.JOB_KIND_GENERATE,
                                        pb.JOB_KIND_EMBED, pb.JOB_KIND_RENDER})  # accepted
@@ -67,6 +71,10 @@ class ProviderConfig:
     @property
     def cache_dir(self) -> Path:
         return self.data_dir / "cache"
+
+    @property
+    def models_dir(self) -> Path:
+        return self.models_path or self.data_dir / "models"
 
 
 def _list_of_str(raw: dict, key: str, file: str) -> list[str]:
@@ -104,6 +112,15 @@ def load(path: Path) -> dict[str, Any]:
         if bad or not names:
             raise InvalidArgument(f"{file}: kinds must name some of {sorted(KINDS_BY_NAME)}")
         out["kinds"] = frozenset(KINDS_BY_NAME[k] for k in names)
+    if "models_dir" in raw:
+        if not isinstance(raw["models_dir"], str):
+            raise InvalidArgument(f"{file}: models_dir must be a path")
+        out["models_path"] = Path(raw["models_dir"]).expanduser()
+    if "cpu_devices" in raw:
+        count = raw["cpu_devices"]
+        if not isinstance(count, int) or isinstance(count, bool) or not 1 <= count <= 64:
+            raise InvalidArgument(f"{file}: cpu_devices must be a whole number from 1 to 64")
+        out["cpu_devices"] = count
     if "max_job_hours" in raw:
         hours = raw["max_job_hours"]
         if not isinstance(hours, (int, float)) or hours <= 0:

@@ -24,7 +24,9 @@ from gpumarket.proto import __version__
 from gpumarket.proto.envelope import open_envelope, seal
 from gpumarket.proto.errors import GpumarketError, Unavailable
 from gpumarket.proto.identity import Identity
-from gpumarket.proto.jobspec import LOG_LINE_CHARS, LOG_LINES_PER_UPDATE, kind_name, now_ms
+from gpumarket.proto.jobspec import (
+    LOG_LINE_CHARS, LOG_LINES_PER_UPDATE, kind_name, now_ms, required_model,
+)
 from gpumarket.proto.v1 import gateway_pb2 as gw
 from gpumarket.proto.v1 import gateway_pb2_grpc
 from gpumarket.proto.v1 import types_pb2 as pb
@@ -34,7 +36,7 @@ from gpumarket.provider.config import ProviderConfig
 from gpumarket.provider.executor import (
     JobProcess, job_env, pid_runs_in, read_reports,
 )
-from gpumarket.provider.inventory import DeviceInfo, inference_engines
+from gpumarket.provider.inventory import DeviceInfo, inference_engines, local_models
 from gpumarket.provider.journal import Journal
 from gpumarket.provider.leases import Assignment, check_lease, refusal, runner_config
 from gpumarket.provider.warm_pool import WarmPool
@@ -107,11 +109,22 @@ class ProviderDaemon:
             price_per_gpu_hour=self.config.price_per_gpu_hour,
             kinds=sorted(self.kinds),
             engines=sorted(self.engines),
+            models=sorted(local_models(self.config.models_dir)),
+            cached=self._cached_artifacts(),
             software_version=__version__,
             created_at_ms=now_ms(),
             policy=self.config.policy.message(),
         )
         return seal(self.identity, offer)
+
+    def _cached_artifacts(self, limit: int = 256) -> list[str]:
+        """The artifacts this provider has cached, newest first: jobs whose model is among
+        them start without a download, so the matcher prefers this provider for them."""
+        if not self.config.cache_dir.is_dir():
+            return []
+        files = [(p.stat().st_mtime, p.name) for p in self.config.cache_dir.iterdir()
+                 if len(p.name) == 64]
+        return [name for _, name in sorted(files, reverse=True)[:limit]]
 
     def free_devices(self) -> set[int]:
         held = {i for j in self.jobs.values() for i in j.devices}
@@ -280,7 +293,9 @@ class ProviderDaemon:
             assignment = check_lease(
                 envelope, broker_public_key=self.broker_key or b"",
                 provider_id=self.identity.id, device_indices=self.free_devices(),
-                kinds=self.kinds, engines=self.engines, policy=self.config.policy)
+                kinds=self.kinds, engines=self.engines,
+                models=frozenset(local_models(self.config.models_dir)),
+                policy=self.config.policy)
         except GpumarketError as exc:
             reason = refusal(exc)
             log.warning("refused a lease: %s", reason)
@@ -395,7 +410,9 @@ class ProviderDaemon:
             job.uploaded_step = step
             archive.unlink()
         cuda = any(d.is_cuda for d in self._devices_of(job))
-        spec = runner_config(a, paths, resume_dir, cuda)
+        model = required_model(a.spec)
+        spec = runner_config(a, paths, resume_dir, cuda,
+                             local_models(self.config.models_dir).get(model) if model else None)
         (job.workdir / "job.json").write_text(json.dumps(spec, indent=2))
         return step
 
@@ -408,6 +425,7 @@ class ProviderDaemon:
         cached = self.config.cache_dir / ref.sha256
         if not cached.exists():
             await self._with_broker(lambda: self.artifacts.download(ref, cached))
+            self.send(gw.ProviderMessage(offer=self.offer()))  # it now holds this artifact
         target.unlink(missing_ok=True)
         try:
             target.hardlink_to(cached)

@@ -10,6 +10,7 @@ import logging
 import os
 import platform
 from dataclasses import dataclass
+from pathlib import Path
 
 from gpumarket.proto.v1 import types_pb2 as pb
 
@@ -54,14 +55,23 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine() or "CPU"
 
 
-def cpu_device() -> DeviceInfo:
-    """The host CPU as one device: its usable cores and physical memory."""
+def cpu_devices(count: int = 1) -> list[DeviceInfo]:
+    """The host CPU as ``count`` devices (one by default), each with an equal share of its
+    usable cores and physical memory: several CPU jobs at once, or one job on several
+    processes (torch.distributed with gloo)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     host = platform.node().encode()
     uuid = "CPU-" + hashlib.sha256(host + _cpu_name().encode()).hexdigest()[:16]
-    return DeviceInfo(index=0, name=_cpu_name(), uuid=uuid, accelerator=pb.ACCELERATOR_CPU,
-                      memory_bytes=memory, cpu_cores=cores or 1)
+    count = max(1, count)
+    return [DeviceInfo(index=i, name=_cpu_name(), uuid=uuid if count == 1 else f"{uuid}-{i}",
+                       accelerator=pb.ACCELERATOR_CPU, memory_bytes=memory // count,
+                       cpu_cores=max(1, (cores or 1) // count)) for i in range(count)]
+
+
+def cpu_device() -> DeviceInfo:
+    """The host CPU as one device: its usable cores and physical memory."""
+    return cpu_devices(1)[0]
 
 
 def _text(value: object) -> str:
@@ -107,14 +117,16 @@ def nvidia_devices() -> list[DeviceInfo]:
     return devices
 
 
-def detect(cpu_only: bool = False) -> tuple[list[DeviceInfo], str | None]:
-    """Return (devices, warning): the GPUs, or the CPU and one line saying why."""
+def detect(cpu_only: bool = False, cpu_count: int = 1) -> tuple[list[DeviceInfo], str | None]:
+    """Return (devices, warning): the GPUs, or the CPU (as ``cpu_count`` devices) and one
+    line saying why."""
     if cpu_only:
-        return [cpu_device()], None
+        return cpu_devices(cpu_count), None
     try:
         return nvidia_devices(), None
     except RuntimeError as exc:
-        return [cpu_device()], f"no NVIDIA GPU found ({exc}); offering the CPU as a CPU device"
+        return cpu_devices(cpu_count), (f"no NVIDIA GPU found ({exc}); offering the CPU as a"
+                                        " CPU device")
 
 
 def inference_engines(has_cuda: bool) -> frozenset[str]:
@@ -129,6 +141,17 @@ def inference_engines(has_cuda: bool) -> frozenset[str]:
     if renderer_available():
         engines.add("cycles")
     return frozenset(engines)
+
+
+def local_models(models_dir: Path) -> dict[str, Path]:
+    """The models a provider holds: each directory under ``models_dir`` with a config.json,
+    by its name (plain names only)."""
+    from gpumarket.proto.jobspec import NAME_RE
+
+    if not models_dir.is_dir():
+        return {}
+    return {d.name: d for d in sorted(models_dir.iterdir())
+            if d.is_dir() and NAME_RE.match(d.name) and (d / "config.json").is_file()}
 
 
 def renderer_available() -> bool:

@@ -15,6 +15,7 @@ from gpumarket.proto.errors import (
 from gpumarket.proto.identity import fingerprint
 from gpumarket.proto.jobspec import (
     check_fresh, check_spec, job_params, kind_name, now_ms, required_engine,
+    required_model,
 )
 from gpumarket.proto.policy import Policy
 from gpumarket.proto.v1 import types_pb2 as pb
@@ -38,6 +39,7 @@ def check_lease(
     device_indices: set[int],
     kinds: set[int],
     engines: frozenset[str] = frozenset({"transformers"}),
+    models: frozenset[str] = frozenset(),
     policy: Policy | None = None,
     at_ms: int | None = None,
 ) -> Assignment:
@@ -75,6 +77,9 @@ def check_lease(
     if engine and engine not in engines:
         raise InvalidArgument(f"this provider has no {engine} engine (it has:"
                               f" {', '.join(sorted(engines)) or 'none'})")
+    model = required_model(spec)
+    if model and model not in models:
+        raise InvalidArgument(f"this provider holds no model named {model!r}")
     wanted = set(lease.device_indices)
     if len(wanted) != spec.resources.gpus or not wanted <= device_indices:
         raise InvalidArgument(f"lease names devices {sorted(wanted)} this provider cannot give")
@@ -82,7 +87,7 @@ def check_lease(
 
 
 def runner_config(a: Assignment, inputs: dict[str, str], resume_dir: Path | None,
-                  cuda: bool) -> dict:
+                  cuda: bool, model_dir: Path | None = None) -> dict:
     """The job.json a runner reads: its parameters, input paths, checkpoint cadence, device
     and the checkpoint to resume from."""
     params = job_params(a.spec)
@@ -97,6 +102,8 @@ def runner_config(a: Assignment, inputs: dict[str, str], resume_dir: Path | None
         "provider_mtbf_s": a.lease.provider_mtbf_s,
         "device": "cuda" if cuda else "cpu",
         "resume_from": str(resume_dir) if resume_dir else None,
+        "world_size": len(a.lease.device_indices),
+        "model_dir": str(model_dir) if model_dir else None,
         "part": a.lease.part,
         "parts": a.lease.parts,
     }

@@ -114,6 +114,27 @@ output_format = "npy"
     assert sim[0, 1] > 0.6 and sim[2, 3] > sim[2, 0]
     assert sim[0, 1] > max(sim[0, 2], sim[0, 3], sim[0, 4]) + 0.3
 
+    # The same model named from a provider's model directory: only p2 holds it, so the job
+    # goes there and no weights travel; the vectors are the same.
+    copy_minilm(tmp_path / "p2-models" / "all-MiniLM-L6-v2")
+    market.start_provider("p2", 1.0, "--models-dir", str(tmp_path / "p2-models"))
+    market.wait_for_offers(2)
+    named = tmp_path / "named.toml"
+    named.write_text((tmp_path / "job.toml").read_text().replace(
+        f'model = "{model}"', 'model_name = "all-MiniLM-L6-v2"'))
+    r = market.cli("submit", str(named), "--watch")
+    assert r.returncode == 0, r.stdout + r.stderr
+    named_id = r.stdout.split()[0]
+    assert market.job(named_id)["provider_id"] == market.provider_id("p2")
+    assert market.cli("results", named_id, "-o", str(tmp_path / "named-out")).returncode == 0
+    assert np.allclose(np.load(tmp_path / "named-out" / "embeddings.npy"), v, atol=1e-5)
+    missing = tmp_path / "missing.toml"
+    missing.write_text(named.read_text().replace("all-MiniLM-L6-v2", "no-such-model"))
+    missing_id = submit(market, missing)
+    job = wait_until(lambda: (j := market.job(missing_id)).get("queue_reason") and j,
+                     "a queue reason", timeout=60)
+    assert "local model" in job["queue_reason"] and job["state"] == "QUEUED"
+
 
 def test_generate_killed_mid_run_resumes_with_complete_identical_output(market, tmp_path):
     model = tiny_causal_lm(tmp_path / "tiny")

@@ -112,6 +112,29 @@ def test_a_lost_job_goes_elsewhere_first():
     assert Book(only, NOON).best(need(avoid=frozenset({"a"}))) == 0  # last resort
 
 
+def test_a_named_model_needs_a_holder_and_a_warm_cache_is_preferred():
+    import dataclasses
+
+    sha = "ab" * 32
+    cold = offer("cold", price=1.0, kinds=(GEN,))
+    warm = dataclasses.replace(offer("warm", price=1.05, kinds=(GEN,)), cached=frozenset({sha}),
+                               models=frozenset({"minilm"}))
+    dear = dataclasses.replace(warm, provider_id="dear", price_per_gpu_hour=1.5)
+    job = need(kind=GEN, work_flops=1e15, warm_sha256=sha)
+    # 5 % dearer but holding the model's archive: preferred; 50 % dearer: not
+    assert Book([cold, warm], NOON).offers[Book([cold, warm], NOON).best(job)].provider_id == "warm"
+    assert Book([cold, dear], NOON).offers[Book([cold, dear], NOON).best(job)].provider_id == "cold"
+    assert Book([cold, warm], NOON).offers[
+        Book([cold, warm], NOON).best(need(kind=GEN, work_flops=1e15))].provider_id == "cold"
+    named = need(kind=GEN, model_name="minilm")
+    book = Book([cold, warm], NOON)
+    assert book.offers[book.best(named)].provider_id == "warm"
+    assert matcher.exclusion(named, cold, NOON) == "kind"
+    none = Book([cold], NOON)
+    assert none.best(named) is None
+    assert "local model" in matcher.explain(none.exclusions(named), 1)
+
+
 def test_fair_order_interleaves_clients():
     rows = [{"id": f"a{i}", "client_id": "alice", "created_at_ms": i} for i in range(1000)]
     rows.append({"id": "b0", "client_id": "bob", "created_at_ms": 5000})

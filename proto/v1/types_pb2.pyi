@@ -120,8 +120,9 @@ class TrainingParams(_message.Message):
     def __init__(self, model_config: _Optional[str] = ..., base_model: _Optional[str] = ..., dataset: _Optional[str] = ..., steps: _Optional[int] = ..., batch_size: _Optional[int] = ..., learning_rate: _Optional[float] = ..., seed: _Optional[int] = ..., seq_len: _Optional[int] = ..., checkpoint_every: _Optional[int] = ..., warmup_steps: _Optional[int] = ...) -> None: ...
 
 class GenerateParams(_message.Message):
-    __slots__ = ("model", "prompts", "max_tokens", "temperature", "top_p", "seed", "stop", "batch_size", "engine", "dtype", "quantization", "checkpoint_every")
+    __slots__ = ("model", "model_name", "prompts", "max_tokens", "temperature", "top_p", "seed", "stop", "batch_size", "engine", "dtype", "quantization", "checkpoint_every")
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     PROMPTS_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
@@ -134,6 +135,7 @@ class GenerateParams(_message.Message):
     QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_EVERY_FIELD_NUMBER: _ClassVar[int]
     model: str
+    model_name: str
     prompts: str
     max_tokens: int
     temperature: float
@@ -145,11 +147,12 @@ class GenerateParams(_message.Message):
     dtype: str
     quantization: str
     checkpoint_every: int
-    def __init__(self, model: _Optional[str] = ..., prompts: _Optional[str] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., batch_size: _Optional[int] = ..., engine: _Optional[str] = ..., dtype: _Optional[str] = ..., quantization: _Optional[str] = ..., checkpoint_every: _Optional[int] = ...) -> None: ...
+    def __init__(self, model: _Optional[str] = ..., model_name: _Optional[str] = ..., prompts: _Optional[str] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., batch_size: _Optional[int] = ..., engine: _Optional[str] = ..., dtype: _Optional[str] = ..., quantization: _Optional[str] = ..., checkpoint_every: _Optional[int] = ...) -> None: ...
 
 class EmbedParams(_message.Message):
-    __slots__ = ("model", "texts", "batch_size", "output_format", "keep_scale", "engine", "dtype", "checkpoint_every")
+    __slots__ = ("model", "model_name", "texts", "batch_size", "output_format", "keep_scale", "engine", "dtype", "checkpoint_every")
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     TEXTS_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_FORMAT_FIELD_NUMBER: _ClassVar[int]
@@ -158,6 +161,7 @@ class EmbedParams(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_EVERY_FIELD_NUMBER: _ClassVar[int]
     model: str
+    model_name: str
     texts: str
     batch_size: int
     output_format: str
@@ -165,7 +169,7 @@ class EmbedParams(_message.Message):
     engine: str
     dtype: str
     checkpoint_every: int
-    def __init__(self, model: _Optional[str] = ..., texts: _Optional[str] = ..., batch_size: _Optional[int] = ..., output_format: _Optional[str] = ..., keep_scale: _Optional[bool] = ..., engine: _Optional[str] = ..., dtype: _Optional[str] = ..., checkpoint_every: _Optional[int] = ...) -> None: ...
+    def __init__(self, model: _Optional[str] = ..., model_name: _Optional[str] = ..., texts: _Optional[str] = ..., batch_size: _Optional[int] = ..., output_format: _Optional[str] = ..., keep_scale: _Optional[bool] = ..., engine: _Optional[str] = ..., dtype: _Optional[str] = ..., checkpoint_every: _Optional[int] = ...) -> None: ...
 
 class RenderParams(_message.Message):
     __slots__ = ("scene", "frame_start", "frame_end", "resolution_x", "resolution_y", "samples", "device", "output_format", "split", "engine", "checkpoint_every")
@@ -307,7 +311,7 @@ class Policy(_message.Message):
     def __init__(self, allowed_clients: _Optional[_Iterable[str]] = ..., denied_clients: _Optional[_Iterable[str]] = ..., max_job_seconds: _Optional[int] = ..., windows: _Optional[_Iterable[_Union[AvailabilityWindow, _Mapping]]] = ...) -> None: ...
 
 class Offer(_message.Message):
-    __slots__ = ("provider_id", "devices", "price_per_gpu_hour", "kinds", "software_version", "created_at_ms", "policy", "engines")
+    __slots__ = ("provider_id", "devices", "price_per_gpu_hour", "kinds", "software_version", "created_at_ms", "policy", "engines", "models", "cached")
     PROVIDER_ID_FIELD_NUMBER: _ClassVar[int]
     DEVICES_FIELD_NUMBER: _ClassVar[int]
     PRICE_PER_GPU_HOUR_FIELD_NUMBER: _ClassVar[int]
@@ -316,6 +320,8 @@ class Offer(_message.Message):
     CREATED_AT_MS_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     ENGINES_FIELD_NUMBER: _ClassVar[int]
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_FIELD_NUMBER: _ClassVar[int]
     provider_id: str
     devices: _containers.RepeatedCompositeFieldContainer[Device]
     price_per_gpu_hour: float
@@ -324,7 +330,9 @@ class Offer(_message.Message):
     created_at_ms: int
     policy: Policy
     engines: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, provider_id: _Optional[str] = ..., devices: _Optional[_Iterable[_Union[Device, _Mapping]]] = ..., price_per_gpu_hour: _Optional[float] = ..., kinds: _Optional[_Iterable[_Union[JobKind, str]]] = ..., software_version: _Optional[str] = ..., created_at_ms: _Optional[int] = ..., policy: _Optional[_Union[Policy, _Mapping]] = ..., engines: _Optional[_Iterable[str]] = ...) -> None: ...
+    models: _containers.RepeatedScalarFieldContainer[str]
+    cached: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, provider_id: _Optional[str] = ..., devices: _Optional[_Iterable[_Union[Device, _Mapping]]] = ..., price_per_gpu_hour: _Optional[float] = ..., kinds: _Optional[_Iterable[_Union[JobKind, str]]] = ..., software_version: _Optional[str] = ..., created_at_ms: _Optional[int] = ..., policy: _Optional[_Union[Policy, _Mapping]] = ..., engines: _Optional[_Iterable[str]] = ..., models: _Optional[_Iterable[str]] = ..., cached: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Lease(_message.Message):
     __slots__ = ("lease_id", "job_id", "attempt", "epoch", "provider_id", "client_id", "price_per_gpu_hour", "checkpoint_every", "resume_from", "device_indices", "issued_at_ms", "expires_at_ms", "job_spec", "provider_mtbf_s", "checkpoint_interval_s", "part", "parts")

@@ -1,5 +1,6 @@
 """The generate runner: completions for a JSONL of prompts, with transformers on torch (left
-padding, real batches), resumable per batch, with per-request latency figures.
+padding, real batches) or with vLLM (runners/vllm_engine.py) when the job asks for it,
+resumable per batch, with per-request latency figures.
 
     python -m gpumarket.provider.runners.generate WORKDIR
 
@@ -77,15 +78,50 @@ class StepClock:
 
 
 def generate(workdir: Path, report: Reporter) -> None:
-    import torch
-    from transformers import StoppingCriteriaList
-
     job = json.loads((workdir / "job.json").read_text())
     p = job["params"]
     prompts = read_items(job["inputs"][p["prompts"]], "prompt", "prompts")
+    model_dir = unpack_model(job, "model", workdir)
+    if p.get("engine") == "vllm":
+        from gpumarket.provider.runners import vllm_engine
+
+        run = vllm_engine.run
+    else:
+        run = with_transformers
+    results, new_tokens, elapsed, engine = run(job, prompts, model_dir, workdir, report)
+    ordered = results.in_order()
+    out_dir = workdir / "outputs"
+    out_dir.mkdir(exist_ok=True)
+    with open(out_dir / "completions.jsonl", "w", encoding="utf-8") as f:
+        for record in ordered:
+            f.write(json.dumps(record) + "\n")
+    metrics = {"prompts": float(len(prompts)),
+               "prompt_tokens": float(sum(r["prompt_tokens"] for r in ordered)),
+               "output_tokens": float(sum(r["output_tokens"] for r in ordered)),
+               "tokens_per_s": new_tokens / elapsed if elapsed > 0 else 0.0,
+               "generate_seconds": elapsed, "batch_size": float(results.batch_size),
+               "resumed_from_step": float(results.resumed_from),
+               **percentiles([r["ttft_s"] for r in ordered if r["ttft_s"] is not None],
+                             "ttft_s"),
+               **percentiles([r["tpot_s"] for r in ordered
+                              if r["output_tokens"] > 1 and r["tpot_s"] is not None],
+                             "tpot_s")}
+    (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
+    print(f"done: {len(prompts)} prompts, {metrics['output_tokens']:.0f} tokens,"
+          f" {metrics['tokens_per_s']:,.1f} tokens/s with {engine}", flush=True)
+    report.done(**metrics)
+
+
+def with_transformers(job: dict, prompts: list[str], model_dir: Path, workdir: Path,
+                      report: Reporter) -> tuple[Results, int, float, str]:
+    """Generate every prompt not done yet; return (results, new tokens, seconds generating,
+    what ran it)."""
+    import torch
+    from transformers import StoppingCriteriaList
+
+    p = job["params"]
     device = torch_device(job)
-    tokenizer, model = load(unpack_model(job, "model", workdir), device,
-                            torch_dtype(p.get("dtype", ""), device))
+    tokenizer, model = load(model_dir, device, torch_dtype(p.get("dtype", ""), device))
     lengths = [len(ids) for ids in tokenizer(prompts)["input_ids"]]
     batch = choose_batch(p, model, device, max(lengths))
     results = Results(workdir, job, len(prompts), batch, report)
@@ -139,26 +175,7 @@ def generate(workdir: Path, report: Reporter) -> None:
         results.add(records, tokens_per_s=new_tokens / max(elapsed, 1e-9))
         print(f"prompts {len(results.done)}/{len(prompts)}  tokens/s"
               f" {new_tokens / max(elapsed, 1e-9):,.1f}", flush=True)
-    elapsed = time.perf_counter() - began
-    ordered = results.in_order()
-    out_dir = workdir / "outputs"
-    out_dir.mkdir(exist_ok=True)
-    with open(out_dir / "completions.jsonl", "w", encoding="utf-8") as f:
-        for record in ordered:
-            f.write(json.dumps(record) + "\n")
-    metrics = {"prompts": float(len(prompts)),
-               "prompt_tokens": float(sum(r["prompt_tokens"] for r in ordered)),
-               "output_tokens": float(sum(r["output_tokens"] for r in ordered)),
-               "tokens_per_s": new_tokens / elapsed if elapsed > 0 else 0.0,
-               "generate_seconds": elapsed, "batch_size": float(results.batch_size),
-               "resumed_from_step": float(results.resumed_from),
-               **percentiles([r["ttft_s"] for r in ordered], "ttft_s"),
-               **percentiles([r["tpot_s"] for r in ordered if r["output_tokens"] > 1],
-                             "tpot_s")}
-    (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
-    print(f"done: {len(prompts)} prompts, {metrics['output_tokens']:.0f} tokens,"
-          f" {metrics['tokens_per_s']:,.1f} tokens/s", flush=True)
-    report.done(**metrics)
+    return results, new_tokens, time.perf_counter() - began, f"transformers on {device}"
 
 
 def warm_up() -> None:

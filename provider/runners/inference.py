@@ -27,7 +27,14 @@ RESULTS = "results.jsonl"
 
 def unpack_model(job: dict, field: str, workdir: Path) -> Path:
     """Unpack the model archive named by params[field] into the work dir (safe extraction:
-    no paths outside it, no links)."""
+    no paths outside it, no links); or, for a job naming a model the provider holds, that
+    model's directory."""
+    if job["params"].get(f"{field}_name"):
+        local = Path(job.get("model_dir") or "")
+        if not (local / "config.json").is_file():
+            raise JobError(f"{field}_name: this provider has no model"
+                           f" {job['params'][f'{field}_name']!r}")
+        return local
     archive = job["inputs"].get(job["params"].get(field, ""))
     if not archive:
         raise JobError(f"{field}: no model archive among the job's inputs")

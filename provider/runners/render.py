@@ -85,7 +85,8 @@ def checkpoint(workdir: Path, out: Path, done: set[int], report: Reporter) -> fl
     with tarfile.open(tmp / "frames.tar", "w", format=tarfile.PAX_FORMAT) as tar:
         for frame in sorted(done):
             info = tar.gettarinfo(out / frame_name(frame), arcname=frame_name(frame))
-            info.mtime, info.uid, info.gid, info.uname, info.gname, info.mode = 0, 0, 0, "", "", 0o644
+            info.mtime, info.uid, info.gid, info.uname, info.gname = 0, 0, 0, "", ""
+            info.mode = 0o644
             with open(out / frame_name(frame), "rb") as f:
                 tar.addfile(info, f)
     (tmp / "state.json").write_text(json.dumps({"step": step, "frames": sorted(done)}))

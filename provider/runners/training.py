@@ -29,6 +29,7 @@ from gpumarket.provider.runners import checkpoint  # noqa: E402
 from gpumarket.provider.runners.base import (  # noqa: E402, F401 (JobError, Cadence: re-exported)
     Cadence, JobError, drain_requested,
 )
+from gpumarket.provider.runners.distributed import World  # noqa: E402
 from gpumarket.provider.runners.report import Reporter  # noqa: E402
 
 
@@ -111,8 +112,12 @@ def train(workdir: Path, report: Reporter) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.use_deterministic_algorithms(True, warn_only=True)
-    device = torch.device("cuda" if job.get("device") == "cuda" and torch.cuda.is_available()
-                          else "cpu")
+    world = World(int(job.get("world_size") or 1),
+                  job.get("device") == "cuda" and torch.cuda.is_available())
+    if batch % world.size:
+        raise JobError(f"batch_size {batch} does not split evenly over {world.size} devices")
+    device = world.device()
+    world.start(workdir, "gpumarket.provider.runners.training")
     tokens = load_tokens(Path(job["inputs"][p["dataset"]]), seq_len)
     model = build_model(job, workdir).to(device)
     model.train()
@@ -126,18 +131,25 @@ def train(workdir: Path, report: Reporter) -> None:
     if resume:
         meta = checkpoint.load(Path(resume), model, opt, sched)
         start, losses = int(meta["step"]), meta["losses"]
+        if int(meta.get("world_size", 1)) != world.size:
+            raise JobError(f"the checkpoint was written by {meta.get('world_size', 1)}"
+                           f" processes; this attempt has {world.size}")
         report.send("resumed", step=start)
+    net = world.wrap(model)
     t0, tokens_done = time.perf_counter(), 0
     ckpt_seconds, ckpt_count = 0.0, 0
     log_every = max(1, steps // 20)
-    print(f"training {type(model).__name__} ({sum(t.numel() for t in model.parameters()):,}"
-          f" parameters) on {device}{' with bf16 autocast' if use_bf16 else ''},"
-          f" steps {start + 1}..{steps}", flush=True)
+    if world.main:
+        print(f"training {type(model).__name__} ({sum(t.numel() for t in model.parameters()):,}"
+              f" parameters) on {device}{' with bf16 autocast' if use_bf16 else ''}"
+              f"{f' x {world.size} processes' if world.size > 1 else ''},"
+              f" steps {start + 1}..{steps}", flush=True)
 
     def save(at: int) -> None:
         nonlocal ckpt_seconds, ckpt_count
         began = time.perf_counter()
-        path = checkpoint.save(ckpt_root, at, model, opt, sched, {"losses": losses})
+        path = checkpoint.save(ckpt_root, at, model, opt, sched,
+                               {"losses": losses, "world_size": world.size})
         took = time.perf_counter() - began
         ckpt_seconds += took
         ckpt_count += 1
@@ -146,18 +158,20 @@ def train(workdir: Path, report: Reporter) -> None:
         print(f"checkpoint at step {at} written in {took:.2f}s", flush=True)
 
     for step in range(start, steps):
-        x = batch_for(tokens, step, seed, batch, seq_len).to(device)
+        x = world.shard(batch_for(tokens, step, seed, batch, seq_len)).to(device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16):
-            loss = model(input_ids=x, labels=x).loss
+            loss = net(input_ids=x, labels=x).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
-        value = float(loss.detach())
+        value = world.mean(loss.detach())
         losses.append([step + 1, value])
-        tokens_done += x.numel()
+        tokens_done += x.numel() * world.size
         elapsed = time.perf_counter() - t0
+        if not world.main:
+            continue
         report.progress(step + 1, steps, loss=value, lr=sched.get_last_lr()[0],
                         tokens_per_s=tokens_done / elapsed if elapsed > 0 else 0.0)
         if (step + 1) % log_every == 0 or step + 1 == steps:
@@ -168,6 +182,9 @@ def train(workdir: Path, report: Reporter) -> None:
             if drain_requested():
                 report.drained(step + 1)
                 return
+    world.finish()
+    if not world.main:
+        return
     out = workdir / "outputs"
     out.mkdir(exist_ok=True)
     model.save_pretrained(out)
@@ -183,7 +200,7 @@ def train(workdir: Path, report: Reporter) -> None:
                "step_seconds": elapsed / done_steps if done_steps else 0.0,
                "checkpoints": float(ckpt_count), "checkpoint_seconds": ckpt_seconds,
                "checkpoint_overhead": ckpt_seconds / elapsed if elapsed > 0 else 0.0,
-               "resumed_from_step": float(start)}
+               "resumed_from_step": float(start), "processes": float(world.size)}
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
     print(f"done: final loss {metrics['final_loss']:.4f}, {metrics['tokens_per_s']:,.0f}"
           f" tokens/s, {elapsed:.1f}s", flush=True)

@@ -1,0 +1,108 @@
+"""One training job on several devices of one provider: N processes with torch.distributed
+(NCCL on CUDA, gloo on the CPU), data-parallel.
+
+The daemon starts rank 0 as usual; rank 0 starts the other ranks (same runner, same work
+dir, told their rank by environment) and is the only one that reports, checkpoints and
+writes outputs. Every rank draws the same global batch for a step and trains on its own
+rows of it, so N processes compute what one would, and a resumed job (same world size)
+sees the same batches. Workers die with rank 0 (PR_SET_PDEATHSIG), so a killed or drained
+job leaves no process behind.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from gpumarket.provider.runners.base import JobError
+
+RANK_ENV, PORT_ENV = "GPUMARKET_RANK", "GPUMARKET_MASTER_PORT"
+
+
+def _die_with_parent() -> None:
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class World:
+    def __init__(self, size: int, cuda: bool) -> None:
+        self.size = max(1, size)
+        self.rank = int(os.environ.get(RANK_ENV, "0"))
+        self.cuda = cuda
+        self.workers: list[subprocess.Popen] = []
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def device(self) -> torch.device:
+        if self.cuda:
+            torch.cuda.set_device(self.rank)
+            return torch.device("cuda", self.rank)
+        if self.size > 1:
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.size))
+        return torch.device("cpu")
+
+    def start(self, workdir: Path, module: str) -> None:
+        """Rank 0: start ranks 1..N-1; every rank: join the process group."""
+        if self.size == 1:
+            return
+        if self.main:
+            port = _free_port()
+            for rank in range(1, self.size):
+                env = {**os.environ, RANK_ENV: str(rank), PORT_ENV: str(port),
+                       "GPUMARKET_REPORT_FILE": os.devnull}
+                self.workers.append(subprocess.Popen(
+                    [sys.executable, "-m", module, str(workdir)], env=env,
+                    preexec_fn=_die_with_parent, stdout=subprocess.DEVNULL))
+        else:
+            port = int(os.environ[PORT_ENV])
+        dist.init_process_group("nccl" if self.cuda else "gloo",
+                                init_method=f"tcp://127.0.0.1:{port}", rank=self.rank,
+                                world_size=self.size, timeout=timedelta(minutes=10))
+        if self.main:
+            print(f"torch.distributed: {self.size} processes"
+                  f" ({'nccl' if self.cuda else 'gloo'})", flush=True)
+
+    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        if self.size == 1:
+            return model
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(model, device_ids=[self.rank] if self.cuda else None)
+
+    def shard(self, batch: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of the step's global batch."""
+        return batch[self.rank::self.size]
+
+    def mean(self, value: torch.Tensor) -> float:
+        """The mean of a scalar over every rank (the global batch's loss)."""
+        if self.size == 1:
+            return float(value)
+        total = value.detach().clone()
+        dist.all_reduce(total, op=dist.ReduceOp.SUM)
+        return float(total) / self.size
+
+    def finish(self) -> None:
+        if self.size == 1:
+            return
+        dist.destroy_process_group()
+        for worker in self.workers:
+            if worker.wait() != 0:
+                raise JobError(f"a training process (pid {worker.pid}) exited with code"
+                               f" {worker.returncode}")
