@@ -39,6 +39,7 @@ proto: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/matching.py
+	$(PY) bench/overhead.py
 	$(PY) bench/failover.py
 
 clean:

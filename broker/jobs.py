@@ -54,6 +54,7 @@ class NewJob:
     part_sizes: tuple[int, ...] = ()  # a split job: the steps (frames) of each part
     model_name: str = ""             # a model the provider must hold
     model_sha256: str = ""           # the model archive it sends (providers caching it: preferred)
+    remote_code: bool = False        # runs its model's own code (trust_remote_code)
 
 
 @dataclass(frozen=True)
@@ -197,7 +198,7 @@ def submit(db: Database, job: NewJob, now: int) -> None:
             "gpu_models": json.dumps(list(job.gpu_models)), "work_flops": job.work_flops,
             "est_memory_bytes": job.est_memory_bytes, "max_runtime_s": job.max_runtime_s,
             "engine": job.engine, "model_name": job.model_name,
-            "model_sha256": job.model_sha256,
+            "model_sha256": job.model_sha256, "remote_code": int(job.remote_code),
     }
     if len(job.part_sizes) > 1:
         row.update(parts=len(job.part_sizes), progress_total=sum(job.part_sizes))

@@ -31,6 +31,12 @@ def append(db: Database, job_id: str, epoch: int, provider_id: str, lines: list[
 
 
 def lines_after(db: Database, job_id: str, seq: int, limit: int = 1000) -> list[pb.LogLine]:
-    return [pb.LogLine(seq=r[0], at_ms=r[1], attempt=r[2], text=r[3]) for r in db.execute(
-        "SELECT seq, at_ms, attempt, text FROM job_logs WHERE job_id = ? AND seq > ?"
-        " ORDER BY seq LIMIT ?", [job_id, seq, limit]).fetchall()]
+    """The job's lines after ``seq``; for a split job, its parts' lines, each marked with
+    its part."""
+    rows = db.execute(
+        "SELECT l.seq, l.at_ms, l.attempt, l.text, j.part FROM job_logs l"
+        " JOIN jobs j ON j.id = l.job_id"
+        " WHERE l.job_id IN (SELECT ? UNION ALL SELECT id FROM jobs WHERE parent_id = ?)"
+        " AND l.seq > ? ORDER BY l.seq LIMIT ?", [job_id, job_id, seq, limit]).fetchall()
+    return [pb.LogLine(seq=r[0], at_ms=r[1], attempt=r[2],
+                       text=f"[part {r[4]}] {r[3]}" if r[4] else r[3]) for r in rows]

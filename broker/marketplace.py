@@ -16,6 +16,7 @@ from gpumarket.proto.errors import BadSignature, FailedPrecondition, InvalidArgu
 from gpumarket.proto.jobspec import (
     OBJECTIVE_NAMES, TERMINAL_STATES, check_fresh, check_spec, kind_name, now_ms,
     model_input_sha256, part_frames, required_engine, required_model, split_parts,
+    wants_remote_code,
 )
 from gpumarket.proto.v1 import gateway_pb2 as gw
 from gpumarket.proto.v1 import marketplace_pb2 as mp
@@ -75,6 +76,7 @@ class MarketplaceServicer(marketplace_pb2_grpc.MarketplaceServicer):
             engine=required_engine(spec),
             model_name=required_model(spec),
             model_sha256=model_input_sha256(spec),
+            remote_code=wants_remote_code(spec),
             part_sizes=tuple(len(part_frames(spec.render.frame_start, spec.render.frame_end,
                                              i, split_parts(spec)))
                              for i in range(1, split_parts(spec) + 1)),
@@ -202,6 +204,7 @@ class MarketplaceServicer(marketplace_pb2_grpc.MarketplaceServicer):
             "checkpoint_seconds": 0.0,
             "engine": required_engine(spec),
             "model_name": required_model(spec), "model_sha256": model_input_sha256(spec),
+            "remote_code": int(wants_remote_code(spec)),
         }
         book = await scheduler.offer_book(self.state)
         job = scheduler.needs_of(row)

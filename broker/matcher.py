@@ -45,7 +45,7 @@ ANY = pb.ACCELERATOR_UNSPECIFIED
 CONSTRAINTS = ("kind", "policy", "hours", "duration", "price", "gpus", "accelerator",
                "compute_capability", "gpu_model", "memory", "reliability", "deadline", "busy")
 REASON_TEXT = {
-    "kind": "do not run this job kind (with the engine and local model it asks for)",
+    "kind": "do not run this job kind as asked (engine, local model, remote code)",
     "policy": "do not accept this client",
     "hours": "are outside their hours of availability",
     "duration": "cap job duration below this job's",
@@ -110,6 +110,7 @@ class JobNeeds:
     engine: str = ""                     # inference engine required; "" = any
     model_name: str = ""                 # a model the provider must hold; "" = none
     warm_sha256: str = ""                # the job's model archive: holders are preferred
+    remote_code: bool = False            # runs its model's own code: needs a willing provider
 
 
 @dataclass(frozen=True)
@@ -152,7 +153,8 @@ def exclusion(job: JobNeeds, offer: OfferView, now: datetime | None = None) -> s
     """The first hard constraint ``offer`` fails for ``job``, or None if the job fits."""
     now = now or datetime.now(timezone.utc)
     if job.kind not in offer.kinds or (job.engine and job.engine not in offer.engines) or (
-            job.model_name and job.model_name not in offer.models):
+            job.model_name and job.model_name not in offer.models) or (
+            job.remote_code and not offer.policy.allow_remote_code):
         return "kind"
     if not offer.policy.accepts(job.client_id):
         return "policy"
@@ -256,7 +258,8 @@ class Book:
 
     def _shape_masks(self, job: JobNeeds) -> list[np.ndarray]:
         """Masks that depend only on the job's shape (cached: jobs repeat shapes)."""
-        key = (job.kind, job.engine, job.model_name, job.max_price_per_gpu_hour, job.gpus,
+        key = (job.kind, job.engine, job.model_name, job.remote_code,
+               job.max_price_per_gpu_hour, job.gpus,
                job.accelerator,
                job.min_compute_capability, job.gpu_models, job.min_memory_bytes,
                job.min_reliability)
@@ -269,6 +272,8 @@ class Book:
             kind &= np.array([job.engine in x.engines for x in self.offers], dtype=bool)
         if job.model_name:
             kind &= np.array([job.model_name in x.models for x in self.offers], dtype=bool)
+        if job.remote_code:
+            kind &= np.array([x.policy.allow_remote_code for x in self.offers], dtype=bool)
         accel = (self.accel == job.accelerator) if job.accelerator != ANY else np.ones(n, bool)
         if job.gpu_models:
             model = np.array([_model_ok(job, x.gpu_name) for x in self.offers], dtype=bool)

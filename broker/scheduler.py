@@ -61,7 +61,7 @@ def needs_of(row: dict, avoid: frozenset[str] = frozenset()) -> matcher.JobNeeds
         if row["deadline_s"] else 0.0,
         max_runtime_s=row["max_runtime_s"], checkpoint_cost_s=row["checkpoint_seconds"],
         avoid=avoid, engine=row["engine"], model_name=row["model_name"],
-        warm_sha256=row["model_sha256"],
+        warm_sha256=row["model_sha256"], remote_code=bool(row["remote_code"]),
     )
 
 

@@ -208,3 +208,4 @@ def m006_parts(db: Database) -> None:
 def m007_models(db: Database) -> None:
     db.execute("ALTER TABLE jobs ADD COLUMN model_name TEXT NOT NULL DEFAULT ''")
     db.execute("ALTER TABLE jobs ADD COLUMN model_sha256 TEXT NOT NULL DEFAULT ''")
+    db.execute("ALTER TABLE jobs ADD COLUMN remote_code INTEGER NOT NULL DEFAULT 0")

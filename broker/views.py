@@ -98,7 +98,7 @@ def queued_jobs(db: Database, limit: int) -> list[dict]:
                      " checkpoint_seconds, objective, deadline_s, min_reliability,"
                      " min_compute_capability, gpu_models, work_flops, max_runtime_s,"
                      " created_at_ms, updated_at_ms, engine, parent_id, model_name,"
-                     " model_sha256"
+                     " model_sha256, remote_code"
                      " FROM jobs WHERE state = ? AND NOT (parts > 0 AND part = 0)"
                      " ORDER BY created_at_ms, id LIMIT ?",
                  [pb.JOB_STATE_QUEUED, limit])

@@ -38,13 +38,15 @@ TRAINING = {
     "warmup_steps": (int, False), "checkpoint_every": (int, False),
 }
 GENERATE = {
-    "model": ("dir_or_file", False), "model_name": (str, False), "prompts": ("path", True), "max_tokens": (int, False),
+    "model": ("dir_or_file", False), "model_name": (str, False), "prompts": ("path", True),
+    "trust_remote_code": (bool, False), "max_tokens": (int, False),
     "temperature": (float, False), "top_p": (float, False), "seed": (int, False),
     "stop": ("strings", False), "batch_size": (int, False), "engine": (str, False),
     "dtype": (str, False), "quantization": (str, False), "checkpoint_every": (int, False),
 }
 EMBED = {
-    "model": ("dir_or_file", False), "model_name": (str, False), "texts": ("path", True), "batch_size": (int, False),
+    "model": ("dir_or_file", False), "model_name": (str, False), "texts": ("path", True),
+    "trust_remote_code": (bool, False), "batch_size": (int, False),
     "output_format": (str, False), "normalize": (bool, False), "engine": (str, False),
     "dtype": (str, False), "checkpoint_every": (int, False),
 }

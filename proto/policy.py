@@ -37,6 +37,7 @@ class Policy:
     allowed_clients: frozenset[str] = frozenset()   # empty = everyone not denied
     denied_clients: frozenset[str] = frozenset()
     max_job_s: float = 0.0                          # 0 = no cap
+    allow_remote_code: bool = False                 # jobs may run their model's own code
     windows: tuple[Window, ...] = ()                # empty = always
 
     def accepts(self, client_id: str) -> bool:
@@ -53,6 +54,7 @@ class Policy:
             allowed_clients=sorted(self.allowed_clients),
             denied_clients=sorted(self.denied_clients),
             max_job_seconds=int(self.max_job_s),
+            allow_remote_code=self.allow_remote_code,
             windows=[pb.AvailabilityWindow(days=sorted(w.days), start_minute=w.start_minute,
                                            end_minute=w.end_minute) for w in self.windows],
         )
@@ -63,6 +65,7 @@ class Policy:
             allowed_clients=frozenset(p.allowed_clients),
             denied_clients=frozenset(p.denied_clients),
             max_job_s=float(p.max_job_seconds),
+            allow_remote_code=p.allow_remote_code,
             windows=tuple(Window(frozenset(w.days), w.start_minute, w.end_minute)
                           for w in p.windows),
         )

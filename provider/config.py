@@ -22,7 +22,8 @@ price_per_gpu_hour = 1.20        # credits per device-hour
 kinds = ["training", "generate", "embed", "render"]  # render needs bpy
 max_job_hours = 24               # longest job accepted
 # cpu_devices = 2                # without GPUs: offer the CPU as 2 devices (equal shares)
-# models_dir = "/srv/models"     # models jobs may name (one directory each); default: data dir/models
+# models_dir = "/srv/models"     # models jobs may name, one directory each (default: DIR/models)
+allow_remote_code = false        # true: run models' own Python code (trust_remote_code) in jobs
 allow_clients = []               # client ids; empty = everyone not denied
 deny_clients = []
 
@@ -37,7 +38,8 @@ deny_clients = []
 """
 
 KEYS = {"broker", "data_dir", "price_per_gpu_hour", "kinds", "max_job_hours", "allow_clients",
-        "deny_clients", "availability", "devices", "cpu_devices", "models_dir"}
+        "deny_clients", "availability", "devices", "cpu_devices", "models_dir",
+        "allow_remote_code"}
 
 
 @dataclass(frozen=True)
@@ -132,7 +134,11 @@ def load(path: Path) -> dict[str, Any]:
             raise InvalidArgument(f"{file}: availability[{i}] takes days and hours")
         windows.append(parse_window(w.get("days", ["all"]), w.get("hours", ""),
                                     f"{file}: availability[{i}]"))
+    allow_code = raw.get("allow_remote_code", False)
+    if not isinstance(allow_code, bool):
+        raise InvalidArgument(f"{file}: allow_remote_code must be true or false")
     out["policy_parts"] = {
+        "allow_remote_code": allow_code,
         "allowed_clients": frozenset(_list_of_str(raw, "allow_clients", file)),
         "denied_clients": frozenset(_list_of_str(raw, "deny_clients", file)),
         "windows": tuple(windows),

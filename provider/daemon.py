@@ -33,12 +33,11 @@ from gpumarket.proto.v1 import types_pb2 as pb
 from gpumarket.provider import checkpoints, recovery
 from gpumarket.provider.broker_link import ArtifactLink
 from gpumarket.provider.config import ProviderConfig
-from gpumarket.provider.executor import (
-    JobProcess, job_env, pid_runs_in, read_reports,
-)
+from gpumarket.provider.executor import JobProcess, job_env, pid_runs_in, read_reports
 from gpumarket.provider.inventory import DeviceInfo, inference_engines, local_models
 from gpumarket.provider.journal import Journal
 from gpumarket.provider.leases import Assignment, check_lease, refusal, runner_config
+from gpumarket.provider.offering import build_offer
 from gpumarket.provider.warm_pool import WarmPool
 
 log = logging.getLogger(__name__)
@@ -98,33 +97,8 @@ class ProviderDaemon:
     # -- offer ---------------------------------------------------------------------------
 
     def offer(self) -> pb.Envelope:
-        devices = []
-        for d in self.devices:
-            m = d.message(self.benchmarks.get(d.index))
-            m.price_per_hour = self.config.device_prices.get(d.index, 0.0)
-            devices.append(m)
-        offer = pb.Offer(
-            provider_id=self.identity.id,
-            devices=devices,
-            price_per_gpu_hour=self.config.price_per_gpu_hour,
-            kinds=sorted(self.kinds),
-            engines=sorted(self.engines),
-            models=sorted(local_models(self.config.models_dir)),
-            cached=self._cached_artifacts(),
-            software_version=__version__,
-            created_at_ms=now_ms(),
-            policy=self.config.policy.message(),
-        )
-        return seal(self.identity, offer)
-
-    def _cached_artifacts(self, limit: int = 256) -> list[str]:
-        """The artifacts this provider has cached, newest first: jobs whose model is among
-        them start without a download, so the matcher prefers this provider for them."""
-        if not self.config.cache_dir.is_dir():
-            return []
-        files = [(p.stat().st_mtime, p.name) for p in self.config.cache_dir.iterdir()
-                 if len(p.name) == 64]
-        return [name for _, name in sorted(files, reverse=True)[:limit]]
+        return build_offer(self.config, self.identity, self.devices, self.benchmarks,
+                           self.kinds, self.engines)
 
     def free_devices(self) -> set[int]:
         held = {i for j in self.jobs.values() for i in j.devices}

@@ -15,7 +15,7 @@ from gpumarket.proto.errors import (
 from gpumarket.proto.identity import fingerprint
 from gpumarket.proto.jobspec import (
     check_fresh, check_spec, job_params, kind_name, now_ms, required_engine,
-    required_model,
+    required_model, wants_remote_code,
 )
 from gpumarket.proto.policy import Policy
 from gpumarket.proto.v1 import types_pb2 as pb
@@ -77,6 +77,9 @@ def check_lease(
     if engine and engine not in engines:
         raise InvalidArgument(f"this provider has no {engine} engine (it has:"
                               f" {', '.join(sorted(engines)) or 'none'})")
+    if wants_remote_code(spec) and not (policy and policy.allow_remote_code):
+        raise PermissionDenied("this provider does not run a model's own code"
+                               " (trust_remote_code)")
     model = required_model(spec)
     if model and model not in models:
         raise InvalidArgument(f"this provider holds no model named {model!r}")

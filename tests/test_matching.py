@@ -133,6 +133,12 @@ def test_a_named_model_needs_a_holder_and_a_warm_cache_is_preferred():
     none = Book([cold], NOON)
     assert none.best(named) is None
     assert "local model" in matcher.explain(none.exclusions(named), 1)
+    willing = dataclasses.replace(cold, provider_id="willing",
+                                  policy=Policy(allow_remote_code=True))
+    code = need(kind=GEN, remote_code=True)
+    assert matcher.exclusion(code, cold, NOON) == "kind"
+    book = Book([cold, willing], NOON)
+    assert book.offers[book.best(code)].provider_id == "willing"
 
 
 def test_fair_order_interleaves_clients():

@@ -206,6 +206,29 @@ def test_provider_policy_is_enforced_on_leases():
         with_policy(Policy(windows=(never,)))
 
 
+def test_remote_code_and_local_models_need_the_provider_to_agree():
+    from gpumarket.proto.errors import PermissionDenied
+    from gpumarket.proto.policy import Policy
+
+    spec = make_spec()
+    spec.inputs.add(name="prompts.jsonl", sha256="c" * 64, size_bytes=10)
+    spec.kind = pb.JOB_KIND_GENERATE
+    spec.generate.CopyFrom(pb.GenerateParams(model_name="minilm", prompts="prompts.jsonl",
+                                             trust_remote_code=True))
+    env = lease_envelope(seal(CLIENT, spec))
+
+    def lease(policy, models=frozenset({"minilm"})):
+        return check_lease(env, broker_public_key=BROKER.public_key, provider_id=PROVIDER.id,
+                           device_indices={0}, kinds={pb.JOB_KIND_GENERATE}, policy=policy,
+                           models=models)
+
+    with pytest.raises(PermissionDenied, match="does not run a model's own code"):
+        lease(Policy())
+    with pytest.raises(InvalidArgument, match="holds no model named 'minilm'"):
+        lease(Policy(allow_remote_code=True), frozenset())
+    assert lease(Policy(allow_remote_code=True)).spec.generate.model_name == "minilm"
+
+
 def test_provider_config_file(tmp_path):
     from gpumarket.proto.errors import InvalidArgument
     from gpumarket.provider import config

@@ -95,6 +95,8 @@ def test_render_split_across_two_providers_into_one_result(market, tmp_path):
 
     events = market.cli("watch", job_id, "--json").stdout
     assert "part 1/2" in events and "part 2/2" in events
+    log = market.cli("logs", job_id).stdout
+    assert "[part 1] rendering frames 1-3" in log and "[part 2] rendering frames 4-6" in log
 
 
 def test_render_killed_mid_run_renders_only_missing_frames(market, tmp_path):

@@ -120,9 +120,10 @@ class TrainingParams(_message.Message):
     def __init__(self, model_config: _Optional[str] = ..., base_model: _Optional[str] = ..., dataset: _Optional[str] = ..., steps: _Optional[int] = ..., batch_size: _Optional[int] = ..., learning_rate: _Optional[float] = ..., seed: _Optional[int] = ..., seq_len: _Optional[int] = ..., checkpoint_every: _Optional[int] = ..., warmup_steps: _Optional[int] = ...) -> None: ...
 
 class GenerateParams(_message.Message):
-    __slots__ = ("model", "model_name", "prompts", "max_tokens", "temperature", "top_p", "seed", "stop", "batch_size", "engine", "dtype", "quantization", "checkpoint_every")
+    __slots__ = ("model", "model_name", "trust_remote_code", "prompts", "max_tokens", "temperature", "top_p", "seed", "stop", "batch_size", "engine", "dtype", "quantization", "checkpoint_every")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    TRUST_REMOTE_CODE_FIELD_NUMBER: _ClassVar[int]
     PROMPTS_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
@@ -136,6 +137,7 @@ class GenerateParams(_message.Message):
     CHECKPOINT_EVERY_FIELD_NUMBER: _ClassVar[int]
     model: str
     model_name: str
+    trust_remote_code: bool
     prompts: str
     max_tokens: int
     temperature: float
@@ -147,12 +149,13 @@ class GenerateParams(_message.Message):
     dtype: str
     quantization: str
     checkpoint_every: int
-    def __init__(self, model: _Optional[str] = ..., model_name: _Optional[str] = ..., prompts: _Optional[str] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., batch_size: _Optional[int] = ..., engine: _Optional[str] = ..., dtype: _Optional[str] = ..., quantization: _Optional[str] = ..., checkpoint_every: _Optional[int] = ...) -> None: ...
+    def __init__(self, model: _Optional[str] = ..., model_name: _Optional[str] = ..., trust_remote_code: _Optional[bool] = ..., prompts: _Optional[str] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., batch_size: _Optional[int] = ..., engine: _Optional[str] = ..., dtype: _Optional[str] = ..., quantization: _Optional[str] = ..., checkpoint_every: _Optional[int] = ...) -> None: ...
 
 class EmbedParams(_message.Message):
-    __slots__ = ("model", "model_name", "texts", "batch_size", "output_format", "keep_scale", "engine", "dtype", "checkpoint_every")
+    __slots__ = ("model", "model_name", "trust_remote_code", "texts", "batch_size", "output_format", "keep_scale", "engine", "dtype", "checkpoint_every")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    TRUST_REMOTE_CODE_FIELD_NUMBER: _ClassVar[int]
     TEXTS_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_FORMAT_FIELD_NUMBER: _ClassVar[int]
@@ -162,6 +165,7 @@ class EmbedParams(_message.Message):
     CHECKPOINT_EVERY_FIELD_NUMBER: _ClassVar[int]
     model: str
     model_name: str
+    trust_remote_code: bool
     texts: str
     batch_size: int
     output_format: str
@@ -169,7 +173,7 @@ class EmbedParams(_message.Message):
     engine: str
     dtype: str
     checkpoint_every: int
-    def __init__(self, model: _Optional[str] = ..., model_name: _Optional[str] = ..., texts: _Optional[str] = ..., batch_size: _Optional[int] = ..., output_format: _Optional[str] = ..., keep_scale: _Optional[bool] = ..., engine: _Optional[str] = ..., dtype: _Optional[str] = ..., checkpoint_every: _Optional[int] = ...) -> None: ...
+    def __init__(self, model: _Optional[str] = ..., model_name: _Optional[str] = ..., trust_remote_code: _Optional[bool] = ..., texts: _Optional[str] = ..., batch_size: _Optional[int] = ..., output_format: _Optional[str] = ..., keep_scale: _Optional[bool] = ..., engine: _Optional[str] = ..., dtype: _Optional[str] = ..., checkpoint_every: _Optional[int] = ...) -> None: ...
 
 class RenderParams(_message.Message):
     __slots__ = ("scene", "frame_start", "frame_end", "resolution_x", "resolution_y", "samples", "device", "output_format", "split", "engine", "checkpoint_every")
@@ -299,16 +303,18 @@ class AvailabilityWindow(_message.Message):
     def __init__(self, days: _Optional[_Iterable[int]] = ..., start_minute: _Optional[int] = ..., end_minute: _Optional[int] = ...) -> None: ...
 
 class Policy(_message.Message):
-    __slots__ = ("allowed_clients", "denied_clients", "max_job_seconds", "windows")
+    __slots__ = ("allowed_clients", "denied_clients", "max_job_seconds", "windows", "allow_remote_code")
     ALLOWED_CLIENTS_FIELD_NUMBER: _ClassVar[int]
     DENIED_CLIENTS_FIELD_NUMBER: _ClassVar[int]
     MAX_JOB_SECONDS_FIELD_NUMBER: _ClassVar[int]
     WINDOWS_FIELD_NUMBER: _ClassVar[int]
+    ALLOW_REMOTE_CODE_FIELD_NUMBER: _ClassVar[int]
     allowed_clients: _containers.RepeatedScalarFieldContainer[str]
     denied_clients: _containers.RepeatedScalarFieldContainer[str]
     max_job_seconds: int
     windows: _containers.RepeatedCompositeFieldContainer[AvailabilityWindow]
-    def __init__(self, allowed_clients: _Optional[_Iterable[str]] = ..., denied_clients: _Optional[_Iterable[str]] = ..., max_job_seconds: _Optional[int] = ..., windows: _Optional[_Iterable[_Union[AvailabilityWindow, _Mapping]]] = ...) -> None: ...
+    allow_remote_code: bool
+    def __init__(self, allowed_clients: _Optional[_Iterable[str]] = ..., denied_clients: _Optional[_Iterable[str]] = ..., max_job_seconds: _Optional[int] = ..., windows: _Optional[_Iterable[_Union[AvailabilityWindow, _Mapping]]] = ..., allow_remote_code: _Optional[bool] = ...) -> None: ...
 
 class Offer(_message.Message):
     __slots__ = ("provider_id", "devices", "price_per_gpu_hour", "kinds", "software_version", "created_at_ms", "policy", "engines", "models", "cached")

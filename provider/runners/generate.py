@@ -26,14 +26,16 @@ CPU_BATCH = 8
 MAX_BATCH = 128
 
 
-def load(model_dir: Path, device, dtype):
+def load(model_dir: Path, device, dtype, remote_code: bool = False):
+    """The tokenizer and model; the model's own code runs only if the job asked for it and
+    the provider's policy allowed it (the daemon refuses the lease otherwise)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True,
-                                                  trust_remote_code=False)
+                                                  trust_remote_code=remote_code)
         model = AutoModelForCausalLM.from_pretrained(
-            model_dir, local_files_only=True, trust_remote_code=False, use_safetensors=True,
+            model_dir, local_files_only=True, trust_remote_code=remote_code, use_safetensors=True,
             dtype=dtype)
     except (OSError, ValueError) as exc:
         raise JobError(f"model: cannot load ({str(exc).splitlines()[0]})") from exc
@@ -121,7 +123,8 @@ def with_transformers(job: dict, prompts: list[str], model_dir: Path, workdir: P
 
     p = job["params"]
     device = torch_device(job)
-    tokenizer, model = load(model_dir, device, torch_dtype(p.get("dtype", ""), device))
+    tokenizer, model = load(model_dir, device, torch_dtype(p.get("dtype", ""), device),
+                            bool(p.get("trust_remote_code")))
     lengths = [len(ids) for ids in tokenizer(prompts)["input_ids"]]
     batch = choose_batch(p, model, device, max(lengths))
     results = Results(workdir, job, len(prompts), batch, report)

@@ -51,7 +51,8 @@ def run(job: dict, prompts: list[str], model_dir: Path, workdir: Path,
     seed = int(p.get("seed") or 0)
     stops = list(p.get("stop") or []) or None
     try:
-        llm = LLM(model=str(model_dir), tokenizer=str(model_dir), trust_remote_code=False,
+        llm = LLM(model=str(model_dir), tokenizer=str(model_dir),
+                  trust_remote_code=bool(p.get("trust_remote_code")),
                   dtype=p.get("dtype") or "auto", quantization=p.get("quantization") or None,
                   seed=seed, tensor_parallel_size=torch.cuda.device_count())
     except (OSError, ValueError, RuntimeError) as exc:

@@ -1,0 +1,48 @@
+"""What a provider sells, as the signed Offer its daemon sends at each session start and
+whenever its cache changes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from gpumarket.proto import __version__
+from gpumarket.proto.envelope import seal
+from gpumarket.proto.identity import Identity
+from gpumarket.proto.jobspec import now_ms
+from gpumarket.proto.v1 import types_pb2 as pb
+from gpumarket.provider.config import ProviderConfig
+from gpumarket.provider.inventory import DeviceInfo, local_models
+
+CACHED_LISTED = 256
+
+
+def build_offer(config: ProviderConfig, identity: Identity, devices: list[DeviceInfo],
+                benchmarks: dict[int, pb.Benchmark], kinds: set[int],
+                engines: frozenset[str]) -> pb.Envelope:
+    messages = []
+    for d in devices:
+        m = d.message(benchmarks.get(d.index))
+        m.price_per_hour = config.device_prices.get(d.index, 0.0)
+        messages.append(m)
+    offer = pb.Offer(
+        provider_id=identity.id,
+        devices=messages,
+        price_per_gpu_hour=config.price_per_gpu_hour,
+        kinds=sorted(kinds),
+        engines=sorted(engines),
+        models=sorted(local_models(config.models_dir)),
+        cached=cached_artifacts(config.cache_dir),
+        software_version=__version__,
+        created_at_ms=now_ms(),
+        policy=config.policy.message(),
+    )
+    return seal(identity, offer)
+
+
+def cached_artifacts(cache_dir: Path, limit: int = CACHED_LISTED) -> list[str]:
+    """The artifacts this provider has cached, newest first: jobs whose model is among them
+    start without a download, so the matcher prefers this provider for them."""
+    if not cache_dir.is_dir():
+        return []
+    files = [(p.stat().st_mtime, p.name) for p in cache_dir.iterdir() if len(p.name) == 64]
+    return [name for _, name in sorted(files, reverse=True)[:limit]]
