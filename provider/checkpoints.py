@@ -3,6 +3,8 @@ and a safe way back (only the expected plain files, nothing else, nothing outsid
 
 from __future__ import annotations
 
+import os
+import stat
 import tarfile
 from pathlib import Path
 
@@ -29,10 +31,20 @@ def pack(directory: Path, target: Path) -> Path:
         raise InvalidArgument(f"checkpoint {directory.name} lacks {', '.join(missing)}")
     with tarfile.open(target, "w", format=tarfile.PAX_FORMAT) as tar:
         for name in layout:
-            path = directory / name
-            info = tar.gettarinfo(path, arcname=name)
-            info.mtime, info.uid, info.gid, info.uname, info.gname, info.mode = 0, 0, 0, "", "", 0o644
-            with open(path, "rb") as f:
+            # The job wrote these files: never follow a link it may have put there instead
+            # (say, to the provider's key), and take only a regular file.
+            try:
+                fd = os.open(directory / name, os.O_RDONLY | os.O_NOFOLLOW)
+            except OSError as exc:
+                raise InvalidArgument(f"checkpoint {directory.name}: {name} is not a plain"
+                                      f" file ({exc.strerror})") from exc
+            with os.fdopen(fd, "rb") as f:
+                st = os.fstat(f.fileno())
+                if not stat.S_ISREG(st.st_mode):
+                    raise InvalidArgument(f"checkpoint {directory.name}: {name} is not a"
+                                          " plain file")
+                info = tarfile.TarInfo(name)
+                info.size, info.mode = st.st_size, 0o644
                 tar.addfile(info, f)
     return target
 

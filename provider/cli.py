@@ -398,5 +398,48 @@ def _print_status(r: dict) -> None:
                        err=True)
 
 
+@cli.command()
+@click.option("--data-dir", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="The provider's data directory.")
+@click.option("--models-dir", type=click.Path(file_okay=False, path_type=Path),
+              help="Its model directory, if not DATA_DIR/models.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def doctor(data_dir: Path, models_dir: Path | None, as_json: bool) -> None:
+    """Say which job isolation this host gives (each feature tried for real) and whether
+    the data directory keeps the provider's key to itself. Exit 1 if it does not."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from gpumarket.provider import sandbox
+
+    jobs = data_dir / "jobs"
+    checks = sandbox.probe(str(jobs) if jobs.is_dir() else str(data_dir))
+    checks["clean_environment"] = {"available": True, "detail": "jobs get PATH, LANG, TZ and"
+                                   " their own HOME and TMPDIR; never the daemon's variables"}
+    checks["own_gpus_only"] = {"available": True, "detail": "CUDA_VISIBLE_DEVICES names only"
+                               " the leased GPUs"}
+    checks["disk_quota"] = {"available": True, "detail": "work directory measured every 2 s"
+                            " (job_disk_gib), no single file larger (RLIMIT_FSIZE)"}
+    key = data_dir / "provider.key"
+    key_ok = key.exists() and key.stat().st_mode & 0o077 == 0
+    checks["key_private"] = {"available": key_ok, "detail": f"{key} is mode 0600" if key_ok
+                             else f"{key} is missing or readable by others"}
+    models = models_dir or data_dir / "models"
+    if models.is_dir():
+        readable = models.stat().st_mode & 0o005 == 0o005
+        checks["models_readable"] = {"available": readable, "detail": f"{models} is"
+                                     f" {'' if readable else 'not '}readable by job uids"}
+    if as_json:
+        click.echo(json.dumps(checks, indent=2))
+    else:
+        table = Table("isolation", "here", "how")
+        for name, c in checks.items():
+            table.add_row(name.replace("_", " "), "yes" if c["available"] else "NO",
+                          str(c["detail"]))
+        Console().print(table)
+    if not key_ok:
+        sys.exit(1)
+
+
 def main() -> None:
     cli(prog_name="gpumarket-provider")

@@ -24,6 +24,8 @@ max_job_hours = 24               # longest job accepted
 # cpu_devices = 2                # without GPUs: offer the CPU as 2 devices (equal shares)
 # models_dir = "/srv/models"     # models jobs may name, one directory each (default: DIR/models)
 allow_remote_code = false        # true: run models' own Python code (trust_remote_code) in jobs
+isolate = true                   # jobs as their own uid (as root), without network, with limits
+job_disk_gib = 100               # disk quota of each job's work directory
 allow_clients = []               # client ids; empty = everyone not denied
 deny_clients = []
 
@@ -39,7 +41,7 @@ deny_clients = []
 
 KEYS = {"broker", "data_dir", "price_per_gpu_hour", "kinds", "max_job_hours", "allow_clients",
         "deny_clients", "availability", "devices", "cpu_devices", "models_dir",
-        "allow_remote_code"}
+        "allow_remote_code", "isolate", "job_disk_gib"}
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,8 @@ class ProviderConfig:
     cpu_only: bool = False               # advertise the CPU even where GPUs are present
     cpu_devices: int = 1                 # offer the CPU as this many devices (equal shares)
     models_path: Path | None = None      # local model directory; default data_dir/models
+    isolate: bool = True                 # jobs in a sandbox (see provider/sandbox.py)
+    job_disk_gib: float = 100.0          # disk quota of each job's work directory
     warm_runners: bool = True            # keep one idle runner per kind with imports done
     kinds: frozenset[int] = frozenset({pb.JOB_KIND_TRAINING, pb.JOB_KIND_GENERATE,
                                        pb.JOB_KIND_EMBED, pb.JOB_KIND_RENDER})  # accepted
@@ -118,6 +122,15 @@ def load(path: Path) -> dict[str, Any]:
         if not isinstance(raw["models_dir"], str):
             raise InvalidArgument(f"{file}: models_dir must be a path")
         out["models_path"] = Path(raw["models_dir"]).expanduser()
+    if "isolate" in raw:
+        if not isinstance(raw["isolate"], bool):
+            raise InvalidArgument(f"{file}: isolate must be true or false")
+        out["isolate"] = raw["isolate"]
+    if "job_disk_gib" in raw:
+        quota = raw["job_disk_gib"]
+        if not isinstance(quota, (int, float)) or isinstance(quota, bool) or quota <= 0:
+            raise InvalidArgument(f"{file}: job_disk_gib must be a number > 0")
+        out["job_disk_gib"] = float(quota)
     if "cpu_devices" in raw:
         count = raw["cpu_devices"]
         if not isinstance(count, int) or isinstance(count, bool) or not 1 <= count <= 64:

@@ -15,7 +15,6 @@ import logging
 import random
 import shutil
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -30,14 +29,15 @@ from gpumarket.proto.jobspec import (
 from gpumarket.proto.v1 import gateway_pb2 as gw
 from gpumarket.proto.v1 import gateway_pb2_grpc
 from gpumarket.proto.v1 import types_pb2 as pb
-from gpumarket.provider import checkpoints, recovery
+from gpumarket.provider import checkpoints, recovery, sandbox
 from gpumarket.provider.broker_link import ArtifactLink
 from gpumarket.provider.config import ProviderConfig
 from gpumarket.provider.executor import JobProcess, job_env, pid_runs_in, read_reports
 from gpumarket.provider.inventory import DeviceInfo, inference_engines, local_models
 from gpumarket.provider.journal import Journal
-from gpumarket.provider.leases import Assignment, check_lease, refusal, runner_config
+from gpumarket.provider.leases import check_lease, refusal, runner_config
 from gpumarket.provider.offering import build_offer
+from gpumarket.provider.running import RunningJob
 from gpumarket.provider.warm_pool import WarmPool
 
 log = logging.getLogger(__name__)
@@ -47,28 +47,6 @@ RUNNERS = {pb.JOB_KIND_TRAINING: "gpumarket.provider.runners.training",
            pb.JOB_KIND_EMBED: "gpumarket.provider.runners.embed",
            pb.JOB_KIND_RENDER: "gpumarket.provider.runners.render"}
 WARM_KINDS = {pb.JOB_KIND_TRAINING}   # one idle runner each: training resumes fastest
-
-
-@dataclass(eq=False)
-class RunningJob:
-    assignment: Assignment
-    workdir: Path
-    process: JobProcess | None = None
-    cancelled: bool = False
-    last_progress: float = 0.0
-    task: asyncio.Task | None = field(default=None, repr=False)
-    pending_checkpoint: tuple[int, Path, float] | None = None
-    uploader: asyncio.Task | None = field(default=None, repr=False)
-    uploaded_step: int = 0
-    checkpoint_report: gw.ProviderMessage | None = None   # the latest, re-sent on reconnect
-
-    @property
-    def key(self) -> tuple[str, int]:
-        return self.assignment.lease.job_id, self.assignment.lease.epoch
-
-    @property
-    def devices(self) -> set[int]:
-        return set(self.assignment.lease.device_indices)
 
 
 class ProviderDaemon:
@@ -93,6 +71,7 @@ class ProviderDaemon:
         self.journal = Journal(config.data_dir / "journal.db")
         self._background: set[asyncio.Task] = set()
         self.warm = WarmPool(config.jobs_dir, config.warm_runners)
+        self.isolation: dict = {}
 
     # -- offer ---------------------------------------------------------------------------
 
@@ -110,6 +89,10 @@ class ProviderDaemon:
         """Serve until stopped (after a drain, or at once by stop()); then end every job."""
         self.channel = grpc.aio.insecure_channel(self.config.broker)
         self.artifacts = ArtifactLink(self.channel, self.config.rpc_timeout_s)
+        if self.config.isolate:
+            self.isolation = await asyncio.to_thread(sandbox.prepare_host, self.config.data_dir,
+                                                     self.config.jobs_dir)
+            log.info("job isolation: %s", sandbox.summary(self.isolation))
         await self._recover()
         for kind in self.kinds:
             await self._refill_warm(kind)
@@ -306,9 +289,13 @@ class ProviderDaemon:
         cuda = any(d.is_cuda for d in devices)
         limit = min(a.spec.max_runtime_s or self.config.max_runtime_s, self.config.max_runtime_s)
         env = job_env(job.workdir, ",".join(d.uuid for d in devices) if cuda else "", None)
+        quota = int(self.config.job_disk_gib * 2**30)
+        box = sandbox.for_job(self.isolation, sorted(job.devices),
+                              sum(d.memory_bytes for d in devices), cuda, quota) \
+            if self.config.isolate else None
         return JobProcess(RUNNERS[a.spec.kind], job.workdir, env,
                           lambda report: self._on_report(job, report), limit,
-                          self.config.cancel_grace_s, warm)
+                          self.config.cancel_grace_s, warm, box, quota)
 
     async def _run_job(self, job: RunningJob) -> None:
         a = job.assignment

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpumarket.proto.jobspec import LOG_LINES_PER_UPDATE
+from gpumarket.provider.sandbox import ENV as SANDBOX_ENV
+from gpumarket.provider.sandbox import Sandbox, kill_uid
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +30,7 @@ LOG_READ_BYTES = 1 << 20       # read at most this much of job.log per poll
 
 REPORTS = "reports.jsonl"
 POLL_S = 0.05
+DISK_CHECK_S = 2.0             # how often a job's work directory is measured against its quota
 
 # Only what a job needs from the daemon's environment; never the daemon's secrets.
 PASSTHROUGH_ENV = ("PATH", "LANG", "LC_ALL", "TZ", "VIRTUAL_ENV")
@@ -111,8 +114,12 @@ class JobProcess:
 
     def __init__(self, module: str, workdir: Path, env: dict[str, str],
                  on_report: Callable[[dict], Awaitable[None]], max_runtime_s: float,
-                 grace_s: float, warm: asyncio.subprocess.Process | None = None) -> None:
+                 grace_s: float, warm: asyncio.subprocess.Process | None = None,
+                 sandbox: Sandbox | None = None, disk_quota_bytes: int = 0) -> None:
         self.warm = warm
+        self.sandbox = sandbox
+        self.disk_quota_bytes = disk_quota_bytes
+        self._disk_checked = 0.0
         self.module = module
         self.workdir = workdir
         self.env = env
@@ -131,9 +138,14 @@ class JobProcess:
         (also its process group id)."""
         (self.workdir / "tmp").mkdir(exist_ok=True)
         (self.workdir / REPORTS).touch()
+        (self.workdir / "job.log").touch()
+        if self.sandbox is not None:
+            hand_over(self.workdir, self.sandbox)
         warm, self.warm = self.warm, None
         if warm is not None and warm.returncode is None and warm.stdin is not None:
-            order = json.dumps({"workdir": str(self.workdir), "env": self.env}) + "\n"
+            order = json.dumps({"workdir": str(self.workdir), "env": self.env,
+                                "sandbox": self.sandbox.to_json() if self.sandbox else ""})
+            order += "\n"
             try:
                 warm.stdin.write(order.encode())
                 await warm.stdin.drain()
@@ -142,11 +154,15 @@ class JobProcess:
                 return self.pid
             except (BrokenPipeError, ConnectionResetError):
                 log.warning("warm runner %d was gone; starting the job cold", warm.pid)
+        args, env = ["-m", self.module, str(self.workdir)], self.env
+        if self.sandbox is not None:
+            args = ["-m", "gpumarket.provider.sandbox", self.module, str(self.workdir)]
+            env = {**env, SANDBOX_ENV: self.sandbox.to_json()}
         with open(self.workdir / "job.log", "ab") as log_file:
             self.proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", self.module, str(self.workdir),
-                cwd=self.workdir, env=self.env, stdin=asyncio.subprocess.DEVNULL,
-                stdout=log_file, stderr=log_file, start_new_session=True,
+                sys.executable, *args, cwd=self.workdir, env=env,
+                stdin=asyncio.subprocess.DEVNULL, stdout=log_file, stderr=log_file,
+                start_new_session=True,
             )
         self.pid = self.proc.pid
         return self.pid
@@ -178,6 +194,10 @@ class JobProcess:
             await self._drain_reports(state)
         code = await self.proc.wait() if self.proc is not None else None
         wall = time.monotonic() - started
+        # Nothing of the job outlives it: not its group, not a process of its uid.
+        signal_group(self.pid, signal.SIGKILL)
+        if self.sandbox is not None and self.sandbox.uid is not None:
+            kill_uid(self.sandbox.uid)
         done = state["done"] if code in (0, None) else None
         error = ""
         if done is None and not state["drained"]:
@@ -199,6 +219,10 @@ class JobProcess:
             running = self.alive()
             await self._drain_reports(state)
             await self._drain_log()
+            if running and self.disk_quota_bytes and await self._over_quota():
+                await self.stop(f"wrote more than {self.disk_quota_bytes:,} bytes to its work"
+                                " directory (its disk quota)")
+                continue
             if not running:
                 await self._drain_reports(state)
                 await self._drain_log(final=True)
@@ -254,6 +278,13 @@ class JobProcess:
             else:
                 await self.on_report(report)
 
+    async def _over_quota(self) -> bool:
+        now = time.monotonic()
+        if now - self._disk_checked < DISK_CHECK_S:
+            return False
+        self._disk_checked = now
+        return await asyncio.to_thread(disk_usage, self.workdir) > self.disk_quota_bytes
+
     def request_drain(self) -> None:
         """Ask the runner to checkpoint at the end of its current step and stop."""
         if self.pid is not None and self.alive():
@@ -280,6 +311,40 @@ class JobProcess:
         else:
             while self.alive():
                 await asyncio.sleep(POLL_S)
+
+
+def disk_usage(root: Path) -> int:
+    """Bytes in the files under ``root`` (links not followed; hard links counted once)."""
+    total, seen = 0, set()
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            try:
+                st = os.lstat(os.path.join(dirpath, name))
+            except OSError:
+                continue
+            if (st.st_dev, st.st_ino) not in seen:
+                seen.add((st.st_dev, st.st_ino))
+                total += st.st_blocks * 512
+    return total
+
+
+def hand_over(workdir: Path, box: Sandbox) -> None:
+    """Make the work directory the job's: its own uid owns the directory and the files it
+    writes to; what the daemon put there (job.json, inputs, the checkpoint to resume from)
+    stays the daemon's and readable only."""
+    for dirpath, dirs, files in os.walk(workdir):
+        for name in dirs:
+            os.chmod(os.path.join(dirpath, name), 0o755)
+        for name in files:
+            path = os.path.join(dirpath, name)
+            if not os.path.islink(path):
+                os.chmod(path, 0o644)
+    if box.uid is None:
+        return
+    gid = box.gid if box.gid is not None else box.uid
+    for path in (workdir, workdir / "tmp", workdir / REPORTS, workdir / "job.log"):
+        os.chown(path, box.uid, gid)
+    os.chmod(workdir, 0o700)
 
 
 def signal_group(pgid: int, sig: int) -> None:

@@ -16,7 +16,7 @@ import json
 import os
 import sys
 
-KINDS = {"training", "generate", "embed"}
+KINDS = {"training", "generate", "embed", "render"}
 
 
 def main() -> int:
@@ -38,6 +38,11 @@ def main() -> int:
     os.dup2(log, 1)
     os.dup2(log, 2)
     os.close(log)
+    if order.get("sandbox"):
+        from gpumarket.provider import sandbox
+
+        if not sandbox.enter(order["sandbox"]):
+            return 1
     sys.argv = [module.__file__, workdir]
     return module.main()
 
