@@ -109,8 +109,9 @@ def probe(jobs_dir: str | None = None) -> dict[str, dict]:
     root = os.geteuid() == 0
     reach = f"os.stat({str(jobs_dir)!r})" if jobs_dir else "pass"
     user_ok, user_why = attempt(Sandbox(uid=JOB_UID_BASE, gid=JOB_UID_BASE),
-                                f"import os; assert os.getuid() != 0; {reach}") if root else \
-        (False, "the daemon does not run as root, so jobs run as its own user")
+                                f"import os; assert os.getuid() != 0; {reach}")
+    if not root and not user_ok:
+        user_why = "the daemon is not root, so jobs run as its own user"
     if root and not user_ok and "Permission denied" in user_why:
         user_why = (f"a job uid cannot reach {jobs_dir} (a directory above it is closed to"
                     " other users: chmod o+x it, or move the data directory)")

@@ -14,9 +14,10 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
-import socket
 import subprocess
 import sys
+import threading
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -33,18 +34,13 @@ def _die_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class World:
     def __init__(self, size: int, cuda: bool) -> None:
         self.size = max(1, size)
         self.rank = int(os.environ.get(RANK_ENV, "0"))
         self.cuda = cuda
         self.workers: list[subprocess.Popen] = []
+        self._finishing = False
 
     @property
     def main(self) -> bool:
@@ -59,22 +55,28 @@ class World:
         return torch.device("cpu")
 
     def start(self, workdir: Path, module: str) -> None:
-        """Rank 0: start ranks 1..N-1; every rank: join the process group."""
+        """Rank 0: open the rendezvous store and start ranks 1..N-1; every rank: join the
+        process group. All on loopback: one provider, one host (and a job without network
+        still has its loopback)."""
         if self.size == 1:
             return
+        os.environ["GLOO_SOCKET_IFNAME"] = os.environ["NCCL_SOCKET_IFNAME"] = "lo"
+        timeout = timedelta(minutes=10)
         if self.main:
-            port = _free_port()
+            store = dist.TCPStore("127.0.0.1", 0, self.size, is_master=True, timeout=timeout,
+                                  wait_for_workers=False)
             for rank in range(1, self.size):
-                env = {**os.environ, RANK_ENV: str(rank), PORT_ENV: str(port),
+                env = {**os.environ, RANK_ENV: str(rank), PORT_ENV: str(store.port),
                        "GPUMARKET_REPORT_FILE": os.devnull}
                 self.workers.append(subprocess.Popen(
                     [sys.executable, "-m", module, str(workdir)], env=env,
                     preexec_fn=_die_with_parent, stdout=subprocess.DEVNULL))
+            threading.Thread(target=self._watch, daemon=True).start()
         else:
-            port = int(os.environ[PORT_ENV])
-        dist.init_process_group("nccl" if self.cuda else "gloo",
-                                init_method=f"tcp://127.0.0.1:{port}", rank=self.rank,
-                                world_size=self.size, timeout=timedelta(minutes=10))
+            store = dist.TCPStore("127.0.0.1", int(os.environ[PORT_ENV]), self.size,
+                                  is_master=False, timeout=timeout)
+        dist.init_process_group("nccl" if self.cuda else "gloo", store=store, rank=self.rank,
+                                world_size=self.size, timeout=timeout)
         if self.main:
             print(f"torch.distributed: {self.size} processes"
                   f" ({'nccl' if self.cuda else 'gloo'})", flush=True)
@@ -98,11 +100,29 @@ class World:
         dist.all_reduce(total, op=dist.ReduceOp.SUM)
         return float(total) / self.size
 
+    def _watch(self) -> None:
+        """Rank 0: a rank that dies would leave the others waiting in a collective until the
+        timeout; end the job at once instead, saying which."""
+        while not self._finishing:
+            for rank, worker in enumerate(self.workers, 1):
+                code = worker.poll()
+                if code not in (None, 0):
+                    print(f"error: training process of rank {rank} exited with code {code}",
+                          file=sys.stderr, flush=True)
+                    os._exit(1)
+            time.sleep(0.5)
+
     def finish(self) -> None:
         if self.size == 1:
             return
-        dist.destroy_process_group()
+        self._finishing = True
+        dist.barrier()
+        if not self.main:
+            dist.destroy_process_group()
+            return
+        # Rank 0 holds the rendezvous store: it leaves last, once the others are gone.
         for worker in self.workers:
             if worker.wait() != 0:
                 raise JobError(f"a training process (pid {worker.pid}) exited with code"
                                f" {worker.returncode}")
+        dist.destroy_process_group()
