@@ -9,8 +9,10 @@ The direct run is timed from process start to its output written (imports and mo
 included: a user running the engine pays them too); the marketplace run from `gpumarket
 submit --watch` starting to it exiting with the job SUCCEEDED (client-side signing, upload,
 queueing, lease, the runner's process and its imports, result upload). Sizes are chosen so
-that each piece of work lasts about a minute on a 2-core CPU. The last line is one JSON object with ratio_generate,
-ratio_embed, ratio_render and the seconds behind them. Target: every ratio >= 0.95.
+that each piece of work lasts about a minute on a 2-core CPU. The last line is one JSON
+object with ratio_generate, ratio_embed, ratio_render, the seconds behind them and the
+receipts' own figures (tokens/s, TTFT, TPOT, texts/s, s/frame, frames/hour). Target: every
+ratio >= 0.95.
 """
 
 from __future__ import annotations
@@ -29,6 +31,10 @@ sys.path.insert(0, str(ROOT))
 GEN = dict(max_tokens=16, batch_size=8)
 EMBED_BATCH = 32
 RENDER = dict(resolution_x=320, resolution_y=240, samples=32)
+# the receipt's own figures, reported beside the ratios
+FIGURES = {"generate": ("tokens_per_s", "ttft_s_p50", "tpot_s_p50", "tpot_s_p99"),
+           "embed": ("texts_per_s", "tokens_per_s"),
+           "render": ("seconds_per_frame", "frames_per_hour")}
 
 
 # -- the engines, used directly ------------------------------------------------------------
@@ -181,6 +187,11 @@ def main() -> int:
             path.write_text(text)
             seconds, job_id = timed_market(market, path)
             figures[f"market_{kind}_s"] = seconds
+            r = market.cli("results", job_id, "-o", str(root / f"{kind}-out"), "--json")
+            receipt = json.loads(r.stdout)["metrics"] if r.returncode == 0 else {}
+            for key in FIGURES[kind]:
+                if key in receipt:
+                    figures[f"{kind}_{key}"] = receipt[key]
             figures[f"ratio_{kind}"] = figures[f"direct_{kind}_s"] / seconds
             print(f"  {kind}: {seconds:.1f}s (job {job_id}), throughput ratio"
                   f" {figures[f'ratio_{kind}']:.3f}")

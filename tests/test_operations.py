@@ -49,6 +49,8 @@ def test_admin_ban_backup_vacuum_and_logs(tmp_path):
         # logs --follow gets the job's own stdout while it runs.
         follow = subprocess.Popen([str(BIN / "gpumarket"), "logs", job_id, "--follow"],
                                   env=market.env, stdout=subprocess.PIPE, text=True)
+        sandbox = follow.stdout.readline()   # the job says how it is isolated, first
+        assert sandbox.startswith("sandbox: "), sandbox
         first = follow.stdout.readline()
         assert first.startswith("training "), first
         second = follow.stdout.readline()
