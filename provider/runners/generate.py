@@ -176,8 +176,8 @@ def with_transformers(job: dict, prompts: list[str], model_dir: Path, workdir: P
             new_tokens += n
         elapsed = time.perf_counter() - began
         results.add(records, tokens_per_s=new_tokens / max(elapsed, 1e-9))
-        print(f"prompts {len(results.done)}/{len(prompts)}  tokens/s"
-              f" {new_tokens / max(elapsed, 1e-9):,.1f}", flush=True)
+        results.say(f"prompts {len(results.done)}/{len(prompts)}  tokens/s"
+                    f" {new_tokens / max(elapsed, 1e-9):,.1f}")
     return results, new_tokens, time.perf_counter() - began, f"transformers on {device}"
 
 

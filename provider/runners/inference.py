@@ -23,6 +23,7 @@ from gpumarket.provider.runners.base import fsync_file as _fsync_file
 from gpumarket.provider.runners.report import Reporter
 
 RESULTS = "results.jsonl"
+SAY_EVERY_S = 2.0
 
 
 def unpack_model(job: dict, field: str, workdir: Path) -> Path:
@@ -105,12 +106,21 @@ class Results:
                     record = json.loads(line)
                     self.done[record["index"]] = record
         self.resumed_from = len(self.done)
+        self._said = 0.0
         if self.resumed_from:
             report.send("resumed", step=self.resumed_from)
             print(f"resuming: {self.resumed_from} of {total} items already done", flush=True)
         self.cadence = Cadence(int(job.get("checkpoint_every") or 0),
                                float(job.get("checkpoint_interval_s") or 0),
                                float(job.get("provider_mtbf_s") or 0))
+
+    def say(self, text: str) -> None:
+        """A progress line for the job's log: at most one every SAY_EVERY_S, and the last
+        (a line per batch of a fast model is thousands of lines for the broker to keep)."""
+        now = time.monotonic()
+        if now - self._said >= SAY_EVERY_S or len(self.done) >= self.total:
+            self._said = now
+            print(text, flush=True)
 
     def batches(self) -> Iterator[list[int]]:
         """The batches not done yet, each a list of item indices in input order."""

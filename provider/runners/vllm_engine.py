@@ -77,7 +77,7 @@ def run(job: dict, prompts: list[str], model_dir: Path, workdir: Path,
             new_tokens += n
         elapsed = time.perf_counter() - began
         results.add(records, tokens_per_s=new_tokens / max(elapsed, 1e-9))
-        print(f"prompts {len(results.done)}/{len(prompts)}  tokens/s"
-              f" {new_tokens / max(elapsed, 1e-9):,.1f}", flush=True)
+        results.say(f"prompts {len(results.done)}/{len(prompts)}  tokens/s"
+                    f" {new_tokens / max(elapsed, 1e-9):,.1f}")
     return (results, new_tokens, time.perf_counter() - began,
             f"vLLM on {torch.cuda.device_count()} GPU(s)")
