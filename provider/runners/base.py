@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import signal
+import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 MARKER = "COMPLETE"
@@ -68,3 +71,42 @@ def fsync_dir(path: Path) -> None:
 def fsync_file(path: Path) -> None:
     with open(path, "rb") as f:
         os.fsync(f.fileno())
+
+
+def publish_checkpoint(root: Path, step: int, write: Callable[[Path], None]) -> Path:
+    """Write checkpoint ``root/step-NNNNNNNN`` atomically: ``write`` fills a temporary
+    directory, which is fsynced, renamed into place and finished with the COMPLETE marker
+    (a directory without it is ignored). Returns the checkpoint's path."""
+    root.mkdir(parents=True, exist_ok=True)
+    final, tmp = root / f"step-{step:08d}", root / f".tmp-step-{step:08d}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    write(tmp)
+    for f in tmp.iterdir():
+        fsync_file(f)
+    fsync_dir(tmp)
+    if final.exists():
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    (final / MARKER).write_text(str(step))
+    fsync_file(final / MARKER)
+    fsync_dir(final)
+    fsync_dir(root)
+    return final
+
+
+def run_main(module_name: str, fn: Callable) -> int:
+    """A runner's command line: ``python -m gpumarket.provider.runners.NAME WORKDIR``; a
+    JobError is one line on stderr and exit 1."""
+    from gpumarket.provider.runners.report import Reporter
+
+    if len(sys.argv) != 2:
+        print(f"usage: python -m gpumarket.provider.runners.{module_name} WORKDIR",
+              file=sys.stderr)
+        return 2
+    try:
+        fn(Path(sys.argv[1]), Reporter())
+    except JobError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0

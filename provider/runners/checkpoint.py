@@ -8,9 +8,7 @@ ignored, so a write killed halfway leaves the previous checkpoint usable.
 from __future__ import annotations
 
 import json
-import os
 import random
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -18,9 +16,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, load_model, save_file, save_model
 
-from gpumarket.provider.runners.base import MARKER
-from gpumarket.provider.runners.base import fsync_dir as _fsync_dir
-from gpumarket.provider.runners.base import fsync_file as _fsync_file
+from gpumarket.provider.runners.base import MARKER, publish_checkpoint
 
 
 def _optimizer_split(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict]:
@@ -75,29 +71,16 @@ def set_rng_state(tensors: dict[str, torch.Tensor], meta: dict) -> None:
 def save(root: Path, step: int, model: torch.nn.Module, opt: torch.optim.Optimizer,
          sched: Any, extra: dict) -> Path:
     """Write checkpoint ``root/step-NNNNNNNN`` atomically; return its path."""
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step-{step:08d}"
-    tmp = root / f".tmp-step-{step:08d}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    save_model(model, str(tmp / "model.safetensors"))
-    opt_tensors, opt_meta = _optimizer_split(opt)
-    rng_tensors, rng_meta = rng_state()
-    save_file({**opt_tensors, **rng_tensors}, str(tmp / "state.safetensors"))
-    meta = {"step": step, "optimizer": opt_meta, "scheduler": sched.state_dict(),
-            "rng": rng_meta, **extra}
-    (tmp / "state.json").write_text(json.dumps(meta))
-    for f in tmp.iterdir():
-        _fsync_file(f)
-    _fsync_dir(tmp)
-    if final.exists():
-        shutil.rmtree(final)
-    os.rename(tmp, final)
-    (final / MARKER).write_text(str(step))
-    _fsync_file(final / MARKER)
-    _fsync_dir(final)
-    _fsync_dir(root)
-    return final
+    def write(tmp: Path) -> None:
+        save_model(model, str(tmp / "model.safetensors"))
+        opt_tensors, opt_meta = _optimizer_split(opt)
+        rng_tensors, rng_meta = rng_state()
+        save_file({**opt_tensors, **rng_tensors}, str(tmp / "state.safetensors"))
+        meta = {"step": step, "optimizer": opt_meta, "scheduler": sched.state_dict(),
+                "rng": rng_meta, **extra}
+        (tmp / "state.json").write_text(json.dumps(meta))
+
+    return publish_checkpoint(root, step, write)
 
 
 def latest(root: Path) -> Path | None:

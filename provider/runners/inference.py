@@ -10,16 +10,15 @@ a checkpoint is a copy of that file. The final output is written in input order 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import tarfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from gpumarket.provider.runners.base import MARKER, Cadence, JobError
-from gpumarket.provider.runners.base import fsync_dir as _fsync_dir
-from gpumarket.provider.runners.base import fsync_file as _fsync_file
+from gpumarket.provider.runners.base import (  # noqa: F401 (run_main: the runners' import)
+    Cadence, JobError, publish_checkpoint, run_main,
+)
 from gpumarket.provider.runners.report import Reporter
 
 RESULTS = "results.jsonl"
@@ -142,22 +141,13 @@ class Results:
 
     def checkpoint(self, step: int) -> None:
         began = time.perf_counter()
-        root = self.workdir / "checkpoints"
-        root.mkdir(exist_ok=True)
-        final, tmp = root / f"step-{step:08d}", root / f".tmp-step-{step:08d}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        shutil.copyfile(self.path, tmp / RESULTS)
-        (tmp / "state.json").write_text(json.dumps({"step": step, "batch_size": self.batch_size}))
-        for name in (RESULTS, "state.json"):
-            _fsync_file(tmp / name)
-        _fsync_dir(tmp)
-        if final.exists():
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        (final / MARKER).write_text(str(step))
-        _fsync_file(final / MARKER)
-        _fsync_dir(root)
+
+        def write(tmp: Path) -> None:
+            shutil.copyfile(self.path, tmp / RESULTS)
+            (tmp / "state.json").write_text(json.dumps({"step": step,
+                                                        "batch_size": self.batch_size}))
+
+        final = publish_checkpoint(self.workdir / "checkpoints", step, write)
         took = time.perf_counter() - began
         self.cadence.written(took)
         self.report.checkpoint(step, str(final.relative_to(self.workdir)), took)
@@ -187,18 +177,3 @@ def torch_dtype(name: str, device):
     if name not in table:
         raise JobError(f"dtype {name!r} is not one of auto, {', '.join(table)}")
     return table[name]
-
-
-def run_main(module_name: str, fn) -> int:
-    import sys
-
-    if len(sys.argv) != 2:
-        print(f"usage: python -m gpumarket.provider.runners.{module_name} WORKDIR",
-              file=sys.stderr)
-        return 2
-    try:
-        fn(Path(sys.argv[1]), Reporter())
-    except JobError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    return 0

@@ -31,7 +31,7 @@ from pathlib import Path  # noqa: E402
 from gpumarket.proto.errors import InvalidArgument  # noqa: E402
 from gpumarket.proto.jobspec import part_frames  # noqa: E402
 from gpumarket.provider.runners.base import (  # noqa: E402
-    MARKER, Cadence, JobError, drain_requested, fsync_dir, fsync_file,
+    Cadence, JobError, drain_requested, publish_checkpoint, run_main,
 )
 from gpumarket.provider.runners.report import Reporter  # noqa: E402
 
@@ -76,29 +76,19 @@ def restore(job: dict, out: Path, frames: list[int]) -> set[int]:
 def checkpoint(workdir: Path, out: Path, done: set[int], report: Reporter) -> float:
     """Write checkpoints/step-N (N = frames done) atomically; report it; return its seconds."""
     began = time.perf_counter()
-    root = workdir / "checkpoints"
-    root.mkdir(exist_ok=True)
     step = len(done)
-    final, tmp = root / f"step-{step:08d}", root / f".tmp-step-{step:08d}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    with tarfile.open(tmp / "frames.tar", "w", format=tarfile.PAX_FORMAT) as tar:
-        for frame in sorted(done):
-            info = tar.gettarinfo(out / frame_name(frame), arcname=frame_name(frame))
-            info.mtime, info.uid, info.gid, info.uname, info.gname = 0, 0, 0, "", ""
-            info.mode = 0o644
-            with open(out / frame_name(frame), "rb") as f:
-                tar.addfile(info, f)
-    (tmp / "state.json").write_text(json.dumps({"step": step, "frames": sorted(done)}))
-    for name in ("frames.tar", "state.json"):
-        fsync_file(tmp / name)
-    fsync_dir(tmp)
-    if final.exists():
-        shutil.rmtree(final)
-    os.rename(tmp, final)
-    (final / MARKER).write_text(str(step))
-    fsync_file(final / MARKER)
-    fsync_dir(root)
+
+    def write(tmp: Path) -> None:
+        with tarfile.open(tmp / "frames.tar", "w", format=tarfile.PAX_FORMAT) as tar:
+            for frame in sorted(done):
+                info = tar.gettarinfo(out / frame_name(frame), arcname=frame_name(frame))
+                info.mtime, info.uid, info.gid, info.uname, info.gname = 0, 0, 0, "", ""
+                info.mode = 0o644
+                with open(out / frame_name(frame), "rb") as f:
+                    tar.addfile(info, f)
+        (tmp / "state.json").write_text(json.dumps({"step": step, "frames": sorted(done)}))
+
+    final = publish_checkpoint(workdir / "checkpoints", step, write)
     took = time.perf_counter() - began
     report.checkpoint(step, str(final.relative_to(workdir)), took)
     return took
@@ -265,15 +255,7 @@ def warm_up() -> None:
 
 
 def main() -> int:
-    if len(sys.argv) != 2:
-        print("usage: python -m gpumarket.provider.runners.render WORKDIR", file=sys.stderr)
-        return 2
-    try:
-        render(Path(sys.argv[1]), Reporter())
-    except JobError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    return 0
+    return run_main("render", render)
 
 
 if __name__ == "__main__":

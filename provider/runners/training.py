@@ -27,7 +27,7 @@ import torch  # noqa: E402
 
 from gpumarket.provider.runners import checkpoint  # noqa: E402
 from gpumarket.provider.runners.base import (  # noqa: E402, F401 (JobError, Cadence: re-exported)
-    Cadence, JobError, drain_requested,
+    Cadence, JobError, drain_requested, run_main,
 )
 from gpumarket.provider.runners.distributed import World  # noqa: E402
 from gpumarket.provider.runners.report import Reporter  # noqa: E402
@@ -215,15 +215,7 @@ def warm_up() -> None:
 
 
 def main() -> int:
-    if len(sys.argv) != 2:
-        print("usage: python -m gpumarket.provider.runners.training WORKDIR", file=sys.stderr)
-        return 2
-    try:
-        train(Path(sys.argv[1]), Reporter())
-    except JobError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    return 0
+    return run_main("training", train)
 
 
 if __name__ == "__main__":
