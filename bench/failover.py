@@ -99,9 +99,9 @@ def main() -> int:
             for pid in job_processes(str(root / victim / "jobs")):
                 os.kill(pid, signal.SIGKILL)
             # The machine is gone: the lease must expire before the job moves on.
-            started = first_event(market.address, job_id, lambda e: e["type"] == "started"
+            started = first_event(market, job_id, lambda e: e["type"] == "started"
                                   and int(e.get("attempt", 0)) > attempt, timeout=600)
-            progress = first_event(market.address, job_id, lambda e: e["type"] == "progress"
+            progress = first_event(market, job_id, lambda e: e["type"] == "progress"
                                    and int(e.get("attempt", 0)) > attempt, timeout=600,
                                    after_seq=int(started["seq"]))
             # ... and comes back later, as a fresh daemon on the same data dir
@@ -119,7 +119,7 @@ def main() -> int:
         failing_s = time.monotonic() - t0
         final = receipt_metrics(market, job_id, root / "failing-out")["metrics"]
 
-        evs = events(market.address, job_id, quiet_s=0.5)
+        evs = events(market, job_id, quiet_s=0.5)
         steps_by_attempt: dict[int, list[int]] = {}
         for e in evs:
             if e["type"] == "checkpoint":

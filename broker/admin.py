@@ -7,15 +7,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import tempfile
 from pathlib import Path
 
 from gpumarket.broker import jobs, standing, views
+from gpumarket.broker.auth import caller, denied
 from gpumarket.broker.rpc import streaming, unary
 from gpumarket.broker.state import BrokerState
 from gpumarket.proto.artifacts import iter_chunks, sha256_file
 from gpumarket.proto.envelope import open_envelope
-from gpumarket.proto.errors import BadSignature, NotFound, PermissionDenied
+from gpumarket.proto.errors import BadSignature, InvalidArgument, NotFound, PermissionDenied
 from gpumarket.proto.jobspec import now_ms
 from gpumarket.proto.v1 import admin_pb2 as ad
 from gpumarket.proto.v1 import admin_pb2_grpc
@@ -24,6 +26,7 @@ from gpumarket.proto.v1 import gateway_pb2 as gw
 log = logging.getLogger(__name__)
 
 ADMIN_ORDER_MAX_AGE_MS = 5 * 60 * 1000
+KEY_ID_RE = re.compile(r"[a-z2-7]{26}")
 
 
 class AdminServicer(admin_pb2_grpc.AdminServicer):
@@ -37,7 +40,11 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         if abs(now_ms() - order.at_ms) > ADMIN_ORDER_MAX_AGE_MS:
             raise BadSignature("admin order is dated more than 5 minutes off (check the clock)")
         if signer not in self.state.operators:
-            raise PermissionDenied(f"key {signer} is not an operator of this broker")
+            raise denied(PermissionDenied, "unauthorized",
+                         f"key {signer} is not an operator of this broker")
+        if signer != caller():
+            raise denied(PermissionDenied, "unauthorized",
+                         "admin order is signed by another key than the call")
         log.info("admin %s %s by operator %s", method, order.target, signer)
         return order
 
@@ -70,6 +77,35 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         self.state.events.notify()
         self.state.placement.notify()
         return ad.BanResponse(provider_id=order.target, banned=True, leases_lost=len(ended))
+
+    @unary
+    async def Revoke(self, request, context) -> ad.RevokeResponse:
+        order = self._order(request, "Revoke")
+        if order.target in self.state.operators:
+            raise PermissionDenied(f"{order.target} is an operator key; remove it from the"
+                                   " broker's config instead")
+        check_key_id(order.target)
+        reason = f"key revoked by the operator: {order.reason[:200] or 'no reason given'}"
+        ended = await self.state.store.write(_revoke, order.target, reason, now_ms())
+        self.state.revoked.add(order.target)
+        session = self.state.sessions.get(order.target)
+        if session is not None:
+            for job_id, epoch in ended:
+                session.send(gw.BrokerMessage(cancel=gw.CancelLease(
+                    job_id=job_id, epoch=epoch, reason=reason)))
+            self.state.sessions.end(order.target)
+        log.warning("key %s revoked (%s); %d leases taken away", order.target, reason, len(ended))
+        self.state.events.notify()
+        self.state.placement.notify()
+        return ad.RevokeResponse(key_id=order.target, revoked=True, leases_lost=len(ended))
+
+    @unary
+    async def Unrevoke(self, request, context) -> ad.RevokeResponse:
+        order = self._order(request, "Unrevoke")
+        await self.state.store.write(_unrevoke, order.target)
+        self.state.revoked.discard(order.target)
+        log.warning("key %s accepted again", order.target)
+        return ad.RevokeResponse(key_id=order.target, revoked=False)
 
     @unary
     async def Unban(self, request, context) -> ad.BanResponse:
@@ -120,6 +156,29 @@ def _ban(db, provider_id: str, banned: bool, reason: str, now: int) -> list[tupl
     for lease_id, _, _ in leases:
         jobs.lose_lease(db, lease_id, reason, now)
     return [(job_id, epoch) for _, job_id, epoch in leases]
+
+
+def check_key_id(key_id: str) -> None:
+    if not KEY_ID_RE.fullmatch(key_id):
+        raise InvalidArgument(f"{key_id!r} is not a key id (26 characters a-z, 2-7)")
+
+
+def _revoke(db, key_id: str, reason: str, now: int) -> list[tuple[str, int]]:
+    """Record the revocation; a provider's offer goes and its active leases are lost.
+    Returns the (job, epoch) of those leases."""
+    db.execute("INSERT OR REPLACE INTO revoked_keys (key_id, reason, revoked_at_ms)"
+               " VALUES (?, ?, ?)", [key_id, reason, now])
+    db.execute("DELETE FROM offers WHERE provider_id = ?", [key_id])
+    leases = db.execute("SELECT id, job_id, epoch FROM leases WHERE provider_id = ?"
+                        " AND state = 'active'", [key_id]).fetchall()
+    for lease_id, _, _ in leases:
+        jobs.lose_lease(db, lease_id, reason, now)
+    return [(job_id, epoch) for _, job_id, epoch in leases]
+
+
+def _unrevoke(db, key_id: str) -> None:
+    if db.execute("DELETE FROM revoked_keys WHERE key_id = ?", [key_id]).rowcount == 0:
+        raise NotFound(f"key {key_id} is not revoked")
 
 
 def _vacuum(db) -> None:

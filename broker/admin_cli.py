@@ -38,7 +38,8 @@ def admin_options(fn):
     """--broker and --key, and one line on stderr (exit 1) for a GpumarketError."""
 
     @click.option("--broker", envvar="GPUMARKET_BROKER", default="127.0.0.1:7070",
-                  show_default=True, help="Broker gRPC address (env GPUMARKET_BROKER).")
+                  show_default=True, help="Broker gRPC address (env GPUMARKET_BROKER); TLS, the broker's key pinned by "
+                  "$GPUMARKET_BROKER_KEY or remembered in known_brokers on first use.")
     @click.option("--key", "key_file", type=click.Path(dir_okay=False, path_type=Path),
                   default=_default_key, show_default="$GPUMARKET_OPERATOR_KEY or "
                   "$GPUMARKET_HOME/client.key",
@@ -64,7 +65,7 @@ def _order(identity: Identity, method: str, **fields) -> pb.Envelope:
 
 
 async def _call(broker: str, identity: Identity, method: str, **fields) -> object:
-    async with BrokerClient(broker) as client:
+    async with BrokerClient(broker, identity) as client:
         return await client.admin_call(method, _order(identity, method, **fields))
 
 
@@ -134,6 +135,26 @@ async def unban(broker: str, identity: Identity, provider_id: str) -> None:
 
 
 @click.command()
+@click.argument("key_id")
+@click.option("--reason", default="", help="Why (kept in the broker's database and log).")
+@admin_options
+async def revoke(broker: str, identity: Identity, key_id: str, reason: str) -> None:
+    """Revoke a key (a client's or a provider's): every call signed by it is refused from
+    now on; a provider's session ends and its running jobs are queued again."""
+    resp = await _call(broker, identity, "Revoke", target=key_id, reason=reason)
+    out.print(f"revoked {resp.key_id}; {resp.leases_lost} running job(s) queued again")
+
+
+@click.command()
+@click.argument("key_id")
+@admin_options
+async def unrevoke(broker: str, identity: Identity, key_id: str) -> None:
+    """Accept a revoked key again."""
+    resp = await _call(broker, identity, "Unrevoke", target=key_id)
+    out.print(f"{resp.key_id} is accepted again")
+
+
+@click.command()
 @click.argument("path", type=click.Path(dir_okay=False, path_type=Path))
 @admin_options
 async def backup(broker: str, identity: Identity, path: Path) -> None:
@@ -143,7 +164,7 @@ async def backup(broker: str, identity: Identity, path: Path) -> None:
         raise click.ClickException(f"{path} exists; give a new file name")
     if not path.parent.is_dir():
         raise click.ClickException(f"{path.parent} is not a directory")
-    async with BrokerClient(broker) as client:
+    async with BrokerClient(broker, identity) as client:
         size = await client.backup(_order(identity, "Backup"), path)
     out.print(f"backup written to {path} ({size:,} bytes)")
 
@@ -156,4 +177,4 @@ async def vacuum(broker: str, identity: Identity) -> None:
     out.print(f"vacuumed: {resp.bytes_before:,} → {resp.bytes_after:,} bytes")
 
 
-COMMANDS = (providers, jobs, ban, unban, backup, vacuum)
+COMMANDS = (providers, jobs, ban, unban, revoke, unrevoke, backup, vacuum)

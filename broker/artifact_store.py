@@ -32,34 +32,41 @@ class ArtifactStore:
         check_sha256(sha256, "sha256")
         return self.root / "blobs" / sha256[:2] / sha256
 
-    def _partial_path(self, sha256: str) -> Path:
+    def _partial_path(self, sha256: str, uploader: str) -> Path:
+        """Each uploader's partial upload of a blob is its own file: no one can add bytes
+        to another's upload."""
         check_sha256(sha256, "sha256")
-        return self.root / "partial" / sha256
+        if not uploader.isalnum():
+            raise InvalidArgument("uploader must be a key id")
+        return self.root / "partial" / f"{sha256}.{uploader}"
 
-    def stat(self, sha256: str) -> BlobStat:
+    def stat(self, sha256: str, uploader: str) -> BlobStat:
         path = self.blob_path(sha256)
         if path.exists():
             size = path.stat().st_size
             return BlobStat(True, size, size)
-        partial = self._partial_path(sha256)
+        partial = self._partial_path(sha256, uploader)
         received = partial.stat().st_size if partial.exists() else 0
         return BlobStat(False, 0, received)
 
-    def begin_upload(self, sha256: str, size_bytes: int, offset: int) -> "Upload | None":
-        """Start or continue an upload; None if the blob is already stored."""
+    def begin_upload(self, sha256: str, size_bytes: int, offset: int, uploader: str,
+                     may_skip: bool = True) -> "Upload | None":
+        """Start or continue an upload; None if the blob is already stored and ``may_skip``
+        (the uploader may read it). Others upload every byte, checked like a new blob."""
         if size_bytes > self.max_blob_bytes:
             raise InvalidArgument(
                 f"artifact of {size_bytes} bytes is over the broker's limit of"
                 f" {self.max_blob_bytes} bytes"
             )
-        st = self.stat(sha256)
-        if st.complete:
+        if may_skip and self.blob_path(sha256).exists():
             return None
-        if offset != st.received_bytes:
+        partial = self._partial_path(sha256, uploader)
+        received = partial.stat().st_size if partial.exists() else 0
+        if offset != received:
             raise FailedPrecondition(
-                f"upload of {sha256[:12]} must continue at offset {st.received_bytes}, not {offset}"
+                f"upload of {sha256[:12]} must continue at offset {received}, not {offset}"
             )
-        return Upload(self, sha256, size_bytes, offset)
+        return Upload(self, sha256, size_bytes, offset, partial)
 
     def open_read(self, sha256: str, offset: int):
         path = self.blob_path(sha256)
@@ -74,12 +81,13 @@ class ArtifactStore:
 class Upload:
     """One upload stream's writer; finish() verifies the hash and publishes the blob."""
 
-    def __init__(self, store: ArtifactStore, sha256: str, size_bytes: int, offset: int) -> None:
+    def __init__(self, store: ArtifactStore, sha256: str, size_bytes: int, offset: int,
+                 path: Path) -> None:
         self.store = store
         self.sha256 = sha256
         self.size_bytes = size_bytes
         self.received = offset
-        self.path = store._partial_path(sha256)
+        self.path = path
         self._file = open(self.path, "ab")
 
     def write(self, data: bytes) -> None:

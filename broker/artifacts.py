@@ -4,27 +4,38 @@ from __future__ import annotations
 
 import asyncio
 
+from gpumarket.broker import views
+from gpumarket.broker.auth import caller, denied
 from gpumarket.broker.rpc import streaming, unary
 from gpumarket.broker.state import BrokerState
 from gpumarket.proto.artifacts import CHUNK_BYTES
-from gpumarket.proto.errors import InvalidArgument
+from gpumarket.proto.errors import InvalidArgument, PermissionDenied, ResourceExhausted
 from gpumarket.proto.jobspec import check_sha256, now_ms
 from gpumarket.proto.v1 import artifacts_pb2 as ap
 from gpumarket.proto.v1 import artifacts_pb2_grpc
 
 
-def _record(db, sha256: str, size: int, now: int) -> None:
+def _record(db, sha256: str, size: int, owner: str, now: int) -> None:
     db["artifacts"].upsert({"sha256": sha256, "size_bytes": size, "created_at_ms": now},
                            pk="sha256")
+    db["artifact_owners"].upsert({"sha256": sha256, "owner_id": owner, "size_bytes": size,
+                                  "created_at_ms": now}, pk=("sha256", "owner_id"))
 
 
 class ArtifactsServicer(artifacts_pb2_grpc.ArtifactsServicer):
     def __init__(self, state: BrokerState) -> None:
         self.state = state
 
+    # A blob is visible only to those who may read it (views.may_read); anyone else sees
+    # it as absent and must upload every byte (proving they have it) to own it too.
+
     @unary
     async def StatArtifact(self, request: ap.StatArtifactRequest, context):
-        st = self.state.artifacts.stat(request.sha256)
+        check_sha256(request.sha256, "sha256")
+        readable = await self.state.store.read(views.may_read, caller(), request.sha256)
+        st = self.state.artifacts.stat(request.sha256, caller())
+        if not readable:
+            return ap.StatArtifactResponse(complete=False, received_bytes=st.received_bytes)
         return ap.StatArtifactResponse(complete=st.complete, size_bytes=st.size_bytes,
                                        received_bytes=st.received_bytes)
 
@@ -35,11 +46,22 @@ class ArtifactsServicer(artifacts_pb2_grpc.ArtifactsServicer):
             raise InvalidArgument("an upload starts with its header")
         h = first.header
         check_sha256(h.sha256, "header.sha256")
-        upload = self.state.artifacts.begin_upload(h.sha256, h.size_bytes, h.offset)
+        key, store = caller(), self.state.store
+        readable = await store.read(views.may_read, key, h.sha256)
+        if not readable:
+            held = await store.read(views.uploaded_bytes, key)
+            limit = self.state.config.max_key_artifact_bytes
+            if held + h.size_bytes > limit:
+                raise denied(ResourceExhausted, "quota",
+                             f"this upload ({h.size_bytes:,} bytes) would take your artifacts"
+                             f" to {held + h.size_bytes:,} bytes, over this broker's limit of"
+                             f" {limit:,} per key")
+        upload = self.state.artifacts.begin_upload(h.sha256, h.size_bytes, h.offset, key,
+                                                   readable)
         if upload is None:
             async for _ in request_iterator:  # drain what the client already sent
                 pass
-            await self.state.store.write(_record, h.sha256, h.size_bytes, now_ms())
+            await store.write(_record, h.sha256, h.size_bytes, key, now_ms())
             return ap.UploadResponse(sha256=h.sha256, size_bytes=h.size_bytes,
                                      already_present=True)
         try:
@@ -50,11 +72,16 @@ class ArtifactsServicer(artifacts_pb2_grpc.ArtifactsServicer):
             size = await asyncio.to_thread(upload.finish)
         finally:
             upload.close()
-        await self.state.store.write(_record, h.sha256, size, now_ms())
+        await store.write(_record, h.sha256, size, key, now_ms())
         return ap.UploadResponse(sha256=h.sha256, size_bytes=size)
 
     @streaming
     async def Download(self, request: ap.DownloadRequest, context):
+        check_sha256(request.sha256, "sha256")
+        if not await self.state.store.read(views.may_read, caller(), request.sha256):
+            raise denied(PermissionDenied, "unauthorized",
+                         f"artifact {request.sha256[:12]}… is not yours: you neither uploaded"
+                         " it nor is it part of your jobs or of a job leased to you")
         f = self.state.artifacts.open_read(request.sha256, request.offset)
         try:
             while chunk := await asyncio.to_thread(f.read, CHUNK_BYTES):

@@ -47,11 +47,19 @@ def cli() -> None:
 @click.option("--operator", "operators", multiple=True,
               help="Key id allowed the admin commands (repeatable; the broker's own key "
               "always is).")
+@click.option("--plaintext", is_flag=True, default=None,
+              help="Serve without TLS (allowed only on a loopback address; TLS is the "
+              "default).")
+@click.option("--rate-limit", type=float,
+              help="Calls a second allowed per key, bursts of 5x; 0 = no limit [default: 50].")
+@click.option("--max-queued-jobs", type=int, help="QUEUED jobs allowed per client "
+              "[default: 100].")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
 def serve(config_file: Path | None, listen: str | None, data_dir: Path | None,
           http: str | None, lease_timeout: float | None, heartbeat_interval: float | None,
           max_attempts: int | None, artifact_grace: float | None, operators: tuple[str, ...],
+          plaintext: bool | None, rate_limit: float | None, max_queued_jobs: int | None,
           log_level: str) -> None:
     """Serve the broker's gRPC API (and HTTP side) until SIGTERM."""
     from gpumarket.broker import config as broker_config
@@ -66,12 +74,17 @@ def serve(config_file: Path | None, listen: str | None, data_dir: Path | None,
                        ("lease_timeout_s", lease_timeout),
                        ("heartbeat_interval_s", heartbeat_interval),
                        ("max_attempts", max_attempts), ("artifact_grace_s", artifact_grace),
-                       ("operators", operators or None)):
+                       ("operators", operators or None), ("plaintext", plaintext),
+                       ("rate_limit_per_s", rate_limit), ("max_queued_jobs", max_queued_jobs)):
         if value is not None:
             settings[key] = value
     if "data_dir" not in settings:
         raise click.UsageError("give --data-dir (or data_dir in --config)")
     config = BrokerConfig(**settings)
+    try:
+        config.check()
+    except GpumarketError as exc:
+        raise click.UsageError(str(exc)) from exc
     if config.heartbeat_interval_s <= 0 or config.lease_timeout_s <= config.heartbeat_interval_s:
         raise click.UsageError("the lease timeout must be longer than the heartbeat interval")
     config = replace(config, gc_interval_s=min(60.0, max(1.0, config.artifact_grace_s / 2)))

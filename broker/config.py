@@ -21,6 +21,10 @@ class BrokerConfig:
     schedule_interval_s: float = 1.0       # placement pass at least this often
     shutdown_grace_s: float = 5.0          # in-flight RPCs get this long on SIGTERM
     operators: tuple[str, ...] = ()        # key ids allowed the Admin calls (and broker.key)
+    plaintext: bool = False                # no TLS (only when listening on loopback)
+    rate_limit_per_s: float = 50.0         # calls a second per key (bursts of 5x); 0 = off
+    max_queued_jobs: int = 100             # QUEUED jobs per client
+    max_key_artifact_bytes: int = 256 << 30  # bytes of blobs one key may have uploaded
 
     @property
     def db_path(self) -> Path:
@@ -29,6 +33,16 @@ class BrokerConfig:
     @property
     def key_path(self) -> Path:
         return self.data_dir / "broker.key"
+
+    def check(self) -> None:
+        """Raise InvalidArgument for settings that cannot work together."""
+        from gpumarket.proto.channel import is_loopback
+        from gpumarket.proto.errors import InvalidArgument
+
+        host = self.listen.rpartition(":")[0]
+        if self.plaintext and not is_loopback(host):
+            raise InvalidArgument(f"plaintext is allowed only on a loopback address, not on"
+                                  f" {self.listen} (TLS is on by default)")
 
 
 EXAMPLE = """\
@@ -46,6 +60,10 @@ max_artifact_gib = 64              # largest blob accepted, GiB
 # Key ids (`gpumarket keys show`) that may run the admin commands (providers, jobs, ban,
 # unban, backup, vacuum). The broker's own key (data_dir/broker.key) always may.
 operators = []
+plaintext = false                  # true: no TLS; allowed only when listen is loopback
+rate_limit = 50                    # calls a second per key (bursts of 5x); 0 = no limit
+max_queued_jobs = 100              # QUEUED jobs per client
+max_key_artifact_gib = 256         # GiB of artifacts one key may upload
 """
 
 # config key -> (BrokerConfig field, type, scale)
@@ -58,6 +76,10 @@ KEYS = {
     "artifact_grace": ("artifact_grace_s", float, None),
     "max_artifact_gib": ("max_artifact_bytes", int, 2**30),
     "operators": ("operators", tuple, None),
+    "plaintext": ("plaintext", bool, None),
+    "rate_limit": ("rate_limit_per_s", float, None),
+    "max_queued_jobs": ("max_queued_jobs", int, None),
+    "max_key_artifact_gib": ("max_key_artifact_bytes", int, 2**30),
 }
 
 
@@ -82,6 +104,11 @@ def load(path: Path) -> dict:
             if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
                 raise InvalidArgument(f"{path}: {key} must be a list of key ids")
             out[field_name] = tuple(value)
+            continue
+        if typ is bool:
+            if not isinstance(value, bool):
+                raise InvalidArgument(f"{path}: {key} must be true or false")
+            out[field_name] = value
             continue
         ok = isinstance(value, str) if typ in (str, Path) else (
             isinstance(value, (int, float)) and not isinstance(value, bool)

@@ -14,6 +14,7 @@ import os
 import grpc
 
 from gpumarket.broker import jobs, logs
+from gpumarket.broker.auth import caller
 from gpumarket.broker.rpc import STATUS
 from gpumarket.broker.sessions import ProviderSession
 from gpumarket.broker.state import BrokerState
@@ -62,7 +63,7 @@ class ProviderGatewayServicer(gateway_pb2_grpc.ProviderGatewayServicer):
             provider_id = await self._handshake(context)
         except GpumarketError as exc:
             log.warning("provider session refused: %s", exc.message)
-            self.state.metrics.rejected.labels(reason=exc.code).inc()
+            self.state.metrics.rejected.labels(reason=getattr(exc, "reason", exc.code.lower())).inc()
             await context.abort(STATUS.get(exc.code, grpc.StatusCode.INVALID_ARGUMENT),
                                 exc.message)
             return
@@ -115,6 +116,8 @@ class ProviderGatewayServicer(gateway_pb2_grpc.ProviderGatewayServicer):
         if first is grpc.aio.EOF or first.WhichOneof("msg") != "hello":
             raise InvalidArgument("a session must start with hello")
         provider_id = fingerprint(first.hello.public_key)
+        if provider_id != caller():
+            raise BadSignature("the session's hello names another key than the call's token")
         nonce = os.urandom(32)
         broker_key = self.state.identity.public_key
         await context.write(gw.BrokerMessage(challenge=gw.SessionChallenge(

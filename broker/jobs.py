@@ -490,6 +490,8 @@ def forget_artifacts(db: Database, shas: list[str]) -> None:
     for sha in shas:
         db.execute("DELETE FROM artifacts WHERE sha256 = ? AND NOT EXISTS"
                    " (SELECT 1 FROM artifact_refs r WHERE r.sha256 = ?)", [sha, sha])
+        db.execute("DELETE FROM artifact_owners WHERE sha256 = ? AND NOT EXISTS"
+                   " (SELECT 1 FROM artifacts a WHERE a.sha256 = ?)", [sha, sha])
 
 
 def renew_leases(

@@ -9,10 +9,14 @@ import logging
 from gpumarket.broker import (
     estimates, jobs, logs, matcher, reliability, scheduler, standing, views,
 )
+from gpumarket.broker.auth import caller, denied
 from gpumarket.broker.rpc import streaming, unary
 from gpumarket.broker.state import BrokerState
 from gpumarket.proto.envelope import open_envelope, payload_sha256
-from gpumarket.proto.errors import BadSignature, FailedPrecondition, InvalidArgument, NotFound
+from gpumarket.proto.errors import (
+    BadSignature, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied,
+    ResourceExhausted,
+)
 from gpumarket.proto.jobspec import (
     OBJECTIVE_NAMES, TERMINAL_STATES, check_fresh, check_spec, kind_name, now_ms,
     model_input_sha256, part_frames, required_engine, required_model, split_parts,
@@ -36,8 +40,17 @@ class MarketplaceServicer(marketplace_pb2_grpc.MarketplaceServicer):
     @unary
     async def SubmitJob(self, request: mp.SubmitJobRequest, context) -> mp.SubmitJobResponse:
         spec, client_id = open_envelope(request.spec, pb.JobSpec)
+        if client_id != caller():
+            raise denied(PermissionDenied, "unauthorized",
+                         "job spec is signed by another key than the call")
         check_spec(spec)
         check_fresh(spec)
+        cfg = self.state.config
+        queued = await self.state.store.read(views.queued_count, client_id)
+        if queued >= cfg.max_queued_jobs:
+            raise denied(ResourceExhausted, "quota",
+                         f"you already have {queued} queued jobs, this broker's limit per"
+                         " client; wait for some to start, or cancel some")
         for i, ref in enumerate(spec.inputs):
             size = await self.state.store.read(views.artifact_size, ref.sha256)
             if size is None:
@@ -47,9 +60,12 @@ class MarketplaceServicer(marketplace_pb2_grpc.MarketplaceServicer):
             if size != ref.size_bytes:
                 raise InvalidArgument(f"inputs[{i}] ({ref.name}): size {ref.size_bytes} does"
                                       f" not match the stored {size} bytes")
+            if not await self.state.store.read(views.may_read, client_id, ref.sha256):
+                raise denied(PermissionDenied, "unauthorized",
+                             f"inputs[{i}] ({ref.name}): artifact {ref.sha256[:12]}… is not"
+                             " yours; upload it yourself")
         est = await asyncio.to_thread(estimates.estimate, spec, self.state.artifacts.blob_path)
         digest = payload_sha256(request.spec)
-        cfg = self.state.config
         job = jobs.NewJob(
             id=digest[:16],
             client_id=client_id,
@@ -89,19 +105,24 @@ class MarketplaceServicer(marketplace_pb2_grpc.MarketplaceServicer):
 
     @unary
     async def GetJob(self, request: mp.GetJobRequest, context) -> mp.GetJobResponse:
-        return mp.GetJobResponse(job=await self.state.store.read(views.get_job, request.job_id))
+        job = await self.state.store.read(views.get_job, request.job_id)
+        own(job.client_id, request.job_id)
+        return mp.GetJobResponse(job=job)
 
     @unary
     async def ListJobs(self, request: mp.ListJobsRequest, context) -> mp.ListJobsResponse:
         limit = min(request.limit or 100, MAX_LIST)
-        found = await self.state.store.read(views.list_jobs, request.client_id,
+        if request.client_id and request.client_id != caller():
+            raise denied(PermissionDenied, "unauthorized",
+                         "a client may list only its own jobs (operators: gpumarket-broker jobs)")
+        found = await self.state.store.read(views.list_jobs, caller(),
                                             list(request.states), limit)
         return mp.ListJobsResponse(jobs=found)
 
     @streaming
     async def WatchJob(self, request: mp.WatchJobRequest, context):
         store = self.state.store
-        await store.read(jobs.job_row, request.job_id)  # NotFound before streaming
+        own((await store.read(jobs.job_row, request.job_id))["client_id"], request.job_id)
         cursor = request.after_seq
         while True:
             # Read the state before the events: a terminal state then guarantees that
@@ -120,7 +141,7 @@ class MarketplaceServicer(marketplace_pb2_grpc.MarketplaceServicer):
     @streaming
     async def StreamLogs(self, request: mp.StreamLogsRequest, context):
         store = self.state.store
-        await store.read(jobs.job_row, request.job_id)  # NotFound before streaming
+        own((await store.read(jobs.job_row, request.job_id))["client_id"], request.job_id)
         cursor = request.after_seq
         while True:
             state = await store.read(views.job_state, request.job_id)
@@ -143,6 +164,9 @@ class MarketplaceServicer(marketplace_pb2_grpc.MarketplaceServicer):
     @unary
     async def CancelJob(self, request: mp.CancelJobRequest, context) -> mp.CancelJobResponse:
         order, client_id = open_envelope(request.order, mp.CancelOrder)
+        if client_id != caller():
+            raise denied(PermissionDenied, "unauthorized",
+                         "cancel order is signed by another key than the call")
         if abs(now_ms() - order.at_ms) > CANCEL_ORDER_MAX_AGE_MS:
             raise BadSignature("cancel order is dated more than 10 minutes off (check the clock)")
         state, ended = await self.state.store.write(jobs.cancel, order.job_id, client_id, now_ms())
@@ -195,7 +219,7 @@ class MarketplaceServicer(marketplace_pb2_grpc.MarketplaceServicer):
             "min_memory_bytes": spec.resources.min_memory_bytes or est.memory_bytes,
             "accelerator": spec.resources.accelerator,
             "max_price_per_gpu_hour": spec.max_price_per_gpu_hour,
-            "client_id": request.client_id,
+            "client_id": caller(),
             "min_compute_capability": spec.resources.min_compute_capability,
             "gpu_models": json.dumps(list(spec.resources.gpu_models)),
             "min_reliability": spec.min_reliability, "work_flops": est.work_flops,
@@ -223,6 +247,12 @@ class MarketplaceServicer(marketplace_pb2_grpc.MarketplaceServicer):
         if not found:
             out.explanation = matcher.explain(excluded, len(book))
         return out
+
+
+def own(client_id: str, job_id: str) -> None:
+    """Raise unless the caller is the job's client."""
+    if client_id != caller():
+        raise denied(PermissionDenied, "unauthorized", f"job {job_id} is not yours")
 
 
 def _matches(offer: pb.Offer, q: mp.SearchOffersRequest) -> bool:

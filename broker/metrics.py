@@ -32,9 +32,11 @@ class BrokerMetrics:
                                       "Leases lost to missed heartbeats", registry=r)
         self.resumes = Counter("gpumarket_resumes",
                                "Leases granted to resume a job from a checkpoint", registry=r)
-        self.rejected = Counter("gpumarket_rejected_requests",
-                                "Requests refused, by reason (status code)", ["reason"],
-                                registry=r)
+        self.rejected = Counter(
+            "gpumarket_rejected_requests",
+            "Requests refused, by reason: unauthenticated, bad_signature, wrong_call, expired,"
+            " not_yet_valid, replay, revoked, unauthorized, rate_limited, quota, or the status"
+            " code in lower case", ["reason"], registry=r)
         self.artifact_bytes = Gauge("gpumarket_artifact_bytes",
                                     "Bytes held in the artifact store", registry=r)
         for state in STATE_NAMES.values():

@@ -35,10 +35,11 @@ STATUS: dict[str, grpc.StatusCode] = {
 async def abort_for(exc: BaseException, context: grpc.aio.ServicerContext, rpc: str,
                     servicer: Any = None) -> None:
     if isinstance(exc, GpumarketError):
-        log.info("%s rejected: %s (%s)", rpc, exc.message, exc.code)
+        reason = getattr(exc, "reason", exc.code.lower())
+        log.info("%s rejected: %s (%s)", rpc, exc.message, reason)
         state = getattr(servicer, "state", None)
         if state is not None:
-            state.metrics.rejected.labels(reason=exc.code).inc()
+            state.metrics.rejected.labels(reason=reason).inc()
         await context.abort(STATUS.get(exc.code, grpc.StatusCode.INTERNAL), exc.message)
     log.error("%s failed unexpectedly", rpc, exc_info=exc)
     await context.abort(grpc.StatusCode.INTERNAL, "internal error (see the broker's log)")

@@ -209,3 +209,40 @@ def m007_models(db: Database) -> None:
     db.execute("ALTER TABLE jobs ADD COLUMN model_name TEXT NOT NULL DEFAULT ''")
     db.execute("ALTER TABLE jobs ADD COLUMN model_sha256 TEXT NOT NULL DEFAULT ''")
     db.execute("ALTER TABLE jobs ADD COLUMN remote_code INTEGER NOT NULL DEFAULT 0")
+
+
+@migrations()
+def m008_security(db: Database) -> None:
+    # Nonces of call tokens, kept until the token has expired (so a replay after a restart
+    # is still refused).
+    db.execute(
+        """
+        CREATE TABLE call_nonces (
+            key_id TEXT NOT NULL,
+            nonce TEXT NOT NULL,
+            keep_until_ms INTEGER NOT NULL,
+            PRIMARY KEY (key_id, nonce)
+        )"""
+    )
+    db.execute("CREATE INDEX call_nonces_by_expiry ON call_nonces(keep_until_ms)")
+    db.execute(
+        """
+        CREATE TABLE revoked_keys (
+            key_id TEXT PRIMARY KEY,
+            reason TEXT NOT NULL DEFAULT '',
+            revoked_at_ms INTEGER NOT NULL
+        )"""
+    )
+    # Who uploaded a blob (each uploader proves it has the bytes): they may read it back,
+    # and its size counts against their artifact quota.
+    db.execute(
+        """
+        CREATE TABLE artifact_owners (
+            sha256 TEXT NOT NULL,
+            owner_id TEXT NOT NULL,
+            size_bytes INTEGER NOT NULL,
+            created_at_ms INTEGER NOT NULL,
+            PRIMARY KEY (sha256, owner_id)
+        )"""
+    )
+    db.execute("CREATE INDEX artifact_owners_by_owner ON artifact_owners(owner_id)")

@@ -14,6 +14,7 @@ from grpc_reflection.v1alpha import reflection
 
 from gpumarket.broker import scheduler
 from gpumarket.broker.admin import AdminServicer
+from gpumarket.broker.auth import Authenticator
 from gpumarket.broker.artifact_store import ArtifactStore
 from gpumarket.broker.artifacts import ArtifactsServicer
 from gpumarket.broker.config import BrokerConfig
@@ -22,6 +23,7 @@ from gpumarket.broker.http import BrokerHttp
 from gpumarket.broker.marketplace import MarketplaceServicer
 from gpumarket.broker.state import BrokerState
 from gpumarket.broker.store import Store
+from gpumarket.proto.channel import PLAINTEXT, SERVER_OPTIONS, tls_material
 from gpumarket.proto.identity import Identity
 from gpumarket.proto.jobspec import now_ms
 from gpumarket.proto.v1 import admin_pb2, artifacts_pb2, gateway_pb2, marketplace_pb2
@@ -50,6 +52,10 @@ def _recover(db, now: int) -> int:
         "UPDATE leases SET renewed_at_ms = ? WHERE state = 'active'", [now]).rowcount
 
 
+def _revoked(db) -> list[str]:
+    return [row[0] for row in db.execute("SELECT key_id FROM revoked_keys")]
+
+
 class BrokerServer:
     def __init__(self, config: BrokerConfig) -> None:
         self.config = config
@@ -70,8 +76,11 @@ class BrokerServer:
             log.info("%d leases were active at the last stop; waiting for their providers", kept)
         artifacts = ArtifactStore(cfg.data_dir / "artifacts", cfg.max_artifact_bytes)
         self.state = BrokerState(cfg, identity, store, artifacts)
+        self.state.revoked = set(await store.read(_revoked))
 
-        server = grpc.aio.server()
+        server = grpc.aio.server(
+            interceptors=[Authenticator(self.state, identity.id, cfg.plaintext)],
+            options=SERVER_OPTIONS)
         self.gateway = ProviderGatewayServicer(self.state)
         gateway_pb2_grpc.add_ProviderGatewayServicer_to_server(self.gateway, server)
         marketplace_pb2_grpc.add_MarketplaceServicer_to_server(
@@ -83,15 +92,21 @@ class BrokerServer:
         reflection.enable_server_reflection(
             (*SERVICES, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
         host, _, port = cfg.listen.rpartition(":")
-        bound = server.add_insecure_port(cfg.listen)
+        if cfg.plaintext:
+            bound = server.add_insecure_port(cfg.listen)
+        else:
+            key_pem, cert_pem = await asyncio.to_thread(tls_material, identity, cfg.data_dir)
+            bound = server.add_secure_port(
+                cfg.listen, grpc.ssl_server_credentials([(key_pem, cert_pem)]))
         if bound == 0:
             raise OSError(f"cannot listen on {cfg.listen}")
         await server.start()
         for name in ("", *SERVICES):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
         self.server = server
-        self.address = f"{host}:{bound}"
-        info = {"address": self.address, "pid": os.getpid(), "broker_id": identity.id}
+        self.address = f"{PLAINTEXT if cfg.plaintext else ''}{host}:{bound}"
+        info = {"address": self.address, "pid": os.getpid(), "broker_id": identity.id,
+                "tls": not cfg.plaintext}
         if cfg.http:
             self.http = BrokerHttp(self.state, lambda: self.server is not None)
             info["http"] = await self.http.start(cfg.http)
@@ -99,7 +114,8 @@ class BrokerServer:
         tmp = cfg.data_dir / "broker.json.tmp"
         tmp.write_text(json.dumps(info))
         os.replace(tmp, cfg.data_dir / "broker.json")
-        log.info("broker %s listening on %s", identity.id, self.address)
+        log.info("broker %s listening on %s (%s)", identity.id, self.address,
+                 "plaintext, loopback only" if cfg.plaintext else "TLS")
         return self.address
 
     async def stop(self) -> None:
@@ -118,7 +134,8 @@ async def serve(config: BrokerConfig) -> None:
     """Run the broker until SIGTERM or SIGINT."""
     broker = BrokerServer(config)
     await broker.start()
-    print(f"gpumarket broker listening on {broker.address}", flush=True)
+    print(f"gpumarket broker {broker.state.identity.id} listening on {broker.address}",
+          flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -41,6 +41,7 @@ class BrokerState:
     placement: Changes = field(default_factory=Changes)   # something a placement depends on
     logs: Changes = field(default_factory=Changes)        # job log lines were written
     metrics: BrokerMetrics = field(default_factory=BrokerMetrics)
+    revoked: set[str] = field(default_factory=set)        # key ids refused everywhere
 
     @property
     def operators(self) -> set[str]:

@@ -87,6 +87,11 @@ def events_after(db: Database, job_id: str, seq: int, limit: int = 500) -> list[
     return out
 
 
+def queued_count(db: Database, client_id: str) -> int:
+    return db.execute("SELECT count(*) FROM jobs WHERE client_id = ? AND state = ?"
+                      " AND parent_id IS NULL", [client_id, pb.JOB_STATE_QUEUED]).fetchone()[0]
+
+
 def job_state(db: Database, job_id: str) -> int:
     row = db.execute("SELECT state FROM jobs WHERE id = ?", [job_id]).fetchone()
     return row[0] if row else 0
@@ -127,6 +132,25 @@ def overdue_leases(db: Database, renewed_before_ms: int) -> list[str]:
     return [r[0] for r in db.execute(
         "SELECT id FROM leases WHERE state = 'active' AND renewed_at_ms < ?", [renewed_before_ms]
     ).fetchall()]
+
+
+def may_read(db: Database, key_id: str, sha256: str) -> bool:
+    """Whether ``key_id`` may read the blob: it uploaded it, or the blob belongs to one of
+    its jobs (input, checkpoint, output), or to a job it holds an active lease on."""
+    return db.execute(
+        "SELECT 1 FROM artifact_owners WHERE sha256 = :sha AND owner_id = :key"
+        " UNION ALL SELECT 1 FROM artifact_refs r JOIN jobs j ON j.id = r.job_id"
+        "  WHERE r.sha256 = :sha AND j.client_id = :key"
+        " UNION ALL SELECT 1 FROM artifact_refs r"
+        "  JOIN jobs j ON j.id = r.job_id OR j.parent_id = r.job_id"
+        "  JOIN leases l ON l.job_id = j.id"
+        "  WHERE r.sha256 = :sha AND l.provider_id = :key AND l.state = 'active'"
+        " LIMIT 1", {"sha": sha256, "key": key_id}).fetchone() is not None
+
+
+def uploaded_bytes(db: Database, key_id: str) -> int:
+    return db.execute("SELECT coalesce(sum(size_bytes), 0) FROM artifact_owners"
+                      " WHERE owner_id = ?", [key_id]).fetchone()[0]
 
 
 def artifact_size(db: Database, sha256: str) -> int | None:

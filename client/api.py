@@ -6,6 +6,7 @@ Every unary call carries a deadline; grpc.aio.AioRpcError becomes a gpumarket er
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,9 @@ from typing import Any
 import grpc
 
 from gpumarket.proto.artifacts import publish_verified, receive, sha256_file, upload_requests
+from gpumarket.proto.channel import Trust, open_channel
 from gpumarket.proto.errors import GpumarketError, InvalidArgument, Unavailable, from_code
+from gpumarket.proto.identity import Identity, home_dir
 from gpumarket.proto.v1 import artifacts_pb2 as ap
 from gpumarket.proto.v1 import admin_pb2 as ad
 from gpumarket.proto.v1 import admin_pb2_grpc, artifacts_pb2_grpc, marketplace_pb2_grpc
@@ -21,25 +24,47 @@ from gpumarket.proto.v1 import marketplace_pb2 as mp
 from gpumarket.proto.v1 import types_pb2 as pb
 
 
-class BrokerClient:
-    """``async with BrokerClient("127.0.0.1:7070") as broker: ...``"""
+def default_trust() -> Trust:
+    """$GPUMARKET_BROKER_KEY pins the broker's key; else the client's known_brokers file."""
+    return Trust(pin=os.environ.get("GPUMARKET_BROKER_KEY", ""),
+                 known=home_dir() / "known_brokers")
 
-    def __init__(self, address: str, timeout_s: float = 15.0) -> None:
+
+class BrokerClient:
+    """``async with BrokerClient("127.0.0.1:7070", identity) as broker: ...``
+
+    Calls are signed by ``identity`` (None: anonymous, which only offer search allows).
+    The channel is TLS to the broker key ``trust`` accepts, unless the address is
+    ``plaintext://`` loopback.
+    """
+
+    def __init__(self, address: str, identity: Identity | None = None, timeout_s: float = 15.0,
+                 trust: Trust | None = None) -> None:
         self.address = address
+        self.identity = identity
         self.timeout_s = timeout_s
-        self.channel = grpc.aio.insecure_channel(address)
-        self.market = marketplace_pb2_grpc.MarketplaceStub(self.channel)
-        self.artifacts = artifacts_pb2_grpc.ArtifactsStub(self.channel)
-        self.admin = admin_pb2_grpc.AdminStub(self.channel)
+        self.trust = trust or default_trust()
+        self.channel: grpc.aio.Channel | None = None
+        self.broker_id = ""
 
     async def __aenter__(self) -> "BrokerClient":
+        await self.connect()
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
+    async def connect(self) -> None:
+        opened = await open_channel(self.address, self.identity, self.trust,
+                                    min(self.timeout_s, 10.0))
+        self.channel, self.broker_id = opened.channel, opened.broker_id
+        self.market = marketplace_pb2_grpc.MarketplaceStub(self.channel)
+        self.artifacts = artifacts_pb2_grpc.ArtifactsStub(self.channel)
+        self.admin = admin_pb2_grpc.AdminStub(self.channel)
+
     async def close(self) -> None:
-        await self.channel.close()
+        if self.channel is not None:
+            await self.channel.close()
 
     def _error(self, exc: grpc.aio.AioRpcError) -> GpumarketError:
         if exc.code() == grpc.StatusCode.UNAVAILABLE:

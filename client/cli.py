@@ -48,6 +48,10 @@ def load_identity() -> Identity:
     return Identity.load(path)
 
 
+def _identity_if_any() -> Identity | None:
+    return Identity.load(key_path()) if key_path().exists() else None
+
+
 def command(fn):
     """Run an async command; a GpumarketError becomes one line on stderr and exit 1."""
 
@@ -83,14 +87,20 @@ def job_dict(job: pb.Job) -> dict:
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--broker", envvar="GPUMARKET_BROKER", default="127.0.0.1:7070",
-              show_default=True, help="Broker address HOST:PORT (or $GPUMARKET_BROKER).")
+              show_default=True, help="Broker address HOST:PORT, TLS (or $GPUMARKET_BROKER); "
+              "plaintext://HOST:PORT for a plaintext broker on loopback.")
+@click.option("--broker-key", envvar="GPUMARKET_BROKER_KEY", default="",
+              help="The broker's key id to accept (or $GPUMARKET_BROKER_KEY); without it the "
+              "key seen first is trusted and remembered in known_brokers, like SSH.")
 @click.pass_context
-def cli(ctx: click.Context, broker: str) -> None:
+def cli(ctx: click.Context, broker: str, broker_key: str) -> None:
     """gpumarket client: submit signed jobs to a GPU marketplace, watch them, and download
     verified results.
 
     Exit codes: 0 ok, 1 error, 2 usage, 3 job failed, 4 job cancelled.
     """
+    if broker_key:
+        os.environ["GPUMARKET_BROKER_KEY"] = broker_key  # read by api.default_trust()
     ctx.obj = broker
 
 
@@ -164,7 +174,7 @@ async def submit(broker_addr: str, job_file: Path, watch_: bool, as_json: bool) 
     """Upload JOB_FILE's inputs, sign the job, submit it, and print its id."""
     job = jobfile.load(job_file)
     identity = load_identity()
-    async with BrokerClient(broker_addr) as broker:
+    async with BrokerClient(broker_addr, identity) as broker:
         refs = await _upload_inputs(broker, job)
         spec = build_spec(job, refs, now_ms())
         resp = await broker.submit(seal(identity, spec))
@@ -186,7 +196,7 @@ async def submit(broker_addr: str, job_file: Path, watch_: bool, as_json: bool) 
 @command
 async def status(broker_addr: str, job_id: str, as_json: bool) -> None:
     """Show a job's state, progress and attempt history."""
-    async with BrokerClient(broker_addr) as broker:
+    async with BrokerClient(broker_addr, load_identity()) as broker:
         job = await broker.get_job(job_id)
     if as_json:
         _dump(job_dict(job))
@@ -233,16 +243,15 @@ def _time(ms: int) -> str:
 @click.option("--state", "states", multiple=True,
               type=click.Choice(sorted(STATES_BY_NAME), case_sensitive=False),
               help="Only jobs in this state (repeatable).")
-@click.option("--all", "all_clients", is_flag=True, help="Jobs of every client, not just yours.")
 @click.option("--limit", type=click.IntRange(1, 1000), default=50, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @click.pass_obj
 @command
-async def list_(broker_addr: str, states: tuple[str, ...], all_clients: bool, limit: int,
-                as_json: bool) -> None:
-    """List your jobs, newest first."""
-    client_id = "" if all_clients else load_identity().id
-    async with BrokerClient(broker_addr) as broker:
+async def list_(broker_addr: str, states: tuple[str, ...], limit: int, as_json: bool) -> None:
+    """List your jobs, newest first (a broker shows each client only its own)."""
+    identity = load_identity()
+    client_id = identity.id
+    async with BrokerClient(broker_addr, identity) as broker:
         jobs = await broker.list_jobs(client_id, [STATES_BY_NAME[s.upper()] for s in states],
                                       limit)
     if as_json:
@@ -264,7 +273,7 @@ async def list_(broker_addr: str, states: tuple[str, ...], all_clients: bool, li
 @command
 async def watch(broker_addr: str, job_id: str, as_json: bool) -> None:
     """Follow a job's events with a progress bar until it ends (exit 3 failed, 4 cancelled)."""
-    async with BrokerClient(broker_addr) as broker:
+    async with BrokerClient(broker_addr, load_identity()) as broker:
         state = await follow(broker, job_id, as_json, out)
     sys.exit(EXIT_BY_STATE.get(state, 1))
 
@@ -278,7 +287,7 @@ async def watch(broker_addr: str, job_id: str, as_json: bool) -> None:
 async def logs(broker_addr: str, job_id: str, follow: bool, as_json: bool) -> None:
     """Print the job's stdout and stderr (from every attempt), as its provider shipped them;
     kept by the broker after the job ends."""
-    async with BrokerClient(broker_addr) as broker:
+    async with BrokerClient(broker_addr, load_identity()) as broker:
         attempt = 0
         async for line in broker.logs(job_id, follow=follow):
             if as_json:
@@ -298,7 +307,7 @@ async def logs(broker_addr: str, job_id: str, follow: bool, as_json: bool) -> No
 async def cancel(broker_addr: str, job_id: str) -> None:
     """Cancel one of your jobs (a running one is stopped on its provider)."""
     identity = load_identity()
-    async with BrokerClient(broker_addr) as broker:
+    async with BrokerClient(broker_addr, identity) as broker:
         state = await broker.cancel(seal(identity, mp.CancelOrder(job_id=job_id, at_ms=now_ms())))
     click.echo(f"{job_id} {state_name(state)}")
 
@@ -365,7 +374,7 @@ async def results(broker_addr: str, job_id: str, output_dir: Path, as_json: bool
     """Download a finished job's outputs, checking every receipt's signature and every hash
     (a split job's parts are merged into one directory)."""
     identity = load_identity()
-    async with BrokerClient(broker_addr) as broker:
+    async with BrokerClient(broker_addr, identity) as broker:
         job = await broker.get_job(job_id)
         receipts = verify_receipts(job, identity.id)
         output_dir.mkdir(parents=True, exist_ok=True)
@@ -453,7 +462,7 @@ async def offers(broker_addr: str, query_text: str, sort_by: str, list_fields: b
         return
     clauses = query.parse(query_text)
     sort_field, descending = query.sort_key(sort_by)
-    async with BrokerClient(broker_addr) as broker:
+    async with BrokerClient(broker_addr, _identity_if_any()) as broker:
         listings = await broker.search_offers(mp.SearchOffersRequest(limit=1000))
     rows = []
     for listing in listings:
@@ -502,9 +511,9 @@ async def quote(broker_addr: str, job_file: Path, limit: int, as_json: bool) -> 
     """Show where JOB_FILE would run: the best candidates with expected runtime, cost and the
     chance of finishing without an interruption, and what excluded the other offers."""
     job = jobfile.load(job_file)
-    key = key_path()
-    client_id = Identity.load(key).id if key.exists() else ""
-    async with BrokerClient(broker_addr) as broker:
+    identity = load_identity()
+    client_id = identity.id
+    async with BrokerClient(broker_addr, identity) as broker:
         refs = await _upload_inputs(broker, job)  # the broker sizes the job from its model config
         spec = build_spec(job, refs, now_ms())
         resp = await broker.quote(spec, limit, client_id)

@@ -69,9 +69,12 @@ def main() -> int:
                             "--data-dir", str(OUT / "broker")], OUT / "broker.log", env))
         info_file = OUT / "broker" / "broker.json"
         wait_for(info_file.exists, "the broker to listen")
-        address = json.loads(info_file.read_text())["address"]
+        info = json.loads(info_file.read_text())
+        address = info["address"]
         env["GPUMARKET_BROKER"] = address
-        print(f"   broker at {address}")
+        # Clients and the provider pin the broker's key (TLS certificate attested by it).
+        env["GPUMARKET_BROKER_KEY"] = info["broker_id"]
+        print(f"   broker {info['broker_id']} at {address} (TLS, key pinned)")
         print("== starting a provider (detects devices, benchmarks them, offers them)")
         seed_models(OUT / "provider" / "models")
         procs.append(start([str(BIN / "gpumarket-provider"), "run", "--broker", address,

@@ -40,7 +40,11 @@ def cli() -> None:
 @click.option("--config", "config_file", type=click.Path(dir_okay=False, path_type=Path),
               help="TOML config: price, accepted kinds, clients, hours (see `config --example`).")
 @click.option("--broker", envvar="GPUMARKET_BROKER",
-              help="Broker address HOST:PORT (or $GPUMARKET_BROKER, or the config's broker).")
+              help="Broker address HOST:PORT (or $GPUMARKET_BROKER, or the config's broker); "
+              "TLS, or plaintext://HOST:PORT on loopback.")
+@click.option("--broker-key", envvar="GPUMARKET_BROKER_KEY",
+              help="The broker's key id to accept (or $GPUMARKET_BROKER_KEY); without it the "
+              "key seen first is trusted and remembered in DATA_DIR/known_brokers.")
 @click.option("--data-dir", type=click.Path(file_okay=False, path_type=Path),
               help="Directory for the provider key, benchmark cache and job work dirs.")
 @click.option("--price", type=float, help="Price per device-hour, in credits (default 1.0).")
@@ -55,8 +59,8 @@ def cli() -> None:
                    "start a few seconds slower).")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
-def run(config_file: Path | None, broker: str | None, data_dir: Path | None,
-        price: float | None, cpu_only: bool, cpu_devices: int | None,
+def run(config_file: Path | None, broker: str | None, broker_key: str | None,
+        data_dir: Path | None, price: float | None, cpu_only: bool, cpu_devices: int | None,
         models_dir: Path | None, max_runtime: int | None, no_warm: bool,
         log_level: str) -> None:
     """Connect to a broker, advertise this machine, and run leased jobs until SIGTERM
@@ -69,7 +73,7 @@ def run(config_file: Path | None, broker: str | None, data_dir: Path | None,
     except GpumarketError as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(1)
-    for key, value in (("broker", broker), ("data_dir", data_dir),
+    for key, value in (("broker", broker), ("broker_key", broker_key), ("data_dir", data_dir),
                        ("price_per_gpu_hour", price), ("max_runtime_s", max_runtime),
                        ("cpu_devices", cpu_devices), ("models_path", models_dir)):
         if value is not None:
@@ -279,7 +283,7 @@ def init(data_dir: Path, broker: str, price: float, cpu_only: bool, force: bool)
                    f" {b.memory_bandwidth_bytes_per_s / 1e9:.1f} GB/s")
     if broker:
         try:
-            asyncio.run(_broker_standing(broker, identity.id))
+            asyncio.run(_broker_standing(broker, identity, data_dir))
             click.echo(f"broker {broker} answers")
         except GpumarketError as exc:
             if exc.code == "NOT_FOUND":
@@ -294,11 +298,13 @@ def init(data_dir: Path, broker: str, price: float, cpu_only: bool, force: bool)
         sys.exit(1)
 
 
-async def _broker_standing(broker: str, provider_id: str):
-    from gpumarket.client.api import BrokerClient
+async def _broker_standing(broker: str, identity, data_dir: Path):
+    from gpumarket.client.api import BrokerClient, default_trust
+    from gpumarket.proto.channel import Trust
 
-    async with BrokerClient(broker, timeout_s=10) as client:
-        return await client.get_provider(provider_id)
+    trust = Trust(pin=default_trust().pin, known=data_dir / "known_brokers")
+    async with BrokerClient(broker, identity, timeout_s=10, trust=trust) as client:
+        return await client.get_provider(identity.id)
 
 
 CLOCK_SKEW_WARN_MS = 60_000
@@ -351,7 +357,7 @@ def status(data_dir: Path, broker: str, as_json: bool) -> None:
     problem = ""
     if broker:
         try:
-            resp = asyncio.run(_broker_standing(broker, identity.id))
+            resp = asyncio.run(_broker_standing(broker, identity, data_dir))
             report["standing"] = MessageToDict(resp.provider, preserving_proto_field_name=True)
             report["clock_skew_ms"] = now_ms() - resp.broker_time_ms
         except GpumarketError as exc:

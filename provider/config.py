@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gpumarket.proto.channel import Trust
 from gpumarket.proto.errors import InvalidArgument
 from gpumarket.proto.jobspec import KINDS_BY_NAME
 from gpumarket.proto.policy import Policy, parse_window
@@ -17,7 +18,9 @@ EXAMPLE = """\
 # gpumarket provider config (gpumarket-provider run --config THIS_FILE)
 # Command-line options override what is set here.
 
-# broker = "broker.example.org:7070"
+# broker = "broker.example.org:7070"   # TLS; plaintext://127.0.0.1:7070 for a loopback test
+# broker_key = "…"               # the broker's key id (its operator tells you); without it the
+#                                # key seen first is trusted and kept in DATA_DIR/known_brokers
 price_per_gpu_hour = 1.20        # credits per device-hour
 kinds = ["training", "generate", "embed", "render"]  # render needs bpy
 max_job_hours = 24               # longest job accepted
@@ -39,7 +42,7 @@ deny_clients = []
 # price_per_hour = 2.50
 """
 
-KEYS = {"broker", "data_dir", "price_per_gpu_hour", "kinds", "max_job_hours", "allow_clients",
+KEYS = {"broker", "broker_key", "data_dir", "price_per_gpu_hour", "kinds", "max_job_hours", "allow_clients",
         "deny_clients", "availability", "devices", "cpu_devices", "models_dir",
         "allow_remote_code", "isolate", "job_disk_gib"}
 
@@ -48,6 +51,7 @@ KEYS = {"broker", "data_dir", "price_per_gpu_hour", "kinds", "max_job_hours", "a
 class ProviderConfig:
     broker: str                          # broker gRPC address HOST:PORT
     data_dir: Path                       # key, journal, benchmark cache, job work dirs
+    broker_key: str = ""                 # the broker key id to accept; "" = trust on first use
     price_per_gpu_hour: float = 1.0      # credits per device-hour
     max_runtime_s: int = 24 * 3600       # longest a job may run (the policy's cap too)
     cancel_grace_s: float = 10.0         # SIGTERM, then SIGKILL after this
@@ -69,6 +73,9 @@ class ProviderConfig:
     @property
     def key_path(self) -> Path:
         return self.data_dir / "provider.key"
+
+    def trust(self) -> Trust:
+        return Trust(pin=self.broker_key, known=self.data_dir / "known_brokers")
 
     @property
     def jobs_dir(self) -> Path:
@@ -105,6 +112,10 @@ def load(path: Path) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if "broker" in raw:
         out["broker"] = str(raw["broker"])
+    if "broker_key" in raw:
+        if not isinstance(raw["broker_key"], str):
+            raise InvalidArgument(f"{file}: broker_key must be a key id (text)")
+        out["broker_key"] = raw["broker_key"]
     if "data_dir" in raw:
         out["data_dir"] = Path(raw["data_dir"]).expanduser()
     if "price_per_gpu_hour" in raw:

@@ -20,6 +20,7 @@ from pathlib import Path
 import grpc
 
 from gpumarket.proto import __version__
+from gpumarket.proto.channel import Untrusted, open_channel
 from gpumarket.proto.envelope import open_envelope, seal
 from gpumarket.proto.errors import GpumarketError, Unavailable
 from gpumarket.proto.identity import Identity
@@ -87,8 +88,6 @@ class ProviderDaemon:
 
     async def run(self) -> None:
         """Serve until stopped (after a drain, or at once by stop()); then end every job."""
-        self.channel = grpc.aio.insecure_channel(self.config.broker)
-        self.artifacts = ArtifactLink(self.channel, self.config.rpc_timeout_s)
         if self.config.isolate:
             self.isolation = await asyncio.to_thread(sandbox.prepare_host, self.config.data_dir,
                                                      self.config.jobs_dir)
@@ -101,7 +100,11 @@ class ProviderDaemon:
             while not self.stopping.is_set():
                 began = time.monotonic()
                 try:
+                    if self.channel is None:
+                        await self._connect()
                     await self._session()
+                except Untrusted:
+                    raise   # not the broker this provider trusts: stop, loudly
                 except grpc.aio.AioRpcError as exc:
                     log.warning("broker %s: %s (%s)", self.config.broker,
                                 (exc.details() or "no answer").splitlines()[0], exc.code().name)
@@ -122,8 +125,17 @@ class ProviderDaemon:
                 backoff = min(backoff * 2, self.config.backoff_max_s)
         finally:
             await self._stop_jobs("provider is shutting down")
-            await self.channel.close()
+            if self.channel is not None:
+                await self.channel.close()
             self.journal.close()
+
+    async def _connect(self) -> None:
+        """Open the channel: TLS to the broker key this provider trusts (pinned by
+        ``broker_key``, else remembered on first use in DATA_DIR/known_brokers)."""
+        opened = await open_channel(self.config.broker, self.identity, self.config.trust(),
+                                    min(self.config.rpc_timeout_s, 10.0))
+        self.channel = opened.channel
+        self.artifacts = ArtifactLink(self.channel, self.config.rpc_timeout_s)
 
     def stop(self) -> None:
         """Stop now: jobs are killed and their leases lapse."""
@@ -395,6 +407,8 @@ class ProviderDaemon:
 
     async def _with_broker(self, call, attempts: int = 10):
         """Run an artifact call, waiting out broker outages of up to a minute or so."""
+        while self.artifacts is None and not self.stopping.is_set():
+            await asyncio.sleep(0.2)    # the first connection is not made yet
         for i in range(attempts):
             try:
                 return await call()

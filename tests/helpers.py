@@ -89,12 +89,15 @@ class Marketplace:
         self.broker: Process | None = None
         self.providers: dict[str, Process] = {}
         self.address = ""
+        self.broker_id = ""
 
     @property
     def env(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("GPUMARKET_")}
         env.update({"GPUMARKET_HOME": str(self.home), "GPUMARKET_BROKER": self.address,
                     "COLUMNS": "200"})
+        if self.broker_id:   # everyone pins the broker's key (test_security tries the rest)
+            env["GPUMARKET_BROKER_KEY"] = self.broker_id
         return env
 
     def start_broker(self, *extra: str, listen: str = "127.0.0.1:0") -> str:
@@ -106,8 +109,30 @@ class Marketplace:
                               self.root / "broker.log", self.env)
         wait_until(lambda: info.exists() or not self.broker.alive(), "the broker to start")
         assert self.broker.alive(), self.broker.text()
-        self.address = json.loads(info.read_text())["address"]
+        started = json.loads(info.read_text())
+        self.address, self.broker_id = started["address"], started["broker_id"]
         return self.address
+
+    def identity(self):
+        """The client's key (the one the CLI uses), made on first use."""
+        from gpumarket.proto.identity import Identity
+
+        return Identity.load_or_create(self.home / "client.key")
+
+    def trust(self):
+        from gpumarket.proto.channel import Trust
+
+        return Trust(pin=self.broker_id)
+
+    async def channel(self, identity=None):
+        """A raw gRPC channel to the broker, its calls signed by ``identity`` (default: the
+        client's key; False: anonymous)."""
+        from gpumarket.proto.channel import open_channel
+
+        if identity is None:
+            identity = self.identity()
+        opened = await open_channel(self.address, identity or None, self.trust())
+        return opened.channel
 
     def start_provider(self, name: str = "p1", price: float = 1.0, *extra: str) -> Process:
         (self.root / name).mkdir(exist_ok=True)
@@ -173,7 +198,7 @@ def job_processes(marker: str) -> list[int]:
     return pids
 
 
-def events(address: str, job_id: str, quiet_s: float = 1.0) -> list[dict]:
+def events(market: Marketplace, job_id: str, quiet_s: float = 1.0) -> list[dict]:
     """The job's events so far, read through WatchJob until the stream is quiet."""
     import asyncio
 
@@ -185,7 +210,7 @@ def events(address: str, job_id: str, quiet_s: float = 1.0) -> list[dict]:
 
     async def read():
         out = []
-        async with grpc.aio.insecure_channel(address) as channel:
+        async with await market.channel() as channel:
             stream = marketplace_pb2_grpc.MarketplaceStub(channel).WatchJob(
                 mp.WatchJobRequest(job_id=job_id))
             try:
@@ -211,19 +236,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def first_event(address: str, job_id: str, match, timeout: float = 300.0,
+def first_event(market: Marketplace, job_id: str, match, timeout: float = 300.0,
                 after_seq: int = 0) -> dict:
     """The first event of the job (after ``after_seq``) for which ``match(event)`` holds."""
     import asyncio
 
-    import grpc
     from google.protobuf.json_format import MessageToDict
 
     from gpumarket.proto.v1 import marketplace_pb2 as mp
     from gpumarket.proto.v1 import marketplace_pb2_grpc
 
     async def read():
-        async with grpc.aio.insecure_channel(address) as channel:
+        async with await market.channel() as channel:
             stream = marketplace_pb2_grpc.MarketplaceStub(channel).WatchJob(
                 mp.WatchJobRequest(job_id=job_id, after_seq=after_seq))
             try:

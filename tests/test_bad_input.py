@@ -38,7 +38,7 @@ def test_tampered_expired_and_replayed_specs(market, tmp_path):
     identity = Identity.generate()
 
     async def scenario():
-        async with BrokerClient(market.address) as broker:
+        async with BrokerClient(market.address, identity, trust=market.trust()) as broker:
             _, spec = await _signed_spec(broker, tmp_path, identity)
             env = seal(identity, spec)
             # one byte flipped in the signed payload
@@ -126,9 +126,9 @@ def test_unknown_job_and_missing_key(market, tmp_path):
     assert r.returncode == 1 and "run `gpumarket keys init` first" in r.stderr
 
 
-async def _handshake(address: str, hello_key: Identity, proof_key: Identity, *,
+async def _handshake(market, hello_key: Identity, proof_key: Identity, *,
                      wrong_nonce: bool = False) -> grpc.StatusCode | None:
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with await market.channel(hello_key) as channel:
         call = gateway_pb2_grpc.ProviderGatewayStub(channel).Session()
         await call.write(gw.ProviderMessage(hello=gw.ProviderHello(
             public_key=hello_key.public_key)))
@@ -148,17 +148,17 @@ async def _handshake(address: str, hello_key: Identity, proof_key: Identity, *,
 
 def test_provider_must_prove_its_key(market):
     a, b = Identity.generate(), Identity.generate()
-    assert run(_handshake(market.address, a, b)) == grpc.StatusCode.UNAUTHENTICATED
-    assert run(_handshake(market.address, a, a, wrong_nonce=True)) == \
+    assert run(_handshake(market, a, b)) == grpc.StatusCode.UNAUTHENTICATED
+    assert run(_handshake(market, a, a, wrong_nonce=True)) == \
         grpc.StatusCode.UNAUTHENTICATED
-    assert run(_handshake(market.address, a, a)) is None
+    assert run(_handshake(market, a, a)) is None
     assert "session proof is signed by another key" in market.broker.text()
 
 
 def test_typed_client_maps_unavailable():
     async def scenario():
-        async with BrokerClient("127.0.0.1:1", timeout_s=5) as broker:
-            with pytest.raises(Unavailable, match="cannot reach the broker at 127.0.0.1:1"):
+        with pytest.raises(Unavailable, match="cannot reach the broker at 127.0.0.1:1"):
+            async with BrokerClient("127.0.0.1:1", timeout_s=5) as broker:
                 await broker.get_job("x")
 
     run(scenario())
@@ -172,13 +172,14 @@ def test_a_corrupted_blob_is_refused_on_download(market, tmp_path):
     blob.write_bytes(b"a checkpoint" * 1000)
 
     async def scenario():
-        async with BrokerClient(market.address) as broker:
+        async with BrokerClient(market.address, market.identity(),
+                                trust=market.trust()) as broker:
             ref = await broker.upload(blob, "checkpoint.tar")
         stored = tmp_path / "broker" / "artifacts" / "blobs" / ref.sha256[:2] / ref.sha256
         data = bytearray(stored.read_bytes())
         data[100] ^= 0xFF
         stored.write_bytes(bytes(data))
-        async with grpc.aio.insecure_channel(market.address) as channel:
+        async with await market.channel() as channel:
             link = ArtifactLink(channel, 10)
             target = tmp_path / "got"
             with pytest.raises(InvalidArgument, match="do not match its sha256"):

@@ -54,7 +54,7 @@ def test_health_metrics_and_api_after_a_job(tmp_path):
         assert samples[("gpumarket_placements_total", ())] == 1
         assert samples[("gpumarket_artifact_bytes", ())] > 0
         assert any(k[0] == "gpumarket_gpus" and v == 1 for k, v in samples.items())
-        assert samples[("gpumarket_rejected_requests_total", (("reason", "NOT_FOUND"),))] == 1
+        assert samples[("gpumarket_rejected_requests_total", (("reason", "not_found"),))] == 1
         if shutil.which("promtool"):
             check = subprocess.run(["promtool", "check", "metrics"], input=body,
                                    capture_output=True)

@@ -58,7 +58,7 @@ def test_kill9_provider_resumes_on_another_with_identical_weights(market, tmp_pa
     job = market.wait_state(job_id, "SUCCEEDED", timeout=300)
     assert job["provider_id"] == market.provider_id("p2")
     assert [a["outcome"] for a in job["attempts"]] == ["lost", "succeeded"]
-    evs = events(market.address, job_id)
+    evs = events(market, job_id)
     started = [e for e in evs if e["type"] == "started"]
     assert "resumed from step" in started[-1]["message"]
     resumed_at = int(started[-1]["message"].rsplit(" ", 1)[1])
@@ -85,13 +85,13 @@ def test_kill9_broker_and_restart(tmp_path):
         market.wait_for_offers(1)
         job_id = submit(market, tmp_path / "job.toml", steps=STEPS, checkpoint_every=EVERY)
         wait_checkpoint(market, job_id)
-        seen = events(market.address, job_id)
+        seen = events(market, job_id)
         market.broker.stop(signal.SIGKILL)
         time.sleep(1.0)
         market.start_broker(*LEASE_ARGS, listen=f"127.0.0.1:{port}")
         job = market.wait_state(job_id, "SUCCEEDED", timeout=300)
         assert [a["outcome"] for a in job["attempts"]] == ["succeeded"]  # never re-assigned
-        after = events(market.address, job_id)
+        after = events(market, job_id)
         by_seq = {e["seq"]: e for e in after}
         for e in seen:  # every event a client was shown before the kill is still there
             assert by_seq[e["seq"]] == e
@@ -151,7 +151,7 @@ def test_sigterm_drain_moves_the_job_at_once(market, tmp_path):
     assert int(job["checkpoint_step"]) > 50  # the drain checkpoint
     job = market.wait_state(job_id, "SUCCEEDED", timeout=300)
     assert job["provider_id"] == market.provider_id("p2")
-    started = [e for e in events(market.address, job_id) if e["type"] == "started"]
+    started = [e for e in events(market, job_id) if e["type"] == "started"]
     assert f"resumed from step {job['checkpoint_step']}" not in started[0]["message"]
     assert "resumed from step" in started[-1]["message"]
 

@@ -68,3 +68,13 @@ class VacuumResponse(_message.Message):
     bytes_before: int
     bytes_after: int
     def __init__(self, bytes_before: _Optional[int] = ..., bytes_after: _Optional[int] = ...) -> None: ...
+
+class RevokeResponse(_message.Message):
+    __slots__ = ("key_id", "revoked", "leases_lost")
+    KEY_ID_FIELD_NUMBER: _ClassVar[int]
+    REVOKED_FIELD_NUMBER: _ClassVar[int]
+    LEASES_LOST_FIELD_NUMBER: _ClassVar[int]
+    key_id: str
+    revoked: bool
+    leases_lost: int
+    def __init__(self, key_id: _Optional[str] = ..., revoked: _Optional[bool] = ..., leases_lost: _Optional[int] = ...) -> None: ...

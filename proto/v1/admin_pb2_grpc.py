@@ -64,6 +64,16 @@ class AdminStub:
                 request_serializer=gpumarket_dot_proto_dot_v1_dot_admin__pb2.AdminRequest.SerializeToString,
                 response_deserializer=gpumarket_dot_proto_dot_v1_dot_admin__pb2.VacuumResponse.FromString,
                 _registered_method=True)
+        self.Revoke = channel.unary_unary(
+                '/gpumarket.v1.Admin/Revoke',
+                request_serializer=gpumarket_dot_proto_dot_v1_dot_admin__pb2.AdminRequest.SerializeToString,
+                response_deserializer=gpumarket_dot_proto_dot_v1_dot_admin__pb2.RevokeResponse.FromString,
+                _registered_method=True)
+        self.Unrevoke = channel.unary_unary(
+                '/gpumarket.v1.Admin/Unrevoke',
+                request_serializer=gpumarket_dot_proto_dot_v1_dot_admin__pb2.AdminRequest.SerializeToString,
+                response_deserializer=gpumarket_dot_proto_dot_v1_dot_admin__pb2.RevokeResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -105,6 +115,18 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Revoke(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Unrevoke(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -137,6 +159,16 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.Vacuum,
                     request_deserializer=gpumarket_dot_proto_dot_v1_dot_admin__pb2.AdminRequest.FromString,
                     response_serializer=gpumarket_dot_proto_dot_v1_dot_admin__pb2.VacuumResponse.SerializeToString,
+            ),
+            'Revoke': grpc.unary_unary_rpc_method_handler(
+                    servicer.Revoke,
+                    request_deserializer=gpumarket_dot_proto_dot_v1_dot_admin__pb2.AdminRequest.FromString,
+                    response_serializer=gpumarket_dot_proto_dot_v1_dot_admin__pb2.RevokeResponse.SerializeToString,
+            ),
+            'Unrevoke': grpc.unary_unary_rpc_method_handler(
+                    servicer.Unrevoke,
+                    request_deserializer=gpumarket_dot_proto_dot_v1_dot_admin__pb2.AdminRequest.FromString,
+                    response_serializer=gpumarket_dot_proto_dot_v1_dot_admin__pb2.RevokeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -301,6 +333,60 @@ class Admin:
             '/gpumarket.v1.Admin/Vacuum',
             gpumarket_dot_proto_dot_v1_dot_admin__pb2.AdminRequest.SerializeToString,
             gpumarket_dot_proto_dot_v1_dot_admin__pb2.VacuumResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Revoke(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gpumarket.v1.Admin/Revoke',
+            gpumarket_dot_proto_dot_v1_dot_admin__pb2.AdminRequest.SerializeToString,
+            gpumarket_dot_proto_dot_v1_dot_admin__pb2.RevokeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Unrevoke(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gpumarket.v1.Admin/Unrevoke',
+            gpumarket_dot_proto_dot_v1_dot_admin__pb2.AdminRequest.SerializeToString,
+            gpumarket_dot_proto_dot_v1_dot_admin__pb2.RevokeResponse.FromString,
             options,
             channel_credentials,
             insecure,

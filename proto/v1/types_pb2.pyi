@@ -71,6 +71,22 @@ class Envelope(_message.Message):
     signature: bytes
     def __init__(self, payload_type: _Optional[str] = ..., payload: _Optional[bytes] = ..., signer_public_key: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
+class CallToken(_message.Message):
+    __slots__ = ("method", "issued_at_ms", "expires_at_ms", "nonce", "audience", "request_sha256")
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    ISSUED_AT_MS_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_AT_MS_FIELD_NUMBER: _ClassVar[int]
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    AUDIENCE_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_SHA256_FIELD_NUMBER: _ClassVar[int]
+    method: str
+    issued_at_ms: int
+    expires_at_ms: int
+    nonce: bytes
+    audience: str
+    request_sha256: bytes
+    def __init__(self, method: _Optional[str] = ..., issued_at_ms: _Optional[int] = ..., expires_at_ms: _Optional[int] = ..., nonce: _Optional[bytes] = ..., audience: _Optional[str] = ..., request_sha256: _Optional[bytes] = ...) -> None: ...
+
 class ArtifactRef(_message.Message):
     __slots__ = ("name", "sha256", "size_bytes")
     NAME_FIELD_NUMBER: _ClassVar[int]

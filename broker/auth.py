@@ -1,0 +1,212 @@
+"""Who is calling: every call but health, reflection and offer search carries a CallToken
+signed by the caller's key (gpumarket.proto.channel makes them). The interceptor checks it
+before the handler runs and makes the caller's key id available as ``caller()``.
+
+A token is good for one call of one method with one request body, at this broker, within
+its minute; its nonce is stored until it expires (in SQLite, so a restart does not reopen
+the window). Revoked keys and callers over the request rate are refused here too. Every
+refusal is logged with its reason and counted in gpumarket_rejected_requests_total.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import hashlib
+import inspect
+import logging
+import time
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from gpumarket.broker.rpc import STATUS
+from gpumarket.proto.channel import TOKEN_METADATA
+from gpumarket.proto.envelope import open_envelope
+from gpumarket.proto.errors import (
+    BadSignature, Expired, GpumarketError, PermissionDenied, Replay, ResourceExhausted,
+)
+from gpumarket.proto.jobspec import now_ms
+from gpumarket.proto.v1 import types_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+CLOCK_SKEW_MS = 30_000
+MAX_TOKEN_LIFETIME_MS = 5 * 60_000
+PUBLIC_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+PUBLIC_METHODS = frozenset({"/gpumarket.v1.Marketplace/SearchOffers"})
+
+_caller: contextvars.ContextVar[str] = contextvars.ContextVar("caller", default="")
+
+
+def caller() -> str:
+    """The key id that signed the current call's token ("" for a public call)."""
+    return _caller.get()
+
+
+def denied(error: type[GpumarketError], reason: str, message: str) -> GpumarketError:
+    """An error for a refused request, labelled with its audit ``reason``."""
+    exc = error(message)
+    exc.reason = reason
+    return exc
+
+
+def audit_reason(exc: GpumarketError) -> str:
+    return getattr(exc, "reason", exc.code.lower())
+
+
+class RateLimiter:
+    """A token bucket per key: ``rate`` calls a second, bursts of ``burst``."""
+
+    def __init__(self, rate: float, burst: float) -> None:
+        self.rate, self.burst = rate, burst
+        self._buckets: dict[str, tuple[float, float]] = {}
+
+    def allow(self, key: str) -> bool:
+        if self.rate <= 0:
+            return True
+        now = time.monotonic()
+        tokens, at = self._buckets.get(key, (self.burst, now))
+        tokens = min(self.burst, tokens + (now - at) * self.rate)
+        if len(self._buckets) > 100_000:   # forget full buckets: they would start full anyway
+            self._buckets = {k: v for k, v in self._buckets.items()
+                             if v[0] + (now - v[1]) * self.rate < self.burst}
+        if tokens < 1:
+            self._buckets[key] = (tokens, now)
+            return False
+        self._buckets[key] = (tokens - 1, now)
+        return True
+
+
+class Authenticator(grpc.aio.ServerInterceptor):
+    def __init__(self, state, broker_id: str, plaintext: bool) -> None:
+        self.state = state
+        self.broker_id = broker_id
+        self.plaintext = plaintext
+        cfg = state.config
+        self.limiter = RateLimiter(cfg.rate_limit_per_s, cfg.rate_limit_per_s * 5)
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        method = details.method
+        if handler is None or method in PUBLIC_METHODS or method.startswith(PUBLIC_PREFIXES):
+            return handler
+        token = next((v for k, v in details.invocation_metadata or () if k == TOKEN_METADATA),
+                     None)
+        return _wrap(handler, lambda digest, context: self._check(method, token, digest,
+                                                                   context))
+
+    async def _check(self, method: str, raw: bytes | None, digest: bytes | None,
+                     context: grpc.aio.ServicerContext) -> None:
+        try:
+            key_id = await self.verify(method, raw, digest)
+        except GpumarketError as exc:
+            reason = audit_reason(exc)
+            log.warning("refused %s from %s: %s (%s)", method, context.peer(), exc.message, reason)
+            self.state.metrics.rejected.labels(reason=reason).inc()
+            await context.abort(STATUS.get(exc.code, grpc.StatusCode.UNAUTHENTICATED), exc.message)
+        # Each call runs in its own task (its own context): set, never reset.
+        _caller.set(key_id)
+
+    async def verify(self, method: str, raw: bytes | None, digest: bytes | None) -> str:
+        """Return the key id that signed ``raw`` for this call, or raise why not."""
+        if not raw:
+            raise denied(BadSignature, "unauthenticated",
+                         f"{method} needs a call token signed by your key (use a gpumarket client)")
+        envelope = pb.Envelope()
+        try:
+            envelope.ParseFromString(raw)
+        except DecodeError as exc:
+            raise denied(BadSignature, "bad_signature", "call token does not parse") from exc
+        try:
+            token, key_id = open_envelope(envelope, pb.CallToken)
+        except BadSignature as exc:
+            raise denied(BadSignature, "bad_signature", f"call token: {exc.message}") from exc
+        if key_id in self.state.revoked:
+            raise denied(PermissionDenied, "revoked", f"key {key_id} is revoked on this broker")
+        if token.method != method:
+            raise denied(BadSignature, "wrong_call",
+                         f"call token is for {token.method or 'nothing'}, not {method}")
+        if token.audience != self.broker_id and not (self.plaintext and not token.audience):
+            raise denied(BadSignature, "wrong_call",
+                         f"call token is for broker {token.audience or '(none)'}, not this one"
+                         f" ({self.broker_id})")
+        if digest is not None and token.request_sha256 != digest:
+            raise denied(BadSignature, "wrong_call",
+                         "call token was signed for another request than the one sent")
+        now = now_ms()
+        if token.expires_at_ms - token.issued_at_ms > MAX_TOKEN_LIFETIME_MS:
+            raise denied(BadSignature, "bad_signature", "call token lives longer than 5 minutes")
+        if now < token.issued_at_ms - CLOCK_SKEW_MS:
+            raise denied(Expired, "not_yet_valid",
+                         "call token is not valid yet (issued in the future: check your clock)")
+        if now > token.expires_at_ms + CLOCK_SKEW_MS:
+            raise denied(Expired, "expired", "call token has expired (check your clock)")
+        if len(token.nonce) != 16:
+            raise denied(BadSignature, "bad_signature", "call token nonce must be 16 bytes")
+        if not self.limiter.allow(key_id):
+            raise denied(ResourceExhausted, "rate_limited",
+                         f"more than {self.state.config.rate_limit_per_s:g} calls a second from"
+                         f" key {key_id}; slow down")
+        fresh = await self.state.store.write(
+            _use_nonce, key_id, token.nonce.hex(), token.expires_at_ms + CLOCK_SKEW_MS, now)
+        if not fresh:
+            raise denied(Replay, "replay", "call token was used before (replayed call)")
+        return key_id
+
+
+def _use_nonce(db, key_id: str, nonce: str, keep_until_ms: int, now: int) -> bool:
+    db.execute("DELETE FROM call_nonces WHERE keep_until_ms < ?", [now])
+    cur = db.execute("INSERT OR IGNORE INTO call_nonces (key_id, nonce, keep_until_ms)"
+                     " VALUES (?, ?, ?)", [key_id, nonce, keep_until_ms])
+    return cur.rowcount == 1
+
+
+def _wrap(handler: grpc.RpcMethodHandler, check) -> grpc.RpcMethodHandler:
+    """The same handler, with ``check`` run first (given the request's sha256 where the
+    call has one request), and the caller set while the handler runs."""
+    deserialize = handler.request_deserializer or (lambda raw: raw)
+
+    def hashed(raw: bytes):
+        return hashlib.sha256(raw).digest(), deserialize(raw)
+
+    if handler.unary_unary:
+        async def unary_unary(request, context):
+            digest, message = request
+            await check(digest, context)
+            return await handler.unary_unary(message, context)
+
+        return grpc.unary_unary_rpc_method_handler(
+            unary_unary, request_deserializer=hashed,
+            response_serializer=handler.response_serializer)
+    if handler.unary_stream:
+        async def unary_stream(request, context):
+            digest, message = request
+            await check(digest, context)
+            async for item in handler.unary_stream(message, context):
+                yield item
+
+        return grpc.unary_stream_rpc_method_handler(
+            unary_stream, request_deserializer=hashed,
+            response_serializer=handler.response_serializer)
+    if handler.stream_unary:
+        async def stream_unary(request_iterator, context):
+            await check(None, context)
+            return await handler.stream_unary(request_iterator, context)
+
+        return grpc.stream_unary_rpc_method_handler(
+            stream_unary, request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer)
+    inner = handler.stream_stream
+    if inspect.isasyncgenfunction(inner):
+        async def stream_stream(request_iterator, context):
+            await check(None, context)
+            async for item in inner(request_iterator, context):
+                yield item
+    else:
+        async def stream_stream(request_iterator, context):
+            await check(None, context)
+            return await inner(request_iterator, context)
+
+    return grpc.stream_stream_rpc_method_handler(
+        stream_stream, request_deserializer=handler.request_deserializer,
+        response_serializer=handler.response_serializer)
