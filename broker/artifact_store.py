@@ -45,9 +45,12 @@ class ArtifactStore:
         if path.exists():
             size = path.stat().st_size
             return BlobStat(True, size, size)
+        return BlobStat(False, 0, self.received(sha256, uploader))
+
+    def received(self, sha256: str, uploader: str) -> int:
+        """Bytes of ``uploader``'s partial upload of the blob kept so far."""
         partial = self._partial_path(sha256, uploader)
-        received = partial.stat().st_size if partial.exists() else 0
-        return BlobStat(False, 0, received)
+        return partial.stat().st_size if partial.exists() else 0
 
     def begin_upload(self, sha256: str, size_bytes: int, offset: int, uploader: str,
                      may_skip: bool = True) -> "Upload | None":
@@ -60,13 +63,12 @@ class ArtifactStore:
             )
         if may_skip and self.blob_path(sha256).exists():
             return None
-        partial = self._partial_path(sha256, uploader)
-        received = partial.stat().st_size if partial.exists() else 0
+        received = self.received(sha256, uploader)
         if offset != received:
             raise FailedPrecondition(
                 f"upload of {sha256[:12]} must continue at offset {received}, not {offset}"
             )
-        return Upload(self, sha256, size_bytes, offset, partial)
+        return Upload(self, sha256, size_bytes, offset, self._partial_path(sha256, uploader))
 
     def open_read(self, sha256: str, offset: int):
         path = self.blob_path(sha256)

@@ -33,9 +33,11 @@ class ArtifactsServicer(artifacts_pb2_grpc.ArtifactsServicer):
     async def StatArtifact(self, request: ap.StatArtifactRequest, context):
         check_sha256(request.sha256, "sha256")
         readable = await self.state.store.read(views.may_read, caller(), request.sha256)
-        st = self.state.artifacts.stat(request.sha256, caller())
         if not readable:
-            return ap.StatArtifactResponse(complete=False, received_bytes=st.received_bytes)
+            return ap.StatArtifactResponse(
+                complete=False, received_bytes=self.state.artifacts.received(request.sha256,
+                                                                             caller()))
+        st = self.state.artifacts.stat(request.sha256, caller())
         return ap.StatArtifactResponse(complete=st.complete, size_bytes=st.size_bytes,
                                        received_bytes=st.received_bytes)
 

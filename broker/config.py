@@ -112,9 +112,11 @@ def load(path: Path) -> dict:
             continue
         ok = isinstance(value, str) if typ in (str, Path) else (
             isinstance(value, (int, float)) and not isinstance(value, bool)
-            and (typ is float or float(value).is_integer()))
+            and (typ is float or scale or float(value).is_integer()))
         if not ok:
             raise InvalidArgument(f"{path}: {key} must be {'text' if typ in (str, Path) else 'a number'}")
-        value = typ(value) if typ is not Path else Path(value).expanduser()
-        out[field_name] = value * scale if scale else value
+        if scale:               # a size in GiB may be fractional; the field is in bytes
+            out[field_name] = typ(value * scale)
+            continue
+        out[field_name] = typ(value) if typ is not Path else Path(value).expanduser()
     return out

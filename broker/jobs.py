@@ -11,7 +11,9 @@ from dataclasses import dataclass
 
 from sqlite_utils import Database
 
-from gpumarket.proto.errors import FailedPrecondition, InvalidArgument, NotFound, Replay
+from gpumarket.proto.errors import (
+    FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, Replay,
+)
 from gpumarket.proto.jobspec import TERMINAL_STATES, state_name
 from gpumarket.proto.v1 import types_pb2 as pb
 
@@ -409,7 +411,9 @@ def cancel(db: Database, job_id: str, client_id: str, now: int
     leases to revoke)."""
     job = job_row(db, job_id)
     if job["client_id"] != client_id:
-        raise NotFound(f"no job {job_id!r}")
+        exc = PermissionDenied(f"job {job_id} is not yours")
+        exc.reason = "unauthorized"
+        raise exc
     if job["state"] in TERMINAL_STATES:
         return job["state"], []
     ended: list[EndedLease] = []

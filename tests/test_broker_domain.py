@@ -12,7 +12,9 @@ from gpumarket.broker import jobs, views
 from gpumarket.broker.artifact_store import ArtifactStore
 from gpumarket.broker.store import Store
 from gpumarket.proto.envelope import seal
-from gpumarket.proto.errors import FailedPrecondition, InvalidArgument, NotFound, Replay
+from gpumarket.proto.errors import (
+    FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, Replay,
+)
 from gpumarket.proto.identity import Identity
 from gpumarket.proto.v1 import types_pb2 as pb
 
@@ -80,7 +82,7 @@ def test_cancel_is_the_owners_alone(store):
         await store.write(jobs.submit, new_job(client), 1)
         await store.write(jobs.create_lease, "j1", "p1", [0], 1.0, 2, 60_000, 10,
                           lambda lease: seal(broker, lease))
-        with pytest.raises(NotFound):
+        with pytest.raises(PermissionDenied, match="is not yours"):
             await store.write(jobs.cancel, "j1", other.id, 3)
         state, ended = await store.write(jobs.cancel, "j1", client.id, 3)
         assert state == pb.JOB_STATE_CANCELLED

@@ -1,0 +1,419 @@
+"""Attacks on the broker's boundaries, each answered with the right status and nothing done:
+transport (pinning, plaintext), call tokens, authorization, revocation, limits, audit."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import hashlib
+import json
+import os
+import subprocess
+import urllib.request
+
+import grpc
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.asymmetric import ec
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
+
+from gpumarket.client.api import BrokerClient
+from gpumarket.proto.channel import (
+    ATTESTATION_OID, TOKEN_METADATA, Trust, Untrusted, broker_key_of, make_certificate,
+    split_address,
+)
+from gpumarket.proto.envelope import seal
+from gpumarket.proto.errors import InvalidArgument, PermissionDenied, ResourceExhausted
+from gpumarket.proto.identity import Identity
+from gpumarket.proto.jobspec import now_ms
+from gpumarket.proto.v1 import artifacts_pb2 as ap
+from gpumarket.proto.v1 import artifacts_pb2_grpc, marketplace_pb2_grpc
+from gpumarket.proto.v1 import marketplace_pb2 as mp
+from gpumarket.proto.v1 import types_pb2 as pb
+from tests.helpers import BIN, LEASE_ARGS, Marketplace, training_job
+
+pytestmark = pytest.mark.e2e
+
+GET_JOB = "/gpumarket.v1.Marketplace/GetJob"
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def token(market: Marketplace, identity: Identity, method: str, request=None, *,
+          issued: int | None = None, lifetime: int = 60_000, audience: str | None = None,
+          nonce: bytes | None = None) -> bytes:
+    """A call token made by hand, so that each of its fields can be wrong."""
+    at = now_ms() if issued is None else issued
+    body = request.SerializeToString() if request is not None else None
+    t = pb.CallToken(method=method, issued_at_ms=at, expires_at_ms=at + lifetime,
+                     nonce=nonce or os.urandom(16),
+                     audience=market.broker_id if audience is None else audience,
+                     request_sha256=hashlib.sha256(body).digest() if body is not None else b"")
+    return seal(identity, t).SerializeToString()
+
+
+async def call(method, request, raw_token: bytes | None):
+    """(status code, details) of one raw call with ``raw_token`` as its token."""
+    metadata = ((TOKEN_METADATA, raw_token),) if raw_token is not None else ()
+    try:
+        result = method(request, metadata=metadata, timeout=15)
+        if hasattr(result, "__aiter__"):
+            async for _ in result:
+                pass
+        else:
+            await result
+    except grpc.aio.AioRpcError as exc:
+        return exc.code(), exc.details()
+    return grpc.StatusCode.OK, ""
+
+
+def metrics(http: str) -> dict[str, float]:
+    with urllib.request.urlopen(f"http://{http}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    return {s.labels["reason"]: s.value
+            for f in text_string_to_metric_families(text) if f.name == "gpumarket_rejected_requests"
+            for s in f.samples if s.name.endswith("_total")}
+
+
+@pytest.fixture
+def audited(tmp_path):
+    """A broker with its HTTP side (for the rejection metric) and a client key."""
+    m = Marketplace(tmp_path)
+    m.start_broker(*LEASE_ARGS, "--http", "127.0.0.1:0")
+    assert m.cli("keys", "init").returncode == 0
+    m.http = json.loads((tmp_path / "broker" / "broker.json").read_text())["http"]
+    yield m
+    m.close()
+
+
+def test_call_tokens_that_are_forged_stale_or_replayed_are_refused(audited):
+    market = audited
+    me = market.identity()
+    req = mp.GetJobRequest(job_id="nope")
+
+    async def scenario():
+        async with await market.channel(False) as channel:      # no tokens added
+            stub = marketplace_pb2_grpc.MarketplaceStub(channel)
+            got = {}
+            got["none"] = await call(stub.GetJob, req, None)
+            good = token(market, me, GET_JOB, req)
+            env = pb.Envelope.FromString(good)
+            tampered = pb.Envelope()
+            tampered.CopyFrom(env)
+            tampered.payload = env.payload[:-1] + bytes([env.payload[-1] ^ 1])
+            got["tampered"] = await call(stub.GetJob, req, tampered.SerializeToString())
+            reserialized = pb.Envelope()
+            reserialized.CopyFrom(env)   # same fields, encoded differently: not the signed bytes
+            reserialized.payload = env.payload + b"\xf8\x01\x00"
+            got["re-serialized"] = await call(stub.GetJob, req, reserialized.SerializeToString())
+            got["wrong type"] = await call(stub.GetJob, req,
+                                           seal(me, pb.JobSpec(name="x")).SerializeToString())
+            got["garbage"] = await call(stub.GetJob, req, b"\x00not a token")
+            got["expired"] = await call(stub.GetJob, req, token(
+                market, me, GET_JOB, req, issued=now_ms() - 10 * 60_000))
+            got["not yet valid"] = await call(stub.GetJob, req, token(
+                market, me, GET_JOB, req, issued=now_ms() + 10 * 60_000))
+            got["too long-lived"] = await call(stub.GetJob, req, token(
+                market, me, GET_JOB, req, lifetime=3600_000))
+            got["other method"] = await call(stub.GetJob, req, token(
+                market, me, "/gpumarket.v1.Marketplace/CancelJob", req))
+            got["other request"] = await call(stub.GetJob, req, token(
+                market, me, GET_JOB, mp.GetJobRequest(job_id="other")))
+            got["other broker"] = await call(stub.GetJob, req, token(
+                market, me, GET_JOB, req, audience=Identity.generate().id))
+            got["first use"] = await call(stub.GetJob, req, good)
+            got["replayed"] = await call(stub.GetJob, req, good)
+            got["anonymous offer search"] = await call(
+                stub.SearchOffers, mp.SearchOffersRequest(), None)
+            health = await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=10)
+            assert health.status == health_pb2.HealthCheckResponse.SERVING
+            return got, good
+
+    got, used = run(scenario())
+    U, F = grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.FAILED_PRECONDITION
+    expected = {
+        "none": (U, "needs a call token"), "tampered": (U, "does not verify"),
+        "re-serialized": (U, "does not verify"), "wrong type": (U, "expected a signed"),
+        "garbage": (U, "does not parse"), "expired": (F, "expired"),
+        "not yet valid": (F, "not valid yet"), "too long-lived": (U, "longer than 5 minutes"),
+        "other method": (U, "is for /gpumarket.v1.Marketplace/CancelJob"),
+        "other request": (U, "another request"), "other broker": (U, "not this one"),
+        "first use": (grpc.StatusCode.NOT_FOUND, "no job"),
+        "replayed": (grpc.StatusCode.ALREADY_EXISTS, "used before"),
+        "anonymous offer search": (grpc.StatusCode.OK, ""),
+    }
+    for name, (code, text) in expected.items():
+        assert got[name][0] == code and text in got[name][1], (name, got[name])
+
+    # Audit: each refusal is logged with its reason and counted; the token is not logged.
+    counted = metrics(market.http)
+    for reason, n in (("unauthenticated", 1), ("bad_signature", 5), ("expired", 1),
+                      ("not_yet_valid", 1), ("wrong_call", 3), ("replay", 1)):
+        assert counted.get(reason) == n, (reason, counted)
+    log = market.broker.text()
+    assert f"refused {GET_JOB} from" in log and "(replay)" in log
+    assert used.hex() not in log
+
+    # The nonce outlives a restart of the broker: the same token is still a replay.
+    market.broker.stop()
+    market.start_broker(*LEASE_ARGS, "--http", "127.0.0.1:0", listen=market.address)
+
+    async def again():
+        async with await market.channel(False) as channel:
+            return await call(marketplace_pb2_grpc.MarketplaceStub(channel).GetJob, req, used)
+
+    assert run(again())[0] == grpc.StatusCode.ALREADY_EXISTS
+
+
+def test_signed_payloads_cannot_be_swapped_or_borrowed(market, tmp_path):
+    """A job spec whose kind is swapped, a spec or cancel order sent under another key's
+    call, an admin order from a non-operator."""
+    from gpumarket.client import jobfile
+    from gpumarket.client.cli import build_spec
+
+    me, other = market.identity(), Identity.generate()
+
+    async def scenario():
+        async with BrokerClient(market.address, me, trust=market.trust()) as broker:
+            job = jobfile.load(training_job(tmp_path / "job.toml"))
+            refs = [await broker.upload(i.path, i.name) for i in job.inputs]
+            spec = build_spec(job, refs, now_ms())
+            env = seal(me, spec)
+            swapped = pb.Envelope()
+            swapped.CopyFrom(env)
+            changed = pb.JobSpec.FromString(env.payload)
+            changed.kind = pb.JOB_KIND_RENDER
+            swapped.payload = changed.SerializeToString()
+            with pytest.raises(Exception, match="does not verify"):
+                await broker.submit(swapped)
+            assert await broker.list_jobs(me.id) == []
+        async with BrokerClient(market.address, other, trust=market.trust()) as thief:
+            with pytest.raises(PermissionDenied, match="signed by another key than the call"):
+                await thief.submit(env)
+            from gpumarket.proto.v1 import admin_pb2 as ad
+            order = seal(other, ad.AdminOrder(method="ListAllJobs", at_ms=now_ms()))
+            with pytest.raises(PermissionDenied, match="not an operator"):
+                await thief.admin_call("ListAllJobs", order)
+            broker_key = Identity.load(market.root / "broker" / "broker.key")
+            stolen = seal(broker_key, ad.AdminOrder(method="ListAllJobs", at_ms=now_ms()))
+            with pytest.raises(PermissionDenied, match="signed by another key than the call"):
+                await thief.admin_call("ListAllJobs", stolen)
+
+    run(scenario())
+
+
+def test_clients_see_only_their_own_jobs_and_artifacts(market, tmp_path):
+    job_file = training_job(tmp_path / "job.toml")
+    r = market.cli("submit", str(job_file))
+    assert r.returncode == 0, r.stderr
+    job_id = r.stdout.split()[0]
+    owner = market.identity()
+    stranger = Identity.generate()
+    secret = tmp_path / "secret.bin"
+    secret.write_bytes(os.urandom(300_000))
+
+    async def scenario():
+        async with BrokerClient(market.address, owner, trust=market.trust()) as broker:
+            ref = await broker.upload(secret, "secret.bin")
+            mine = await broker.get_job(job_id)
+        async with await market.channel(stranger) as channel:
+            stub = marketplace_pb2_grpc.MarketplaceStub(channel)
+            arts = artifacts_pb2_grpc.ArtifactsStub(channel)
+            got = {
+                "get": await call(stub.GetJob, mp.GetJobRequest(job_id=job_id), None),
+                "watch": await call(stub.WatchJob, mp.WatchJobRequest(job_id=job_id), None),
+                "logs": await call(stub.StreamLogs, mp.StreamLogsRequest(job_id=job_id), None),
+                "list": await call(stub.ListJobs, mp.ListJobsRequest(client_id=owner.id), None),
+                "cancel": await call(stub.CancelJob, mp.CancelJobRequest(order=seal(
+                    stranger, mp.CancelOrder(job_id=job_id, at_ms=now_ms()))), None),
+                "download": await call(arts.Download, ap.DownloadRequest(sha256=ref.sha256),
+                                       None),
+            }
+            stat = await arts.StatArtifact(ap.StatArtifactRequest(sha256=ref.sha256), timeout=10)
+            own_list = await stub.ListJobs(mp.ListJobsRequest(), timeout=10)
+        async with BrokerClient(market.address, stranger, trust=market.trust()) as thief:
+            # naming the owner's blob as an input does not make it the thief's
+            from gpumarket.client import jobfile
+            from gpumarket.client.cli import build_spec
+            job = jobfile.load(job_file)
+            refs = [await thief.upload(i.path, i.name) for i in job.inputs]
+            spec = build_spec(job, [*refs, ref], now_ms())
+            with pytest.raises(PermissionDenied, match="is not yours; upload it yourself"):
+                await thief.submit(seal(stranger, spec))
+            # ... but uploading every byte of it (proof of possession) does
+            await thief.upload(secret, "secret.bin")
+            back = tmp_path / "back.bin"
+            await thief.download(ref, back)
+        return got, stat, own_list, mine
+
+    got, stat, own_list, mine = run(scenario())
+    for name, (code, details) in got.items():
+        assert code == grpc.StatusCode.PERMISSION_DENIED, (name, code, details)
+    assert "is not yours" in got["get"][1] and "is not yours" in got["download"][1]
+    assert not stat.complete and own_list.jobs == []
+    assert mine.client_id == owner.id and market.job(job_id)["state"] == "QUEUED"
+    assert (tmp_path / "back.bin").read_bytes() == secret.read_bytes()
+
+
+def test_a_revoked_key_is_refused_everywhere(market, tmp_path):
+    key = market.root / "broker" / "broker.key"
+    client_id = market.identity().id
+
+    def admin(*args):
+        return subprocess.run([str(BIN / "gpumarket-broker"), *args, "--key", str(key),
+                               "--broker", market.address], env=market.env,
+                              capture_output=True, text=True, timeout=60)
+
+    assert market.cli("list").returncode == 0
+    r = admin("revoke", client_id, "--reason", "key leaked")
+    assert r.returncode == 0 and f"revoked {client_id}" in r.stdout, r.stderr
+    for args in (("list",), ("status", "x"), ("submit", str(training_job(tmp_path / "j.toml")))):
+        r = market.cli(*args)
+        assert r.returncode == 1 and f"key {client_id} is revoked on this broker" in r.stderr, \
+            (args, r.stderr)
+    # a provider session with a revoked key is refused at once
+    p_key = Identity.generate()
+    assert admin("revoke", p_key.id).returncode == 0
+
+    async def session():
+        from gpumarket.proto.v1 import gateway_pb2 as gw
+        from gpumarket.proto.v1 import gateway_pb2_grpc
+        async with await market.channel(p_key) as channel:
+            stream = gateway_pb2_grpc.ProviderGatewayStub(channel).Session()
+            try:
+                await stream.write(gw.ProviderMessage(hello=gw.ProviderHello(
+                    public_key=p_key.public_key)))
+                await stream.read()
+            except grpc.aio.AioRpcError as exc:
+                return exc.code(), exc.details()
+            return None
+
+    assert run(session()) == (grpc.StatusCode.PERMISSION_DENIED,
+                              f"key {p_key.id} is revoked on this broker")
+    r = admin("revoke", Identity.load(key).id)
+    assert r.returncode == 1 and "operator key" in r.stderr
+    assert admin("unrevoke", client_id).returncode == 0
+    assert market.cli("list").returncode == 0
+
+
+def test_transport_pins_the_broker_key(market, tmp_path):
+    env = {k: v for k, v in market.env.items() if k != "GPUMARKET_BROKER_KEY"}
+    env["GPUMARKET_HOME"] = str(tmp_path / "tofu-home")
+
+    def cli(*args, **extra):
+        return subprocess.run([str(BIN / "gpumarket"), *args], env={**env, **extra},
+                              capture_output=True, text=True, timeout=60)
+
+    assert cli("keys", "init").returncode == 0
+    r = cli("list")    # first use: trusted and remembered
+    assert r.returncode == 0 and f"trusting broker {market.broker_id}" in r.stderr, r.stderr
+    known = (tmp_path / "tofu-home" / "known_brokers").read_text()
+    assert known == f"{market.address} {market.broker_id}\n"
+    assert "trusting" not in cli("list").stderr
+    wrong = Identity.generate().id
+    r = cli("list", GPUMARKET_BROKER_KEY=wrong)
+    assert r.returncode == 1 and f"presents key {market.broker_id}, not the pinned {wrong}" \
+        in r.stderr
+    # Another broker (another key) on the same address: refused, nothing sent to it.
+    market.broker.stop()
+    impostor = Marketplace(tmp_path / "impostor")
+    (tmp_path / "impostor").mkdir()
+    try:
+        impostor.start_broker(listen=market.address)
+        r = cli("submit", str(training_job(tmp_path / "job.toml")))
+        assert r.returncode == 1 and "was trusted before" in r.stderr \
+            and "refusing to connect" in r.stderr, r.stderr
+        assert not list((tmp_path / "impostor" / "broker" / "artifacts" / "blobs").glob("*/*"))
+    finally:
+        impostor.close()
+
+
+def test_certificate_attestation_must_match_the_certificate_key():
+    broker = Identity.generate()
+    k1, k2 = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+    good = x509.load_pem_x509_certificate(make_certificate(broker, k1))
+    assert broker_key_of(good) == broker.public_key
+    # The attestation of k1 copied onto a certificate for k2 (an interceptor's key).
+    ext = good.extensions.get_extension_for_oid(ATTESTATION_OID).value
+    now = datetime.datetime.now(datetime.timezone.utc)
+    forged = (x509.CertificateBuilder().subject_name(good.subject).issuer_name(good.subject)
+              .public_key(k2.public_key()).serial_number(1)
+              .not_valid_before(now).not_valid_after(now + datetime.timedelta(days=1))
+              .add_extension(ext, critical=False).sign(k2, hashes.SHA256()))
+    with pytest.raises(Untrusted, match="does not verify"):
+        broker_key_of(forged)
+    bare = (x509.CertificateBuilder().subject_name(good.subject).issuer_name(good.subject)
+            .public_key(k2.public_key()).serial_number(2)
+            .not_valid_before(now).not_valid_after(now + datetime.timedelta(days=1))
+            .sign(k2, hashes.SHA256()))
+    with pytest.raises(Untrusted, match="no gpumarket key attestation"):
+        broker_key_of(bare)
+
+
+def test_plaintext_only_on_loopback_and_only_when_asked(tmp_path):
+    with pytest.raises(InvalidArgument, match="only to a loopback address"):
+        split_address("plaintext://10.1.2.3:7070")
+    r = subprocess.run([str(BIN / "gpumarket-broker"), "serve", "--plaintext", "--listen",
+                        "0.0.0.0:0", "--data-dir", str(tmp_path / "b")],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "plaintext is allowed only on a loopback address" in r.stderr
+    assert not (tmp_path / "b" / "broker.db").exists()
+
+
+def test_limits_answer_resource_exhausted(tmp_path):
+    """A plaintext loopback broker (asked for) with small limits: queued jobs per client,
+    artifact bytes per key, calls a second, and gRPC's 4 MiB message cap."""
+    market = Marketplace(tmp_path)
+    config = tmp_path / "broker.toml"
+    config.write_text("max_key_artifact_gib = 0.001\n")    # about 1 MiB
+    try:
+        market.start_broker(*LEASE_ARGS, "--plaintext", "--max-queued-jobs", "1",
+                            "--rate-limit", "4", "--config", str(config))
+        assert market.address.startswith("plaintext://127.0.0.1:")
+        assert market.cli("keys", "init").returncode == 0
+        r = market.cli("submit", str(training_job(tmp_path / "a.toml")))
+        assert r.returncode == 0, r.stderr
+        r = market.cli("submit", str(training_job(tmp_path / "b.toml", steps=31)))
+        assert r.returncode == 1 and "you already have 1 queued jobs" in r.stderr, r.stderr
+        big = tmp_path / "big.bin"
+        big.write_bytes(os.urandom(2 << 20))
+
+        async def scenario():
+            me = market.identity()
+            async with BrokerClient(market.address, me, trust=Trust()) as broker:
+                with pytest.raises(ResourceExhausted, match="over this broker's limit"):
+                    await broker.upload(big, "big.bin")
+            # 5 MiB in one message: refused by gRPC's default limit on the broker (before
+            # any handler, so the token does not matter)
+            target = market.address.removeprefix("plaintext://")
+            async with grpc.aio.insecure_channel(
+                    target, options=[("grpc.max_send_message_length", 64 << 20)]) as channel:
+                stub = marketplace_pb2_grpc.MarketplaceStub(channel)
+                huge = mp.SubmitJobRequest(spec=pb.Envelope(payload=b"x" * (5 << 20)))
+                oversized = await call(stub.SubmitJob, huge, None)
+            async with BrokerClient(market.address, me, trust=Trust()) as broker:
+                codes = []
+                for _ in range(60):
+                    try:
+                        await broker.list_jobs(me.id)
+                        codes.append("ok")
+                    except ResourceExhausted as exc:
+                        codes.append(str(exc))
+                    except Exception:
+                        codes.append("other")
+            return oversized, codes
+
+        oversized, codes = run(scenario())
+        assert oversized[0] == grpc.StatusCode.RESOURCE_EXHAUSTED, oversized
+        limited = [c for c in codes if "calls a second" in c]
+        assert limited and "slow down" in limited[0], codes
+        assert codes.count("ok") >= 5 and "other" not in codes, codes
+        assert market.broker.alive()
+    finally:
+        market.close()
+
