@@ -88,8 +88,10 @@ class Authenticator(grpc.aio.ServerInterceptor):
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
         method = details.method
-        if handler is None or method in PUBLIC_METHODS or method.startswith(PUBLIC_PREFIXES):
+        if handler is None or method.startswith(PUBLIC_PREFIXES):
             return handler
+        if method in PUBLIC_METHODS:
+            return _wrap(handler, _anonymous)
         token = next((v for k, v in details.invocation_metadata or () if k == TOKEN_METADATA),
                      None)
         return _wrap(handler, lambda digest, context: self._check(method, token, digest,
@@ -154,6 +156,10 @@ class Authenticator(grpc.aio.ServerInterceptor):
         return key_id
 
 
+async def _anonymous(digest, context) -> None:
+    """The check of a public call: none (the request is still parsed with care)."""
+
+
 def _use_nonce(db, key_id: str, nonce: str, keep_until_ms: int, now: int) -> bool:
     db.execute("DELETE FROM call_nonces WHERE keep_until_ms < ?", [now])
     cur = db.execute("INSERT OR IGNORE INTO call_nonces (key_id, nonce, keep_until_ms)"
@@ -167,22 +173,28 @@ def _wrap(handler: grpc.RpcMethodHandler, check) -> grpc.RpcMethodHandler:
     deserialize = handler.request_deserializer or (lambda raw: raw)
 
     def hashed(raw: bytes):
-        return hashlib.sha256(raw).digest(), deserialize(raw)
+        try:
+            return hashlib.sha256(raw).digest(), deserialize(raw)
+        except DecodeError:
+            return None, None   # answered INVALID_ARGUMENT below, not grpc's UNKNOWN
+
+    async def parsed(request, context):
+        digest, message = request
+        if digest is None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request does not parse")
+        await check(digest, context)
+        return message
 
     if handler.unary_unary:
         async def unary_unary(request, context):
-            digest, message = request
-            await check(digest, context)
-            return await handler.unary_unary(message, context)
+            return await handler.unary_unary(await parsed(request, context), context)
 
         return grpc.unary_unary_rpc_method_handler(
             unary_unary, request_deserializer=hashed,
             response_serializer=handler.response_serializer)
     if handler.unary_stream:
         async def unary_stream(request, context):
-            digest, message = request
-            await check(digest, context)
-            async for item in handler.unary_stream(message, context):
+            async for item in handler.unary_stream(await parsed(request, context), context):
                 yield item
 
         return grpc.unary_stream_rpc_method_handler(

@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 
 HANDSHAKE_TIMEOUT_S = 10.0
 PROOF_MAX_AGE_MS = 5 * 60 * 1000
+MAX_EPOCH = 2**63 - 1       # SQLite's INTEGER
 
 
 def check_offer(offer: pb.Offer, signer: str) -> None:
@@ -176,7 +177,8 @@ class ProviderGatewayServicer(gateway_pb2_grpc.ProviderGatewayServicer):
                 log.info("provider %s is draining; its offer is withdrawn", session.provider_id)
                 session.offer = None
                 await self.state.store.write(_withdraw_offer, session.provider_id)
-            running = [(r.job_id, r.epoch) for r in message.heartbeat.running]
+            running = [(r.job_id, r.epoch) for r in message.heartbeat.running
+                       if r.epoch <= MAX_EPOCH]   # no lease has a larger one
             stale = await self.state.store.write(jobs.renew_leases, session.provider_id,
                                                  running, now_ms())
             for job_id, epoch in stale:
@@ -194,6 +196,8 @@ class ProviderGatewayServicer(gateway_pb2_grpc.ProviderGatewayServicer):
         which = update.WhichOneof("update")
         final = which in ("failed", "receipt", "rejected", "released")
         try:
+            if update.epoch > MAX_EPOCH:
+                raise InvalidArgument(f"epoch {update.epoch} is out of range")
             if which == "started":
                 await store.write(jobs.mark_started, update.job_id, update.epoch, pid, now,
                                   update.started.resumed_from_step)

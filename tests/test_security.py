@@ -417,3 +417,47 @@ def test_limits_answer_resource_exhausted(tmp_path):
     finally:
         market.close()
 
+
+
+def test_a_provider_cannot_act_on_another_providers_lease(market, tmp_path):
+    """Provider A, with a session of its own, reports on the job leased to provider B and
+    asks for its inputs: refused, and B's job runs on."""
+    from gpumarket.proto.v1 import gateway_pb2 as gw
+    from gpumarket.proto.v1 import gateway_pb2_grpc
+
+    market.start_provider("p1")
+    market.wait_for_offers(1)
+    r = market.cli("submit", str(training_job(tmp_path / "long.toml", steps=100_000,
+                                              checkpoint_every=1000)))
+    assert r.returncode == 0, r.stderr
+    job_id = r.stdout.split()[0]
+    market.wait_state(job_id, "RUNNING")
+    epoch = 1       # its first lease
+    attacker = Identity.generate()
+
+    async def scenario():
+        async with BrokerClient(market.address, market.identity(),
+                                trust=market.trust()) as owner:
+            spec = pb.JobSpec.FromString((await owner.get_job(job_id)).spec.payload)
+        async with await market.channel(attacker) as channel:
+            stream = gateway_pb2_grpc.ProviderGatewayStub(channel).Session()
+            await stream.write(gw.ProviderMessage(hello=gw.ProviderHello(
+                public_key=attacker.public_key)))
+            challenge = (await stream.read()).challenge
+            await stream.write(gw.ProviderMessage(proof=seal(attacker, gw.SessionProof(
+                nonce=challenge.nonce, broker_public_key=challenge.broker_public_key,
+                at_ms=now_ms()))))
+            assert (await stream.read()).WhichOneof("msg") == "welcome"
+            await stream.write(gw.ProviderMessage(job_update=gw.JobUpdate(
+                job_id=job_id, epoch=epoch, failed=gw.JobFailed(error="fake failure"))))
+            settled = (await asyncio.wait_for(stream.read(), 30)).settled
+            stream.cancel()
+            download = await call(artifacts_pb2_grpc.ArtifactsStub(channel).Download,
+                                  ap.DownloadRequest(sha256=spec.inputs[0].sha256), None)
+        return settled, download
+
+    settled, download = run(scenario())
+    assert not settled.accepted and "held by this provider" in settled.reason, settled
+    assert download[0] == grpc.StatusCode.PERMISSION_DENIED, download
+    assert market.job(job_id)["state"] == "RUNNING"
+    assert market.cli("cancel", job_id).returncode == 0
