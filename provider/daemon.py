@@ -22,7 +22,7 @@ import grpc
 from gpumarket.proto import __version__
 from gpumarket.proto.channel import Untrusted, open_channel
 from gpumarket.proto.envelope import open_envelope, seal
-from gpumarket.proto.errors import GpumarketError, Unavailable
+from gpumarket.proto.errors import GpumarketError, Unavailable, from_code
 from gpumarket.proto.identity import Identity
 from gpumarket.proto.jobspec import (
     LOG_LINE_CHARS, LOG_LINES_PER_UPDATE, kind_name, now_ms, required_model,
@@ -217,6 +217,10 @@ class ProviderDaemon:
             finally:
                 for t in tasks:
                     t.cancel()
+        except asyncio.InvalidStateError:
+            # A stream with interceptors refuses writes once it has ended: say why it ended.
+            code, details = await call.code(), await call.details()
+            raise from_code(code.name, details or "the broker ended the session") from None
         finally:
             call.cancel()
 

@@ -112,26 +112,34 @@ def test_artifact_upload_resumes_and_checks_the_hash(tmp_path):
     store = ArtifactStore(tmp_path, max_blob_bytes=1 << 20)
     data = b"x" * 1000
     sha = hashlib.sha256(data).hexdigest()
-    up = store.begin_upload(sha, len(data), 0)
+    me, other = "a" * 26, "b" * 26
+    up = store.begin_upload(sha, len(data), 0, me)
     up.write(data[:400])
     up.close()  # connection broke
-    assert store.stat(sha).received_bytes == 400
+    assert store.stat(sha, me).received_bytes == 400
+    assert store.stat(sha, other).received_bytes == 0      # each uploader has its own partial
     with pytest.raises(FailedPrecondition, match="offset 400"):
-        store.begin_upload(sha, len(data), 0)
-    up = store.begin_upload(sha, len(data), 400)
+        store.begin_upload(sha, len(data), 0, me)
+    up = store.begin_upload(sha, len(data), 400, me)
     up.write(data[400:])
     assert up.finish() == 1000
-    assert store.stat(sha).complete
-    assert store.begin_upload(sha, len(data), 0) is None  # deduplicated
+    assert store.stat(sha, me).complete
+    assert store.begin_upload(sha, len(data), 0, me) is None  # deduplicated
+    # someone who may not read it uploads every byte, checked like a new blob
+    theirs = store.begin_upload(sha, len(data), 0, other, may_skip=False)
+    theirs.write(b"y" * 1000)
+    with pytest.raises(InvalidArgument, match="hash to"):
+        theirs.finish()
+    assert store.blob_path(sha).read_bytes() == data
 
     bad = hashlib.sha256(b"other").hexdigest()
-    up = store.begin_upload(bad, 5, 0)
+    up = store.begin_upload(bad, 5, 0, me)
     up.write(b"wrong")
     with pytest.raises(InvalidArgument, match="hash to"):
         up.finish()
-    assert not store.stat(bad).complete and store.stat(bad).received_bytes == 0
+    assert not store.stat(bad, me).complete and store.stat(bad, me).received_bytes == 0
     with pytest.raises(InvalidArgument, match="over the broker's limit"):
-        store.begin_upload(sha.replace("a", "b", 1) if "a" in sha else "c" * 64, 2 << 20, 0)
+        store.begin_upload(sha.replace("a", "b", 1) if "a" in sha else "c" * 64, 2 << 20, 0, me)
     with pytest.raises(InvalidArgument):
         store.blob_path("../../etc/passwd")
 

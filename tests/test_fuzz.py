@@ -65,9 +65,11 @@ def wire(market):
 
 
 def _healthy(loop: Loop, channel) -> bool:
-    resp = loop.run(health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
-                                                              timeout=10))
-    return resp.status == health_pb2.HealthCheckResponse.SERVING
+    async def check():
+        return await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
+                                                               timeout=10)
+
+    return loop.run(check()).status == health_pb2.HealthCheckResponse.SERVING
 
 
 def test_random_requests_get_a_status_never_a_crash(market, wire):
