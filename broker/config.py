@@ -22,6 +22,7 @@ class BrokerConfig:
     shutdown_grace_s: float = 5.0          # in-flight RPCs get this long on SIGTERM
     operators: tuple[str, ...] = ()        # key ids allowed the Admin calls (and broker.key)
     plaintext: bool = False                # no TLS (only when listening on loopback)
+    http_public: bool = False              # allow the HTTP side off loopback (no auth there)
     rate_limit_per_s: float = 50.0         # calls a second per key (bursts of 5x); 0 = off
     max_queued_jobs: int = 100             # QUEUED jobs per client
     max_key_artifact_bytes: int = 256 << 30  # bytes of blobs one key may have uploaded
@@ -43,6 +44,12 @@ class BrokerConfig:
         if self.plaintext and not is_loopback(host):
             raise InvalidArgument(f"plaintext is allowed only on a loopback address, not on"
                                   f" {self.listen} (TLS is on by default)")
+        http_host = self.http.rpartition(":")[0]
+        if self.http and not is_loopback(http_host) and not self.http_public:
+            raise InvalidArgument(
+                f"the HTTP side (dashboard, /api, /metrics) has no authentication and shows"
+                f" every job: serve it on loopback, not {self.http}, or set http_public = true"
+                f" (behind an authenticating proxy)")
 
 
 EXAMPLE = """\
@@ -61,6 +68,7 @@ max_artifact_gib = 64              # largest blob accepted, GiB
 # unban, backup, vacuum). The broker's own key (data_dir/broker.key) always may.
 operators = []
 plaintext = false                  # true: no TLS; allowed only when listen is loopback
+http_public = false                # true: allow `http` off loopback (it has no authentication)
 rate_limit = 50                    # calls a second per key (bursts of 5x); 0 = no limit
 max_queued_jobs = 100              # QUEUED jobs per client
 max_key_artifact_gib = 256         # GiB of artifacts one key may upload
@@ -77,6 +85,7 @@ KEYS = {
     "max_artifact_gib": ("max_artifact_bytes", int, 2**30),
     "operators": ("operators", tuple, None),
     "plaintext": ("plaintext", bool, None),
+    "http_public": ("http_public", bool, None),
     "rate_limit": ("rate_limit_per_s", float, None),
     "max_queued_jobs": ("max_queued_jobs", int, None),
     "max_key_artifact_gib": ("max_key_artifact_bytes", int, 2**30),

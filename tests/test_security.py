@@ -461,3 +461,32 @@ def test_a_provider_cannot_act_on_another_providers_lease(market, tmp_path):
     assert download[0] == grpc.StatusCode.PERMISSION_DENIED, download
     assert market.job(job_id)["state"] == "RUNNING"
     assert market.cli("cancel", job_id).returncode == 0
+
+
+@pytest.mark.parametrize("name", ["../escape", "/etc/passwd", "a/b", ".hidden", "..", "",
+                                  "x\x00y", "con\\..\\x"])
+def test_artifact_names_never_leave_the_work_dir(name):
+    """Job inputs and receipt outputs must be plain names: refused by the spec check, by the
+    broker's receipt check and by the client before it writes anything."""
+    from gpumarket.client.cli import verify_receipts
+    from gpumarket.proto.envelope import payload_sha256
+    from gpumarket.proto.jobspec import check_artifact_name
+
+    with pytest.raises(InvalidArgument, match="not a plain file name"):
+        check_artifact_name(name, "inputs[0].name")
+    client, provider = Identity.generate(), Identity.generate()
+    spec = seal(client, pb.JobSpec(name="j"))
+    receipt = seal(provider, pb.Receipt(
+        job_id="j1", provider_id=provider.id, spec_sha256=payload_sha256(spec),
+        outputs=[pb.ArtifactRef(name=name, sha256="0" * 64, size_bytes=1)]))
+    job = pb.Job(job_id="j1", state=pb.JOB_STATE_SUCCEEDED, spec=spec, receipt=receipt,
+                 provider_id=provider.id)
+    with pytest.raises(InvalidArgument, match="receipt.outputs\\[0\\].name"):
+        verify_receipts(job, client.id)
+
+
+def test_the_unauthenticated_http_side_stays_on_loopback_unless_asked(tmp_path):
+    r = subprocess.run([str(BIN / "gpumarket-broker"), "serve", "--http", "0.0.0.0:0",
+                        "--data-dir", str(tmp_path / "b")], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 2 and "has no authentication" in r.stderr, r.stderr
