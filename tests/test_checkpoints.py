@@ -142,3 +142,20 @@ def test_mtbf_and_young_interval():
     assert reliability.checkpoint_interval_s(2.0, 3600) == pytest.approx(math.sqrt(2 * 2 * 3600))
     assert reliability.checkpoint_interval_s(0.001, 10) == reliability.MIN_INTERVAL_S
     assert reliability.checkpoint_interval_s(60, 10**7) == reliability.MAX_INTERVAL_S
+
+
+def test_a_bloated_safetensors_header_is_refused_before_it_is_read(tmp_path):
+    """A checkpoint whose tensor file claims a 1 TiB header (or one longer than the file):
+    refused by safetensors' own bound, without reading or allocating it."""
+    import resource
+    import struct
+
+    model, opt, sched = tiny_state()
+    ckpt = checkpoint.save(tmp_path, 1, model, opt, sched, {"losses": []})
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    for claimed, match in ((1 << 40, "header too large"), (50_000_000, "invalid header length")):
+        (ckpt / "model.safetensors").write_bytes(struct.pack("<Q", claimed) + b'{"a":' + b" " * 64)
+        with pytest.raises(Exception, match=match):
+            checkpoint.load(ckpt, model, opt, sched)
+    grown_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+    assert grown_kib < 64 * 1024, f"peak memory grew by {grown_kib} KiB"
