@@ -52,18 +52,7 @@ class MarketplaceServicer(marketplace_pb2_grpc.MarketplaceServicer):
                          f"you already have {queued} queued jobs, this broker's limit per"
                          " client; wait for some to start, or cancel some")
         for i, ref in enumerate(spec.inputs):
-            size = await self.state.store.read(views.artifact_size, ref.sha256)
-            if size is None:
-                raise FailedPrecondition(
-                    f"inputs[{i}] ({ref.name}): artifact {ref.sha256[:12]}… is not uploaded"
-                )
-            if size != ref.size_bytes:
-                raise InvalidArgument(f"inputs[{i}] ({ref.name}): size {ref.size_bytes} does"
-                                      f" not match the stored {size} bytes")
-            if not await self.state.store.read(views.may_read, client_id, ref.sha256):
-                raise denied(PermissionDenied, "unauthorized",
-                             f"inputs[{i}] ({ref.name}): artifact {ref.sha256[:12]}… is not"
-                             " yours; upload it yourself")
+            await self._check_input(i, ref, client_id)
         est = await asyncio.to_thread(estimates.estimate, spec, self.state.artifacts.blob_path)
         digest = payload_sha256(request.spec)
         job = jobs.NewJob(
@@ -102,6 +91,17 @@ class MarketplaceServicer(marketplace_pb2_grpc.MarketplaceServicer):
         self.state.events.notify()
         self.state.placement.notify()
         return mp.SubmitJobResponse(job_id=job.id, state=pb.JOB_STATE_QUEUED)
+
+    async def _check_input(self, i: int, ref: pb.ArtifactRef, key_id: str) -> None:
+        """Raise unless ``key_id`` may use the input: one answer for a blob that is absent
+        and one it may not read, so that nobody learns what others have uploaded."""
+        size = await self.state.store.read(views.artifact_size, ref.sha256)
+        if size is None or not await self.state.store.read(views.may_read, key_id, ref.sha256):
+            raise FailedPrecondition(f"inputs[{i}] ({ref.name}): artifact {ref.sha256[:12]}…"
+                                     " is not uploaded (by you); upload it first")
+        if size != ref.size_bytes:
+            raise InvalidArgument(f"inputs[{i}] ({ref.name}): size {ref.size_bytes} does"
+                                  f" not match the stored {size} bytes")
 
     @unary
     async def GetJob(self, request: mp.GetJobRequest, context) -> mp.GetJobResponse:
@@ -213,6 +213,8 @@ class MarketplaceServicer(marketplace_pb2_grpc.MarketplaceServicer):
     async def Quote(self, request: mp.QuoteRequest, context) -> mp.QuoteResponse:
         spec = request.spec
         check_spec_for_quote(spec)
+        for i, ref in enumerate(spec.inputs):   # the broker sizes the job from its inputs
+            await self._check_input(i, ref, caller())
         est = await asyncio.to_thread(estimates.estimate, spec, self.state.artifacts.blob_path)
         row = {
             "id": "quote", "kind": spec.kind, "gpus": spec.resources.gpus,

@@ -63,7 +63,7 @@ SERVER_OPTIONS = (
     ("grpc.keepalive_time_ms", 60_000),
     ("grpc.keepalive_timeout_ms", 20_000),
     ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.min_recv_ping_interval_without_data_ms", 20_000),
+    ("grpc.http2.min_ping_interval_without_data_ms", 20_000),
     ("grpc.http2.max_ping_strikes", 2),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),

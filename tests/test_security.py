@@ -25,7 +25,9 @@ from gpumarket.proto.channel import (
     split_address,
 )
 from gpumarket.proto.envelope import seal
-from gpumarket.proto.errors import InvalidArgument, PermissionDenied, ResourceExhausted
+from gpumarket.proto.errors import (
+    FailedPrecondition, InvalidArgument, PermissionDenied, ResourceExhausted,
+)
 from gpumarket.proto.identity import Identity
 from gpumarket.proto.jobspec import now_ms
 from gpumarket.proto.v1 import artifacts_pb2 as ap
@@ -243,8 +245,10 @@ def test_clients_see_only_their_own_jobs_and_artifacts(market, tmp_path):
             job = jobfile.load(job_file)
             refs = [await thief.upload(i.path, i.name) for i in job.inputs]
             spec = build_spec(job, [*refs, ref], now_ms())
-            with pytest.raises(PermissionDenied, match="is not yours; upload it yourself"):
+            with pytest.raises(FailedPrecondition, match="is not uploaded \\(by you\\)"):
                 await thief.submit(seal(stranger, spec))
+            with pytest.raises(FailedPrecondition, match="is not uploaded \\(by you\\)"):
+                await thief.quote(spec)
             # ... but uploading every byte of it (proof of possession) does
             await thief.upload(secret, "secret.bin")
             back = tmp_path / "back.bin"
@@ -281,13 +285,10 @@ def test_a_revoked_key_is_refused_everywhere(market, tmp_path):
     assert admin("revoke", p_key.id).returncode == 0
 
     async def session():
-        from gpumarket.proto.v1 import gateway_pb2 as gw
         from gpumarket.proto.v1 import gateway_pb2_grpc
         async with await market.channel(p_key) as channel:
             stream = gateway_pb2_grpc.ProviderGatewayStub(channel).Session()
-            try:
-                await stream.write(gw.ProviderMessage(hello=gw.ProviderHello(
-                    public_key=p_key.public_key)))
+            try:    # refused as the call starts, before the hello (a write could race it)
                 await stream.read()
             except grpc.aio.AioRpcError as exc:
                 return exc.code(), exc.details()
@@ -490,3 +491,35 @@ def test_the_unauthenticated_http_side_stays_on_loopback_unless_asked(tmp_path):
                         "--data-dir", str(tmp_path / "b")], capture_output=True, text=True,
                        timeout=60)
     assert r.returncode == 2 and "has no authentication" in r.stderr, r.stderr
+
+
+def test_idle_connections_are_kept_by_matching_keepalives(market, monkeypatch):
+    """Two connections idle for 100 s after one call: ours (pings every 30 s, the broker
+    accepts one every 20 s) stays READY the whole time; one that pings every 5 s is sent
+    GOAWAY too_many_pings by the broker and drops to IDLE — so the broker's limit is live
+    and ours is within it. (With the broker's default of 5 minutes, ours was dropped
+    after about 90 s.)"""
+    import gpumarket.proto.channel as channel_module
+    from gpumarket.proto.v1 import marketplace_pb2_grpc
+
+    async def scenario():
+        ours = await market.channel()
+        eager_options = tuple((k, 5000 if k == "grpc.keepalive_time_ms" else v)
+                              for k, v in channel_module.CLIENT_OPTIONS)
+        monkeypatch.setattr(channel_module, "CLIENT_OPTIONS", eager_options)
+        eager = await market.channel()
+        for c in (ours, eager):
+            await marketplace_pb2_grpc.MarketplaceStub(c).ListJobs(mp.ListJobsRequest(),
+                                                                   timeout=10)
+        states: dict[str, list[str]] = {"ours": [], "eager": []}
+        for _ in range(20):
+            await asyncio.sleep(5)
+            for name, c in (("ours", ours), ("eager", eager)):
+                states[name].append(c.get_state(try_to_connect=False).name)
+        await ours.close()
+        await eager.close()
+        return states
+
+    states = run(scenario())
+    assert set(states["ours"]) == {"READY"}, states
+    assert "IDLE" in states["eager"], states
