@@ -12,7 +12,7 @@ import tempfile
 from pathlib import Path
 
 from gpumarket.broker import jobs, standing, views
-from gpumarket.broker.auth import caller, denied
+from gpumarket.broker.auth import caller
 from gpumarket.broker.rpc import streaming, unary
 from gpumarket.broker.state import BrokerState
 from gpumarket.proto.artifacts import iter_chunks, sha256_file
@@ -40,11 +40,9 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         if abs(now_ms() - order.at_ms) > ADMIN_ORDER_MAX_AGE_MS:
             raise BadSignature("admin order is dated more than 5 minutes off (check the clock)")
         if signer not in self.state.operators:
-            raise denied(PermissionDenied, "unauthorized",
-                         f"key {signer} is not an operator of this broker")
+            raise PermissionDenied(f"key {signer} is not an operator of this broker")
         if signer != caller():
-            raise denied(PermissionDenied, "unauthorized",
-                         "admin order is signed by another key than the call")
+            raise PermissionDenied("admin order is signed by another key than the call")
         log.info("admin %s %s by operator %s", method, order.target, signer)
         return order
 

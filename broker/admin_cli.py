@@ -38,8 +38,9 @@ def admin_options(fn):
     """--broker and --key, and one line on stderr (exit 1) for a GpumarketError."""
 
     @click.option("--broker", envvar="GPUMARKET_BROKER", default="127.0.0.1:7070",
-                  show_default=True, help="Broker gRPC address (env GPUMARKET_BROKER); TLS, the broker's key pinned by "
-                  "$GPUMARKET_BROKER_KEY or remembered in known_brokers on first use.")
+                  show_default=True,
+                  help="Broker gRPC address (env GPUMARKET_BROKER); TLS, the broker's key "
+                  "pinned by $GPUMARKET_BROKER_KEY or remembered in known_brokers on first use.")
     @click.option("--key", "key_file", type=click.Path(dir_okay=False, path_type=Path),
                   default=_default_key, show_default="$GPUMARKET_OPERATOR_KEY or "
                   "$GPUMARKET_HOME/client.key",

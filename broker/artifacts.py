@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from gpumarket.broker import views
-from gpumarket.broker.auth import caller, denied
+from gpumarket.broker.auth import caller
 from gpumarket.broker.rpc import streaming, unary
 from gpumarket.broker.state import BrokerState
 from gpumarket.proto.artifacts import CHUNK_BYTES
@@ -54,10 +54,10 @@ class ArtifactsServicer(artifacts_pb2_grpc.ArtifactsServicer):
             held = await store.read(views.uploaded_bytes, key)
             limit = self.state.config.max_key_artifact_bytes
             if held + h.size_bytes > limit:
-                raise denied(ResourceExhausted, "quota",
-                             f"this upload ({h.size_bytes:,} bytes) would take your artifacts"
-                             f" to {held + h.size_bytes:,} bytes, over this broker's limit of"
-                             f" {limit:,} per key")
+                raise ResourceExhausted(
+                    f"this upload ({h.size_bytes:,} bytes) would take your artifacts to"
+                    f" {held + h.size_bytes:,} bytes, over this broker's limit of {limit:,} per"
+                    " key", reason="quota")
         upload = self.state.artifacts.begin_upload(h.sha256, h.size_bytes, h.offset, key,
                                                    readable)
         if upload is None:
@@ -81,9 +81,9 @@ class ArtifactsServicer(artifacts_pb2_grpc.ArtifactsServicer):
     async def Download(self, request: ap.DownloadRequest, context):
         check_sha256(request.sha256, "sha256")
         if not await self.state.store.read(views.may_read, caller(), request.sha256):
-            raise denied(PermissionDenied, "unauthorized",
-                         f"artifact {request.sha256[:12]}… is not yours: you neither uploaded"
-                         " it nor is it part of your jobs or of a job leased to you")
+            raise PermissionDenied(f"artifact {request.sha256[:12]}… is not yours: you neither"
+                                   " uploaded it nor is it part of your jobs or of a job leased"
+                                   " to you")
         f = self.state.artifacts.open_read(request.sha256, request.offset)
         try:
             while chunk := await asyncio.to_thread(f.read, CHUNK_BYTES):

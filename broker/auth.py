@@ -43,17 +43,6 @@ def caller() -> str:
     return _caller.get()
 
 
-def denied(error: type[GpumarketError], reason: str, message: str) -> GpumarketError:
-    """An error for a refused request, labelled with its audit ``reason``."""
-    exc = error(message)
-    exc.reason = reason
-    return exc
-
-
-def audit_reason(exc: GpumarketError) -> str:
-    return getattr(exc, "reason", exc.code.lower())
-
-
 class RateLimiter:
     """A token bucket per key: ``rate`` calls a second, bursts of ``burst``."""
 
@@ -102,7 +91,7 @@ class Authenticator(grpc.aio.ServerInterceptor):
         try:
             key_id = await self.verify(method, raw, digest)
         except GpumarketError as exc:
-            reason = audit_reason(exc)
+            reason = exc.reason
             log.warning("refused %s from %s: %s (%s)", method, context.peer(), exc.message, reason)
             self.state.metrics.rejected.labels(reason=reason).inc()
             await context.abort(STATUS.get(exc.code, grpc.StatusCode.UNAUTHENTICATED), exc.message)
@@ -112,47 +101,46 @@ class Authenticator(grpc.aio.ServerInterceptor):
     async def verify(self, method: str, raw: bytes | None, digest: bytes | None) -> str:
         """Return the key id that signed ``raw`` for this call, or raise why not."""
         if not raw:
-            raise denied(BadSignature, "unauthenticated",
-                         f"{method} needs a call token signed by your key (use a gpumarket client)")
+            raise BadSignature(f"{method} needs a call token signed by your key"
+                               " (use a gpumarket client)", reason="unauthenticated")
         envelope = pb.Envelope()
         try:
             envelope.ParseFromString(raw)
         except DecodeError as exc:
-            raise denied(BadSignature, "bad_signature", "call token does not parse") from exc
+            raise BadSignature("call token does not parse", reason="bad_signature") from exc
         try:
             token, key_id = open_envelope(envelope, pb.CallToken)
         except BadSignature as exc:
-            raise denied(BadSignature, "bad_signature", f"call token: {exc.message}") from exc
+            raise BadSignature(f"call token: {exc.message}", reason="bad_signature") from exc
         if key_id in self.state.revoked:
-            raise denied(PermissionDenied, "revoked", f"key {key_id} is revoked on this broker")
+            raise PermissionDenied(f"key {key_id} is revoked on this broker", reason="revoked")
         if token.method != method:
-            raise denied(BadSignature, "wrong_call",
-                         f"call token is for {token.method or 'nothing'}, not {method}")
+            raise BadSignature(f"call token is for {token.method or 'nothing'}, not {method}",
+                               reason="wrong_call")
         if token.audience != self.broker_id and not (self.plaintext and not token.audience):
-            raise denied(BadSignature, "wrong_call",
-                         f"call token is for broker {token.audience or '(none)'}, not this one"
-                         f" ({self.broker_id})")
+            raise BadSignature(f"call token is for broker {token.audience or '(none)'}, not"
+                               f" this one ({self.broker_id})", reason="wrong_call")
         if digest is not None and token.request_sha256 != digest:
-            raise denied(BadSignature, "wrong_call",
-                         "call token was signed for another request than the one sent")
+            raise BadSignature("call token was signed for another request than the one sent",
+                               reason="wrong_call")
         now = now_ms()
         if token.expires_at_ms - token.issued_at_ms > MAX_TOKEN_LIFETIME_MS:
-            raise denied(BadSignature, "bad_signature", "call token lives longer than 5 minutes")
+            raise BadSignature("call token lives longer than 5 minutes", reason="bad_signature")
         if now < token.issued_at_ms - CLOCK_SKEW_MS:
-            raise denied(Expired, "not_yet_valid",
-                         "call token is not valid yet (issued in the future: check your clock)")
+            raise Expired("call token is not valid yet (issued in the future: check your clock)",
+                          reason="not_yet_valid")
         if now > token.expires_at_ms + CLOCK_SKEW_MS:
-            raise denied(Expired, "expired", "call token has expired (check your clock)")
+            raise Expired("call token has expired (check your clock)", reason="expired")
         if len(token.nonce) != 16:
-            raise denied(BadSignature, "bad_signature", "call token nonce must be 16 bytes")
+            raise BadSignature("call token nonce must be 16 bytes", reason="bad_signature")
         if not self.limiter.allow(key_id):
-            raise denied(ResourceExhausted, "rate_limited",
-                         f"more than {self.state.config.rate_limit_per_s:g} calls a second from"
-                         f" key {key_id}; slow down")
+            raise ResourceExhausted(f"more than {self.state.config.rate_limit_per_s:g} calls a"
+                                    f" second from key {key_id}; slow down",
+                                    reason="rate_limited")
         fresh = await self.state.store.write(
             _use_nonce, key_id, token.nonce.hex(), token.expires_at_ms + CLOCK_SKEW_MS, now)
         if not fresh:
-            raise denied(Replay, "replay", "call token was used before (replayed call)")
+            raise Replay("call token was used before (replayed call)", reason="replay")
         return key_id
 
 

@@ -64,7 +64,7 @@ class ProviderGatewayServicer(gateway_pb2_grpc.ProviderGatewayServicer):
             provider_id = await self._handshake(context)
         except GpumarketError as exc:
             log.warning("provider session refused: %s", exc.message)
-            self.state.metrics.rejected.labels(reason=getattr(exc, "reason", exc.code.lower())).inc()
+            self.state.metrics.rejected.labels(reason=exc.reason).inc()
             await context.abort(STATUS.get(exc.code, grpc.StatusCode.INVALID_ARGUMENT),
                                 exc.message)
             return

@@ -411,9 +411,7 @@ def cancel(db: Database, job_id: str, client_id: str, now: int
     leases to revoke)."""
     job = job_row(db, job_id)
     if job["client_id"] != client_id:
-        exc = PermissionDenied(f"job {job_id} is not yours")
-        exc.reason = "unauthorized"
-        raise exc
+        raise PermissionDenied(f"job {job_id} is not yours")
     if job["state"] in TERMINAL_STATES:
         return job["state"], []
     ended: list[EndedLease] = []

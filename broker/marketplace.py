@@ -9,7 +9,7 @@ import logging
 from gpumarket.broker import (
     estimates, jobs, logs, matcher, reliability, scheduler, standing, views,
 )
-from gpumarket.broker.auth import caller, denied
+from gpumarket.broker.auth import caller
 from gpumarket.broker.rpc import streaming, unary
 from gpumarket.broker.state import BrokerState
 from gpumarket.proto.envelope import open_envelope, payload_sha256
@@ -41,16 +41,15 @@ class MarketplaceServicer(marketplace_pb2_grpc.MarketplaceServicer):
     async def SubmitJob(self, request: mp.SubmitJobRequest, context) -> mp.SubmitJobResponse:
         spec, client_id = open_envelope(request.spec, pb.JobSpec)
         if client_id != caller():
-            raise denied(PermissionDenied, "unauthorized",
-                         "job spec is signed by another key than the call")
+            raise PermissionDenied("job spec is signed by another key than the call")
         check_spec(spec)
         check_fresh(spec)
         cfg = self.state.config
         queued = await self.state.store.read(views.queued_count, client_id)
         if queued >= cfg.max_queued_jobs:
-            raise denied(ResourceExhausted, "quota",
-                         f"you already have {queued} queued jobs, this broker's limit per"
-                         " client; wait for some to start, or cancel some")
+            raise ResourceExhausted(f"you already have {queued} queued jobs, this broker's limit"
+                                    " per client; wait for some to start, or cancel some",
+                                    reason="quota")
         for i, ref in enumerate(spec.inputs):
             await self._check_input(i, ref, client_id)
         est = await asyncio.to_thread(estimates.estimate, spec, self.state.artifacts.blob_path)
@@ -113,8 +112,8 @@ class MarketplaceServicer(marketplace_pb2_grpc.MarketplaceServicer):
     async def ListJobs(self, request: mp.ListJobsRequest, context) -> mp.ListJobsResponse:
         limit = min(request.limit or 100, MAX_LIST)
         if request.client_id and request.client_id != caller():
-            raise denied(PermissionDenied, "unauthorized",
-                         "a client may list only its own jobs (operators: gpumarket-broker jobs)")
+            raise PermissionDenied("a client may list only its own jobs"
+                                   " (operators: gpumarket-broker jobs)")
         found = await self.state.store.read(views.list_jobs, caller(),
                                             list(request.states), limit)
         return mp.ListJobsResponse(jobs=found)
@@ -165,8 +164,7 @@ class MarketplaceServicer(marketplace_pb2_grpc.MarketplaceServicer):
     async def CancelJob(self, request: mp.CancelJobRequest, context) -> mp.CancelJobResponse:
         order, client_id = open_envelope(request.order, mp.CancelOrder)
         if client_id != caller():
-            raise denied(PermissionDenied, "unauthorized",
-                         "cancel order is signed by another key than the call")
+            raise PermissionDenied("cancel order is signed by another key than the call")
         if abs(now_ms() - order.at_ms) > CANCEL_ORDER_MAX_AGE_MS:
             raise BadSignature("cancel order is dated more than 10 minutes off (check the clock)")
         state, ended = await self.state.store.write(jobs.cancel, order.job_id, client_id, now_ms())
@@ -254,7 +252,7 @@ class MarketplaceServicer(marketplace_pb2_grpc.MarketplaceServicer):
 def own(client_id: str, job_id: str) -> None:
     """Raise unless the caller is the job's client."""
     if client_id != caller():
-        raise denied(PermissionDenied, "unauthorized", f"job {job_id} is not yours")
+        raise PermissionDenied(f"job {job_id} is not yours")
 
 
 def _matches(offer: pb.Offer, q: mp.SearchOffersRequest) -> bool:

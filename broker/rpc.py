@@ -35,7 +35,7 @@ STATUS: dict[str, grpc.StatusCode] = {
 async def abort_for(exc: BaseException, context: grpc.aio.ServicerContext, rpc: str,
                     servicer: Any = None) -> None:
     if isinstance(exc, GpumarketError):
-        reason = getattr(exc, "reason", exc.code.lower())
+        reason = exc.reason
         log.info("%s rejected: %s (%s)", rpc, exc.message, reason)
         state = getattr(servicer, "state", None)
         if state is not None:

@@ -213,7 +213,8 @@ def fetch_certificate(host: str, port: int, timeout_s: float = 10.0) -> x509.Cer
         raise Unavailable(f"broker at {host}:{port} did not complete a TLS handshake ({exc.reason};"
                           " is it a plaintext broker? then use plaintext://)") from exc
     except OSError as exc:
-        raise Unavailable(f"cannot reach the broker at {host}:{port} ({exc.strerror or exc})") from exc
+        raise Unavailable(f"cannot reach the broker at {host}:{port}"
+                          f" ({exc.strerror or exc})") from exc
     return x509.load_der_x509_certificate(der)
 
 

@@ -12,10 +12,12 @@ class GpumarketError(Exception):
     """Base of every error gpumarket raises on purpose."""
 
     code = "INTERNAL"
+    reason = ""     # the audit reason a refusal is counted under; default: the code
 
-    def __init__(self, message: str) -> None:
+    def __init__(self, message: str, reason: str = "") -> None:
         super().__init__(message)
         self.message = message
+        self.reason = reason or self.reason or self.code.lower()
 
     def __str__(self) -> str:
         return self.message
@@ -51,6 +53,7 @@ class NotFound(GpumarketError):
 
 class PermissionDenied(GpumarketError):
     code = "PERMISSION_DENIED"
+    reason = "unauthorized"
 
 
 class FailedPrecondition(GpumarketError):

@@ -42,8 +42,8 @@ deny_clients = []
 # price_per_hour = 2.50
 """
 
-KEYS = {"broker", "broker_key", "data_dir", "price_per_gpu_hour", "kinds", "max_job_hours", "allow_clients",
-        "deny_clients", "availability", "devices", "cpu_devices", "models_dir",
+KEYS = {"broker", "broker_key", "data_dir", "price_per_gpu_hour", "kinds", "max_job_hours",
+        "allow_clients", "deny_clients", "availability", "devices", "cpu_devices", "models_dir",
         "allow_remote_code", "isolate", "job_disk_gib"}
 
 
