@@ -52,15 +52,18 @@ class ArtifactStore:
         partial = self._partial_path(sha256, uploader)
         return partial.stat().st_size if partial.exists() else 0
 
-    def begin_upload(self, sha256: str, size_bytes: int, offset: int, uploader: str,
-                     may_skip: bool = True) -> "Upload | None":
-        """Start or continue an upload; None if the blob is already stored and ``may_skip``
-        (the uploader may read it). Others upload every byte, checked like a new blob."""
+    def check_size(self, size_bytes: int) -> None:
         if size_bytes > self.max_blob_bytes:
             raise InvalidArgument(
                 f"artifact of {size_bytes} bytes is over the broker's limit of"
                 f" {self.max_blob_bytes} bytes"
             )
+
+    def begin_upload(self, sha256: str, size_bytes: int, offset: int, uploader: str,
+                     may_skip: bool = True) -> "Upload | None":
+        """Start or continue an upload; None if the blob is already stored and ``may_skip``
+        (the uploader may read it). Others upload every byte, checked like a new blob."""
+        self.check_size(size_bytes)
         if may_skip and self.blob_path(sha256).exists():
             return None
         received = self.received(sha256, uploader)

@@ -29,11 +29,24 @@ class ArtifactsServicer(artifacts_pb2_grpc.ArtifactsServicer):
     # A blob is visible only to those who may read it (views.may_read); anyone else sees
     # it as absent and must upload every byte (proving they have it) to own it too.
 
+    async def _check_room(self, key: str, size: int) -> None:
+        """Raise unless a new blob of ``size`` bytes fits the limits for ``key``."""
+        self.state.artifacts.check_size(size)
+        held = await self.state.store.read(views.uploaded_bytes, key)
+        limit = self.state.config.max_key_artifact_bytes
+        if held + size > limit:
+            raise ResourceExhausted(
+                f"this upload ({size:,} bytes) would take your artifacts to"
+                f" {held + size:,} bytes, over this broker's limit of {limit:,} per key",
+                reason="quota")
+
     @unary
     async def StatArtifact(self, request: ap.StatArtifactRequest, context):
         check_sha256(request.sha256, "sha256")
         readable = await self.state.store.read(views.may_read, caller(), request.sha256)
         if not readable:
+            if request.size_bytes:
+                await self._check_room(caller(), request.size_bytes)
             return ap.StatArtifactResponse(
                 complete=False, received_bytes=self.state.artifacts.received(request.sha256,
                                                                              caller()))
@@ -51,13 +64,7 @@ class ArtifactsServicer(artifacts_pb2_grpc.ArtifactsServicer):
         key, store = caller(), self.state.store
         readable = await store.read(views.may_read, key, h.sha256)
         if not readable:
-            held = await store.read(views.uploaded_bytes, key)
-            limit = self.state.config.max_key_artifact_bytes
-            if held + h.size_bytes > limit:
-                raise ResourceExhausted(
-                    f"this upload ({h.size_bytes:,} bytes) would take your artifacts to"
-                    f" {held + h.size_bytes:,} bytes, over this broker's limit of {limit:,} per"
-                    " key", reason="quota")
+            await self._check_room(key, h.size_bytes)
         upload = self.state.artifacts.begin_upload(h.sha256, h.size_bytes, h.offset, key,
                                                    readable)
         if upload is None:

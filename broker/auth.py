@@ -80,7 +80,7 @@ class Authenticator(grpc.aio.ServerInterceptor):
         if handler is None or method.startswith(PUBLIC_PREFIXES):
             return handler
         if method in PUBLIC_METHODS:
-            return _wrap(handler, _anonymous)
+            return _wrap(handler, self._anonymous)
         token = next((v for k, v in details.invocation_metadata or () if k == TOKEN_METADATA),
                      None)
         return _wrap(handler, lambda digest, context: self._check(method, token, digest,
@@ -97,6 +97,16 @@ class Authenticator(grpc.aio.ServerInterceptor):
             await context.abort(STATUS.get(exc.code, grpc.StatusCode.UNAUTHENTICATED), exc.message)
         # Each call runs in its own task (its own context): set, never reset.
         _caller.set(key_id)
+
+    async def _anonymous(self, digest, context: grpc.aio.ServicerContext) -> None:
+        """A public call needs no token; it is rate-limited by the caller's host instead."""
+        peer = context.peer()                    # "ipv4:127.0.0.1:51234", "ipv6:[::1]:51234"
+        host = peer.partition(":")[2].rpartition(":")[0] or peer
+        if not self.limiter.allow(f"host {host}"):
+            self.state.metrics.rejected.labels(reason="rate_limited").inc()
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"more than {self.state.config.rate_limit_per_s:g} calls a"
+                                f" second from {host}; slow down")
 
     async def verify(self, method: str, raw: bytes | None, digest: bytes | None) -> str:
         """Return the key id that signed ``raw`` for this call, or raise why not."""
@@ -142,10 +152,6 @@ class Authenticator(grpc.aio.ServerInterceptor):
         if not fresh:
             raise Replay("call token was used before (replayed call)", reason="replay")
         return key_id
-
-
-async def _anonymous(digest, context) -> None:
-    """The check of a public call: none (the request is still parsed with care)."""
 
 
 def _use_nonce(db, key_id: str, nonce: str, keep_until_ms: int, now: int) -> bool:

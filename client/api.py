@@ -178,12 +178,14 @@ class BrokerClient:
                      on_bytes: Callable[[int], None] | None = None) -> pb.ArtifactRef:
         """Upload a file unless the broker has it; resumes a partial upload."""
         sha, size = await asyncio.to_thread(sha256_file, path)
-        st = await self._call(self.artifacts.StatArtifact, ap.StatArtifactRequest(sha256=sha))
+        st = await self._call(self.artifacts.StatArtifact,
+                              ap.StatArtifactRequest(sha256=sha, size_bytes=size))
         if not st.complete:
+            call = self.artifacts.Upload(
+                upload_requests(path, sha, size, st.received_bytes, on_bytes),
+                timeout=self.timeout_s + size / 1e6)
             try:
-                await self.artifacts.Upload(
-                    upload_requests(path, sha, size, st.received_bytes, on_bytes),
-                    timeout=self.timeout_s + size / 1e6)
+                await call
             except grpc.aio.AioRpcError as exc:
                 raise self._error(exc) from exc
         return pb.ArtifactRef(name=name, sha256=sha, size_bytes=size)

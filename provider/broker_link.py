@@ -32,7 +32,7 @@ class ArtifactLink:
         """Upload a file (resuming a partial upload); return its reference."""
         sha, size = await asyncio.to_thread(sha256_file, path)
         try:
-            st = await self.stub.StatArtifact(ap.StatArtifactRequest(sha256=sha),
+            st = await self.stub.StatArtifact(ap.StatArtifactRequest(sha256=sha, size_bytes=size),
                                               timeout=self.timeout_s)
             if not st.complete:
                 await self.stub.Upload(upload_requests(path, sha, size, st.received_bytes),

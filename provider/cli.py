@@ -331,11 +331,15 @@ def status(data_dir: Path, broker: str, as_json: bool) -> None:
         click.echo(f"error: no provider key in {data_dir}; run `gpumarket-provider init`",
                    err=True)
         sys.exit(1)
-    identity = Identity.load(key)
-    if not broker and (data_dir / "provider.toml").exists():
-        from gpumarket.provider import config as provider_config
+    try:
+        identity = Identity.load(key)
+        if not broker and (data_dir / "provider.toml").exists():
+            from gpumarket.provider import config as provider_config
 
-        broker = provider_config.load(data_dir / "provider.toml").get("broker", "")
+            broker = provider_config.load(data_dir / "provider.toml").get("broker", "")
+    except GpumarketError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(1)
     found, warning = detect()
     if warning:
         click.echo(f"warning: {warning}", err=True)

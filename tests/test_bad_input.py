@@ -187,3 +187,17 @@ def test_a_corrupted_blob_is_refused_on_download(market, tmp_path):
             assert not target.exists()
 
     run(scenario())
+
+
+def test_provider_status_with_a_broken_config_says_so_in_one_line(tmp_path):
+    import subprocess
+
+    from tests.helpers import BIN
+
+    Identity.generate().save(tmp_path / "provider.key")
+    (tmp_path / "provider.toml").write_text("price_per_gpu_hour = 'cheap'\n")
+    r = subprocess.run([str(BIN / "gpumarket-provider"), "status", "--data-dir", str(tmp_path)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip() == (f"error: {tmp_path / 'provider.toml'}: price_per_gpu_hour"
+                                " must be a number >= 0")

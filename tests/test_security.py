@@ -397,6 +397,14 @@ def test_limits_answer_resource_exhausted(tmp_path):
                 stub = marketplace_pb2_grpc.MarketplaceStub(channel)
                 huge = mp.SubmitJobRequest(spec=pb.Envelope(payload=b"x" * (5 << 20)))
                 oversized = await call(stub.SubmitJob, huge, None)
+            async with BrokerClient(market.address, None, trust=Trust()) as anonymous:
+                searches = []
+                for _ in range(60):      # no token: limited by the caller's host
+                    try:
+                        await anonymous.search_offers(mp.SearchOffersRequest())
+                        searches.append("ok")
+                    except ResourceExhausted as exc:
+                        searches.append(str(exc))
             async with BrokerClient(market.address, me, trust=Trust()) as broker:
                 codes = []
                 for _ in range(60):
@@ -407,9 +415,11 @@ def test_limits_answer_resource_exhausted(tmp_path):
                         codes.append(str(exc))
                     except Exception:
                         codes.append("other")
-            return oversized, codes
+            return oversized, codes, searches
 
-        oversized, codes = run(scenario())
+        oversized, codes, searches = run(scenario())
+        assert searches.count("ok") >= 5 and any("from 127.0.0.1; slow down" in s
+                                                 for s in searches), searches
         assert oversized[0] == grpc.StatusCode.RESOURCE_EXHAUSTED, oversized
         limited = [c for c in codes if "calls a second" in c]
         assert limited and "slow down" in limited[0], codes

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"gpumarket/proto/v1/artifacts.proto\x12\x0cgpumarket.v1\"%\n\x13StatArtifactRequest\x12\x0e\n\x06sha256\x18\x01 \x01(\t\"T\n\x14StatArtifactResponse\x12\x10\n\x08\x63omplete\x18\x01 \x01(\x08\x12\x12\n\nsize_bytes\x18\x02 \x01(\x04\x12\x16\n\x0ereceived_bytes\x18\x03 \x01(\x04\"B\n\x0cUploadHeader\x12\x0e\n\x06sha256\x18\x01 \x01(\t\x12\x12\n\nsize_bytes\x18\x02 \x01(\x04\x12\x0e\n\x06offset\x18\x03 \x01(\x04\"U\n\rUploadRequest\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1a.gpumarket.v1.UploadHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part\"M\n\x0eUploadResponse\x12\x0e\n\x06sha256\x18\x01 \x01(\t\x12\x12\n\nsize_bytes\x18\x02 \x01(\x04\x12\x17\n\x0f\x61lready_present\x18\x03 \x01(\x08\"1\n\x0f\x44ownloadRequest\x12\x0e\n\x06sha256\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\" \n\x10\x44ownloadResponse\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x32\xf6\x01\n\tArtifacts\x12U\n\x0cStatArtifact\x12!.gpumarket.v1.StatArtifactRequest\x1a\".gpumarket.v1.StatArtifactResponse\x12\x45\n\x06Upload\x12\x1b.gpumarket.v1.UploadRequest\x1a\x1c.gpumarket.v1.UploadResponse(\x01\x12K\n\x08\x44ownload\x12\x1d.gpumarket.v1.DownloadRequest\x1a\x1e.gpumarket.v1.DownloadResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"gpumarket/proto/v1/artifacts.proto\x12\x0cgpumarket.v1\"9\n\x13StatArtifactRequest\x12\x0e\n\x06sha256\x18\x01 \x01(\t\x12\x12\n\nsize_bytes\x18\x02 \x01(\x04\"T\n\x14StatArtifactResponse\x12\x10\n\x08\x63omplete\x18\x01 \x01(\x08\x12\x12\n\nsize_bytes\x18\x02 \x01(\x04\x12\x16\n\x0ereceived_bytes\x18\x03 \x01(\x04\"B\n\x0cUploadHeader\x12\x0e\n\x06sha256\x18\x01 \x01(\t\x12\x12\n\nsize_bytes\x18\x02 \x01(\x04\x12\x0e\n\x06offset\x18\x03 \x01(\x04\"U\n\rUploadRequest\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1a.gpumarket.v1.UploadHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part\"M\n\x0eUploadResponse\x12\x0e\n\x06sha256\x18\x01 \x01(\t\x12\x12\n\nsize_bytes\x18\x02 \x01(\x04\x12\x17\n\x0f\x61lready_present\x18\x03 \x01(\x08\"1\n\x0f\x44ownloadRequest\x12\x0e\n\x06sha256\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\" \n\x10\x44ownloadResponse\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x32\xf6\x01\n\tArtifacts\x12U\n\x0cStatArtifact\x12!.gpumarket.v1.StatArtifactRequest\x1a\".gpumarket.v1.StatArtifactResponse\x12\x45\n\x06Upload\x12\x1b.gpumarket.v1.UploadRequest\x1a\x1c.gpumarket.v1.UploadResponse(\x01\x12K\n\x08\x44ownload\x12\x1d.gpumarket.v1.DownloadRequest\x1a\x1e.gpumarket.v1.DownloadResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,19 +32,19 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'gpumarket.proto.v1.artifact
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_STATARTIFACTREQUEST']._serialized_start=52
-  _globals['_STATARTIFACTREQUEST']._serialized_end=89
-  _globals['_STATARTIFACTRESPONSE']._serialized_start=91
-  _globals['_STATARTIFACTRESPONSE']._serialized_end=175
-  _globals['_UPLOADHEADER']._serialized_start=177
-  _globals['_UPLOADHEADER']._serialized_end=243
-  _globals['_UPLOADREQUEST']._serialized_start=245
-  _globals['_UPLOADREQUEST']._serialized_end=330
-  _globals['_UPLOADRESPONSE']._serialized_start=332
-  _globals['_UPLOADRESPONSE']._serialized_end=409
-  _globals['_DOWNLOADREQUEST']._serialized_start=411
-  _globals['_DOWNLOADREQUEST']._serialized_end=460
-  _globals['_DOWNLOADRESPONSE']._serialized_start=462
-  _globals['_DOWNLOADRESPONSE']._serialized_end=494
-  _globals['_ARTIFACTS']._serialized_start=497
-  _globals['_ARTIFACTS']._serialized_end=743
+  _globals['_STATARTIFACTREQUEST']._serialized_end=109
+  _globals['_STATARTIFACTRESPONSE']._serialized_start=111
+  _globals['_STATARTIFACTRESPONSE']._serialized_end=195
+  _globals['_UPLOADHEADER']._serialized_start=197
+  _globals['_UPLOADHEADER']._serialized_end=263
+  _globals['_UPLOADREQUEST']._serialized_start=265
+  _globals['_UPLOADREQUEST']._serialized_end=350
+  _globals['_UPLOADRESPONSE']._serialized_start=352
+  _globals['_UPLOADRESPONSE']._serialized_end=429
+  _globals['_DOWNLOADREQUEST']._serialized_start=431
+  _globals['_DOWNLOADREQUEST']._serialized_end=480
+  _globals['_DOWNLOADRESPONSE']._serialized_start=482
+  _globals['_DOWNLOADRESPONSE']._serialized_end=514
+  _globals['_ARTIFACTS']._serialized_start=517
+  _globals['_ARTIFACTS']._serialized_end=763
 # @@protoc_insertion_point(module_scope)

@@ -6,10 +6,12 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class StatArtifactRequest(_message.Message):
-    __slots__ = ("sha256",)
+    __slots__ = ("sha256", "size_bytes")
     SHA256_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     sha256: str
-    def __init__(self, sha256: _Optional[str] = ...) -> None: ...
+    size_bytes: int
+    def __init__(self, sha256: _Optional[str] = ..., size_bytes: _Optional[int] = ...) -> None: ...
 
 class StatArtifactResponse(_message.Message):
     __slots__ = ("complete", "size_bytes", "received_bytes")
