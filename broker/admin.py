@@ -46,6 +46,18 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         log.info("admin %s %s by operator %s", method, order.target, signer)
         return order
 
+    def _cut_off(self, provider_id: str, ended: list[tuple[str, int]], reason: str) -> None:
+        """After _take_leases: tell a connected provider its leases are gone, end its
+        session, and let watchers and the scheduler see the change."""
+        session = self.state.sessions.get(provider_id)
+        if session is not None:
+            for job_id, epoch in ended:
+                session.send(gw.BrokerMessage(cancel=gw.CancelLease(
+                    job_id=job_id, epoch=epoch, reason=reason)))
+            self.state.sessions.end(provider_id)
+        self.state.events.notify()
+        self.state.placement.notify()
+
     @unary
     async def ListProviders(self, request, context) -> ad.ListProvidersResponse:
         self._order(request, "ListProviders")
@@ -64,16 +76,9 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         order = self._order(request, "Ban")
         reason = f"provider banned by the operator: {order.reason[:200] or 'no reason given'}"
         ended = await self.state.store.write(_ban, order.target, True, reason, now_ms())
-        session = self.state.sessions.get(order.target)
-        if session is not None:
-            for job_id, epoch in ended:
-                session.send(gw.BrokerMessage(cancel=gw.CancelLease(
-                    job_id=job_id, epoch=epoch, reason=reason)))
-            self.state.sessions.end(order.target)
+        self._cut_off(order.target, ended, reason)
         log.warning("provider %s banned (%s); %d leases taken away", order.target, reason,
                     len(ended))
-        self.state.events.notify()
-        self.state.placement.notify()
         return ad.BanResponse(provider_id=order.target, banned=True, leases_lost=len(ended))
 
     @unary
@@ -86,15 +91,8 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         reason = f"key revoked by the operator: {order.reason[:200] or 'no reason given'}"
         ended = await self.state.store.write(_revoke, order.target, reason, now_ms())
         self.state.revoked.add(order.target)
-        session = self.state.sessions.get(order.target)
-        if session is not None:
-            for job_id, epoch in ended:
-                session.send(gw.BrokerMessage(cancel=gw.CancelLease(
-                    job_id=job_id, epoch=epoch, reason=reason)))
-            self.state.sessions.end(order.target)
+        self._cut_off(order.target, ended, reason)
         log.warning("key %s revoked (%s); %d leases taken away", order.target, reason, len(ended))
-        self.state.events.notify()
-        self.state.placement.notify()
         return ad.RevokeResponse(key_id=order.target, revoked=True, leases_lost=len(ended))
 
     @unary
@@ -146,8 +144,12 @@ def _ban(db, provider_id: str, banned: bool, reason: str, now: int) -> list[tupl
     if db.execute("SELECT 1 FROM providers WHERE id = ?", [provider_id]).fetchone() is None:
         raise NotFound(f"no provider {provider_id!r} has connected to this broker")
     db.execute("UPDATE providers SET banned = ? WHERE id = ?", [int(banned), provider_id])
-    if not banned:
-        return []
+    return _take_leases(db, provider_id, reason, now) if banned else []
+
+
+def _take_leases(db, provider_id: str, reason: str, now: int) -> list[tuple[str, int]]:
+    """Withdraw the provider's offer and lose its active leases (their jobs are queued
+    again); return the (job, epoch) of those leases."""
     db.execute("DELETE FROM offers WHERE provider_id = ?", [provider_id])
     leases = db.execute("SELECT id, job_id, epoch FROM leases WHERE provider_id = ?"
                         " AND state = 'active'", [provider_id]).fetchall()
@@ -166,12 +168,7 @@ def _revoke(db, key_id: str, reason: str, now: int) -> list[tuple[str, int]]:
     Returns the (job, epoch) of those leases."""
     db.execute("INSERT OR REPLACE INTO revoked_keys (key_id, reason, revoked_at_ms)"
                " VALUES (?, ?, ?)", [key_id, reason, now])
-    db.execute("DELETE FROM offers WHERE provider_id = ?", [key_id])
-    leases = db.execute("SELECT id, job_id, epoch FROM leases WHERE provider_id = ?"
-                        " AND state = 'active'", [key_id]).fetchall()
-    for lease_id, _, _ in leases:
-        jobs.lose_lease(db, lease_id, reason, now)
-    return [(job_id, epoch) for _, job_id, epoch in leases]
+    return _take_leases(db, key_id, reason, now)
 
 
 def _unrevoke(db, key_id: str) -> None:

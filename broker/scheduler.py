@@ -8,7 +8,7 @@ import logging
 import time
 from collections import defaultdict, deque
 
-from gpumarket.broker import jobs, matcher, reliability, views
+from gpumarket.broker import auth, jobs, matcher, reliability, views
 from gpumarket.broker.offers import claim_efficiency, offer_view
 from gpumarket.broker.state import BrokerState
 from gpumarket.proto.envelope import seal
@@ -188,6 +188,7 @@ async def run(state: BrokerState) -> None:
             if time.monotonic() - last_gc >= state.config.gc_interval_s:
                 last_gc = time.monotonic()
                 await collect_garbage(state)
+                await state.store.write(auth.forget_nonces, now_ms())
         except asyncio.CancelledError:
             raise
         except Exception:

@@ -33,7 +33,7 @@ from cryptography.x509.oid import NameOID
 
 from gpumarket.proto.envelope import seal
 from gpumarket.proto.errors import BadSignature, InvalidArgument, Unavailable
-from gpumarket.proto.identity import Identity, fingerprint, verify
+from gpumarket.proto.identity import Identity, fingerprint, verify, write_private
 from gpumarket.proto.jobspec import now_ms
 from gpumarket.proto.v1 import types_pb2 as pb
 
@@ -130,9 +130,9 @@ def tls_material(identity: Identity, directory: Path) -> tuple[bytes, bytes]:
         key = serialization.load_pem_private_key(key_path.read_bytes(), password=None)
     else:
         key = ec.generate_private_key(ec.SECP256R1())
-        _write_private(key_path, key.private_bytes(
+        write_private(key_path, key.private_bytes(
             serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption()))
+            serialization.NoEncryption()), overwrite=True)
     cert_pem = cert_path.read_bytes() if cert_path.exists() else b""
     fresh = False
     if cert_pem:
@@ -152,17 +152,6 @@ def tls_material(identity: Identity, directory: Path) -> tuple[bytes, bytes]:
     key_pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                                 serialization.NoEncryption())
     return key_pem, cert_pem
-
-
-def _write_private(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
 
 
 # -- addresses and trust --------------------------------------------------------------------

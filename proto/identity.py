@@ -67,18 +67,7 @@ class Identity:
             serialization.NoEncryption(),
         )
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        tmp = path.with_name(path.name + ".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            os.write(fd, pem)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        # link() fails if the target exists, so two processes never race to two keys.
-        try:
-            os.link(tmp, path)
-        finally:
-            os.unlink(tmp)
+        write_private(path, pem)
 
     @classmethod
     def load(cls, path: Path) -> "Identity":
@@ -109,6 +98,26 @@ class Identity:
             except FileExistsError:
                 pass
         return cls.load(path)
+
+
+def write_private(path: Path, data: bytes, overwrite: bool = False) -> None:
+    """Write a secret file with mode 0600, atomically. Without ``overwrite`` an existing file
+    is kept (FileExistsError): link() fails if the target exists, so two processes never
+    race to two keys."""
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    if overwrite:
+        os.replace(tmp, path)
+        return
+    try:
+        os.link(tmp, path)
+    finally:
+        os.unlink(tmp)
 
 
 def home_dir(environ: dict[str, str] | None = None) -> Path:

@@ -198,6 +198,23 @@ def job_processes(marker: str) -> list[int]:
     return pids
 
 
+async def open_session(channel, key):
+    """A provider session on ``channel`` (whose calls ``key`` signs), through the whole
+    handshake: hello, challenge, signed proof, welcome. Returns the open stream."""
+    from gpumarket.proto.envelope import seal
+    from gpumarket.proto.jobspec import now_ms
+    from gpumarket.proto.v1 import gateway_pb2 as gw
+    from gpumarket.proto.v1 import gateway_pb2_grpc
+
+    stream = gateway_pb2_grpc.ProviderGatewayStub(channel).Session()
+    await stream.write(gw.ProviderMessage(hello=gw.ProviderHello(public_key=key.public_key)))
+    challenge = (await stream.read()).challenge
+    await stream.write(gw.ProviderMessage(proof=seal(key, gw.SessionProof(
+        nonce=challenge.nonce, broker_public_key=challenge.broker_public_key, at_ms=now_ms()))))
+    assert (await stream.read()).WhichOneof("msg") == "welcome"
+    return stream
+
+
 def events(market: Marketplace, job_id: str, quiet_s: float = 1.0) -> list[dict]:
     """The job's events so far, read through WatchJob until the stream is quiet."""
     import asyncio

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 
-
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -20,8 +19,8 @@ from gpumarket.proto.envelope import seal
 from gpumarket.proto.identity import Identity
 from gpumarket.proto.jobspec import now_ms
 from gpumarket.proto.v1 import gateway_pb2 as gw
-from gpumarket.proto.v1 import gateway_pb2_grpc
 from gpumarket.proto.v1 import types_pb2 as pb
+from tests.helpers import open_session
 
 pytestmark = pytest.mark.e2e
 
@@ -131,20 +130,7 @@ def test_random_provider_messages_in_a_session_never_crash_it(market, wire):
     loop, channel, _ = wire
     provider = Identity.generate()
     session_channel = loop.run(market.channel(provider))
-    stub = gateway_pb2_grpc.ProviderGatewayStub(session_channel)
-
-    async def open_session():
-        stream = stub.Session()
-        await stream.write(gw.ProviderMessage(hello=gw.ProviderHello(
-            public_key=provider.public_key)))
-        challenge = (await stream.read()).challenge
-        await stream.write(gw.ProviderMessage(proof=seal(provider, gw.SessionProof(
-            nonce=challenge.nonce, broker_public_key=challenge.broker_public_key,
-            at_ms=now_ms()))))
-        assert (await stream.read()).WhichOneof("msg") == "welcome"
-        return stream
-
-    stream = loop.run(open_session())
+    stream = loop.run(open_session(session_channel, provider))
     kinds = ["started", "progress", "failed", "receipt", "rejected", "checkpoint", "released",
              "log"]
 

@@ -34,7 +34,7 @@ from gpumarket.proto.v1 import artifacts_pb2 as ap
 from gpumarket.proto.v1 import artifacts_pb2_grpc, marketplace_pb2_grpc
 from gpumarket.proto.v1 import marketplace_pb2 as mp
 from gpumarket.proto.v1 import types_pb2 as pb
-from tests.helpers import BIN, LEASE_ARGS, Marketplace, training_job
+from tests.helpers import BIN, LEASE_ARGS, Marketplace, open_session, training_job
 
 pytestmark = pytest.mark.e2e
 
@@ -434,7 +434,6 @@ def test_a_provider_cannot_act_on_another_providers_lease(market, tmp_path):
     """Provider A, with a session of its own, reports on the job leased to provider B and
     asks for its inputs: refused, and B's job runs on."""
     from gpumarket.proto.v1 import gateway_pb2 as gw
-    from gpumarket.proto.v1 import gateway_pb2_grpc
 
     market.start_provider("p1")
     market.wait_for_offers(1)
@@ -451,14 +450,7 @@ def test_a_provider_cannot_act_on_another_providers_lease(market, tmp_path):
                                 trust=market.trust()) as owner:
             spec = pb.JobSpec.FromString((await owner.get_job(job_id)).spec.payload)
         async with await market.channel(attacker) as channel:
-            stream = gateway_pb2_grpc.ProviderGatewayStub(channel).Session()
-            await stream.write(gw.ProviderMessage(hello=gw.ProviderHello(
-                public_key=attacker.public_key)))
-            challenge = (await stream.read()).challenge
-            await stream.write(gw.ProviderMessage(proof=seal(attacker, gw.SessionProof(
-                nonce=challenge.nonce, broker_public_key=challenge.broker_public_key,
-                at_ms=now_ms()))))
-            assert (await stream.read()).WhichOneof("msg") == "welcome"
+            stream = await open_session(channel, attacker)
             await stream.write(gw.ProviderMessage(job_update=gw.JobUpdate(
                 job_id=job_id, epoch=epoch, failed=gw.JobFailed(error="fake failure"))))
             settled = (await asyncio.wait_for(stream.read(), 30)).settled
