@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -88,6 +89,8 @@ def serve(config_file: Path | None, listen: str | None, data_dir: Path | None,
     if config.heartbeat_interval_s <= 0 or config.lease_timeout_s <= config.heartbeat_interval_s:
         raise click.UsageError("the lease timeout must be longer than the heartbeat interval")
     config = replace(config, gc_interval_s=min(60.0, max(1.0, config.artifact_grace_s / 2)))
+    # What the broker writes (its database, artifacts, keys) is its own, however started.
+    os.umask(0o077)
     try:
         asyncio.run(serve_main(config))
     except GpumarketError as exc:

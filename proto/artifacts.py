@@ -5,26 +5,38 @@ from __future__ import annotations
 import hashlib
 import os
 from collections.abc import Iterator
+from typing import BinaryIO
 from pathlib import Path
 
 # Well under gRPC's default 4 MiB message limit.
 CHUNK_BYTES = 1 << 20
 
 
-def sha256_file(path: Path) -> tuple[str, int]:
-    """Return (hex sha256, size in bytes) of a file, read in chunks."""
+def _open(source: Path | int) -> BinaryIO:
+    """A file object for a path, or for a descriptor the caller keeps open (a duplicate, so
+    closing it leaves the caller's; reads start at the beginning)."""
+    if isinstance(source, int):
+        f = os.fdopen(os.dup(source), "rb")
+        f.seek(0)
+        return f
+    return open(source, "rb")
+
+
+def sha256_file(source: Path | int) -> tuple[str, int]:
+    """Return (hex sha256, size in bytes) of a file (a path or an open descriptor), read
+    in chunks."""
     h = hashlib.sha256()
     size = 0
-    with open(path, "rb") as f:
+    with _open(source) as f:
         while chunk := f.read(CHUNK_BYTES):
             h.update(chunk)
             size += len(chunk)
     return h.hexdigest(), size
 
 
-def iter_chunks(path: Path, offset: int = 0) -> Iterator[bytes]:
+def iter_chunks(source: Path | int, offset: int = 0) -> Iterator[bytes]:
     """Yield the file's bytes from ``offset`` in CHUNK_BYTES pieces."""
-    with open(path, "rb") as f:
+    with _open(source) as f:
         f.seek(offset)
         while chunk := f.read(CHUNK_BYTES):
             yield chunk
@@ -40,7 +52,7 @@ def write_atomically(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-def upload_requests(path: Path, sha256: str, size: int, offset: int = 0,
+def upload_requests(path: Path | int, sha256: str, size: int, offset: int = 0,
                     on_bytes=None):
     """The messages of one Artifacts.Upload stream: the header, then the file's chunks
     from ``offset`` (to continue a partial upload)."""

@@ -28,8 +28,9 @@ class ArtifactLink:
         self.stub = artifacts_pb2_grpc.ArtifactsStub(channel)
         self.timeout_s = timeout_s
 
-    async def upload(self, path: Path, name: str) -> pb.ArtifactRef:
-        """Upload a file (resuming a partial upload); return its reference."""
+    async def upload(self, path: Path | int, name: str) -> pb.ArtifactRef:
+        """Upload a file, given by path or as a descriptor the caller keeps open (resuming
+        a partial upload); return its reference."""
         sha, size = await asyncio.to_thread(sha256_file, path)
         try:
             st = await self.stub.StatArtifact(ap.StatArtifactRequest(sha256=sha, size_bytes=size),

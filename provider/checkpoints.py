@@ -4,11 +4,11 @@ and a safe way back (only the expected plain files, nothing else, nothing outsid
 from __future__ import annotations
 
 import os
-import stat
 import tarfile
 from pathlib import Path
 
 from gpumarket.proto.errors import InvalidArgument
+from gpumarket.provider.jobfiles import JobFileError, open_beneath, open_dir
 
 # The plain files a checkpoint may hold, by runner: training state, the results so far of
 # an inference job, or the frames rendered so far. A checkpoint is exactly one of these sets.
@@ -21,30 +21,36 @@ FILES = LAYOUTS[0]
 MAX_MEMBER_BYTES = 1 << 40
 
 
-def pack(directory: Path, target: Path) -> Path:
-    """Write ``directory``'s checkpoint files into the tar ``target`` (fixed order, zeroed
-    times and owners, so the same checkpoint always hashes the same)."""
-    layout = next((files for files in LAYOUTS
-                   if all((directory / name).is_file() for name in files)), None)
+def pack(directory: Path | int, target: Path, owner: int | None = None,
+         name: str = "") -> Path:
+    """Write the checkpoint files of ``directory`` (a path, or a descriptor the caller
+    opened without following links) into the tar ``target`` (fixed order, zeroed times and
+    owners, so the same checkpoint always hashes the same). The job wrote these files: a
+    link it may have put there instead (say, to the provider's key), or anything but a plain
+    file (of ``owner``, if given), is refused (InvalidArgument)."""
+    if isinstance(directory, Path):
+        name = name or directory.name
+        dir_fd = open_dir(directory)
+        try:
+            return pack(dir_fd, target, owner, name)
+        finally:
+            os.close(dir_fd)
+    dir_fd, name = directory, name or "checkpoint"
+    present = set(os.listdir(dir_fd))
+    layout = next((files for files in LAYOUTS if set(files) <= present), None)
     if layout is None:
-        missing = [n for n in FILES if not (directory / n).is_file()]
-        raise InvalidArgument(f"checkpoint {directory.name} lacks {', '.join(missing)}")
+        missing = [n for n in FILES if n not in present]
+        raise InvalidArgument(f"checkpoint {name} lacks {', '.join(missing)}")
     with tarfile.open(target, "w", format=tarfile.PAX_FORMAT) as tar:
-        for name in layout:
-            # The job wrote these files: never follow a link it may have put there instead
-            # (say, to the provider's key), and take only a regular file.
+        for member in layout:
             try:
-                fd = os.open(directory / name, os.O_RDONLY | os.O_NOFOLLOW)
-            except OSError as exc:
-                raise InvalidArgument(f"checkpoint {directory.name}: {name} is not a plain"
-                                      f" file ({exc.strerror})") from exc
+                fd = open_beneath(dir_fd, member, owner=owner)
+            except JobFileError as exc:
+                raise InvalidArgument(f"checkpoint {name}: {member} is not a plain file"
+                                      f" of the job ({exc.message})") from exc
             with os.fdopen(fd, "rb") as f:
-                st = os.fstat(f.fileno())
-                if not stat.S_ISREG(st.st_mode):
-                    raise InvalidArgument(f"checkpoint {directory.name}: {name} is not a"
-                                          " plain file")
-                info = tarfile.TarInfo(name)
-                info.size, info.mode = st.st_size, 0o644
+                info = tarfile.TarInfo(member)
+                info.size, info.mode = os.fstat(f.fileno()).st_size, 0o644
                 tar.addfile(info, f)
     return target
 

@@ -89,6 +89,9 @@ def run(config_file: Path | None, broker: str | None, broker_key: str | None,
     if settings.get("price_per_gpu_hour", 0) < 0:
         raise click.BadParameter("must not be negative", param_hint="--price")
     config = provider_config.build(settings)
+    # What the daemon writes (its key, journal, cache) is its own, however started; what a
+    # job must read is opened to it explicitly (executor.hand_over).
+    os.umask(0o077)
     try:
         asyncio.run(_run(config))
     except GpumarketError as exc:
@@ -415,15 +418,23 @@ def _print_status(r: dict) -> None:
               help="Its model directory, if not DATA_DIR/models.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def doctor(data_dir: Path, models_dir: Path | None, as_json: bool) -> None:
-    """Say which job isolation this host gives (each feature tried for real) and whether
-    the data directory keeps the provider's key to itself. Exit 1 if it does not."""
+    """Say which job isolation this host gives (each protection tried for real, the job uid
+    by running what a job's runner imports, as that uid), what a missing one turns off, and
+    whether the data directory keeps the provider's key to itself. Exit 1 if it does not."""
     from rich.console import Console
     from rich.table import Table
 
     from gpumarket.provider import sandbox
 
     jobs = data_dir / "jobs"
-    checks = sandbox.probe(str(jobs) if jobs.is_dir() else str(data_dir))
+    reach = jobs if jobs.is_dir() else data_dir
+    checks = sandbox.probe(str(reach) if reach.is_dir() else None)
+    missing = sandbox.missing_for_code(checks)
+    checks["jobs_own_code"] = {
+        "available": not missing,
+        "detail": "jobs that run code of their own (a model's remote code) are isolated fully"
+        if not missing else f"refused (no {', '.join(missing)}), unless the provider config"
+        " says unisolated_code = true"}
     checks["clean_environment"] = {"available": True, "detail": "jobs get PATH, LANG, TZ and"
                                    " their own HOME and TMPDIR; never the daemon's variables"}
     checks["own_gpus_only"] = {"available": True, "detail": "CUDA_VISIBLE_DEVICES names only"

@@ -13,6 +13,7 @@ from gpumarket.proto.errors import InvalidArgument
 from gpumarket.proto.jobspec import KINDS_BY_NAME
 from gpumarket.proto.policy import Policy, parse_window
 from gpumarket.proto.v1 import types_pb2 as pb
+from gpumarket.provider.job_uids import POOL
 
 EXAMPLE = """\
 # gpumarket provider config (gpumarket-provider run --config THIS_FILE)
@@ -28,6 +29,9 @@ max_job_hours = 24               # longest job accepted
 # models_dir = "/srv/models"     # models jobs may name, one directory each (default: DIR/models)
 allow_remote_code = false        # true: run models' own Python code (trust_remote_code) in jobs
 isolate = true                   # jobs as their own uid (as root), without network, with limits
+# unisolated_code = false        # true: run jobs' own code even where the host cannot isolate
+#                                # it fully (gpumarket-provider doctor says what is missing)
+# job_uids = "70000-99999"       # pool of uids jobs run as; each daemon takes 64 of its own
 job_disk_gib = 100               # disk quota of each job's work directory
 allow_clients = []               # client ids; empty = everyone not denied
 deny_clients = []
@@ -44,7 +48,7 @@ deny_clients = []
 
 KEYS = {"broker", "broker_key", "data_dir", "price_per_gpu_hour", "kinds", "max_job_hours",
         "allow_clients", "deny_clients", "availability", "devices", "cpu_devices", "models_dir",
-        "allow_remote_code", "isolate", "job_disk_gib"}
+        "allow_remote_code", "isolate", "job_disk_gib", "unisolated_code", "job_uids"}
 
 
 @dataclass(frozen=True)
@@ -63,6 +67,8 @@ class ProviderConfig:
     cpu_devices: int = 1                 # offer the CPU as this many devices (equal shares)
     models_path: Path | None = None      # local model directory; default data_dir/models
     isolate: bool = True                 # jobs in a sandbox (see provider/sandbox.py)
+    unisolated_code: bool = False        # run jobs' own code even where isolation is partial
+    job_uid_pool: tuple[int, int] = POOL  # uids jobs run as (each daemon claims 64)
     job_disk_gib: float = 100.0          # disk quota of each job's work directory
     warm_runners: bool = True            # keep one idle runner per kind with imports done
     kinds: frozenset[int] = frozenset({pb.JOB_KIND_TRAINING, pb.JOB_KIND_GENERATE,
@@ -95,6 +101,15 @@ def _list_of_str(raw: dict, key: str, file: str) -> list[str]:
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         raise InvalidArgument(f"{file}: {key} must be a list of strings")
     return value
+
+
+def _uid_pool(value: Any, file: str) -> tuple[int, int]:
+    first, _, last = str(value).partition("-")
+    if not (first.isdigit() and last.isdigit()) or not \
+            1000 <= int(first) < int(last) < 2**31 - 1 or int(last) - int(first) < 63:
+        raise InvalidArgument(f"{file}: job_uids must be a range FIRST-LAST of at least 64"
+                              " uids between 1000 and 2147483646, like \"70000-99999\"")
+    return int(first), int(last)
 
 
 def load(path: Path) -> dict[str, Any]:
@@ -137,6 +152,12 @@ def load(path: Path) -> dict[str, Any]:
         if not isinstance(raw["isolate"], bool):
             raise InvalidArgument(f"{file}: isolate must be true or false")
         out["isolate"] = raw["isolate"]
+    if "unisolated_code" in raw:
+        if not isinstance(raw["unisolated_code"], bool):
+            raise InvalidArgument(f"{file}: unisolated_code must be true or false")
+        out["unisolated_code"] = raw["unisolated_code"]
+    if "job_uids" in raw:
+        out["job_uid_pool"] = _uid_pool(raw["job_uids"], file)
     if "job_disk_gib" in raw:
         quota = raw["job_disk_gib"]
         if not isinstance(quota, (int, float)) or isinstance(quota, bool) or quota <= 0:

@@ -12,10 +12,11 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import random
 import shutil
 import time
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import grpc
 
@@ -30,10 +31,12 @@ from gpumarket.proto.jobspec import (
 from gpumarket.proto.v1 import gateway_pb2 as gw
 from gpumarket.proto.v1 import gateway_pb2_grpc
 from gpumarket.proto.v1 import types_pb2 as pb
-from gpumarket.provider import checkpoints, recovery, sandbox
+from gpumarket.provider import checkpoints, jobfiles, recovery, sandbox
 from gpumarket.provider.broker_link import ArtifactLink
+from gpumarket.provider.cgroups import CgroupError, CgroupHost, Limits
 from gpumarket.provider.config import ProviderConfig
 from gpumarket.provider.executor import JobProcess, job_env, pid_runs_in, read_reports
+from gpumarket.provider.job_uids import UidRange, UidRangeError, claim
 from gpumarket.provider.inventory import DeviceInfo, inference_engines, local_models
 from gpumarket.provider.journal import Journal
 from gpumarket.provider.leases import check_lease, refusal, runner_config
@@ -73,12 +76,22 @@ class ProviderDaemon:
         self._background: set[asyncio.Task] = set()
         self.warm = WarmPool(config.jobs_dir, config.warm_runners)
         self.isolation: dict = {}
+        self.uids: UidRange | None = None
+        self.cgroups: CgroupHost | None = None
 
     # -- offer ---------------------------------------------------------------------------
 
     def offer(self) -> pb.Envelope:
         return build_offer(self.config, self.identity, self.devices, self.benchmarks,
-                           self.kinds, self.engines)
+                           self.kinds, self.engines, self.runs_code())
+
+    def runs_code(self) -> bool:
+        """Whether this provider runs jobs' own code (a model's remote code): only if its
+        operator allows it, and only where the host isolates such a job fully, unless the
+        operator opted in to weaker isolation."""
+        if not self.config.policy.allow_remote_code:
+            return False
+        return self.config.unisolated_code or not sandbox.missing_for_code(self.isolation)
 
     def free_devices(self) -> set[int]:
         held = {i for j in self.jobs.values() for i in j.devices}
@@ -89,9 +102,7 @@ class ProviderDaemon:
     async def run(self) -> None:
         """Serve until stopped (after a drain, or at once by stop()); then end every job."""
         if self.config.isolate:
-            self.isolation = await asyncio.to_thread(sandbox.prepare_host, self.config.data_dir,
-                                                     self.config.jobs_dir)
-            log.info("job isolation: %s", sandbox.summary(self.isolation))
+            await asyncio.to_thread(self._prepare_isolation)
         await self._recover()
         for kind in self.kinds:
             await self._refill_warm(kind)
@@ -128,6 +139,31 @@ class ProviderDaemon:
             if self.channel is not None:
                 await self.channel.close()
             self.journal.close()
+
+    def _prepare_isolation(self) -> None:
+        """Claim this daemon's job uids and control-group directory, then try every
+        protection for real; say what is missing, and what that turns off."""
+        if os.geteuid() == 0:
+            try:
+                self.uids = claim(self.identity.id, self.config.job_uid_pool)
+            except UidRangeError as exc:
+                log.warning("no job uid range: %s", exc)
+            try:
+                self.cgroups = CgroupHost.detect(f"gpumarket-{self.identity.id[:16]}")
+            except CgroupError as exc:
+                log.warning("no job cgroups: %s", exc)
+        self.isolation = sandbox.prepare_host(self.config.data_dir, self.config.jobs_dir,
+                                              self.uids, self.cgroups)
+        log.info("job isolation: %s", sandbox.summary(self.isolation))
+        missing = sandbox.missing_for_code(self.isolation)
+        if self.config.policy.allow_remote_code and missing:
+            if self.config.unisolated_code:
+                log.warning("jobs' own code runs without: %s (unisolated_code = true)",
+                            ", ".join(missing))
+            else:
+                log.warning("jobs' own code (remote code) is refused: this host gives no %s"
+                            " (gpumarket-provider doctor; unisolated_code = true to run it"
+                            " anyway)", ", ".join(missing))
 
     async def _connect(self) -> None:
         """Open the channel: TLS to the broker key this provider trusts (pinned by
@@ -268,7 +304,7 @@ class ProviderDaemon:
                 provider_id=self.identity.id, device_indices=self.free_devices(),
                 kinds=self.kinds, engines=self.engines,
                 models=frozenset(local_models(self.config.models_dir)),
-                policy=self.config.policy)
+                policy=self.config.policy, runs_code=self.runs_code())
         except GpumarketError as exc:
             reason = refusal(exc)
             log.warning("refused a lease: %s", reason)
@@ -306,12 +342,35 @@ class ProviderDaemon:
         limit = min(a.spec.max_runtime_s or self.config.max_runtime_s, self.config.max_runtime_s)
         env = job_env(job.workdir, ",".join(d.uuid for d in devices) if cuda else "", None)
         quota = int(self.config.job_disk_gib * 2**30)
-        box = sandbox.for_job(self.isolation, sorted(job.devices),
-                              sum(d.memory_bytes for d in devices), cuda, quota) \
-            if self.config.isolate else None
+        box, group = None, None
+        if self.config.isolate:
+            if self.cgroups is not None and self.isolation.get("job_cgroup", {}).get("available"):
+                group = self.cgroups.job(job.workdir.name)
+                group.limit(self._limits(devices))
+            expose = (str(job.workdir),) + ((str(self.config.models_dir),)
+                                            if self.config.models_dir.is_dir() else ())
+            box = sandbox.for_job(self.isolation, self.uids, sorted(job.devices), quota, cuda,
+                                  sum(d.memory_bytes for d in devices), group, expose)
         return JobProcess(RUNNERS[a.spec.kind], job.workdir, env,
                           lambda report: self._on_report(job, report), limit,
-                          self.config.cancel_grace_s, warm, box, quota)
+                          self.config.cancel_grace_s, warm, box, quota, group)
+
+    def _job_uid(self, job: RunningJob) -> int:
+        """The uid the job runs as (its files are its, and only those are taken)."""
+        if self.config.isolate and self.uids is not None and \
+                self.isolation.get("unprivileged_user", {}).get("available"):
+            return self.uids.uid(min(job.devices, default=0))
+        return os.geteuid()
+
+    def _limits(self, devices: list[DeviceInfo]) -> Limits:
+        """A job's share of the host: on the CPU, its devices' memory and cores; on GPUs,
+        host memory in proportion to the GPUs it leases, and no CPU cap."""
+        if any(d.is_cuda for d in devices):
+            gpus = [d for d in self.devices if d.is_cuda]
+            host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+            return Limits(memory_bytes=host * len(devices) // max(len(gpus), 1), pids=4096)
+        return Limits(memory_bytes=sum(d.memory_bytes for d in devices), pids=4096,
+                      cpus=float(sum(d.cpu_cores for d in devices)))
 
     async def _run_job(self, job: RunningJob) -> None:
         a = job.assignment
@@ -438,11 +497,13 @@ class ProviderDaemon:
                      for line in report["lines"][:LOG_LINES_PER_UPDATE]]
             self.send(self._update(job, log=gw.JobLog(lines=lines)))
         elif event == "checkpoint":
-            path = (job.workdir / str(report.get("path", ""))).resolve()
-            if not path.is_relative_to(job.workdir.resolve()):
-                log.warning("job %s reported a checkpoint outside its work dir", job.key[0])
-                return
-            job.pending_checkpoint = (int(report.get("step", 0)), path,
+            path = PurePosixPath(str(report.get("path", "")))
+            if path.is_absolute():
+                if not path.is_relative_to(job.workdir):
+                    log.warning("job %s reported a checkpoint outside its work dir", job.key[0])
+                    return
+                path = path.relative_to(job.workdir)
+            job.pending_checkpoint = (int(report.get("step", 0)), str(path),
                                       float(report.get("write_seconds", 0.0)))
             if job.uploader is None or job.uploader.done():
                 job.uploader = asyncio.create_task(self._upload_checkpoints(job))
@@ -458,7 +519,7 @@ class ProviderDaemon:
             upload_dir.mkdir(exist_ok=True)
             tar = upload_dir / f"step-{step:08d}.tar"
             try:
-                await asyncio.to_thread(checkpoints.pack, path, tar)
+                await asyncio.to_thread(self._pack, job, path, tar)
                 ref = await self._with_broker(
                     lambda: self.artifacts.upload(tar, "checkpoint.tar"))
             except GpumarketError as exc:
@@ -471,17 +532,56 @@ class ProviderDaemon:
             job.checkpoint_report = self._update(job, checkpoint=gw.CheckpointReport(
                 step=step, artifact=ref, write_seconds=write_s))
             self.send(job.checkpoint_report)
-            for old in (job.workdir / "checkpoints").glob("step-*"):
-                if old.name < path.name:  # names sort by step; newer ones may be in progress
-                    shutil.rmtree(old, ignore_errors=True)
+            await asyncio.to_thread(self._drop_older_checkpoints, job, path)
+
+    def _pack(self, job: RunningJob, rel: str, tar: Path) -> None:
+        """Pack the job's checkpoint ``rel`` (walked from the work directory without
+        following links: the job may have swapped it for a link since it reported it)."""
+        owner = self._job_uid(job)
+        root = jobfiles.open_dir(job.workdir)
+        try:
+            ckpt = jobfiles.open_beneath(root, rel, directory=True)
+        finally:
+            os.close(root)
+        try:
+            checkpoints.pack(ckpt, tar, owner, PurePosixPath(rel).name)
+        finally:
+            os.close(ckpt)
+
+    def _drop_older_checkpoints(self, job: RunningJob, rel: str) -> None:
+        """Remove the job's checkpoints older than the one just uploaded (names sort by
+        step; newer ones may be in progress), inside its own checkpoints directory only."""
+        newest = PurePosixPath(rel)
+        try:
+            root = jobfiles.open_dir(job.workdir)
+            try:
+                parent = jobfiles.open_beneath(root, str(newest.parent), directory=True)
+            finally:
+                os.close(root)
+        except (OSError, jobfiles.JobFileError):
+            return
+        try:
+            for name in os.listdir(parent):
+                if name.startswith("step-") and name < newest.name:
+                    shutil.rmtree(name, ignore_errors=True, dir_fd=parent)
+        finally:
+            os.close(parent)
 
     async def _receipt(self, job: RunningJob, done: dict, wall_seconds: float) -> pb.Envelope:
         a = job.assignment
         outputs = []
-        out_dir = job.workdir / "outputs"
-        for path in sorted(p for p in out_dir.iterdir() if p.is_file() and not p.is_symlink()):
-            ref = await self._with_broker(lambda path=path: self.artifacts.upload(path, path.name))
-            outputs.append(ref)
+        # The job may have swapped outputs/ or a file in it for a link to anything the
+        # daemon can read: take only the job's own plain files, read through descriptors.
+        owner = self._job_uid(job)
+        root = jobfiles.open_dir(job.workdir)
+        try:
+            with jobfiles.plain_files(root, "outputs", owner) as files:
+                for name, fd in files:
+                    ref = await self._with_broker(
+                        lambda fd=fd, name=name: self.artifacts.upload(fd, name))
+                    outputs.append(ref)
+        finally:
+            os.close(root)
         metrics = {k: float(v) for k, v in (done.get("metrics") or {}).items()
                    if isinstance(v, (int, float))}
         receipt = pb.Receipt(
@@ -572,7 +672,8 @@ class ProviderDaemon:
                 job.task = asyncio.create_task(self._reattached(job))
                 log.info("job %s: re-attached to its running process %d", lease.job_id, e.pid)
             else:
-                done = [r for r in read_reports(job.workdir) if r.get("event") == "done"]
+                done = [r for r in read_reports(job.workdir, self._job_uid(job))
+                        if r.get("event") == "done"]
                 if done:
                     job.task = asyncio.create_task(self._finished_meanwhile(job, done[-1]))
                 else:
@@ -581,6 +682,10 @@ class ProviderDaemon:
                     await self._finalize(job, self._update(job, released=gw.JobReleased(
                         reason="job process ended while the provider daemon was down")))
         recovery.kill_orphans(self.config.jobs_dir, attached)
+        following = [j for j in self.jobs.values() if j.process is not None]
+        await asyncio.to_thread(
+            recovery.end_strays, self.cgroups, {j.workdir.name for j in following},
+            self.uids, {self._job_uid(j) for j in following})
         known = {Path(e.workdir).name for e in entries}
         if self.config.jobs_dir.is_dir():
             for d in self.config.jobs_dir.iterdir():
@@ -588,7 +693,8 @@ class ProviderDaemon:
                     shutil.rmtree(d, ignore_errors=True)
 
     async def _reattached(self, job: RunningJob) -> None:
-        ckpts = [r for r in read_reports(job.workdir) if r.get("event") == "checkpoint"]
+        ckpts = [r for r in read_reports(job.workdir, self._job_uid(job))
+                 if r.get("event") == "checkpoint"]
         if ckpts:
             await self._on_report(job, ckpts[-1])
         final = await self._follow(job)

@@ -21,12 +21,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpumarket.proto.jobspec import LOG_LINES_PER_UPDATE
+from gpumarket.provider import jobfiles
+from gpumarket.provider.cgroups import CgroupError, JobCgroup
 from gpumarket.provider.sandbox import ENV as SANDBOX_ENV
 from gpumarket.provider.sandbox import Sandbox, kill_uid
 
 log = logging.getLogger(__name__)
 
 LOG_READ_BYTES = 1 << 20       # read at most this much of job.log per poll
+REPORTS_READ_BYTES = 1 << 20   # ... and of the reports
 
 REPORTS = "reports.jsonl"
 POLL_S = 0.05
@@ -66,24 +69,42 @@ def job_env(workdir: Path, visible_devices: str, threads: int | None) -> dict[st
     return env
 
 
-def log_tail(path: Path, lines: int = 5) -> str:
+def log_tail(fd: int, lines: int = 5) -> str:
+    """The last lines of an open job log."""
     try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - 8192))
-            text = f.read().decode("utf-8", "replace")
+        size = os.fstat(fd).st_size
+        text = os.pread(fd, 8192, max(0, size - 8192)).decode("utf-8", "replace")
     except OSError:
         return ""
     kept = [ln for ln in text.splitlines() if ln.strip()]
     return "\n".join(kept[-lines:])
 
 
-def read_reports(workdir: Path) -> list[dict]:
+def job_owner(box: Sandbox | None) -> int:
+    """The uid that owns what a job writes: its own, or the daemon's."""
+    return box.uid if box is not None and box.uid is not None else os.geteuid()
+
+
+def open_job_file(workdir: Path, name: str, owner: int) -> int:
+    """A job-written file of ``workdir`` opened without following links (JobFileError if
+    the job put anything but its own plain file there)."""
+    dir_fd = jobfiles.open_dir(workdir)
+    try:
+        return jobfiles.open_beneath(dir_fd, name, owner=owner)
+    finally:
+        os.close(dir_fd)
+
+
+def read_reports(workdir: Path, owner: int) -> list[dict]:
     """Every complete report line the job wrote so far."""
     try:
-        data = (workdir / REPORTS).read_bytes()
-    except OSError:
+        fd = open_job_file(workdir, REPORTS, owner)
+    except (OSError, jobfiles.JobFileError):
         return []
+    try:
+        data = os.pread(fd, os.fstat(fd).st_size, 0)
+    finally:
+        os.close(fd)
     out = []
     for line in data.split(b"\n")[:-1]:
         try:
@@ -115,9 +136,11 @@ class JobProcess:
     def __init__(self, module: str, workdir: Path, env: dict[str, str],
                  on_report: Callable[[dict], Awaitable[None]], max_runtime_s: float,
                  grace_s: float, warm: asyncio.subprocess.Process | None = None,
-                 sandbox: Sandbox | None = None, disk_quota_bytes: int = 0) -> None:
+                 sandbox: Sandbox | None = None, disk_quota_bytes: int = 0,
+                 cgroup: JobCgroup | None = None) -> None:
         self.warm = warm
         self.sandbox = sandbox
+        self.cgroup = cgroup
         self.disk_quota_bytes = disk_quota_bytes
         self._disk_checked = 0.0
         self.module = module
@@ -132,13 +155,30 @@ class JobProcess:
         self._log_offset = 0
         self._killed = False
         self._stop_reason = ""
+        # The daemon reads the job's log and reports through descriptors it opened itself:
+        # whatever the job later puts under those names is never read.
+        self._log_fd = self._reports_fd = -1
+
+    def _create_files(self) -> None:
+        dir_fd = jobfiles.open_dir(self.workdir)
+        try:
+            flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+            self._reports_fd = os.open(REPORTS, flags, 0o644, dir_fd=dir_fd)
+            self._log_fd = os.open("job.log", flags | os.O_APPEND, 0o644, dir_fd=dir_fd)
+        finally:
+            os.close(dir_fd)
+
+    def close(self) -> None:
+        for fd in (self._log_fd, self._reports_fd):
+            if fd >= 0:
+                os.close(fd)
+        self._log_fd = self._reports_fd = -1
 
     async def start(self) -> int:
         """Start the job (on the warm runner if one was given and is alive); return its pid
         (also its process group id)."""
         (self.workdir / "tmp").mkdir(exist_ok=True)
-        (self.workdir / REPORTS).touch()
-        (self.workdir / "job.log").touch()
+        self._create_files()
         if self.sandbox is not None:
             hand_over(self.workdir, self.sandbox)
         warm, self.warm = self.warm, None
@@ -158,23 +198,27 @@ class JobProcess:
         if self.sandbox is not None:
             args = ["-m", "gpumarket.provider.sandbox", self.module, str(self.workdir)]
             env = {**env, SANDBOX_ENV: self.sandbox.to_json()}
-        with open(self.workdir / "job.log", "ab") as log_file:
-            self.proc = await asyncio.create_subprocess_exec(
-                sys.executable, *args, cwd=self.workdir, env=env,
-                stdin=asyncio.subprocess.DEVNULL, stdout=log_file, stderr=log_file,
-                start_new_session=True,
-            )
+        self.proc = await asyncio.create_subprocess_exec(
+            sys.executable, *args, cwd=self.workdir, env=env,
+            stdin=asyncio.subprocess.DEVNULL, stdout=self._log_fd, stderr=self._log_fd,
+            start_new_session=True,
+        )
         self.pid = self.proc.pid
         return self.pid
 
     def attach(self, pid: int) -> None:
-        """Follow a job started by an earlier daemon, from the end of its reports so far."""
+        """Follow a job started by an earlier daemon, from the end of its reports so far
+        (a log or reports file the job replaced by anything but its own plain file is not
+        read: the job then ends without a result)."""
         self.pid = pid
+        owner = job_owner(self.sandbox)
         try:
-            self._offset = (self.workdir / REPORTS).stat().st_size
-            self._log_offset = (self.workdir / "job.log").stat().st_size
-        except OSError:
-            pass
+            self._reports_fd = open_job_file(self.workdir, REPORTS, owner)
+            self._log_fd = open_job_file(self.workdir, "job.log", owner)
+            self._offset = os.fstat(self._reports_fd).st_size
+            self._log_offset = os.fstat(self._log_fd).st_size
+        except (OSError, jobfiles.JobFileError) as exc:
+            log.warning("job in %s: cannot follow its files (%s)", self.workdir, exc)
 
     def alive(self) -> bool:
         if self.proc is not None:
@@ -194,25 +238,41 @@ class JobProcess:
             await self._drain_reports(state)
         code = await self.proc.wait() if self.proc is not None else None
         wall = time.monotonic() - started
-        # Nothing of the job outlives it: not its group, not a process of its uid.
-        signal_group(self.pid, signal.SIGKILL)
-        if self.sandbox is not None and self.sandbox.uid is not None:
-            kill_uid(self.sandbox.uid)
+        await asyncio.to_thread(self.end_all)
         done = state["done"] if code in (0, None) else None
         error = ""
         if done is None and not state["drained"]:
             if self._stop_reason:
                 error = f"job {self._stop_reason}"
+            elif self.cgroup is not None and self.cgroup.oom_killed():
+                error = ("job ran out of memory: it used more than its limit of"
+                         f" {self.cgroup.limits.memory_bytes:,} bytes")
             elif code is None:
                 error = "job ended without finishing"
             elif code < 0:
                 error = f"job killed by signal {-code}"
             else:
                 error = f"job exited with code {code}"
-            tail = log_tail(self.workdir / "job.log")
+            tail = log_tail(self._log_fd)
             if tail and not self._killed:
                 error += ": " + tail.splitlines()[-1][:500]
+        self.close()
+        if self.cgroup is not None:
+            await asyncio.to_thread(self.cgroup.remove)
         return Outcome(code, done, state["drained"] and done is None, error, wall, self._killed)
+
+    def end_all(self) -> None:
+        """Nothing of the job outlives it: every process of its control group (however it
+        forked or detached), of its process group, and of its uid."""
+        if self.pid is not None:
+            signal_group(self.pid, signal.SIGKILL)
+        if self.cgroup is not None:
+            try:
+                self.cgroup.kill()
+            except CgroupError as exc:
+                log.error("job in %s: %s", self.workdir, exc)
+        if self.sandbox is not None and self.sandbox.uid is not None:
+            kill_uid(self.sandbox.uid)
 
     async def _follow(self, state: dict) -> None:
         while True:
@@ -233,13 +293,10 @@ class JobProcess:
         """Hand the job's new stdout/stderr lines on as ``{"event": "log", "lines": [...]}``
         reports, LOG_LINES_PER_UPDATE lines at a time (a last partial line only at the end)."""
         while True:
-            try:
-                with open(self.workdir / "job.log", "rb") as f:
-                    f.seek(self._log_offset)
-                    data = f.read(LOG_READ_BYTES)
-            except OSError:
+            if self._log_fd < 0:
                 return
-            end = len(data) if final else data.rfind(b"\n") + 1
+            data = os.pread(self._log_fd, LOG_READ_BYTES, self._log_offset)
+            end = len(data) if final or len(data) == LOG_READ_BYTES else data.rfind(b"\n") + 1
             if end <= 0:
                 return
             self._log_offset += end
@@ -251,22 +308,24 @@ class JobProcess:
                 return
 
     async def _drain_reports(self, state: dict) -> None:
-        path = self.workdir / REPORTS
-        try:
-            with open(path, "rb") as f:
-                f.seek(self._offset)
-                data = f.read()
-        except OSError:
-            return
-        end = data.rfind(b"\n")
-        if end < 0:
-            return
-        self._offset += end + 1
-        for line in data[:end].split(b"\n"):
+        while self._reports_fd >= 0:
+            data = os.pread(self._reports_fd, REPORTS_READ_BYTES, self._offset)
+            end = data.rfind(b"\n")
+            if end < 0:
+                if len(data) == REPORTS_READ_BYTES:   # a line longer than any report: skip
+                    self._offset += len(data)
+                    continue
+                return
+            self._offset += end + 1
+            await self._handle_reports(data[:end], state)
+
+    async def _handle_reports(self, data: bytes, state: dict) -> None:
+        unreadable = 0
+        for line in data.split(b"\n"):
             try:
                 report = json.loads(line)
             except ValueError:
-                log.warning("job wrote an unreadable report line")
+                unreadable += 1
                 continue
             if not isinstance(report, dict):
                 continue
@@ -277,6 +336,9 @@ class JobProcess:
                 state["drained"] = True
             else:
                 await self.on_report(report)
+        if unreadable:
+            log.warning("job in %s wrote %d unreadable report lines", self.workdir.name,
+                        unreadable)
 
     async def _over_quota(self) -> bool:
         now = time.monotonic()

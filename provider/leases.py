@@ -42,12 +42,14 @@ def check_lease(
     models: frozenset[str] = frozenset(),
     policy: Policy | None = None,
     at_ms: int | None = None,
+    runs_code: bool | None = None,
 ) -> Assignment:
     """Verify a lease and the job spec inside it; return the assignment.
 
     Raises BadSignature (lease not from this broker, spec not from the lease's client,
     tampered bytes), Expired (lease or spec past expiry) or InvalidArgument (a lease this
-    provider cannot honour). Nothing may run unless this returns.
+    provider cannot honour, or PermissionDenied: code of its own where ``runs_code`` is
+    False). Nothing may run unless this returns.
     """
     at = now_ms() if at_ms is None else at_ms
     lease, signer = open_envelope(envelope, pb.Lease)
@@ -80,6 +82,9 @@ def check_lease(
     if wants_remote_code(spec) and not (policy and policy.allow_remote_code):
         raise PermissionDenied("this provider does not run a model's own code"
                                " (trust_remote_code)")
+    if wants_remote_code(spec) and runs_code is False:
+        raise PermissionDenied("this provider cannot isolate a model's own code on this"
+                               " host (see gpumarket-provider doctor)")
     model = required_model(spec)
     if model and model not in models:
         raise InvalidArgument(f"this provider holds no model named {model!r}")

@@ -18,7 +18,9 @@ CACHED_LISTED = 256
 
 def build_offer(config: ProviderConfig, identity: Identity, devices: list[DeviceInfo],
                 benchmarks: dict[int, pb.Benchmark], kinds: set[int],
-                engines: frozenset[str]) -> pb.Envelope:
+                engines: frozenset[str], runs_code: bool | None = None) -> pb.Envelope:
+    """The signed offer. ``runs_code`` (default: the policy's allow_remote_code) says
+    whether jobs' own code is accepted here: off where the host cannot isolate it."""
     messages = []
     for d in devices:
         m = d.message(benchmarks.get(d.index))
@@ -36,6 +38,8 @@ def build_offer(config: ProviderConfig, identity: Identity, devices: list[Device
         created_at_ms=now_ms(),
         policy=config.policy.message(),
     )
+    if runs_code is not None:
+        offer.policy.allow_remote_code = runs_code and config.policy.allow_remote_code
     return seal(identity, offer)
 
 

@@ -11,9 +11,12 @@ from pathlib import Path
 from gpumarket.proto.envelope import open_envelope, payload_sha256
 from gpumarket.proto.errors import GpumarketError
 from gpumarket.proto.v1 import types_pb2 as pb
+from gpumarket.provider.cgroups import CgroupError, CgroupHost
 from gpumarket.provider.executor import signal_group
+from gpumarket.provider.job_uids import UidRange
 from gpumarket.provider.journal import Entry
 from gpumarket.provider.leases import Assignment
+from gpumarket.provider.sandbox import kill_uid, processes_of
 
 log = logging.getLogger(__name__)
 
@@ -50,3 +53,24 @@ def kill_orphans(jobs_dir: Path, keep: set[int]) -> list[int]:
                 pass
             killed.append(pid)
     return killed
+
+
+def end_strays(groups: CgroupHost | None, keep_groups: set[str], uids: UidRange | None,
+               keep_uids: set[int]) -> None:
+    """End what is left of jobs that no journal entry follows any more: every process of
+    their control groups (then the groups) and of this daemon's job uids."""
+    if groups is not None:
+        for key in groups.keys() - keep_groups:
+            group = groups.job(key)
+            try:
+                killed = group.kill()
+            except CgroupError as exc:
+                log.error("stray job group %s: %s", key, exc)
+                continue
+            if killed:
+                log.warning("killed %d stray processes of job group %s", killed, key)
+            group.remove()
+    if uids is not None:
+        mine = set(range(uids.first, uids.first + uids.size)) - keep_uids
+        for uid in processes_of(mine):
+            log.warning("killed %d stray processes of job uid %d", kill_uid(uid), uid)

@@ -1,14 +1,16 @@
 """Job isolation on the provider: what a job process gives up before it touches a job.
 
-A ``Sandbox`` says how far: an unprivileged uid/gid of its own (where the daemon runs as
-root), no network (a network namespace of its own with only loopback up, where the kernel
-lets us make one), and resource limits (open files, processes of its uid, file size, core
-dumps, and address space on CPU jobs). ``apply`` does it, in this order, in the job's own
-process: the network first (it needs root), the limits, then the uid. The daemon starts a cold
-job as ``python -m gpumarket.provider.sandbox MODULE WORKDIR`` with the sandbox in
-``$GPUMARKET_SANDBOX``; a warm runner applies the one in its order before it reads the job.
-The disk quota of the work directory is watched by the executor (and no single file may
-exceed it: RLIMIT_FSIZE).
+A ``Sandbox`` says how far, and ``apply`` does it in the job's own process, in this order:
+join the job's control group (provider/cgroups.py: memory, processes and CPU of the whole
+job, and one kill for all of it), a network namespace with only loopback, a mount namespace
+with private scratch directories and a way to only the paths the job needs
+(provider/mounts.py), resource limits, a private umask, and last the job's own unprivileged
+uid (from the daemon's own range, provider/job_uids.py). The first steps need root; the uid
+switch ends it. The daemon starts a cold job as ``python -m gpumarket.provider.sandbox MODULE
+WORKDIR`` with the sandbox in ``$GPUMARKET_SANDBOX``; a warm runner applies the one in its
+order before it reads the job. The work directory's disk quota is watched by the executor
+(and no single file may exceed it: RLIMIT_FSIZE); scratch directories are tmpfs of a bounded
+size whose pages count against the job's memory.
 
     python -m gpumarket.provider.sandbox --probe     # what this host allows, as JSON
 
@@ -19,21 +21,30 @@ from __future__ import annotations
 
 import ctypes
 import fcntl
+import importlib.util
 import json
 import os
 import resource
 import runpy
+import signal
 import socket
 import struct
 import subprocess
 import sys
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from gpumarket.provider import cgroups, mounts
+from gpumarket.provider.job_uids import UidRange, UidRangeError, claim
 
 ENV = "GPUMARKET_SANDBOX"
 CLONE_NEWNET = 0x40000000
 SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 0x1
-JOB_UID_BASE = 61000          # job uids: this + the lowest leased device index
 LIMITS = ("NOFILE", "NPROC", "FSIZE", "CORE", "AS")
+JOB_UMASK = 0o077
+PROBE_RUNNER = "gpumarket.provider.runners.training"   # what a job imports first: torch
+# What a job that runs code of its own (a model's remote code) must not run without.
+CODE_NEEDS = ("unprivileged_user", "no_network", "private_tmp", "job_cgroup")
 
 
 @dataclass(frozen=True)
@@ -42,6 +53,9 @@ class Sandbox:
     gid: int | None = None
     network: bool = True               # False: a network namespace with only loopback
     limits: dict[str, int] = field(default_factory=dict)   # RLIMIT_<NAME> -> soft = hard
+    cgroups: tuple[str, ...] = ()      # cgroup.procs files of the job's group, to join
+    scratch_bytes: int = 0             # > 0: own mount namespace, private scratch of this size
+    expose: tuple[str, ...] = ()       # paths the job needs besides the interpreter's
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -51,7 +65,10 @@ class Sandbox:
         raw = json.loads(text)
         return cls(uid=raw.get("uid"), gid=raw.get("gid"), network=bool(raw.get("network")),
                    limits={k: int(v) for k, v in (raw.get("limits") or {}).items()
-                           if k in LIMITS})
+                           if k in LIMITS},
+                   cgroups=tuple(raw.get("cgroups") or ()),
+                   scratch_bytes=int(raw.get("scratch_bytes") or 0),
+                   expose=tuple(raw.get("expose") or ()))
 
 
 class SandboxError(Exception):
@@ -72,11 +89,36 @@ def _unshare_network() -> None:
     _loopback_up()   # the job's own processes still talk to each other (torch.distributed)
 
 
-def apply(box: Sandbox) -> None:
-    """Give up what ``box`` says, for good; raise SandboxError if any of it fails (the job
-    must not run half-isolated)."""
-    if not box.network:
-        _unshare_network()
+def interpreter_paths() -> list[str]:
+    """What a job process needs to run this Python and import gpumarket's runners: the
+    interpreter, its prefixes, every import path, and the packages' own directories (an
+    editable install maps them outside sys.path)."""
+    paths = [sys.prefix, sys.base_prefix, sys.exec_prefix, os.path.dirname(sys.executable),
+             os.path.realpath(sys.executable), *(p for p in sys.path if os.path.isabs(p))]
+    for name in ("gpumarket.proto", "gpumarket.provider"):
+        spec = importlib.util.find_spec(name)
+        if spec is not None:
+            paths += list(spec.submodule_search_locations or ())
+    return paths
+
+
+def apply(box: Sandbox) -> list[str]:
+    """Give up what ``box`` says, for good; return notes for the job's log. Raises
+    SandboxError if any of it fails (the job must not run half-isolated)."""
+    notes = []
+    try:
+        if box.cgroups:
+            cgroups.join(list(box.cgroups))
+            notes.append("own cgroup")
+        if not box.network:
+            _unshare_network()
+        if box.scratch_bytes:
+            uid = box.uid if box.uid is not None else os.getuid()
+            gid = box.gid if box.gid is not None else uid
+            notes += mounts.private_view([*interpreter_paths(), *box.expose], uid, gid,
+                                         box.scratch_bytes)
+    except (cgroups.CgroupError, mounts.MountError) as exc:
+        raise SandboxError(str(exc)) from exc
     for name, value in box.limits.items():
         which = getattr(resource, f"RLIMIT_{name}")
         hard = resource.getrlimit(which)[1]
@@ -86,6 +128,7 @@ def apply(box: Sandbox) -> None:
             resource.setrlimit(which, (value, value))
         except (ValueError, OSError) as exc:
             raise SandboxError(f"cannot set RLIMIT_{name} to {value} ({exc})") from exc
+    os.umask(JOB_UMASK)
     if box.uid is not None:
         try:
             os.setgroups([])
@@ -93,85 +136,180 @@ def apply(box: Sandbox) -> None:
             os.setuid(box.uid)
         except OSError as exc:
             raise SandboxError(f"cannot run as uid {box.uid} ({exc.strerror})") from exc
+    return notes
 
 
-def probe(jobs_dir: str | None = None) -> dict[str, dict]:
-    """What this host gives: each feature tried for real in a child process. A job uid is
-    only usable if it can reach ``jobs_dir`` (every directory above it open to others)."""
-    def attempt(box: Sandbox, check: str) -> tuple[bool, str]:
+def _attempts(tries: dict[str, tuple[Sandbox, str]]) -> dict[str, tuple[bool, str]]:
+    """Run each (sandbox, check) in a child of its own, all at once; (worked, last line)."""
+    procs = {}
+    for name, (box, check) in tries.items():
         code = ("import sys; from gpumarket.provider import sandbox as s; "
                 f"s.apply(s.Sandbox.from_json({box.to_json()!r})); {check}")
-        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                           timeout=60)
-        lines = (r.stderr or r.stdout).strip().splitlines()
-        return r.returncode == 0, lines[-1] if lines else ""
+        procs[name] = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                                       stderr=subprocess.PIPE, text=True)
+    out = {}
+    for name, proc in procs.items():
+        try:
+            stdout, stderr = proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            stdout, stderr = proc.communicate()
+        lines = (stderr or stdout).strip().splitlines()
+        out[name] = (proc.returncode == 0, lines[-1] if lines else "")
+    return out
 
+
+def probe(jobs_dir: str | None = None, uids: UidRange | None = None,
+          cgroup_host: cgroups.CgroupHost | None = None) -> dict[str, dict]:
+    """What this host gives: each feature tried for real in a child process, the job uid
+    one by importing what a job's runner imports, as that uid, in the sandbox a job gets
+    (a job uid is only usable if it can run the runner and reach ``jobs_dir``)."""
     root = os.geteuid() == 0
-    reach = f"os.stat({str(jobs_dir)!r})" if jobs_dir else "pass"
-    user_ok, user_why = attempt(Sandbox(uid=JOB_UID_BASE, gid=JOB_UID_BASE),
-                                f"import os; assert os.getuid() != 0; {reach}")
-    if not root and not user_ok:
-        user_why = "the daemon is not root, so jobs run as its own user"
-    if root and not user_ok and "Permission denied" in user_why:
-        user_why = (f"a job uid cannot reach {jobs_dir} (a directory above it is closed to"
-                    " other users: chmod o+x it, or move the data directory)")
-    net_ok, net_why = attempt(
-        Sandbox(network=False),
-        "import socket; socket.create_connection(('192.0.2.1', 9), timeout=2)")
+    first = _attempts({
+        "no_network": (Sandbox(network=False), "import socket; socket.create_connection("
+                       "('192.0.2.1', 9), timeout=2)"),
+        "namespace": (Sandbox(network=False), "pass"),
+        "private_tmp": (Sandbox(scratch_bytes=1 << 20), "import os; st = os.statvfs('/tmp');"
+                        " assert st.f_blocks * st.f_frsize <= 2 << 20, 'tmp is shared'"),
+        "resource_limits": (Sandbox(limits={"NOFILE": 256, "CORE": 0}), "pass"),
+    })
+    tmp_ok, tmp_why = first["private_tmp"]
+    claimed = None
+    if root and uids is None:
+        try:
+            uids = claimed = claim(f"probe-{os.getpid()}")
+        except UidRangeError as exc:
+            user = (False, str(exc))
+    if uids is not None:
+        uid = uids.first
+        reach = f"; import os; os.stat({str(jobs_dir)!r})" if jobs_dir else ""
+        box = Sandbox(uid=uid, gid=uid, scratch_bytes=(1 << 20) if tmp_ok else 0,
+                      expose=(jobs_dir,) if jobs_dir else ())
+        user = _attempts({"u": (box, f"import {PROBE_RUNNER}{reach}")})["u"]
+        if not user[0] and ("Permission denied" in user[1] or "No module" in user[1]):
+            user = (False, f"job uid {uid} cannot reach the provider's Python or {jobs_dir}"
+                    " (a directory above them is closed to other users, and no mount"
+                    f" namespace can show them: {tmp_why or 'not root'})")
+        elif not user[0]:
+            user = (False, f"job uid {uid} cannot run a runner: {user[1]}")
+    elif not root:
+        user = (False, "the daemon is not root, so jobs run as its own user")
+    if claimed is not None:
+        claimed.release()
+    net_ok, net_why = first["no_network"]
     # connecting to an outside address must fail inside the namespace: success means leaky
     no_net = not net_ok and "unreachable" in net_why.lower()
-    ns_ok, ns_why = attempt(Sandbox(network=False), "pass")
-    limits_ok, limits_why = attempt(Sandbox(limits={"NOFILE": 256, "CORE": 0}), "pass")
-    return {
-        "unprivileged_user": {"available": user_ok, "detail": user_why or "jobs run as uid"
-                              f" {JOB_UID_BASE} + device index"},
+    ns_ok, ns_why = first["namespace"]
+    features = {
+        "unprivileged_user": {"available": user[0], "detail": user[1] or (
+            f"jobs run as uids {uids.first}-{uids.first + uids.size - 1} (this daemon's"
+            " range), one per device")},
         "no_network": {"available": ns_ok and no_net,
                        "detail": "network namespace with loopback only" if ns_ok and no_net
                        else (ns_why or net_why)},
-        "resource_limits": {"available": limits_ok, "detail": limits_why or
-                            "open files, processes, file size, core dumps, address space"},
+        "private_tmp": {"available": tmp_ok, "detail": tmp_why or "/tmp, /var/tmp, /dev/shm"
+                        " of the job's own (tmpfs, counted in its memory), and only its paths"
+                        " inside closed directories"},
+        "resource_limits": {"available": first["resource_limits"][0],
+                            "detail": first["resource_limits"][1] or
+                            "open files, processes, file size, core dumps"},
     }
+    features["job_cgroup"] = _probe_cgroup(cgroup_host)
+    return features
 
 
-def for_job(features: dict, device_indices: list[int], memory_bytes: int, cuda: bool,
-            disk_quota_bytes: int) -> Sandbox:
-    """The sandbox of one job, from what this host gives (``probe()``): its own uid (the job
-    uid base + its lowest device index: jobs on other devices never share one), no network,
-    at most 64 Ki open files, 4 Ki processes of its uid, no file larger than its disk quota,
-    no core dumps, and on the CPU an address space of its devices' memory + 8 GiB (CUDA
-    reserves far more address space than it uses, so GPU jobs go without that limit)."""
+def _probe_cgroup(host: cgroups.CgroupHost | None) -> dict:
+    made = None
+    try:
+        if host is None:
+            host = made = cgroups.CgroupHost.detect(f"gpumarket-probe-{os.getpid()}")
+        group = host.job(f"probe-{os.getpid()}")
+        try:
+            group.limit(cgroups.Limits(memory_bytes=256 << 20, pids=64))
+            ok, why = _attempts({"c": (Sandbox(cgroups=tuple(group.procs_files)),
+                                       "pass")})["c"]
+        finally:
+            group.kill()
+            group.remove()
+    except cgroups.CgroupError as exc:
+        return {"available": False, "detail": str(exc)}
+    finally:
+        if made is not None:
+            made.remove()
+    return {"available": ok, "detail": why or "memory, processes and CPU per job; every"
+            f" process of a job killed at once ({host.describe()})"}
+
+
+def for_job(features: dict, uids: UidRange | None, device_indices: list[int],
+            disk_quota_bytes: int, cuda: bool, memory_bytes: int,
+            cgroup: cgroups.JobCgroup | None = None, expose: tuple[str, ...] = ()) -> Sandbox:
+    """The sandbox of one job, from what this host gives (``probe()``): its own uid (from
+    this daemon's range, by its lowest device: jobs on other devices never share one), its
+    control group, no network, private scratch directories of its disk quota, at most 64 Ki
+    open files, 4 Ki processes, no file larger than its disk quota, no core dumps. Without a
+    control group, a CPU job's memory is bounded per process instead (address space of its
+    devices' memory + 8 GiB; CUDA reserves far more address space than it uses, so GPU
+    jobs go without that limit)."""
     limits = {"NOFILE": 65536, "CORE": 0, "FSIZE": disk_quota_bytes}
+    have = lambda name: bool(features.get(name, {}).get("available"))
     uid = None
-    if features.get("unprivileged_user", {}).get("available"):
-        uid = JOB_UID_BASE + min(device_indices or [0])
+    if have("unprivileged_user") and uids is not None:
+        uid = uids.uid(min(device_indices or [0]))
         limits["NPROC"] = 4096      # counted per uid: meaningless for a job that stays root
-    if not cuda:
+    if cgroup is None and not cuda:
         limits["AS"] = memory_bytes + 8 * 2**30
-    return Sandbox(uid=uid, gid=uid,
-                   network=not features.get("no_network", {}).get("available"), limits=limits)
+    return Sandbox(uid=uid, gid=uid, network=not have("no_network"), limits=limits,
+                   cgroups=tuple(cgroup.procs_files) if cgroup is not None else (),
+                   scratch_bytes=disk_quota_bytes if have("private_tmp") else 0,
+                   expose=expose)
+
+
+def missing_for_code(features: dict) -> list[str]:
+    """The protections a job running its own code needs that this host does not give."""
+    return [name for name in CODE_NEEDS if not features.get(name, {}).get("available")]
 
 
 def kill_uid(uid: int) -> int:
     """SIGKILL every process of ``uid`` (a job's uid: whatever it left behind, even outside
-    its process group); return how many."""
-    import signal
+    its process group and after detaching); return how many were seen. A child that takes
+    the uid sends ``kill(-1)``, which the kernel delivers to all of the uid's processes at
+    once, so none can fork past it; repeated until none is left."""
+    seen = 0
+    for _ in range(50):
+        pids = processes_of({uid}).get(uid)
+        if not pids:
+            return seen
+        seen = max(seen, len(pids))
+        child = os.fork()
+        if child == 0:   # only syscalls here: the daemon may have other threads
+            try:
+                os.setgroups([])
+                os.setresgid(uid, uid, uid)
+                os.setresuid(uid, uid, uid)
+                os.kill(-1, signal.SIGKILL)
+            finally:
+                os._exit(0)
+        os.waitpid(child, 0)
+    return seen
 
-    killed = 0
+
+def processes_of(uids: set[int]) -> dict[int, list[int]]:
+    """Live (not zombie) processes whose real, effective or saved uid is one of ``uids``,
+    by uid."""
+    out: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
             with open(f"/proc/{entry}/status") as f:
-                uids = next(line for line in f if line.startswith("Uid:")).split()[1:]
-        except (OSError, StopIteration):
+                status = dict(line.split(":", 1) for line in f if ":" in line)
+        except OSError:
             continue
-        if str(uid) in uids:
-            try:
-                os.kill(int(entry), signal.SIGKILL)
-                killed += 1
-            except ProcessLookupError:
-                pass
-    return killed
+        if status.get("State", "").strip().startswith("Z"):
+            continue
+        for uid in {int(u) for u in status.get("Uid", "").split()[:3]} & uids:
+            out.setdefault(uid, []).append(int(entry))
+    return out
 
 
 def open_traversal(*dirs) -> None:
@@ -183,29 +321,31 @@ def open_traversal(*dirs) -> None:
             os.chmod(d, mode | 0o111)
 
 
-def describe(box: Sandbox) -> str:
+def describe(box: Sandbox, notes: list[str] = ()) -> str:
     limits = ", ".join(f"{k.lower()} {v:,}" for k, v in sorted(box.limits.items()))
+    extra = "".join(f", {n}" for n in notes)
     return (f"sandbox: uid {box.uid if box.uid is not None else os.getuid()},"
-            f" {'network' if box.network else 'no network'}, limits: {limits or 'none'}")
+            f" {'network' if box.network else 'no network'}{extra}, limits: {limits or 'none'}")
 
 
 def enter(text: str) -> bool:
     """Apply the sandbox given as JSON and say so in the job's log; False if it failed."""
     box = Sandbox.from_json(text)
     try:
-        apply(box)
+        notes = apply(box)
     except SandboxError as exc:
         print(f"error: sandbox: {exc}", file=sys.stderr, flush=True)
         return False
-    print(describe(box), flush=True)
+    print(describe(box, notes), flush=True)
     return True
 
 
-def prepare_host(data_dir, jobs_dir) -> dict[str, dict]:
+def prepare_host(data_dir: Path, jobs_dir: Path, uids: UidRange | None,
+                 cgroup_host: cgroups.CgroupHost | None) -> dict[str, dict]:
     """Open the way to the jobs' work directories for job uids, then probe."""
     jobs_dir.mkdir(parents=True, exist_ok=True)
     open_traversal(data_dir, jobs_dir)
-    return probe(str(jobs_dir))
+    return probe(str(jobs_dir), uids, cgroup_host)
 
 
 def summary(features: dict[str, dict]) -> str:

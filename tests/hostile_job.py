@@ -59,6 +59,49 @@ def main() -> int:
                 f.write(block)
             time.sleep(0.01)
         print("fill_disk: UNLIMITED")
+    elif attack == "survivor":
+        # A detached process that keeps re-forking (a new pid every generation), so one
+        # scan of /proc never catches it, and notes every generation in a file.
+        if os.fork() == 0:
+            os.setsid()
+            marker = os.open(job["marker"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            while True:
+                try:
+                    if os.fork():
+                        os._exit(0)
+                except OSError:
+                    continue
+                os.write(marker, b"x")
+        print("survivor: detached")
+    elif attack == "fill_scratch":
+        for d in job["dirs"]:
+            written, why = 0, "UNLIMITED"
+            try:
+                with open(os.path.join(d, "left-behind"), "wb") as f:
+                    for _ in range(job["mib"]):
+                        f.write(b"x" * (1 << 20))
+                        f.flush()
+                        written += 1
+            except OSError as exc:
+                why = exc.strerror
+            print(f"fill_scratch: {d} took {written} MiB ({why})")
+    elif attack == "look_scratch":
+        for d in job["dirs"]:
+            print(f"look_scratch: {d} holds {sorted(os.listdir(d))}")
+    elif attack == "memory":
+        # Several processes, each under any per-process limit, together over the job's.
+        children = []
+        for _ in range(job["processes"]):
+            pid = os.fork()
+            if pid == 0:
+                block = bytearray(job["mib_each"] << 20)
+                for i in range(0, len(block), 4096):
+                    block[i] = 1
+                time.sleep(5)
+                os._exit(0)
+            children.append(pid)
+        codes = [os.waitpid(pid, 0)[1] for pid in children]
+        print(f"memory: children ended {codes}")
     sys.stdout.flush()
     return 0
 

@@ -16,15 +16,30 @@ from pathlib import Path
 
 import pytest
 
-from gpumarket.provider import sandbox
+from gpumarket.provider import cgroups, job_uids, sandbox
 from gpumarket.provider.executor import JobProcess, job_env
 
 ROOT = Path(__file__).resolve().parent.parent
-FEATURES = sandbox.probe()
+# The uids these tests' jobs run as: a range of their own, as a daemon claims one.
+UIDS = job_uids.claim(f"tests-{os.getpid()}") if os.geteuid() == 0 else None
+JOB_UID = UIDS.first if UIDS else None
+FEATURES = sandbox.probe(uids=UIDS)
 needs_root = pytest.mark.skipif(not FEATURES["unprivileged_user"]["available"],
-                                reason="jobs can only switch uid where the daemon is root")
+                                reason=FEATURES["unprivileged_user"]["detail"])
 needs_netns = pytest.mark.skipif(not FEATURES["no_network"]["available"],
                                  reason=FEATURES["no_network"]["detail"])
+needs_cgroup = pytest.mark.skipif(not FEATURES["job_cgroup"]["available"],
+                                  reason=FEATURES["job_cgroup"]["detail"])
+needs_private_tmp = pytest.mark.skipif(not FEATURES["private_tmp"]["available"],
+                                       reason=FEATURES["private_tmp"]["detail"])
+
+
+@pytest.fixture(scope="module")
+def groups():
+    """This test module's control-group directory, as a daemon makes one."""
+    host = cgroups.CgroupHost.detect(f"gpumarket-tests-{os.getpid()}")
+    yield host
+    host.remove()
 
 
 @pytest.fixture
@@ -41,17 +56,21 @@ def base():
 
 
 def run_hostile(base: Path, attack: dict, box: sandbox.Sandbox, quota: int = 0,
-                name: str = "j.1") -> tuple[str, object]:
+                name: str = "j.1", group: cgroups.JobCgroup | None = None
+                ) -> tuple[str, object]:
     workdir = base / "jobs" / name
     workdir.mkdir()
     (workdir / "job.json").write_text(json.dumps(attack))
     env = {**job_env(workdir, "", None), "PYTHONPATH": str(ROOT)}
+    if group is not None:
+        box = sandbox.Sandbox(**{**box.__dict__, "cgroups": tuple(group.procs_files)})
 
     async def go():
         async def ignore(report):
             pass
 
-        proc = JobProcess("tests.hostile_job", workdir, env, ignore, 120, 2.0, None, box, quota)
+        proc = JobProcess("tests.hostile_job", workdir, env, ignore, 120, 2.0, None, box, quota,
+                          group)
         outcome = await proc.run()
         sandbox_pid = proc.pid
         return outcome, sandbox_pid
@@ -65,8 +84,13 @@ def run_hostile(base: Path, attack: dict, box: sandbox.Sandbox, quota: int = 0,
 
 
 def box(**kw) -> sandbox.Sandbox:
-    defaults = dict(uid=sandbox.JOB_UID_BASE, gid=sandbox.JOB_UID_BASE, network=False,
-                    limits={"NOFILE": 1024, "NPROC": 64, "CORE": 0, "FSIZE": 8 << 20})
+    """The sandbox a job gets on this host (its uid, no network, private scratch, limits),
+    with ``kw`` changed."""
+    private = FEATURES["private_tmp"]["available"]
+    defaults = dict(uid=JOB_UID, gid=JOB_UID, network=False,
+                    limits={"NOFILE": 1024, "NPROC": 64, "CORE": 0, "FSIZE": 8 << 20},
+                    scratch_bytes=(16 << 20) if private else 0,
+                    expose=())
     return sandbox.Sandbox(**{**defaults, **kw})
 
 
@@ -74,9 +98,9 @@ def box(**kw) -> sandbox.Sandbox:
 def test_a_job_runs_as_its_own_uid_with_a_clean_environment(base, monkeypatch):
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "do-not-leak")
     log, _ = run_hostile(base, {"attack": "identity"}, box())
-    assert f"identity: uid {sandbox.JOB_UID_BASE} gid {sandbox.JOB_UID_BASE} groups []" in log
+    assert f"identity: uid {JOB_UID} gid {JOB_UID} groups []" in log
     assert "AWS_SECRET_ACCESS_KEY" not in log and sandbox.ENV not in log
-    assert f"sandbox: uid {sandbox.JOB_UID_BASE}, no network" in log
+    assert f"sandbox: uid {JOB_UID}, no network" in log
 
 
 @needs_root
@@ -139,7 +163,8 @@ def test_what_this_host_gives_is_reported(tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     features = json.loads(r.stdout)
-    assert set(features) == {"unprivileged_user", "no_network", "resource_limits"}
+    assert set(features) == {"unprivileged_user", "no_network", "resource_limits",
+                             "private_tmp", "job_cgroup"}
     assert features["resource_limits"]["available"]
 
 
@@ -154,3 +179,128 @@ def test_a_checkpoint_that_links_to_the_key_is_not_packed(base, tmp_path):
     (ckpt / "model.safetensors").symlink_to(base / "provider.key")
     with pytest.raises(InvalidArgument, match="model.safetensors is not a plain file"):
         checkpoints.pack(ckpt, tmp_path / "out.tar")
+
+
+def _still_growing(marker: Path, wait_s: float = 1.0) -> bool:
+    before = marker.stat().st_size if marker.exists() else 0
+    import time
+
+    time.sleep(wait_s)
+    return (marker.stat().st_size if marker.exists() else 0) != before
+
+
+@needs_cgroup
+def test_a_reforking_survivor_dies_with_its_job_group(base, groups):
+    marker = base / "jobs" / "j.1" / "generations"
+    group = groups.job("j.1")
+    group.limit(cgroups.Limits(memory_bytes=512 << 20, pids=256))
+    log, outcome = run_hostile(base, {"attack": "survivor", "marker": str(marker)},
+                               box(uid=None, gid=None), group=group)
+    assert "survivor: detached" in log
+    assert marker.exists(), "the survivor never ran"
+    assert not _still_growing(marker), "a process of the job outlived it"
+    assert not group.pids()
+
+
+@needs_root
+def test_a_reforking_survivor_dies_with_its_uid_without_a_group(base):
+    marker = base / "jobs" / "j.1" / "generations"
+    log, outcome = run_hostile(base, {"attack": "survivor", "marker": str(marker)}, box())
+    assert "survivor: detached" in log
+    assert not _still_growing(marker), "a process of the job outlived it"
+    assert not sandbox.processes_of({JOB_UID})
+
+
+@needs_private_tmp
+def test_scratch_directories_are_private_bounded_and_gone_after_the_job(base):
+    scratch = ["/tmp", "/var/tmp", "/dev/shm"]
+    limits = {"NOFILE": 1024, "NPROC": 64, "CORE": 0, "FSIZE": 1 << 30}
+    log, _ = run_hostile(base, {"attack": "fill_scratch", "dirs": scratch, "mib": 64},
+                         box(limits=limits))
+    for d in scratch:
+        line = next(x for x in log.splitlines() if x.startswith(f"fill_scratch: {d} "))
+        assert "No space left on device" in line and int(line.split()[3]) <= 16, line
+        assert not os.path.exists(os.path.join(d, "left-behind")), f"{d} is the host's"
+    log, _ = run_hostile(base, {"attack": "look_scratch", "dirs": scratch}, box(), name="j.2")
+    assert log.count("look_scratch:") == 3 and "left-behind" not in log, log
+
+
+@needs_root
+@needs_cgroup
+def test_memory_is_limited_per_job_not_per_process(base, groups):
+    group = groups.job("j.1")
+    group.limit(cgroups.Limits(memory_bytes=192 << 20, pids=256))
+    log, outcome = run_hostile(base, {"attack": "memory", "processes": 3, "mib_each": 96},
+                               box(), group=group)
+    assert not outcome.succeeded
+    assert outcome.error.startswith("job ran out of memory: it used more than its limit of"
+                                    f" {192 << 20:,} bytes"), outcome.error
+
+
+@needs_root
+def test_each_daemon_has_its_own_job_uids(base, tmp_path):
+    from gpumarket.provider.recovery import end_strays
+
+    a = job_uids.claim("provider-a", lock_dir=tmp_path / "locks")
+    b = job_uids.claim("provider-b", lock_dir=tmp_path / "locks")
+    other = job_uids.claim("provider-a", lock_dir=tmp_path / "locks")   # a is running
+    assert len({a.first, b.first, other.first}) == 3
+    other.release()
+    a.release()
+    again = job_uids.claim("provider-a", lock_dir=tmp_path / "locks")   # a restarted
+    assert again.first == a.first
+    # A job of daemon b keeps running while daemon a cleans up after itself.
+    import subprocess
+
+    job = subprocess.Popen(["sleep", "30"], user=b.uid(0), group=b.uid(0), extra_groups=[])
+    try:
+        end_strays(None, set(), again, set())
+        assert job.poll() is None, "daemon a's clean-up killed daemon b's job"
+        end_strays(None, set(), b, set())
+        assert job.wait(10) == -signal.SIGKILL
+    finally:
+        job.kill()
+        again.release()
+        b.release()
+
+
+def test_the_daemon_never_follows_a_link_out_of_a_job_tree(tmp_path):
+    from gpumarket.provider import jobfiles
+
+    secret = tmp_path / "data"
+    secret.mkdir()
+    (secret / "provider.key").write_bytes(b"secret")
+    (secret / "step-00000001").mkdir()
+    work = tmp_path / "job"
+    (work / "checkpoints").mkdir(parents=True)
+    (work / "outputs").symlink_to(secret)
+    (work / "checkpoints" / "step-00000001").symlink_to(secret / "step-00000001")
+    root = jobfiles.open_dir(work)
+    try:
+        with pytest.raises(jobfiles.JobFileError, match="outputs is a link"):
+            with jobfiles.plain_files(root, "outputs"):
+                pass
+        with pytest.raises(jobfiles.JobFileError, match="step-00000001 is a link"):
+            jobfiles.open_beneath(root, "checkpoints/step-00000001", directory=True)
+        with pytest.raises(jobfiles.JobFileError, match="not a plain path"):
+            jobfiles.open_beneath(root, "../data/provider.key")
+        (work / "outputs").unlink()
+        (work / "outputs").mkdir()
+        (work / "outputs" / "result.txt").write_text("ok")
+        (work / "outputs" / "key").symlink_to(secret / "provider.key")
+        with pytest.raises(jobfiles.JobFileError, match="outputs/key is a link|key is a link"):
+            with jobfiles.plain_files(root, "outputs"):
+                pass
+        (work / "outputs" / "key").unlink()
+        os.mkfifo(work / "outputs" / "pipe")     # would block a plain open() forever
+        with pytest.raises(jobfiles.JobFileError, match="pipe is not a plain file"):
+            with jobfiles.plain_files(root, "outputs"):
+                pass
+        (work / "outputs" / "pipe").unlink()
+        with pytest.raises(jobfiles.JobFileError, match="belongs to uid"):
+            with jobfiles.plain_files(root, "outputs", owner=os.geteuid() + 1):
+                pass
+        with jobfiles.plain_files(root, "outputs", owner=os.geteuid()) as files:
+            assert [(name, os.read(fd, 10)) for name, fd in files] == [("result.txt", b"ok")]
+    finally:
+        os.close(root)

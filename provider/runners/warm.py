@@ -33,8 +33,7 @@ def main() -> int:
     os.chdir(workdir)
     os.environ.clear()
     os.environ.update(order["env"])
-    log = os.open(os.path.join(workdir, "job.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND,
-                  0o644)
+    log = os.open(os.path.join(workdir, "job.log"), os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW)
     os.dup2(log, 1)
     os.dup2(log, 2)
     os.close(log)
