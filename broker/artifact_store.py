@@ -25,6 +25,7 @@ class ArtifactStore:
     def __init__(self, root: Path, max_blob_bytes: int) -> None:
         self.root = root
         self.max_blob_bytes = max_blob_bytes
+        self.active: set[tuple[str, str]] = set()   # (sha256, uploader) being streamed now
         (root / "blobs").mkdir(parents=True, exist_ok=True)
         (root / "partial").mkdir(parents=True, exist_ok=True)
 
@@ -61,8 +62,9 @@ class ArtifactStore:
 
     def begin_upload(self, sha256: str, size_bytes: int, offset: int, uploader: str,
                      may_skip: bool = True) -> "Upload | None":
-        """Start or continue an upload; None if the blob is already stored and ``may_skip``
-        (the uploader may read it). Others upload every byte, checked like a new blob."""
+        """Start or continue ``uploader``'s upload of a blob; None if the blob is stored
+        already and ``may_skip``. Without it, every byte (even of a stored blob: that is how
+        an uploader proves it has it), checked like a new blob."""
         self.check_size(size_bytes)
         if may_skip and self.blob_path(sha256).exists():
             return None
@@ -71,7 +73,17 @@ class ArtifactStore:
             raise FailedPrecondition(
                 f"upload of {sha256[:12]} must continue at offset {received}, not {offset}"
             )
-        return Upload(self, sha256, size_bytes, offset, self._partial_path(sha256, uploader))
+        if (sha256, uploader) in self.active:
+            raise FailedPrecondition(f"an upload of {sha256[:12]} by this key is in progress")
+        return Upload(self, sha256, size_bytes, offset, self._partial_path(sha256, uploader),
+                      uploader)
+
+    def drop_partial(self, sha256: str, uploader: str) -> bool:
+        """Delete an abandoned partial upload (not one being streamed now)."""
+        if (sha256, uploader) in self.active:
+            return False
+        self._partial_path(sha256, uploader).unlink(missing_ok=True)
+        return True
 
     def open_read(self, sha256: str, offset: int):
         path = self.blob_path(sha256)
@@ -87,13 +99,15 @@ class Upload:
     """One upload stream's writer; finish() verifies the hash and publishes the blob."""
 
     def __init__(self, store: ArtifactStore, sha256: str, size_bytes: int, offset: int,
-                 path: Path) -> None:
+                 path: Path, uploader: str) -> None:
         self.store = store
         self.sha256 = sha256
         self.size_bytes = size_bytes
         self.received = offset
         self.path = path
         self._file = open(self.path, "ab")
+        self._key = (sha256, uploader)
+        store.active.add(self._key)
 
     def write(self, data: bytes) -> None:
         if len(data) > CHUNK_BYTES:
@@ -109,6 +123,7 @@ class Upload:
             self._file.flush()
             os.fsync(self._file.fileno())
             self._file.close()
+        self.store.active.discard(self._key)
 
     def finish(self) -> int:
         """Verify and publish; return the size. The partial file is dropped on a mismatch."""

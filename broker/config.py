@@ -23,6 +23,7 @@ class BrokerConfig:
     operators: tuple[str, ...] = ()        # key ids allowed the Admin calls (and broker.key)
     plaintext: bool = False                # no TLS (only when listening on loopback)
     http_public: bool = False              # allow the HTTP side off loopback (no auth there)
+    http_hosts: tuple[str, ...] = ()       # Host names it answers besides loopback's and its own
     rate_limit_per_s: float = 50.0         # calls a second per key (bursts of 5x); 0 = off
     max_queued_jobs: int = 100             # QUEUED jobs per client
     max_key_artifact_bytes: int = 256 << 30  # bytes of blobs one key may have uploaded
@@ -69,6 +70,8 @@ max_artifact_gib = 64              # largest blob accepted, GiB
 operators = []
 plaintext = false                  # true: no TLS; allowed only when listen is loopback
 http_public = false                # true: allow `http` off loopback (it has no authentication)
+http_hosts = []                    # Host header names the HTTP side answers (besides localhost,
+                                   # loopback addresses and its own listen address)
 rate_limit = 50                    # calls a second per key (bursts of 5x); 0 = no limit
 max_queued_jobs = 100              # QUEUED jobs per client
 max_key_artifact_gib = 256         # GiB of artifacts one key may upload
@@ -86,6 +89,7 @@ KEYS = {
     "operators": ("operators", tuple, None),
     "plaintext": ("plaintext", bool, None),
     "http_public": ("http_public", bool, None),
+    "http_hosts": ("http_hosts", tuple, None),
     "rate_limit": ("rate_limit_per_s", float, None),
     "max_queued_jobs": ("max_queued_jobs", int, None),
     "max_key_artifact_gib": ("max_key_artifact_bytes", int, 2**30),
@@ -111,7 +115,7 @@ def load(path: Path) -> dict:
         field_name, typ, scale = KEYS[key]
         if typ is tuple:
             if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-                raise InvalidArgument(f"{path}: {key} must be a list of key ids")
+                raise InvalidArgument(f"{path}: {key} must be a list of strings")
             out[field_name] = tuple(value)
             continue
         if typ is bool:

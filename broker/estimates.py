@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import tarfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +19,8 @@ from gpumarket.proto.errors import InvalidArgument
 from gpumarket.proto.v1 import types_pb2 as pb
 
 MAX_CONFIG_BYTES = 1 << 20
+MAX_MEMBERS = 10_000        # archive entries read to find config.json
+MAX_SCAN_S = 2.0            # ... and seconds spent on it
 
 
 @dataclass(frozen=True)
@@ -33,11 +36,25 @@ def _config_from_blob(path: Path, archive: bool) -> dict:
             raise InvalidArgument("model config: larger than 1 MiB")
         return json.loads(path.read_text())
     with tarfile.open(path, "r:") as tar:
-        member = next((m for m in tar.getmembers() if m.name in ("config.json", "./config.json")
-                       and m.isfile()), None)
+        member = _find_config(tar)
         if member is None or member.size > MAX_CONFIG_BYTES:
             raise InvalidArgument("base_model: no config.json of at most 1 MiB in the archive")
         return json.loads(tar.extractfile(member).read())
+
+
+def _find_config(tar: tarfile.TarFile) -> tarfile.TarInfo | None:
+    """The archive's config.json, looked for among its first MAX_MEMBERS entries and for at
+    most MAX_SCAN_S (a stranger's archive may hold millions of entries: the broker reads
+    headers, never all of them)."""
+    deadline = time.monotonic() + MAX_SCAN_S
+    for i, member in enumerate(iter(tar.next, None)):
+        if member.name in ("config.json", "./config.json") and member.isfile():
+            return member
+        if i + 1 >= MAX_MEMBERS or time.monotonic() > deadline:
+            raise InvalidArgument(f"model archive: no config.json among its first"
+                                  f" {i + 1:,} entries (the broker reads at most"
+                                  f" {MAX_MEMBERS:,}; put config.json near the start)")
+    return None
 
 
 def estimate(spec: pb.JobSpec, blob_path: Callable[[str], Path]) -> JobEstimate:

@@ -13,12 +13,11 @@ import os
 
 import grpc
 
-from gpumarket.broker import jobs, logs
+from gpumarket.broker import holdings, jobs, logs
 from gpumarket.broker.auth import caller
 from gpumarket.broker.rpc import STATUS
-from gpumarket.broker.sessions import ProviderSession
+from gpumarket.broker.sessions import MESSAGES_PER_S, ProviderSession
 from gpumarket.broker.state import BrokerState
-from gpumarket.broker import views
 from gpumarket.proto.envelope import open_envelope, payload_sha256
 from gpumarket.proto.errors import (
     BadSignature, FailedPrecondition, GpumarketError, InvalidArgument, PermissionDenied,
@@ -34,14 +33,18 @@ log = logging.getLogger(__name__)
 HANDSHAKE_TIMEOUT_S = 10.0
 PROOF_MAX_AGE_MS = 5 * 60 * 1000
 MAX_EPOCH = 2**63 - 1       # SQLite's INTEGER
+MAX_RUNNING = 1024          # leases one heartbeat may list (a provider runs one per device)
+MAX_DEVICES = 256
 
 
 def check_offer(offer: pb.Offer, signer: str) -> None:
     """Raise if a signed offer is not usable as this provider's offer."""
     if offer.provider_id != signer:
         raise BadSignature("offer names another provider than its signer")
-    if not offer.devices:
-        raise InvalidArgument("offer.devices: an offer needs at least one device")
+    if not 0 < len(offer.devices) <= MAX_DEVICES:
+        raise InvalidArgument(f"offer.devices: an offer needs 1 to {MAX_DEVICES} devices")
+    if len(offer.kinds) > 32 or len(offer.engines) > 32:
+        raise InvalidArgument("offer: at most 32 kinds and 32 engines")
     if len({d.index for d in offer.devices}) != len(offer.devices):
         raise InvalidArgument("offer.devices: device indices repeat")
     if not offer.price_per_gpu_hour >= 0:
@@ -93,7 +96,15 @@ class ProviderGatewayServicer(gateway_pb2_grpc.ProviderGatewayServicer):
                     break
                 if message is grpc.aio.EOF:
                     break
+                if not session.messages.allow(""):
+                    session.end(f"it sent more than {MESSAGES_PER_S:.0f} messages a second")
+                    break
                 await self._handle(session, message)
+            if session.ended_why:
+                log.warning("provider %s: session ended: %s", provider_id, session.ended_why)
+                self.state.metrics.rejected.labels(reason="session_limit").inc()
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                    f"session ended: {session.ended_why}")
         except asyncio.CancelledError:
             pass  # the stream is being torn down (provider gone, or the server stopping)
         except grpc.aio.AbortError:
@@ -166,7 +177,8 @@ class ProviderGatewayServicer(gateway_pb2_grpc.ProviderGatewayServicer):
                 if signer != session.provider_id:
                     raise BadSignature("offer is signed by another key than the session's")
             except GpumarketError as exc:
-                log.warning("offer from %s refused: %s", session.provider_id, exc.message)
+                session.log(log, logging.WARNING, "offer from %s refused: %s",
+                            session.provider_id, exc.message)
                 return
             await self.state.store.write(_store_offer, session.provider_id,
                                          message.offer.SerializeToString(), offer, now_ms())
@@ -177,19 +189,26 @@ class ProviderGatewayServicer(gateway_pb2_grpc.ProviderGatewayServicer):
                 log.info("provider %s is draining; its offer is withdrawn", session.provider_id)
                 session.offer = None
                 await self.state.store.write(_withdraw_offer, session.provider_id)
+            if len(message.heartbeat.running) > MAX_RUNNING:
+                session.end(f"a heartbeat listed {len(message.heartbeat.running):,} leases,"
+                            f" more than {MAX_RUNNING:,}")
+                return
             running = [(r.job_id, r.epoch) for r in message.heartbeat.running
                        if r.epoch <= MAX_EPOCH]   # no lease has a larger one
             stale = await self.state.store.write(jobs.renew_leases, session.provider_id,
                                                  running, now_ms())
+            if stale:
+                session.log(log, logging.INFO, "provider %s still runs %d leases that are no"
+                            " longer its (job %s, ...); told to stop", session.provider_id,
+                            len(stale), stale[0][0])
             for job_id, epoch in stale:
-                log.info("provider %s still runs job %s under stale epoch %d; told to stop",
-                         session.provider_id, job_id, epoch)
                 session.send(gw.BrokerMessage(cancel=gw.CancelLease(
                     job_id=job_id, epoch=epoch, reason="this lease is no longer yours")))
         elif kind == "job_update":
             await self._job_update(session, message.job_update)
         else:
-            log.warning("provider %s sent an unexpected %s", session.provider_id, kind)
+            session.log(log, logging.WARNING, "provider %s sent an unexpected %s",
+                        session.provider_id, kind)
 
     async def _job_update(self, session: ProviderSession, update: gw.JobUpdate) -> None:
         store, pid, now = self.state.store, session.provider_id, now_ms()
@@ -230,7 +249,8 @@ class ProviderGatewayServicer(gateway_pb2_grpc.ProviderGatewayServicer):
             else:
                 raise InvalidArgument("job update carries nothing")
         except GpumarketError as exc:
-            log.info("update %s for %s from %s refused: %s", which, update.job_id, pid, exc.message)
+            session.log(log, logging.INFO, "update %s for %s from %s refused: %s", which,
+                        update.job_id, pid, exc.message)
             if final:
                 session.send(gw.BrokerMessage(settled=gw.UpdateSettled(
                     job_id=update.job_id, epoch=update.epoch, accepted=False, reason=exc.message)))
@@ -261,9 +281,10 @@ class ProviderGatewayServicer(gateway_pb2_grpc.ProviderGatewayServicer):
             for i, out in enumerate(receipt.outputs):
                 check_artifact_name(out.name, f"receipt.outputs[{i}].name")
                 check_sha256(out.sha256, f"receipt.outputs[{i}].sha256")
-                size = await store.read(views.artifact_size, out.sha256)
-                if size is None or size != out.size_bytes:
-                    raise FailedPrecondition(f"output {out.name} was not uploaded intact")
+                if not await store.read(holdings.holds_intact, provider_id, out.sha256,
+                                        out.size_bytes):
+                    raise FailedPrecondition(f"output {out.name} was not uploaded intact by"
+                                             " this provider")
         except (BadSignature, FailedPrecondition, InvalidArgument) as exc:
             # A bad receipt fails the job rather than leaving it running forever.
             await store.write(jobs.fail, update.job_id, update.epoch, provider_id,

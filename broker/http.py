@@ -33,11 +33,23 @@ def _probe(db) -> None:
     db.execute("CREATE TEMP TABLE IF NOT EXISTS _ready (x)")
 
 
+LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
+
+
+def host_name(header: str) -> str:
+    """The name in a Host header, without its port or IPv6 brackets, lower-cased."""
+    header = header.strip().lower()
+    if header.startswith("["):
+        return header[1:].split("]", 1)[0]
+    return header.rsplit(":", 1)[0] if header.count(":") == 1 else header
+
+
 class BrokerHttp:
     def __init__(self, state: BrokerState, serving) -> None:
         self.state = state
         self.serving = serving  # () -> bool: is gRPC serving?
-        self.app = web.Application()
+        self.hosts = set(LOOPBACK_NAMES) | {h.lower() for h in state.config.http_hosts}
+        self.app = web.Application(middlewares=[self.check_host])
         self.app.add_routes([
             web.get("/healthz", self.healthz),
             web.get("/readyz", self.readyz),
@@ -54,8 +66,19 @@ class BrokerHttp:
         self.samples: deque[dict] = deque(maxlen=SAMPLES_KEPT)
         self._sampler: asyncio.Task | None = None
 
+    @web.middleware
+    async def check_host(self, request: web.Request, handler):
+        """Answer only requests addressed to this broker by name: a page elsewhere that
+        points a name of its own at 127.0.0.1 (DNS rebinding) gets nothing."""
+        if host_name(request.headers.get("Host", "")) not in self.hosts:
+            return web.json_response(
+                {"error": "this broker does not answer to that Host name (http_hosts)"},
+                status=421)
+        return await handler(request)
+
     async def start(self, listen: str) -> str:
         host, _, port = listen.rpartition(":")
+        self.hosts.add(host_name(host or "localhost"))
         self.runner = web.AppRunner(self.app, access_log=None)
         await self.runner.setup()
         site = web.TCPSite(self.runner, host, int(port))

@@ -11,8 +11,9 @@ from dataclasses import dataclass
 
 from sqlite_utils import Database
 
+from gpumarket.broker import holdings
 from gpumarket.proto.errors import (
-    FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, Replay,
+    FailedPrecondition, InvalidArgument, NotFound, Replay,
 )
 from gpumarket.proto.jobspec import TERMINAL_STATES, state_name
 from gpumarket.proto.v1 import types_pb2 as pb
@@ -159,11 +160,17 @@ def _follow_parts(db: Database, parent_id: str, now: int, message: str, type_: s
     return ended
 
 
+def no_such_job(job_id: str) -> NotFound:
+    """The one answer for a job that does not exist and for another client's: nobody learns
+    which job ids exist."""
+    return NotFound(f"no job {job_id!r}")
+
+
 def job_row(db: Database, job_id: str) -> dict:
     """Return the job's row; raise NotFound."""
     row = db.execute("SELECT * FROM jobs WHERE id = ?", [job_id]).fetchone()
     if row is None:
-        raise NotFound(f"no job {job_id!r}")
+        raise no_such_job(job_id)
     cols = [d[0] for d in db.execute("SELECT * FROM jobs LIMIT 0").description]
     return dict(zip(cols, row))
 
@@ -321,14 +328,13 @@ def record_checkpoint(
 ) -> bool:
     """Make a stored, hash-checked checkpoint the job's latest; False if it is not newer.
 
-    Raises InvalidArgument if the artifact was not uploaded intact (its hash was checked
-    when the upload finished, so a stored blob of that name and size is the checkpoint).
+    Raises InvalidArgument unless this provider uploaded the artifact intact (its hash was
+    checked when the upload finished): naming a blob it only saw referenced is not enough.
     """
     job, _ = _current(db, job_id, epoch, provider_id)
-    row = db.execute("SELECT size_bytes FROM artifacts WHERE sha256 = ?",
-                     [artifact.sha256]).fetchone()
-    if row is None or row[0] != artifact.size_bytes:
-        raise InvalidArgument(f"checkpoint at step {step} was not uploaded intact")
+    if not holdings.holds_intact(db, provider_id, artifact.sha256, artifact.size_bytes):
+        raise InvalidArgument(f"checkpoint at step {step} was not uploaded intact by this"
+                              " provider")
     if step <= job["checkpoint_step"]:
         return False
     ref = {"name": artifact.name, "sha256": artifact.sha256, "size_bytes": artifact.size_bytes}
@@ -411,7 +417,7 @@ def cancel(db: Database, job_id: str, client_id: str, now: int
     leases to revoke)."""
     job = job_row(db, job_id)
     if job["client_id"] != client_id:
-        raise PermissionDenied(f"job {job_id} is not yours")
+        raise no_such_job(job_id)   # the same answer as for a job that does not exist
     if job["state"] in TERMINAL_STATES:
         return job["state"], []
     ended: list[EndedLease] = []

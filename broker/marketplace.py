@@ -7,7 +7,7 @@ import json
 import logging
 
 from gpumarket.broker import (
-    estimates, jobs, logs, matcher, reliability, scheduler, standing, views,
+    estimates, figures, jobs, logs, matcher, offers, reliability, scheduler, standing, views,
 )
 from gpumarket.broker.auth import caller
 from gpumarket.broker.rpc import streaming, unary
@@ -197,12 +197,15 @@ class MarketplaceServicer(marketplace_pb2_grpc.MarketplaceServicer):
             held = busy.get(offer.provider_id, set())
             free = sum(1 for d in offer.devices if d.index not in held)
             h = hist[offer.provider_id]
+            done = achieved.get((offer.provider_id, pb.JOB_KIND_TRAINING), 0.0)
+            judged = figures.check(offer, done, offers.claimed_flops(offer, capped=False))
             out.append(mp.OfferListing(
                 offer=env, online=True, free_devices=free,
                 reliability=reliability.score(h), mtbf_s=reliability.mtbf_s(h),
                 leases_completed=h.leases_completed, leases_lost=h.leases_lost,
-                achieved_flops=achieved.get((offer.provider_id, pb.JOB_KIND_TRAINING), 0.0),
-                uptime_7d=h.uptime_window_s / h.window_s if h.window_s else 0.0))
+                achieved_flops=done,
+                uptime_7d=h.uptime_window_s / h.window_s if h.window_s else 0.0,
+                figures=judged.status, figures_detail=judged.detail))
             if len(out) >= limit:
                 break
         return mp.SearchOffersResponse(offers=out)
@@ -250,9 +253,10 @@ class MarketplaceServicer(marketplace_pb2_grpc.MarketplaceServicer):
 
 
 def own(client_id: str, job_id: str) -> None:
-    """Raise unless the caller is the job's client."""
+    """Raise NotFound unless the caller is the job's client (another client's job answers
+    as if it did not exist)."""
     if client_id != caller():
-        raise PermissionDenied(f"job {job_id} is not yours")
+        raise jobs.no_such_job(job_id)
 
 
 def _matches(offer: pb.Offer, q: mp.SearchOffersRequest) -> bool:

@@ -3,7 +3,7 @@ observed (reliability, throughput achieved on real jobs). No grpc here."""
 
 from __future__ import annotations
 
-from gpumarket.broker import reliability
+from gpumarket.broker import figures, reliability
 from gpumarket.broker.matcher import OfferView
 from gpumarket.proto.policy import Policy
 from gpumarket.proto.v1 import types_pb2 as pb
@@ -26,9 +26,11 @@ def compute_capability(d: pb.Device) -> float:
         return 0.0
 
 
-def claimed_flops(offer: pb.Offer) -> float:
-    """The benchmark's headline matmul FLOP/s of the offer's slowest device."""
-    return min((d.benchmark.matmul_flops for d in offer.devices), default=0.0)
+def claimed_flops(offer: pb.Offer, capped: bool = True) -> float:
+    """The benchmark's headline matmul FLOP/s of the offer's slowest device; ``capped``:
+    no device counted faster than its kind can be (figures.device_bound)."""
+    return min((min(d.benchmark.matmul_flops, figures.device_bound(d)) if capped
+                else d.benchmark.matmul_flops for d in offer.devices), default=0.0)
 
 
 def claim_efficiency(offers: list[pb.Offer], achieved: dict[str, float]) -> float:

@@ -8,7 +8,7 @@ import logging
 import time
 from collections import defaultdict, deque
 
-from gpumarket.broker import auth, jobs, matcher, reliability, views
+from gpumarket.broker import auth, holdings, jobs, matcher, reliability, views
 from gpumarket.broker.offers import claim_efficiency, offer_view
 from gpumarket.broker.state import BrokerState
 from gpumarket.proto.envelope import seal
@@ -161,8 +161,11 @@ async def expire(state: BrokerState) -> None:
 
 
 async def collect_garbage(state: BrokerState) -> int:
-    """Delete blobs that no job references any more (after a grace period)."""
+    """Delete blobs that no job references any more, and uploads that made no progress
+    (both after a grace period)."""
     cutoff = now_ms() - int(state.config.artifact_grace_s * 1000)
+    for sha, key in await state.store.write(holdings.expired_uploads, cutoff):
+        state.artifacts.drop_partial(sha, key)
     shas = await state.store.read(jobs.unreferenced_artifacts, cutoff)
     if not shas:
         return 0

@@ -246,3 +246,21 @@ def m008_security(db: Database) -> None:
         )"""
     )
     db.execute("CREATE INDEX artifact_owners_by_owner ON artifact_owners(owner_id)")
+
+
+@migrations()
+def m009_upload_reservations(db: Database) -> None:
+    # An upload in progress: its declared size is fixed when it begins and counts against
+    # the uploader's quota until it finishes (or is dropped, unfinished, by the collector).
+    db.execute(
+        """
+        CREATE TABLE artifact_uploads (
+            sha256 TEXT NOT NULL,
+            uploader_id TEXT NOT NULL,
+            size_bytes INTEGER NOT NULL,
+            started_at_ms INTEGER NOT NULL,
+            updated_at_ms INTEGER NOT NULL,
+            PRIMARY KEY (sha256, uploader_id)
+        )"""
+    )
+    db.execute("CREATE INDEX artifact_uploads_by_uploader ON artifact_uploads(uploader_id)")

@@ -3,23 +3,62 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import dataclass, field
+
+from gpumarket.broker.auth import RateLimiter
 
 from gpumarket.proto.v1 import gateway_pb2 as gw
 from gpumarket.proto.v1 import types_pb2 as pb
 
 
+OUTBOX_MAX = 1000            # messages waiting for a provider that does not read them
+MESSAGES_PER_S = 200.0       # what a provider may send, sustained (bursts of 10 s worth)
+LOG_LINES_PER_S = 1.0        # broker log lines about one session (bursts of 20)
+
+
 @dataclass(eq=False)
 class ProviderSession:
     provider_id: str
-    outbox: asyncio.Queue = field(default_factory=asyncio.Queue)
+    outbox: asyncio.Queue = field(default_factory=lambda: asyncio.Queue(OUTBOX_MAX))
     offer: pb.Offer | None = None                     # None until offered, or while draining
     closed: bool = False
     row_id: int = 0                                   # provider_sessions row
+    ended_why: str = ""                               # why the broker ended it, if it did
+    messages: RateLimiter = field(
+        default_factory=lambda: RateLimiter(MESSAGES_PER_S, MESSAGES_PER_S * 10))
+    log_lines: RateLimiter = field(default_factory=lambda: RateLimiter(LOG_LINES_PER_S, 20))
+    unlogged: int = 0
 
     def send(self, message: gw.BrokerMessage) -> None:
-        if not self.closed:
+        """Queue a message for the provider; a provider that leaves a full outbox unread
+        loses its session (the broker keeps no unbounded backlog for anyone)."""
+        if self.closed:
+            return
+        try:
             self.outbox.put_nowait(message)
+        except asyncio.QueueFull:
+            self.end(f"the provider left {OUTBOX_MAX} messages unread")
+
+    def end(self, why: str = "") -> None:
+        self.ended_why = self.ended_why or why
+        self.offer = None
+        self.closed = True
+        try:
+            self.outbox.put_nowait(None)  # wakes its writer, which then ends
+        except asyncio.QueueFull:
+            pass                          # the handler sees ``closed`` and cancels it
+
+    def log(self, logger: logging.Logger, level: int, msg: str, *args) -> None:
+        """Log about this session at most LOG_LINES_PER_S (what a provider sends must not
+        flood the broker's log); the lines left out are counted in the next one."""
+        if not self.log_lines.allow(""):
+            self.unlogged += 1
+            return
+        if self.unlogged:
+            msg += f" ({self.unlogged} similar lines left out)"
+            self.unlogged = 0
+        logger.log(level, msg, *args)
 
 
 class Sessions:
@@ -30,8 +69,7 @@ class Sessions:
         """Register a new session; an older one of the same provider is closed."""
         old = self._by_provider.get(provider_id)
         if old is not None:
-            old.closed = True
-            old.outbox.put_nowait(None)  # wakes its writer, which then ends
+            old.end()
         session = ProviderSession(provider_id)
         self._by_provider[provider_id] = session
         return session
@@ -48,9 +86,7 @@ class Sessions:
         """End the provider's session (its handler then cleans up as after a disconnect)."""
         session = self._by_provider.get(provider_id)
         if session is not None:
-            session.offer = None
-            session.outbox.put_nowait(None)
-            session.closed = True
+            session.end()
 
     def get(self, provider_id: str) -> ProviderSession | None:
         return self._by_provider.get(provider_id)

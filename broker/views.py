@@ -148,11 +148,6 @@ def may_read(db: Database, key_id: str, sha256: str) -> bool:
         " LIMIT 1", {"sha": sha256, "key": key_id}).fetchone() is not None
 
 
-def uploaded_bytes(db: Database, key_id: str) -> int:
-    return db.execute("SELECT coalesce(sum(size_bytes), 0) FROM artifact_owners"
-                      " WHERE owner_id = ?", [key_id]).fetchone()[0]
-
-
 def artifact_size(db: Database, sha256: str) -> int | None:
     row = db.execute("SELECT size_bytes FROM artifacts WHERE sha256 = ?", [sha256]).fetchone()
     return row[0] if row else None

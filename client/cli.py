@@ -1,4 +1,5 @@
-"""gpumarket: submit signed jobs to a GPU marketplace, watch them, and fetch verified results.
+"""gpumarket: submit signed jobs to a GPU marketplace, watch them, and fetch their results
+(receipt signature and hashes checked).
 
 Exit codes: 0 ok; 1 error (bad input, broker unreachable, refused); 2 usage;
 3 the job FAILED; 4 the job was CANCELLED (watch and submit --watch).
@@ -95,7 +96,7 @@ def job_dict(job: pb.Job) -> dict:
 @click.pass_context
 def cli(ctx: click.Context, broker: str, broker_key: str) -> None:
     """gpumarket client: submit signed jobs to a GPU marketplace, watch them, and download
-    verified results.
+    their results (the provider's signed receipt and every hash checked).
 
     Exit codes: 0 ok, 1 error, 2 usage, 3 job failed, 4 job cancelled.
     """
@@ -208,7 +209,7 @@ async def status(broker_addr: str, job_id: str, as_json: bool) -> None:
         metrics = ", ".join(f"{k} {v:.4g}" for k, v in sorted(job.progress.metrics.items()))
         out.print(f"progress  {job.progress.step}/{job.progress.total}  {metrics}")
     if job.checkpoint_step:
-        out.print(f"checkpoint step {job.checkpoint_step} (verified, resumable)")
+        out.print(f"checkpoint step {job.checkpoint_step} (stored, hash checked, resumable)")
     out.print(f"attempt   {job.attempt}")
     if job.provider_id:
         out.print(f"provider  {job.provider_id}")
@@ -391,7 +392,10 @@ async def results(broker_addr: str, job_id: str, output_dir: Path, as_json: bool
         "metrics": merged_metrics(receipts),
         "outputs": [{"name": r.name, "sha256": r.sha256, "size_bytes": r.size_bytes}
                     for r in outputs],
-        "receipt_signature": "verified",
+        # The provider's signature over these hashes checks out, and the bytes match them;
+        # whether the provider computed them right is not checked here.
+        "receipt_signature": "valid",
+        "content": "not verified",
     }
     if len(receipts) > 1:
         summary["parts"] = [{"part": i, "job_id": r.job_id, "provider_id": r.provider_id,
@@ -402,18 +406,23 @@ async def results(broker_addr: str, job_id: str, output_dir: Path, as_json: bool
         _dump(summary)
         return
     for r in receipts:
-        out.print(f"receipt signed by provider {r.provider_id}: verified"
+        out.print(f"receipt signed by provider {r.provider_id}: signature valid"
                   + (f" ({r.job_id})" if len(receipts) > 1 else ""))
     table = Table("output", "bytes", "sha256")
     for r in outputs:
         table.add_row(r.name, str(r.size_bytes), r.sha256[:16] + "…  ok")
     out.print(table)
     metrics = ", ".join(f"{k} {v:.4g}" for k, v in sorted(summary["metrics"].items()))
-    out.print(f"{len(outputs)} files in {output_dir}; {metrics}")
+    out.print(f"{len(outputs)} files in {output_dir}, each matching its signed hash (the"
+              f" results themselves are the provider's word); {metrics}")
+
+
+FIGURE_NAMES = {pb.OFFER_FIGURES_CLAIMED: "claimed", pb.OFFER_FIGURES_MEASURED: "measured",
+                pb.OFFER_FIGURES_CONTRADICTED: "contradicted"}
 
 
 def offer_row(listing: mp.OfferListing, offer: pb.Offer) -> dict:
-    """The fields of the query grammar (client/query.py) for one verified offer."""
+    """The fields of the query grammar (client/query.py) for one offer whose signature checked."""
     devices = list(offer.devices)
     d = devices[0]
     return {
@@ -434,6 +443,8 @@ def offer_row(listing: mp.OfferListing, offer: pb.Offer) -> dict:
         "completed": listing.leases_completed,
         "lost": listing.leases_lost,
         "kind": [kind_name(k) for k in offer.kinds],
+        "figures": FIGURE_NAMES.get(listing.figures, "unknown"),
+        "figures_detail": listing.figures_detail,
     }
 
 
@@ -479,15 +490,19 @@ async def offers(broker_addr: str, query_text: str, sort_by: str, list_fields: b
         _dump([{**row, "offer": MessageToDict(o, preserving_proto_field_name=True)}
                for row, o in rows])
         return
-    table = Table("devices", "accel", "GiB/dev", "TFLOP/s", "price/h", "free", "reliability",
-                  "MTBF h", "kinds")
+    table = Table("devices", "accel", "GiB/dev", "TFLOP/s", "figures", "price/h", "free",
+                  "reliability", "MTBF h", "kinds")
     table.add_column("provider", no_wrap=True)
     for row, _ in rows:
         table.add_row(f"{row['gpus']}× {row['gpu_name']}", row["accelerator"],
-                      f"{row['gpu_ram']:g}", f"{row['tflops']:.3g}", f"{row['price']:g}",
-                      str(row["free_gpus"]), f"{row['reliability']:.2f}",
+                      f"{row['gpu_ram']:g}", f"{row['tflops']:.3g}", row["figures"],
+                      f"{row['price']:g}", str(row["free_gpus"]), f"{row['reliability']:.2f}",
                       f"{row['mtbf_h']:.1f}", ",".join(row["kind"]), row["provider"])
     out.print(table)
+    for row, _ in rows:
+        if row["figures"] == "contradicted":
+            err.print(f"provider {row['provider']}: figures contradicted:"
+                      f" {row['figures_detail']}")
     if not rows:
         err.print("no offers match")
 

@@ -304,13 +304,15 @@ PARSERS = {
 
 
 def pack_directory(directory: Path) -> bytes:
-    """A deterministic tar of a model directory (sorted names, zeroed times and owners),
-    so the same directory always has the same sha256 and uploads once."""
+    """A deterministic tar of a model directory (sorted names, config.json first, zeroed
+    times and owners), so the same directory always has the same sha256 and uploads once;
+    the broker reads only an archive's first entries to find its config."""
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
         for root, dirs, files in os.walk(directory):
             dirs.sort()
-            for fname in sorted(files):
+            first = ["config.json"] if root == str(directory) and "config.json" in files else []
+            for fname in first + sorted(set(files) - set(first)):
                 full = Path(root) / fname
                 if full.is_symlink():
                     continue

@@ -1,6 +1,6 @@
 """A local marketplace on one machine: a broker and a provider as real processes, a signed
 job submitted with the CLI (examples/training.toml unless another job file is given), watched
-to the end, and its results verified.
+to the end, and its results checked against the provider's signed receipt.
 
     make demo        (or: .venv/bin/python examples/demo.py [examples/render.toml])
 
@@ -103,7 +103,7 @@ def main() -> int:
         subprocess.run([*cli, "results", job_id, "-o", str(OUT / "results")], env=env,
                        check=True)
         subprocess.run([*cli, "status", job_id], env=env, check=True)
-        print(f"demo: job {job_id} SUCCEEDED; results verified in {OUT / 'results'}")
+        print(f"demo: job {job_id} SUCCEEDED; receipt signature valid, hashes checked, results in {OUT / 'results'}")
         return 0
     finally:
         for p in reversed(procs):

@@ -15,6 +15,7 @@ Every call then carries a CallToken signed by the caller's key (see types.proto)
 from __future__ import annotations
 
 import asyncio
+import base64
 import datetime
 import hashlib
 import ipaddress
@@ -41,8 +42,10 @@ log = logging.getLogger(__name__)
 
 PLAINTEXT = "plaintext://"
 TLS_NAME = "gpumarket-broker"           # the certificate's only name; checked via override
-# A UUID-based OID (ITU-T X.667: no registration needed) for the identity attestation.
-ATTESTATION_OID = x509.ObjectIdentifier("2.25.240961735823125870375870436812702591517")
+# The identity attestation travels as a URI in the certificate's subject alternative names:
+# every X.509 parser reads those (a private extension needs an OID, and Go's parser refuses
+# the large arcs of a UUID-based one, which kept grpcurl and Envoy from connecting).
+ATTESTATION_URI = "urn:gpumarket:attestation:v1:"
 ATTESTATION_DOMAIN = b"gpumarket-tls-v1\0"
 TOKEN_METADATA = "gpumarket-token-bin"
 TOKEN_LIFETIME_MS = 60_000
@@ -86,7 +89,7 @@ def make_certificate(identity: Identity, tls_key: ec.EllipticCurvePrivateKey,
     spki = tls_key.public_key().public_bytes(serialization.Encoding.DER,
                                              serialization.PublicFormat.SubjectPublicKeyInfo)
     attestation = identity.public_key + identity.sign(_attestation_message(spki))
-    value = b"\x04" + bytes([len(attestation)]) + attestation     # DER OCTET STRING
+    uri = ATTESTATION_URI + base64.urlsafe_b64encode(attestation).decode().rstrip("=")
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, TLS_NAME),
                       x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, identity.id)])
     now = datetime.datetime.now(datetime.timezone.utc)
@@ -96,9 +99,9 @@ def make_certificate(identity: Identity, tls_key: ec.EllipticCurvePrivateKey,
             .serial_number(x509.random_serial_number())
             .not_valid_before(now - datetime.timedelta(hours=1))
             .not_valid_after(now + datetime.timedelta(days=days))
-            .add_extension(x509.SubjectAlternativeName([x509.DNSName(TLS_NAME)]), critical=False)
+            .add_extension(x509.SubjectAlternativeName([
+                x509.DNSName(TLS_NAME), x509.UniformResourceIdentifier(uri)]), critical=False)
             .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-            .add_extension(x509.UnrecognizedExtension(ATTESTATION_OID, value), critical=False)
             .sign(tls_key, hashes.SHA256()))
     return cert.public_bytes(serialization.Encoding.PEM)
 
@@ -106,13 +109,21 @@ def make_certificate(identity: Identity, tls_key: ec.EllipticCurvePrivateKey,
 def broker_key_of(cert: x509.Certificate) -> bytes:
     """Return the Ed25519 key that attests ``cert``; raise Untrusted if none does."""
     try:
-        ext = cert.extensions.get_extension_for_oid(ATTESTATION_OID).value
-    except x509.ExtensionNotFound as exc:
-        raise Untrusted("the broker's certificate carries no gpumarket key attestation") from exc
-    raw = ext.value
-    if len(raw) != 2 + 96 or raw[:2] != b"\x04\x60":
+        names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        names = None
+    uris = [u for u in (names.get_values_for_type(x509.UniformResourceIdentifier)
+                        if names is not None else []) if u.startswith(ATTESTATION_URI)]
+    if not uris:
+        raise Untrusted("the broker's certificate carries no gpumarket key attestation")
+    text = uris[0][len(ATTESTATION_URI):]
+    try:
+        raw = base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+    except ValueError as exc:
+        raise Untrusted("the broker's certificate attestation is malformed") from exc
+    if len(uris) != 1 or len(raw) != 96:
         raise Untrusted("the broker's certificate attestation is malformed")
-    key, signature = raw[2:34], raw[34:]
+    key, signature = raw[:32], raw[32:]
     spki = cert.public_key().public_bytes(serialization.Encoding.DER,
                                           serialization.PublicFormat.SubjectPublicKeyInfo)
     try:

@@ -273,13 +273,11 @@ def kill_uid(uid: int) -> int:
     """SIGKILL every process of ``uid`` (a job's uid: whatever it left behind, even outside
     its process group and after detaching); return how many were seen. A child that takes
     the uid sends ``kill(-1)``, which the kernel delivers to all of the uid's processes at
-    once, so none can fork past it; repeated until none is left."""
-    seen = 0
-    for _ in range(50):
-        pids = processes_of({uid}).get(uid)
-        if not pids:
-            return seen
-        seen = max(seen, len(pids))
+    once, so none can fork past it. It is sent whatever a scan of /proc shows (a process
+    that forks and exits in a loop can be missed by a scan) until three scans in a row find
+    nothing."""
+    seen, quiet = 0, 0
+    for _ in range(100):
         child = os.fork()
         if child == 0:   # only syscalls here: the daemon may have other threads
             try:
@@ -290,12 +288,28 @@ def kill_uid(uid: int) -> int:
             finally:
                 os._exit(0)
         os.waitpid(child, 0)
+        pids = processes_of({uid}).get(uid, [])
+        seen = max(seen, len(pids))
+        quiet = 0 if pids else quiet + 1
+        if quiet == 3:
+            break
+    _await_reaped(uid)
     return seen
 
 
-def processes_of(uids: set[int]) -> dict[int, list[int]]:
-    """Live (not zombie) processes whose real, effective or saved uid is one of ``uids``,
-    by uid."""
+def _await_reaped(uid: int, timeout_s: float = 5.0) -> None:
+    """Wait (a little) until the killed processes of ``uid`` are reaped: until then they
+    still count against the next job's process limit (RLIMIT_NPROC is per uid)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while processes_of({uid}, zombies=True) and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+def processes_of(uids: set[int], zombies: bool = False) -> dict[int, list[int]]:
+    """Processes whose real, effective or saved uid is one of ``uids``, by uid (live ones
+    only, unless ``zombies``)."""
     out: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -305,7 +319,7 @@ def processes_of(uids: set[int]) -> dict[int, list[int]]:
                 status = dict(line.split(":", 1) for line in f if ":" in line)
         except OSError:
             continue
-        if status.get("State", "").strip().startswith("Z"):
+        if not zombies and status.get("State", "").strip().startswith("Z"):
             continue
         for uid in {int(u) for u in status.get("Uid", "").split()[:3]} & uids:
             out.setdefault(uid, []).append(int(entry))

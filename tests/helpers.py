@@ -277,3 +277,22 @@ def first_event(market: Marketplace, job_id: str, match, timeout: float = 300.0,
         raise AssertionError(f"job {job_id} ended without the awaited event")
 
     return asyncio.run(asyncio.wait_for(read(), timeout))
+
+
+def signed_offer(key, *, name: str = "fake CPU", accelerator: int | None = None,
+                 flops: float = 1e11, memory_gib: int = 64, cores: int = 8,
+                 kinds: tuple[int, ...] | None = None):
+    """An offer made by hand (a provider's claims, whatever they are), signed by ``key``."""
+    from gpumarket.proto.envelope import seal
+    from gpumarket.proto.jobspec import now_ms
+    from gpumarket.proto.v1 import types_pb2 as pb
+
+    device = pb.Device(index=0, name=name, uuid="FAKE-0",
+                       accelerator=accelerator or pb.ACCELERATOR_CPU,
+                       memory_bytes=memory_gib << 30, cpu_cores=cores,
+                       benchmark=pb.Benchmark(matmul_flops=flops, matmul_dtype="fp32",
+                                              memory_bandwidth_bytes_per_s=1e10))
+    return seal(key, pb.Offer(provider_id=key.id, devices=[device], price_per_gpu_hour=0.5,
+                              kinds=list(kinds or (pb.JOB_KIND_TRAINING,)),
+                              engines=["transformers"], created_at_ms=now_ms(),
+                              software_version="0.1.0"))

@@ -192,7 +192,7 @@ def _still_growing(marker: Path, wait_s: float = 1.0) -> bool:
 @needs_cgroup
 def test_a_reforking_survivor_dies_with_its_job_group(base, groups):
     marker = base / "jobs" / "j.1" / "generations"
-    group = groups.job("j.1")
+    group = groups.job("survivor")
     group.limit(cgroups.Limits(memory_bytes=512 << 20, pids=256))
     log, outcome = run_hostile(base, {"attack": "survivor", "marker": str(marker)},
                                box(uid=None, gid=None), group=group)
@@ -205,10 +205,12 @@ def test_a_reforking_survivor_dies_with_its_job_group(base, groups):
 @needs_root
 def test_a_reforking_survivor_dies_with_its_uid_without_a_group(base):
     marker = base / "jobs" / "j.1" / "generations"
-    log, outcome = run_hostile(base, {"attack": "survivor", "marker": str(marker)}, box())
+    uid = JOB_UID + 2    # its uid's process count takes a while to drop: the others' own
+    log, outcome = run_hostile(base, {"attack": "survivor", "marker": str(marker)},
+                               box(uid=uid, gid=uid))
     assert "survivor: detached" in log
     assert not _still_growing(marker), "a process of the job outlived it"
-    assert not sandbox.processes_of({JOB_UID})
+    assert not sandbox.processes_of({uid})
 
 
 @needs_private_tmp
@@ -228,10 +230,10 @@ def test_scratch_directories_are_private_bounded_and_gone_after_the_job(base):
 @needs_root
 @needs_cgroup
 def test_memory_is_limited_per_job_not_per_process(base, groups):
-    group = groups.job("j.1")
+    group = groups.job("memory")
     group.limit(cgroups.Limits(memory_bytes=192 << 20, pids=256))
     log, outcome = run_hostile(base, {"attack": "memory", "processes": 3, "mib_each": 96},
-                               box(), group=group)
+                               box(uid=JOB_UID + 1, gid=JOB_UID + 1), group=group)
     assert not outcome.succeeded
     assert outcome.error.startswith("job ran out of memory: it used more than its limit of"
                                     f" {192 << 20:,} bytes"), outcome.error

@@ -100,7 +100,7 @@ class SearchOffersRequest(_message.Message):
     def __init__(self, kind: _Optional[_Union[_types_pb2.JobKind, str]] = ..., min_gpus: _Optional[int] = ..., min_memory_bytes: _Optional[int] = ..., accelerator: _Optional[_Union[_types_pb2.Accelerator, str]] = ..., max_price_per_gpu_hour: _Optional[float] = ..., limit: _Optional[int] = ...) -> None: ...
 
 class OfferListing(_message.Message):
-    __slots__ = ("offer", "online", "free_devices", "reliability", "mtbf_s", "leases_completed", "leases_lost", "achieved_flops", "uptime_7d")
+    __slots__ = ("offer", "online", "free_devices", "reliability", "mtbf_s", "leases_completed", "leases_lost", "achieved_flops", "uptime_7d", "figures", "figures_detail")
     OFFER_FIELD_NUMBER: _ClassVar[int]
     ONLINE_FIELD_NUMBER: _ClassVar[int]
     FREE_DEVICES_FIELD_NUMBER: _ClassVar[int]
@@ -110,6 +110,8 @@ class OfferListing(_message.Message):
     LEASES_LOST_FIELD_NUMBER: _ClassVar[int]
     ACHIEVED_FLOPS_FIELD_NUMBER: _ClassVar[int]
     UPTIME_7D_FIELD_NUMBER: _ClassVar[int]
+    FIGURES_FIELD_NUMBER: _ClassVar[int]
+    FIGURES_DETAIL_FIELD_NUMBER: _ClassVar[int]
     offer: _types_pb2.Envelope
     online: bool
     free_devices: int
@@ -119,7 +121,9 @@ class OfferListing(_message.Message):
     leases_lost: int
     achieved_flops: float
     uptime_7d: float
-    def __init__(self, offer: _Optional[_Union[_types_pb2.Envelope, _Mapping]] = ..., online: _Optional[bool] = ..., free_devices: _Optional[int] = ..., reliability: _Optional[float] = ..., mtbf_s: _Optional[float] = ..., leases_completed: _Optional[int] = ..., leases_lost: _Optional[int] = ..., achieved_flops: _Optional[float] = ..., uptime_7d: _Optional[float] = ...) -> None: ...
+    figures: _types_pb2.OfferFigures
+    figures_detail: str
+    def __init__(self, offer: _Optional[_Union[_types_pb2.Envelope, _Mapping]] = ..., online: _Optional[bool] = ..., free_devices: _Optional[int] = ..., reliability: _Optional[float] = ..., mtbf_s: _Optional[float] = ..., leases_completed: _Optional[int] = ..., leases_lost: _Optional[int] = ..., achieved_flops: _Optional[float] = ..., uptime_7d: _Optional[float] = ..., figures: _Optional[_Union[_types_pb2.OfferFigures, str]] = ..., figures_detail: _Optional[str] = ...) -> None: ...
 
 class SearchOffersResponse(_message.Message):
     __slots__ = ("offers",)

@@ -31,6 +31,13 @@ class JobState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     JOB_STATE_FAILED: _ClassVar[JobState]
     JOB_STATE_CANCELLED: _ClassVar[JobState]
 
+class OfferFigures(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    OFFER_FIGURES_UNSPECIFIED: _ClassVar[OfferFigures]
+    OFFER_FIGURES_CLAIMED: _ClassVar[OfferFigures]
+    OFFER_FIGURES_MEASURED: _ClassVar[OfferFigures]
+    OFFER_FIGURES_CONTRADICTED: _ClassVar[OfferFigures]
+
 class Objective(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     OBJECTIVE_UNSPECIFIED: _ClassVar[Objective]
@@ -53,6 +60,10 @@ JOB_STATE_RUNNING: JobState
 JOB_STATE_SUCCEEDED: JobState
 JOB_STATE_FAILED: JobState
 JOB_STATE_CANCELLED: JobState
+OFFER_FIGURES_UNSPECIFIED: OfferFigures
+OFFER_FIGURES_CLAIMED: OfferFigures
+OFFER_FIGURES_MEASURED: OfferFigures
+OFFER_FIGURES_CONTRADICTED: OfferFigures
 OBJECTIVE_UNSPECIFIED: Objective
 OBJECTIVE_CHEAPEST: Objective
 OBJECTIVE_FASTEST: Objective

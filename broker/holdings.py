@@ -1,0 +1,87 @@
+"""Who holds which blob: an uploader holds a blob once it has sent every byte of it
+(hash-checked), and an upload in progress reserves its declared size against the uploader's
+quota from its first header on. A blob's recorded size never changes once stored. Plain
+SQL, no grpc."""
+
+from __future__ import annotations
+
+from gpumarket.proto.errors import FailedPrecondition, ResourceExhausted
+
+
+def holds(db, key_id: str, sha256: str) -> bool:
+    """Whether ``key_id`` has shown it holds the blob's bytes: it uploaded every byte, or
+    the blob is part of one of its own jobs. (Reading a leased job's blob is not holding
+    it: a provider that reports a blob as its work must have uploaded it.)"""
+    return db.execute(
+        "SELECT 1 FROM artifact_owners WHERE sha256 = :sha AND owner_id = :key"
+        " UNION ALL SELECT 1 FROM artifact_refs r JOIN jobs j ON j.id = r.job_id"
+        "  WHERE r.sha256 = :sha AND j.client_id = :key"
+        " LIMIT 1", {"sha": sha256, "key": key_id}).fetchone() is not None
+
+
+def holds_intact(db, key_id: str, sha256: str, size_bytes: int) -> bool:
+    """Whether the blob is stored with that size and ``key_id`` holds it."""
+    row = db.execute("SELECT size_bytes FROM artifacts WHERE sha256 = ?", [sha256]).fetchone()
+    return row is not None and row[0] == size_bytes and holds(db, key_id, sha256)
+
+
+def uploaded_bytes(db, key_id: str) -> int:
+    """Bytes counted against the key's quota: the blobs it uploaded and the declared sizes
+    of its uploads in progress."""
+    return db.execute(
+        "SELECT (SELECT coalesce(sum(size_bytes), 0) FROM artifact_owners WHERE owner_id = :k)"
+        " + (SELECT coalesce(sum(size_bytes), 0) FROM artifact_uploads WHERE uploader_id = :k)",
+        {"k": key_id}).fetchone()[0]
+
+
+def upload_size(db, sha256: str, key_id: str) -> int | None:
+    """The size an upload in progress was begun with, if there is one."""
+    row = db.execute("SELECT size_bytes FROM artifact_uploads WHERE sha256 = ? AND"
+                     " uploader_id = ?", [sha256, key_id]).fetchone()
+    return row[0] if row else None
+
+
+def record(db, sha256: str, size: int, owner: str, now: int) -> None:
+    """``owner`` uploaded every byte of the blob (hash-checked): it holds it. A blob's
+    recorded size never changes once stored."""
+    db.execute("INSERT INTO artifacts (sha256, size_bytes, created_at_ms) VALUES (?, ?, ?)"
+               " ON CONFLICT (sha256) DO UPDATE SET created_at_ms = excluded.created_at_ms",
+               [sha256, size, now])
+    db["artifact_owners"].upsert({"sha256": sha256, "owner_id": owner, "size_bytes": size,
+                                  "created_at_ms": now}, pk=("sha256", "owner_id"))
+    db.execute("DELETE FROM artifact_uploads WHERE sha256 = ? AND uploader_id = ?",
+               [sha256, owner])
+
+
+def reserve(db, sha256: str, key: str, size: int, limit: int, now: int) -> None:
+    """Begin (or continue) ``key``'s upload of a blob of ``size`` bytes: the size is fixed
+    from the first header on and counts against the key's quota until the upload ends."""
+    begun = upload_size(db, sha256, key)
+    if begun is not None and begun != size:
+        raise FailedPrecondition(f"the upload of {sha256[:12]}… was begun as {begun:,} bytes;"
+                                 f" it cannot change to {size:,}")
+    if begun is None:
+        held = uploaded_bytes(db, key)
+        check_quota(held, size, limit)
+        db.execute("INSERT INTO artifact_uploads (sha256, uploader_id, size_bytes,"
+                   " started_at_ms, updated_at_ms) VALUES (?, ?, ?, ?, ?)",
+                   [sha256, key, size, now, now])
+    else:
+        db.execute("UPDATE artifact_uploads SET updated_at_ms = ? WHERE sha256 = ? AND"
+                   " uploader_id = ?", [now, sha256, key])
+
+
+def check_quota(held: int, size: int, limit: int) -> None:
+    if held + size > limit:
+        raise ResourceExhausted(
+            f"this upload ({size:,} bytes) would take your artifacts to"
+            f" {held + size:,} bytes, over this broker's limit of {limit:,} per key",
+            reason="quota")
+
+
+def expired_uploads(db, updated_before_ms: int) -> list[tuple[str, str]]:
+    """Drop uploads that made no progress since the cutoff; return their (sha256, key)."""
+    rows = db.execute("SELECT sha256, uploader_id FROM artifact_uploads WHERE"
+                      " updated_at_ms < ?", [updated_before_ms]).fetchall()
+    db.execute("DELETE FROM artifact_uploads WHERE updated_at_ms < ?", [updated_before_ms])
+    return [(r[0], r[1]) for r in rows]
