@@ -371,3 +371,38 @@ def test_grpcurl_talks_to_the_broker_over_its_tls(market):
                         "gpumarket.v1.Marketplace/GetJob"], capture_output=True, text=True,
                        timeout=60)
     assert r.returncode != 0 and "needs a call token" in r.stderr, r.stderr
+
+
+def test_state_files_are_private_however_started(market, tmp_path):
+    """Started as root outside any systemd unit, the broker and the provider keep what they
+    write to themselves: a job's uid cannot read the provider's journal (other clients'
+    specs) or the broker's database."""
+    market.start_provider("p1")
+    market.wait_for_offers(1)
+    r = market.cli("submit", str(training_job(tmp_path / "job.toml", steps=4,
+                                              checkpoint_every=2)), "--watch")
+    assert r.returncode == 0, r.stdout + r.stderr
+    shared = []
+    for root in (market.root / "broker", market.root / "p1"):
+        for path in root.rglob("*"):
+            if path.is_file() and not path.is_symlink() and path.stat().st_mode & 0o077 \
+                    and "cache" not in path.parts:     # inputs a job reads; dir is 0700
+                shared.append(f"{path} {oct(path.stat().st_mode & 0o777)}")
+    assert not shared, shared
+    journal = market.root / "p1" / "journal.db"
+    assert journal.exists()
+    if os.geteuid() == 0:
+        uid = 65534                                    # any uid but the daemon's
+        child = os.fork()
+        if child == 0:
+            try:
+                os.setgroups([])
+                os.setresgid(uid, uid, uid)
+                os.setresuid(uid, uid, uid)
+                with open(journal, "rb"):
+                    os._exit(1)                        # it could read it
+            except PermissionError:
+                os._exit(0)
+            except BaseException:
+                os._exit(2)
+        assert os.waitpid(child, 0)[1] == 0, "another uid could read the provider's journal"
