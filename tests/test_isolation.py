@@ -75,7 +75,15 @@ def run_hostile(base: Path, attack: dict, box: sandbox.Sandbox, quota: int = 0,
         sandbox_pid = proc.pid
         return outcome, sandbox_pid
 
-    outcome, pid = asyncio.run(go())
+    try:
+        outcome, pid = asyncio.run(go())
+    finally:
+        # Whatever the job left behind goes, whether or not the code under test managed it
+        # (a survivor of a failed run would load the machine for every later test).
+        if box.uid is not None:
+            sandbox.kill_uid(box.uid)
+        if group is not None:
+            group.kill()
     try:
         os.killpg(pid, signal.SIGKILL)   # what the job left behind (fork bomb children)
     except (ProcessLookupError, PermissionError):
