@@ -34,11 +34,26 @@ needs_private_tmp = pytest.mark.skipif(not FEATURES["private_tmp"]["available"],
                                        reason=FEATURES["private_tmp"]["detail"])
 
 
+@pytest.fixture(autouse=True)
+def reaper():
+    """After each test (its assertions made), whatever its jobs left behind goes, whether or
+    not the code under test managed it: a survivor of a failed run would load the machine
+    for every later test."""
+    yield
+    if UIDS is not None:
+        for uid in sandbox.processes_of(set(range(UIDS.first, UIDS.first + UIDS.size))):
+            sandbox.kill_uid(uid)
+
+
 @pytest.fixture(scope="module")
 def groups():
     """This test module's control-group directory, as a daemon makes one."""
     host = cgroups.CgroupHost.detect(f"gpumarket-tests-{os.getpid()}")
     yield host
+    for key in host.keys():
+        group = host.job(key)
+        group.kill()
+        group.remove()
     host.remove()
 
 
@@ -75,15 +90,7 @@ def run_hostile(base: Path, attack: dict, box: sandbox.Sandbox, quota: int = 0,
         sandbox_pid = proc.pid
         return outcome, sandbox_pid
 
-    try:
-        outcome, pid = asyncio.run(go())
-    finally:
-        # Whatever the job left behind goes, whether or not the code under test managed it
-        # (a survivor of a failed run would load the machine for every later test).
-        if box.uid is not None:
-            sandbox.kill_uid(box.uid)
-        if group is not None:
-            group.kill()
+    outcome, pid = asyncio.run(go())
     try:
         os.killpg(pid, signal.SIGKILL)   # what the job left behind (fork bomb children)
     except (ProcessLookupError, PermissionError):
