@@ -51,12 +51,18 @@ def test_systemd_units_verify(tmp_path):
     """The units in deploy/ pass `systemd-analyze verify` (with ExecStart pointed at this
     environment's scripts, since /opt/gpumarket does not exist here)."""
     units = sorted((ROOT / "deploy").glob("*.service"))
-    assert [u.name for u in units] == ["gpumarket-broker.service", "gpumarket-provider.service"]
+    assert [u.name for u in units] == ["gpumarket-broker.service",
+                                       "gpumarket-provider-isolated.service",
+                                       "gpumarket-provider.service"]
+    # The isolated provider runs as root with a delegated cgroup (the job sandbox needs it);
+    # the others run unprivileged and hardened.
+    settings = {"gpumarket-provider-isolated.service": ("User=root", "Delegate=yes",
+                                                        "Restart=on-failure", "UMask=0077")}
     for unit in units:
         text = unit.read_text().replace("/opt/gpumarket/venv/bin", str(Path(sys.executable).parent))
         (tmp_path / unit.name).write_text(text)
-        for setting in ("NoNewPrivileges=true", "ProtectSystem=strict", "Restart=on-failure",
-                        "User=gpumarket"):
+        for setting in settings.get(unit.name, ("NoNewPrivileges=true", "ProtectSystem=strict",
+                                                "Restart=on-failure", "User=gpumarket")):
             assert setting in text, (unit.name, setting)
     r = subprocess.run(["systemd-analyze", "verify", *map(str, tmp_path.glob("*.service"))],
                        capture_output=True, text=True)
