@@ -65,7 +65,7 @@ def summary(xs: list[float]) -> dict:
 
 
 async def measure(address: str, broker_id: str, calls: int) -> dict:
-    from gpumarket.proto.channel import Trust, open_channel
+    from gpumarket.link.channel import Trust, open_channel
     from gpumarket.proto.identity import Identity
     from gpumarket.proto.v1 import marketplace_pb2 as mp
     from gpumarket.proto.v1 import marketplace_pb2_grpc
@@ -95,7 +95,7 @@ async def verify_cost(tmp: Path, n: int) -> float:
     from gpumarket.broker.config import BrokerConfig
     from gpumarket.broker.metrics import BrokerMetrics
     from gpumarket.broker.store import Store
-    from gpumarket.proto.channel import call_token
+    from gpumarket.link.channel import call_token
     from gpumarket.proto.identity import Identity
 
     store = Store(tmp / "verify.db")

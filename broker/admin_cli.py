@@ -18,9 +18,10 @@ from google.protobuf.json_format import MessageToDict
 from rich.console import Console
 from rich.table import Table
 
-from gpumarket.client.api import BrokerClient
-from gpumarket.client.cli import job_dict
+from gpumarket.link.client import Broker
+from gpumarket.link.channel import Trust
 from gpumarket.proto.envelope import seal
+from gpumarket.proto.present import job_dict
 from gpumarket.proto.errors import GpumarketError
 from gpumarket.proto.identity import Identity, home_dir
 from gpumarket.proto.jobspec import STATES_BY_NAME, kind_name, now_ms, state_name
@@ -39,20 +40,23 @@ def admin_options(fn):
 
     @click.option("--broker", envvar="GPUMARKET_BROKER", default="127.0.0.1:7070",
                   show_default=True,
-                  help="Broker gRPC address (env GPUMARKET_BROKER); TLS, the broker's key "
-                  "pinned by $GPUMARKET_BROKER_KEY or remembered in known_brokers on first use.")
+                  help="Broker gRPC address (env GPUMARKET_BROKER); TLS to the broker's key.")
+    @click.option("--broker-key", envvar="GPUMARKET_BROKER_KEY", default="",
+                  help="The broker's key id to accept (or $GPUMARKET_BROKER_KEY); without it "
+                  "the key seen first is trusted and remembered in known_brokers.")
     @click.option("--key", "key_file", type=click.Path(dir_okay=False, path_type=Path),
                   default=_default_key, show_default="$GPUMARKET_OPERATOR_KEY or "
                   "$GPUMARKET_HOME/client.key",
                   help="Operator key: the broker's data_dir/broker.key, or a key listed in "
                   "its config's `operators`.")
     @functools.wraps(fn)
-    def wrapper(broker: str, key_file: Path, **kwargs):
+    def wrapper(broker: str, broker_key: str, key_file: Path, **kwargs):
         try:
             if not key_file.exists():
                 raise click.ClickException(f"no operator key at {key_file}")
             identity = Identity.load(key_file)
-            return asyncio.run(fn(broker, identity, **kwargs))
+            target = Broker(broker, Trust(pin=broker_key, known=home_dir() / "known_brokers"))
+            return asyncio.run(fn(target, identity, **kwargs))
         except GpumarketError as exc:
             click.echo(f"error: {exc}", err=True)
             sys.exit(1)
@@ -65,15 +69,15 @@ def _order(identity: Identity, method: str, **fields) -> pb.Envelope:
     return seal(identity, ad.AdminOrder(method=method, at_ms=now_ms(), **fields))
 
 
-async def _call(broker: str, identity: Identity, method: str, **fields) -> object:
-    async with BrokerClient(broker, identity) as client:
+async def _call(broker: Broker, identity: Identity, method: str, **fields) -> object:
+    async with broker.client(identity) as client:
         return await client.admin_call(method, _order(identity, method, **fields))
 
 
 @click.command()
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @admin_options
-async def providers(broker: str, identity: Identity, as_json: bool) -> None:
+async def providers(broker: Broker, identity: Identity, as_json: bool) -> None:
     """Every provider the broker has seen: online, banned, devices, price, reliability,
     leases, earnings."""
     found = (await _call(broker, identity, "ListProviders")).providers
@@ -99,7 +103,7 @@ async def providers(broker: str, identity: Identity, as_json: bool) -> None:
 @click.option("--limit", type=click.IntRange(1, 1000), default=100, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @admin_options
-async def jobs(broker: str, identity: Identity, states: tuple[str, ...], limit: int,
+async def jobs(broker: Broker, identity: Identity, states: tuple[str, ...], limit: int,
                as_json: bool) -> None:
     """Every client's jobs, newest first."""
     codes = [STATES_BY_NAME[s.upper()] for s in states]
@@ -119,7 +123,7 @@ async def jobs(broker: str, identity: Identity, states: tuple[str, ...], limit: 
 @click.argument("provider_id")
 @click.option("--reason", default="", help="Why (kept in the broker's log).")
 @admin_options
-async def ban(broker: str, identity: Identity, provider_id: str, reason: str) -> None:
+async def ban(broker: Broker, identity: Identity, provider_id: str, reason: str) -> None:
     """Ban a provider: its session ends, its offer goes, its running jobs are queued again
     for other providers, and it cannot connect until unbanned."""
     resp = await _call(broker, identity, "Ban", target=provider_id, reason=reason)
@@ -129,7 +133,7 @@ async def ban(broker: str, identity: Identity, provider_id: str, reason: str) ->
 @click.command()
 @click.argument("provider_id")
 @admin_options
-async def unban(broker: str, identity: Identity, provider_id: str) -> None:
+async def unban(broker: Broker, identity: Identity, provider_id: str) -> None:
     """Let a banned provider connect again."""
     resp = await _call(broker, identity, "Unban", target=provider_id)
     out.print(f"unbanned {resp.provider_id}")
@@ -139,7 +143,7 @@ async def unban(broker: str, identity: Identity, provider_id: str) -> None:
 @click.argument("key_id")
 @click.option("--reason", default="", help="Why (kept in the broker's database and log).")
 @admin_options
-async def revoke(broker: str, identity: Identity, key_id: str, reason: str) -> None:
+async def revoke(broker: Broker, identity: Identity, key_id: str, reason: str) -> None:
     """Revoke a key (a client's or a provider's): every call signed by it is refused from
     now on; a provider's session ends and its running jobs are queued again."""
     resp = await _call(broker, identity, "Revoke", target=key_id, reason=reason)
@@ -149,7 +153,7 @@ async def revoke(broker: str, identity: Identity, key_id: str, reason: str) -> N
 @click.command()
 @click.argument("key_id")
 @admin_options
-async def unrevoke(broker: str, identity: Identity, key_id: str) -> None:
+async def unrevoke(broker: Broker, identity: Identity, key_id: str) -> None:
     """Accept a revoked key again."""
     resp = await _call(broker, identity, "Unrevoke", target=key_id)
     out.print(f"{resp.key_id} is accepted again")
@@ -158,21 +162,21 @@ async def unrevoke(broker: str, identity: Identity, key_id: str) -> None:
 @click.command()
 @click.argument("path", type=click.Path(dir_okay=False, path_type=Path))
 @admin_options
-async def backup(broker: str, identity: Identity, path: Path) -> None:
+async def backup(broker: Broker, identity: Identity, path: Path) -> None:
     """Copy the broker's database to PATH (here) while it serves: SQLite's online backup,
     a consistent snapshot, checked by sha256 on arrival."""
     if path.exists():
         raise click.ClickException(f"{path} exists; give a new file name")
     if not path.parent.is_dir():
         raise click.ClickException(f"{path.parent} is not a directory")
-    async with BrokerClient(broker, identity) as client:
+    async with broker.client(identity) as client:
         size = await client.backup(_order(identity, "Backup"), path)
     out.print(f"backup written to {path} ({size:,} bytes)")
 
 
 @click.command()
 @admin_options
-async def vacuum(broker: str, identity: Identity) -> None:
+async def vacuum(broker: Broker, identity: Identity) -> None:
     """Rebuild the broker's database file to give free pages back to the disk."""
     resp = await _call(broker, identity, "Vacuum")
     out.print(f"vacuumed: {resp.bytes_before:,} → {resp.bytes_after:,} bytes")

@@ -1,5 +1,5 @@
 """Who is calling: every call but health, reflection and offer search carries a CallToken
-signed by the caller's key (gpumarket.proto.channel makes them). The interceptor checks it
+signed by the caller's key (gpumarket.link.channel makes them). The interceptor checks it
 before the handler runs and makes the caller's key id available as ``caller()``.
 
 A token is good for one call of one method with one request body, at this broker, within
@@ -20,7 +20,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from gpumarket.broker.rpc import STATUS
-from gpumarket.proto.channel import TOKEN_METADATA
+from gpumarket.proto.wire import TOKEN_METADATA
 from gpumarket.proto.envelope import open_envelope
 from gpumarket.proto.errors import (
     BadSignature, Expired, GpumarketError, PermissionDenied, Replay, ResourceExhausted,

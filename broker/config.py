@@ -38,7 +38,7 @@ class BrokerConfig:
 
     def check(self) -> None:
         """Raise InvalidArgument for settings that cannot work together."""
-        from gpumarket.proto.channel import is_loopback
+        from gpumarket.proto.wire import is_loopback
         from gpumarket.proto.errors import InvalidArgument
 
         host = self.listen.rpartition(":")[0]

@@ -23,7 +23,8 @@ from gpumarket.broker.http import BrokerHttp
 from gpumarket.broker.marketplace import MarketplaceServicer
 from gpumarket.broker.state import BrokerState
 from gpumarket.broker.store import Store
-from gpumarket.proto.channel import PLAINTEXT, SERVER_OPTIONS, tls_material
+from gpumarket.proto.tls import tls_material
+from gpumarket.proto.wire import PLAINTEXT, SERVER_OPTIONS
 from gpumarket.proto.identity import Identity
 from gpumarket.proto.jobspec import now_ms
 from gpumarket.proto.v1 import admin_pb2, artifacts_pb2, gateway_pb2, marketplace_pb2

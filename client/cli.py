@@ -21,10 +21,12 @@ from rich.console import Console
 from rich.table import Table
 
 from gpumarket.client import jobfile
-from gpumarket.client.api import BrokerClient
+from gpumarket.link.channel import Trust
+from gpumarket.link.client import Broker, BrokerClient
 from gpumarket.client.watch import EXIT_BY_STATE, follow
 from gpumarket.proto.artifacts import write_atomically
 from gpumarket.proto.envelope import open_envelope, payload_sha256, seal
+from gpumarket.proto.present import job_dict
 from gpumarket.proto.errors import BadSignature, FailedPrecondition, GpumarketError
 from gpumarket.proto.identity import Identity, home_dir
 from gpumarket.proto.jobspec import (
@@ -73,19 +75,6 @@ def _dump(obj) -> None:
     click.echo(json.dumps(obj, indent=2, sort_keys=True))
 
 
-def job_dict(job: pb.Job) -> dict:
-    """A job as JSON-ready values: names for enums, without the signed spec and receipt."""
-    d = MessageToDict(job, preserving_proto_field_name=True)
-    d.pop("spec", None)
-    d.pop("receipt", None)
-    d["state"] = state_name(job.state)
-    d["kind"] = kind_name(job.kind)
-    for part, message in zip(d.get("parts", []), job.parts):
-        part.pop("receipt", None)
-        part["state"] = state_name(message.state)
-    return d
-
-
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--broker", envvar="GPUMARKET_BROKER", default="127.0.0.1:7070",
               show_default=True, help="Broker address HOST:PORT, TLS (or $GPUMARKET_BROKER); "
@@ -100,9 +89,7 @@ def cli(ctx: click.Context, broker: str, broker_key: str) -> None:
 
     Exit codes: 0 ok, 1 error, 2 usage, 3 job failed, 4 job cancelled.
     """
-    if broker_key:
-        os.environ["GPUMARKET_BROKER_KEY"] = broker_key  # read by api.default_trust()
-    ctx.obj = broker
+    ctx.obj = Broker(broker, Trust(pin=broker_key, known=home_dir() / "known_brokers"))
 
 
 # -- keys ---------------------------------------------------------------------------------
@@ -171,11 +158,11 @@ def build_spec(job: jobfile.JobFile, refs: list[pb.ArtifactRef], created_ms: int
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @click.pass_obj
 @command
-async def submit(broker_addr: str, job_file: Path, watch_: bool, as_json: bool) -> None:
+async def submit(market: Broker, job_file: Path, watch_: bool, as_json: bool) -> None:
     """Upload JOB_FILE's inputs, sign the job, submit it, and print its id."""
     job = jobfile.load(job_file)
     identity = load_identity()
-    async with BrokerClient(broker_addr, identity) as broker:
+    async with market.client(identity) as broker:
         refs = await _upload_inputs(broker, job)
         spec = build_spec(job, refs, now_ms())
         resp = await broker.submit(seal(identity, spec))
@@ -195,9 +182,9 @@ async def submit(broker_addr: str, job_file: Path, watch_: bool, as_json: bool) 
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @click.pass_obj
 @command
-async def status(broker_addr: str, job_id: str, as_json: bool) -> None:
+async def status(market: Broker, job_id: str, as_json: bool) -> None:
     """Show a job's state, progress and attempt history."""
-    async with BrokerClient(broker_addr, load_identity()) as broker:
+    async with market.client(load_identity()) as broker:
         job = await broker.get_job(job_id)
     if as_json:
         _dump(job_dict(job))
@@ -248,11 +235,11 @@ def _time(ms: int) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @click.pass_obj
 @command
-async def list_(broker_addr: str, states: tuple[str, ...], limit: int, as_json: bool) -> None:
+async def list_(market: Broker, states: tuple[str, ...], limit: int, as_json: bool) -> None:
     """List your jobs, newest first (a broker shows each client only its own)."""
     identity = load_identity()
     client_id = identity.id
-    async with BrokerClient(broker_addr, identity) as broker:
+    async with market.client(identity) as broker:
         jobs = await broker.list_jobs(client_id, [STATES_BY_NAME[s.upper()] for s in states],
                                       limit)
     if as_json:
@@ -272,9 +259,9 @@ async def list_(broker_addr: str, states: tuple[str, ...], limit: int, as_json: 
 @click.option("--json", "as_json", is_flag=True, help="Print each event as a JSON line.")
 @click.pass_obj
 @command
-async def watch(broker_addr: str, job_id: str, as_json: bool) -> None:
+async def watch(market: Broker, job_id: str, as_json: bool) -> None:
     """Follow a job's events with a progress bar until it ends (exit 3 failed, 4 cancelled)."""
-    async with BrokerClient(broker_addr, load_identity()) as broker:
+    async with market.client(load_identity()) as broker:
         state = await follow(broker, job_id, as_json, out)
     sys.exit(EXIT_BY_STATE.get(state, 1))
 
@@ -285,10 +272,10 @@ async def watch(broker_addr: str, job_id: str, as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print each line as a JSON object.")
 @click.pass_obj
 @command
-async def logs(broker_addr: str, job_id: str, follow: bool, as_json: bool) -> None:
+async def logs(market: Broker, job_id: str, follow: bool, as_json: bool) -> None:
     """Print the job's stdout and stderr (from every attempt), as its provider shipped them;
     kept by the broker after the job ends."""
-    async with BrokerClient(broker_addr, load_identity()) as broker:
+    async with market.client(load_identity()) as broker:
         attempt = 0
         async for line in broker.logs(job_id, follow=follow):
             if as_json:
@@ -305,10 +292,10 @@ async def logs(broker_addr: str, job_id: str, follow: bool, as_json: bool) -> No
 @click.argument("job_id")
 @click.pass_obj
 @command
-async def cancel(broker_addr: str, job_id: str) -> None:
+async def cancel(market: Broker, job_id: str) -> None:
     """Cancel one of your jobs (a running one is stopped on its provider)."""
     identity = load_identity()
-    async with BrokerClient(broker_addr, identity) as broker:
+    async with market.client(identity) as broker:
         state = await broker.cancel(seal(identity, mp.CancelOrder(job_id=job_id, at_ms=now_ms())))
     click.echo(f"{job_id} {state_name(state)}")
 
@@ -371,11 +358,11 @@ def merged_metrics(receipts: list[pb.Receipt]) -> dict[str, float]:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @click.pass_obj
 @command
-async def results(broker_addr: str, job_id: str, output_dir: Path, as_json: bool) -> None:
+async def results(market: Broker, job_id: str, output_dir: Path, as_json: bool) -> None:
     """Download a finished job's outputs, checking every receipt's signature and every hash
     (a split job's parts are merged into one directory)."""
     identity = load_identity()
-    async with BrokerClient(broker_addr, identity) as broker:
+    async with market.client(identity) as broker:
         job = await broker.get_job(job_id)
         receipts = verify_receipts(job, identity.id)
         output_dir.mkdir(parents=True, exist_ok=True)
@@ -457,7 +444,7 @@ def offer_row(listing: mp.OfferListing, offer: pb.Offer) -> dict:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @click.pass_obj
 @command
-async def offers(broker_addr: str, query_text: str, sort_by: str, list_fields: bool,
+async def offers(market: Broker, query_text: str, sort_by: str, list_fields: bool,
                  limit: int, as_json: bool) -> None:
     """Search the live offers (signatures checked), e.g.
 
@@ -473,7 +460,7 @@ async def offers(broker_addr: str, query_text: str, sort_by: str, list_fields: b
         return
     clauses = query.parse(query_text)
     sort_field, descending = query.sort_key(sort_by)
-    async with BrokerClient(broker_addr, _identity_if_any()) as broker:
+    async with market.client(_identity_if_any()) as broker:
         listings = await broker.search_offers(mp.SearchOffersRequest(limit=1000))
     rows = []
     for listing in listings:
@@ -522,13 +509,13 @@ def _duration(seconds: float) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @click.pass_obj
 @command
-async def quote(broker_addr: str, job_file: Path, limit: int, as_json: bool) -> None:
+async def quote(market: Broker, job_file: Path, limit: int, as_json: bool) -> None:
     """Show where JOB_FILE would run: the best candidates with expected runtime, cost and the
     chance of finishing without an interruption, and what excluded the other offers."""
     job = jobfile.load(job_file)
     identity = load_identity()
     client_id = identity.id
-    async with BrokerClient(broker_addr, identity) as broker:
+    async with market.client(identity) as broker:
         refs = await _upload_inputs(broker, job)  # the broker sizes the job from its model config
         spec = build_spec(job, refs, now_ms())
         resp = await broker.quote(spec, limit, client_id)

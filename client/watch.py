@@ -8,7 +8,7 @@ from google.protobuf.json_format import MessageToDict
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from gpumarket.client.api import BrokerClient
+from gpumarket.link.client import BrokerClient
 from gpumarket.proto.jobspec import TERMINAL_STATES, state_name
 from gpumarket.proto.v1 import types_pb2 as pb
 

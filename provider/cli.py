@@ -250,11 +250,15 @@ def drain(data_dir: Path, timeout: float) -> None:
               help="Where the key, config, benchmark cache and job work dirs will live.")
 @click.option("--broker", envvar="GPUMARKET_BROKER", default="",
               help="Broker address HOST:PORT to put in the config (and to check it answers).")
+@click.option("--broker-key", envvar="GPUMARKET_BROKER_KEY", default="",
+              help="The broker's key id to accept (or $GPUMARKET_BROKER_KEY); without it the "
+              "key seen first is trusted and remembered in DATA_DIR/known_brokers.")
 @click.option("--price", type=click.FloatRange(min=0), default=1.0, show_default=True,
               help="Price per device-hour, in credits.")
 @click.option("--cpu-only", is_flag=True, help="Offer the CPU even where GPUs are present.")
 @click.option("--force", is_flag=True, help="Overwrite an existing provider.toml.")
-def init(data_dir: Path, broker: str, price: float, cpu_only: bool, force: bool) -> None:
+def init(data_dir: Path, broker: str, broker_key: str, price: float, cpu_only: bool,
+         force: bool) -> None:
     """Set this machine up as a provider: create its key, write a commented config with the
     devices found (DATA_DIR/provider.toml), self-test and benchmark each device, and print
     the provider's fingerprint."""
@@ -286,7 +290,7 @@ def init(data_dir: Path, broker: str, price: float, cpu_only: bool, force: bool)
                    f" {b.memory_bandwidth_bytes_per_s / 1e9:.1f} GB/s")
     if broker:
         try:
-            asyncio.run(_broker_standing(broker, identity, data_dir))
+            asyncio.run(_broker_standing(broker, broker_key, identity, data_dir))
             click.echo(f"broker {broker} answers")
         except GpumarketError as exc:
             if exc.code == "NOT_FOUND":
@@ -301,11 +305,11 @@ def init(data_dir: Path, broker: str, price: float, cpu_only: bool, force: bool)
         sys.exit(1)
 
 
-async def _broker_standing(broker: str, identity, data_dir: Path):
-    from gpumarket.client.api import BrokerClient, default_trust
-    from gpumarket.proto.channel import Trust
+async def _broker_standing(broker: str, pin: str, identity, data_dir: Path):
+    from gpumarket.link.channel import Trust
+    from gpumarket.link.client import BrokerClient
 
-    trust = Trust(pin=default_trust().pin, known=data_dir / "known_brokers")
+    trust = Trust(pin=pin, known=data_dir / "known_brokers")
     async with BrokerClient(broker, identity, timeout_s=10, trust=trust) as client:
         return await client.get_provider(identity.id)
 
@@ -318,8 +322,11 @@ CLOCK_SKEW_WARN_MS = 60_000
               help="The provider's data directory.")
 @click.option("--broker", envvar="GPUMARKET_BROKER", default="",
               help="Broker to ask (default: the config's, or $GPUMARKET_BROKER).")
+@click.option("--broker-key", envvar="GPUMARKET_BROKER_KEY", default="",
+              help="The broker's key id to accept (or $GPUMARKET_BROKER_KEY); without it the "
+              "key seen first is trusted and remembered in DATA_DIR/known_brokers.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
-def status(data_dir: Path, broker: str, as_json: bool) -> None:
+def status(data_dir: Path, broker: str, broker_key: str, as_json: bool) -> None:
     """This provider's devices, the jobs it runs now, and what the broker reports of it
     (online, reliability, completed and lost leases, earnings so far)."""
     from google.protobuf.json_format import MessageToDict
@@ -336,10 +343,12 @@ def status(data_dir: Path, broker: str, as_json: bool) -> None:
         sys.exit(1)
     try:
         identity = Identity.load(key)
-        if not broker and (data_dir / "provider.toml").exists():
+        if (data_dir / "provider.toml").exists():
             from gpumarket.provider import config as provider_config
 
-            broker = provider_config.load(data_dir / "provider.toml").get("broker", "")
+            settings = provider_config.load(data_dir / "provider.toml")
+            broker = broker or settings.get("broker", "")
+            broker_key = broker_key or settings.get("broker_key", "")
     except GpumarketError as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(1)
@@ -364,7 +373,7 @@ def status(data_dir: Path, broker: str, as_json: bool) -> None:
     problem = ""
     if broker:
         try:
-            resp = asyncio.run(_broker_standing(broker, identity, data_dir))
+            resp = asyncio.run(_broker_standing(broker, broker_key, identity, data_dir))
             report["standing"] = MessageToDict(resp.provider, preserving_proto_field_name=True)
             report["clock_skew_ms"] = now_ms() - resp.broker_time_ms
         except GpumarketError as exc:

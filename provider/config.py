@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gpumarket.proto.channel import Trust
+from gpumarket.link.channel import Trust
 from gpumarket.proto.errors import InvalidArgument
 from gpumarket.proto.jobspec import KINDS_BY_NAME
 from gpumarket.proto.policy import Policy, parse_window

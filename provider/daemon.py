@@ -20,19 +20,19 @@ from pathlib import Path, PurePosixPath
 
 import grpc
 
-from gpumarket.proto import __version__
-from gpumarket.proto.channel import Untrusted, open_channel
+from gpumarket.link.artifacts import ArtifactsClient
+from gpumarket.link.channel import open_channel
+from gpumarket.link.gateway import GatewaySession
 from gpumarket.proto.envelope import open_envelope, seal
-from gpumarket.proto.errors import GpumarketError, Unavailable, from_code
+from gpumarket.proto.tls import Untrusted
+from gpumarket.proto.errors import GpumarketError, Unavailable
 from gpumarket.proto.identity import Identity
 from gpumarket.proto.jobspec import (
     LOG_LINE_CHARS, LOG_LINES_PER_UPDATE, kind_name, now_ms, required_model,
 )
 from gpumarket.proto.v1 import gateway_pb2 as gw
-from gpumarket.proto.v1 import gateway_pb2_grpc
 from gpumarket.proto.v1 import types_pb2 as pb
 from gpumarket.provider import checkpoints, jobfiles, recovery, sandbox
-from gpumarket.provider.broker_link import ArtifactLink
 from gpumarket.provider.cgroups import CgroupError, CgroupHost, Limits
 from gpumarket.provider.config import ProviderConfig
 from gpumarket.provider.executor import JobProcess, job_env, pid_runs_in, read_reports
@@ -71,7 +71,7 @@ class ProviderDaemon:
         self.stopping = asyncio.Event()
         self.draining = False
         self.channel: grpc.aio.Channel | None = None
-        self.artifacts: ArtifactLink | None = None
+        self.artifacts: ArtifactsClient | None = None
         self.journal = Journal(config.data_dir / "journal.db")
         self._background: set[asyncio.Task] = set()
         self.warm = WarmPool(config.jobs_dir, config.warm_runners)
@@ -116,9 +116,6 @@ class ProviderDaemon:
                     await self._session()
                 except Untrusted:
                     raise   # not the broker this provider trusts: stop, loudly
-                except grpc.aio.AioRpcError as exc:
-                    log.warning("broker %s: %s (%s)", self.config.broker,
-                                (exc.details() or "no answer").splitlines()[0], exc.code().name)
                 except GpumarketError as exc:
                     log.warning("broker %s: %s", self.config.broker, exc)
                 finally:
@@ -171,7 +168,8 @@ class ProviderDaemon:
         opened = await open_channel(self.config.broker, self.identity, self.config.trust(),
                                     min(self.config.rpc_timeout_s, 10.0))
         self.channel = opened.channel
-        self.artifacts = ArtifactLink(self.channel, self.config.rpc_timeout_s)
+        self.artifacts = ArtifactsClient(self.channel, self.config.broker,
+                                         self.config.rpc_timeout_s)
 
     def stop(self) -> None:
         """Stop now: jobs are killed and their leases lapse."""
@@ -212,26 +210,15 @@ class ProviderDaemon:
     # -- the session ---------------------------------------------------------------------
 
     async def _session(self) -> None:
-        stub = gateway_pb2_grpc.ProviderGatewayStub(self.channel)
-        call = stub.Session()
+        session = await GatewaySession.open(self.channel, self.identity, self.config.broker)
         try:
-            await call.write(gw.ProviderMessage(hello=gw.ProviderHello(
-                public_key=self.identity.public_key, software_version=__version__)))
-            challenge = await call.read()
-            if challenge is grpc.aio.EOF or challenge.WhichOneof("msg") != "challenge":
-                raise Unavailable("broker closed the session during the handshake")
-            key = challenge.challenge.broker_public_key
+            key = session.broker_public_key
             if self.broker_key and key != self.broker_key:
                 log.warning("the broker's key changed since the last session")
-            proof = gw.SessionProof(nonce=challenge.challenge.nonce, broker_public_key=key,
-                                    at_ms=now_ms())
-            await call.write(gw.ProviderMessage(proof=seal(self.identity, proof)))
-            welcome = await call.read()
-            if welcome is grpc.aio.EOF or welcome.WhichOneof("msg") != "welcome":
-                raise Unavailable("broker did not welcome this provider")
             self.broker_key = key
+            welcome = session.welcome
             log.info("connected to broker %s as provider %s", self.config.broker,
-                     welcome.welcome.provider_id)
+                     welcome.provider_id)
             outbox: asyncio.Queue = asyncio.Queue()
             outbox.put_nowait(gw.ProviderMessage(offer=self.offer()))
             for job in self.jobs.values():
@@ -240,10 +227,10 @@ class ProviderDaemon:
             for message in self.unsettled.values():
                 outbox.put_nowait(message)
             self.outbox = outbox
-            interval = max(welcome.welcome.heartbeat_interval_ms, 200) / 1000
-            tasks = [asyncio.create_task(self._write_loop(call, outbox)),
+            interval = max(welcome.heartbeat_interval_ms, 200) / 1000
+            tasks = [asyncio.create_task(self._write_loop(session, outbox)),
                      asyncio.create_task(self._heartbeat_loop(outbox, interval)),
-                     asyncio.create_task(self._read_loop(call)),
+                     asyncio.create_task(self._read_loop(session)),
                      asyncio.create_task(self.stopping.wait())]
             try:
                 done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
@@ -253,16 +240,12 @@ class ProviderDaemon:
             finally:
                 for t in tasks:
                     t.cancel()
-        except asyncio.InvalidStateError:
-            # A stream with interceptors refuses writes once it has ended: say why it ended.
-            code, details = await call.code(), await call.details()
-            raise from_code(code.name, details or "the broker ended the session") from None
         finally:
-            call.cancel()
+            session.close()
 
-    async def _write_loop(self, call, outbox: asyncio.Queue) -> None:
+    async def _write_loop(self, session: GatewaySession, outbox: asyncio.Queue) -> None:
         while True:
-            await call.write(await outbox.get())
+            await session.send(await outbox.get())
 
     async def _heartbeat_loop(self, outbox: asyncio.Queue, interval: float) -> None:
         while True:
@@ -272,10 +255,10 @@ class ProviderDaemon:
                 at_ms=now_ms(), running=running, draining=self.draining)))
             await asyncio.sleep(interval)
 
-    async def _read_loop(self, call) -> None:
+    async def _read_loop(self, session: GatewaySession) -> None:
         while True:
-            message = await call.read()
-            if message is grpc.aio.EOF:
+            message = await session.receive()
+            if message is None:
                 raise Unavailable("broker ended the session")
             which = message.WhichOneof("msg")
             if which == "lease":

@@ -120,14 +120,14 @@ class Marketplace:
         return Identity.load_or_create(self.home / "client.key")
 
     def trust(self):
-        from gpumarket.proto.channel import Trust
+        from gpumarket.link.channel import Trust
 
         return Trust(pin=self.broker_id)
 
     async def channel(self, identity=None):
         """A raw gRPC channel to the broker, its calls signed by ``identity`` (default: the
         client's key; False: anonymous)."""
-        from gpumarket.proto.channel import open_channel
+        from gpumarket.link.channel import open_channel
 
         if identity is None:
             identity = self.identity()

@@ -9,7 +9,7 @@ import grpc
 import pytest
 
 from gpumarket.client import jobfile
-from gpumarket.client.api import BrokerClient
+from gpumarket.link.client import BrokerClient
 from gpumarket.client.cli import build_spec
 from gpumarket.proto.envelope import seal
 from gpumarket.proto.errors import BadSignature, FailedPrecondition, Replay, Unavailable
@@ -166,7 +166,7 @@ def test_typed_client_maps_unavailable():
 
 def test_a_corrupted_blob_is_refused_on_download(market, tmp_path):
     from gpumarket.proto.errors import InvalidArgument
-    from gpumarket.provider.broker_link import ArtifactLink
+    from gpumarket.link.artifacts import ArtifactsClient
 
     blob = tmp_path / "blob"
     blob.write_bytes(b"a checkpoint" * 1000)
@@ -180,7 +180,7 @@ def test_a_corrupted_blob_is_refused_on_download(market, tmp_path):
         data[100] ^= 0xFF
         stored.write_bytes(bytes(data))
         async with await market.channel() as channel:
-            link = ArtifactLink(channel, 10)
+            link = ArtifactsClient(channel, market.address, 10)
             target = tmp_path / "got"
             with pytest.raises(InvalidArgument, match="do not match its sha256"):
                 await link.download(ref, target)

@@ -14,7 +14,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gpumarket.proto.channel import TOKEN_METADATA, call_token
+from gpumarket.link.channel import call_token
+from gpumarket.proto.wire import TOKEN_METADATA
 from gpumarket.proto.envelope import seal
 from gpumarket.proto.identity import Identity
 from gpumarket.proto.jobspec import now_ms

@@ -20,7 +20,7 @@ import grpc
 import pytest
 
 from gpumarket.client import jobfile
-from gpumarket.client.api import BrokerClient
+from gpumarket.link.client import BrokerClient
 from gpumarket.client.cli import build_spec
 from gpumarket.proto.envelope import payload_sha256, seal
 from gpumarket.proto.errors import ResourceExhausted

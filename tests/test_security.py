@@ -19,11 +19,10 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from gpumarket.client.api import BrokerClient
-from gpumarket.proto.channel import (
-    TOKEN_METADATA, Trust, Untrusted, broker_key_of, make_certificate,
-    split_address,
-)
+from gpumarket.link.client import BrokerClient
+from gpumarket.link.channel import Trust
+from gpumarket.proto.tls import Untrusted, broker_key_of, make_certificate
+from gpumarket.proto.wire import TOKEN_METADATA, split_address
 from gpumarket.proto.envelope import seal
 from gpumarket.proto.errors import (
     FailedPrecondition, InvalidArgument, PermissionDenied, ResourceExhausted,
@@ -504,7 +503,7 @@ def test_idle_connections_are_kept_by_matching_keepalives(market, monkeypatch):
     GOAWAY too_many_pings by the broker and drops to IDLE — so the broker's limit is live
     and ours is within it. (With the broker's default of 5 minutes, ours was dropped
     after about 90 s.)"""
-    import gpumarket.proto.channel as channel_module
+    import gpumarket.link.channel as channel_module
     from gpumarket.proto.v1 import marketplace_pb2_grpc
 
     async def scenario():

@@ -1,37 +1,41 @@
-"""The typed broker client: the one place the client touches gRPC stubs.
-
-Every unary call carries a deadline; grpc.aio.AioRpcError becomes a gpumarket error.
-"""
+"""The typed broker client: Marketplace and Admin calls, each with a deadline, and the
+Artifacts client, over one channel. grpc.aio.AioRpcError becomes a gpumarket error."""
 
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import grpc
 
-from gpumarket.proto.artifacts import publish_verified, receive, sha256_file, upload_requests
-from gpumarket.proto.channel import Trust, open_channel
-from gpumarket.proto.errors import GpumarketError, InvalidArgument, Unavailable, from_code
-from gpumarket.proto.identity import Identity, home_dir
-from gpumarket.proto.v1 import artifacts_pb2 as ap
+from gpumarket.link.artifacts import ArtifactsClient
+from gpumarket.link.channel import Trust, open_channel
+from gpumarket.link.errors import error_of
+from gpumarket.proto.artifacts import publish_verified
+from gpumarket.proto.errors import GpumarketError, InvalidArgument
+from gpumarket.proto.identity import Identity
 from gpumarket.proto.v1 import admin_pb2 as ad
-from gpumarket.proto.v1 import admin_pb2_grpc, artifacts_pb2_grpc, marketplace_pb2_grpc
+from gpumarket.proto.v1 import admin_pb2_grpc, marketplace_pb2_grpc
 from gpumarket.proto.v1 import marketplace_pb2 as mp
 from gpumarket.proto.v1 import types_pb2 as pb
 
 
-def default_trust() -> Trust:
-    """$GPUMARKET_BROKER_KEY pins the broker's key; else the client's known_brokers file."""
-    return Trust(pin=os.environ.get("GPUMARKET_BROKER_KEY", ""),
-                 known=home_dir() / "known_brokers")
+@dataclass(frozen=True)
+class Broker:
+    """Where a command's calls go: the broker's address and the key it must present."""
+
+    address: str
+    trust: Trust
+
+    def client(self, identity: Identity | None, timeout_s: float = 15.0) -> "BrokerClient":
+        return BrokerClient(self.address, identity, timeout_s, self.trust)
 
 
 class BrokerClient:
-    """``async with BrokerClient("127.0.0.1:7070", identity) as broker: ...``
+    """``async with BrokerClient("127.0.0.1:7070", identity, trust=Trust(pin=...)) as b:``
 
     Calls are signed by ``identity`` (None: anonymous, which only offer search allows).
     The channel is TLS to the broker key ``trust`` accepts, unless the address is
@@ -43,7 +47,7 @@ class BrokerClient:
         self.address = address
         self.identity = identity
         self.timeout_s = timeout_s
-        self.trust = trust or default_trust()
+        self.trust = trust or Trust()
         self.channel: grpc.aio.Channel | None = None
         self.broker_id = ""
 
@@ -59,21 +63,15 @@ class BrokerClient:
                                     min(self.timeout_s, 10.0))
         self.channel, self.broker_id = opened.channel, opened.broker_id
         self.market = marketplace_pb2_grpc.MarketplaceStub(self.channel)
-        self.artifacts = artifacts_pb2_grpc.ArtifactsStub(self.channel)
         self.admin = admin_pb2_grpc.AdminStub(self.channel)
+        self.artifacts = ArtifactsClient(self.channel, self.address, self.timeout_s)
 
     async def close(self) -> None:
         if self.channel is not None:
             await self.channel.close()
 
     def _error(self, exc: grpc.aio.AioRpcError) -> GpumarketError:
-        if exc.code() == grpc.StatusCode.UNAVAILABLE:
-            return Unavailable(f"cannot reach the broker at {self.address}"
-                               f" ({(exc.details() or 'no answer').splitlines()[0]})")
-        if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-            return from_code("DEADLINE_EXCEEDED",
-                             f"the broker at {self.address} did not answer in time")
-        return from_code(exc.code().name, exc.details() or exc.code().name)
+        return error_of(exc, self.address)
 
     async def _call(self, method, request):
         try:
@@ -174,33 +172,11 @@ class BrokerClient:
             finally:
                 stream.cancel()
 
-    async def upload(self, path: Path, name: str,
+    async def upload(self, path: Path | int, name: str,
                      on_bytes: Callable[[int], None] | None = None) -> pb.ArtifactRef:
-        """Upload a file unless the broker has it; resumes a partial upload."""
-        sha, size = await asyncio.to_thread(sha256_file, path)
-        st = await self._call(self.artifacts.StatArtifact,
-                              ap.StatArtifactRequest(sha256=sha, size_bytes=size))
-        if not st.complete:
-            call = self.artifacts.Upload(
-                upload_requests(path, sha, size, st.received_bytes, on_bytes),
-                timeout=self.timeout_s + size / 1e6)
-            try:
-                await call
-            except grpc.aio.AioRpcError as exc:
-                raise self._error(exc) from exc
-        return pb.ArtifactRef(name=name, sha256=sha, size_bytes=size)
+        """Upload a file unless the broker shows this key holds it; resumes a partial one."""
+        return await self.artifacts.upload(path, name, on_bytes)
 
     async def download(self, ref: pb.ArtifactRef, target: Path) -> None:
-        """Download to ``target``; the file appears only once its sha256 checks out."""
-        tmp = target.with_name(f".{target.name}.partial")
-        try:
-            stream = self.artifacts.Download(ap.DownloadRequest(sha256=ref.sha256),
-                                             timeout=self.timeout_s + ref.size_bytes / 1e6)
-            await receive(stream, tmp, ref.size_bytes, append=False)
-        except grpc.aio.AioRpcError as exc:
-            tmp.unlink(missing_ok=True)
-            raise self._error(exc) from exc
-        if not await asyncio.to_thread(publish_verified, tmp, target, ref.sha256,
-                                       ref.size_bytes):
-            raise InvalidArgument(f"{ref.name}: downloaded bytes do not match the receipt's"
-                                  " sha256")
+        """Download to ``target`` (resuming); it appears only once its sha256 checks out."""
+        await self.artifacts.download(ref, target)

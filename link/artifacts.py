@@ -1,0 +1,69 @@
+"""The one Artifacts client: content-addressed uploads and downloads, both resumable and
+both hash-checked, for clients and providers alike."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+
+from gpumarket.link.errors import error_of
+from gpumarket.proto.artifacts import publish_verified, receive, sha256_file, upload_requests
+from gpumarket.proto.errors import InvalidArgument
+from gpumarket.proto.v1 import artifacts_pb2 as ap
+from gpumarket.proto.v1 import artifacts_pb2_grpc
+from gpumarket.proto.v1 import types_pb2 as pb
+
+BYTES_PER_S = 1e6       # the slowest transfer the deadlines allow for
+
+
+class ArtifactsClient:
+    def __init__(self, channel: grpc.aio.Channel, address: str, timeout_s: float) -> None:
+        self.stub = artifacts_pb2_grpc.ArtifactsStub(channel)
+        self.address = address
+        self.timeout_s = timeout_s
+
+    async def stat(self, sha256: str, size_bytes: int = 0) -> ap.StatArtifactResponse:
+        try:
+            return await self.stub.StatArtifact(
+                ap.StatArtifactRequest(sha256=sha256, size_bytes=size_bytes),
+                timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise error_of(exc, self.address) from exc
+
+    async def upload(self, source: Path | int, name: str,
+                     on_bytes: Callable[[int], None] | None = None) -> pb.ArtifactRef:
+        """Upload a file, given by path or as a descriptor the caller keeps open, unless the
+        broker shows this key holds it already; a partial upload resumes where the broker's
+        copy ends. Returns its reference."""
+        sha, size = await asyncio.to_thread(sha256_file, source)
+        st = await self.stat(sha, size)
+        if not st.complete:
+            try:
+                await self.stub.Upload(
+                    upload_requests(source, sha, size, st.received_bytes, on_bytes),
+                    timeout=self.timeout_s + size / BYTES_PER_S)
+            except grpc.aio.AioRpcError as exc:
+                raise error_of(exc, self.address) from exc
+        return pb.ArtifactRef(name=name, sha256=sha, size_bytes=size)
+
+    async def download(self, ref: pb.ArtifactRef, target: Path) -> None:
+        """Download a blob to ``target``; what arrived of a broken download is kept next to
+        it and continued. The file appears only once its sha256 and size check out (else
+        InvalidArgument, and the partial copy is gone)."""
+        partial = target.with_name(f".{target.name}.partial")
+        offset = partial.stat().st_size if partial.exists() else 0
+        if offset > ref.size_bytes:
+            partial.unlink()
+            offset = 0
+        try:
+            stream = self.stub.Download(ap.DownloadRequest(sha256=ref.sha256, offset=offset),
+                                        timeout=self.timeout_s + ref.size_bytes / BYTES_PER_S)
+            await receive(stream, partial, ref.size_bytes, append=True)
+        except grpc.aio.AioRpcError as exc:
+            raise error_of(exc, self.address) from exc
+        if not await asyncio.to_thread(publish_verified, partial, target, ref.sha256,
+                                       ref.size_bytes):
+            raise InvalidArgument(f"{ref.name}: downloaded bytes do not match its sha256")
