@@ -127,4 +127,11 @@ _add_admin_commands()
 
 
 def main() -> None:
+    from gpumarket import kinds
+
+    try:
+        kinds.load_plugins(os.environ.get("GPUMARKET_KINDS", ""))
+    except GpumarketError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(1)
     cli(prog_name="gpumarket-broker")

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpumarket.broker import model_size
+from gpumarket.kinds import Kind
 from gpumarket.proto.errors import InvalidArgument
 from gpumarket.proto.v1 import types_pb2 as pb
 
@@ -57,41 +58,37 @@ def _find_config(tar: tarfile.TarFile) -> tarfile.TarInfo | None:
     return None
 
 
-def estimate(spec: pb.JobSpec, blob_path: Callable[[str], Path]) -> JobEstimate:
-    """Size a job; raise InvalidArgument naming the input if its config is unusable."""
-    if spec.WhichOneof("params") in ("generate", "embed"):
-        return _inference_estimate(spec, blob_path)
-    t = spec.training
-    refs = {r.name: r for r in spec.inputs}
-    name = t.model_config or t.base_model
-    ref = refs.get(name)
-    if ref is None:
+def estimate(kind: Kind, values: dict, spec: pb.JobSpec,
+             blob_path: Callable[[str], Path]) -> JobEstimate:
+    """Size a job by its kind's sizing rule; raise InvalidArgument naming the input if its
+    config is unusable. A kind without one (or without a config input) is of unknown size."""
+    found = kind.config_input(values)
+    rule = SIZING.get(kind.sizing)
+    ref = {r.name: r for r in spec.inputs}.get(found[0]) if found else None
+    if rule is None or ref is None:
         return JobEstimate(0, 0.0, 0)
+    name, archive = found
+    field = next(p.name for p in kind.params if values.get(p.name) == name)
     try:
-        cfg = _config_from_blob(blob_path(ref.sha256), archive=bool(t.base_model))
-        shape = model_size.shape(cfg)
+        shape = model_size.shape(_config_from_blob(blob_path(ref.sha256), archive))
     except (OSError, ValueError, tarfile.TarError) as exc:
-        raise InvalidArgument(f"training.{'base_model' if t.base_model else 'model_config'}:"
-                              f" cannot read a model config ({exc})") from exc
+        raise InvalidArgument(f"{kind.name}.{field}: cannot read a model config ({exc})") from exc
     except InvalidArgument as exc:
-        raise InvalidArgument(f"training: {exc.message}") from exc
-    tokens = t.steps * t.batch_size * t.seq_len
+        raise InvalidArgument(f"{kind.name}.{field}: {exc.message}") from exc
+    return rule(shape, values)
+
+
+def _training(shape: model_size.ModelShape, values: dict) -> JobEstimate:
+    tokens = values["steps"] * values["batch_size"] * values["seq_len"]
     # The runner keeps fp32 weights (with bf16 autocast on CUDA).
-    memory = model_size.training_bytes(shape, "fp32", t.batch_size, t.seq_len)
+    memory = model_size.training_bytes(shape, "fp32", values["batch_size"], values["seq_len"])
     return JobEstimate(memory, model_size.training_flops(shape, tokens), shape.params)
 
 
-def _inference_estimate(spec: pb.JobSpec, blob_path: Callable[[str], Path]) -> JobEstimate:
+def _inference(shape: model_size.ModelShape, values: dict) -> JobEstimate:
     """Weights in 16-bit plus a quarter for activations and the KV cache; the work is not
     known without reading the prompts, so it stays 0 (unknown)."""
-    field = spec.WhichOneof("params")
-    ref = {r.name: r for r in spec.inputs}.get(getattr(spec, field).model)
-    if ref is None:
-        return JobEstimate(0, 0.0, 0)
-    try:
-        shape = model_size.shape(_config_from_blob(blob_path(ref.sha256), archive=True))
-    except (OSError, ValueError, tarfile.TarError) as exc:
-        raise InvalidArgument(f"{field}.model: cannot read a model config ({exc})") from exc
-    except InvalidArgument as exc:
-        raise InvalidArgument(f"{field}.model: {exc.message}") from exc
     return JobEstimate(int(shape.params * 2 * 1.25), 0.0, shape.params)
+
+
+SIZING = {"training": _training, "inference": _inference}

@@ -6,6 +6,7 @@ import asyncio
 import json
 import logging
 
+from gpumarket import kinds
 from gpumarket.broker import (
     estimates, figures, jobs, logs, matcher, offers, reliability, scheduler, standing, views,
 )
@@ -17,11 +18,7 @@ from gpumarket.proto.errors import (
     BadSignature, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied,
     ResourceExhausted,
 )
-from gpumarket.proto.jobspec import (
-    OBJECTIVE_NAMES, TERMINAL_STATES, check_fresh, check_spec, kind_name, now_ms,
-    model_input_sha256, part_frames, required_engine, required_model, split_parts,
-    wants_remote_code,
-)
+from gpumarket.proto.jobspec import OBJECTIVE_NAMES, TERMINAL_STATES, check_fresh, now_ms
 from gpumarket.proto.v1 import gateway_pb2 as gw
 from gpumarket.proto.v1 import marketplace_pb2 as mp
 from gpumarket.proto.v1 import marketplace_pb2_grpc
@@ -42,7 +39,7 @@ class MarketplaceServicer(marketplace_pb2_grpc.MarketplaceServicer):
         spec, client_id = open_envelope(request.spec, pb.JobSpec)
         if client_id != caller():
             raise PermissionDenied("job spec is signed by another key than the call")
-        check_spec(spec)
+        values = kinds.check_spec(spec)
         check_fresh(spec)
         cfg = self.state.config
         queued = await self.state.store.read(views.queued_count, client_id)
@@ -52,12 +49,15 @@ class MarketplaceServicer(marketplace_pb2_grpc.MarketplaceServicer):
                                     reason="quota")
         for i, ref in enumerate(spec.inputs):
             await self._check_input(i, ref, client_id)
-        est = await asyncio.to_thread(estimates.estimate, spec, self.state.artifacts.blob_path)
+        kind = kinds.get(spec.kind)
+        est = await asyncio.to_thread(estimates.estimate, kind, values, spec,
+                                      self.state.artifacts.blob_path)
         digest = payload_sha256(request.spec)
+        parts = kind.parts(values)
         job = jobs.NewJob(
             id=digest[:16],
             client_id=client_id,
-            name=spec.name or kind_name(spec.kind),
+            name=spec.name or kind.name,
             kind=spec.kind,
             spec=request.spec.SerializeToString(),
             spec_sha256=digest,
@@ -77,13 +77,12 @@ class MarketplaceServicer(marketplace_pb2_grpc.MarketplaceServicer):
             work_flops=est.work_flops,
             est_memory_bytes=est.memory_bytes,
             max_runtime_s=spec.max_runtime_s,
-            engine=required_engine(spec),
-            model_name=required_model(spec),
-            model_sha256=model_input_sha256(spec),
-            remote_code=wants_remote_code(spec),
-            part_sizes=tuple(len(part_frames(spec.render.frame_start, spec.render.frame_end,
-                                             i, split_parts(spec)))
-                             for i in range(1, split_parts(spec) + 1)),
+            engine=kind.engine(values),
+            model_name=kind.model_name(values),
+            model_sha256=model_sha256(spec, kind, values),
+            remote_code=kind.remote_code(values),
+            part_sizes=tuple(len(kind.part_steps(values, i, parts))
+                             for i in range(1, parts + 1)) if parts > 1 else (),
         )
         await self.state.store.write(jobs.submit, job, now_ms())
         log.info("job %s submitted by %s", job.id, client_id)
@@ -213,10 +212,12 @@ class MarketplaceServicer(marketplace_pb2_grpc.MarketplaceServicer):
     @unary
     async def Quote(self, request: mp.QuoteRequest, context) -> mp.QuoteResponse:
         spec = request.spec
-        check_spec_for_quote(spec)
+        values = check_spec_for_quote(spec)
+        kind = kinds.get(spec.kind)
         for i, ref in enumerate(spec.inputs):   # the broker sizes the job from its inputs
             await self._check_input(i, ref, caller())
-        est = await asyncio.to_thread(estimates.estimate, spec, self.state.artifacts.blob_path)
+        est = await asyncio.to_thread(estimates.estimate, kind, values, spec,
+                                      self.state.artifacts.blob_path)
         row = {
             "id": "quote", "kind": spec.kind, "gpus": spec.resources.gpus,
             "min_memory_bytes": spec.resources.min_memory_bytes or est.memory_bytes,
@@ -229,9 +230,10 @@ class MarketplaceServicer(marketplace_pb2_grpc.MarketplaceServicer):
             "objective": OBJECTIVE_NAMES[spec.objective], "deadline_s": spec.deadline_s,
             "created_at_ms": now_ms(), "max_runtime_s": spec.max_runtime_s,
             "checkpoint_seconds": 0.0,
-            "engine": required_engine(spec),
-            "model_name": required_model(spec), "model_sha256": model_input_sha256(spec),
-            "remote_code": int(wants_remote_code(spec)),
+            "engine": kind.engine(values),
+            "model_name": kind.model_name(values),
+            "model_sha256": model_sha256(spec, kind, values),
+            "remote_code": int(kind.remote_code(values)),
         }
         book = await scheduler.offer_book(self.state)
         job = scheduler.needs_of(row)
@@ -270,10 +272,18 @@ def _matches(offer: pb.Offer, q: mp.SearchOffersRequest) -> bool:
     return len(good) >= max(q.min_gpus, 1)
 
 
-def check_spec_for_quote(spec: pb.JobSpec) -> None:
-    """A quote needs a well-formed spec but no nonce, times or signature."""
+def check_spec_for_quote(spec: pb.JobSpec) -> dict:
+    """A quote needs a well-formed spec but no nonce, times or signature; return its
+    kind's parameters."""
     probe = pb.JobSpec()
     probe.CopyFrom(spec)
     probe.nonce = b"\0" * 16
     probe.created_at_ms, probe.expires_at_ms = 1, 2
-    check_spec(probe)
+    return kinds.check_spec(probe)
+
+
+def model_sha256(spec: pb.JobSpec, kind: kinds.Kind, values: dict) -> str:
+    """The sha256 of the model archive the job sends; "" if none (a provider that has it
+    cached already is preferred: a warm cache)."""
+    name = kind.model_input(values)
+    return next((ref.sha256 for ref in spec.inputs if name and ref.name == name), "")

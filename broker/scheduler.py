@@ -8,6 +8,7 @@ import logging
 import time
 from collections import defaultdict, deque
 
+from gpumarket import kinds
 from gpumarket.broker import auth, holdings, jobs, matcher, reliability, views
 from gpumarket.broker.offers import claim_efficiency, offer_view
 from gpumarket.broker.state import BrokerState
@@ -28,7 +29,7 @@ def _checkpoint_every(spec_blob: bytes) -> int:
     env.ParseFromString(spec_blob)
     spec = pb.JobSpec()
     spec.ParseFromString(env.payload)
-    return spec.training.checkpoint_every
+    return kinds.get(spec.kind).checkpoint_every(kinds.values_of(spec))
 
 
 def fair_order(rows: list[dict], running: dict[str, int]) -> list[dict]:

@@ -20,6 +20,7 @@ from google.protobuf.json_format import MessageToDict
 from rich.console import Console
 from rich.table import Table
 
+from gpumarket import kinds
 from gpumarket.client import jobfile
 from gpumarket.link.channel import Trust
 from gpumarket.link.client import Broker, BrokerClient
@@ -147,8 +148,7 @@ def build_spec(job: jobfile.JobFile, refs: list[pb.ArtifactRef], created_ms: int
         max_attempts=job.max_attempts, nonce=os.urandom(NONCE_BYTES),
         created_at_ms=created_ms, expires_at_ms=created_ms + job.expires_in_s * 1000,
     )
-    params = getattr(spec, job.params_field)
-    params.CopyFrom(type(params)(**job.params))
+    kinds.get(job.kind).write(spec, job.params)
     return spec
 
 
@@ -323,12 +323,9 @@ def verify_receipts(job: pb.Job, client_id: str | None) -> list[pb.Receipt]:
                 raise BadSignature(f"two parts of job {job.job_id} both wrote {ref.name}")
             names.add(ref.name)
         receipts.append(receipt)
-    if spec.WhichOneof("params") == "render":
-        missing = [f for f in range(spec.render.frame_start, spec.render.frame_end + 1)
-                   if f"frame_{f:06d}.png" not in names]
-        if missing:
-            raise BadSignature(f"job {job.job_id}: {len(missing)} frames missing from its"
-                               f" receipts (first: {missing[0]})")
+    problem = kinds.get(spec.kind).output_problem(kinds.values_of(spec), names)
+    if problem:
+        raise BadSignature(f"job {job.job_id}: {problem}")
     return receipts
 
 
@@ -544,4 +541,9 @@ async def quote(market: Broker, job_file: Path, limit: int, as_json: bool) -> No
 
 
 def main() -> None:
+    try:
+        kinds.load_plugins(os.environ.get("GPUMARKET_KINDS", ""))
+    except GpumarketError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(1)
     cli(prog_name="gpumarket")

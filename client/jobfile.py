@@ -15,47 +15,25 @@ from pathlib import Path
 from typing import Any
 
 from gpumarket.proto.errors import JobFileError
-from gpumarket.proto.jobspec import ACCELERATORS_BY_NAME, KINDS_BY_NAME, OBJECTIVES_BY_NAME
+from gpumarket import kinds
+from gpumarket.kinds.schema import TYPE_WORDS, UINT32, UINT64
+from gpumarket.proto.jobspec import ACCELERATORS_BY_NAME, OBJECTIVES_BY_NAME
 
 DEFAULT_EXPIRY_S = 24 * 3600
+# The top-level numbers' ranges: what the spec's fields hold and the broker accepts.
+NUMBER_RANGES = {"max_runtime": (0, UINT32), "max_attempts": (0, 100),
+                 "expires_in": (1, 30 * 24 * 3600), "resources.gpus": (1, 64)}
 
 # field → (type, required). Types: int, float, str, "size", "path", "dir_or_file".
 TOP = {
     "name": (str, False), "kind": (str, True), "max_price": (float, True),
     "max_runtime": (int, False), "max_attempts": (int, False), "expires_in": (int, False),
     "objective": (str, False), "deadline": ("duration", False),
-    "min_reliability": (float, False),
-    "resources": (dict, False), "training": (dict, False), "generate": (dict, False),
-    "embed": (dict, False), "render": (dict, False),
-}
+    "min_reliability": (float, False), "resources": (dict, False),
+}   # and one table, named after the kind, of the kind's own fields (gpumarket.kinds)
 RESOURCES = {"gpus": (int, False), "memory": ("size", False), "accelerator": (str, False),
              "compute_capability": ("version", False), "gpu_models": ("strings", False)}
 DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*$")
-TRAINING = {
-    "model_config": ("path", False), "base_model": ("dir_or_file", False),
-    "dataset": ("path", True), "steps": (int, True), "batch_size": (int, True),
-    "seq_len": (int, True), "learning_rate": (float, True), "seed": (int, False),
-    "warmup_steps": (int, False), "checkpoint_every": (int, False),
-}
-GENERATE = {
-    "model": ("dir_or_file", False), "model_name": (str, False), "prompts": ("path", True),
-    "trust_remote_code": (bool, False), "max_tokens": (int, False),
-    "temperature": (float, False), "top_p": (float, False), "seed": (int, False),
-    "stop": ("strings", False), "batch_size": (int, False), "engine": (str, False),
-    "dtype": (str, False), "quantization": (str, False), "checkpoint_every": (int, False),
-}
-EMBED = {
-    "model": ("dir_or_file", False), "model_name": (str, False), "texts": ("path", True),
-    "trust_remote_code": (bool, False), "batch_size": (int, False),
-    "output_format": (str, False), "normalize": (bool, False), "engine": (str, False),
-    "dtype": (str, False), "checkpoint_every": (int, False),
-}
-RENDER = {
-    "scene": ("path", True), "frame_start": (int, True), "frame_end": (int, True),
-    "resolution_x": (int, False), "resolution_y": (int, False), "samples": (int, False),
-    "device": (str, False), "output_format": (str, False), "split": (int, False),
-    "engine": (str, False), "checkpoint_every": (int, False),
-}
 SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
 UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -86,8 +64,8 @@ class JobFile:
     min_reliability: float
     min_compute_capability: float
     gpu_models: tuple[str, ...]
-    params_field: str               # "training", "generate", "embed" or "render"
-    params: dict[str, Any]          # that message's fields; input fields hold input names
+    params_field: str               # the kind's name: its table in the job file
+    params: dict[str, Any]          # the fields given (spec names); inputs hold input names
     inputs: tuple[LocalInput, ...]
 
 
@@ -98,7 +76,8 @@ def parse_size(value: Any, where: str) -> int:
         m = SIZE_RE.match(value)
         if m:
             return int(float(m.group(1)) * UNITS[(m.group(2) or "B").lower()])
-    raise JobFileError(f"{where} must be a size like \"16GiB\" or a number of bytes, got {value!r}")
+    raise JobFileError(f"{where} must be a size like \"16GiB\" or a number of bytes,"
+                       f" got {value!r}")
 
 
 def parse_duration(value: Any, where: str) -> int:
@@ -170,42 +149,47 @@ def load(path: Path) -> JobFile:
         raise JobFileError(f"{file}: cannot read ({exc})") from exc
     except tomllib.TOMLDecodeError as exc:
         raise JobFileError(f"{file}: not valid TOML ({exc})") from exc
-    _check_table(raw, TOP, "", file)
-    kind_text = raw["kind"]
-    if kind_text not in KINDS_BY_NAME:
-        raise JobFileError(f"{file}: field 'kind' must be one of {sorted(KINDS_BY_NAME)},"
+    kind_text = raw.get("kind")
+    names = [k.name for k in kinds.all_kinds()]
+    if "kind" in raw and kind_text not in names:
+        raise JobFileError(f"{file}: field 'kind' must be one of {sorted(names)},"
                            f" got {kind_text!r}")
-    if kind_text not in PARSERS:
-        raise JobFileError(f"{file}: kind {kind_text!r} is not supported yet (supported:"
-                           f" {', '.join(PARSERS)})")
+    table = raw.pop(kind_text, None) if kind_text in names else None
+    _check_table(raw, TOP, "", file)
+    kind = kinds.get(kind_text)
     resources = _check_table(raw.get("resources", {}), RESOURCES, "resources.", file)
     accel = resources.get("accelerator", "any")
     if accel not in ACCELERATORS_BY_NAME:
         raise JobFileError(f"{file}: field 'resources.accelerator' must be one of"
                            f" {sorted(ACCELERATORS_BY_NAME)}, got {accel!r}")
-    for other in PARSERS:
-        if other != kind_text and other in raw:
-            raise JobFileError(f"{file}: a {kind_text} job takes no [{other}] table")
-    if kind_text not in raw:
+    if not isinstance(table, dict):
         raise JobFileError(f"{file}: a {kind_text} job needs a [{kind_text}] table")
-    params, inputs = PARSERS[kind_text](raw[kind_text], path.parent, file)
+    params, inputs = read_params(kind, table, path.parent, file)
     numbers = {"max_runtime": raw.get("max_runtime", 0), "max_attempts": raw.get("max_attempts", 0),
                "expires_in": raw.get("expires_in", DEFAULT_EXPIRY_S),
                "resources.gpus": resources.get("gpus", 1)}
     for key, value in numbers.items():
-        if value < 0:
-            raise JobFileError(f"{file}: field {key!r} must not be negative")
+        low, high = NUMBER_RANGES[key]
+        if not low <= value <= high:
+            raise JobFileError(f"{file}: field {key!r} must be between {low:,} and {high:,}")
+    if not float(raw["max_price"]) > 0:
+        raise JobFileError(f"{file}: field 'max_price' must be greater than 0")
     objective = raw.get("objective", "cheapest")
     if objective not in OBJECTIVES_BY_NAME:
         raise JobFileError(f"{file}: field 'objective' must be one of"
                            f" {sorted(OBJECTIVES_BY_NAME)}, got {objective!r}")
     deadline = parse_duration(raw["deadline"], f"{file}: field 'deadline'") \
         if "deadline" in raw else 0
+    if deadline > UINT32:
+        raise JobFileError(f"{file}: field 'deadline' must be at most {UINT32:,} seconds")
     if objective == "deadline" and not deadline:
         raise JobFileError(f"{file}: objective \"deadline\" needs a field 'deadline'")
     min_rel = float(raw.get("min_reliability", 0.0))
     if not 0 <= min_rel <= 1:
         raise JobFileError(f"{file}: field 'min_reliability' must be between 0 and 1")
+    memory = parse_size(resources.get("memory", 0), f"{file}: field 'resources.memory'")
+    if memory > UINT64:
+        raise JobFileError(f"{file}: field 'resources.memory' must be at most {UINT64:,} bytes")
     try:
         cc = float(resources.get("compute_capability", 0))
     except ValueError as exc:
@@ -219,13 +203,13 @@ def load(path: Path) -> JobFile:
         min_compute_capability=cc,
         gpu_models=tuple(resources.get("gpu_models", [])),
         name=raw.get("name", path.stem),
-        kind=KINDS_BY_NAME[kind_text],
+        kind=kind.number,
         max_price=float(raw["max_price"]),
         max_runtime_s=numbers["max_runtime"],
         max_attempts=numbers["max_attempts"],
         expires_in_s=numbers["expires_in"],
         gpus=numbers["resources.gpus"],
-        min_memory_bytes=parse_size(resources.get("memory", 0), "resources.memory"),
+        min_memory_bytes=memory,
         accelerator=ACCELERATORS_BY_NAME[accel],
         params_field=kind_text,
         params=params,
@@ -233,74 +217,49 @@ def load(path: Path) -> JobFile:
     )
 
 
-def _training(table: dict, base: Path, file: str) -> tuple[dict, list[LocalInput]]:
-    training = dict(_check_table(table, TRAINING, "training.", file))
-    inputs = []
-    has_config, has_base = "model_config" in training, "base_model" in training
-    if has_config == has_base:
-        raise JobFileError(f"{file}: [training] needs exactly one of model_config or base_model")
-    if has_config:
-        src = _file(base, training["model_config"], "training.model_config", file)
-        inputs.append(LocalInput("model_config.json", src))
-        training["model_config"] = "model_config.json"
-    else:
-        src = _file(base, training["base_model"], "training.base_model", file)
-        inputs.append(LocalInput("base_model.tar", src))
-        training["base_model"] = "base_model.tar"
-    src = _file(base, training["dataset"], "training.dataset", file)
-    inputs.append(LocalInput("dataset.jsonl", src))
-    training["dataset"] = "dataset.jsonl"
-    for key in ("steps", "batch_size", "seq_len", "warmup_steps", "checkpoint_every", "seed"):
-        if key in training and training[key] < 0:
-            raise JobFileError(f"{file}: field 'training.{key}' must not be negative")
-    training.setdefault("seed", 0)
-    return training, inputs
-
-
-def _inference(kind: str, schema: dict, data_field: str, table: dict, base: Path,
-               file: str) -> tuple[dict, list[LocalInput]]:
-    params = dict(_check_table(table, schema, f"{kind}.", file))
-    if ("model" in params) == ("model_name" in params):
-        raise JobFileError(f"{file}: [{kind}] needs exactly one of model (a model directory to"
-                           " send) or model_name (a model the provider holds)")
-    data = _file(base, params[data_field], f"{kind}.{data_field}", file)
-    inputs = [LocalInput(f"{data_field}.jsonl", data)]
-    params[data_field] = f"{data_field}.jsonl"
-    if "model" in params:
-        model = _file(base, params["model"], f"{kind}.model", file)
-        if model.is_dir() and not (model / "config.json").exists():
-            raise JobFileError(f"{file}: {kind}.model = {params['model']!r}: a model directory"
-                               " needs a config.json")
-        inputs.insert(0, LocalInput("model.tar", model))
-        params["model"] = "model.tar"
-    for key in ("max_tokens", "seed", "batch_size", "checkpoint_every"):
-        if key in params and params[key] < 0:
-            raise JobFileError(f"{file}: field '{kind}.{key}' must not be negative")
-    if "normalize" in params:
-        params["keep_scale"] = not params.pop("normalize")
-    return params, inputs
-
-
-def _render(table: dict, base: Path, file: str) -> tuple[dict, list[LocalInput]]:
-    params = dict(_check_table(table, RENDER, "render.", file))
-    scene = _file(base, params["scene"], "render.scene", file)
-    if scene.is_dir() or scene.suffix != ".blend":
-        raise JobFileError(f"{file}: render.scene = {params['scene']!r}: not a .blend file")
-    for key in RENDER:
-        if RENDER[key][0] is int and key in params and params[key] < 0:
-            raise JobFileError(f"{file}: field 'render.{key}' must not be negative")
-    if params["frame_end"] < params["frame_start"]:
-        raise JobFileError(f"{file}: field 'render.frame_end' is before 'render.frame_start'")
-    params["scene"] = "scene.blend"
-    return params, [LocalInput("scene.blend", scene)]
-
-
-PARSERS = {
-    "training": _training,
-    "generate": lambda t, b, f: _inference("generate", GENERATE, "prompts", t, b, f),
-    "embed": lambda t, b, f: _inference("embed", EMBED, "texts", t, b, f),
-    "render": _render,
-}
+def read_params(kind: kinds.Kind, table: dict, base: Path, file: str
+                ) -> tuple[dict[str, Any], list[LocalInput]]:
+    """A kind's table of a job file: its fields as the spec's values (local files become
+    inputs, named as the kind says), checked against the kind's schema and rules before
+    anything is uploaded; every problem names the file and the field."""
+    known = {p.field_in_file: p for p in kind.params}
+    for key in table:
+        if key not in known:
+            raise JobFileError(f"{file}: unknown field '{kind.name}.{key}' (known:"
+                               f" {', '.join(sorted(known))})")
+    values: dict[str, Any] = {}
+    inputs: list[LocalInput] = []
+    for key, p in known.items():
+        where = f"{kind.name}.{key}"
+        if key not in table:
+            if p.required:
+                raise JobFileError(f"{file}: missing required field '{where}'")
+            continue
+        value = table[key]
+        if not p.accepts_type(value):
+            raise JobFileError(f"{file}: field '{where}' must be {TYPE_WORDS[p.type]},"
+                               f" got {type(value).__name__} {value!r}")
+        if p.type in ("file", "file_or_dir"):
+            local = _file(base, value, where, file)
+            if p.type == "file" and local.is_dir():
+                raise JobFileError(f"{file}: {where} = {value!r}: a directory, not a file")
+            if p.suffix and local.suffix != p.suffix:
+                raise JobFileError(f"{file}: {where} = {value!r}: not a {p.suffix} file")
+            if local.is_dir() and p.dir_needs and not (local / p.dir_needs).exists():
+                raise JobFileError(f"{file}: {where} = {value!r}: a directory needs a"
+                                   f" {p.dir_needs}")
+            inputs.append(LocalInput(p.input_name, local))
+            value = p.input_name
+        elif p.from_file is not None:
+            value = p.from_file(value)
+        values[p.name] = value
+    full = {p.name: values.get(p.name, p.zero()) for p in kind.params}
+    try:
+        kind.check(full, {i.name for i in inputs})
+    except kinds.ParamError as exc:
+        field = f"field '{exc.field}'" if "." in exc.field else f"[{exc.field}]"
+        raise JobFileError(f"{file}: {field} {exc.problem}") from exc
+    return values, inputs
 
 
 def pack_directory(directory: Path) -> bytes:

@@ -472,4 +472,11 @@ def doctor(data_dir: Path, models_dir: Path | None, as_json: bool) -> None:
 
 
 def main() -> None:
+    from gpumarket import kinds
+
+    try:
+        kinds.load_plugins(os.environ.get("GPUMARKET_KINDS", ""))
+    except GpumarketError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(1)
     cli(prog_name="gpumarket-provider")

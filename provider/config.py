@@ -8,11 +8,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gpumarket import kinds
 from gpumarket.link.channel import Trust
 from gpumarket.proto.errors import InvalidArgument
-from gpumarket.proto.jobspec import KINDS_BY_NAME
 from gpumarket.proto.policy import Policy, parse_window
-from gpumarket.proto.v1 import types_pb2 as pb
 from gpumarket.provider.job_uids import POOL
 
 EXAMPLE = """\
@@ -71,8 +70,7 @@ class ProviderConfig:
     job_uid_pool: tuple[int, int] = POOL  # uids jobs run as (each daemon claims 64)
     job_disk_gib: float = 100.0          # disk quota of each job's work directory
     warm_runners: bool = True            # keep one idle runner per kind with imports done
-    kinds: frozenset[int] = frozenset({pb.JOB_KIND_TRAINING, pb.JOB_KIND_GENERATE,
-                                       pb.JOB_KIND_EMBED, pb.JOB_KIND_RENDER})  # accepted
+    kinds: frozenset[int] = frozenset()  # kinds accepted; empty = every kind it knows
     policy: Policy = field(default_factory=Policy)  # clients and hours served
     device_prices: dict[int, float] = field(default_factory=dict)  # per device index
 
@@ -140,10 +138,10 @@ def load(path: Path) -> dict[str, Any]:
         out["price_per_gpu_hour"] = float(price)
     if "kinds" in raw:
         names = _list_of_str(raw, "kinds", file)
-        bad = [k for k in names if k not in KINDS_BY_NAME]
-        if bad or not names:
-            raise InvalidArgument(f"{file}: kinds must name some of {sorted(KINDS_BY_NAME)}")
-        out["kinds"] = frozenset(KINDS_BY_NAME[k] for k in names)
+        known = {k.name: k.number for k in kinds.all_kinds()}
+        if not names or any(n not in known for n in names):
+            raise InvalidArgument(f"{file}: kinds must name some of {sorted(known)}")
+        out["kinds"] = frozenset(known[n] for n in names)
     if "models_dir" in raw:
         if not isinstance(raw["models_dir"], str):
             raise InvalidArgument(f"{file}: models_dir must be a path")

@@ -6,18 +6,15 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-from google.protobuf.json_format import MessageToDict
-
+from gpumarket import kinds as job_kinds
 from gpumarket.proto.envelope import open_envelope, payload_sha256
 from gpumarket.proto.errors import (
     BadSignature, Expired, GpumarketError, InvalidArgument, PermissionDenied,
 )
 from gpumarket.proto.identity import fingerprint
-from gpumarket.proto.jobspec import (
-    check_fresh, check_spec, job_params, kind_name, now_ms, required_engine,
-    required_model, wants_remote_code,
-)
+from gpumarket.proto.jobspec import check_fresh, kind_name, now_ms
 from gpumarket.proto.policy import Policy
+from gpumarket.proto.v1 import gateway_pb2 as gw
 from gpumarket.proto.v1 import types_pb2 as pb
 
 
@@ -62,7 +59,8 @@ def check_lease(
     spec, client_id = open_envelope(lease.job_spec, pb.JobSpec)
     if client_id != lease.client_id:
         raise BadSignature("job spec is not signed by the lease's client")
-    check_spec(spec)
+    values = job_kinds.check_spec(spec)
+    kind = job_kinds.get(spec.kind)
     check_fresh(spec, at)
     if spec.kind not in kinds:
         raise InvalidArgument(f"this provider does not run {kind_name(spec.kind)} jobs")
@@ -75,17 +73,17 @@ def check_lease(
         if policy.max_job_s and spec.max_runtime_s > policy.max_job_s:
             raise PermissionDenied(f"job asks {spec.max_runtime_s}s; this provider runs jobs"
                                    f" of at most {policy.max_job_s:.0f}s")
-    engine = required_engine(spec)
+    engine = kind.engine(values)
     if engine and engine not in engines:
         raise InvalidArgument(f"this provider has no {engine} engine (it has:"
                               f" {', '.join(sorted(engines)) or 'none'})")
-    if wants_remote_code(spec) and not (policy and policy.allow_remote_code):
+    if kind.remote_code(values) and not (policy and policy.allow_remote_code):
         raise PermissionDenied("this provider does not run a model's own code"
                                " (trust_remote_code)")
-    if wants_remote_code(spec) and runs_code is False:
+    if kind.remote_code(values) and runs_code is False:
         raise PermissionDenied("this provider cannot isolate a model's own code on this"
                                " host (see gpumarket-provider doctor)")
-    model = required_model(spec)
+    model = kind.model_name(values)
     if model and model not in models:
         raise InvalidArgument(f"this provider holds no model named {model!r}")
     wanted = set(lease.device_indices)
@@ -98,14 +96,15 @@ def runner_config(a: Assignment, inputs: dict[str, str], resume_dir: Path | None
                   cuda: bool, model_dir: Path | None = None) -> dict:
     """The job.json a runner reads: its parameters, input paths, checkpoint cadence, device
     and the checkpoint to resume from."""
-    params = job_params(a.spec)
+    kind = job_kinds.get(a.spec.kind)
+    params = kind.values_of(a.spec)      # every parameter, its default where not given
     return {
         "job_id": a.lease.job_id,
         "attempt": a.lease.attempt,
-        "kind": kind_name(a.spec.kind),
-        "params": MessageToDict(params, preserving_proto_field_name=True),
+        "kind": kind.name,
+        "params": params,
         "inputs": inputs,
-        "checkpoint_every": params.checkpoint_every or a.lease.checkpoint_every,
+        "checkpoint_every": kind.checkpoint_every(params) or a.lease.checkpoint_every,
         "checkpoint_interval_s": a.lease.checkpoint_interval_s,
         "provider_mtbf_s": a.lease.provider_mtbf_s,
         "device": "cuda" if cuda else "cpu",
@@ -119,3 +118,17 @@ def runner_config(a: Assignment, inputs: dict[str, str], resume_dir: Path | None
 
 def refusal(exc: GpumarketError) -> str:
     return f"{type(exc).__name__}: {exc.message}"
+
+
+def rejection(envelope: pb.Envelope, broker_key: bytes | None,
+              reason: str) -> gw.ProviderMessage | None:
+    """The answer to a lease that failed its checks; only one signed by the broker gets an
+    answer (None otherwise), since anything else names nothing a provider should act on."""
+    try:
+        lease, _ = open_envelope(envelope, pb.Lease)
+    except GpumarketError:
+        return None
+    if not broker_key or envelope.signer_public_key != broker_key:
+        return None
+    return gw.ProviderMessage(job_update=gw.JobUpdate(
+        job_id=lease.job_id, epoch=lease.epoch, rejected=gw.JobRejected(reason=reason)))

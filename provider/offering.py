@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from gpumarket import kinds
 from gpumarket.proto import __version__
 from gpumarket.proto.envelope import seal
 from gpumarket.proto.identity import Identity
@@ -14,6 +15,14 @@ from gpumarket.provider.config import ProviderConfig
 from gpumarket.provider.inventory import DeviceInfo, local_models
 
 CACHED_LISTED = 256
+
+
+def runnable_kinds(config: ProviderConfig, engines: frozenset[str]) -> set[int]:
+    """The kinds this provider runs: those its operator allows (every kind it knows by
+    default), less those needing an engine this host lacks (render needs Cycles)."""
+    return {k.number for k in kinds.all_kinds()
+            if (not config.kinds or k.number in config.kinds)
+            and (not k.provider_engine or k.provider_engine in engines)}
 
 
 def build_offer(config: ProviderConfig, identity: Identity, devices: list[DeviceInfo],

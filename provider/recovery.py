@@ -1,10 +1,13 @@
-"""What a restarted daemon needs besides its journal: the assignment a journal entry stands
-for, and the job processes nothing accounts for any more."""
+"""A restarted daemon picks up where the last one stopped: it re-attaches to jobs that
+outlived it, finishes or gives back the ones that ended meanwhile, re-sends final updates
+the broker has not settled, and ends whatever of a job no journal entry accounts for."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
+import shutil
 import signal
 from pathlib import Path
 
@@ -75,3 +78,44 @@ def end_strays(groups: CgroupHost | None, keep_groups: set[str], uids: UidRange 
         found = {uid for _ in range(3) for uid in processes_of(mine)}   # a forker may hide
         for uid in found:                                              # from one scan
             log.warning("killed %d stray processes of job uid %d", kill_uid(uid), uid)
+
+
+async def restore(daemon) -> None:
+    """Rebuild ``daemon``'s jobs from its journal (see the module's docstring)."""
+    from gpumarket.proto.v1 import gateway_pb2 as gw
+    from gpumarket.provider.attempt import Attempt
+    from gpumarket.provider.executor import pid_runs_in
+
+    entries = await asyncio.to_thread(daemon.journal.entries)
+    attached: set[int] = set()
+    for e in entries:
+        assignment = assignment_of(e)
+        if assignment is None:
+            await asyncio.to_thread(daemon.journal.remove, e.job_id, e.epoch)
+            continue
+        job = Attempt(assignment, Path(e.workdir), daemon)
+        daemon.jobs[assignment.lease.job_id] = job
+        if e.final is not None:
+            daemon.unsettled[job.key] = gw.ProviderMessage.FromString(e.final)
+            log.info("job %s: re-sending its final update", e.job_id)
+        elif e.pid and pid_runs_in(e.pid, job.workdir):
+            attached.add(e.pid)
+            job.reattach(e.pid)
+            log.info("job %s: re-attached to its running process %d", e.job_id, e.pid)
+        elif (done := job.done_meanwhile()) is not None:
+            job.finish_meanwhile(done)
+        else:
+            log.warning("job %s: its process ended while the daemon was down", e.job_id)
+            await daemon.finished(job, job.update(released=gw.JobReleased(
+                reason="job process ended while the provider daemon was down")))
+    jobs_dir = daemon.config.jobs_dir
+    kill_orphans(jobs_dir, attached)
+    following = [j for j in daemon.jobs.values() if j.process is not None]
+    await asyncio.to_thread(end_strays, daemon.isolation.cgroups,
+                            {j.workdir.name for j in following}, daemon.isolation.uids,
+                            {j.job_uid for j in following})
+    known = {Path(e.workdir).name for e in entries}
+    if jobs_dir.is_dir():
+        for d in jobs_dir.iterdir():
+            if d.name not in known:
+                shutil.rmtree(d, ignore_errors=True)

@@ -14,12 +14,14 @@ class WarmPool:
     def __init__(self, jobs_dir: Path, enabled: bool) -> None:
         self.jobs_dir = jobs_dir
         self.enabled = enabled
+        self.closing = False     # draining or stopping: no new idle runners
         self._idle: dict[str, asyncio.subprocess.Process] = {}   # runner module -> process
 
     async def refill(self, module: str) -> None:
         """Start an idle runner for ``module`` unless one is already waiting."""
         current = self._idle.get(module)
-        if not self.enabled or (current is not None and current.returncode is None):
+        if not self.enabled or self.closing or (current is not None
+                                                 and current.returncode is None):
             return
         self.jobs_dir.mkdir(parents=True, exist_ok=True)
         self._idle[module] = await asyncio.create_subprocess_exec(
@@ -34,6 +36,7 @@ class WarmPool:
         return proc if proc is not None and proc.returncode is None else None
 
     async def close(self) -> None:
+        self.closing = True
         for proc in self._idle.values():
             if proc.returncode is None:
                 signal_group(proc.pid, signal.SIGKILL)

@@ -83,8 +83,9 @@ class Process:
 class Marketplace:
     """A broker, any number of providers, and a client home, all under one tmp dir."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, extra_env: dict[str, str] | None = None) -> None:
         self.root = root
+        self.extra_env = extra_env or {}    # for every process (GPUMARKET_* included)
         self.home = root / "client-home"
         self.broker: Process | None = None
         self.providers: dict[str, Process] = {}
@@ -98,6 +99,7 @@ class Marketplace:
                     "COLUMNS": "200"})
         if self.broker_id:   # everyone pins the broker's key (test_security tries the rest)
             env["GPUMARKET_BROKER_KEY"] = self.broker_id
+        env.update(self.extra_env)
         return env
 
     def start_broker(self, *extra: str, listen: str = "127.0.0.1:0") -> str:

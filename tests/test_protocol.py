@@ -10,7 +10,8 @@ import pytest
 from gpumarket.proto.envelope import open_envelope, seal
 from gpumarket.proto.errors import BadSignature, Expired, InvalidArgument
 from gpumarket.proto.identity import Identity, fingerprint
-from gpumarket.proto.jobspec import check_fresh, check_spec, now_ms
+from gpumarket.kinds import check_spec
+from gpumarket.proto.jobspec import check_fresh, now_ms
 from gpumarket.proto.v1 import types_pb2 as pb
 
 

@@ -228,8 +228,14 @@ class RenderParams(_message.Message):
     checkpoint_every: int
     def __init__(self, scene: _Optional[str] = ..., frame_start: _Optional[int] = ..., frame_end: _Optional[int] = ..., resolution_x: _Optional[int] = ..., resolution_y: _Optional[int] = ..., samples: _Optional[int] = ..., device: _Optional[str] = ..., output_format: _Optional[str] = ..., split: _Optional[int] = ..., engine: _Optional[str] = ..., checkpoint_every: _Optional[int] = ...) -> None: ...
 
+class KindParams(_message.Message):
+    __slots__ = ("json",)
+    JSON_FIELD_NUMBER: _ClassVar[int]
+    json: str
+    def __init__(self, json: _Optional[str] = ...) -> None: ...
+
 class JobSpec(_message.Message):
-    __slots__ = ("name", "kind", "resources", "max_price_per_gpu_hour", "inputs", "max_runtime_s", "max_attempts", "objective", "deadline_s", "min_reliability", "training", "generate", "embed", "render", "nonce", "created_at_ms", "expires_at_ms")
+    __slots__ = ("name", "kind", "resources", "max_price_per_gpu_hour", "inputs", "max_runtime_s", "max_attempts", "objective", "deadline_s", "min_reliability", "training", "generate", "embed", "render", "custom", "nonce", "created_at_ms", "expires_at_ms")
     NAME_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     RESOURCES_FIELD_NUMBER: _ClassVar[int]
@@ -244,6 +250,7 @@ class JobSpec(_message.Message):
     GENERATE_FIELD_NUMBER: _ClassVar[int]
     EMBED_FIELD_NUMBER: _ClassVar[int]
     RENDER_FIELD_NUMBER: _ClassVar[int]
+    CUSTOM_FIELD_NUMBER: _ClassVar[int]
     NONCE_FIELD_NUMBER: _ClassVar[int]
     CREATED_AT_MS_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_AT_MS_FIELD_NUMBER: _ClassVar[int]
@@ -261,10 +268,11 @@ class JobSpec(_message.Message):
     generate: GenerateParams
     embed: EmbedParams
     render: RenderParams
+    custom: KindParams
     nonce: bytes
     created_at_ms: int
     expires_at_ms: int
-    def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[JobKind, str]] = ..., resources: _Optional[_Union[Resources, _Mapping]] = ..., max_price_per_gpu_hour: _Optional[float] = ..., inputs: _Optional[_Iterable[_Union[ArtifactRef, _Mapping]]] = ..., max_runtime_s: _Optional[int] = ..., max_attempts: _Optional[int] = ..., objective: _Optional[_Union[Objective, str]] = ..., deadline_s: _Optional[int] = ..., min_reliability: _Optional[float] = ..., training: _Optional[_Union[TrainingParams, _Mapping]] = ..., generate: _Optional[_Union[GenerateParams, _Mapping]] = ..., embed: _Optional[_Union[EmbedParams, _Mapping]] = ..., render: _Optional[_Union[RenderParams, _Mapping]] = ..., nonce: _Optional[bytes] = ..., created_at_ms: _Optional[int] = ..., expires_at_ms: _Optional[int] = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[JobKind, str]] = ..., resources: _Optional[_Union[Resources, _Mapping]] = ..., max_price_per_gpu_hour: _Optional[float] = ..., inputs: _Optional[_Iterable[_Union[ArtifactRef, _Mapping]]] = ..., max_runtime_s: _Optional[int] = ..., max_attempts: _Optional[int] = ..., objective: _Optional[_Union[Objective, str]] = ..., deadline_s: _Optional[int] = ..., min_reliability: _Optional[float] = ..., training: _Optional[_Union[TrainingParams, _Mapping]] = ..., generate: _Optional[_Union[GenerateParams, _Mapping]] = ..., embed: _Optional[_Union[EmbedParams, _Mapping]] = ..., render: _Optional[_Union[RenderParams, _Mapping]] = ..., custom: _Optional[_Union[KindParams, _Mapping]] = ..., nonce: _Optional[bytes] = ..., created_at_ms: _Optional[int] = ..., expires_at_ms: _Optional[int] = ...) -> None: ...
 
 class Benchmark(_message.Message):
     __slots__ = ("matmul_flops", "matmul_dtype", "memory_bandwidth_bytes_per_s", "measured_at_ms", "matmul_flops_by_dtype", "host_to_device_bytes_per_s", "sm_count", "interconnect")

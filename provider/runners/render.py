@@ -29,7 +29,7 @@ import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from gpumarket.proto.errors import InvalidArgument  # noqa: E402
-from gpumarket.proto.jobspec import part_frames  # noqa: E402
+from gpumarket.kinds.render import part_frames  # noqa: E402
 from gpumarket.provider.runners.base import (  # noqa: E402
     Cadence, JobError, drain_requested, publish_checkpoint, run_main,
 )

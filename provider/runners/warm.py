@@ -2,11 +2,11 @@
 included) while idle, then waits for one job on stdin — so a leased job, and above all a job
 resuming after a failover, starts in milliseconds instead of seconds.
 
-    python -m gpumarket.provider.runners.warm KIND JOBS_DIR
+    python -m gpumarket.provider.runners.warm RUNNER_MODULE JOBS_DIR
 
 Reads one JSON line ``{"workdir": ..., "env": {...}}``, takes on that environment, work
 directory and log, and runs the kind's runner as if started as
-``python -m gpumarket.provider.runners.KIND WORKDIR``. EOF on stdin means "not needed": exit.
+``python -m RUNNER_MODULE WORKDIR``. EOF on stdin means "not needed": exit.
 """
 
 from __future__ import annotations
@@ -16,14 +16,12 @@ import json
 import os
 import sys
 
-KINDS = {"training", "generate", "embed", "render"}
-
-
 def main() -> int:
-    if len(sys.argv) != 3 or sys.argv[1] not in KINDS:
-        print("usage: python -m gpumarket.provider.runners.warm KIND JOBS_DIR", file=sys.stderr)
+    if len(sys.argv) != 3:
+        print("usage: python -m gpumarket.provider.runners.warm RUNNER_MODULE JOBS_DIR",
+              file=sys.stderr)
         return 2
-    module = importlib.import_module(f"gpumarket.provider.runners.{sys.argv[1]}")
+    module = importlib.import_module(sys.argv[1])
     module.warm_up()
     line = sys.stdin.readline()
     if not line.strip():

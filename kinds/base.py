@@ -1,0 +1,120 @@
+"""What a job kind is, in one object: its name and number, its parameters, the rules
+across them, how the broker sizes and splits it, what a provider needs to run it, and the
+runner that does. A kind module (gpumarket/kinds/training.py, or a plugin's) makes one
+``Kind`` and registers it; everything else asks the registry. No grpc here."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpumarket.kinds.schema import TYPE_WORDS, Param, ParamError, check_values
+from gpumarket.proto.v1 import types_pb2 as pb
+
+PLUGIN_NUMBERS = range(100, 2**31)   # kinds outside this codebase take numbers from 100
+
+
+@dataclass(frozen=True)
+class Kind:
+    name: str                         # "training": the job file's kind and its table
+    number: int                       # JobKind on the wire (plugins: 100 and up)
+    params: tuple[Param, ...]
+    runner: str                       # module run as ``python -m RUNNER WORKDIR``
+    proto_field: str = ""             # the JobSpec.params field it uses; "" = custom (JSON)
+    warm: bool = False                # keep a runner with its imports done, ready for a lease
+    provider_engine: str = ""         # an engine a provider must have to offer the kind
+    sizing: str = ""                  # the broker's sizing rule ("training", "inference")
+    runner_path: tuple[str, ...] = field(default=(), compare=False)  # import roots of a plugin
+
+    # -- parameters ---------------------------------------------------------------------
+
+    def param(self, name: str) -> Param:
+        return next(p for p in self.params if p.name == name)
+
+    def check(self, values: dict[str, Any], inputs: set[str]) -> None:
+        """Raise ParamError for the first parameter, or combination of them, that cannot
+        run. Kinds with rules across parameters extend ``rules``."""
+        check_values(self.params, values, self.name, inputs)
+        self.rules(values)
+
+    def rules(self, values: dict[str, Any]) -> None:
+        """Rules across parameters (raise ParamError)."""
+
+    def values_of(self, spec: pb.JobSpec) -> dict[str, Any]:
+        """The spec's parameters as plain values, every one present (its default if the
+        spec leaves it out)."""
+        if self.proto_field:
+            if spec.WhichOneof("params") != self.proto_field:
+                raise ParamError(self.proto_field, f"a {self.name} job needs a"
+                                                   f" [{self.proto_field}] table")
+            message = getattr(spec, self.proto_field)
+            return {p.name: (list(getattr(message, p.name)) if p.type == "strings"
+                             else getattr(message, p.name)) for p in self.params}
+        if spec.WhichOneof("params") != "custom":
+            raise ParamError(self.name, f"a {self.name} job needs a [{self.name}] table")
+        try:
+            raw = json.loads(spec.custom.json or "{}")
+        except ValueError as exc:
+            raise ParamError(self.name, "parameters are not JSON") from exc
+        if not isinstance(raw, dict):
+            raise ParamError(self.name, "parameters must be a table")
+        unknown = sorted(set(raw) - {p.name for p in self.params})
+        if unknown:
+            raise ParamError(f"{self.name}.{unknown[0]}", "not a parameter of this kind")
+        values = {}
+        for p in self.params:
+            value = raw.get(p.name, p.zero())
+            if not p.accepts_type(value):
+                raise ParamError(f"{self.name}.{p.name}", f"must be {TYPE_WORDS[p.type]}")
+            values[p.name] = value
+        return values
+
+    def write(self, spec: pb.JobSpec, values: dict[str, Any]) -> None:
+        """Put ``values`` into the spec (its typed message, or JSON for a custom kind)."""
+        spec.kind = self.number
+        if self.proto_field:
+            message = getattr(spec, self.proto_field)
+            message.CopyFrom(type(message)(**values))
+        else:
+            spec.custom.json = json.dumps(values, sort_keys=True, separators=(",", ":"))
+
+    # -- what the broker and the provider ask of a job of this kind ---------------------
+
+    def engine(self, values: dict[str, Any]) -> str:
+        """The inference engine the job requires; "" for any."""
+        return str(values.get("engine", ""))
+
+    def model_name(self, values: dict[str, Any]) -> str:
+        """A model the job wants from the provider's model directory; "" if none."""
+        return str(values.get("model_name", ""))
+
+    def model_input(self, values: dict[str, Any]) -> str:
+        """The input that holds the model archive the job sends; "" if none."""
+        return str(values.get("model", ""))
+
+    def remote_code(self, values: dict[str, Any]) -> bool:
+        """Whether the job runs its model's own code."""
+        return bool(values.get("trust_remote_code", False))
+
+    def checkpoint_every(self, values: dict[str, Any]) -> int:
+        """The job's own checkpoint cadence (steps), overriding the broker's; 0 = none."""
+        return int(values.get("checkpoint_every", 0))
+
+    def config_input(self, values: dict[str, Any]) -> tuple[str, bool] | None:
+        """The input holding the model's config.json for the broker's sizing, and whether
+        it is inside an archive; None if the kind has none."""
+        return None
+
+    def parts(self, values: dict[str, Any]) -> int:
+        """How many parts the job runs as, each leased on its own (1: it is not split)."""
+        return 1
+
+    def part_steps(self, values: dict[str, Any], part: int, parts: int) -> range:
+        """The steps (frames, ...) of part ``part`` (1-based) of ``parts``."""
+        return range(0)
+
+    def output_problem(self, values: dict[str, Any], names: set[str]) -> str:
+        """Why a finished job's outputs (by name) cannot be its result; "" if they can."""
+        return ""
+

@@ -1,0 +1,75 @@
+"""Render: frames of a Blender scene with Cycles (bpy, headless; scene scripts never run),
+resumable per frame, split into parts that different providers render at once."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gpumarket.kinds.base import Kind
+from gpumarket.kinds.schema import UINT32, Param, ParamError
+from gpumarket.proto.v1 import types_pb2 as pb
+
+MAX_FRAMES = 1_000_000
+MAX_PARTS = 64
+
+
+def part_frames(first: int, last: int, part: int, parts: int) -> range:
+    """The frames of part ``part`` (1-based) of ``parts``: contiguous ranges that cover
+    first..last once, the earlier parts one frame longer when they do not divide evenly.
+    Part 0 (or one part) is the whole range."""
+    if parts <= 1 or part == 0:
+        return range(first, last + 1)
+    if not 1 <= part <= parts:
+        raise ParamError("render.split", f"part {part} of {parts} does not exist")
+    count = last - first + 1
+    size, extra = divmod(count, parts)
+    start = first + (part - 1) * size + min(part - 1, extra)
+    return range(start, start + size + (1 if part <= extra else 0))
+
+
+class Render(Kind):
+    def rules(self, values: dict[str, Any]) -> None:
+        if values["scene"] and not values["scene"].endswith(".blend"):
+            raise ParamError("render.scene", f"{values['scene']!r} is not a .blend file")
+        if values["frame_end"] < values["frame_start"]:
+            raise ParamError("render.frame_end", "before render.frame_start")
+        frames = values["frame_end"] - values["frame_start"] + 1
+        if frames > MAX_FRAMES:
+            raise ParamError("render", f"at most {MAX_FRAMES:,} frames in one job")
+        if values["split"] > min(MAX_PARTS, frames):
+            raise ParamError("render.split", f"at most {min(MAX_PARTS, frames)} parts (one"
+                                             f" frame each at least, {MAX_PARTS} at most)")
+
+    def parts(self, values: dict[str, Any]) -> int:
+        return max(1, values["split"])
+
+    def part_steps(self, values: dict[str, Any], part: int, parts: int) -> range:
+        return part_frames(values["frame_start"], values["frame_end"], part, parts)
+
+    def output_problem(self, values: dict[str, Any], names: set[str]) -> str:
+        missing = [f for f in range(values["frame_start"], values["frame_end"] + 1)
+                   if f"frame_{f:06d}.png" not in names]
+        return (f"{len(missing)} frames missing from its receipts (first: {missing[0]})"
+                if missing else "")
+
+
+KIND = Render(
+    name="render", number=pb.JOB_KIND_RENDER, proto_field="render",
+    runner="gpumarket.provider.runners.render", provider_engine="cycles",
+    params=(
+        Param("scene", "file", required=True, input_name="scene.blend", suffix=".blend",
+              doc="a .blend file"),
+        Param("frame_start", "int", required=True, max=UINT32),
+        Param("frame_end", "int", required=True, max=UINT32),
+        Param("resolution_x", "int", max=16_384, doc="0 = the scene's own"),
+        Param("resolution_y", "int", max=16_384, doc="0 = the scene's own"),
+        Param("samples", "int", max=1_000_000, doc="Cycles samples a pixel; 0 = the scene's"),
+        Param("device", "str", choices=("", "auto", "cpu", "cuda", "optix")),
+        Param("output_format", "str", choices=("", "PNG")),
+        Param("split", "int", max=UINT32,
+              doc="parts rendered by different providers at once; 0 or 1 = one part"),
+        Param("engine", "str", choices=("", "cycles")),
+        Param("checkpoint_every", "int", max=UINT32,
+              doc="frames between checkpoints; 0 = the broker decides"),
+    ),
+)

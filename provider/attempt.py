@@ -1,0 +1,342 @@
+"""One job attempt on this provider, from its lease to its final update: fetch its inputs
+and the checkpoint it resumes from, start it in its sandbox, turn its reports into
+progress, log and checkpoint updates (packing and uploading each checkpoint), and end with
+a signed receipt, a failure, or a release. What it needs of the daemon is a ``Host``."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import shutil
+import time
+from pathlib import Path, PurePosixPath
+from typing import Protocol
+
+from gpumarket import kinds
+from gpumarket.proto.envelope import seal
+from gpumarket.proto.errors import GpumarketError
+from gpumarket.proto.identity import Identity
+from gpumarket.proto.jobspec import LOG_LINE_CHARS, LOG_LINES_PER_UPDATE, now_ms
+from gpumarket.proto.v1 import gateway_pb2 as gw
+from gpumarket.proto.v1 import types_pb2 as pb
+from gpumarket.provider import checkpoints, jobfiles
+from gpumarket.provider.config import ProviderConfig
+from gpumarket.provider.executor import JobProcess, job_env, read_reports
+from gpumarket.provider.inventory import DeviceInfo, local_models
+from gpumarket.provider.isolation import Isolation
+from gpumarket.provider.leases import Assignment, runner_config
+
+log = logging.getLogger(__name__)
+
+
+class Host(Protocol):
+    """What an attempt asks of the daemon that runs it."""
+
+    config: ProviderConfig
+    identity: Identity
+    isolation: Isolation
+    devices: list[DeviceInfo]
+    draining: bool
+
+    def send(self, message: gw.ProviderMessage) -> None: ...
+    async def fetch(self, ref: pb.ArtifactRef, target: Path) -> None: ...
+    async def upload(self, source: Path | int, name: str) -> pb.ArtifactRef: ...
+    def take_warm(self, kind: kinds.Kind) -> asyncio.subprocess.Process | None: ...
+    async def started(self, attempt: "Attempt", pid: int) -> None: ...
+    async def finished(self, attempt: "Attempt", final: gw.ProviderMessage) -> None: ...
+
+
+class Attempt:
+    def __init__(self, assignment: Assignment, workdir: Path, host: Host) -> None:
+        self.assignment = assignment
+        self.workdir = workdir
+        self.host = host
+        self.kind = kinds.get(assignment.spec.kind)
+        self.process: JobProcess | None = None
+        self.cancelled = False
+        self.task: asyncio.Task | None = None
+        self.uploader: asyncio.Task | None = None
+        self.last_progress = 0.0
+        self.pending_checkpoint: tuple[int, str, float] | None = None
+        self.uploaded_step = 0
+        self.checkpoint_report: gw.ProviderMessage | None = None   # the latest, re-sent
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return self.assignment.lease.job_id, self.assignment.lease.epoch
+
+    @property
+    def devices(self) -> set[int]:
+        return set(self.assignment.lease.device_indices)
+
+    @property
+    def job_uid(self) -> int:
+        return self.host.isolation.job_uid(self.devices)
+
+    def update(self, **fields) -> gw.ProviderMessage:
+        job_id, epoch = self.key
+        return gw.ProviderMessage(job_update=gw.JobUpdate(job_id=job_id, epoch=epoch, **fields))
+
+    def _devices(self) -> list[DeviceInfo]:
+        return [d for d in self.host.devices if d.index in self.devices]
+
+    # -- the whole attempt ---------------------------------------------------------------
+
+    def begin(self) -> asyncio.Task:
+        self.task = asyncio.create_task(self.run())
+        return self.task
+
+    async def run(self) -> None:
+        job_id = self.key[0]
+        try:
+            resumed_from = await self.prepare()
+            if self.cancelled:
+                return
+            if self.host.draining:
+                final = self.update(released=gw.JobReleased(reason="provider is draining"))
+            else:
+                self.process = self.new_process(self.host.take_warm(self.kind))
+                pid = await self.process.start()
+                await self.host.started(self, pid)
+                self.host.send(self.update(started=gw.JobStarted(
+                    resumed_from_step=resumed_from)))
+                final = await self.follow()
+        except asyncio.CancelledError:
+            raise
+        except GpumarketError as exc:
+            final = self.update(failed=gw.JobFailed(error=str(exc)))
+            log.warning("job %s failed: %s", job_id, exc)
+        except Exception:
+            log.exception("job %s failed in the provider", job_id)
+            final = self.update(failed=gw.JobFailed(error="provider error while running"))
+        if final is not None and not self.cancelled:
+            await self.host.finished(self, final)
+
+    async def prepare(self) -> int:
+        """Fetch inputs and the checkpoint to resume from; write job.json. Returns the step
+        the job resumes from (0 for a fresh start)."""
+        a = self.assignment
+        inputs_dir = self.workdir / "inputs"
+        inputs_dir.mkdir(parents=True, exist_ok=True)
+        paths = {}
+        for ref in a.spec.inputs:
+            target = inputs_dir / ref.name
+            await self.host.fetch(ref, target)
+            paths[ref.name] = str(target)
+        resume_dir, step = None, 0
+        if a.lease.resume_from.sha256:
+            archive = self.workdir / "resume.tar"
+            await self.host.fetch(a.lease.resume_from, archive)
+            resume_dir = await asyncio.to_thread(checkpoints.unpack, archive,
+                                                 self.workdir / "resume")
+            step = checkpoints.step_of(resume_dir)
+            self.uploaded_step = step
+            archive.unlink()
+        cuda = any(d.is_cuda for d in self._devices())
+        model = self.kind.model_name(self.kind.values_of(a.spec))
+        models_dir = self.host.config.models_dir
+        spec = runner_config(a, paths, resume_dir, cuda,
+                             local_models(models_dir).get(model) if model else None)
+        (self.workdir / "job.json").write_text(json.dumps(spec, indent=2))
+        return step
+
+    def new_process(self, warm: asyncio.subprocess.Process | None = None) -> JobProcess:
+        config, devices = self.host.config, self._devices()
+        cuda = any(d.is_cuda for d in devices)
+        limit = min(self.assignment.spec.max_runtime_s or config.max_runtime_s,
+                    config.max_runtime_s)
+        env = job_env(self.workdir, ",".join(d.uuid for d in devices) if cuda else "", None)
+        if self.kind.runner_path:    # a plugin's runner, imported from where the plugin was
+            env["PYTHONPATH"] = os.pathsep.join(self.kind.runner_path)
+        box, group = self.host.isolation.for_job(config, self.workdir, devices,
+                                                 self.host.devices)
+        return JobProcess(self.kind.runner, self.workdir, env, self.on_report, limit,
+                          config.cancel_grace_s, warm, box,
+                          int(config.job_disk_gib * 2**30), group)
+
+    async def follow(self) -> gw.ProviderMessage | None:
+        """Follow the job process to its end; return the final update (None if cancelled)."""
+        job_id = self.key[0]
+        outcome = await self.process.run()
+        if self.cancelled:
+            return None
+        if outcome.succeeded:
+            if self.uploader is not None:
+                self.uploader.cancel()
+            log.info("job %s succeeded in %.1fs", job_id, outcome.wall_seconds)
+            return self.update(receipt=await self.receipt(outcome.done, outcome.wall_seconds))
+        if outcome.drained or self.host.draining:
+            # Also a job that died of the drain request itself: it resumes elsewhere from
+            # its last uploaded checkpoint rather than failing.
+            if self.uploader is not None:
+                await asyncio.gather(self.uploader, return_exceptions=True)
+            log.info("job %s drained at step %d", job_id, self.uploaded_step)
+            return self.update(released=gw.JobReleased(reason="provider is draining"))
+        if self.uploader is not None:
+            self.uploader.cancel()
+        log.warning("job %s failed: %s", job_id, outcome.error)
+        return self.update(failed=gw.JobFailed(error=outcome.error))
+
+    # -- what the job reports --------------------------------------------------------------
+
+    async def on_report(self, report: dict) -> None:
+        event = report.get("event")
+        if event == "progress":
+            now = time.monotonic()
+            step, total = int(report.get("step", 0)), int(report.get("total", 0))
+            if now - self.last_progress < self.host.config.progress_interval_s and step < total:
+                return
+            self.last_progress = now
+            metrics = {k: float(v) for k, v in (report.get("metrics") or {}).items()
+                       if isinstance(v, (int, float))}
+            self.host.send(self.update(progress=pb.Progress(step=step, total=total,
+                                                            metrics=metrics)))
+        elif event == "log" and isinstance(report.get("lines"), list):
+            lines = [str(line)[:LOG_LINE_CHARS]
+                     for line in report["lines"][:LOG_LINES_PER_UPDATE]]
+            self.host.send(self.update(log=gw.JobLog(lines=lines)))
+        elif event == "checkpoint":
+            path = PurePosixPath(str(report.get("path", "")))
+            if path.is_absolute():
+                if not path.is_relative_to(self.workdir):
+                    log.warning("job %s reported a checkpoint outside its work dir", self.key[0])
+                    return
+                path = path.relative_to(self.workdir)
+            self.pending_checkpoint = (int(report.get("step", 0)), str(path),
+                                       float(report.get("write_seconds", 0.0)))
+            if self.uploader is None or self.uploader.done():
+                self.uploader = asyncio.create_task(self.upload_checkpoints())
+
+    async def upload_checkpoints(self) -> None:
+        """Upload the newest pending checkpoint (older pending ones are skipped)."""
+        while self.pending_checkpoint is not None:
+            step, path, write_s = self.pending_checkpoint
+            self.pending_checkpoint = None
+            if step <= self.uploaded_step:
+                continue
+            upload_dir = self.workdir / "upload"
+            upload_dir.mkdir(exist_ok=True)
+            tar = upload_dir / f"step-{step:08d}.tar"
+            try:
+                await asyncio.to_thread(self.pack, path, tar)
+                ref = await self.host.upload(tar, "checkpoint.tar")
+            except GpumarketError as exc:
+                log.warning("job %s: checkpoint at step %d not uploaded: %s", self.key[0],
+                            step, exc)
+                continue
+            finally:
+                tar.unlink(missing_ok=True)
+            self.uploaded_step = step
+            self.checkpoint_report = self.update(checkpoint=gw.CheckpointReport(
+                step=step, artifact=ref, write_seconds=write_s))
+            self.host.send(self.checkpoint_report)
+            await asyncio.to_thread(self.drop_older_checkpoints, path)
+
+    def pack(self, rel: str, tar: Path) -> None:
+        """Pack the job's checkpoint ``rel`` (walked from the work directory without
+        following links: the job may have swapped it for a link since it reported it)."""
+        root = jobfiles.open_dir(self.workdir)
+        try:
+            ckpt = jobfiles.open_beneath(root, rel, directory=True)
+        finally:
+            os.close(root)
+        try:
+            checkpoints.pack(ckpt, tar, self.job_uid, PurePosixPath(rel).name)
+        finally:
+            os.close(ckpt)
+
+    def drop_older_checkpoints(self, rel: str) -> None:
+        """Remove the job's checkpoints older than the one just uploaded (names sort by
+        step; newer ones may be in progress), inside its own checkpoints directory only."""
+        newest = PurePosixPath(rel)
+        try:
+            root = jobfiles.open_dir(self.workdir)
+            try:
+                parent = jobfiles.open_beneath(root, str(newest.parent), directory=True)
+            finally:
+                os.close(root)
+        except (OSError, jobfiles.JobFileError):
+            return
+        try:
+            for name in os.listdir(parent):
+                if name.startswith("step-") and name < newest.name:
+                    shutil.rmtree(name, ignore_errors=True, dir_fd=parent)
+        finally:
+            os.close(parent)
+
+    async def receipt(self, done: dict, wall_seconds: float) -> pb.Envelope:
+        """Upload the job's outputs and sign the receipt for them. The job may have swapped
+        outputs/ or a file in it for a link to anything the daemon can read: only the
+        job's own plain files are taken, read through descriptors (JobFileError if it left
+        anything else there)."""
+        a = self.assignment
+        outputs = []
+        root = jobfiles.open_dir(self.workdir)
+        try:
+            with jobfiles.plain_files(root, "outputs", self.job_uid) as files:
+                for name, fd in files:
+                    outputs.append(await self.host.upload(fd, name))
+        finally:
+            os.close(root)
+        metrics = {k: float(v) for k, v in (done.get("metrics") or {}).items()
+                   if isinstance(v, (int, float))}
+        receipt = pb.Receipt(
+            job_id=a.lease.job_id, lease_id=a.lease.lease_id, attempt=a.lease.attempt,
+            epoch=a.lease.epoch, provider_id=self.host.identity.id, spec_sha256=a.spec_sha256,
+            outputs=outputs, wall_seconds=wall_seconds,
+            device_seconds=wall_seconds * len(a.lease.device_indices),
+            metrics=metrics, finished_at_ms=now_ms())
+        return seal(self.host.identity, receipt)
+
+    # -- ending it -------------------------------------------------------------------------
+
+    async def stop(self, reason: str) -> None:
+        """Stop the job for good (cancelled by the broker, or the daemon is stopping)."""
+        self.cancelled = True
+        if self.process is not None:
+            await self.process.stop(reason)
+        for task in (self.task, self.uploader):
+            if task is not None and not task.done():
+                task.cancel()
+
+    def request_drain(self) -> None:
+        if self.process is not None:
+            self.process.request_drain()
+
+    # -- after a daemon restart --------------------------------------------------------
+
+    def reattach(self, pid: int) -> asyncio.Task:
+        """Follow the job process a previous daemon started."""
+        self.process = self.new_process()
+        self.process.attach(pid)
+        self.task = asyncio.create_task(self._reattached())
+        return self.task
+
+    async def _reattached(self) -> None:
+        ckpts = [r for r in read_reports(self.workdir, self.job_uid)
+                 if r.get("event") == "checkpoint"]
+        if ckpts:
+            await self.on_report(ckpts[-1])
+        final = await self.follow()
+        if final is not None and not self.cancelled:
+            await self.host.finished(self, final)
+
+    def done_meanwhile(self) -> dict | None:
+        """The job's "done" report, if it finished while no daemon watched it."""
+        done = [r for r in read_reports(self.workdir, self.job_uid) if r.get("event") == "done"]
+        return done[-1] if done else None
+
+    def finish_meanwhile(self, done: dict) -> asyncio.Task:
+        """Sign the receipt of a job that finished while no daemon watched it."""
+        async def finish() -> None:
+            try:
+                seconds = float((done.get("metrics") or {}).get("train_seconds", 0.0))
+                final = self.update(receipt=await self.receipt(done, seconds))
+            except GpumarketError as exc:
+                final = self.update(failed=gw.JobFailed(error=str(exc)))
+            await self.host.finished(self, final)
+
+        self.task = asyncio.create_task(finish())
+        return self.task
