@@ -1,0 +1,207 @@
+"""The provider's parts, each in-process with a fake peer: an attempt (one job from lease to
+final update) with a fake host standing in for the daemon and the broker's artifact store,
+and the broker session against a fake broker (a real gRPC server on loopback that speaks
+the gateway protocol and records what it hears). The job is a real child process: the
+test-only checksum kind (tests/kind_checksum.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+from pathlib import Path
+
+import grpc
+import pytest
+
+from gpumarket import kinds
+from gpumarket.proto.envelope import open_envelope, payload_sha256, seal
+from gpumarket.proto.errors import NotFound
+from gpumarket.proto.identity import Identity
+from gpumarket.proto.jobspec import now_ms
+from gpumarket.proto.v1 import gateway_pb2 as gw
+from gpumarket.proto.v1 import gateway_pb2_grpc
+from gpumarket.proto.v1 import types_pb2 as pb
+from gpumarket.provider import config as provider_config
+from gpumarket.provider.attempt import Attempt
+from gpumarket.provider.inventory import cpu_devices
+from gpumarket.provider.isolation import Isolation
+from gpumarket.provider.leases import Assignment
+from gpumarket.provider.session import BrokerSession
+from tests.kind_checksum import digest
+
+BROKER, CLIENT, PROVIDER = Identity.generate(), Identity.generate(), Identity.generate()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def checksum_kind():
+    if not any(k.name == "checksum" for k in kinds.all_kinds()):
+        kinds.load_plugins("tests.kind_checksum")
+
+
+def config(tmp_path: Path, **kw):
+    return provider_config.build({"broker": kw.pop("broker", "plaintext://127.0.0.1:1"),
+                                  "data_dir": tmp_path, "isolate": False,
+                                  "warm_runners": False, **kw})
+
+
+def checksum_assignment(data: bytes, rounds: int = 2) -> Assignment:
+    spec = pb.JobSpec(max_price_per_gpu_hour=1.0, nonce=os.urandom(16),
+                      resources=pb.Resources(gpus=1), created_at_ms=now_ms(),
+                      expires_at_ms=now_ms() + 3600_000,
+                      inputs=[pb.ArtifactRef(name="data.bin",
+                                             sha256=hashlib.sha256(data).hexdigest(),
+                                             size_bytes=len(data))])
+    kinds.get("checksum").write(spec, {"data": "data.bin", "rounds": rounds})
+    spec_env = seal(CLIENT, spec)
+    lease = pb.Lease(lease_id="j.1", job_id="j", attempt=1, epoch=1, provider_id=PROVIDER.id,
+                     client_id=CLIENT.id, device_indices=[0], job_spec=spec_env)
+    return Assignment(lease, spec, CLIENT.id, payload_sha256(spec_env))
+
+
+class FakeHost:
+    """The daemon as an attempt sees it, with the broker's artifact store as a dict."""
+
+    def __init__(self, tmp_path: Path, blobs: dict[str, bytes]) -> None:
+        self.config = config(tmp_path)
+        self.identity = PROVIDER
+        self.isolation = Isolation()
+        self.devices = cpu_devices(1)
+        self.draining = False
+        self.blobs = blobs
+        self.sent: list[gw.ProviderMessage] = []
+        self.final: gw.ProviderMessage | None = None
+        self.pid = 0
+
+    def send(self, message):
+        self.sent.append(message)
+
+    async def fetch(self, ref, target):
+        if ref.sha256 not in self.blobs:
+            raise NotFound(f"no artifact {ref.sha256}")
+        target.write_bytes(self.blobs[ref.sha256])
+
+    async def upload(self, source, name):
+        data = os.pread(source, 1 << 30, 0) if isinstance(source, int) else source.read_bytes()
+        sha = hashlib.sha256(data).hexdigest()
+        self.blobs[sha] = data
+        return pb.ArtifactRef(name=name, sha256=sha, size_bytes=len(data))
+
+    def take_warm(self, kind):
+        return None
+
+    async def started(self, attempt, pid):
+        self.pid = pid
+
+    async def finished(self, attempt, final):
+        self.final = final
+
+
+def test_an_attempt_runs_its_job_and_signs_a_receipt_for_its_outputs(tmp_path):
+    data = os.urandom(10_000)
+    host = FakeHost(tmp_path, {hashlib.sha256(data).hexdigest(): data})
+    assignment = checksum_assignment(data, rounds=3)
+    job = Attempt(assignment, tmp_path / "jobs" / "j.1", host)
+    job.workdir.mkdir(parents=True)
+    asyncio.run(job.run())
+    kinds_sent = [m.job_update.WhichOneof("update") for m in host.sent]
+    assert kinds_sent[0] == "started" and "progress" in kinds_sent, kinds_sent
+    assert host.pid > 0
+    assert host.final.job_update.WhichOneof("update") == "receipt", host.final
+    receipt, signer = open_envelope(host.final.job_update.receipt, pb.Receipt)
+    assert signer == PROVIDER.id and receipt.spec_sha256 == assignment.spec_sha256
+    [out] = receipt.outputs
+    assert out.name == "checksum.json"
+    assert digest(data, "sha256", 3) in host.blobs[out.sha256].decode()
+
+
+def test_an_attempt_whose_input_cannot_be_had_fails_with_the_reason(tmp_path):
+    host = FakeHost(tmp_path, {})
+    job = Attempt(checksum_assignment(b"missing"), tmp_path / "jobs" / "j.1", host)
+    job.workdir.mkdir(parents=True)
+    asyncio.run(job.run())
+    assert host.pid == 0                     # nothing started
+    assert host.final.job_update.WhichOneof("update") == "failed"
+    assert "no artifact" in host.final.job_update.failed.error
+
+
+class FakeBroker(gateway_pb2_grpc.ProviderGatewayServicer):
+    """The broker's side of a session: handshake, then one lease and one cancel; records
+    what the provider sends."""
+
+    def __init__(self, lease: pb.Envelope) -> None:
+        self.lease = lease
+        self.heard: list[gw.ProviderMessage] = []
+
+    async def Session(self, request_iterator, context):
+        hello = await context.read()
+        nonce = os.urandom(32)
+        await context.write(gw.BrokerMessage(challenge=gw.SessionChallenge(
+            nonce=nonce, broker_public_key=BROKER.public_key)))
+        proof, signer = open_envelope((await context.read()).proof, gw.SessionProof)
+        assert proof.nonce == nonce and hello.hello.public_key == PROVIDER.public_key
+        await context.write(gw.BrokerMessage(welcome=gw.SessionWelcome(
+            provider_id=signer, heartbeat_interval_ms=200, lease_timeout_ms=5000)))
+        await context.write(gw.BrokerMessage(lease=self.lease))
+        await context.write(gw.BrokerMessage(cancel=gw.CancelLease(job_id="j", epoch=1,
+                                                                   reason="cancelled")))
+        while (message := await context.read()) is not grpc.aio.EOF:
+            self.heard.append(message)
+
+
+class FakePeer:
+    draining = False
+
+    def __init__(self) -> None:
+        self.leases, self.cancels = [], []
+
+    def offer(self):
+        return seal(PROVIDER, pb.Offer(provider_id=PROVIDER.id))
+
+    def running(self):
+        return [("j", 1)]
+
+    def pending(self):
+        return [gw.ProviderMessage(job_update=gw.JobUpdate(
+            job_id="old", epoch=3, released=gw.JobReleased(reason="unsettled")))]
+
+    async def on_lease(self, envelope):
+        self.leases.append(envelope)
+
+    async def on_cancel(self, cancel):
+        self.cancels.append(cancel)
+
+    async def on_settled(self, settled):
+        pass
+
+
+def test_a_session_hands_leases_and_cancels_over_and_keeps_the_broker_informed(tmp_path):
+    lease = seal(BROKER, pb.Lease(lease_id="j.1", job_id="j", epoch=1))
+    broker, peer = FakeBroker(lease), FakePeer()
+
+    async def scenario():
+        server = grpc.aio.server()
+        gateway_pb2_grpc.add_ProviderGatewayServicer_to_server(broker, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        session = BrokerSession(config(tmp_path, broker=f"plaintext://127.0.0.1:{port}"),
+                                PROVIDER, peer)
+        stopping = asyncio.Event()
+        running = asyncio.create_task(session.run(stopping))
+        for _ in range(200):
+            if peer.cancels and sum(m.HasField("heartbeat") for m in broker.heard) >= 2:
+                break
+            await asyncio.sleep(0.05)
+        stopping.set()
+        await running
+        await server.stop(0)
+        return session
+
+    session = asyncio.run(scenario())
+    assert [e.payload for e in peer.leases] == [lease.payload]
+    assert peer.cancels[0].job_id == "j" and peer.cancels[0].reason == "cancelled"
+    assert session.broker_key == BROKER.public_key
+    kinds_heard = [m.WhichOneof("msg") for m in broker.heard]
+    assert kinds_heard[:2] == ["offer", "job_update"], kinds_heard   # offer, then unsettled
+    beats = [m.heartbeat for m in broker.heard if m.HasField("heartbeat")]
+    assert [(r.job_id, r.epoch) for r in beats[0].running] == [("j", 1)]
