@@ -11,13 +11,13 @@ import re
 import tempfile
 from pathlib import Path
 
-from gpumarket.broker import jobs, standing, views
+from gpumarket.broker import providers, standing, views
 from gpumarket.broker.auth import caller
 from gpumarket.broker.rpc import streaming, unary
 from gpumarket.broker.state import BrokerState
 from gpumarket.proto.artifacts import iter_chunks, sha256_file
 from gpumarket.proto.envelope import open_envelope
-from gpumarket.proto.errors import BadSignature, InvalidArgument, NotFound, PermissionDenied
+from gpumarket.proto.errors import BadSignature, InvalidArgument, PermissionDenied
 from gpumarket.proto.jobspec import now_ms
 from gpumarket.proto.v1 import admin_pb2 as ad
 from gpumarket.proto.v1 import admin_pb2_grpc
@@ -47,7 +47,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         return order
 
     def _cut_off(self, provider_id: str, ended: list[tuple[str, int]], reason: str) -> None:
-        """After _take_leases: tell a connected provider its leases are gone, end its
+        """After providers.take_leases: tell a connected provider its leases are gone, end its
         session, and let watchers and the scheduler see the change."""
         session = self.state.sessions.get(provider_id)
         if session is not None:
@@ -75,7 +75,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
     async def Ban(self, request, context) -> ad.BanResponse:
         order = self._order(request, "Ban")
         reason = f"provider banned by the operator: {order.reason[:200] or 'no reason given'}"
-        ended = await self.state.store.write(_ban, order.target, True, reason, now_ms())
+        ended = await self.state.store.write(providers.set_banned, order.target, True, reason, now_ms())
         self._cut_off(order.target, ended, reason)
         log.warning("provider %s banned (%s); %d leases taken away", order.target, reason,
                     len(ended))
@@ -89,7 +89,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
                                    " broker's config instead")
         check_key_id(order.target)
         reason = f"key revoked by the operator: {order.reason[:200] or 'no reason given'}"
-        ended = await self.state.store.write(_revoke, order.target, reason, now_ms())
+        ended = await self.state.store.write(providers.revoke, order.target, reason, now_ms())
         self.state.revoked.add(order.target)
         self._cut_off(order.target, ended, reason)
         log.warning("key %s revoked (%s); %d leases taken away", order.target, reason, len(ended))
@@ -98,7 +98,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
     @unary
     async def Unrevoke(self, request, context) -> ad.RevokeResponse:
         order = self._order(request, "Unrevoke")
-        await self.state.store.write(_unrevoke, order.target)
+        await self.state.store.write(providers.unrevoke, order.target)
         self.state.revoked.discard(order.target)
         log.warning("key %s accepted again", order.target)
         return ad.RevokeResponse(key_id=order.target, revoked=False)
@@ -106,7 +106,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
     @unary
     async def Unban(self, request, context) -> ad.BanResponse:
         order = self._order(request, "Unban")
-        await self.state.store.write(_ban, order.target, False, "", now_ms())
+        await self.state.store.write(providers.set_banned, order.target, False, "", now_ms())
         log.warning("provider %s unbanned", order.target)
         return ad.BanResponse(provider_id=order.target, banned=False)
 
@@ -134,28 +134,8 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         self._order(request, "Vacuum")
         path = self.state.store.path
         before = path.stat().st_size
-        await self.state.store.write(_vacuum, transaction=False)
+        await self.state.store.write(vacuum, transaction=False)
         return ad.VacuumResponse(bytes_before=before, bytes_after=path.stat().st_size)
-
-
-def _ban(db, provider_id: str, banned: bool, reason: str, now: int) -> list[tuple[str, int]]:
-    """Set the ban flag; banning also withdraws the offer and takes the active leases away
-    (their jobs are queued again). Returns the (job, epoch) of those leases."""
-    if db.execute("SELECT 1 FROM providers WHERE id = ?", [provider_id]).fetchone() is None:
-        raise NotFound(f"no provider {provider_id!r} has connected to this broker")
-    db.execute("UPDATE providers SET banned = ? WHERE id = ?", [int(banned), provider_id])
-    return _take_leases(db, provider_id, reason, now) if banned else []
-
-
-def _take_leases(db, provider_id: str, reason: str, now: int) -> list[tuple[str, int]]:
-    """Withdraw the provider's offer and lose its active leases (their jobs are queued
-    again); return the (job, epoch) of those leases."""
-    db.execute("DELETE FROM offers WHERE provider_id = ?", [provider_id])
-    leases = db.execute("SELECT id, job_id, epoch FROM leases WHERE provider_id = ?"
-                        " AND state = 'active'", [provider_id]).fetchall()
-    for lease_id, _, _ in leases:
-        jobs.lose_lease(db, lease_id, reason, now)
-    return [(job_id, epoch) for _, job_id, epoch in leases]
 
 
 def check_key_id(key_id: str) -> None:
@@ -163,20 +143,6 @@ def check_key_id(key_id: str) -> None:
         raise InvalidArgument(f"{key_id!r} is not a key id (26 characters a-z, 2-7)")
 
 
-def _revoke(db, key_id: str, reason: str, now: int) -> list[tuple[str, int]]:
-    """Record the revocation; a provider's offer goes and its active leases are lost.
-    Returns the (job, epoch) of those leases."""
-    db.execute("INSERT OR REPLACE INTO revoked_keys (key_id, reason, revoked_at_ms)"
-               " VALUES (?, ?, ?)", [key_id, reason, now])
-    return _take_leases(db, key_id, reason, now)
-
-
-def _unrevoke(db, key_id: str) -> None:
-    if db.execute("DELETE FROM revoked_keys WHERE key_id = ?", [key_id]).rowcount == 0:
-        raise NotFound(f"key {key_id} is not revoked")
-
-
-def _vacuum(db) -> None:
+def vacuum(db) -> None:
     db.execute("VACUUM")
     db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-

@@ -13,7 +13,7 @@ import os
 
 import grpc
 
-from gpumarket.broker import holdings, jobs, logs
+from gpumarket.broker import holdings, jobs, logs, providers
 from gpumarket.broker.auth import caller
 from gpumarket.broker.rpc import STATUS
 from gpumarket.broker.sessions import MESSAGES_PER_S, ProviderSession
@@ -75,7 +75,7 @@ class ProviderGatewayServicer(gateway_pb2_grpc.ProviderGatewayServicer):
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "handshake took too long")
             return
         session = self.state.sessions.open(provider_id)
-        session.row_id = await self.state.store.write(_session_started, provider_id, now_ms())
+        session.row_id = await self.state.store.write(providers.session_started, provider_id, now_ms())
         log.info("provider %s connected", provider_id)
         cfg = self.state.config
         await context.write(gw.BrokerMessage(welcome=gw.SessionWelcome(
@@ -144,7 +144,7 @@ class ProviderGatewayServicer(gateway_pb2_grpc.ProviderGatewayServicer):
             raise BadSignature("session proof does not answer this challenge")
         if abs(now_ms() - proof.at_ms) > PROOF_MAX_AGE_MS:
             raise BadSignature("session proof is dated more than 5 minutes off (check clocks)")
-        banned = await self.state.store.write(_provider_online, provider_id,
+        banned = await self.state.store.write(providers.online, provider_id,
                                               bytes(first.hello.public_key), now_ms())
         if banned:
             raise PermissionDenied(f"provider {provider_id} is banned from this broker")
@@ -159,12 +159,12 @@ class ProviderGatewayServicer(gateway_pb2_grpc.ProviderGatewayServicer):
 
     async def _closed(self, session: ProviderSession) -> None:
         current = self.state.sessions.close(session)
-        await self.state.store.write(_session_ended, session.row_id, now_ms(),
+        await self.state.store.write(providers.session_ended, session.row_id, now_ms(),
                                      "replaced" if not current else "ended")
         if not current:
             return  # replaced by a newer session of the same provider
         log.info("provider %s disconnected", session.provider_id)
-        await self.state.store.write(_provider_offline, session.provider_id, now_ms())
+        await self.state.store.write(providers.offline, session.provider_id, now_ms())
         self.state.events.notify()
         self.state.placement.notify()
 
@@ -180,7 +180,7 @@ class ProviderGatewayServicer(gateway_pb2_grpc.ProviderGatewayServicer):
                 session.log(log, logging.WARNING, "offer from %s refused: %s",
                             session.provider_id, exc.message)
                 return
-            await self.state.store.write(_store_offer, session.provider_id,
+            await self.state.store.write(providers.store_offer, session.provider_id,
                                          message.offer.SerializeToString(), offer, now_ms())
             session.offer = offer
             self.state.placement.notify()
@@ -188,14 +188,14 @@ class ProviderGatewayServicer(gateway_pb2_grpc.ProviderGatewayServicer):
             if message.heartbeat.draining and session.offer is not None:
                 log.info("provider %s is draining; its offer is withdrawn", session.provider_id)
                 session.offer = None
-                await self.state.store.write(_withdraw_offer, session.provider_id)
+                await self.state.store.write(providers.withdraw_offer, session.provider_id)
             if len(message.heartbeat.running) > MAX_RUNNING:
                 session.end(f"a heartbeat listed {len(message.heartbeat.running):,} leases,"
                             f" more than {MAX_RUNNING:,}")
                 return
             running = [(r.job_id, r.epoch) for r in message.heartbeat.running
                        if r.epoch <= MAX_EPOCH]   # no lease has a larger one
-            stale = await self.state.store.write(jobs.renew_leases, session.provider_id,
+            stale = await self.state.store.write(providers.heartbeat, session.provider_id,
                                                  running, now_ms())
             if stale:
                 session.log(log, logging.INFO, "provider %s still runs %d leases that are no"
@@ -292,44 +292,3 @@ class ProviderGatewayServicer(gateway_pb2_grpc.ProviderGatewayServicer):
             raise
         await store.write(jobs.succeed, update.job_id, update.epoch, provider_id,
                           update.receipt.SerializeToString(), now)
-
-
-def _provider_online(db, provider_id: str, public_key: bytes, now: int) -> bool:
-    """Upsert the provider as online; return True if it is banned."""
-    row = db.execute("SELECT banned FROM providers WHERE id = ?", [provider_id]).fetchone()
-    if row is None:
-        db["providers"].insert({"id": provider_id, "public_key": public_key,
-                                "first_seen_ms": now, "last_seen_ms": now, "online": 1})
-        return False
-    if row[0]:
-        return True
-    db.execute("UPDATE providers SET online = 1, last_seen_ms = ? WHERE id = ?", [now, provider_id])
-    return False
-
-
-def _store_offer(db, provider_id: str, envelope: bytes, offer: pb.Offer, now: int) -> None:
-    db["offers"].upsert({"provider_id": provider_id, "envelope": envelope,
-                         "price_per_gpu_hour": offer.price_per_gpu_hour,
-                         "device_count": len(offer.devices), "created_at_ms": now},
-                        pk="provider_id")
-
-
-def _withdraw_offer(db, provider_id: str) -> None:
-    db.execute("DELETE FROM offers WHERE provider_id = ?", [provider_id])
-
-
-def _provider_offline(db, provider_id: str, now: int) -> None:
-    """The session ended: its offer expires. Its leases stay until they miss heartbeats for
-    the lease timeout, so a provider that reconnects in time (a restarted daemon, a network
-    blip, a restarted broker) re-attaches to its running jobs instead of losing them."""
-    db.execute("UPDATE providers SET online = 0, last_seen_ms = ? WHERE id = ?", [now, provider_id])
-    db.execute("DELETE FROM offers WHERE provider_id = ?", [provider_id])
-
-
-def _session_started(db, provider_id: str, now: int) -> int:
-    return db["provider_sessions"].insert({"provider_id": provider_id, "started_ms": now}).last_pk
-
-
-def _session_ended(db, row_id: int, now: int, reason: str) -> None:
-    db.execute("UPDATE provider_sessions SET ended_ms = ?, end_reason = ? WHERE id = ?"
-               " AND ended_ms IS NULL", [now, reason, row_id])

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from sqlite_utils import Database
 
 from gpumarket.broker import holdings
+from gpumarket.broker.admission import Needs, NewJob
 from gpumarket.proto.errors import (
     FailedPrecondition, InvalidArgument, NotFound, Replay,
 )
@@ -25,39 +26,6 @@ SUCCEEDED = pb.JOB_STATE_SUCCEEDED
 FAILED = pb.JOB_STATE_FAILED
 CANCELLED = pb.JOB_STATE_CANCELLED
 ACTIVE_STATES = (LEASED, RUNNING)
-
-
-@dataclass(frozen=True)
-class NewJob:
-    """A verified, validated submission, ready to be stored."""
-
-    id: str
-    client_id: str
-    name: str
-    kind: int
-    spec: bytes            # the serialized signed Envelope, as received
-    spec_sha256: str
-    gpus: int
-    min_memory_bytes: int
-    accelerator: int
-    max_price_per_gpu_hour: float
-    expires_at_ms: int
-    max_attempts: int
-    nonce: str             # hex
-    inputs: tuple[str, ...] = ()   # sha256 of each input
-    objective: str = "cheapest"
-    deadline_s: int = 0
-    min_reliability: float = 0.0
-    min_compute_capability: float = 0.0
-    gpu_models: tuple[str, ...] = ()
-    work_flops: float = 0.0
-    est_memory_bytes: int = 0
-    max_runtime_s: int = 0
-    engine: str = ""                 # inference engine the job requires; "" = any
-    part_sizes: tuple[int, ...] = ()  # a split job: the steps (frames) of each part
-    model_name: str = ""             # a model the provider must hold
-    model_sha256: str = ""           # the model archive it sends (providers caching it: preferred)
-    remote_code: bool = False        # runs its model's own code (trust_remote_code)
 
 
 @dataclass(frozen=True)
@@ -195,19 +163,11 @@ def submit(db: Database, job: NewJob, now: int) -> None:
          "job_id": job.id}
     )
     row = {
-            "id": job.id, "client_id": job.client_id, "name": job.name, "kind": job.kind,
-            "state": QUEUED, "spec": job.spec, "spec_sha256": job.spec_sha256,
-            "gpus": job.gpus, "min_memory_bytes": job.min_memory_bytes,
-            "accelerator": job.accelerator, "max_price_per_gpu_hour": job.max_price_per_gpu_hour,
-            "expires_at_ms": job.expires_at_ms, "attempt": 1, "max_attempts": job.max_attempts,
-            "epoch": 0, "created_at_ms": now, "updated_at_ms": now,
-            "objective": job.objective, "deadline_s": job.deadline_s,
-            "min_reliability": job.min_reliability,
-            "min_compute_capability": job.min_compute_capability,
-            "gpu_models": json.dumps(list(job.gpu_models)), "work_flops": job.work_flops,
-            "est_memory_bytes": job.est_memory_bytes, "max_runtime_s": job.max_runtime_s,
-            "engine": job.engine, "model_name": job.model_name,
-            "model_sha256": job.model_sha256, "remote_code": int(job.remote_code),
+        "id": job.id, "client_id": job.client_id, "name": job.name, "kind": job.kind,
+        "state": QUEUED, "spec": job.spec, "spec_sha256": job.spec_sha256,
+        "needs": job.needs.to_json(), "expires_at_ms": job.expires_at_ms, "attempt": 1,
+        "max_attempts": job.max_attempts, "epoch": 0, "created_at_ms": now,
+        "updated_at_ms": now,
     }
     if len(job.part_sizes) > 1:
         row.update(parts=len(job.part_sizes), progress_total=sum(job.part_sizes))
@@ -387,9 +347,10 @@ def _record_throughput(db: Database, job: dict, provider_id: str, receipt: pb.Re
     """Keep the speed this provider achieved on a whole job (FLOP/s per device), so the
     matcher can prefer it over the benchmark's claim. Only uninterrupted attempts count."""
     seconds = receipt.metrics.get("train_seconds", 0.0)
-    if job["work_flops"] <= 0 or seconds <= 0 or receipt.metrics.get("resumed_from_step", 0):
+    needs = Needs.from_json(job["needs"])
+    if needs.work_flops <= 0 or seconds <= 0 or receipt.metrics.get("resumed_from_step", 0):
         return
-    achieved = job["work_flops"] / seconds / max(1, job["gpus"])
+    achieved = needs.work_flops / seconds / max(1, needs.gpus)
     row = db.execute("SELECT flops_per_device, samples FROM throughput WHERE provider_id = ?"
                      " AND kind = ?", [provider_id, job["kind"]]).fetchone()
     if row is None:
@@ -507,7 +468,6 @@ def renew_leases(
 ) -> list[tuple[str, int]]:
     """Renew the provider's active leases it says it runs; return the (job, epoch) pairs
     it runs that are no longer its to run."""
-    db.execute("UPDATE providers SET last_seen_ms = ? WHERE id = ?", [now, provider_id])
     stale = []
     for job_id, epoch in running:
         cur = db.execute(
@@ -539,3 +499,10 @@ def set_queue_reasons(db: Database, reasons: dict[str, str], now: int) -> None:
                    [reason, job_id, QUEUED])
         db.execute("UPDATE jobs SET queue_reason = ? WHERE state = ? AND id ="
                    " (SELECT parent_id FROM jobs WHERE id = ?)", [reason, QUEUED, job_id])
+
+
+def renew_all_leases(db: Database, now: int) -> int:
+    """After a broker restart: every active lease gets a full lease timeout from ``now`` for
+    its provider to reconnect; return how many there are."""
+    return db.execute(
+        "UPDATE leases SET renewed_at_ms = ? WHERE state = 'active'", [now]).rowcount

@@ -3,22 +3,21 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 
 from gpumarket import kinds
 from gpumarket.broker import (
-    estimates, figures, jobs, logs, matcher, offers, reliability, scheduler, standing, views,
+    admission, estimates, figures, jobs, logs, matcher, offers, reliability, scheduler, standing, views,
 )
 from gpumarket.broker.auth import caller
 from gpumarket.broker.rpc import streaming, unary
 from gpumarket.broker.state import BrokerState
-from gpumarket.proto.envelope import open_envelope, payload_sha256
+from gpumarket.proto.envelope import open_envelope
 from gpumarket.proto.errors import (
     BadSignature, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied,
     ResourceExhausted,
 )
-from gpumarket.proto.jobspec import OBJECTIVE_NAMES, TERMINAL_STATES, check_fresh, now_ms
+from gpumarket.proto.jobspec import TERMINAL_STATES, check_fresh, now_ms
 from gpumarket.proto.v1 import gateway_pb2 as gw
 from gpumarket.proto.v1 import marketplace_pb2 as mp
 from gpumarket.proto.v1 import marketplace_pb2_grpc
@@ -49,41 +48,9 @@ class MarketplaceServicer(marketplace_pb2_grpc.MarketplaceServicer):
                                     reason="quota")
         for i, ref in enumerate(spec.inputs):
             await self._check_input(i, ref, client_id)
-        kind = kinds.get(spec.kind)
-        est = await asyncio.to_thread(estimates.estimate, kind, values, spec,
+        est = await asyncio.to_thread(estimates.estimate, kinds.get(spec.kind), values, spec,
                                       self.state.artifacts.blob_path)
-        digest = payload_sha256(request.spec)
-        parts = kind.parts(values)
-        job = jobs.NewJob(
-            id=digest[:16],
-            client_id=client_id,
-            name=spec.name or kind.name,
-            kind=spec.kind,
-            spec=request.spec.SerializeToString(),
-            spec_sha256=digest,
-            gpus=spec.resources.gpus,
-            min_memory_bytes=spec.resources.min_memory_bytes or est.memory_bytes,
-            accelerator=spec.resources.accelerator,
-            max_price_per_gpu_hour=spec.max_price_per_gpu_hour,
-            expires_at_ms=spec.expires_at_ms,
-            max_attempts=min(spec.max_attempts or cfg.max_attempts, 100),
-            nonce=spec.nonce.hex(),
-            inputs=tuple(ref.sha256 for ref in spec.inputs),
-            objective=OBJECTIVE_NAMES[spec.objective],
-            deadline_s=spec.deadline_s,
-            min_reliability=spec.min_reliability,
-            min_compute_capability=spec.resources.min_compute_capability,
-            gpu_models=tuple(spec.resources.gpu_models),
-            work_flops=est.work_flops,
-            est_memory_bytes=est.memory_bytes,
-            max_runtime_s=spec.max_runtime_s,
-            engine=kind.engine(values),
-            model_name=kind.model_name(values),
-            model_sha256=model_sha256(spec, kind, values),
-            remote_code=kind.remote_code(values),
-            part_sizes=tuple(len(kind.part_steps(values, i, parts))
-                             for i in range(1, parts + 1)) if parts > 1 else (),
-        )
+        job = admission.admit(request.spec, spec, client_id, values, est, cfg)
         await self.state.store.write(jobs.submit, job, now_ms())
         log.info("job %s submitted by %s", job.id, client_id)
         self.state.events.notify()
@@ -218,27 +185,13 @@ class MarketplaceServicer(marketplace_pb2_grpc.MarketplaceServicer):
             await self._check_input(i, ref, caller())
         est = await asyncio.to_thread(estimates.estimate, kind, values, spec,
                                       self.state.artifacts.blob_path)
-        row = {
-            "id": "quote", "kind": spec.kind, "gpus": spec.resources.gpus,
-            "min_memory_bytes": spec.resources.min_memory_bytes or est.memory_bytes,
-            "accelerator": spec.resources.accelerator,
-            "max_price_per_gpu_hour": spec.max_price_per_gpu_hour,
-            "client_id": caller(),
-            "min_compute_capability": spec.resources.min_compute_capability,
-            "gpu_models": json.dumps(list(spec.resources.gpu_models)),
-            "min_reliability": spec.min_reliability, "work_flops": est.work_flops,
-            "objective": OBJECTIVE_NAMES[spec.objective], "deadline_s": spec.deadline_s,
-            "created_at_ms": now_ms(), "max_runtime_s": spec.max_runtime_s,
-            "checkpoint_seconds": 0.0,
-            "engine": kind.engine(values),
-            "model_name": kind.model_name(values),
-            "model_sha256": model_sha256(spec, kind, values),
-            "remote_code": int(kind.remote_code(values)),
-        }
+        needs = admission.needs(spec, values, est)
+        row = {"id": "quote", "client_id": caller(), "needs": needs.to_json(),
+               "created_at_ms": now_ms(), "checkpoint_seconds": 0.0}
         book = await scheduler.offer_book(self.state)
         job = scheduler.needs_of(row)
         found, excluded = book.candidates(job, min(request.limit or 5, 50))
-        out = mp.QuoteResponse(estimated_memory_bytes=row["min_memory_bytes"],
+        out = mp.QuoteResponse(estimated_memory_bytes=needs.min_memory_bytes,
                                work_flops=est.work_flops, offers=len(book),
                                excluded={k: v for k, v in excluded.items()})
         for c in found:
@@ -280,10 +233,3 @@ def check_spec_for_quote(spec: pb.JobSpec) -> dict:
     probe.nonce = b"\0" * 16
     probe.created_at_ms, probe.expires_at_ms = 1, 2
     return kinds.check_spec(probe)
-
-
-def model_sha256(spec: pb.JobSpec, kind: kinds.Kind, values: dict) -> str:
-    """The sha256 of the model archive the job sends; "" if none (a provider that has it
-    cached already is preferred: a warm cache)."""
-    name = kind.model_input(values)
-    return next((ref.sha256 for ref in spec.inputs if name and ref.name == name), "")

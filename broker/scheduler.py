@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections import defaultdict, deque
 
-from gpumarket import kinds
 from gpumarket.broker import auth, holdings, jobs, matcher, reliability, views
+from gpumarket.broker.admission import Needs
 from gpumarket.broker.offers import claim_efficiency, offer_view
 from gpumarket.broker.state import BrokerState
 from gpumarket.proto.envelope import seal
@@ -21,15 +20,6 @@ from gpumarket.proto.v1 import types_pb2 as pb
 log = logging.getLogger(__name__)
 
 QUEUE_SCAN = 1000
-
-
-def _checkpoint_every(spec_blob: bytes) -> int:
-    """The job file's own checkpoint_every (steps), which overrides the broker's interval."""
-    env = pb.Envelope()
-    env.ParseFromString(spec_blob)
-    spec = pb.JobSpec()
-    spec.ParseFromString(env.payload)
-    return kinds.get(spec.kind).checkpoint_every(kinds.values_of(spec))
 
 
 def fair_order(rows: list[dict], running: dict[str, int]) -> list[dict]:
@@ -49,20 +39,22 @@ def fair_order(rows: list[dict], running: dict[str, int]) -> list[dict]:
     return out
 
 
-def needs_of(row: dict, avoid: frozenset[str] = frozenset()) -> matcher.JobNeeds:
+def needs_of(row: dict, avoid: frozenset[str] = frozenset(),
+             n: Needs | None = None) -> matcher.JobNeeds:
+    """The matcher's view of a queued job row: its stored needs (``n``, if read already),
+    its deadline as time left, its measured checkpoint cost, and the providers to avoid."""
+    n = n or Needs.from_json(row["needs"])
     return matcher.JobNeeds(
-        job_id=row["id"], kind=row["kind"], gpus=row["gpus"],
-        min_memory_bytes=row["min_memory_bytes"], accelerator=row["accelerator"],
-        max_price_per_gpu_hour=row["max_price_per_gpu_hour"], client_id=row["client_id"],
-        min_compute_capability=row["min_compute_capability"],
-        gpu_models=frozenset(json.loads(row["gpu_models"])),
-        min_reliability=row["min_reliability"], work_flops=row["work_flops"],
-        objective=row["objective"],
-        deadline_s=max(0.0, row["deadline_s"] - (now_ms() - row["created_at_ms"]) / 1000)
-        if row["deadline_s"] else 0.0,
-        max_runtime_s=row["max_runtime_s"], checkpoint_cost_s=row["checkpoint_seconds"],
-        avoid=avoid, engine=row["engine"], model_name=row["model_name"],
-        warm_sha256=row["model_sha256"], remote_code=bool(row["remote_code"]),
+        job_id=row["id"], kind=n.kind, gpus=n.gpus, min_memory_bytes=n.min_memory_bytes,
+        accelerator=n.accelerator, max_price_per_gpu_hour=n.max_price_per_gpu_hour,
+        client_id=row["client_id"], min_compute_capability=n.min_compute_capability,
+        gpu_models=frozenset(n.gpu_models), min_reliability=n.min_reliability,
+        work_flops=n.work_flops, objective=n.objective,
+        deadline_s=max(0.0, n.deadline_s - (now_ms() - row["created_at_ms"]) / 1000)
+        if n.deadline_s else 0.0,
+        max_runtime_s=n.max_runtime_s, checkpoint_cost_s=row["checkpoint_seconds"],
+        avoid=avoid, engine=n.engine, model_name=n.model_name, warm_sha256=n.model_sha256,
+        remote_code=n.remote_code,
     )
 
 
@@ -103,7 +95,8 @@ async def place_queued(state: BrokerState) -> int:
         if row["parent_id"]:
             # The parts of a split job go to different providers, where there are enough.
             avoid |= await store.read(views.busy_siblings, row["parent_id"])
-        placement, excluded = book.place(needs_of(row, avoid))
+        stored = Needs.from_json(row["needs"])
+        placement, excluded = book.place(needs_of(row, avoid, stored))
         if placement is None:
             reason = matcher.explain(excluded, len(book))
             if reason != row["queue_reason"]:
@@ -118,7 +111,7 @@ async def place_queued(state: BrokerState) -> int:
             envelope = await store.write(
                 jobs.create_lease, row["id"], placement.provider_id,
                 list(placement.device_indices), placement.price_per_gpu_hour, now_ms(),
-                int(cfg.accept_within_s * 1000), _checkpoint_every(row["spec"]),
+                int(cfg.accept_within_s * 1000), stored.checkpoint_every,
                 lambda lease: seal(state.identity, lease), mtbf, interval,
             )
         except FailedPrecondition:
@@ -134,7 +127,7 @@ async def place_queued(state: BrokerState) -> int:
         session.send(gw.BrokerMessage(lease=envelope))
         log.info("job %s leased to %s on devices %s (%s: expected %.0fs, %.4g credits)",
                  row["id"], placement.provider_id, list(placement.device_indices),
-                 row["objective"], placement.estimate.expected_s,
+                 stored.objective, placement.estimate.expected_s,
                  placement.estimate.expected_cost)
     if reasons:
         await store.write(jobs.set_queue_reasons, reasons, now_ms())

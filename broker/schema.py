@@ -264,3 +264,34 @@ def m009_upload_reservations(db: Database) -> None:
         )"""
     )
     db.execute("CREATE INDEX artifact_uploads_by_uploader ON artifact_uploads(uploader_id)")
+
+
+NEEDS_COLUMNS = ("gpus", "min_memory_bytes", "accelerator", "max_price_per_gpu_hour",
+                 "min_compute_capability", "gpu_models", "min_reliability", "work_flops",
+                 "objective", "deadline_s", "max_runtime_s", "engine", "model_name",
+                 "model_sha256", "remote_code")
+
+
+@migrations()
+def m010_job_needs(db: Database) -> None:
+    # What a job needs of a provider, stored once as JSON (broker/admission.Needs) instead
+    # of a column each: no query filters on them, the matcher reads them all at once.
+    import json
+
+    from gpumarket.proto.v1 import types_pb2 as pb
+
+    db.execute("ALTER TABLE jobs ADD COLUMN needs TEXT NOT NULL DEFAULT '{}'")
+    cols = ", ".join(("id", "kind", "spec") + NEEDS_COLUMNS)
+    for row in db.execute(f"SELECT {cols} FROM jobs").fetchall():
+        values = dict(zip(("id", "kind", "spec") + NEEDS_COLUMNS, row))
+        env = pb.Envelope.FromString(values.pop("spec"))
+        spec = pb.JobSpec.FromString(env.payload)
+        params = getattr(spec, spec.WhichOneof("params") or "training")
+        values.update(kind=values["kind"], gpu_models=json.loads(values["gpu_models"]),
+                      remote_code=bool(values["remote_code"]),
+                      checkpoint_every=int(getattr(params, "checkpoint_every", 0)))
+        job_id = values.pop("id")
+        db.execute("UPDATE jobs SET needs = ? WHERE id = ?",
+                   [json.dumps(values, sort_keys=True), job_id])
+    for column in NEEDS_COLUMNS + ("est_memory_bytes",):
+        db.execute(f"ALTER TABLE jobs DROP COLUMN {column}")

@@ -12,7 +12,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from gpumarket.broker import scheduler
+from gpumarket.broker import jobs, providers, scheduler
 from gpumarket.broker.admin import AdminServicer
 from gpumarket.broker.auth import Authenticator
 from gpumarket.broker.artifact_store import ArtifactStore
@@ -42,21 +42,6 @@ SERVICES = (
 )
 
 
-def _recover(db, now: int) -> int:
-    """After a (re)start no session is open: offers are gone, and leases that were
-    active get a full lease timeout from now for their providers to reconnect."""
-    db.execute("UPDATE provider_sessions SET ended_ms = (SELECT last_seen_ms FROM providers p"
-               " WHERE p.id = provider_id), end_reason = 'broker restart' WHERE ended_ms IS NULL")
-    db.execute("UPDATE providers SET online = 0")
-    db.execute("DELETE FROM offers")
-    return db.execute(
-        "UPDATE leases SET renewed_at_ms = ? WHERE state = 'active'", [now]).rowcount
-
-
-def _revoked(db) -> list[str]:
-    return [row[0] for row in db.execute("SELECT key_id FROM revoked_keys")]
-
-
 class BrokerServer:
     def __init__(self, config: BrokerConfig) -> None:
         self.config = config
@@ -72,12 +57,13 @@ class BrokerServer:
         identity = Identity.load_or_create(cfg.key_path)
         store = Store(cfg.db_path)
         store.open()
-        kept = await store.write(_recover, now_ms())
+        await store.write(providers.after_restart)
+        kept = await store.write(jobs.renew_all_leases, now_ms())
         if kept:
             log.info("%d leases were active at the last stop; waiting for their providers", kept)
         artifacts = ArtifactStore(cfg.data_dir / "artifacts", cfg.max_artifact_bytes)
         self.state = BrokerState(cfg, identity, store, artifacts)
-        self.state.revoked = set(await store.read(_revoked))
+        self.state.revoked = set(await store.read(providers.revoked))
 
         server = grpc.aio.server(
             interceptors=[Authenticator(self.state, identity.id, cfg.plaintext)],

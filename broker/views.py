@@ -98,12 +98,8 @@ def job_state(db: Database, job_id: str) -> int:
 
 
 def queued_jobs(db: Database, limit: int) -> list[dict]:
-    return _rows(db, "SELECT id, client_id, kind, gpus, min_memory_bytes, accelerator,"
-                     " max_price_per_gpu_hour, expires_at_ms, queue_reason, spec, attempt,"
-                     " checkpoint_seconds, objective, deadline_s, min_reliability,"
-                     " min_compute_capability, gpu_models, work_flops, max_runtime_s,"
-                     " created_at_ms, updated_at_ms, engine, parent_id, model_name,"
-                     " model_sha256, remote_code"
+    return _rows(db, "SELECT id, client_id, needs, expires_at_ms, queue_reason, attempt,"
+                     " checkpoint_seconds, created_at_ms, updated_at_ms, parent_id"
                      " FROM jobs WHERE state = ? AND NOT (parts > 0 AND part = 0)"
                      " ORDER BY created_at_ms, id LIMIT ?",
                  [pb.JOB_STATE_QUEUED, limit])

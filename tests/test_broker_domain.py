@@ -9,6 +9,7 @@ import json
 import pytest
 
 from gpumarket.broker import jobs, views
+from gpumarket.broker.admission import Needs, NewJob
 from gpumarket.broker.artifact_store import ArtifactStore
 from gpumarket.broker.store import Store
 from gpumarket.proto.envelope import seal
@@ -24,10 +25,11 @@ TRAIN = pb.JOB_KIND_TRAINING
 
 def new_job(client: Identity, job_id="j1", nonce="00" * 16, max_attempts=2):
     env = seal(client, pb.JobSpec(name="x", kind=TRAIN))
-    return jobs.NewJob(id=job_id, client_id=client.id, name="x", kind=TRAIN,
-                       spec=env.SerializeToString(), spec_sha256="0" * 64, gpus=1,
-                       min_memory_bytes=0, accelerator=ANY, max_price_per_gpu_hour=1.0,
-                       expires_at_ms=10**13, max_attempts=max_attempts, nonce=nonce)
+    needs = Needs(kind=TRAIN, gpus=1, min_memory_bytes=0, accelerator=ANY,
+                  max_price_per_gpu_hour=1.0)
+    return NewJob(id=job_id, client_id=client.id, name="x", spec=env.SerializeToString(),
+                  spec_sha256="0" * 64, needs=needs, expires_at_ms=10**13,
+                  max_attempts=max_attempts, nonce=nonce)
 
 
 @pytest.fixture
@@ -218,3 +220,32 @@ def test_a_split_job_follows_its_parts(store):
         assert [p.state for p in job.parts] == [pb.JOB_STATE_CANCELLED] * 3
 
     asyncio.run(scenario())
+
+
+def test_a_database_from_before_job_needs_keeps_its_jobs(tmp_path):
+    """m010 moves each job's needs from a column each into one JSON value: a queued job of
+    an older broker is matched afterwards exactly as before."""
+    from sqlite_utils import Database
+
+    from gpumarket.broker.schema import migrations
+    from gpumarket.broker.scheduler import needs_of
+
+    db = Database(tmp_path / "old.db")
+    migrations.apply(db, stop_before="m010_job_needs")
+    client = Identity.generate()
+    spec = pb.JobSpec(name="x", kind=TRAIN, training=pb.TrainingParams(checkpoint_every=7))
+    db["jobs"].insert({
+        "id": "old1", "client_id": client.id, "name": "x", "kind": TRAIN, "state": 1,
+        "spec": seal(client, spec).SerializeToString(), "spec_sha256": "0" * 64, "gpus": 2,
+        "min_memory_bytes": 5 << 30, "accelerator": ANY, "max_price_per_gpu_hour": 1.5,
+        "expires_at_ms": 10**13, "max_attempts": 3, "created_at_ms": 1, "updated_at_ms": 1,
+        "objective": "fastest", "gpu_models": '["H100"]', "work_flops": 1e15,
+        "engine": "", "model_name": "", "model_sha256": "", "remote_code": 0})
+    migrations.apply(db)
+    [row] = views.queued_jobs(db, 10)
+    job = needs_of(row)
+    assert (job.gpus, job.min_memory_bytes, job.max_price_per_gpu_hour, job.objective,
+            job.gpu_models, job.work_flops) == (2, 5 << 30, 1.5, "fastest",
+                                                frozenset({"H100"}), 1e15)
+    assert Needs.from_json(row["needs"]).checkpoint_every == 7
+    assert "gpus" not in db["jobs"].columns_dict
