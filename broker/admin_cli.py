@@ -21,7 +21,7 @@ from rich.table import Table
 from gpumarket.link.client import Broker
 from gpumarket.link.channel import Trust
 from gpumarket.proto.envelope import seal
-from gpumarket.proto.present import job_dict
+from gpumarket.proto.present import job_dict, short, unique_prefix
 from gpumarket.proto.errors import GpumarketError
 from gpumarket.proto.identity import Identity, home_dir
 from gpumarket.proto.jobspec import STATES_BY_NAME, kind_name, now_ms, state_name
@@ -29,6 +29,7 @@ from gpumarket.proto.v1 import admin_pb2 as ad
 from gpumarket.proto.v1 import types_pb2 as pb
 
 out = Console(highlight=False, soft_wrap=True)
+KEY_ID_CHARS = 26      # a key's id: 26 base32 characters of its sha256
 
 
 def _default_key() -> str:
@@ -71,6 +72,12 @@ def _order(identity: Identity, method: str, **fields) -> pb.Envelope:
 
 async def _call(broker: Broker, identity: Identity, method: str, **fields) -> object:
     async with broker.client(identity) as client:
+        if "target" in fields and len(fields["target"]) < KEY_ID_CHARS:
+            # a provider's id may be given by any unique prefix, as tables show it
+            listed = (await client.admin_call("ListProviders",
+                                              _order(identity, "ListProviders"))).providers
+            fields["target"] = unique_prefix(fields["target"],
+                                             [p.provider_id for p in listed], "provider id")
         return await client.admin_call(method, _order(identity, method, **fields))
 
 
@@ -89,7 +96,7 @@ async def providers(broker: Broker, identity: Identity, as_json: bool) -> None:
                   "lost", "running", "earned")
     for p in found:
         status = "banned" if p.banned else ("online" if p.online else "offline")
-        table.add_row(p.provider_id, status, "\n".join(p.devices) or "-",
+        table.add_row(short(p.provider_id), status, "\n".join(p.devices) or "-",
                       f"{p.price_per_gpu_hour:.3f}" if p.devices else "-",
                       f"{p.reliability:.2f}", str(p.leases_completed), str(p.leases_lost),
                       str(p.running), f"{p.earned:.4f}")
@@ -113,9 +120,9 @@ async def jobs(broker: Broker, identity: Identity, states: tuple[str, ...], limi
         return
     table = Table("job", "client", "kind", "state", "progress", "attempt", "provider")
     for j in found:
-        table.add_row(j.job_id, j.client_id, kind_name(j.kind), state_name(j.state),
-                      f"{j.progress.step}/{j.progress.total}", str(j.attempt),
-                      j.provider_id or "-")
+        table.add_row(short(j.job_id), short(j.client_id), kind_name(j.kind),
+                      state_name(j.state), f"{j.progress.step}/{j.progress.total}",
+                      str(j.attempt), short(j.provider_id) or "-")
     out.print(table)
 
 

@@ -27,7 +27,7 @@ from gpumarket.link.client import Broker, BrokerClient
 from gpumarket.client.watch import EXIT_BY_STATE, follow
 from gpumarket.proto.artifacts import write_atomically
 from gpumarket.proto.envelope import open_envelope, payload_sha256, seal
-from gpumarket.proto.present import job_dict
+from gpumarket.proto.present import job_dict, short
 from gpumarket.proto.errors import BadSignature, FailedPrecondition, GpumarketError
 from gpumarket.proto.identity import Identity, home_dir
 from gpumarket.proto.jobspec import (
@@ -185,6 +185,7 @@ async def submit(market: Broker, job_file: Path, watch_: bool, as_json: bool) ->
 async def status(market: Broker, job_id: str, as_json: bool) -> None:
     """Show a job's state, progress and attempt history."""
     async with market.client(load_identity()) as broker:
+        job_id = await broker.job_id(job_id)
         job = await broker.get_job(job_id)
     if as_json:
         _dump(job_dict(job))
@@ -214,7 +215,8 @@ async def status(market: Broker, job_id: str, as_json: bool) -> None:
     if job.attempts:
         table = Table("attempt", "epoch", "provider", "started", "ended", "outcome", "reason")
         for a in job.attempts:
-            table.add_row(str(a.attempt), str(a.epoch), a.provider_id, _time(a.started_at_ms),
+            table.add_row(str(a.attempt), str(a.epoch), short(a.provider_id),
+                          _time(a.started_at_ms),
                           _time(a.ended_at_ms), a.outcome, a.reason)
         out.print(table)
 
@@ -246,11 +248,11 @@ async def list_(market: Broker, states: tuple[str, ...], limit: int, as_json: bo
         _dump([job_dict(j) for j in jobs])
         return
     table = Table("name", "kind", "state", "progress", "attempt", "provider")
-    table.add_column("job", no_wrap=True, min_width=16)
+    table.add_column("job", no_wrap=True)
     for j in jobs:
         progress = f"{j.progress.step}/{j.progress.total}" if j.progress.total else "-"
         table.add_row(j.name, kind_name(j.kind), state_name(j.state), progress,
-                      str(j.attempt), j.provider_id[:12] or "-", j.job_id)
+                      str(j.attempt), short(j.provider_id) or "-", short(j.job_id))
     out.print(table)
 
 
@@ -262,6 +264,7 @@ async def list_(market: Broker, states: tuple[str, ...], limit: int, as_json: bo
 async def watch(market: Broker, job_id: str, as_json: bool) -> None:
     """Follow a job's events with a progress bar until it ends (exit 3 failed, 4 cancelled)."""
     async with market.client(load_identity()) as broker:
+        job_id = await broker.job_id(job_id)
         state = await follow(broker, job_id, as_json, out)
     sys.exit(EXIT_BY_STATE.get(state, 1))
 
@@ -276,6 +279,7 @@ async def logs(market: Broker, job_id: str, follow: bool, as_json: bool) -> None
     """Print the job's stdout and stderr (from every attempt), as its provider shipped them;
     kept by the broker after the job ends."""
     async with market.client(load_identity()) as broker:
+        job_id = await broker.job_id(job_id)
         attempt = 0
         async for line in broker.logs(job_id, follow=follow):
             if as_json:
@@ -296,6 +300,7 @@ async def cancel(market: Broker, job_id: str) -> None:
     """Cancel one of your jobs (a running one is stopped on its provider)."""
     identity = load_identity()
     async with market.client(identity) as broker:
+        job_id = await broker.job_id(job_id)
         state = await broker.cancel(seal(identity, mp.CancelOrder(job_id=job_id, at_ms=now_ms())))
     click.echo(f"{job_id} {state_name(state)}")
 
@@ -360,6 +365,7 @@ async def results(market: Broker, job_id: str, output_dir: Path, as_json: bool) 
     (a split job's parts are merged into one directory)."""
     identity = load_identity()
     async with market.client(identity) as broker:
+        job_id = await broker.job_id(job_id)
         job = await broker.get_job(job_id)
         receipts = verify_receipts(job, identity.id)
         output_dir.mkdir(parents=True, exist_ok=True)
@@ -481,11 +487,11 @@ async def offers(market: Broker, query_text: str, sort_by: str, list_fields: boo
         table.add_row(f"{row['gpus']}× {row['gpu_name']}", row["accelerator"],
                       f"{row['gpu_ram']:g}", f"{row['tflops']:.3g}", row["figures"],
                       f"{row['price']:g}", str(row["free_gpus"]), f"{row['reliability']:.2f}",
-                      f"{row['mtbf_h']:.1f}", ",".join(row["kind"]), row["provider"])
+                      f"{row['mtbf_h']:.1f}", ",".join(row["kind"]), short(row["provider"]))
     out.print(table)
     for row, _ in rows:
         if row["figures"] == "contradicted":
-            err.print(f"provider {row['provider']}: figures contradicted:"
+            err.print(f"provider {short(row['provider'])}: figures contradicted:"
                       f" {row['figures_detail']}")
     if not rows:
         err.print("no offers match")
@@ -529,7 +535,7 @@ async def quote(market: Broker, job_file: Path, limit: int, as_json: bool) -> No
         table.add_row(c.gpu_name, f"{c.price_per_gpu_hour:g}", _duration(c.runtime_s),
                       _duration(c.expected_s), f"{c.expected_cost:.4g}",
                       f"{c.p_uninterrupted:.1%}", f"{c.reliability:.2f}", str(c.free_devices),
-                      c.provider_id)
+                      short(c.provider_id))
     if resp.candidates:
         out.print(table)
     excluded = ", ".join(f"{n} by {k}" for k, n in sorted(resp.excluded.items(),

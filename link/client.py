@@ -17,6 +17,7 @@ from gpumarket.link.errors import error_of
 from gpumarket.proto.artifacts import publish_verified
 from gpumarket.proto.errors import GpumarketError, InvalidArgument
 from gpumarket.proto.identity import Identity
+from gpumarket.proto.present import unique_prefix
 from gpumarket.proto.v1 import admin_pb2 as ad
 from gpumarket.proto.v1 import admin_pb2_grpc, marketplace_pb2_grpc
 from gpumarket.proto.v1 import marketplace_pb2 as mp
@@ -32,6 +33,9 @@ class Broker:
 
     def client(self, identity: Identity | None, timeout_s: float = 15.0) -> "BrokerClient":
         return BrokerClient(self.address, identity, timeout_s, self.trust)
+
+
+JOB_ID_CHARS = 16      # a job id: the first 16 hex of its signed spec's sha256
 
 
 class BrokerClient:
@@ -78,6 +82,14 @@ class BrokerClient:
             return await method(request, timeout=self.timeout_s)
         except grpc.aio.AioRpcError as exc:
             raise self._error(exc) from exc
+
+    async def job_id(self, prefix: str) -> str:
+        """The caller's job whose id starts with ``prefix`` (a whole id is taken as is);
+        InvalidArgument if several do."""
+        if len(prefix) >= JOB_ID_CHARS:
+            return prefix
+        return unique_prefix(prefix, [j.job_id for j in await self.list_jobs(limit=1000)],
+                             "job id")
 
     async def submit(self, spec: pb.Envelope) -> mp.SubmitJobResponse:
         return await self._call(self.market.SubmitJob, mp.SubmitJobRequest(spec=spec))
