@@ -1,0 +1,134 @@
+"""Each role installs alone, as docs/deploy.md says: fresh virtual environments, the package
+installed (not editable) from a copy of this tree — ``pip install .`` for a broker or a
+client, torch then ``pip install '.[provider]'`` for a provider — and each program started:
+every command's --help, a broker serving, and a provider from its own environment
+connecting to that broker and offering its CPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import ROOT, wait_until
+
+pytestmark = pytest.mark.e2e
+
+TORCH = "torch==2.13.0"     # the CPU build these machines hold (see the Makefile)
+
+
+def run(*args, **kw) -> subprocess.CompletedProcess:
+    r = subprocess.run([str(a) for a in args], capture_output=True, text=True,
+                       timeout=kw.pop("timeout", 900), **kw)
+    assert r.returncode == 0, f"{args}:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    return r
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory) -> Path:
+    """The tracked files of this tree (pip builds in the tree it installs from)."""
+    target = tmp_path_factory.mktemp("src") / "gpumarket"
+    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True,
+                           check=True).stdout.split()
+    for name in files:
+        (target / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / name, target / name)
+    return target
+
+
+def venv(where: Path, *install: str) -> Path:
+    run(sys.executable, "-m", "venv", where)
+    pip = where / "bin" / "pip"
+    for spec in install:
+        run(pip, "install", "-q", spec)
+    return where / "bin"
+
+
+def commands(program: Path) -> list[list[str]]:
+    """Every command path of a click program, from its --help pages."""
+    out, todo = [], [[]]
+    while todo:
+        path = todo.pop()
+        out.append(path)
+        text = run(program, *path, "--help").stdout
+        if "Commands:" in text:
+            for line in text.split("Commands:", 1)[1].splitlines():
+                if line.startswith("  ") and line.split():
+                    todo.append(path + [line.split()[0]])
+    return out
+
+
+@pytest.fixture(scope="module")
+def base_bin(source, tmp_path_factory) -> Path:
+    """A broker's or a client's environment: ``pip install .``."""
+    return venv(tmp_path_factory.mktemp("base") / "venv", str(source))
+
+
+def test_a_broker_and_a_client_install_with_pip_install_dot(base_bin, tmp_path):
+    bin_ = base_bin
+    site = next((bin_.parent / "lib").glob("python*/site-packages"))
+    assert not (site / "torch").exists(), "torch is not needed by a broker or a client"
+    for program in ("gpumarket-broker", "gpumarket"):
+        paths = commands(bin_ / program)
+        assert len(paths) > 5, paths
+    data = tmp_path / "broker"
+    broker = subprocess.Popen([bin_ / "gpumarket-broker", "serve", "--listen", "127.0.0.1:0",
+                               "--data-dir", data], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_until(lambda: (data / "broker.json").exists() or broker.poll() is not None,
+                   "the broker to start", timeout=60)
+        assert broker.poll() is None, broker.stdout.read()
+        info = json.loads((data / "broker.json").read_text())
+        env = {**os.environ, "GPUMARKET_HOME": str(tmp_path / "home")}
+        run(bin_ / "gpumarket", "keys", "init", env=env)
+        r = run(bin_ / "gpumarket", "--broker", info["address"], "--broker-key",
+                info["broker_id"], "list", env=env)
+        assert "job" in r.stdout
+    finally:
+        broker.terminate()
+        broker.wait(30)
+
+
+def test_a_provider_installs_with_its_extra_and_offers_its_cpu(source, base_bin, tmp_path):
+    broker_bin = base_bin
+    provider_bin = venv(tmp_path / "provider-venv", TORCH, f"{source}[provider]")
+    assert len(commands(provider_bin / "gpumarket-provider")) > 5
+    data = tmp_path / "broker"
+    broker = subprocess.Popen([broker_bin / "gpumarket-broker", "serve", "--listen",
+                               "127.0.0.1:0", "--data-dir", data],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    provider = None
+    try:
+        wait_until(lambda: (data / "broker.json").exists(), "the broker to start", 60)
+        info = json.loads((data / "broker.json").read_text())
+        log = tmp_path / "provider.log"
+        provider = subprocess.Popen(
+            [provider_bin / "gpumarket-provider", "run", "--broker", info["address"],
+             "--broker-key", info["broker_id"], "--data-dir", tmp_path / "p1", "--no-warm"],
+            stdout=open(log, "w"), stderr=subprocess.STDOUT)
+        env = {**os.environ, "GPUMARKET_HOME": str(tmp_path / "home")}
+
+        def offered():
+            r = subprocess.run([broker_bin / "gpumarket", "--broker", info["address"],
+                                "--broker-key", info["broker_id"], "offers", "--json"],
+                               capture_output=True, text=True, env=env, timeout=60)
+            return r.returncode == 0 and json.loads(r.stdout)
+
+        began = time.monotonic()
+        offers = wait_until(offered, "the provider's offer", timeout=180, interval=1)
+        assert offers[0]["accelerator"] == "cpu", offers
+        print(f"provider offered its CPU {time.monotonic() - began:.1f}s after starting")
+        assert "Traceback" not in log.read_text()
+    finally:
+        if provider is not None:
+            provider.terminate()
+            provider.wait(60)
+        broker.terminate()
+        broker.wait(30)
