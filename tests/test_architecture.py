@@ -1,0 +1,53 @@
+"""The layering docs/architecture.md describes, checked on the source: roles import
+gpumarket.proto, gpumarket.kinds and gpumarket.link, never each other; grpc stubs are used
+only in the link layer and the broker's servicers; proto and kinds import no grpc."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+ROLES = ("broker", "provider", "client")
+SERVICERS = {"broker/admin.py", "broker/artifacts.py", "broker/gateway.py",
+             "broker/marketplace.py", "broker/server.py"}
+
+
+def imports(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+            names |= {f"{node.module}.{a.name}" for a in node.names}
+    return names
+
+
+def sources(package: str) -> list[Path]:
+    return [p for p in (ROOT / package).rglob("*.py") if "_pb2" not in p.name]
+
+
+def test_no_role_imports_another():
+    for role in ROLES:
+        for path in sources(role):
+            others = {i for i in imports(path) for other in ROLES if other != role
+                      and i.startswith(f"gpumarket.{other}")}
+            assert not others, f"{path.relative_to(ROOT)} imports {sorted(others)}"
+
+
+def test_grpc_stubs_only_in_the_link_layer_and_the_servicers():
+    for package in (*ROLES, "proto", "kinds", "link"):
+        for path in sources(package):
+            rel = str(path.relative_to(ROOT))
+            stubs = {i for i in imports(path) if i.endswith("_pb2_grpc")}
+            if stubs and package != "link" and rel not in SERVICERS:
+                raise AssertionError(f"{rel} uses grpc stubs {sorted(stubs)}")
+
+
+def test_the_shared_layers_import_no_grpc_and_no_role():
+    for package in ("proto", "kinds"):
+        for path in sources(package):
+            bad = {i for i in imports(path) if i == "grpc" or i.startswith("grpc.")
+                   or any(i.startswith(f"gpumarket.{r}") for r in ROLES + ("link",))}
+            assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}"
