@@ -41,6 +41,7 @@ bench: $(STAMP)
 	$(PY) bench/matching.py
 	$(PY) bench/overhead.py
 	$(PY) bench/failover.py
+	$(PY) bench/archive_scan.py
 
 clean:
 	rm -rf $(VENV) demo-output .pytest_cache
