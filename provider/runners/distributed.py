@@ -26,12 +26,17 @@ import torch.distributed as dist
 
 from gpumarket.provider.runners.base import JobError
 
-RANK_ENV, PORT_ENV = "GPUMARKET_RANK", "GPUMARKET_MASTER_PORT"
+RANK_ENV, PORT_ENV, PARENT_ENV = "GPUMARKET_RANK", "GPUMARKET_MASTER_PORT", "GPUMARKET_RANK0_PID"
 
 
-def _die_with_parent() -> None:
+def _die_with_parent(parent: int) -> None:
+    """Be killed when the rank-0 process ``parent`` dies (and go now if it already has).
+    Set by the rank itself after it starts: a preexec_fn would run Python between fork and
+    exec in a parent with torch's threads, where it can deadlock (and the job with it)."""
     PR_SET_PDEATHSIG = 1
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:
+        os._exit(1)
 
 
 class World:
@@ -67,12 +72,13 @@ class World:
                                   wait_for_workers=False)
             for rank in range(1, self.size):
                 env = {**os.environ, RANK_ENV: str(rank), PORT_ENV: str(store.port),
-                       "GPUMARKET_REPORT_FILE": os.devnull}
+                       PARENT_ENV: str(os.getpid()), "GPUMARKET_REPORT_FILE": os.devnull}
                 self.workers.append(subprocess.Popen(
                     [sys.executable, "-m", module, str(workdir)], env=env,
-                    preexec_fn=_die_with_parent, stdout=subprocess.DEVNULL))
+                    stdout=subprocess.DEVNULL))
             threading.Thread(target=self._watch, daemon=True).start()
         else:
+            _die_with_parent(int(os.environ[PARENT_ENV]))
             store = dist.TCPStore("127.0.0.1", int(os.environ[PORT_ENV]), self.size,
                                   is_master=False, timeout=timeout)
         dist.init_process_group("nccl" if self.cuda else "gloo", store=store, rank=self.rank,
