@@ -64,8 +64,8 @@ class ProviderDaemon:
         return [job.key for job in self.jobs.values()]
 
     def pending(self) -> list[gw.ProviderMessage]:
-        return [j.checkpoint_report for j in self.jobs.values() if j.checkpoint_report] + \
-            list(self.unsettled.values())
+        return [j.checkpoint_report for j in self.jobs.values() if j.checkpoint_report] + [
+            *self.unsettled.values()]
 
     async def on_lease(self, envelope: pb.Envelope) -> None:
         try:
@@ -80,8 +80,7 @@ class ProviderDaemon:
                 policy=self.config.policy, runs_code=self.isolation.runs_code(self.config))
         except GpumarketError as exc:
             log.warning("refused a lease: %s", refusal(exc))
-            answer = rejection(envelope, self.session.broker_key, refusal(exc))
-            if answer is not None:
+            if answer := rejection(envelope, self.session.broker_key, refusal(exc)):
                 self.send(answer)
             return
         lease = assignment.lease
@@ -164,6 +163,8 @@ class ProviderDaemon:
                 task.cancel()
             await self.warm.close()
             self.journal.close()
+            if self.isolation.cgroups:
+                self.isolation.cgroups.remove()     # empty now: every job was ended
 
     def stop(self) -> None:
         """Stop now: jobs are killed and their leases lapse."""

@@ -356,23 +356,26 @@ class JobProcess:
                 pass
 
     async def stop(self, reason: str = "") -> None:
-        """SIGTERM the job's process group, SIGKILL after the grace period."""
+        """SIGTERM the job's process group, SIGKILL after the grace period; then whatever
+        is left of the job anywhere (its control group, its uid), however it detached."""
         if reason and not self._stop_reason:
             self._stop_reason = reason
-        if self.pid is None or not self.alive():
-            return
-        self._killed = True
-        signal_group(self.pid, signal.SIGTERM)
-        deadline = time.monotonic() + self.grace_s
-        while self.alive() and time.monotonic() < deadline:
-            await asyncio.sleep(POLL_S)
-        # Whatever is left of the group goes, the job's own children too.
-        signal_group(self.pid, signal.SIGKILL)
-        if self.proc is not None:
-            await self.proc.wait()
-        else:
-            while self.alive():
+        if self.pid is not None and self.alive():
+            self._killed = True
+            signal_group(self.pid, signal.SIGTERM)
+            deadline = time.monotonic() + self.grace_s
+            while self.alive() and time.monotonic() < deadline:
                 await asyncio.sleep(POLL_S)
+            signal_group(self.pid, signal.SIGKILL)
+            if self.proc is not None:
+                await self.proc.wait()
+            else:
+                while self.alive():
+                    await asyncio.sleep(POLL_S)
+        # A stopped job's follower (run) may be cancelled next: end everything here.
+        await asyncio.to_thread(self.end_all)
+        if self.cgroup is not None:
+            await asyncio.to_thread(self.cgroup.remove)
 
 
 def disk_usage(root: Path) -> int:

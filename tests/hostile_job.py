@@ -72,7 +72,9 @@ def main() -> int:
                 except OSError:
                     continue
                 os.write(marker, b"x")
-        print("survivor: detached")
+        print("survivor: detached", flush=True)
+        if job.get("stay"):
+            time.sleep(120)      # the job runs on until it is cancelled
     elif attack == "fill_scratch":
         for d in job["dirs"]:
             written, why = 0, "UNLIMITED"

@@ -321,3 +321,42 @@ def test_the_daemon_never_follows_a_link_out_of_a_job_tree(tmp_path):
             assert [(name, os.read(fd, 10)) for name, fd in files] == [("result.txt", b"ok")]
     finally:
         os.close(root)
+
+
+@needs_cgroup
+def test_a_cancelled_job_leaves_no_process_behind(base, groups):
+    """Cancelled while it runs (the broker's cancel, or the daemon stopping): its process
+    group goes, and so does a process it detached, even with the follower of the job
+    (which ends everything when the job exits) cancelled."""
+    marker = base / "jobs" / "j.1" / "generations"
+    workdir = base / "jobs" / "j.1"
+    workdir.mkdir()
+    (workdir / "job.json").write_text(json.dumps({"attack": "survivor", "stay": True,
+                                                  "marker": str(marker)}))
+    group = groups.job("cancelled")
+    group.limit(cgroups.Limits(memory_bytes=512 << 20, pids=256))
+    uid = JOB_UID + 3
+    limits = {"NOFILE": 1024, "NPROC": 4096, "CORE": 0, "FSIZE": 8 << 20}
+    box_ = sandbox.Sandbox(**{**box(uid=uid, gid=uid, limits=limits).__dict__,
+                              "cgroups": tuple(group.procs_files)})
+    env = {**job_env(workdir, "", None), "PYTHONPATH": str(ROOT)}
+
+    async def go():
+        async def ignore(report):
+            pass
+
+        proc = JobProcess("tests.hostile_job", workdir, env, ignore, 120, 2.0, None, box_,
+                          0, group)
+        follower = asyncio.create_task(proc.run())
+        for _ in range(200):
+            if marker.exists():
+                break
+            await asyncio.sleep(0.05)
+        follower.cancel()          # the follower gone first: stop() alone must end it all
+        await asyncio.gather(follower, return_exceptions=True)
+        await proc.stop("cancelled by client")
+
+    asyncio.run(go())
+    assert marker.exists(), (workdir / "job.log").read_text()
+    assert not _still_growing(marker), "a process of the cancelled job outlived it"
+    assert not group.pids() and not sandbox.processes_of({uid})
