@@ -237,11 +237,7 @@ class Attempt:
     def pack(self, rel: str, tar: Path) -> None:
         """Pack the job's checkpoint ``rel`` (walked from the work directory without
         following links: the job may have swapped it for a link since it reported it)."""
-        root = jobfiles.open_dir(self.workdir)
-        try:
-            ckpt = jobfiles.open_beneath(root, rel, directory=True)
-        finally:
-            os.close(root)
+        ckpt = jobfiles.open_under(self.workdir, rel, directory=True)
         try:
             checkpoints.pack(ckpt, tar, self.job_uid, PurePosixPath(rel).name)
         finally:
@@ -252,11 +248,7 @@ class Attempt:
         step; newer ones may be in progress), inside its own checkpoints directory only."""
         newest = PurePosixPath(rel)
         try:
-            root = jobfiles.open_dir(self.workdir)
-            try:
-                parent = jobfiles.open_beneath(root, str(newest.parent), directory=True)
-            finally:
-                os.close(root)
+            parent = jobfiles.open_under(self.workdir, str(newest.parent), directory=True)
         except (OSError, jobfiles.JobFileError):
             return
         try:

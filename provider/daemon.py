@@ -152,7 +152,7 @@ class ProviderDaemon:
         self.isolation = await asyncio.to_thread(Isolation.prepare, self.config,
                                                  self.identity.id)
         await recovery.restore(self)
-        for kind in (kinds.get(n) for n in self.kinds if kinds.get(n).warm):
+        for kind in [k for k in map(kinds.get, self.kinds) if k.warm]:
             await self.warm.refill(kind.runner)
         try:
             await self.session.run(self.stopping)

@@ -85,20 +85,10 @@ def job_owner(box: Sandbox | None) -> int:
     return box.uid if box is not None and box.uid is not None else os.geteuid()
 
 
-def open_job_file(workdir: Path, name: str, owner: int) -> int:
-    """A job-written file of ``workdir`` opened without following links (JobFileError if
-    the job put anything but its own plain file there)."""
-    dir_fd = jobfiles.open_dir(workdir)
-    try:
-        return jobfiles.open_beneath(dir_fd, name, owner=owner)
-    finally:
-        os.close(dir_fd)
-
-
 def read_reports(workdir: Path, owner: int) -> list[dict]:
     """Every complete report line the job wrote so far."""
     try:
-        fd = open_job_file(workdir, REPORTS, owner)
+        fd = jobfiles.open_under(workdir, REPORTS, owner=owner)
     except (OSError, jobfiles.JobFileError):
         return []
     try:
@@ -213,8 +203,8 @@ class JobProcess:
         self.pid = pid
         owner = job_owner(self.sandbox)
         try:
-            self._reports_fd = open_job_file(self.workdir, REPORTS, owner)
-            self._log_fd = open_job_file(self.workdir, "job.log", owner)
+            self._reports_fd = jobfiles.open_under(self.workdir, REPORTS, owner=owner)
+            self._log_fd = jobfiles.open_under(self.workdir, "job.log", owner=owner)
             self._offset = os.fstat(self._reports_fd).st_size
             self._log_offset = os.fstat(self._log_fd).st_size
         except (OSError, jobfiles.JobFileError) as exc:
@@ -296,7 +286,9 @@ class JobProcess:
             if self._log_fd < 0:
                 return
             data = os.pread(self._log_fd, LOG_READ_BYTES, self._log_offset)
-            end = len(data) if final or len(data) == LOG_READ_BYTES else data.rfind(b"\n") + 1
+            end = data.rfind(b"\n") + 1
+            if final or (end == 0 and len(data) == LOG_READ_BYTES):   # or a line of 1 MiB+
+                end = len(data)
             if end <= 0:
                 return
             self._log_offset += end

@@ -75,6 +75,16 @@ def open_beneath(dir_fd: int, rel: str, *, directory: bool = False,
         raise
 
 
+def open_under(workdir: Path, rel: str, *, directory: bool = False,
+               owner: int | None = None) -> int:
+    """``open_beneath`` from the work directory itself (opened here, not followed)."""
+    root = open_dir(workdir)
+    try:
+        return open_beneath(root, rel, directory=directory, owner=owner)
+    finally:
+        os.close(root)
+
+
 @contextmanager
 def plain_files(dir_fd: int, rel: str, owner: int | None = None
                 ) -> Iterator[list[tuple[str, int]]]:

@@ -13,9 +13,11 @@ from pathlib import Path
 
 from gpumarket.proto.envelope import open_envelope, payload_sha256
 from gpumarket.proto.errors import GpumarketError
+from gpumarket.proto.v1 import gateway_pb2 as gw
 from gpumarket.proto.v1 import types_pb2 as pb
+from gpumarket.provider.attempt import Attempt
 from gpumarket.provider.cgroups import CgroupError, CgroupHost
-from gpumarket.provider.executor import signal_group
+from gpumarket.provider.executor import pid_runs_in, signal_group
 from gpumarket.provider.job_uids import UidRange
 from gpumarket.provider.journal import Entry
 from gpumarket.provider.leases import Assignment
@@ -82,10 +84,6 @@ def end_strays(groups: CgroupHost | None, keep_groups: set[str], uids: UidRange 
 
 async def restore(daemon) -> None:
     """Rebuild ``daemon``'s jobs from its journal (see the module's docstring)."""
-    from gpumarket.proto.v1 import gateway_pb2 as gw
-    from gpumarket.provider.attempt import Attempt
-    from gpumarket.provider.executor import pid_runs_in
-
     entries = await asyncio.to_thread(daemon.journal.entries)
     attached: set[int] = set()
     for e in entries:

@@ -164,7 +164,6 @@ def probe(jobs_dir: str | None = None, uids: UidRange | None = None,
     """What this host gives: each feature tried for real in a child process, the job uid
     one by importing what a job's runner imports, as that uid, in the sandbox a job gets
     (a job uid is only usable if it can run the runner and reach ``jobs_dir``)."""
-    root = os.geteuid() == 0
     first = _attempts({
         "no_network": (Sandbox(network=False), "import socket; socket.create_connection("
                        "('192.0.2.1', 9), timeout=2)"),
@@ -174,36 +173,13 @@ def probe(jobs_dir: str | None = None, uids: UidRange | None = None,
         "resource_limits": (Sandbox(limits={"NOFILE": 256, "CORE": 0}), "pass"),
     })
     tmp_ok, tmp_why = first["private_tmp"]
-    claimed = None
-    if root and uids is None:
-        try:
-            uids = claimed = claim(f"probe-{os.getpid()}")
-        except UidRangeError as exc:
-            user = (False, str(exc))
-    if uids is not None:
-        uid = uids.first
-        reach = f"; import os; os.stat({str(jobs_dir)!r})" if jobs_dir else ""
-        box = Sandbox(uid=uid, gid=uid, scratch_bytes=(1 << 20) if tmp_ok else 0,
-                      expose=(jobs_dir,) if jobs_dir else ())
-        user = _attempts({"u": (box, f"import {PROBE_RUNNER}{reach}")})["u"]
-        if not user[0] and ("Permission denied" in user[1] or "No module" in user[1]):
-            user = (False, f"job uid {uid} cannot reach the provider's Python or {jobs_dir}"
-                    " (a directory above them is closed to other users, and no mount"
-                    f" namespace can show them: {tmp_why or 'not root'})")
-        elif not user[0]:
-            user = (False, f"job uid {uid} cannot run a runner: {user[1]}")
-    elif not root:
-        user = (False, "the daemon is not root, so jobs run as its own user")
-    if claimed is not None:
-        claimed.release()
+    user = _probe_uid(jobs_dir, uids, tmp_ok, tmp_why)
     net_ok, net_why = first["no_network"]
     # connecting to an outside address must fail inside the namespace: success means leaky
     no_net = not net_ok and "unreachable" in net_why.lower()
     ns_ok, ns_why = first["namespace"]
     features = {
-        "unprivileged_user": {"available": user[0], "detail": user[1] or (
-            f"jobs run as uids {uids.first}-{uids.first + uids.size - 1} (this daemon's"
-            " range), one per device")},
+        "unprivileged_user": {"available": user[0], "detail": user[1]},
         "no_network": {"available": ns_ok and no_net,
                        "detail": "network namespace with loopback only" if ns_ok and no_net
                        else (ns_why or net_why)},
@@ -216,6 +192,38 @@ def probe(jobs_dir: str | None = None, uids: UidRange | None = None,
     }
     features["job_cgroup"] = _probe_cgroup(cgroup_host)
     return features
+
+
+def _probe_uid(jobs_dir: str | None, uids: UidRange | None, private: bool,
+               private_why: str) -> tuple[bool, str]:
+    """Whether a job uid (this daemon's first, or a range claimed for the probe) can run
+    what a job runs — the runner's imports — and reach ``jobs_dir``, in the sandbox a job
+    gets (with the private view where this host gives it); and why."""
+    if os.geteuid() != 0:
+        return False, "the daemon is not root, so jobs run as its own user"
+    claimed = None
+    try:
+        if uids is None:
+            uids = claimed = claim(f"probe-{os.getpid()}")
+    except UidRangeError as exc:
+        return False, str(exc)
+    try:
+        uid = uids.first
+        reach = f"; import os; os.stat({str(jobs_dir)!r})" if jobs_dir else ""
+        box = Sandbox(uid=uid, gid=uid, scratch_bytes=(1 << 20) if private else 0,
+                      expose=(jobs_dir,) if jobs_dir else ())
+        ok, why = _attempts({"u": (box, f"import {PROBE_RUNNER}{reach}")})["u"]
+    finally:
+        if claimed is not None:
+            claimed.release()
+    if ok:
+        return True, (f"jobs run as uids {uids.first}-{uids.first + uids.size - 1} (this"
+                      " daemon's range), one per device")
+    if "Permission denied" in why or "No module" in why:
+        return False, (f"job uid {uid} cannot reach the provider's Python or {jobs_dir} (a"
+                       " directory above them is closed to other users, and no mount"
+                       f" namespace can show them: {private_why or 'not root'})")
+    return False, f"job uid {uid} cannot run a runner: {why}"
 
 
 def _probe_cgroup(host: cgroups.CgroupHost | None) -> dict:
