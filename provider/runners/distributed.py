@@ -124,8 +124,14 @@ class World:
         self._finishing = True
         dist.barrier()
         if not self.main:
-            dist.destroy_process_group()
-            return
+            # A worker has nothing left to do: it ends here. Tearing down in-process could
+            # deadlock: the last reference to the process group is the model's DDP reducer,
+            # freed (GIL held) while gloo's thread still frees the barrier's work and waits
+            # for the GIL (seen: ~ProcessGroupGloo joining that thread, the job hung until
+            # its timeout).
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
         # Rank 0 holds the rendezvous store: it leaves last, once the others are gone.
         for worker in self.workers:
             if worker.wait() != 0:
