@@ -42,6 +42,7 @@ bench: $(STAMP)
 	$(PY) bench/overhead.py
 	$(PY) bench/failover.py
 	$(PY) bench/archive_scan.py
+	$(PY) bench/ledger.py
 
 clean:
 	rm -rf $(VENV) demo-output .pytest_cache

@@ -11,14 +11,14 @@ import re
 import tempfile
 from pathlib import Path
 
-from gpumarket.broker import providers, standing, views
+from gpumarket.broker import ledger, providers, standing, views
 from gpumarket.broker.auth import caller
 from gpumarket.broker.rpc import streaming, unary
 from gpumarket.broker.state import BrokerState
 from gpumarket.proto.artifacts import iter_chunks, sha256_file
 from gpumarket.proto.envelope import open_envelope
 from gpumarket.proto.errors import BadSignature, InvalidArgument, PermissionDenied
-from gpumarket.proto.jobspec import now_ms
+from gpumarket.proto.jobspec import MAX_CREDITS, now_ms
 from gpumarket.proto.v1 import admin_pb2 as ad
 from gpumarket.proto.v1 import admin_pb2_grpc
 from gpumarket.proto.v1 import gateway_pb2 as gw
@@ -109,6 +109,41 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         await self.state.store.write(providers.set_banned, order.target, False, "", now_ms())
         log.warning("provider %s unbanned", order.target)
         return ad.BanResponse(provider_id=order.target, banned=False)
+
+    @unary
+    async def Credit(self, request, context) -> ad.CreditResponse:
+        """The operator's door for money: credit a client (or a provider's stake). The
+        posting records the operator's key and memo; one signed order credits once."""
+        order = self._order(request, "Credit")
+        check_key_id(order.target)
+        to = order.account or "client"
+        if to not in ("client", "stake"):
+            raise InvalidArgument(f"account: {to!r} is not client or stake")
+        if not 0 < order.amount <= ledger.units(MAX_CREDITS):
+            raise InvalidArgument(f"amount: must be more than 0 and at most {MAX_CREDITS:,}"
+                                  " credits")
+        if len(order.nonce) != 16:
+            raise InvalidArgument("nonce: an order to credit carries 16 random bytes")
+        seq, balance = await self.state.store.write(
+            ledger.credit, order.target, order.amount, to, order.reason[:500],
+            open_envelope(request.order, ad.AdminOrder)[1], order.nonce.hex(), now_ms())
+        log.warning("credited %s credits to %s %s (%s)%s", ledger.fmt(order.amount), to,
+                    order.target, order.reason[:200], " [duplicate order]" if seq is None else "")
+        return ad.CreditResponse(account=f"{to}:{order.target}", balance=balance,
+                                 seq=seq or 0, duplicate=seq is None)
+
+    @unary
+    async def Audit(self, request, context) -> ad.AuditResponse:
+        self._order(request, "Audit")
+
+        def check(db):
+            problems = ledger.audit(db)
+            count = db.execute("SELECT count(*) FROM ledger_postings").fetchone()[0]
+            return problems, count, ledger.totals(db)
+
+        problems, count, totals = await self.state.store.read(check)
+        return ad.AuditResponse(ok=not problems, problems=problems, postings=count,
+                                totals=totals)
 
     @streaming
     async def Backup(self, request, context):

@@ -24,6 +24,7 @@ from gpumarket.proto.envelope import seal
 from gpumarket.proto.present import job_dict, short, unique_prefix
 from gpumarket.proto.errors import GpumarketError
 from gpumarket.proto.identity import Identity, home_dir
+from gpumarket.proto.money import fmt, parse_credits
 from gpumarket.proto.jobspec import STATES_BY_NAME, kind_name, now_ms, state_name
 from gpumarket.proto.v1 import admin_pb2 as ad
 from gpumarket.proto.v1 import types_pb2 as pb
@@ -189,4 +190,58 @@ async def vacuum(broker: Broker, identity: Identity) -> None:
     out.print(f"vacuumed: {resp.bytes_before:,} → {resp.bytes_after:,} bytes")
 
 
-COMMANDS = (providers, jobs, ban, unban, revoke, unrevoke, backup, vacuum)
+def _credits(text: str) -> int:
+    try:
+        return parse_credits(text)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="AMOUNT") from None
+
+
+@click.group()
+def admin() -> None:
+    """The operator's money commands: credit accounts, audit the ledger."""
+
+
+@admin.command()
+@click.argument("key_id")
+@click.argument("amount")
+@click.option("--memo", required=True, help="Why (kept with the posting: the audit trail).")
+@click.option("--stake", is_flag=True,
+              help="Credit a provider's stake instead of a client's available balance.")
+@admin_options
+async def credit(broker: Broker, identity: Identity, key_id: str, amount: str, memo: str,
+                 stake: bool) -> None:
+    """Credit AMOUNT credits to client KEY_ID (its `gpumarket keys show` id), recorded in the
+    ledger with your operator key and the memo: the one door money comes in by."""
+    units = _credits(amount)
+    if not stake and len(key_id) != KEY_ID_CHARS:
+        raise click.BadParameter(f"{key_id!r}: give the client's whole key id"
+                                 f" ({KEY_ID_CHARS} characters)", param_hint="KEY_ID")
+    resp = await _call(broker, identity, "Credit", target=key_id, amount=units, reason=memo,
+                       nonce=os.urandom(16), account="stake" if stake else "client")
+    out.print(f"credited {fmt(units)} credits to {resp.account}; balance {fmt(resp.balance)}"
+              f" (posting {resp.seq})")
+
+
+@admin.command()
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@admin_options
+async def audit(broker: Broker, identity: Identity, as_json: bool) -> None:
+    """Check the whole ledger: every posting sums to zero, every cached balance equals its
+    entries, no account is below zero that may not be. Exit 1 if anything is wrong."""
+    resp = await _call(broker, identity, "Audit")
+    if as_json:
+        click.echo(json.dumps(MessageToDict(resp, preserving_proto_field_name=True,
+                                            always_print_fields_with_no_presence=True),
+                              indent=2))
+    else:
+        out.print(f"{resp.postings:,} postings; " + ", ".join(
+            f"{k} {fmt(v)}" for k, v in sorted(resp.totals.items())))
+        for problem in resp.problems:
+            out.print(f"problem: {problem}")
+        out.print("ledger ok" if resp.ok else "LEDGER HAS PROBLEMS")
+    if not resp.ok:
+        sys.exit(1)
+
+
+COMMANDS = (providers, jobs, ban, unban, revoke, unrevoke, backup, vacuum, admin)

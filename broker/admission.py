@@ -38,6 +38,7 @@ class Needs:
     model_sha256: str = ""              # the model archive it sends: holders are preferred
     remote_code: bool = False           # runs its model's own code
     checkpoint_every: int = 0           # the job's own checkpoint cadence; 0 = the broker's
+    min_stake: int = 0                  # units its provider must have staked
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -64,6 +65,10 @@ class NewJob:
     nonce: str                          # hex
     inputs: tuple[str, ...] = ()        # sha256 of each input
     part_sizes: tuple[int, ...] = ()    # a split job: the steps (frames) of each part
+    hold: int = 0                       # units held from the client at submission
+    hold_basis: str = ""                # what the hold rests on
+    fee_ppm: int = 0                    # the market's fee on its settlements
+    enforce_funds: bool = False         # True: a hold is a limit (the broker's default: billing)
 
     @property
     def kind(self) -> int:
@@ -82,6 +87,7 @@ def needs(spec: pb.JobSpec, values: dict, estimate: JobEstimate) -> Needs:
         accelerator=r.accelerator, max_price_per_gpu_hour=spec.max_price_per_gpu_hour,
         min_compute_capability=r.min_compute_capability, gpu_models=tuple(r.gpu_models),
         min_reliability=spec.min_reliability, work_flops=estimate.work_flops,
+        min_stake=round(spec.min_provider_stake * 1_000_000),
         objective=OBJECTIVE_NAMES[spec.objective], deadline_s=spec.deadline_s,
         max_runtime_s=spec.max_runtime_s, engine=kind.engine(values),
         model_name=kind.model_name(values),

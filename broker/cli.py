@@ -55,13 +55,20 @@ def cli() -> None:
               help="Calls a second allowed per key, bursts of 5x; 0 = no limit [default: 50].")
 @click.option("--max-queued-jobs", type=int, help="QUEUED jobs allowed per client "
               "[default: 100].")
+@click.option("--billing/--no-billing", default=None,
+              help="Enforce funds: hold each job's worst-case cost from its client's balance "
+              "at submission [default: on]; --no-billing only records usage (a private "
+              "cluster).")
+@click.option("--market-fee", type=float,
+              help="Share of each settlement kept as the market's fee, 0 to 0.5 "
+              "[default: 0.05].")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
 def serve(config_file: Path | None, listen: str | None, data_dir: Path | None,
           http: str | None, lease_timeout: float | None, heartbeat_interval: float | None,
           max_attempts: int | None, artifact_grace: float | None, operators: tuple[str, ...],
           plaintext: bool | None, rate_limit: float | None, max_queued_jobs: int | None,
-          log_level: str) -> None:
+          billing: bool | None, market_fee: float | None, log_level: str) -> None:
     """Serve the broker's gRPC API (and HTTP side) until SIGTERM."""
     from gpumarket.broker import config as broker_config
 
@@ -76,7 +83,8 @@ def serve(config_file: Path | None, listen: str | None, data_dir: Path | None,
                        ("heartbeat_interval_s", heartbeat_interval),
                        ("max_attempts", max_attempts), ("artifact_grace_s", artifact_grace),
                        ("operators", operators or None), ("plaintext", plaintext),
-                       ("rate_limit_per_s", rate_limit), ("max_queued_jobs", max_queued_jobs)):
+                       ("rate_limit_per_s", rate_limit), ("max_queued_jobs", max_queued_jobs),
+                       ("billing", billing), ("market_fee", market_fee)):
         if value is not None:
             settings[key] = value
     if "data_dir" not in settings:

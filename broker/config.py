@@ -27,6 +27,12 @@ class BrokerConfig:
     rate_limit_per_s: float = 50.0         # calls a second per key (bursts of 5x); 0 = off
     max_queued_jobs: int = 100             # QUEUED jobs per client
     max_key_artifact_bytes: int = 256 << 30  # bytes of blobs one key may have uploaded
+    billing: bool = True                   # enforce funds (holds); False: only record usage
+    market_fee: float = 0.05               # share of each settlement kept as the market's fee
+
+    @property
+    def fee_ppm(self) -> int:
+        return round(self.market_fee * 1_000_000)
 
     @property
     def db_path(self) -> Path:
@@ -45,6 +51,8 @@ class BrokerConfig:
         if self.plaintext and not is_loopback(host):
             raise InvalidArgument(f"plaintext is allowed only on a loopback address, not on"
                                   f" {self.listen} (TLS is on by default)")
+        if not 0 <= self.market_fee <= 0.5:
+            raise InvalidArgument(f"market_fee must be between 0 and 0.5, not {self.market_fee}")
         http_host = self.http.rpartition(":")[0]
         if self.http and not is_loopback(http_host) and not self.http_public:
             raise InvalidArgument(
@@ -75,6 +83,9 @@ http_hosts = []                    # Host header names the HTTP side answers (be
 rate_limit = 50                    # calls a second per key (bursts of 5x); 0 = no limit
 max_queued_jobs = 100              # QUEUED jobs per client
 max_key_artifact_gib = 256         # GiB of artifacts one key may upload
+billing = true                     # enforce funds: hold each job's worst-case cost at submission
+                                   # (false: a private cluster; the ledger only records usage)
+market_fee = 0.05                  # share of each settlement kept as the market's fee
 """
 
 # config key -> (BrokerConfig field, type, scale)
@@ -93,6 +104,8 @@ KEYS = {
     "rate_limit": ("rate_limit_per_s", float, None),
     "max_queued_jobs": ("max_queued_jobs", int, None),
     "max_key_artifact_gib": ("max_key_artifact_bytes", int, 2**30),
+    "billing": ("billing", bool, None),
+    "market_fee": ("market_fee", float, None),
 }
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from gpumarket.broker import standing, views
+from gpumarket.broker import ledger, standing, views
 from gpumarket.broker.state import BrokerState
 from gpumarket.proto.jobspec import ACCELERATOR_NAMES, STATE_NAMES, kind_name, now_ms
 from gpumarket.proto.v1 import types_pb2 as pb
@@ -23,10 +23,27 @@ SAMPLE_EVERY_S = 2.0
 SAMPLES_KEPT = 1800         # an hour at SAMPLE_EVERY_S
 
 
-def _db_counts(db) -> tuple[dict[int, int], int]:
+def _db_counts(db) -> tuple[dict[int, int], int, dict[str, int], int, bool]:
     states = dict(db.execute("SELECT state, count(*) FROM jobs GROUP BY state").fetchall())
     stored = db.execute("SELECT coalesce(sum(size_bytes), 0) FROM artifacts").fetchone()[0]
-    return states, stored
+    postings = db.execute("SELECT count(*) FROM ledger_postings").fetchone()[0]
+    totals = ledger.totals(db)
+    # The cheap check at every scrape (the whole audit is /api/ledger and `admin audit`).
+    entries = db.execute("SELECT coalesce(sum(amount), 0) FROM ledger_entries").fetchone()[0]
+    return states, stored, totals, postings, sum(totals.values()) == 0 == entries
+
+
+def _ledger_page(db, limit: int) -> dict:
+    """The operator's view of the ledger: totals, the audit, the latest postings whole."""
+    postings = [dict(zip(("seq", "at_ms", "type", "job_id", "provider_id", "step_from",
+                          "step_to", "seconds", "memo", "actor"), r)) for r in db.execute(
+        "SELECT seq, at_ms, type, job_id, provider_id, step_from, step_to, seconds, memo, actor"
+        " FROM ledger_postings ORDER BY seq DESC LIMIT ?", [limit]).fetchall()]
+    for p in postings:
+        p["entries"] = {a: v / ledger.UNIT for a, v in db.execute(
+            "SELECT account, amount FROM ledger_entries WHERE posting_seq = ?", [p["seq"]])}
+    return {"totals": {k: v / ledger.UNIT for k, v in ledger.totals(db).items()},
+            "problems": ledger.audit(db), "postings": postings}
 
 
 def _probe(db) -> None:
@@ -57,6 +74,7 @@ class BrokerHttp:
             web.get("/api/providers", self.providers),
             web.get("/api/jobs", self.jobs),
             web.get("/api/series", self.series),
+            web.get("/api/ledger", self.ledger),
             web.get("/", self.dashboard),
             web.get("/dashboard.js", self.asset),
             web.get("/dashboard.css", self.asset),
@@ -143,12 +161,23 @@ class BrokerHttp:
         for offer in offers:
             for d in offer.devices:
                 m.gpus.labels(model=d.name, accelerator=ACCELERATOR_NAMES[d.accelerator]).inc()
-        states, stored = await self.state.store.read(_db_counts)
+        states, stored, totals, postings, ok = await self.state.store.read(_db_counts)
         for code, name in STATE_NAMES.items():
             m.jobs.labels(state=name).set(states.get(code, 0))
         m.artifact_bytes.set(stored)
+        for account, units in totals.items():
+            m.ledger.labels(account=account).set(units / ledger.UNIT)
+        m.postings.set(postings)
+        m.ledger_ok.set(1 if ok else 0)
         return web.Response(body=generate_latest(m.registry),
                             headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def ledger(self, request: web.Request) -> web.Response:
+        try:
+            limit = min(int(request.query.get("limit", "50")), 1000)
+        except ValueError:
+            return web.json_response({"error": "limit must be a number"}, status=400)
+        return web.json_response(await self.state.store.read(_ledger_page, limit))
 
     async def providers(self, request: web.Request) -> web.Response:
         now = now_ms()

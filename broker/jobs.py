@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from sqlite_utils import Database
 
-from gpumarket.broker import holdings
+from gpumarket.broker import calibration, holdings, ledger
 from gpumarket.broker.admission import Needs, NewJob
 from gpumarket.proto.errors import (
     FailedPrecondition, InvalidArgument, NotFound, Replay,
@@ -25,6 +25,7 @@ RUNNING = pb.JOB_STATE_RUNNING
 SUCCEEDED = pb.JOB_STATE_SUCCEEDED
 FAILED = pb.JOB_STATE_FAILED
 CANCELLED = pb.JOB_STATE_CANCELLED
+PAUSED = pb.JOB_STATE_PAUSED
 ACTIVE_STATES = (LEASED, RUNNING)
 
 
@@ -70,7 +71,8 @@ def append_event(
 
 # The event type a split job gets when its parts move it into a state.
 PARENT_EVENT = {QUEUED: "requeued", LEASED: "leased", RUNNING: "started",
-                SUCCEEDED: "succeeded", FAILED: "failed", CANCELLED: "cancelled"}
+                SUCCEEDED: "succeeded", FAILED: "failed", CANCELLED: "cancelled",
+                PAUSED: "paused"}
 
 
 def _parts_of(db: Database, parent_id: str) -> list[dict]:
@@ -111,6 +113,8 @@ def _follow_parts(db: Database, parent_id: str, now: int, message: str, type_: s
         state = RUNNING
     elif LEASED in states:
         state = LEASED
+    elif PAUSED in states:
+        state = PAUSED
     else:
         state = QUEUED
     step = sum(p["progress_step"] for p in parts)
@@ -147,6 +151,13 @@ def _set_job(db: Database, job_id: str, now: int, **values: object) -> None:
     values["updated_at_ms"] = now
     sets = ", ".join(f"{k} = ?" for k in values)
     db.execute(f"UPDATE jobs SET {sets} WHERE id = ?", [*values.values(), job_id])
+    if values.get("state") in TERMINAL_STATES:
+        # A job that ended (a whole job, or a split job once its parts did) gives back
+        # what its hold has left, in the same transaction.
+        row = db.execute("SELECT client_id FROM jobs WHERE id = ? AND parent_id IS NULL",
+                         [job_id]).fetchone()
+        if row is not None:
+            ledger.release(db, job_id, row[0], now)
 
 
 def submit(db: Database, job: NewJob, now: int) -> None:
@@ -167,7 +178,8 @@ def submit(db: Database, job: NewJob, now: int) -> None:
         "state": QUEUED, "spec": job.spec, "spec_sha256": job.spec_sha256,
         "needs": job.needs.to_json(), "expires_at_ms": job.expires_at_ms, "attempt": 1,
         "max_attempts": job.max_attempts, "epoch": 0, "created_at_ms": now,
-        "updated_at_ms": now,
+        "updated_at_ms": now, "fee_ppm": job.fee_ppm, "enforce_funds": int(job.enforce_funds),
+        "hold_basis": job.hold_basis,
     }
     if len(job.part_sizes) > 1:
         row.update(parts=len(job.part_sizes), progress_total=sum(job.part_sizes))
@@ -181,7 +193,10 @@ def submit(db: Database, job: NewJob, now: int) -> None:
     for sha in set(job.inputs):
         db.execute("INSERT OR IGNORE INTO artifact_refs (sha256, job_id, role) VALUES (?, ?, ?)",
                    [sha, job.id, "input"])
-    append_event(db, job.id, "submitted", QUEUED, 1, now, message=f"submitted by {job.client_id}")
+    ledger.hold(db, job.id, job.client_id, job.hold, job.hold_basis, job.enforce_funds, now)
+    append_event(db, job.id, "submitted", QUEUED, 1, now,
+                 message=f"submitted by {job.client_id}; {ledger.fmt(job.hold)} credits held"
+                 f" ({job.hold_basis})")
 
 
 def create_lease(
@@ -196,6 +211,8 @@ def create_lease(
     sign: Callable[[pb.Lease], pb.Envelope],
     provider_mtbf_s: float = 0.0,
     checkpoint_interval_s: float = 0.0,
+    raw_runtime_s: float = 0.0,
+    accelerator: int = 0,
 ) -> pb.Envelope:
     """Lease a QUEUED job to a provider; return the signed Lease envelope."""
     job = job_row(db, job_id)
@@ -229,6 +246,8 @@ def create_lease(
             "provider_id": provider_id, "device_indices": json.dumps(device_indices),
             "price_per_gpu_hour": price_per_gpu_hour, "state": "active", "issued_at_ms": now,
             "renewed_at_ms": now, "envelope": envelope.SerializeToString(),
+            "start_step": job["checkpoint_step"] if job["resume_from"] else 0,
+            "raw_runtime_s": raw_runtime_s, "accelerator": accelerator,
         }
     )
     _set_job(db, job_id, now, state=LEASED, epoch=epoch, provider_id=provider_id,
@@ -286,12 +305,14 @@ def record_checkpoint(
     db: Database, job_id: str, epoch: int, provider_id: str, step: int, artifact: pb.ArtifactRef,
     write_seconds: float, now: int,
 ) -> bool:
-    """Make a stored, hash-checked checkpoint the job's latest; False if it is not newer.
+    """Make a stored, hash-checked checkpoint the job's latest and settle the lease's work up
+    to it; False if it is not newer. A job whose hold would not cover another segment like
+    this one is paused here (the caller tells the provider to stop).
 
     Raises InvalidArgument unless this provider uploaded the artifact intact (its hash was
     checked when the upload finished): naming a blob it only saw referenced is not enough.
     """
-    job, _ = _current(db, job_id, epoch, provider_id)
+    job, lease = _current(db, job_id, epoch, provider_id)
     if not holdings.holds_intact(db, provider_id, artifact.sha256, artifact.size_bytes):
         raise InvalidArgument(f"checkpoint at step {step} was not uploaded intact by this"
                               " provider")
@@ -306,11 +327,49 @@ def record_checkpoint(
     db.execute("DELETE FROM artifact_refs WHERE job_id = ? AND role = 'checkpoint'", [job_id])
     db.execute("INSERT OR IGNORE INTO artifact_refs (sha256, job_id, role) VALUES (?, ?, ?)",
                [artifact.sha256, job_id, "checkpoint"])
+    paid = ledger.settle(db, job, lease, step, now)
     append_event(db, job_id, "checkpoint", job["state"], job["attempt"], now,
                  provider_id=provider_id,
                  message=f"checkpoint at step {step} stored ({artifact.sha256[:12]}, "
-                 f"{artifact.size_bytes} bytes, written in {write_seconds:.2f}s)")
+                 f"{artifact.size_bytes} bytes, written in {write_seconds:.2f}s);"
+                 f" {ledger.fmt(paid.paid)} credits settled")
+    if job["enforce_funds"] and paid.remaining < max(paid.amount, 1) \
+            and step < job["progress_total"]:
+        _pause(db, job, lease, now, max(paid.amount, 1) - paid.remaining)
     return True
+
+
+def _pause(db: Database, job: dict, lease: dict, now: int, short: int) -> None:
+    """The job's hold would not pay for another segment: end the lease at the checkpoint just
+    settled and wait for a top-up (nothing is lost: it resumes from that checkpoint)."""
+    _end_lease(db, lease["id"], "paused", "hold exhausted", now)
+    left = ledger.balance(db, ledger.escrow(job["parent_id"] or job["id"]))
+    why = (f"paused: its hold has {ledger.fmt(left)} credits left, about {ledger.fmt(short)}"
+           f" short of another segment like the last (gpumarket topup"
+           f" {job['parent_id'] or job['id']} AMOUNT)")
+    _set_job(db, job["id"], now, state=PAUSED, provider_id=None, lease_id=None,
+             queue_reason=why)
+    append_event(db, job["id"], "paused", PAUSED, job["attempt"], now,
+                 provider_id=lease["provider_id"], message=why)
+
+
+def top_up(db: Database, job_id: str, client_id: str, amount: int, now: int) -> int:
+    """Add ``amount`` units from the client's available balance to the job's hold; a paused
+    job (or paused parts) is queued again. Returns the job's state."""
+    job = job_row(db, job_id)
+    if job["client_id"] != client_id or job["parent_id"]:
+        raise no_such_job(job_id)
+    if job["state"] in TERMINAL_STATES:
+        raise FailedPrecondition(f"job {job_id} is {state_name(job['state'])}: nothing to top up")
+    ledger.top_up(db, job_id, client_id, amount, bool(job["enforce_funds"]), now)
+    # A split job's state follows its parts: resume those, and it follows.
+    for row in _parts_of(db, job_id) if job["parts"] else [job]:
+        if row["state"] == PAUSED:
+            _set_job(db, row["id"], now, state=QUEUED, queue_reason="")
+            append_event(db, row["id"], "resumed", QUEUED, row["attempt"], now,
+                         message=f"hold topped up by {ledger.fmt(amount)} credits; queued to"
+                         f" resume from step {row['checkpoint_step']}")
+    return job_row(db, job_id)["state"]
 
 
 def _drop_checkpoints(db: Database, job_id: str) -> None:
@@ -326,9 +385,11 @@ def succeed(
     db: Database, job_id: str, epoch: int, provider_id: str, receipt: bytes, now: int
 ) -> None:
     job, lease = _current(db, job_id, epoch, provider_id)
+    total = max(job["progress_step"], job["progress_total"])
+    ledger.settle(db, job, lease, total, now, final=True)
+    calibration.record(db, job, lease, now)
     _end_lease(db, lease["id"], "succeeded", "", now)
-    _set_job(db, job_id, now, state=SUCCEEDED, receipt=receipt,
-             progress_step=max(job["progress_step"], job["progress_total"]))
+    _set_job(db, job_id, now, state=SUCCEEDED, receipt=receipt, progress_step=total)
     parsed = pb.Envelope()
     parsed.ParseFromString(receipt)
     receipt_msg = pb.Receipt()

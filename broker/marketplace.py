@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 
 from gpumarket import kinds
 from gpumarket.broker import (
-    admission, estimates, figures, jobs, logs, matcher, offers, reliability, scheduler, standing, views,
+    admission, estimates, figures, holds, jobs, ledger, logs, matcher, offers, reliability,
+    scheduler, standing, views,
 )
 from gpumarket.broker.auth import caller
 from gpumarket.broker.rpc import streaming, unary
@@ -17,7 +19,7 @@ from gpumarket.proto.errors import (
     BadSignature, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied,
     ResourceExhausted,
 )
-from gpumarket.proto.jobspec import TERMINAL_STATES, check_fresh, now_ms
+from gpumarket.proto.jobspec import MAX_CREDITS, TERMINAL_STATES, check_fresh, now_ms
 from gpumarket.proto.v1 import gateway_pb2 as gw
 from gpumarket.proto.v1 import marketplace_pb2 as mp
 from gpumarket.proto.v1 import marketplace_pb2_grpc
@@ -51,11 +53,29 @@ class MarketplaceServicer(marketplace_pb2_grpc.MarketplaceServicer):
         est = await asyncio.to_thread(estimates.estimate, kinds.get(spec.kind), values, spec,
                                       self.state.artifacts.blob_path)
         job = admission.admit(request.spec, spec, client_id, values, est, cfg)
+        held, basis = await self._hold(job.needs, client_id, len(job.part_sizes), spec.budget)
+        job = dataclasses.replace(job, hold=held, hold_basis=basis, fee_ppm=cfg.fee_ppm,
+                                  enforce_funds=cfg.billing)
         await self.state.store.write(jobs.submit, job, now_ms())
         log.info("job %s submitted by %s", job.id, client_id)
         self.state.events.notify()
         self.state.placement.notify()
         return mp.SubmitJobResponse(job_id=job.id, state=pb.JOB_STATE_QUEUED)
+
+    async def _timed(self, needs: admission.Needs, client_id: str, limit: int
+                     ) -> tuple[matcher.Book, list[holds.Timed], dict]:
+        """The offers that fit a job now, best first, each with the job's calibrated wall time."""
+        row = {"id": "quote", "client_id": client_id, "needs": needs.to_json(),
+               "created_at_ms": now_ms(), "checkpoint_seconds": 0.0}
+        book = await scheduler.offer_book(self.state)
+        job = scheduler.needs_of(row, n=needs)
+        found, excluded = book.candidates(job, limit)
+        return book, await self.state.store.read(holds.timed, book, job, found), excluded
+
+    async def _hold(self, needs: admission.Needs, client_id: str, parts: int,
+                    budget: float) -> tuple[int, str]:
+        _, timed, _ = await self._timed(needs, client_id, 50) if not budget else (None, [], {})
+        return holds.amount(needs, parts, timed, budget)
 
     async def _check_input(self, i: int, ref: pb.ArtifactRef, key_id: str) -> None:
         """Raise unless ``key_id`` may use the input: one answer for a blob that is absent
@@ -186,25 +206,54 @@ class MarketplaceServicer(marketplace_pb2_grpc.MarketplaceServicer):
         est = await asyncio.to_thread(estimates.estimate, kind, values, spec,
                                       self.state.artifacts.blob_path)
         needs = admission.needs(spec, values, est)
-        row = {"id": "quote", "client_id": caller(), "needs": needs.to_json(),
-               "created_at_ms": now_ms(), "checkpoint_seconds": 0.0}
-        book = await scheduler.offer_book(self.state)
-        job = scheduler.needs_of(row)
-        found, excluded = book.candidates(job, min(request.limit or 5, 50))
+        book, timed, excluded = await self._timed(needs, caller(), 50)
+        parts = kind.parts(values)
+        held, basis = holds.amount(needs, parts, timed, spec.budget)
         out = mp.QuoteResponse(estimated_memory_bytes=needs.min_memory_bytes,
                                work_flops=est.work_flops, offers=len(book),
-                               excluded={k: v for k, v in excluded.items()})
-        for c in found:
+                               excluded={k: v for k, v in excluded.items()},
+                               hold=held, hold_basis=basis)
+        for t in timed[:min(request.limit or 5, 50)]:
+            c = t.estimate
             i = book.index[c.provider_id]
             out.candidates.append(mp.QuoteCandidate(
                 provider_id=c.provider_id, gpu_name=book.offers[i].gpu_name,
                 price_per_gpu_hour=c.price_per_gpu_hour, runtime_s=c.runtime_s,
                 expected_s=c.expected_s, expected_cost=c.expected_cost,
                 p_uninterrupted=c.p_uninterrupted, reliability=c.reliability,
-                free_devices=int(book.free[i])))
-        if not found:
+                free_devices=int(book.free[i]), estimated_s=t.seconds,
+                estimate_basis=t.basis))
+        if not timed:
             out.explanation = matcher.explain(excluded, len(book))
         return out
+
+    @unary
+    async def GetAccount(self, request: mp.GetAccountRequest, context) -> mp.GetAccountResponse:
+        found = await self.state.store.read(account_view, caller(), request.job_id[:100],
+                                            min(request.limit or 100, MAX_LIST),
+                                            request.before_seq)
+        found.billing = self.state.config.billing
+        return found
+
+    @unary
+    async def TopUp(self, request: mp.TopUpRequest, context) -> mp.TopUpResponse:
+        if not 0 < request.amount <= ledger.units(MAX_CREDITS):
+            raise InvalidArgument(f"amount: must be more than 0 and at most {MAX_CREDITS:,}"
+                                  " credits")
+        state = await self.state.store.write(jobs.top_up, request.job_id, caller(),
+                                             request.amount, now_ms())
+        self.state.events.notify()
+        self.state.placement.notify()
+        job = await self.state.store.read(views.get_job, request.job_id)
+        return mp.TopUpResponse(state=state, billing=job.billing)
+
+
+def account_view(db, key_id: str, job_id: str, limit: int, before_seq: int
+                 ) -> mp.GetAccountResponse:
+    out = mp.GetAccountResponse(key_id=key_id, **ledger.summary(db, key_id))
+    for line in ledger.lines(db, key_id, job_id, limit, before_seq):
+        out.lines.append(pb.LedgerLine(**line))
+    return out
 
 
 def own(client_id: str, job_id: str) -> None:

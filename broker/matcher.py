@@ -43,7 +43,8 @@ ANY = pb.ACCELERATOR_UNSPECIFIED
 
 # The order in which exclusions are counted: what can never change first, "busy" last.
 CONSTRAINTS = ("kind", "policy", "hours", "duration", "price", "gpus", "accelerator",
-               "compute_capability", "gpu_model", "memory", "reliability", "deadline", "busy")
+               "compute_capability", "gpu_model", "memory", "reliability", "stake", "deadline",
+               "busy")
 REASON_TEXT = {
     "kind": "do not run this job kind as asked (engine, local model, remote code)",
     "policy": "do not accept this client",
@@ -56,6 +57,7 @@ REASON_TEXT = {
     "gpu_model": "have no GPU model on the job's allow-list",
     "memory": "have too little memory per device",
     "reliability": "are less reliable than asked",
+    "stake": "have staked less than min_provider_stake",
     "deadline": "are not expected to finish before the deadline",
     "busy": "are busy with other jobs",
 }
@@ -83,6 +85,8 @@ class OfferView:
     engines: frozenset[str] = frozenset()   # inference engines it runs
     models: frozenset[str] = frozenset()    # models in its local model directory
     cached: frozenset[str] = frozenset()    # sha256 of artifacts in its cache
+    claimed_flops: float = 0.0           # the benchmark's FLOP/s per device (calibration's base)
+    stake: int = 0                       # units its provider has staked (ledger)
 
     @property
     def free(self) -> tuple[int, ...]:
@@ -111,6 +115,7 @@ class JobNeeds:
     model_name: str = ""                 # a model the provider must hold; "" = none
     warm_sha256: str = ""                # the job's model archive: holders are preferred
     remote_code: bool = False            # runs its model's own code: needs a willing provider
+    min_stake: int = 0                   # units its provider must have staked
 
 
 @dataclass(frozen=True)
@@ -178,6 +183,8 @@ def exclusion(job: JobNeeds, offer: OfferView, now: datetime | None = None) -> s
         return "memory"
     if offer.reliability < job.min_reliability:
         return "reliability"
+    if offer.stake < job.min_stake:
+        return "stake"
     if job.objective == "deadline" and job.deadline_s and est.expected_s > job.deadline_s:
         return "deadline"
     if len(offer.free) < job.gpus:
@@ -225,6 +232,7 @@ class Book:
         self.cc = np.array([x.compute_capability for x in o], dtype=float)
         self.flops = np.array([max(x.flops, 1.0) for x in o], dtype=float)
         self.rel = np.array([x.reliability for x in o], dtype=float)
+        self.stake = np.array([x.stake for x in o], dtype=np.int64)
         self.mtbf = np.array([max(x.mtbf_s, 1.0) for x in o], dtype=float)
         self.max_job = np.array([x.policy.max_job_s for x in o], dtype=float)
         self.available = np.array([x.policy.available(self.now) for x in o], dtype=bool)
@@ -262,7 +270,7 @@ class Book:
                job.max_price_per_gpu_hour, job.gpus,
                job.accelerator,
                job.min_compute_capability, job.gpu_models, job.min_memory_bytes,
-               job.min_reliability)
+               job.min_reliability, job.min_stake)
         hit = self._static.get(key)
         if hit is not None:
             return hit
@@ -281,7 +289,8 @@ class Book:
             model = np.ones(n, dtype=bool)
         masks = [kind, self.price <= job.max_price_per_gpu_hour, self.count >= job.gpus, accel,
                  self.cc >= job.min_compute_capability, model,
-                 self.memory >= job.min_memory_bytes, self.rel >= job.min_reliability]
+                 self.memory >= job.min_memory_bytes, self.rel >= job.min_reliability,
+                 self.stake >= job.min_stake]
         masks.append(np.logical_and.reduce(masks) if n else np.zeros(0, dtype=bool))
         self._static[key] = masks
         return masks

@@ -39,5 +39,16 @@ class BrokerMetrics:
             " code in lower case", ["reason"], registry=r)
         self.artifact_bytes = Gauge("gpumarket_artifact_bytes",
                                     "Bytes held in the artifact store", registry=r)
+        self.ledger = Gauge(
+            "gpumarket_ledger_balance_credits",
+            "Sum of the ledger's balances by account type: client (available), escrow (held"
+            " for jobs), provider (earned), stake, fee, disputed; deposits is minus all"
+            " credited, so the types sum to zero", ["account"], registry=r)
+        self.postings = Gauge("gpumarket_ledger_postings", "Postings in the ledger",
+                              registry=r)
+        self.ledger_ok = Gauge("gpumarket_ledger_balanced",
+                               "1 if the ledger's entries and its cached balances each sum"
+                               " to zero (the full audit: gpumarket-broker admin audit)",
+                               registry=r)
         for state in STATE_NAMES.values():
             self.jobs.labels(state=state)

@@ -45,7 +45,7 @@ def claim_efficiency(offers: list[pb.Offer], achieved: dict[str, float]) -> floa
 
 def offer_view(offer: pb.Offer, history: reliability.ProviderHistory, achieved_flops: float,
                busy: frozenset[int] = frozenset(), load: int = 0,
-               efficiency: float = CLAIM_EFFICIENCY) -> OfferView:
+               efficiency: float = CLAIM_EFFICIENCY, stake: int = 0) -> OfferView:
     devices = list(offer.devices)
     cuda = [d for d in devices if d.accelerator == pb.ACCELERATOR_CUDA]
     accel = pb.ACCELERATOR_CUDA if cuda else pb.ACCELERATOR_CPU
@@ -63,6 +63,8 @@ def offer_view(offer: pb.Offer, history: reliability.ProviderHistory, achieved_f
         compute_capability=min(compute_capability(d) for d in devices),
         gpu_name=devices[0].name if devices else "",
         flops=achieved_flops if achieved_flops > 0 else max(claimed, 1e6),
+        claimed_flops=claimed_flops(offer),
+        stake=stake,
         reliability=reliability.score(history),
         mtbf_s=reliability.mtbf_s(history),
         policy=Policy.from_message(offer.policy),

@@ -7,7 +7,7 @@ import logging
 import time
 from collections import defaultdict, deque
 
-from gpumarket.broker import auth, holdings, jobs, matcher, reliability, views
+from gpumarket.broker import auth, holdings, holds, jobs, matcher, reliability, views
 from gpumarket.broker.admission import Needs
 from gpumarket.broker.offers import claim_efficiency, offer_view
 from gpumarket.broker.state import BrokerState
@@ -54,7 +54,7 @@ def needs_of(row: dict, avoid: frozenset[str] = frozenset(),
         if n.deadline_s else 0.0,
         max_runtime_s=n.max_runtime_s, checkpoint_cost_s=row["checkpoint_seconds"],
         avoid=avoid, engine=n.engine, model_name=n.model_name, warm_sha256=n.model_sha256,
-        remote_code=n.remote_code,
+        remote_code=n.remote_code, min_stake=n.min_stake,
     )
 
 
@@ -69,10 +69,11 @@ async def offer_book(state: BrokerState) -> matcher.Book:
     achieved = {p: f for (p, kind), f in (await store.read(views.achieved_flops)).items()
                 if kind == pb.JOB_KIND_TRAINING}
     efficiency = claim_efficiency(offers, achieved)
+    stakes = await store.read(views.stakes)
     return matcher.Book([
         offer_view(o, hist[o.provider_id], achieved.get(o.provider_id, 0.0),
                    frozenset(busy.get(o.provider_id, ())), loads.get(o.provider_id, 0),
-                   efficiency)
+                   efficiency, stakes.get(o.provider_id, 0))
         for o in offers
     ])
 
@@ -105,14 +106,16 @@ async def place_queued(state: BrokerState) -> int:
         session = state.sessions.get(placement.provider_id)
         if session is None:
             continue
-        mtbf = book.offers[book.index[placement.provider_id]].mtbf_s  # read with the book
-        interval = reliability.checkpoint_interval_s(row["checkpoint_seconds"], mtbf)
+        offer = book.offers[book.index[placement.provider_id]]   # read with the book
+        interval = reliability.checkpoint_interval_s(row["checkpoint_seconds"], offer.mtbf_s)
+        raw_s = holds.raw_seconds(stored.work_flops, offer, stored.gpus)
         try:
             envelope = await store.write(
                 jobs.create_lease, row["id"], placement.provider_id,
                 list(placement.device_indices), placement.price_per_gpu_hour, now_ms(),
                 int(cfg.accept_within_s * 1000), stored.checkpoint_every,
-                lambda lease: seal(state.identity, lease), mtbf, interval,
+                lambda lease: seal(state.identity, lease), offer.mtbf_s, interval, raw_s,
+                offer.accelerator,
             )
         except FailedPrecondition:
             continue  # cancelled meanwhile

@@ -295,3 +295,75 @@ def m010_job_needs(db: Database) -> None:
                    [json.dumps(values, sort_keys=True), job_id])
     for column in NEEDS_COLUMNS + ("est_memory_bytes",):
         db.execute(f"ALTER TABLE jobs DROP COLUMN {column}")
+
+
+@migrations()
+def m011_ledger(db: Database) -> None:
+    """The ledger (broker/ledger.py): append-only postings whose entries sum to zero, a cached
+    balance per account, and what each job and lease needs to settle: the terms it was
+    accepted under (fee, whether funds are enforced) and where its last settlement ended."""
+    db.execute(
+        """
+        CREATE TABLE ledger_postings (
+            seq INTEGER PRIMARY KEY AUTOINCREMENT,
+            key TEXT NOT NULL UNIQUE,       -- idempotency: one posting per event, ever
+            at_ms INTEGER NOT NULL,
+            type TEXT NOT NULL,
+            job_id TEXT NOT NULL DEFAULT '',
+            lease_id TEXT NOT NULL DEFAULT '',
+            provider_id TEXT NOT NULL DEFAULT '',
+            step_from INTEGER NOT NULL DEFAULT 0,
+            step_to INTEGER NOT NULL DEFAULT 0,
+            seconds REAL NOT NULL DEFAULT 0,
+            memo TEXT NOT NULL DEFAULT '',
+            actor TEXT NOT NULL DEFAULT ''  -- the operator key of a credit
+        )"""
+    )
+    db.execute("CREATE INDEX ledger_postings_by_job ON ledger_postings(job_id, seq)")
+    db.execute(
+        """
+        CREATE TABLE ledger_entries (
+            posting_seq INTEGER NOT NULL REFERENCES ledger_postings(seq),
+            account TEXT NOT NULL,
+            amount INTEGER NOT NULL,
+            PRIMARY KEY (posting_seq, account)
+        )"""
+    )
+    db.execute("CREATE INDEX ledger_entries_by_account ON ledger_entries(account, posting_seq)")
+    db.execute(
+        """
+        CREATE TABLE ledger_accounts (
+            account TEXT PRIMARY KEY,
+            type TEXT NOT NULL,     -- deposits, client, escrow, provider, stake, fee, disputed
+            owner TEXT NOT NULL DEFAULT '', -- the client (client, escrow) or provider it belongs to
+            balance INTEGER NOT NULL DEFAULT 0
+        )"""
+    )
+    db.execute("CREATE INDEX ledger_accounts_by_owner ON ledger_accounts(owner, type)")
+    for table in ("ledger_postings", "ledger_entries"):
+        for action in ("UPDATE", "DELETE"):
+            db.execute(f"CREATE TRIGGER {table}_append_only_{action.lower()}"
+                       f" BEFORE {action} ON {table}"
+                       f" BEGIN SELECT RAISE(ABORT, '{table} is append-only'); END")
+    db.execute("ALTER TABLE jobs ADD COLUMN fee_ppm INTEGER NOT NULL DEFAULT 0")
+    db.execute("ALTER TABLE jobs ADD COLUMN enforce_funds INTEGER NOT NULL DEFAULT 0")
+    db.execute("ALTER TABLE jobs ADD COLUMN hold_basis TEXT NOT NULL DEFAULT ''")
+    db.execute("ALTER TABLE leases ADD COLUMN start_step INTEGER NOT NULL DEFAULT 0")
+    db.execute("ALTER TABLE leases ADD COLUMN settled_step INTEGER")
+    db.execute("ALTER TABLE leases ADD COLUMN settled_to_ms INTEGER")
+    db.execute("ALTER TABLE leases ADD COLUMN raw_runtime_s REAL NOT NULL DEFAULT 0")
+    db.execute("ALTER TABLE leases ADD COLUMN accelerator INTEGER NOT NULL DEFAULT 0")
+    db.execute(
+        """
+        CREATE TABLE runtime_samples (
+            id INTEGER PRIMARY KEY AUTOINCREMENT,
+            provider_id TEXT NOT NULL,
+            kind INTEGER NOT NULL,
+            accelerator INTEGER NOT NULL,
+            raw_s REAL NOT NULL,            -- the work at the benchmark's speed (0: work unknown)
+            seconds REAL NOT NULL,          -- the lease's wall time, started to receipt
+            at_ms INTEGER NOT NULL
+        )"""
+    )
+    db.execute("CREATE INDEX runtime_samples_by_provider ON runtime_samples(provider_id, kind, id)")
+    db.execute("CREATE INDEX runtime_samples_by_class ON runtime_samples(accelerator, kind, id)")

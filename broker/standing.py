@@ -1,18 +1,12 @@
-"""A provider's standing as the broker sees it: offer, reliability, leases, earnings."""
+"""A provider's standing as the broker sees it: offer, reliability, leases, earnings (from the
+ledger)."""
 
 from __future__ import annotations
 
 from sqlite_utils import Database
 
-from gpumarket.broker import reliability, views
+from gpumarket.broker import ledger, reliability, views
 from gpumarket.proto.v1 import types_pb2 as pb
-
-# Credits of a lease: its price x the devices it held x the hours it ran (a running lease up to
-# now, given twice as a parameter; a lease that never started costs nothing).
-_CREDITS = ("sum(price_per_gpu_hour * json_array_length(device_indices)"
-            " * max(0, coalesce(ended_at_ms, ?) - coalesce(started_at_ms, ended_at_ms, ?))"
-            " / 3600000.0)")
-
 
 def _device_line(d: pb.Device) -> str:
     return f"{d.name} ({d.memory_bytes / 2**30:.1f} GiB)"
@@ -29,9 +23,9 @@ def standings(db: Database, provider_ids: list[str] | None, now: int) -> list[pb
     offers = {r["provider_id"]: r for r in views.offers(db)}
     running = views.active_lease_counts(db)
     marks = ",".join("?" * len(ids))
-    earned = dict(db.execute(
-        f"SELECT provider_id, {_CREDITS} FROM leases WHERE state = 'succeeded'"
-        f" AND provider_id IN ({marks}) GROUP BY provider_id", [now, now, *ids]).fetchall())
+    balances = dict(db.execute(
+        f"SELECT account, balance FROM ledger_accounts WHERE type IN ('provider', 'stake')"
+        f" AND owner IN ({marks})", ids).fetchall())
     out = []
     for row in rows:
         h = views.provider_history(db, row["id"], now)
@@ -39,7 +33,8 @@ def standings(db: Database, provider_ids: list[str] | None, now: int) -> list[pb
             provider_id=row["id"], online=bool(row["online"]), banned=bool(row["banned"]),
             reliability=reliability.score(h), leases_completed=h.leases_completed,
             leases_lost=h.leases_lost, running=running.get(row["id"], 0),
-            earned=earned.get(row["id"], 0.0), last_seen_ms=row["last_seen_ms"],
+            earned=balances.get(ledger.provider(row["id"]), 0) / ledger.UNIT,
+            stake=balances.get(ledger.stake(row["id"]), 0), last_seen_ms=row["last_seen_ms"],
             first_seen_ms=row["first_seen_ms"])
         offer_row = offers.get(row["id"])
         if offer_row is not None:
@@ -52,11 +47,5 @@ def standings(db: Database, provider_ids: list[str] | None, now: int) -> list[pb
 
 
 def job_costs(db: Database, job_ids: list[str], now: int) -> dict[str, float]:
-    """Credits each job has cost so far: every lease's price x devices x hours, the running
-    one up to now."""
-    if not job_ids:
-        return {}
-    marks = ",".join("?" * len(job_ids))
-    return dict(db.execute(
-        f"SELECT job_id, {_CREDITS} FROM leases WHERE job_id IN ({marks}) GROUP BY job_id",
-        [now, now, *job_ids]).fetchall())
+    """Credits each job has been charged so far: its settled progress (the ledger)."""
+    return {j: ledger.job_money(db, j)["charged"] / ledger.UNIT for j in job_ids}

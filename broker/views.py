@@ -6,6 +6,7 @@ import json
 
 from sqlite_utils import Database
 
+from gpumarket.broker import ledger
 from gpumarket.broker.jobs import job_row
 from gpumarket.broker.reliability import WINDOW_S, ProviderHistory
 from gpumarket.proto.v1 import types_pb2 as pb
@@ -28,6 +29,9 @@ def job_message(db: Database, row: dict, *, with_attempts: bool = True) -> pb.Jo
                              metrics=json.loads(row["progress_metrics"])),
     )
     job.spec.ParseFromString(row["spec"])
+    if not row["parent_id"]:
+        job.billing.CopyFrom(pb.JobBilling(**ledger.job_money(db, row["id"]),
+                                           basis=row["hold_basis"]))
     if row["receipt"]:
         job.receipt.ParseFromString(row["receipt"])
     if row["parts"] and not row["part"]:
@@ -194,3 +198,9 @@ def running_by_client(db: Database) -> dict[str, int]:
         "SELECT client_id, count(*) FROM jobs WHERE state IN (?, ?)"
         " AND NOT (parts > 0 AND part = 0) GROUP BY client_id",
         [pb.JOB_STATE_LEASED, pb.JOB_STATE_RUNNING]).fetchall())
+
+
+def stakes(db: Database) -> dict[str, int]:
+    """Units each provider has staked (the ledger's stake accounts)."""
+    return dict(db.execute("SELECT owner, balance FROM ledger_accounts WHERE type = 'stake'"
+                           " AND balance > 0").fetchall())

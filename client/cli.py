@@ -27,6 +27,7 @@ from gpumarket.link.client import Broker, BrokerClient
 from gpumarket.client.watch import EXIT_BY_STATE, follow
 from gpumarket.proto.artifacts import write_atomically
 from gpumarket.proto.envelope import open_envelope, payload_sha256, seal
+from gpumarket.proto.money import fmt, parse_credits
 from gpumarket.proto.present import job_dict, short
 from gpumarket.proto.errors import BadSignature, FailedPrecondition, GpumarketError
 from gpumarket.proto.identity import Identity, home_dir
@@ -88,7 +89,8 @@ def cli(ctx: click.Context, broker: str, broker_key: str) -> None:
     """gpumarket client: submit signed jobs to a GPU marketplace, watch them, and download
     their results (the provider's signed receipt and every hash checked).
 
-    Exit codes: 0 ok, 1 error, 2 usage, 3 job failed, 4 job cancelled.
+    Exit codes: 0 ok, 1 error, 2 usage, 3 job failed, 4 job cancelled, 5 job paused (its
+    hold is spent: `gpumarket topup`).
     """
     ctx.obj = Broker(broker, Trust(pin=broker_key, known=home_dir() / "known_brokers"))
 
@@ -146,6 +148,7 @@ def build_spec(job: jobfile.JobFile, refs: list[pb.ArtifactRef], created_ms: int
         objective=job.objective, deadline_s=job.deadline_s, min_reliability=job.min_reliability,
         max_price_per_gpu_hour=job.max_price, inputs=refs, max_runtime_s=job.max_runtime_s,
         max_attempts=job.max_attempts, nonce=os.urandom(NONCE_BYTES),
+        budget=job.budget, min_provider_stake=job.min_provider_stake,
         created_at_ms=created_ms, expires_at_ms=created_ms + job.expires_in_s * 1000,
     )
     kinds.get(job.kind).write(spec, job.params)
@@ -203,8 +206,14 @@ async def status(market: Broker, job_id: str, as_json: bool) -> None:
         out.print(f"provider  {job.provider_id}")
     if job.error:
         out.print(f"error     {job.error}")
-    if job.queue_reason and job.state == pb.JOB_STATE_QUEUED:
-        out.print(f"queue     {job.queue_reason}")
+    if job.queue_reason and job.state in (pb.JOB_STATE_QUEUED, pb.JOB_STATE_PAUSED):
+        out.print(f"{'queue' if job.state == pb.JOB_STATE_QUEUED else 'paused':9} "
+                  f"{job.queue_reason}")
+    b = job.billing
+    if b.hold:
+        out.print(f"billing   held {fmt(b.hold)}, charged {fmt(b.charged)}, left"
+                  f" {fmt(b.remaining)} credits" + (f", disputed {fmt(b.disputed)}"
+                                                    if b.disputed else ""))
     if job.parts:
         table = Table("part", "job", "state", "progress", "attempt", "provider", "error")
         for p in job.parts:
@@ -303,6 +312,80 @@ async def cancel(market: Broker, job_id: str) -> None:
         job_id = await broker.job_id(job_id)
         state = await broker.cancel(seal(identity, mp.CancelOrder(job_id=job_id, at_ms=now_ms())))
     click.echo(f"{job_id} {state_name(state)}")
+
+
+# -- money --------------------------------------------------------------------------------
+
+@cli.command()
+@click.option("--json", "as_json", is_flag=True, help="Print JSON (amounts in units).")
+@click.pass_obj
+@command
+async def balance(market: Broker, as_json: bool) -> None:
+    """Your credits on this broker: available for new jobs, held for unfinished ones, and
+    what your jobs have been charged (1 credit = 1,000,000 units)."""
+    async with market.client(load_identity()) as broker:
+        acct = await broker.account(limit=1)
+    if as_json:
+        _dump({k: getattr(acct, k) for k in ("key_id", "available", "held", "credited",
+                                                "spent", "billing")})
+        return
+    out.print(f"available  {fmt(acct.available)} credits")
+    out.print(f"held       {fmt(acct.held)} (for your unfinished jobs)")
+    out.print(f"spent      {fmt(acct.spent)} (settled progress of your jobs)")
+    out.print(f"credited   {fmt(acct.credited)} (by the broker's operator)")
+    if not acct.billing:
+        out.print("this broker does not enforce funds: it records usage only")
+
+
+def print_lines(lines, as_json: bool) -> None:
+    """Ledger lines as a table (or JSON lines), newest first."""
+    if as_json:
+        for line in lines:
+            click.echo(json.dumps(MessageToDict(line, preserving_proto_field_name=True)))
+        return
+    table = Table("seq", "time", "type", "account", "amount", "job", "provider", "steps",
+                  "memo")
+    for line in lines:
+        steps = f"{line.step_from}→{line.step_to}" if line.type == "settle" else ""
+        table.add_row(str(line.seq), _time(line.at_ms), line.type, line.account,
+                      fmt(line.amount), line.job_id, short(line.provider_id) or "", steps,
+                      line.memo)
+    out.print(table)
+
+
+@cli.command()
+@click.option("--job", "job_id", default="", help="Only this job's lines (an id or prefix).")
+@click.option("--limit", type=click.IntRange(1, 1000), default=50, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print each line as a JSON object.")
+@click.pass_obj
+@command
+async def statement(market: Broker, job_id: str, limit: int, as_json: bool) -> None:
+    """Your ledger lines, newest first: credits, holds, each settled segment of progress
+    (steps, provider, device-seconds), releases."""
+    async with market.client(load_identity()) as broker:
+        if job_id:
+            job_id = await broker.job_id(job_id)
+        acct = await broker.account(job_id=job_id, limit=limit)
+    print_lines(acct.lines, as_json)
+
+
+@cli.command()
+@click.argument("job_id")
+@click.argument("amount")
+@click.pass_obj
+@command
+async def topup(market: Broker, job_id: str, amount: str) -> None:
+    """Add AMOUNT credits from your available balance to a job's hold; a job PAUSED because
+    its hold ran out is queued again and resumes from its last checkpoint."""
+    try:
+        units = parse_credits(amount)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="AMOUNT") from None
+    async with market.client(load_identity()) as broker:
+        job_id = await broker.job_id(job_id)
+        resp = await broker.top_up(job_id, units)
+    click.echo(f"{job_id} {state_name(resp.state)}; hold {fmt(resp.billing.hold)},"
+               f" charged {fmt(resp.billing.charged)}, left {fmt(resp.billing.remaining)}")
 
 
 def verify_receipts(job: pb.Job, client_id: str | None) -> list[pb.Receipt]:
@@ -528,16 +611,18 @@ async def quote(market: Broker, job_file: Path, limit: int, as_json: bool) -> No
     if resp.estimated_memory_bytes or resp.work_flops:
         out.print(f"job needs about {resp.estimated_memory_bytes / 2**30:.2f} GiB per device and"
                   f" {resp.work_flops:.3g} FLOPs of work")
-    table = Table("gpu", "price/h", "runtime", "expected", "cost", "P(no interruption)",
-                  "reliability", "free")
+    table = Table("gpu", "price/h", "runtime", "expected", "wall time", "cost",
+                  "P(no interruption)", "reliability", "free")
     table.add_column("provider", no_wrap=True)
     for c in resp.candidates:
         table.add_row(c.gpu_name, f"{c.price_per_gpu_hour:g}", _duration(c.runtime_s),
-                      _duration(c.expected_s), f"{c.expected_cost:.4g}",
-                      f"{c.p_uninterrupted:.1%}", f"{c.reliability:.2f}", str(c.free_devices),
-                      short(c.provider_id))
+                      _duration(c.expected_s), _duration(c.estimated_s),
+                      f"{c.expected_cost:.4g}", f"{c.p_uninterrupted:.1%}",
+                      f"{c.reliability:.2f}", str(c.free_devices), short(c.provider_id))
     if resp.candidates:
         out.print(table)
+        out.print(f"wall time (start to receipt) of the best: {resp.candidates[0].estimate_basis}")
+    out.print(f"submitting it holds {fmt(resp.hold)} credits: {resp.hold_basis}")
     excluded = ", ".join(f"{n} by {k}" for k, n in sorted(resp.excluded.items(),
                                                           key=lambda kv: (-kv[1], kv[0])))
     out.print(f"{len(resp.candidates)} of {resp.offers} offers shown"

@@ -17,7 +17,9 @@ from typing import Any
 from gpumarket.proto.errors import JobFileError
 from gpumarket import kinds
 from gpumarket.kinds.schema import TYPE_WORDS, UINT32, UINT64
-from gpumarket.proto.jobspec import ACCELERATORS_BY_NAME, OBJECTIVES_BY_NAME
+from gpumarket.proto.jobspec import (
+    ACCELERATORS_BY_NAME, MAX_CREDITS, MAX_PRICE, OBJECTIVES_BY_NAME,
+)
 
 DEFAULT_EXPIRY_S = 24 * 3600
 # The top-level numbers' ranges: what the spec's fields hold and the broker accepts.
@@ -30,6 +32,7 @@ TOP = {
     "max_runtime": (int, False), "max_attempts": (int, False), "expires_in": (int, False),
     "objective": (str, False), "deadline": ("duration", False),
     "min_reliability": (float, False), "resources": (dict, False),
+    "budget": (float, False), "min_provider_stake": (float, False),
 }   # and one table, named after the kind, of the kind's own fields (gpumarket.kinds)
 RESOURCES = {"gpus": (int, False), "memory": ("size", False), "accelerator": (str, False),
              "compute_capability": ("version", False), "gpu_models": ("strings", False)}
@@ -67,6 +70,8 @@ class JobFile:
     params_field: str               # the kind's name: its table in the job file
     params: dict[str, Any]          # the fields given (spec names); inputs hold input names
     inputs: tuple[LocalInput, ...]
+    budget: float = 0.0             # credits to hold; 0 = the broker's estimate
+    min_provider_stake: float = 0.0
 
 
 def parse_size(value: Any, where: str) -> int:
@@ -172,8 +177,9 @@ def load(path: Path) -> JobFile:
         low, high = NUMBER_RANGES[key]
         if not low <= value <= high:
             raise JobFileError(f"{file}: field {key!r} must be between {low:,} and {high:,}")
-    if not float(raw["max_price"]) > 0:
-        raise JobFileError(f"{file}: field 'max_price' must be greater than 0")
+    if not 0 < float(raw["max_price"]) <= MAX_PRICE:
+        raise JobFileError(f"{file}: field 'max_price' must be greater than 0 and at most"
+                           f" {MAX_PRICE:,}")
     objective = raw.get("objective", "cheapest")
     if objective not in OBJECTIVES_BY_NAME:
         raise JobFileError(f"{file}: field 'objective' must be one of"
@@ -184,6 +190,13 @@ def load(path: Path) -> JobFile:
         raise JobFileError(f"{file}: field 'deadline' must be at most {UINT32:,} seconds")
     if objective == "deadline" and not deadline:
         raise JobFileError(f"{file}: objective \"deadline\" needs a field 'deadline'")
+    money = {}
+    for key in ("budget", "min_provider_stake"):
+        value = float(raw.get(key, 0.0))
+        if not 0 <= value <= MAX_CREDITS:
+            raise JobFileError(f"{file}: field {key!r} must be between 0 and {MAX_CREDITS:,}"
+                               " credits")
+        money[key] = value
     min_rel = float(raw.get("min_reliability", 0.0))
     if not 0 <= min_rel <= 1:
         raise JobFileError(f"{file}: field 'min_reliability' must be between 0 and 1")
@@ -205,6 +218,8 @@ def load(path: Path) -> JobFile:
         name=raw.get("name", path.stem),
         kind=kind.number,
         max_price=float(raw["max_price"]),
+        budget=money["budget"],
+        min_provider_stake=money["min_provider_stake"],
         max_runtime_s=numbers["max_runtime"],
         max_attempts=numbers["max_attempts"],
         expires_in_s=numbers["expires_in"],

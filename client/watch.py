@@ -12,7 +12,8 @@ from gpumarket.link.client import BrokerClient
 from gpumarket.proto.jobspec import TERMINAL_STATES, state_name
 from gpumarket.proto.v1 import types_pb2 as pb
 
-EXIT_BY_STATE = {pb.JOB_STATE_SUCCEEDED: 0, pb.JOB_STATE_FAILED: 3, pb.JOB_STATE_CANCELLED: 4}
+EXIT_BY_STATE = {pb.JOB_STATE_SUCCEEDED: 0, pb.JOB_STATE_FAILED: 3, pb.JOB_STATE_CANCELLED: 4,
+                 pb.JOB_STATE_PAUSED: 5}
 
 
 def _metrics(progress: pb.Progress) -> str:
@@ -28,6 +29,8 @@ async def follow(broker: BrokerClient, job_id: str, as_json: bool, console: Cons
             d["state"] = state_name(ev.state)
             print(json.dumps(d), flush=True)
             state = ev.state
+            if ev.type == "paused":
+                break
         return state
     live = console.is_terminal
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -52,6 +55,6 @@ async def follow(broker: BrokerClient, job_id: str, as_json: bool, console: Cons
                 continue
             stamp = f"{state_name(ev.state):9} {ev.type}"
             progress.console.print(f"{stamp:22} {ev.message}".rstrip())
-            if ev.state in TERMINAL_STATES:
+            if ev.state in TERMINAL_STATES or ev.type == "paused":
                 break
     return state

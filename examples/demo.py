@@ -91,6 +91,14 @@ def main() -> int:
         subprocess.run([*cli, "offers"], env=env, check=True)
         print("== client key")
         subprocess.run([*cli, "keys", "init"], env=env, check=True)
+        client_id = subprocess.run([*cli, "keys", "show"], env=env, check=True, text=True,
+                                   capture_output=True).stdout
+        client_id = next(w for w in client_id.split() if len(w) == 26)
+        print("== the operator credits the client (billing is on: a job holds its worst-case"
+              " cost at submission)")
+        subprocess.run([str(BIN / "gpumarket-broker"), "admin", "credit", client_id, "10",
+                        "--memo", "demo credit", "--key", str(OUT / "broker" / "broker.key")],
+                       env=env, check=True)
         print(f"== submitting {job_file} and watching it")
         sub = subprocess.run([*cli, "submit", str(job_file), "--watch"], env=env,
                              stdout=subprocess.PIPE, text=True)
@@ -103,6 +111,9 @@ def main() -> int:
         subprocess.run([*cli, "results", job_id, "-o", str(OUT / "results")], env=env,
                        check=True)
         subprocess.run([*cli, "status", job_id], env=env, check=True)
+        print("== what it cost: the client's statement (each checkpoint settled once)")
+        subprocess.run([*cli, "statement", "--job", job_id], env=env, check=True)
+        subprocess.run([*cli, "balance"], env=env, check=True)
         print(f"demo: job {job_id} SUCCEEDED; receipt signature valid, hashes checked, results in {OUT / 'results'}")
         return 0
     finally:

@@ -113,6 +113,15 @@ class BrokerClient:
         return await self._call(self.market.Quote, mp.QuoteRequest(spec=spec, limit=limit,
                                                                    client_id=client_id))
 
+    async def account(self, job_id: str = "", limit: int = 100,
+                      before_seq: int = 0) -> mp.GetAccountResponse:
+        """The caller's balances and ledger lines (as a client and as a provider)."""
+        req = mp.GetAccountRequest(job_id=job_id, limit=limit, before_seq=before_seq)
+        return await self._call(self.market.GetAccount, req)
+
+    async def top_up(self, job_id: str, amount: int) -> mp.TopUpResponse:
+        return await self._call(self.market.TopUp, mp.TopUpRequest(job_id=job_id, amount=amount))
+
     async def get_provider(self, provider_id: str) -> mp.GetProviderResponse:
         req = mp.GetProviderRequest(provider_id=provider_id)
         return await self._call(self.market.GetProvider, req)

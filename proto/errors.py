@@ -60,6 +60,12 @@ class FailedPrecondition(GpumarketError):
     code = "FAILED_PRECONDITION"
 
 
+class InsufficientFunds(FailedPrecondition):
+    """A hold or a top-up the client's available balance cannot cover."""
+
+    reason = "funds"
+
+
 class ResourceExhausted(GpumarketError):
     code = "RESOURCE_EXHAUSTED"
 

@@ -30,6 +30,8 @@ ACCELERATOR_NAMES = {
     types_pb2.ACCELERATOR_CUDA: "cuda",
 }
 ACCELERATORS_BY_NAME = {v: k for k, v in ACCELERATOR_NAMES.items()}
+MAX_PRICE = 10_000          # credits per device-hour: the ledger's integer units never overflow
+MAX_CREDITS = 10**9         # a budget or stake
 STATE_NAMES = {
     types_pb2.JOB_STATE_QUEUED: "QUEUED",
     types_pb2.JOB_STATE_LEASED: "LEASED",
@@ -37,6 +39,7 @@ STATE_NAMES = {
     types_pb2.JOB_STATE_SUCCEEDED: "SUCCEEDED",
     types_pb2.JOB_STATE_FAILED: "FAILED",
     types_pb2.JOB_STATE_CANCELLED: "CANCELLED",
+    types_pb2.JOB_STATE_PAUSED: "PAUSED",
 }
 STATES_BY_NAME = {v: k for k, v in STATE_NAMES.items()}
 OBJECTIVE_NAMES = {
@@ -102,8 +105,12 @@ def check_common(spec: types_pb2.JobSpec) -> None:
     if len(spec.resources.gpu_models) > 64 or any(
             not 0 < len(m) <= 64 for m in spec.resources.gpu_models):
         raise InvalidArgument("resources.gpu_models: at most 64 names of 1 to 64 characters")
-    if not spec.max_price_per_gpu_hour > 0:
-        raise InvalidArgument("max_price_per_gpu_hour: must be greater than 0")
+    if not 0 < spec.max_price_per_gpu_hour <= MAX_PRICE:
+        raise InvalidArgument(f"max_price_per_gpu_hour: must be greater than 0 and at most"
+                              f" {MAX_PRICE:,} credits")
+    for field in ("budget", "min_provider_stake"):
+        if not 0 <= getattr(spec, field) <= MAX_CREDITS:
+            raise InvalidArgument(f"{field}: must be between 0 and {MAX_CREDITS:,} credits")
     if spec.expires_at_ms <= spec.created_at_ms:
         raise InvalidArgument("expires_at_ms: must be after created_at_ms")
     if spec.expires_at_ms - spec.created_at_ms > MAX_LIFETIME_MS:

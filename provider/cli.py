@@ -323,6 +323,65 @@ CLOCK_SKEW_WARN_MS = 60_000
 @click.option("--broker", envvar="GPUMARKET_BROKER", default="",
               help="Broker to ask (default: the config's, or $GPUMARKET_BROKER).")
 @click.option("--broker-key", envvar="GPUMARKET_BROKER_KEY", default="",
+              help="The broker's key id to accept (or $GPUMARKET_BROKER_KEY).")
+@click.option("--job", "job_id", default="", help="Only the settlements of this job.")
+@click.option("--limit", type=click.IntRange(1, 1000), default=50, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON (amounts in units).")
+def earnings(data_dir: Path, broker: str, broker_key: str, job_id: str, limit: int,
+             as_json: bool) -> None:
+    """What the broker's ledger has paid this provider: each settled segment of a job's
+    progress (steps, device-seconds, amount after the market's fee), newest first."""
+    from google.protobuf.json_format import MessageToDict
+
+    from gpumarket.link.channel import Trust
+    from gpumarket.link.client import BrokerClient
+    from gpumarket.proto.money import fmt
+
+    key = data_dir / "provider.key"
+    if not key.exists():
+        click.echo(f"error: no provider key in {data_dir}; run `gpumarket-provider init`",
+                   err=True)
+        sys.exit(1)
+
+    async def ask(identity):
+        trust = Trust(pin=broker_key, known=data_dir / "known_brokers")
+        async with BrokerClient(broker, identity, timeout_s=10, trust=trust) as client:
+            return await client.account(job_id=job_id, limit=limit)
+
+    try:
+        identity = Identity.load(key)
+        if not broker and (data_dir / "provider.toml").exists():
+            from gpumarket.provider import config as provider_config
+
+            settings = provider_config.load(data_dir / "provider.toml")
+            broker = settings.get("broker", "")
+            broker_key = broker_key or settings.get("broker_key", "")
+        if not broker:
+            raise click.UsageError("give --broker (or broker in provider.toml)")
+        acct = asyncio.run(ask(identity))
+    except GpumarketError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(1)
+    if as_json:
+        click.echo(json.dumps({"provider_id": acct.key_id, "earned": acct.earned,
+                               "stake": acct.stake, "lines": [
+                                   MessageToDict(x, preserving_proto_field_name=True)
+                                   for x in acct.lines]}, indent=2))
+        return
+    click.echo(f"provider {acct.key_id}: earned {fmt(acct.earned)} credits, stake"
+               f" {fmt(acct.stake)}")
+    for x in acct.lines:
+        steps = f" steps {x.step_from}→{x.step_to}, {x.seconds:.1f} s" if x.type == "settle" else ""
+        click.echo(f"  {x.seq:>6} {x.type:8} {x.account:8} {fmt(x.amount):>14}  job"
+                   f" {x.job_id or '-'}{steps}{'  ' + x.memo if x.memo else ''}")
+
+
+@cli.command()
+@click.option("--data-dir", type=click.Path(file_okay=False, path_type=Path), required=True,
+              help="The provider's data directory.")
+@click.option("--broker", envvar="GPUMARKET_BROKER", default="",
+              help="Broker to ask (default: the config's, or $GPUMARKET_BROKER).")
+@click.option("--broker-key", envvar="GPUMARKET_BROKER_KEY", default="",
               help="The broker's key id to accept (or $GPUMARKET_BROKER_KEY); without it the "
               "key seen first is trusted and remembered in DATA_DIR/known_brokers.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")

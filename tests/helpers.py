@@ -102,7 +102,10 @@ class Marketplace:
         env.update(self.extra_env)
         return env
 
-    def start_broker(self, *extra: str, listen: str = "127.0.0.1:0") -> str:
+    def start_broker(self, *extra: str, listen: str = "127.0.0.1:0",
+                     credit: float = 1000) -> str:
+        """Start the broker; ``credit``: credits its operator gives the client (as `make demo`
+        does: billing is on), 0 for none."""
         data = self.root / "broker"
         info = data / "broker.json"
         info.unlink(missing_ok=True)
@@ -113,7 +116,18 @@ class Marketplace:
         assert self.broker.alive(), self.broker.text()
         started = json.loads(info.read_text())
         self.address, self.broker_id = started["address"], started["broker_id"]
+        if credit:
+            self.credit(self.identity().id, credit)
         return self.address
+
+    def credit(self, key_id: str, amount: float, *extra: str) -> subprocess.CompletedProcess:
+        """Credit ``key_id`` through the operator's door (the broker's own key)."""
+        r = subprocess.run([str(BIN / "gpumarket-broker"), "admin", "credit", key_id,
+                            str(amount), "--memo", "test funds", "--key",
+                            str(self.root / "broker" / "broker.key"), *extra],
+                           env=self.env, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stdout + r.stderr
+        return r
 
     def identity(self):
         """The client's key (the one the CLI uses), made on first use."""

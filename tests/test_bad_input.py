@@ -36,6 +36,7 @@ def run(coro):
 
 def test_tampered_expired_and_replayed_specs(market, tmp_path):
     identity = Identity.generate()
+    market.credit(identity.id, 100)
 
     async def scenario():
         async with BrokerClient(market.address, identity, trust=market.trust()) as broker:

@@ -66,6 +66,7 @@ def test_a_provider_cannot_make_the_broker_hand_out_a_blob_it_never_held(market,
     secret = tmp_path / "secret.bin"
     secret.write_bytes(os.urandom(200_000))
     accomplice, provider = Identity.generate(), Identity.generate()
+    market.credit(accomplice.id, 100)
 
     async def scenario():
         async with BrokerClient(market.address, victim, trust=market.trust()) as v:

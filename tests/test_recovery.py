@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import sqlite3
 import time
@@ -40,13 +41,39 @@ def kill_machine(market, name, job_id, epoch):
         os.kill(pid, signal.SIGKILL)
 
 
+def settled(db_path, job_id) -> list[tuple]:
+    """The job's settlements in the broker's ledger: (provider, step_from, step_to, paid by
+    the job), in order; and a check that the whole ledger balances."""
+    from gpumarket.broker import ledger
+    from gpumarket.broker.store import connect
+
+    db = connect(db_path, readonly=True)
+    try:
+        assert ledger.audit(db) == []
+        return [tuple(r) for r in db.execute(
+            "SELECT p.provider_id, p.step_from, p.step_to, -e.amount FROM ledger_postings p"
+            " JOIN ledger_entries e ON e.posting_seq = p.seq AND e.account = ?"
+            " WHERE p.type = 'settle' ORDER BY p.seq", [ledger.escrow(job_id)]).fetchall()]
+    finally:
+        db.conn.close()
+
+
+def checkpoints_by(market, job_id) -> dict[str, list[int]]:
+    """Checkpoint steps each provider reported for the job, from its events."""
+    out: dict[str, list[int]] = {}
+    for e in events(market, job_id):
+        if e["type"] == "checkpoint":
+            out.setdefault(e["provider_id"], []).append(int(e["message"].split()[3]))
+    return out
+
+
 def results(market, job_id, out):
     r = market.cli("results", job_id, "-o", str(out))
     assert r.returncode == 0, r.stderr
     return (out / "model.safetensors").read_bytes(), (out / "loss.jsonl").read_text()
 
 
-def test_kill9_provider_resumes_on_another_with_identical_weights(market, tmp_path):
+def test_kill9_provider_twice_resumes_with_identical_weights_paid_once(market, tmp_path):
     market.start_provider("p1")
     market.wait_for_offers(1)
     job_id = submit(market, tmp_path / "job.toml", steps=STEPS, checkpoint_every=EVERY)
@@ -55,15 +82,33 @@ def test_kill9_provider_resumes_on_another_with_identical_weights(market, tmp_pa
     market.wait_for_offers(2)
     ckpt = int(wait_checkpoint(market, job_id, 2 * EVERY)["checkpoint_step"])
     kill_machine(market, "p1", job_id, 1)
+    wait_until(lambda: market.job(job_id)["provider_id"] == market.provider_id("p2"),
+               "the job to move to p2", timeout=120)
+    market.start_provider("p3")
+    market.wait_for_offers(2)
+    wait_checkpoint(market, job_id, ckpt + 2 * EVERY)
+    kill_machine(market, "p2", job_id, 2)
     job = market.wait_state(job_id, "SUCCEEDED", timeout=300)
-    assert job["provider_id"] == market.provider_id("p2")
-    assert [a["outcome"] for a in job["attempts"]] == ["lost", "succeeded"]
+    assert job["provider_id"] == market.provider_id("p3")
+    assert [a["outcome"] for a in job["attempts"]] == ["lost", "lost", "succeeded"]
     evs = events(market, job_id)
     started = [e for e in evs if e["type"] == "started"]
     assert "resumed from step" in started[-1]["message"]
     resumed_at = int(started[-1]["message"].rsplit(" ", 1)[1])
-    assert resumed_at >= ckpt
+    assert resumed_at >= ckpt + 2 * EVERY
     weights, losses = results(market, job_id, tmp_path / "interrupted")
+
+    # Paid once for each step: the settled segments chain from 0 to the end, each provider is
+    # paid exactly for the steps it checkpointed (its work after its last checkpoint is
+    # neither paid nor charged), and the client is charged their sum.
+    segments = settled(market.root / "broker" / "broker.db", job_id)
+    assert [s[1] for s in segments] == [0] + [s[2] for s in segments[:-1]]
+    assert segments[-1][2] == STEPS
+    ids = {market.provider_id(n): n for n in ("p1", "p2", "p3")}
+    reported = checkpoints_by(market, job_id)
+    for pid in (market.provider_id("p1"), market.provider_id("p2")):
+        assert [s[2] for s in segments if s[0] == pid] == reported[pid], ids[pid]
+    assert int(job["billing"]["charged"]) == sum(s[3] for s in segments)
 
     # The same job, never interrupted, on the surviving provider.
     clean = submit(market, tmp_path / "clean.toml", steps=STEPS, checkpoint_every=EVERY)
@@ -83,12 +128,17 @@ def test_kill9_broker_and_restart(tmp_path):
         assert market.cli("keys", "init").returncode == 0
         market.start_provider("p1")
         market.wait_for_offers(1)
-        job_id = submit(market, tmp_path / "job.toml", steps=STEPS, checkpoint_every=EVERY)
+        job_id = submit(market, tmp_path / "job.toml", steps=STEPS, checkpoint_every=EVERY // 2)
         wait_checkpoint(market, job_id)
         seen = events(market, job_id)
-        market.broker.stop(signal.SIGKILL)
-        time.sleep(1.0)
-        market.start_broker(*LEASE_ARGS, listen=f"127.0.0.1:{port}")
+        rng = random.Random(os.getpid())
+        for _ in range(3):   # killed at random moments while the job checkpoints
+            market.broker.stop(signal.SIGKILL)
+            time.sleep(1.0)
+            market.start_broker(*LEASE_ARGS, listen=f"127.0.0.1:{port}", credit=0)
+            step = int(market.job(job_id).get("checkpoint_step", 0))
+            wait_checkpoint(market, job_id, step + EVERY // 2)
+            time.sleep(rng.uniform(0, 0.6))
         job = market.wait_state(job_id, "SUCCEEDED", timeout=300)
         assert [a["outcome"] for a in job["attempts"]] == ["succeeded"]  # never re-assigned
         after = events(market, job_id)
@@ -99,6 +149,13 @@ def test_kill9_broker_and_restart(tmp_path):
         assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
         leased = db.execute("SELECT count(*) FROM leases WHERE job_id = ?", [job_id]).fetchone()
         assert leased[0] == 1
+        # Each checkpoint settled exactly once, whatever the kills interrupted; every step
+        # paid once; the books balance.
+        segments = settled(tmp_path / "broker" / "broker.db", job_id)
+        assert [s[1] for s in segments] == [0] + [s[2] for s in segments[:-1]]
+        assert segments[-1][2] == STEPS
+        (steps,) = checkpoints_by(market, job_id).values()
+        assert [s[2] for s in segments[:-1]] == steps
         assert "Traceback" not in market.broker.text()
     finally:
         market.close()

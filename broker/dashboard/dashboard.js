@@ -58,6 +58,26 @@ function renderJobs(jobs) {
   $("#c-running").textContent = jobs.filter((j) => j.state === "RUNNING" || j.state === "LEASED").length;
 }
 
+function renderLedger(ledger) {
+  const check = $("#ledger-check");
+  check.textContent = ledger.problems.length ? `· ${ledger.problems.length} problems: ${ledger.problems[0]}` : "· balanced";
+  check.className = ledger.problems.length ? "down" : "muted";
+  const t = ledger.totals;
+  $("#ledger-totals").textContent =
+    `credited ${(-t.deposits).toFixed(6)} · available ${t.client.toFixed(6)} · held ${t.escrow.toFixed(6)}` +
+    ` · earned ${t.provider.toFixed(6)} · fee ${t.fee.toFixed(6)}` +
+    (t.disputed ? ` · disputed ${t.disputed.toFixed(6)}` : "") + (t.stake ? ` · stake ${t.stake.toFixed(6)}` : "");
+  $("#ledger tbody").replaceChildren(...ledger.postings.map((p) => el("tr", { "data-seq": p.seq, "data-type": p.type },
+    el("td", {}, p.seq),
+    el("td", {}, new Date(p.at_ms).toLocaleTimeString()),
+    el("td", {}, p.type),
+    el("td", { class: "id", title: p.job_id }, p.job_id || "–"),
+    el("td", { class: "id", title: p.provider_id }, short(p.provider_id)),
+    el("td", {}, p.type === "settle" ? `${p.step_from}→${p.step_to} (${p.seconds.toFixed(1)} s)` : ""),
+    el("td", {}, Object.entries(p.entries).map(([a, v]) => `${a.split(":")[0]} ${v > 0 ? "+" : ""}${v.toFixed(6)}`).join(", ")),
+    el("td", {}, p.memo))));
+}
+
 function renderChart(series) {
   const svg = $("#chart");
   const W = 600, H = 160, pad = 16;
@@ -93,11 +113,13 @@ async function getJSON(path) {
 async function refresh() {
   const status = $("#status");
   try {
-    const [providers, jobs, series] = await Promise.all(
-      [getJSON("api/providers"), getJSON("api/jobs?limit=50"), getJSON("api/series")]);
+    const [providers, jobs, series, ledger] = await Promise.all(
+      [getJSON("api/providers"), getJSON("api/jobs?limit=50"), getJSON("api/series"),
+       getJSON("api/ledger?limit=30")]);
     renderProviders(providers.providers);
     renderJobs(jobs.jobs);
     renderChart(series);
+    renderLedger(ledger);
     status.textContent = "live · " + new Date().toLocaleTimeString();
     status.className = "pill live";
   } catch (err) {

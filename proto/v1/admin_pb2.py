@@ -25,29 +25,37 @@ _sym_db = _symbol_database.Default()
 from gpumarket.proto.v1 import types_pb2 as gpumarket_dot_proto_dot_v1_dot_types__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1egpumarket/proto/v1/admin.proto\x12\x0cgpumarket.v1\x1a\x1egpumarket/proto/v1/types.proto\"\x82\x01\n\nAdminOrder\x12\x0e\n\x06method\x18\x01 \x01(\t\x12\x0e\n\x06target\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\r\n\x05\x61t_ms\x18\x04 \x01(\x03\x12\r\n\x05limit\x18\x05 \x01(\r\x12&\n\x06states\x18\x06 \x03(\x0e\x32\x16.gpumarket.v1.JobState\"5\n\x0c\x41\x64minRequest\x12%\n\x05order\x18\x01 \x01(\x0b\x32\x16.gpumarket.v1.Envelope\"J\n\x15ListProvidersResponse\x12\x31\n\tproviders\x18\x01 \x03(\x0b\x32\x1e.gpumarket.v1.ProviderStanding\"6\n\x13ListAllJobsResponse\x12\x1f\n\x04jobs\x18\x01 \x03(\x0b\x32\x11.gpumarket.v1.Job\"G\n\x0b\x42\x61nResponse\x12\x13\n\x0bprovider_id\x18\x01 \x01(\t\x12\x0e\n\x06\x62\x61nned\x18\x02 \x01(\x08\x12\x13\n\x0bleases_lost\x18\x03 \x01(\r\"@\n\x0b\x42\x61\x63kupChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x04\x12\x0e\n\x06sha256\x18\x03 \x01(\t\";\n\x0eVacuumResponse\x12\x14\n\x0c\x62ytes_before\x18\x01 \x01(\x04\x12\x13\n\x0b\x62ytes_after\x18\x02 \x01(\x04\"F\n\x0eRevokeResponse\x12\x0e\n\x06key_id\x18\x01 \x01(\t\x12\x0f\n\x07revoked\x18\x02 \x01(\x08\x12\x13\n\x0bleases_lost\x18\x03 \x01(\r2\xb6\x04\n\x05\x41\x64min\x12P\n\rListProviders\x12\x1a.gpumarket.v1.AdminRequest\x1a#.gpumarket.v1.ListProvidersResponse\x12L\n\x0bListAllJobs\x12\x1a.gpumarket.v1.AdminRequest\x1a!.gpumarket.v1.ListAllJobsResponse\x12<\n\x03\x42\x61n\x12\x1a.gpumarket.v1.AdminRequest\x1a\x19.gpumarket.v1.BanResponse\x12>\n\x05Unban\x12\x1a.gpumarket.v1.AdminRequest\x1a\x19.gpumarket.v1.BanResponse\x12\x41\n\x06\x42\x61\x63kup\x12\x1a.gpumarket.v1.AdminRequest\x1a\x19.gpumarket.v1.BackupChunk0\x01\x12\x42\n\x06Vacuum\x12\x1a.gpumarket.v1.AdminRequest\x1a\x1c.gpumarket.v1.VacuumResponse\x12\x42\n\x06Revoke\x12\x1a.gpumarket.v1.AdminRequest\x1a\x1c.gpumarket.v1.RevokeResponse\x12\x44\n\x08Unrevoke\x12\x1a.gpumarket.v1.AdminRequest\x1a\x1c.gpumarket.v1.RevokeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1egpumarket/proto/v1/admin.proto\x12\x0cgpumarket.v1\x1a\x1egpumarket/proto/v1/types.proto\"\xb2\x01\n\nAdminOrder\x12\x0e\n\x06method\x18\x01 \x01(\t\x12\x0e\n\x06target\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\r\n\x05\x61t_ms\x18\x04 \x01(\x03\x12\r\n\x05limit\x18\x05 \x01(\r\x12&\n\x06states\x18\x06 \x03(\x0e\x32\x16.gpumarket.v1.JobState\x12\x0e\n\x06\x61mount\x18\x07 \x01(\x03\x12\r\n\x05nonce\x18\x08 \x01(\x0c\x12\x0f\n\x07\x61\x63\x63ount\x18\t \x01(\t\"5\n\x0c\x41\x64minRequest\x12%\n\x05order\x18\x01 \x01(\x0b\x32\x16.gpumarket.v1.Envelope\"J\n\x15ListProvidersResponse\x12\x31\n\tproviders\x18\x01 \x03(\x0b\x32\x1e.gpumarket.v1.ProviderStanding\"6\n\x13ListAllJobsResponse\x12\x1f\n\x04jobs\x18\x01 \x03(\x0b\x32\x11.gpumarket.v1.Job\"G\n\x0b\x42\x61nResponse\x12\x13\n\x0bprovider_id\x18\x01 \x01(\t\x12\x0e\n\x06\x62\x61nned\x18\x02 \x01(\x08\x12\x13\n\x0bleases_lost\x18\x03 \x01(\r\"@\n\x0b\x42\x61\x63kupChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x04\x12\x0e\n\x06sha256\x18\x03 \x01(\t\";\n\x0eVacuumResponse\x12\x14\n\x0c\x62ytes_before\x18\x01 \x01(\x04\x12\x13\n\x0b\x62ytes_after\x18\x02 \x01(\x04\"F\n\x0eRevokeResponse\x12\x0e\n\x06key_id\x18\x01 \x01(\t\x12\x0f\n\x07revoked\x18\x02 \x01(\x08\x12\x13\n\x0bleases_lost\x18\x03 \x01(\r\"R\n\x0e\x43reditResponse\x12\x0f\n\x07\x61\x63\x63ount\x18\x01 \x01(\t\x12\x0f\n\x07\x62\x61lance\x18\x02 \x01(\x03\x12\x0b\n\x03seq\x18\x03 \x01(\x04\x12\x11\n\tduplicate\x18\x04 \x01(\x08\"\xa7\x01\n\rAuditResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x10\n\x08problems\x18\x02 \x03(\t\x12\x10\n\x08postings\x18\x03 \x01(\x04\x12\x37\n\x06totals\x18\x04 \x03(\x0b\x32\'.gpumarket.v1.AuditResponse.TotalsEntry\x1a-\n\x0bTotalsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x32\xbc\x05\n\x05\x41\x64min\x12P\n\rListProviders\x12\x1a.gpumarket.v1.AdminRequest\x1a#.gpumarket.v1.ListProvidersResponse\x12L\n\x0bListAllJobs\x12\x1a.gpumarket.v1.AdminRequest\x1a!.gpumarket.v1.ListAllJobsResponse\x12<\n\x03\x42\x61n\x12\x1a.gpumarket.v1.AdminRequest\x1a\x19.gpumarket.v1.BanResponse\x12>\n\x05Unban\x12\x1a.gpumarket.v1.AdminRequest\x1a\x19.gpumarket.v1.BanResponse\x12\x41\n\x06\x42\x61\x63kup\x12\x1a.gpumarket.v1.AdminRequest\x1a\x19.gpumarket.v1.BackupChunk0\x01\x12\x42\n\x06Vacuum\x12\x1a.gpumarket.v1.AdminRequest\x1a\x1c.gpumarket.v1.VacuumResponse\x12\x42\n\x06Revoke\x12\x1a.gpumarket.v1.AdminRequest\x1a\x1c.gpumarket.v1.RevokeResponse\x12\x44\n\x08Unrevoke\x12\x1a.gpumarket.v1.AdminRequest\x1a\x1c.gpumarket.v1.RevokeResponse\x12\x42\n\x06\x43redit\x12\x1a.gpumarket.v1.AdminRequest\x1a\x1c.gpumarket.v1.CreditResponse\x12@\n\x05\x41udit\x12\x1a.gpumarket.v1.AdminRequest\x1a\x1b.gpumarket.v1.AuditResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'gpumarket.proto.v1.admin_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_AUDITRESPONSE_TOTALSENTRY']._loaded_options = None
+  _globals['_AUDITRESPONSE_TOTALSENTRY']._serialized_options = b'8\001'
   _globals['_ADMINORDER']._serialized_start=81
-  _globals['_ADMINORDER']._serialized_end=211
-  _globals['_ADMINREQUEST']._serialized_start=213
-  _globals['_ADMINREQUEST']._serialized_end=266
-  _globals['_LISTPROVIDERSRESPONSE']._serialized_start=268
-  _globals['_LISTPROVIDERSRESPONSE']._serialized_end=342
-  _globals['_LISTALLJOBSRESPONSE']._serialized_start=344
-  _globals['_LISTALLJOBSRESPONSE']._serialized_end=398
-  _globals['_BANRESPONSE']._serialized_start=400
-  _globals['_BANRESPONSE']._serialized_end=471
-  _globals['_BACKUPCHUNK']._serialized_start=473
-  _globals['_BACKUPCHUNK']._serialized_end=537
-  _globals['_VACUUMRESPONSE']._serialized_start=539
-  _globals['_VACUUMRESPONSE']._serialized_end=598
-  _globals['_REVOKERESPONSE']._serialized_start=600
-  _globals['_REVOKERESPONSE']._serialized_end=670
-  _globals['_ADMIN']._serialized_start=673
-  _globals['_ADMIN']._serialized_end=1239
+  _globals['_ADMINORDER']._serialized_end=259
+  _globals['_ADMINREQUEST']._serialized_start=261
+  _globals['_ADMINREQUEST']._serialized_end=314
+  _globals['_LISTPROVIDERSRESPONSE']._serialized_start=316
+  _globals['_LISTPROVIDERSRESPONSE']._serialized_end=390
+  _globals['_LISTALLJOBSRESPONSE']._serialized_start=392
+  _globals['_LISTALLJOBSRESPONSE']._serialized_end=446
+  _globals['_BANRESPONSE']._serialized_start=448
+  _globals['_BANRESPONSE']._serialized_end=519
+  _globals['_BACKUPCHUNK']._serialized_start=521
+  _globals['_BACKUPCHUNK']._serialized_end=585
+  _globals['_VACUUMRESPONSE']._serialized_start=587
+  _globals['_VACUUMRESPONSE']._serialized_end=646
+  _globals['_REVOKERESPONSE']._serialized_start=648
+  _globals['_REVOKERESPONSE']._serialized_end=718
+  _globals['_CREDITRESPONSE']._serialized_start=720
+  _globals['_CREDITRESPONSE']._serialized_end=802
+  _globals['_AUDITRESPONSE']._serialized_start=805
+  _globals['_AUDITRESPONSE']._serialized_end=972
+  _globals['_AUDITRESPONSE_TOTALSENTRY']._serialized_start=927
+  _globals['_AUDITRESPONSE_TOTALSENTRY']._serialized_end=972
+  _globals['_ADMIN']._serialized_start=975
+  _globals['_ADMIN']._serialized_end=1675
 # @@protoc_insertion_point(module_scope)

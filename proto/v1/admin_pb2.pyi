@@ -8,20 +8,26 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class AdminOrder(_message.Message):
-    __slots__ = ("method", "target", "reason", "at_ms", "limit", "states")
+    __slots__ = ("method", "target", "reason", "at_ms", "limit", "states", "amount", "nonce", "account")
     METHOD_FIELD_NUMBER: _ClassVar[int]
     TARGET_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     AT_MS_FIELD_NUMBER: _ClassVar[int]
     LIMIT_FIELD_NUMBER: _ClassVar[int]
     STATES_FIELD_NUMBER: _ClassVar[int]
+    AMOUNT_FIELD_NUMBER: _ClassVar[int]
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    ACCOUNT_FIELD_NUMBER: _ClassVar[int]
     method: str
     target: str
     reason: str
     at_ms: int
     limit: int
     states: _containers.RepeatedScalarFieldContainer[_types_pb2.JobState]
-    def __init__(self, method: _Optional[str] = ..., target: _Optional[str] = ..., reason: _Optional[str] = ..., at_ms: _Optional[int] = ..., limit: _Optional[int] = ..., states: _Optional[_Iterable[_Union[_types_pb2.JobState, str]]] = ...) -> None: ...
+    amount: int
+    nonce: bytes
+    account: str
+    def __init__(self, method: _Optional[str] = ..., target: _Optional[str] = ..., reason: _Optional[str] = ..., at_ms: _Optional[int] = ..., limit: _Optional[int] = ..., states: _Optional[_Iterable[_Union[_types_pb2.JobState, str]]] = ..., amount: _Optional[int] = ..., nonce: _Optional[bytes] = ..., account: _Optional[str] = ...) -> None: ...
 
 class AdminRequest(_message.Message):
     __slots__ = ("order",)
@@ -78,3 +84,34 @@ class RevokeResponse(_message.Message):
     revoked: bool
     leases_lost: int
     def __init__(self, key_id: _Optional[str] = ..., revoked: _Optional[bool] = ..., leases_lost: _Optional[int] = ...) -> None: ...
+
+class CreditResponse(_message.Message):
+    __slots__ = ("account", "balance", "seq", "duplicate")
+    ACCOUNT_FIELD_NUMBER: _ClassVar[int]
+    BALANCE_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    DUPLICATE_FIELD_NUMBER: _ClassVar[int]
+    account: str
+    balance: int
+    seq: int
+    duplicate: bool
+    def __init__(self, account: _Optional[str] = ..., balance: _Optional[int] = ..., seq: _Optional[int] = ..., duplicate: _Optional[bool] = ...) -> None: ...
+
+class AuditResponse(_message.Message):
+    __slots__ = ("ok", "problems", "postings", "totals")
+    class TotalsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    OK_FIELD_NUMBER: _ClassVar[int]
+    PROBLEMS_FIELD_NUMBER: _ClassVar[int]
+    POSTINGS_FIELD_NUMBER: _ClassVar[int]
+    TOTALS_FIELD_NUMBER: _ClassVar[int]
+    ok: bool
+    problems: _containers.RepeatedScalarFieldContainer[str]
+    postings: int
+    totals: _containers.ScalarMap[str, int]
+    def __init__(self, ok: _Optional[bool] = ..., problems: _Optional[_Iterable[str]] = ..., postings: _Optional[int] = ..., totals: _Optional[_Mapping[str, int]] = ...) -> None: ...

@@ -74,6 +74,16 @@ class AdminStub:
                 request_serializer=gpumarket_dot_proto_dot_v1_dot_admin__pb2.AdminRequest.SerializeToString,
                 response_deserializer=gpumarket_dot_proto_dot_v1_dot_admin__pb2.RevokeResponse.FromString,
                 _registered_method=True)
+        self.Credit = channel.unary_unary(
+                '/gpumarket.v1.Admin/Credit',
+                request_serializer=gpumarket_dot_proto_dot_v1_dot_admin__pb2.AdminRequest.SerializeToString,
+                response_deserializer=gpumarket_dot_proto_dot_v1_dot_admin__pb2.CreditResponse.FromString,
+                _registered_method=True)
+        self.Audit = channel.unary_unary(
+                '/gpumarket.v1.Admin/Audit',
+                request_serializer=gpumarket_dot_proto_dot_v1_dot_admin__pb2.AdminRequest.SerializeToString,
+                response_deserializer=gpumarket_dot_proto_dot_v1_dot_admin__pb2.AuditResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -127,6 +137,18 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Credit(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Audit(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -169,6 +191,16 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.Unrevoke,
                     request_deserializer=gpumarket_dot_proto_dot_v1_dot_admin__pb2.AdminRequest.FromString,
                     response_serializer=gpumarket_dot_proto_dot_v1_dot_admin__pb2.RevokeResponse.SerializeToString,
+            ),
+            'Credit': grpc.unary_unary_rpc_method_handler(
+                    servicer.Credit,
+                    request_deserializer=gpumarket_dot_proto_dot_v1_dot_admin__pb2.AdminRequest.FromString,
+                    response_serializer=gpumarket_dot_proto_dot_v1_dot_admin__pb2.CreditResponse.SerializeToString,
+            ),
+            'Audit': grpc.unary_unary_rpc_method_handler(
+                    servicer.Audit,
+                    request_deserializer=gpumarket_dot_proto_dot_v1_dot_admin__pb2.AdminRequest.FromString,
+                    response_serializer=gpumarket_dot_proto_dot_v1_dot_admin__pb2.AuditResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -387,6 +419,60 @@ class Admin:
             '/gpumarket.v1.Admin/Unrevoke',
             gpumarket_dot_proto_dot_v1_dot_admin__pb2.AdminRequest.SerializeToString,
             gpumarket_dot_proto_dot_v1_dot_admin__pb2.RevokeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Credit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gpumarket.v1.Admin/Credit',
+            gpumarket_dot_proto_dot_v1_dot_admin__pb2.AdminRequest.SerializeToString,
+            gpumarket_dot_proto_dot_v1_dot_admin__pb2.CreditResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Audit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gpumarket.v1.Admin/Audit',
+            gpumarket_dot_proto_dot_v1_dot_admin__pb2.AdminRequest.SerializeToString,
+            gpumarket_dot_proto_dot_v1_dot_admin__pb2.AuditResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -142,7 +142,7 @@ class QuoteRequest(_message.Message):
     def __init__(self, spec: _Optional[_Union[_types_pb2.JobSpec, _Mapping]] = ..., limit: _Optional[int] = ..., client_id: _Optional[str] = ...) -> None: ...
 
 class QuoteCandidate(_message.Message):
-    __slots__ = ("provider_id", "gpu_name", "price_per_gpu_hour", "runtime_s", "expected_s", "expected_cost", "p_uninterrupted", "reliability", "free_devices")
+    __slots__ = ("provider_id", "gpu_name", "price_per_gpu_hour", "runtime_s", "expected_s", "expected_cost", "p_uninterrupted", "reliability", "free_devices", "estimated_s", "estimate_basis")
     PROVIDER_ID_FIELD_NUMBER: _ClassVar[int]
     GPU_NAME_FIELD_NUMBER: _ClassVar[int]
     PRICE_PER_GPU_HOUR_FIELD_NUMBER: _ClassVar[int]
@@ -152,6 +152,8 @@ class QuoteCandidate(_message.Message):
     P_UNINTERRUPTED_FIELD_NUMBER: _ClassVar[int]
     RELIABILITY_FIELD_NUMBER: _ClassVar[int]
     FREE_DEVICES_FIELD_NUMBER: _ClassVar[int]
+    ESTIMATED_S_FIELD_NUMBER: _ClassVar[int]
+    ESTIMATE_BASIS_FIELD_NUMBER: _ClassVar[int]
     provider_id: str
     gpu_name: str
     price_per_gpu_hour: float
@@ -161,10 +163,12 @@ class QuoteCandidate(_message.Message):
     p_uninterrupted: float
     reliability: float
     free_devices: int
-    def __init__(self, provider_id: _Optional[str] = ..., gpu_name: _Optional[str] = ..., price_per_gpu_hour: _Optional[float] = ..., runtime_s: _Optional[float] = ..., expected_s: _Optional[float] = ..., expected_cost: _Optional[float] = ..., p_uninterrupted: _Optional[float] = ..., reliability: _Optional[float] = ..., free_devices: _Optional[int] = ...) -> None: ...
+    estimated_s: float
+    estimate_basis: str
+    def __init__(self, provider_id: _Optional[str] = ..., gpu_name: _Optional[str] = ..., price_per_gpu_hour: _Optional[float] = ..., runtime_s: _Optional[float] = ..., expected_s: _Optional[float] = ..., expected_cost: _Optional[float] = ..., p_uninterrupted: _Optional[float] = ..., reliability: _Optional[float] = ..., free_devices: _Optional[int] = ..., estimated_s: _Optional[float] = ..., estimate_basis: _Optional[str] = ...) -> None: ...
 
 class QuoteResponse(_message.Message):
-    __slots__ = ("candidates", "excluded", "estimated_memory_bytes", "work_flops", "offers", "explanation")
+    __slots__ = ("candidates", "excluded", "estimated_memory_bytes", "work_flops", "offers", "explanation", "hold", "hold_basis")
     class ExcludedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -178,13 +182,17 @@ class QuoteResponse(_message.Message):
     WORK_FLOPS_FIELD_NUMBER: _ClassVar[int]
     OFFERS_FIELD_NUMBER: _ClassVar[int]
     EXPLANATION_FIELD_NUMBER: _ClassVar[int]
+    HOLD_FIELD_NUMBER: _ClassVar[int]
+    HOLD_BASIS_FIELD_NUMBER: _ClassVar[int]
     candidates: _containers.RepeatedCompositeFieldContainer[QuoteCandidate]
     excluded: _containers.ScalarMap[str, int]
     estimated_memory_bytes: int
     work_flops: float
     offers: int
     explanation: str
-    def __init__(self, candidates: _Optional[_Iterable[_Union[QuoteCandidate, _Mapping]]] = ..., excluded: _Optional[_Mapping[str, int]] = ..., estimated_memory_bytes: _Optional[int] = ..., work_flops: _Optional[float] = ..., offers: _Optional[int] = ..., explanation: _Optional[str] = ...) -> None: ...
+    hold: int
+    hold_basis: str
+    def __init__(self, candidates: _Optional[_Iterable[_Union[QuoteCandidate, _Mapping]]] = ..., excluded: _Optional[_Mapping[str, int]] = ..., estimated_memory_bytes: _Optional[int] = ..., work_flops: _Optional[float] = ..., offers: _Optional[int] = ..., explanation: _Optional[str] = ..., hold: _Optional[int] = ..., hold_basis: _Optional[str] = ...) -> None: ...
 
 class StreamLogsRequest(_message.Message):
     __slots__ = ("job_id", "after_seq", "follow")
@@ -215,3 +223,51 @@ class GetProviderResponse(_message.Message):
     provider: _types_pb2.ProviderStanding
     broker_time_ms: int
     def __init__(self, provider: _Optional[_Union[_types_pb2.ProviderStanding, _Mapping]] = ..., broker_time_ms: _Optional[int] = ...) -> None: ...
+
+class GetAccountRequest(_message.Message):
+    __slots__ = ("job_id", "limit", "before_seq")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    BEFORE_SEQ_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    limit: int
+    before_seq: int
+    def __init__(self, job_id: _Optional[str] = ..., limit: _Optional[int] = ..., before_seq: _Optional[int] = ...) -> None: ...
+
+class GetAccountResponse(_message.Message):
+    __slots__ = ("key_id", "available", "held", "credited", "spent", "earned", "stake", "lines", "billing")
+    KEY_ID_FIELD_NUMBER: _ClassVar[int]
+    AVAILABLE_FIELD_NUMBER: _ClassVar[int]
+    HELD_FIELD_NUMBER: _ClassVar[int]
+    CREDITED_FIELD_NUMBER: _ClassVar[int]
+    SPENT_FIELD_NUMBER: _ClassVar[int]
+    EARNED_FIELD_NUMBER: _ClassVar[int]
+    STAKE_FIELD_NUMBER: _ClassVar[int]
+    LINES_FIELD_NUMBER: _ClassVar[int]
+    BILLING_FIELD_NUMBER: _ClassVar[int]
+    key_id: str
+    available: int
+    held: int
+    credited: int
+    spent: int
+    earned: int
+    stake: int
+    lines: _containers.RepeatedCompositeFieldContainer[_types_pb2.LedgerLine]
+    billing: bool
+    def __init__(self, key_id: _Optional[str] = ..., available: _Optional[int] = ..., held: _Optional[int] = ..., credited: _Optional[int] = ..., spent: _Optional[int] = ..., earned: _Optional[int] = ..., stake: _Optional[int] = ..., lines: _Optional[_Iterable[_Union[_types_pb2.LedgerLine, _Mapping]]] = ..., billing: _Optional[bool] = ...) -> None: ...
+
+class TopUpRequest(_message.Message):
+    __slots__ = ("job_id", "amount")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    AMOUNT_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    amount: int
+    def __init__(self, job_id: _Optional[str] = ..., amount: _Optional[int] = ...) -> None: ...
+
+class TopUpResponse(_message.Message):
+    __slots__ = ("state", "billing")
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    BILLING_FIELD_NUMBER: _ClassVar[int]
+    state: _types_pb2.JobState
+    billing: _types_pb2.JobBilling
+    def __init__(self, state: _Optional[_Union[_types_pb2.JobState, str]] = ..., billing: _Optional[_Union[_types_pb2.JobBilling, _Mapping]] = ...) -> None: ...

@@ -79,6 +79,16 @@ class MarketplaceStub:
                 request_serializer=gpumarket_dot_proto_dot_v1_dot_marketplace__pb2.GetProviderRequest.SerializeToString,
                 response_deserializer=gpumarket_dot_proto_dot_v1_dot_marketplace__pb2.GetProviderResponse.FromString,
                 _registered_method=True)
+        self.GetAccount = channel.unary_unary(
+                '/gpumarket.v1.Marketplace/GetAccount',
+                request_serializer=gpumarket_dot_proto_dot_v1_dot_marketplace__pb2.GetAccountRequest.SerializeToString,
+                response_deserializer=gpumarket_dot_proto_dot_v1_dot_marketplace__pb2.GetAccountResponse.FromString,
+                _registered_method=True)
+        self.TopUp = channel.unary_unary(
+                '/gpumarket.v1.Marketplace/TopUp',
+                request_serializer=gpumarket_dot_proto_dot_v1_dot_marketplace__pb2.TopUpRequest.SerializeToString,
+                response_deserializer=gpumarket_dot_proto_dot_v1_dot_marketplace__pb2.TopUpResponse.FromString,
+                _registered_method=True)
 
 
 class MarketplaceServicer:
@@ -138,6 +148,18 @@ class MarketplaceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetAccount(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def TopUp(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MarketplaceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -185,6 +207,16 @@ def add_MarketplaceServicer_to_server(servicer, server):
                     servicer.GetProvider,
                     request_deserializer=gpumarket_dot_proto_dot_v1_dot_marketplace__pb2.GetProviderRequest.FromString,
                     response_serializer=gpumarket_dot_proto_dot_v1_dot_marketplace__pb2.GetProviderResponse.SerializeToString,
+            ),
+            'GetAccount': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetAccount,
+                    request_deserializer=gpumarket_dot_proto_dot_v1_dot_marketplace__pb2.GetAccountRequest.FromString,
+                    response_serializer=gpumarket_dot_proto_dot_v1_dot_marketplace__pb2.GetAccountResponse.SerializeToString,
+            ),
+            'TopUp': grpc.unary_unary_rpc_method_handler(
+                    servicer.TopUp,
+                    request_deserializer=gpumarket_dot_proto_dot_v1_dot_marketplace__pb2.TopUpRequest.FromString,
+                    response_serializer=gpumarket_dot_proto_dot_v1_dot_marketplace__pb2.TopUpResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -430,6 +462,60 @@ class Marketplace:
             '/gpumarket.v1.Marketplace/GetProvider',
             gpumarket_dot_proto_dot_v1_dot_marketplace__pb2.GetProviderRequest.SerializeToString,
             gpumarket_dot_proto_dot_v1_dot_marketplace__pb2.GetProviderResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetAccount(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gpumarket.v1.Marketplace/GetAccount',
+            gpumarket_dot_proto_dot_v1_dot_marketplace__pb2.GetAccountRequest.SerializeToString,
+            gpumarket_dot_proto_dot_v1_dot_marketplace__pb2.GetAccountResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TopUp(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gpumarket.v1.Marketplace/TopUp',
+            gpumarket_dot_proto_dot_v1_dot_marketplace__pb2.TopUpRequest.SerializeToString,
+            gpumarket_dot_proto_dot_v1_dot_marketplace__pb2.TopUpResponse.FromString,
             options,
             channel_credentials,
             insecure,

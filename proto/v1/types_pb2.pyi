@@ -30,6 +30,7 @@ class JobState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     JOB_STATE_SUCCEEDED: _ClassVar[JobState]
     JOB_STATE_FAILED: _ClassVar[JobState]
     JOB_STATE_CANCELLED: _ClassVar[JobState]
+    JOB_STATE_PAUSED: _ClassVar[JobState]
 
 class OfferFigures(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -60,6 +61,7 @@ JOB_STATE_RUNNING: JobState
 JOB_STATE_SUCCEEDED: JobState
 JOB_STATE_FAILED: JobState
 JOB_STATE_CANCELLED: JobState
+JOB_STATE_PAUSED: JobState
 OFFER_FIGURES_UNSPECIFIED: OfferFigures
 OFFER_FIGURES_CLAIMED: OfferFigures
 OFFER_FIGURES_MEASURED: OfferFigures
@@ -235,7 +237,7 @@ class KindParams(_message.Message):
     def __init__(self, json: _Optional[str] = ...) -> None: ...
 
 class JobSpec(_message.Message):
-    __slots__ = ("name", "kind", "resources", "max_price_per_gpu_hour", "inputs", "max_runtime_s", "max_attempts", "objective", "deadline_s", "min_reliability", "training", "generate", "embed", "render", "custom", "nonce", "created_at_ms", "expires_at_ms")
+    __slots__ = ("name", "kind", "resources", "max_price_per_gpu_hour", "inputs", "max_runtime_s", "max_attempts", "objective", "deadline_s", "min_reliability", "training", "generate", "embed", "render", "custom", "budget", "min_provider_stake", "nonce", "created_at_ms", "expires_at_ms")
     NAME_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     RESOURCES_FIELD_NUMBER: _ClassVar[int]
@@ -251,6 +253,8 @@ class JobSpec(_message.Message):
     EMBED_FIELD_NUMBER: _ClassVar[int]
     RENDER_FIELD_NUMBER: _ClassVar[int]
     CUSTOM_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_FIELD_NUMBER: _ClassVar[int]
+    MIN_PROVIDER_STAKE_FIELD_NUMBER: _ClassVar[int]
     NONCE_FIELD_NUMBER: _ClassVar[int]
     CREATED_AT_MS_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_AT_MS_FIELD_NUMBER: _ClassVar[int]
@@ -269,10 +273,12 @@ class JobSpec(_message.Message):
     embed: EmbedParams
     render: RenderParams
     custom: KindParams
+    budget: float
+    min_provider_stake: float
     nonce: bytes
     created_at_ms: int
     expires_at_ms: int
-    def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[JobKind, str]] = ..., resources: _Optional[_Union[Resources, _Mapping]] = ..., max_price_per_gpu_hour: _Optional[float] = ..., inputs: _Optional[_Iterable[_Union[ArtifactRef, _Mapping]]] = ..., max_runtime_s: _Optional[int] = ..., max_attempts: _Optional[int] = ..., objective: _Optional[_Union[Objective, str]] = ..., deadline_s: _Optional[int] = ..., min_reliability: _Optional[float] = ..., training: _Optional[_Union[TrainingParams, _Mapping]] = ..., generate: _Optional[_Union[GenerateParams, _Mapping]] = ..., embed: _Optional[_Union[EmbedParams, _Mapping]] = ..., render: _Optional[_Union[RenderParams, _Mapping]] = ..., custom: _Optional[_Union[KindParams, _Mapping]] = ..., nonce: _Optional[bytes] = ..., created_at_ms: _Optional[int] = ..., expires_at_ms: _Optional[int] = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[JobKind, str]] = ..., resources: _Optional[_Union[Resources, _Mapping]] = ..., max_price_per_gpu_hour: _Optional[float] = ..., inputs: _Optional[_Iterable[_Union[ArtifactRef, _Mapping]]] = ..., max_runtime_s: _Optional[int] = ..., max_attempts: _Optional[int] = ..., objective: _Optional[_Union[Objective, str]] = ..., deadline_s: _Optional[int] = ..., min_reliability: _Optional[float] = ..., training: _Optional[_Union[TrainingParams, _Mapping]] = ..., generate: _Optional[_Union[GenerateParams, _Mapping]] = ..., embed: _Optional[_Union[EmbedParams, _Mapping]] = ..., render: _Optional[_Union[RenderParams, _Mapping]] = ..., custom: _Optional[_Union[KindParams, _Mapping]] = ..., budget: _Optional[float] = ..., min_provider_stake: _Optional[float] = ..., nonce: _Optional[bytes] = ..., created_at_ms: _Optional[int] = ..., expires_at_ms: _Optional[int] = ...) -> None: ...
 
 class Benchmark(_message.Message):
     __slots__ = ("matmul_flops", "matmul_dtype", "memory_bandwidth_bytes_per_s", "measured_at_ms", "matmul_flops_by_dtype", "host_to_device_bytes_per_s", "sm_count", "interconnect")
@@ -504,7 +510,7 @@ class Attempt(_message.Message):
     def __init__(self, attempt: _Optional[int] = ..., epoch: _Optional[int] = ..., provider_id: _Optional[str] = ..., started_at_ms: _Optional[int] = ..., ended_at_ms: _Optional[int] = ..., outcome: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class Job(_message.Message):
-    __slots__ = ("job_id", "name", "kind", "state", "client_id", "attempt", "provider_id", "progress", "error", "created_at_ms", "updated_at_ms", "spec", "receipt", "attempts", "queue_reason", "checkpoint_step", "parts")
+    __slots__ = ("job_id", "name", "kind", "state", "client_id", "attempt", "provider_id", "progress", "error", "created_at_ms", "updated_at_ms", "spec", "receipt", "attempts", "queue_reason", "checkpoint_step", "parts", "billing")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
@@ -522,6 +528,7 @@ class Job(_message.Message):
     QUEUE_REASON_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_STEP_FIELD_NUMBER: _ClassVar[int]
     PARTS_FIELD_NUMBER: _ClassVar[int]
+    BILLING_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     name: str
     kind: JobKind
@@ -539,7 +546,48 @@ class Job(_message.Message):
     queue_reason: str
     checkpoint_step: int
     parts: _containers.RepeatedCompositeFieldContainer[JobPart]
-    def __init__(self, job_id: _Optional[str] = ..., name: _Optional[str] = ..., kind: _Optional[_Union[JobKind, str]] = ..., state: _Optional[_Union[JobState, str]] = ..., client_id: _Optional[str] = ..., attempt: _Optional[int] = ..., provider_id: _Optional[str] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., error: _Optional[str] = ..., created_at_ms: _Optional[int] = ..., updated_at_ms: _Optional[int] = ..., spec: _Optional[_Union[Envelope, _Mapping]] = ..., receipt: _Optional[_Union[Envelope, _Mapping]] = ..., attempts: _Optional[_Iterable[_Union[Attempt, _Mapping]]] = ..., queue_reason: _Optional[str] = ..., checkpoint_step: _Optional[int] = ..., parts: _Optional[_Iterable[_Union[JobPart, _Mapping]]] = ...) -> None: ...
+    billing: JobBilling
+    def __init__(self, job_id: _Optional[str] = ..., name: _Optional[str] = ..., kind: _Optional[_Union[JobKind, str]] = ..., state: _Optional[_Union[JobState, str]] = ..., client_id: _Optional[str] = ..., attempt: _Optional[int] = ..., provider_id: _Optional[str] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., error: _Optional[str] = ..., created_at_ms: _Optional[int] = ..., updated_at_ms: _Optional[int] = ..., spec: _Optional[_Union[Envelope, _Mapping]] = ..., receipt: _Optional[_Union[Envelope, _Mapping]] = ..., attempts: _Optional[_Iterable[_Union[Attempt, _Mapping]]] = ..., queue_reason: _Optional[str] = ..., checkpoint_step: _Optional[int] = ..., parts: _Optional[_Iterable[_Union[JobPart, _Mapping]]] = ..., billing: _Optional[_Union[JobBilling, _Mapping]] = ...) -> None: ...
+
+class JobBilling(_message.Message):
+    __slots__ = ("hold", "charged", "remaining", "disputed", "basis")
+    HOLD_FIELD_NUMBER: _ClassVar[int]
+    CHARGED_FIELD_NUMBER: _ClassVar[int]
+    REMAINING_FIELD_NUMBER: _ClassVar[int]
+    DISPUTED_FIELD_NUMBER: _ClassVar[int]
+    BASIS_FIELD_NUMBER: _ClassVar[int]
+    hold: int
+    charged: int
+    remaining: int
+    disputed: int
+    basis: str
+    def __init__(self, hold: _Optional[int] = ..., charged: _Optional[int] = ..., remaining: _Optional[int] = ..., disputed: _Optional[int] = ..., basis: _Optional[str] = ...) -> None: ...
+
+class LedgerLine(_message.Message):
+    __slots__ = ("seq", "at_ms", "type", "account", "amount", "job_id", "provider_id", "step_from", "step_to", "seconds", "memo")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    AT_MS_FIELD_NUMBER: _ClassVar[int]
+    TYPE_FIELD_NUMBER: _ClassVar[int]
+    ACCOUNT_FIELD_NUMBER: _ClassVar[int]
+    AMOUNT_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    PROVIDER_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FROM_FIELD_NUMBER: _ClassVar[int]
+    STEP_TO_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MEMO_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    at_ms: int
+    type: str
+    account: str
+    amount: int
+    job_id: str
+    provider_id: str
+    step_from: int
+    step_to: int
+    seconds: float
+    memo: str
+    def __init__(self, seq: _Optional[int] = ..., at_ms: _Optional[int] = ..., type: _Optional[str] = ..., account: _Optional[str] = ..., amount: _Optional[int] = ..., job_id: _Optional[str] = ..., provider_id: _Optional[str] = ..., step_from: _Optional[int] = ..., step_to: _Optional[int] = ..., seconds: _Optional[float] = ..., memo: _Optional[str] = ...) -> None: ...
 
 class JobPart(_message.Message):
     __slots__ = ("part", "job_id", "state", "attempt", "provider_id", "progress", "error", "receipt")
@@ -562,7 +610,7 @@ class JobPart(_message.Message):
     def __init__(self, part: _Optional[int] = ..., job_id: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., attempt: _Optional[int] = ..., provider_id: _Optional[str] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., error: _Optional[str] = ..., receipt: _Optional[_Union[Envelope, _Mapping]] = ...) -> None: ...
 
 class ProviderStanding(_message.Message):
-    __slots__ = ("provider_id", "online", "banned", "devices", "price_per_gpu_hour", "reliability", "leases_completed", "leases_lost", "running", "earned", "last_seen_ms", "first_seen_ms")
+    __slots__ = ("provider_id", "online", "banned", "devices", "price_per_gpu_hour", "reliability", "leases_completed", "leases_lost", "running", "earned", "last_seen_ms", "first_seen_ms", "stake")
     PROVIDER_ID_FIELD_NUMBER: _ClassVar[int]
     ONLINE_FIELD_NUMBER: _ClassVar[int]
     BANNED_FIELD_NUMBER: _ClassVar[int]
@@ -575,6 +623,7 @@ class ProviderStanding(_message.Message):
     EARNED_FIELD_NUMBER: _ClassVar[int]
     LAST_SEEN_MS_FIELD_NUMBER: _ClassVar[int]
     FIRST_SEEN_MS_FIELD_NUMBER: _ClassVar[int]
+    STAKE_FIELD_NUMBER: _ClassVar[int]
     provider_id: str
     online: bool
     banned: bool
@@ -587,7 +636,8 @@ class ProviderStanding(_message.Message):
     earned: float
     last_seen_ms: int
     first_seen_ms: int
-    def __init__(self, provider_id: _Optional[str] = ..., online: _Optional[bool] = ..., banned: _Optional[bool] = ..., devices: _Optional[_Iterable[str]] = ..., price_per_gpu_hour: _Optional[float] = ..., reliability: _Optional[float] = ..., leases_completed: _Optional[int] = ..., leases_lost: _Optional[int] = ..., running: _Optional[int] = ..., earned: _Optional[float] = ..., last_seen_ms: _Optional[int] = ..., first_seen_ms: _Optional[int] = ...) -> None: ...
+    stake: int
+    def __init__(self, provider_id: _Optional[str] = ..., online: _Optional[bool] = ..., banned: _Optional[bool] = ..., devices: _Optional[_Iterable[str]] = ..., price_per_gpu_hour: _Optional[float] = ..., reliability: _Optional[float] = ..., leases_completed: _Optional[int] = ..., leases_lost: _Optional[int] = ..., running: _Optional[int] = ..., earned: _Optional[float] = ..., last_seen_ms: _Optional[int] = ..., first_seen_ms: _Optional[int] = ..., stake: _Optional[int] = ...) -> None: ...
 
 class LogLine(_message.Message):
     __slots__ = ("seq", "at_ms", "attempt", "text")

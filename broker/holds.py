@@ -1,0 +1,78 @@
+"""What a job holds at submission: its worst-case cost.
+
+    hold = max_price x devices x parts x hold time
+    hold time = max(MIN_HOLD_S, HOLD_MARGIN x the calibrated wall time on the slowest offer that
+                fits it now), at most max_runtime when the job sets one;
+                the job's max_runtime, or DEFAULT_HOLD_S, when its work is unknown or no offer
+                fits it yet
+
+or the job's own ``budget``. A job whose hold runs out is paused at a checkpoint, not killed
+(jobs.record_checkpoint); a top-up resumes it. Plain code apart from ``quote``, which reads the
+live offer book.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from gpumarket.broker import calibration, ledger, matcher
+from gpumarket.broker.admission import Needs
+
+HOLD_MARGIN = 2.0
+MIN_HOLD_S = 300.0
+DEFAULT_HOLD_S = 3600.0
+
+
+@dataclass(frozen=True)
+class Timed:
+    """One candidate offer with the calibrated wall time of the job on it."""
+
+    estimate: matcher.Estimate
+    raw_s: float
+    seconds: float
+    basis: str
+
+
+def raw_seconds(work_flops: float, offer: matcher.OfferView, gpus: int) -> float:
+    """The job's work at the offer's benchmark speed (0: unknown work or benchmark)."""
+    if work_flops <= 0 or offer.claimed_flops <= 0:
+        return 0.0
+    return work_flops / (offer.claimed_flops * max(gpus, 1))
+
+
+def timed(db, book: matcher.Book, job: matcher.JobNeeds, found: list[matcher.Estimate]
+          ) -> list[Timed]:
+    """Calibrated wall times of ``job`` on the candidate offers ``found`` (a store read)."""
+    offers = {e.provider_id: book.offers[book.index[e.provider_id]] for e in found}
+    fitted = calibration.models(db, {p: o.accelerator for p, o in offers.items()}, job.kind)
+    out = []
+    for e in found:
+        raw = raw_seconds(job.work_flops, offers[e.provider_id], job.gpus)
+        model = fitted[e.provider_id]
+        out.append(Timed(e, raw, model.seconds(raw), model.basis))
+    return out
+
+
+def amount(needs: Needs, parts: int, candidates: list[Timed], budget: float
+           ) -> tuple[int, str]:
+    """(units to hold, what that rests on)."""
+    if budget > 0:
+        return ledger.units(budget), "the job's budget"
+    if needs.work_flops > 0 and candidates:
+        slowest = max(candidates, key=lambda t: t.seconds)
+        seconds = max(MIN_HOLD_S, HOLD_MARGIN * slowest.seconds)
+        why = (f"{seconds:.0f}s: {HOLD_MARGIN:g} x the {slowest.seconds:.0f}s estimated on the"
+               f" slowest fitting offer from {slowest.basis}, at least {MIN_HOLD_S:.0f}s")
+        if needs.max_runtime_s and needs.max_runtime_s < seconds:
+            seconds, why = needs.max_runtime_s, f"its max_runtime of {needs.max_runtime_s}s"
+    elif needs.max_runtime_s:
+        seconds, why = needs.max_runtime_s, f"its max_runtime of {needs.max_runtime_s}s"
+    else:
+        seconds = DEFAULT_HOLD_S
+        why = ("one hour: its work is not known ahead (set max_runtime or budget)"
+               if needs.work_flops <= 0 else "one hour: no offer fits it now")
+    devices = needs.gpus * max(parts, 1)
+    held = math.ceil(ledger.units(needs.max_price_per_gpu_hour) * devices * seconds / 3600)
+    return max(held, 1), (f"{why}, at max_price {needs.max_price_per_gpu_hour:g}/device-hour"
+                          f" x {devices} device{'s' if devices > 1 else ''}")

@@ -1,0 +1,359 @@
+"""The ledger on a real SQLite file: the job and lease state machine driven at random
+(hypothesis), with broker crashes mid-transaction; and its unit rules."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from gpumarket.broker import jobs, ledger
+from gpumarket.broker.admission import Needs, NewJob
+from gpumarket.broker.schema import migrations
+from gpumarket.broker.store import connect
+from gpumarket.proto.errors import GpumarketError, InsufficientFunds
+from gpumarket.proto.v1 import types_pb2 as pb
+
+CLIENTS = ("ca", "cb")
+PROVIDERS = ("pa", "pb", "pc")
+PRICES = {"pa": 1.0, "pb": 1.7, "pc": 0.3}
+STEPS = 40
+EVERY = 10
+
+
+class Crash(Exception):
+    """The broker dies inside a transaction: nothing of it is committed."""
+
+
+def open_db(path):
+    db = connect(path)
+    migrations.apply(db)
+    return db
+
+
+def sign(lease: pb.Lease) -> pb.Envelope:
+    return pb.Envelope(payload=lease.SerializeToString())
+
+
+def new_job(job_id: str, client: str, hold: int, enforce: bool, price: float = 2.0,
+            gpus: int = 1) -> NewJob:
+    needs = Needs(kind=pb.JOB_KIND_TRAINING, gpus=gpus, min_memory_bytes=0,
+                  accelerator=pb.ACCELERATOR_UNSPECIFIED, max_price_per_gpu_hour=price)
+    return NewJob(id=job_id, client_id=client, name=job_id,
+                  spec=pb.Envelope().SerializeToString(), spec_sha256="0" * 64, needs=needs,
+                  expires_at_ms=10**13, max_attempts=100, nonce=job_id.encode().hex(),
+                  hold=hold, hold_basis="test", fee_ppm=50_000, enforce_funds=enforce)
+
+
+def artifact(db, provider: str, step: int, now: int) -> pb.ArtifactRef:
+    """A checkpoint blob this provider uploaded intact."""
+    sha = f"{step:08x}{provider}".ljust(64, "0")
+    db.execute("INSERT OR IGNORE INTO artifacts (sha256, size_bytes, created_at_ms)"
+               " VALUES (?, ?, ?)", [sha, 10, now])
+    db.execute("INSERT OR IGNORE INTO artifact_owners (sha256, owner_id, size_bytes,"
+               " created_at_ms) VALUES (?, ?, ?, ?)", [sha, provider, 10, now])
+    return pb.ArtifactRef(name="ckpt.tar", sha256=sha, size_bytes=10)
+
+
+class World:
+    """The broker's store and a clock; each call is one transaction, as Store.write runs
+    it, optionally crashing before COMMIT."""
+
+    def __init__(self, path):
+        self.path = path
+        self.db = open_db(path)
+        self.now = 1_000_000
+        self.jobs: list[str] = []
+
+    def write(self, fn, *args, crash: bool = False):
+        self.db.conn.execute("BEGIN IMMEDIATE")
+        try:
+            out = fn(self.db, *args)
+            if crash:
+                raise Crash()
+        except BaseException:
+            self.db.conn.execute("ROLLBACK")
+            raise
+        self.db.conn.execute("COMMIT")
+        return out
+
+    def restart(self):
+        self.db.conn.close()
+        self.db = open_db(self.path)
+
+    def job(self, job_id):
+        return jobs.job_row(self.db, job_id)
+
+    def active_lease(self, job_id):
+        row = self.db.execute("SELECT id, epoch, provider_id FROM leases WHERE job_id = ?"
+                              " AND state = 'active'", [job_id]).fetchone()
+        return row
+
+
+def apply(w: World, op: tuple, crash: bool) -> None:
+    """One random operation; those that do not apply now raise GpumarketError."""
+    name, a, b = op
+    w.now += 1 + b * 997
+    job_id = w.jobs[a % len(w.jobs)] if w.jobs else None
+    if name == "credit":
+        w.write(ledger.credit, CLIENTS[a % 2], (b + 1) * 10_000, "client", "", "op",
+                f"k{w.now}", w.now, crash=crash)
+    elif name == "submit":
+        new = f"j{len(w.jobs)}"
+        w.write(jobs.submit, new_job(new, CLIENTS[a % 2], (b + 1) * 3_000, a % 3 != 0),
+                w.now, crash=crash)
+        w.jobs.append(new)
+    elif job_id is None:
+        return
+    elif name == "lease":
+        p = PROVIDERS[b % 3]
+        w.write(jobs.create_lease, job_id, p, [0], PRICES[p], w.now, 60_000, EVERY, sign,
+                crash=crash)
+    elif name in ("start", "checkpoint", "succeed", "fail", "lose"):
+        lease = w.active_lease(job_id)
+        if lease is None:
+            return
+        lease_id, epoch, p = lease
+        if name == "start":
+            w.write(jobs.mark_started, job_id, epoch, p, w.now, crash=crash)
+        elif name == "checkpoint":
+            job = w.job(job_id)
+            step = min(STEPS, job["checkpoint_step"] + EVERY * (1 + b % 2))
+            w.write(jobs.record_progress, job_id, epoch, p, pb.Progress(step=step, total=STEPS),
+                    w.now)
+            ref = w.write(artifact, p, step, w.now)
+            w.write(jobs.record_checkpoint, job_id, epoch, p, step, ref, 0.1, w.now,
+                    crash=crash)
+        elif name == "succeed":
+            receipt = pb.Envelope(payload=pb.Receipt(job_id=job_id).SerializeToString())
+            w.write(jobs.succeed, job_id, epoch, p, receipt.SerializeToString(), w.now,
+                    crash=crash)
+        elif name == "fail":
+            w.write(jobs.fail, job_id, epoch, p, "boom", w.now, crash=crash)
+        else:
+            w.write(jobs.lose_lease, lease_id, "missed heartbeats", w.now, crash=crash)
+    elif name == "cancel":
+        w.write(jobs.cancel, job_id, w.job(job_id)["client_id"], w.now, crash=crash)
+    elif name == "topup":
+        w.write(jobs.top_up, job_id, w.job(job_id)["client_id"], (b + 1) * 2_000, w.now,
+                crash=crash)
+    elif name == "dispute":
+        seq = w.db.execute("SELECT seq FROM ledger_postings WHERE type = 'settle' AND NOT"
+                           " EXISTS (SELECT 1 FROM ledger_postings d WHERE d.key ="
+                           " 'dispute:' || ledger_postings.seq) ORDER BY seq LIMIT 1 OFFSET ?",
+                           [b]).fetchone()
+        if seq is not None:
+            w.write(ledger.dispute, seq[0], w.now, crash=crash)
+    elif name == "resolve":
+        seq = w.db.execute("SELECT substr(key, 9) FROM ledger_postings WHERE type = 'dispute'"
+                           " AND NOT EXISTS (SELECT 1 FROM ledger_postings r WHERE r.key ="
+                           " 'resolve:' || substr(ledger_postings.key, 9)) LIMIT 1").fetchone()
+        if seq is not None:
+            w.write(ledger.resolve, int(seq[0]), a % 2 == 0, w.now, crash=crash)
+    elif name == "restart":
+        w.restart()
+
+
+def check(w: World) -> None:
+    """The ledger's invariants after any step."""
+    db = w.db
+    assert ledger.audit(db) == []
+    total = db.execute("SELECT coalesce(sum(amount), 0) FROM ledger_entries").fetchone()[0]
+    assert total == 0
+    for job_id in w.jobs:
+        job = w.job(job_id)
+        settles = db.execute(
+            "SELECT p.lease_id, p.step_from, p.step_to, p.seconds, -e.amount, p.key"
+            " FROM ledger_postings p JOIN ledger_entries e ON e.posting_seq = p.seq"
+            " AND e.account = ? WHERE p.type = 'settle' ORDER BY p.seq",
+            [ledger.escrow(job_id)]).fetchall()
+        # Each step of progress is paid once: the settled ranges chain from 0 without a gap
+        # or an overlap, and end at the latest checkpoint (or the end, once succeeded).
+        at = 0
+        for _, step_from, step_to, _, _, _ in settles:
+            assert step_from == at, settles
+            assert step_to >= step_from
+            at = step_to
+        if job["state"] == jobs.SUCCEEDED:
+            assert at == max(job["progress_step"], job["progress_total"])
+        else:
+            assert at == job["checkpoint_step"] or (at == 0 and not settles)
+        # Each segment costs the lease's price x devices x its time (capped by the hold
+        # where funds are enforced), and the job's charge is their sum.
+        money = ledger.job_money(db, job_id)
+        reversed_ = -db.execute(
+            "SELECT coalesce(sum(e.amount), 0) FROM ledger_entries e JOIN ledger_postings p"
+            " ON p.seq = e.posting_seq WHERE p.type = 'reverse' AND p.job_id = ?"
+            " AND e.account = ?", [job_id, ledger.escrow(job_id)]).fetchone()[0]
+        assert money["charged"] == sum(s[4] for s in settles) + reversed_
+        for lease_id, _, _, seconds, paid, key in settles:
+            price = db.execute("SELECT price_per_gpu_hour FROM leases WHERE id = ?",
+                               [lease_id]).fetchone()[0]
+            full = ledger.units(price) * round(seconds * 1000) // ledger.MS_PER_HOUR
+            assert paid == full or (job["enforce_funds"] and paid < full), key
+        if job["state"] in (jobs.SUCCEEDED, jobs.FAILED, jobs.CANCELLED):
+            assert money["remaining"] == 0          # released
+        elif job["enforce_funds"]:
+            assert money["remaining"] >= 0
+    # Per client: what it was given = available + held + spent (nothing is created or lost).
+    for c in CLIENTS:
+        s = ledger.summary(db, c)
+        reversed_to_client = db.execute(
+            "SELECT coalesce(sum(e.amount), 0) FROM ledger_entries e JOIN ledger_postings p"
+            " ON p.seq = e.posting_seq WHERE p.type = 'reverse' AND e.account = ?",
+            [ledger.client(c)]).fetchone()[0]
+        assert s["available"] + s["held"] + s["spent"] == s["credited"] + reversed_to_client
+    # Each (lease, step) settled once, ever.
+    assert db.execute("SELECT count(*) - count(DISTINCT lease_id || ':' || step_to) FROM"
+                      " ledger_postings WHERE type = 'settle'").fetchone()[0] == 0
+
+
+OPS = st.tuples(st.sampled_from(["credit", "submit", "lease", "start", "checkpoint",
+                                 "checkpoint", "succeed", "fail", "lose", "cancel", "topup",
+                                 "dispute", "resolve", "restart"]),
+                st.integers(0, 5), st.integers(0, 4))
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(OPS, st.booleans()), min_size=5, max_size=60))
+def test_random_histories_keep_the_books_balanced(tmp_path_factory, history):
+    w = World(tmp_path_factory.mktemp("ledger") / "broker.db")
+    for op, crash in history:
+        before = w.db.execute("SELECT count(*) FROM ledger_postings").fetchone()[0]
+        try:
+            apply(w, op, crash)
+        except Crash:
+            # Nothing of the crashed transaction is there; the event is retried (the
+            # provider reports again, the client calls again) and lands once.
+            assert w.db.execute("SELECT count(*) FROM ledger_postings").fetchone()[0] == before
+            w.restart()
+            try:
+                apply(w, op, False)
+            except GpumarketError:
+                pass
+        except GpumarketError:
+            pass
+        check(w)
+    w.db.conn.close()
+
+
+def test_a_checkpoint_reported_twice_is_settled_once(tmp_path):
+    w = World(tmp_path / "b.db")
+    w.write(ledger.credit, "ca", 10**6, "client", "", "op", "k1", 1)
+    w.write(jobs.submit, new_job("j", "ca", 500_000, True), 2)
+    w.write(jobs.create_lease, "j", "pa", [0], 1.0, 3, 60_000, EVERY, sign)
+    w.write(jobs.mark_started, "j", 1, "pa", 1_000)
+    ref = w.write(artifact, "pa", 10, 1_000)
+    assert w.write(jobs.record_checkpoint, "j", 1, "pa", 10, ref, 0.1, 361_000)
+    assert not w.write(jobs.record_checkpoint, "j", 1, "pa", 10, ref, 0.1, 400_000)
+    settles = w.db.execute("SELECT step_from, step_to, seconds FROM ledger_postings"
+                           " WHERE type = 'settle'").fetchall()
+    assert settles == [(0, 10, 360.0)]
+    # 1 credit/h x 360 s = 0.1 credit, 5 % of it the market's fee.
+    assert ledger.balance(w.db, ledger.provider("pa")) == 95_000
+    assert ledger.balance(w.db, "fee") == 5_000
+    assert ledger.balance(w.db, ledger.escrow("j")) == 400_000
+
+
+def test_a_hold_the_client_cannot_cover_queues_nothing(tmp_path):
+    w = World(tmp_path / "b.db")
+    w.write(ledger.credit, "ca", 250_000, "client", "", "op", "k1", 1)
+    with pytest.raises(InsufficientFunds, match=r"holds 0\.30 credits .* available balance"
+                       r" is 0\.25, 0\.05 short"):
+        w.write(jobs.submit, new_job("j", "ca", 300_000, True), 2)
+    assert w.db.execute("SELECT count(*) FROM jobs").fetchone()[0] == 0
+    assert w.db.execute("SELECT count(*) FROM events").fetchone()[0] == 0
+    assert ledger.balance(w.db, ledger.client("ca")) == 250_000
+    # A broker that does not enforce funds records the usage: the balance goes below zero.
+    w.write(jobs.submit, new_job("j", "ca", 300_000, False), 3)
+    assert ledger.balance(w.db, ledger.client("ca")) == -50_000
+    assert ledger.audit(w.db) == []
+
+
+def test_a_spent_hold_pauses_at_a_checkpoint_and_a_top_up_resumes(tmp_path):
+    w = World(tmp_path / "b.db")
+    w.write(ledger.credit, "ca", 10**6, "client", "", "op", "k1", 1)
+    # 0.15 credit of hold at 1 credit/h: 540 s of one device.
+    w.write(jobs.submit, new_job("j", "ca", 150_000, True), 2)
+    w.write(jobs.create_lease, "j", "pa", [0], 1.0, 3, 60_000, EVERY, sign)
+    w.write(jobs.mark_started, "j", 1, "pa", 0)
+    w.write(jobs.record_progress, "j", 1, "pa", pb.Progress(step=10, total=40), 300_000)
+    ref = w.write(artifact, "pa", 10, 0)
+    w.write(jobs.record_checkpoint, "j", 1, "pa", 10, ref, 0.1, 300_000)   # 300 s: 0.0833
+    job = w.job("j")
+    assert job["state"] == jobs.PAUSED and "topup j" in job["queue_reason"]
+    lease = w.db.execute("SELECT state FROM leases WHERE id = 'j.1'").fetchone()
+    assert lease == ("paused",)
+    assert w.write(jobs.top_up, "j", "ca", 500_000, 400_000) == jobs.QUEUED
+    w.write(jobs.create_lease, "j", "pb", [0], 1.0, 400_001, 60_000, EVERY, sign)
+    assert w.db.execute("SELECT start_step FROM leases WHERE id = 'j.2'").fetchone() == (10,)
+    assert w.job("j")["attempt"] == 1        # a pause is not a failed attempt
+    assert ledger.audit(w.db) == []
+
+
+def test_postings_are_append_only(tmp_path):
+    w = World(tmp_path / "b.db")
+    w.write(ledger.credit, "ca", 100, "client", "", "op", "k1", 1)
+    for sql in ("UPDATE ledger_entries SET amount = 1000", "DELETE FROM ledger_postings",
+                "UPDATE ledger_postings SET memo = 'x'", "DELETE FROM ledger_entries"):
+        with pytest.raises(sqlite3.IntegrityError, match="append-only"):
+            w.db.execute(sql)
+    # A tampered cache is caught by the audit.
+    w.db.execute("UPDATE ledger_accounts SET balance = 5 WHERE account = 'client:ca'")
+    assert ledger.audit(w.db) == ["client:ca: cached balance 5 but its entries sum to 100"]
+
+
+def test_a_credit_order_applies_once(tmp_path):
+    w = World(tmp_path / "b.db")
+    first = w.write(ledger.credit, "ca", 100, "client", "memo", "op", "nonce1", 1)
+    again = w.write(ledger.credit, "ca", 100, "client", "memo", "op", "nonce1", 2)
+    assert first[0] is not None and again == (None, 100)
+    row = w.db.execute("SELECT memo, actor FROM ledger_postings").fetchall()
+    assert row == [("memo", "op")]
+
+
+def test_a_failed_check_returns_the_pay_to_the_job(tmp_path):
+    w = World(tmp_path / "b.db")
+    w.write(ledger.credit, "ca", 10**6, "client", "", "op", "k1", 1)
+    w.write(jobs.submit, new_job("j", "ca", 500_000, True), 2)
+    w.write(jobs.create_lease, "j", "pa", [0], 1.0, 3, 60_000, EVERY, sign)
+    w.write(jobs.mark_started, "j", 1, "pa", 0)
+    ref = w.write(artifact, "pa", 10, 0)
+    w.write(jobs.record_checkpoint, "j", 1, "pa", 10, ref, 0.1, 360_000)
+    seq = w.db.execute("SELECT seq FROM ledger_postings WHERE type = 'settle'").fetchone()[0]
+    w.write(ledger.dispute, seq, 400_000)
+    assert ledger.balance(w.db, ledger.provider("pa")) == 0
+    assert ledger.job_money(w.db, "j")["disputed"] == 100_000
+    w.write(ledger.resolve, seq, False, 500_000)
+    assert ledger.balance(w.db, ledger.escrow("j")) == 500_000     # as if never paid
+    assert ledger.job_money(w.db, "j")["charged"] == 0
+    assert ledger.audit(w.db) == []
+    lines = ledger.lines(w.db, "pa")
+    assert [(x["type"], x["account"], x["amount"]) for x in lines] == [
+        ("reverse", "disputed", -100_000), ("dispute", "disputed", 100_000),
+        ("dispute", "earned", -95_000), ("settle", "earned", 95_000)]
+    assert json.dumps(lines)     # plain data
+
+
+def test_a_job_asking_for_a_stake_goes_only_to_staked_providers_and_a_slash_pays_the_client(
+        tmp_path):
+    from gpumarket.broker.matcher import Book, JobNeeds, OfferView, explain
+
+    cpu, train = pb.ACCELERATOR_CPU, pb.JOB_KIND_TRAINING
+    staked = OfferView("staked", 1.0, frozenset({train}), (0,), cpu, 2**30, stake=5_000_000)
+    bare = OfferView("bare", 0.5, frozenset({train}), (0,), cpu, 2**30)
+    job = JobNeeds("j", train, 1, 0, pb.ACCELERATOR_UNSPECIFIED, 2.0, min_stake=1_000_000)
+    placement, _ = Book([staked, bare]).place(job)
+    assert placement.provider_id == "staked"     # the cheaper one has no stake
+    _, excluded = Book([bare]).place(job)
+    assert dict(excluded) == {"stake": 1} and "staked less" in explain(excluded, 1)
+
+    w = World(tmp_path / "b.db")
+    w.write(ledger.credit, "staked", 5_000_000, "stake", "bond", "op", "s1", 1)
+    assert w.write(ledger.slash, "staked", "ca", "j", 2_000_000, 2) == 2_000_000
+    assert ledger.balance(w.db, ledger.stake("staked")) == 3_000_000
+    assert ledger.balance(w.db, ledger.client("ca")) == 2_000_000
+    assert ledger.audit(w.db) == []
