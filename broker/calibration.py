@@ -24,6 +24,8 @@ from sqlite_utils import Database
 from gpumarket.proto.v1 import types_pb2 as pb
 
 WINDOW = 20
+MAX_OVERHEAD_S = 3600.0   # a fit beyond these is a provider's stalling, not a job's cost
+MAX_SLOPE = 100.0
 # Per device class: (overhead_s, slope). Measured here (2-core CPU, the example training job):
 # about 6 s of start-up and 3x the benchmark-speed time; CUDA assumed alike until measured.
 PRIOR = {pb.ACCELERATOR_CPU: (6.0, 3.0), pb.ACCELERATOR_CUDA: (20.0, 3.0)}
@@ -38,7 +40,8 @@ class Model:
     basis: str
 
     def seconds(self, raw_s: float) -> float:
-        return self.overhead_s + self.slope * max(raw_s, 0.0)
+        return (min(self.overhead_s, MAX_OVERHEAD_S)
+                + min(self.slope, MAX_SLOPE) * max(raw_s, 0.0))
 
 
 def prior(accelerator: int) -> Model:

@@ -1,8 +1,9 @@
 """What a job holds at submission: its worst-case cost.
 
     hold = max_price x devices x parts x hold time
-    hold time = max(MIN_HOLD_S, HOLD_MARGIN x the calibrated wall time on the slowest offer that
-                fits it now), at most max_runtime when the job sets one;
+    hold time = max(MIN_HOLD_S, HOLD_MARGIN x the calibrated wall time on the slowest of the
+                CANDIDATES offers the matcher ranks first), at most max_runtime when the job
+                sets one, and at most MAX_HOLD_S;
                 the job's max_runtime, or DEFAULT_HOLD_S, when its work is unknown or no offer
                 fits it yet
 
@@ -18,10 +19,16 @@ from dataclasses import dataclass
 
 from gpumarket.broker import calibration, ledger, matcher
 from gpumarket.broker.admission import Needs
+from gpumarket.proto.jobspec import MAX_CREDITS
 
 HOLD_MARGIN = 2.0
 MIN_HOLD_S = 300.0
 DEFAULT_HOLD_S = 3600.0
+MAX_HOLD_S = 7 * 24 * 3600.0     # an estimate beyond this is an offer's absurd figure, not a job
+CANDIDATES = 5                   # the offers the matcher ranks first: where the job would go
+# No device is slower than this: an offer claiming less (to inflate every job's hold) counts
+# as this fast when sizing holds.
+MIN_CLAIMED_FLOPS = 1e9
 
 
 @dataclass(frozen=True)
@@ -36,9 +43,9 @@ class Timed:
 
 def raw_seconds(work_flops: float, offer: matcher.OfferView, gpus: int) -> float:
     """The job's work at the offer's benchmark speed (0: unknown work or benchmark)."""
-    if work_flops <= 0 or offer.claimed_flops <= 0:
+    if work_flops <= 0:
         return 0.0
-    return work_flops / (offer.claimed_flops * max(gpus, 1))
+    return work_flops / (max(offer.claimed_flops, MIN_CLAIMED_FLOPS) * max(gpus, 1))
 
 
 def timed(db, book: matcher.Book, job: matcher.JobNeeds, found: list[matcher.Estimate]
@@ -60,10 +67,11 @@ def amount(needs: Needs, parts: int, candidates: list[Timed], budget: float
     if budget > 0:
         return ledger.units(budget), "the job's budget"
     if needs.work_flops > 0 and candidates:
-        slowest = max(candidates, key=lambda t: t.seconds)
-        seconds = max(MIN_HOLD_S, HOLD_MARGIN * slowest.seconds)
+        slowest = max(candidates[:CANDIDATES], key=lambda t: t.seconds)
+        seconds = min(MAX_HOLD_S, max(MIN_HOLD_S, HOLD_MARGIN * slowest.seconds))
         why = (f"{seconds:.0f}s: {HOLD_MARGIN:g} x the {slowest.seconds:.0f}s estimated on the"
-               f" slowest fitting offer from {slowest.basis}, at least {MIN_HOLD_S:.0f}s")
+               f" slowest of the best {CANDIDATES} offers from {slowest.basis}, at least"
+               f" {MIN_HOLD_S:.0f}s, at most {MAX_HOLD_S / 86400:.0f} days")
         if needs.max_runtime_s and needs.max_runtime_s < seconds:
             seconds, why = needs.max_runtime_s, f"its max_runtime of {needs.max_runtime_s}s"
     elif needs.max_runtime_s:
@@ -74,5 +82,5 @@ def amount(needs: Needs, parts: int, candidates: list[Timed], budget: float
                if needs.work_flops <= 0 else "one hour: no offer fits it now")
     devices = needs.gpus * max(parts, 1)
     held = math.ceil(ledger.units(needs.max_price_per_gpu_hour) * devices * seconds / 3600)
-    return max(held, 1), (f"{why}, at max_price {needs.max_price_per_gpu_hour:g}/device-hour"
+    return min(max(held, 1), ledger.units(MAX_CREDITS)), (f"{why}, at max_price {needs.max_price_per_gpu_hour:g}/device-hour"
                           f" x {devices} device{'s' if devices > 1 else ''}")

@@ -101,7 +101,7 @@ def _follow_parts(db: Database, parent_id: str, now: int, message: str, type_: s
             if p["state"] in TERMINAL_STATES:
                 continue
             if p["state"] in ACTIVE_STATES and p["lease_id"]:
-                _end_lease(db, p["lease_id"], "cancelled", error, now)
+                _stop_lease(db, p, "cancelled", error, now)
                 ended.append(EndedLease(p["id"], p["epoch"], p["provider_id"]))
             _set_job(db, p["id"], now, state=CANCELLED, error=error)
             _drop_checkpoints(db, p["id"])
@@ -328,6 +328,7 @@ def record_checkpoint(
     db.execute("INSERT OR IGNORE INTO artifact_refs (sha256, job_id, role) VALUES (?, ?, ?)",
                [artifact.sha256, job_id, "checkpoint"])
     paid = ledger.settle(db, job, lease, step, now)
+    db.execute("UPDATE jobs SET hold_needed = 0 WHERE id = ?", [job_id])
     append_event(db, job_id, "checkpoint", job["state"], job["attempt"], now,
                  provider_id=provider_id,
                  message=f"checkpoint at step {step} stored ({artifact.sha256[:12]}, "
@@ -335,22 +336,65 @@ def record_checkpoint(
                  f" {ledger.fmt(paid.paid)} credits settled")
     if job["enforce_funds"] and paid.remaining < max(paid.amount, 1) \
             and step < job["progress_total"]:
-        _pause(db, job, lease, now, max(paid.amount, 1) - paid.remaining)
+        _pause(db, job, lease, now, max(paid.amount, _resume_floor(lease)),
+               "another segment like the last")
     return True
 
 
-def _pause(db: Database, job: dict, lease: dict, now: int, short: int) -> None:
-    """The job's hold would not pay for another segment: end the lease at the checkpoint just
-    settled and wait for a top-up (nothing is lost: it resumes from that checkpoint)."""
+RESUME_FLOOR_S = 60     # a paused job is queued again once its hold covers this much of its lease
+
+
+def _resume_floor(lease: dict) -> int:
+    """Units of RESUME_FLOOR_S of the lease's devices at its price."""
+    devices = len(json.loads(lease["device_indices"]))
+    return ledger.units(lease["price_per_gpu_hour"]) * devices * RESUME_FLOOR_S // 3600
+
+
+def _pause(db: Database, job: dict, lease: dict, now: int, needed: int, what: str) -> None:
+    """The job's hold would not pay for more work: end the lease where it was settled last and
+    wait for a top-up that brings the hold to ``needed`` units (it resumes from its latest
+    checkpoint)."""
     _end_lease(db, lease["id"], "paused", "hold exhausted", now)
-    left = ledger.balance(db, ledger.escrow(job["parent_id"] or job["id"]))
-    why = (f"paused: its hold has {ledger.fmt(left)} credits left, about {ledger.fmt(short)}"
-           f" short of another segment like the last (gpumarket topup"
-           f" {job['parent_id'] or job['id']} AMOUNT)")
+    top = job["parent_id"] or job["id"]
+    left = ledger.balance(db, ledger.escrow(top))
+    why = (f"paused: its hold has {ledger.fmt(left)} credits left, {ledger.fmt(needed - left)}"
+           f" short of {what} (gpumarket topup {top} AMOUNT)")
     _set_job(db, job["id"], now, state=PAUSED, provider_id=None, lease_id=None,
-             queue_reason=why)
+             queue_reason=why, hold_needed=needed)
     append_event(db, job["id"], "paused", PAUSED, job["attempt"], now,
                  provider_id=lease["provider_id"], message=why)
+
+
+def _lease_row(db: Database, lease_id: str) -> dict:
+    cur = db.execute("SELECT * FROM leases WHERE id = ?", [lease_id])
+    return dict(zip([d[0] for d in cur.description], cur.fetchone()))
+
+
+def _stop_lease(db: Database, job: dict, state: str, reason: str, now: int) -> None:
+    """End the job's active lease for a reason that is not its provider's fault (the job
+    failed, its client cancelled it, a sibling part failed): its work since the last
+    settlement is paid up to now, as far as the hold goes."""
+    lease = _lease_row(db, job["lease_id"])
+    ledger.settle(db, job, lease, lease["settled_step"] if lease["settled_step"] is not None
+                  else lease["start_step"], now, tag="end")
+    _end_lease(db, lease["id"], state, reason, now)
+
+
+def exhaust(db: Database, lease_id: str, now: int) -> EndedLease | None:
+    """A running lease has cost what its job's hold has left (no checkpoint came in time):
+    pay it up to the hold and pause the job; its work since its last checkpoint is redone
+    after a top-up. None if the lease is no longer active or still covered."""
+    lease = _lease_row(db, lease_id)
+    job = job_row(db, lease["job_id"])
+    if lease["state"] != "active" or job["lease_id"] != lease_id or not job["enforce_funds"]:
+        return None
+    left = ledger.balance(db, ledger.escrow(job["parent_id"] or job["id"]))
+    if ledger.accrued(lease, now) < left:
+        return None
+    ledger.settle(db, job, lease, lease["settled_step"] if lease["settled_step"] is not None
+                  else lease["start_step"], now, tag="end")
+    _pause(db, job, lease, now, _resume_floor(lease), "a minute of its lease")
+    return EndedLease(job["id"], job["epoch"], lease["provider_id"])
 
 
 def top_up(db: Database, job_id: str, client_id: str, amount: int, now: int) -> int:
@@ -362,13 +406,24 @@ def top_up(db: Database, job_id: str, client_id: str, amount: int, now: int) -> 
     if job["state"] in TERMINAL_STATES:
         raise FailedPrecondition(f"job {job_id} is {state_name(job['state'])}: nothing to top up")
     ledger.top_up(db, job_id, client_id, amount, bool(job["enforce_funds"]), now)
+    left = ledger.balance(db, ledger.escrow(job_id))
     # A split job's state follows its parts: resume those, and it follows.
     for row in _parts_of(db, job_id) if job["parts"] else [job]:
-        if row["state"] == PAUSED:
-            _set_job(db, row["id"], now, state=QUEUED, queue_reason="")
-            append_event(db, row["id"], "resumed", QUEUED, row["attempt"], now,
-                         message=f"hold topped up by {ledger.fmt(amount)} credits; queued to"
-                         f" resume from step {row['checkpoint_step']}")
+        if row["state"] != PAUSED:
+            continue
+        if left < row["hold_needed"]:
+            why = (f"paused: its hold has {ledger.fmt(left)} credits left,"
+                   f" {ledger.fmt(row['hold_needed'] - left)} short of what it needs to go on"
+                   f" (gpumarket topup {job_id} AMOUNT)")
+            _set_job(db, row["id"], now, queue_reason=why)
+            continue
+        if row["expires_at_ms"] <= now:
+            raise FailedPrecondition(f"job {job_id}: its signed spec expired; it cannot be"
+                                     " leased again (cancel it to get its hold back)")
+        _set_job(db, row["id"], now, state=QUEUED, queue_reason="", hold_needed=0)
+        append_event(db, row["id"], "resumed", QUEUED, row["attempt"], now,
+                     message=f"hold topped up by {ledger.fmt(amount)} credits; queued to"
+                     f" resume from step {row['checkpoint_step']}")
     return job_row(db, job_id)["state"]
 
 
@@ -386,7 +441,7 @@ def succeed(
 ) -> None:
     job, lease = _current(db, job_id, epoch, provider_id)
     total = max(job["progress_step"], job["progress_total"])
-    ledger.settle(db, job, lease, total, now, final=True)
+    ledger.settle(db, job, lease, total, now, tag="final")
     calibration.record(db, job, lease, now)
     _end_lease(db, lease["id"], "succeeded", "", now)
     _set_job(db, job_id, now, state=SUCCEEDED, receipt=receipt, progress_step=total)
@@ -425,8 +480,8 @@ def _record_throughput(db: Database, job: dict, provider_id: str, receipt: pb.Re
 
 
 def fail(db: Database, job_id: str, epoch: int, provider_id: str, error: str, now: int) -> None:
-    job, lease = _current(db, job_id, epoch, provider_id)
-    _end_lease(db, lease["id"], "failed", error, now)
+    job, _ = _current(db, job_id, epoch, provider_id)
+    _stop_lease(db, job, "failed", error, now)
     _set_job(db, job_id, now, state=FAILED, error=error)
     _drop_checkpoints(db, job_id)
     append_event(db, job_id, "failed", FAILED, job["attempt"], now,
@@ -448,7 +503,7 @@ def cancel(db: Database, job_id: str, client_id: str, now: int
         if row["state"] in TERMINAL_STATES:
             continue
         if row["state"] in ACTIVE_STATES and row["lease_id"]:
-            _end_lease(db, row["lease_id"], "cancelled", "cancelled by client", now)
+            _stop_lease(db, row, "cancelled", "cancelled by client", now)
             ended.append(EndedLease(row["id"], row["epoch"], row["provider_id"]))
         _set_job(db, row["id"], now, state=CANCELLED, error="cancelled by client")
         _drop_checkpoints(db, row["id"])

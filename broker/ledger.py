@@ -63,8 +63,8 @@ def stake(key_id: str) -> str:
     return f"stake:{key_id}"
 
 
-def disputed(job_id: str) -> str:
-    return f"disputed:{job_id}"
+def disputed(job_id: str, provider_id: str) -> str:
+    return f"disputed:{job_id}:{provider_id}"
 
 
 def balance(db: Database, account: str) -> int:
@@ -188,32 +188,43 @@ class Settlement:
 
 
 def settle(db: Database, job: dict, lease: dict, step_to: int, now: int, *,
-           final: bool = False) -> Settlement:
+           tag: str = "") -> Settlement:
     """Pay a lease's work since its last settlement (or its start) up to progress ``step_to``:
     the lease's price x its devices x the time, from the job's escrow to the provider, less
-    the market's fee. Idempotent per (lease, step); a broker that enforces funds never pays
-    more than the hold has left."""
+    the market's fee. Idempotent per (lease, ``tag`` or step: "final" at the receipt, "end"
+    when the lease is stopped); a broker that enforces funds never pays more than the hold has
+    left. Nothing is paid for time before the provider reported the job started."""
     top = job["parent_id"] or job["id"]
-    started = next(t for t in (lease["settled_to_ms"], lease["started_at_ms"],
-                               lease["issued_at_ms"]) if t is not None)
+    started = lease["settled_to_ms"] if lease["settled_to_ms"] is not None \
+        else lease["started_at_ms"]
     step_from = lease["settled_step"] if lease["settled_step"] is not None else lease["start_step"]
-    elapsed = max(0, now - started)
+    elapsed = max(0, now - started) if started is not None else 0
     devices = len(json.loads(lease["device_indices"]))
     amount = units(lease["price_per_gpu_hour"]) * devices * elapsed // MS_PER_HOUR
     left = balance(db, escrow(top))
     paid = min(amount, max(left, 0)) if job["enforce_funds"] else amount
     fee = paid * job["fee_ppm"] // PPM
     pid = lease["provider_id"]
-    post(db, f"settle:{lease['id']}:{'final' if final else step_to}", "settle",
+    post(db, f"settle:{lease['id']}:{tag or step_to}", "settle",
          {escrow(top): -paid, provider(pid): paid - fee, "fee": fee}, now,
          owners={escrow(top): job["client_id"]},
          may_go_negative=frozenset({escrow(top)}),   # checked above: paid <= what is left
          job_id=job["id"], lease_id=lease["id"], provider_id=pid, step_from=step_from,
-         step_to=step_to, seconds=elapsed / 1000,
+         step_to=max(step_to, step_from), seconds=elapsed / 1000,
          memo="" if paid == amount else f"hold exhausted: {fmt(amount - paid)} not covered")
     db.execute("UPDATE leases SET settled_to_ms = ?, settled_step = ? WHERE id = ?",
-               [now, step_to, lease["id"]])
+               [now, max(step_to, step_from), lease["id"]])
     return Settlement(amount, paid, left - paid)
+
+
+def accrued(lease: dict, now: int) -> int:
+    """What a running lease has cost since its last settlement, in units."""
+    started = lease["settled_to_ms"] if lease["settled_to_ms"] is not None \
+        else lease["started_at_ms"]
+    if started is None:
+        return 0
+    devices = len(json.loads(lease["device_indices"]))
+    return units(lease["price_per_gpu_hour"]) * devices * max(0, now - started) // MS_PER_HOUR
 
 
 def release(db: Database, job_id: str, client_id: str, now: int) -> None:
@@ -243,8 +254,10 @@ def dispute(db: Database, seq: int, now: int) -> None:
     p, entries = _settlement(db, seq)
     paid, fee = entries.get(provider(p["provider_id"]), 0), entries.get("fee", 0)
     post(db, f"dispute:{seq}", "dispute",
-         {provider(p["provider_id"]): -paid, "fee": -fee, disputed(p["job_id"]): paid + fee},
-         now, owners={disputed(p["job_id"]): p["provider_id"]}, job_id=p["job_id"],
+         {provider(p["provider_id"]): -paid, "fee": -fee,
+          disputed(p["job_id"], p["provider_id"]): paid + fee},
+         now, owners={disputed(p["job_id"], p["provider_id"]): p["provider_id"]},
+         job_id=p["job_id"],
          lease_id=p["lease_id"], provider_id=p["provider_id"], step_from=p["step_from"],
          step_to=p["step_to"], memo=f"settlement {seq} disputed",
          may_go_negative=frozenset({provider(p["provider_id"])}))
@@ -257,7 +270,7 @@ def resolve(db: Database, seq: int, passed: bool, now: int) -> None:
         raise FailedPrecondition(f"settlement {seq} is not disputed")
     p, entries = _settlement(db, seq)
     paid, fee = entries.get(provider(p["provider_id"]), 0), entries.get("fee", 0)
-    held = disputed(p["job_id"])
+    held = disputed(p["job_id"], p["provider_id"])
     top, client_id, ended = db.execute(
         "SELECT t.id, t.client_id, t.state IN (4, 5, 6) FROM jobs j JOIN jobs t"
         " ON t.id = coalesce(j.parent_id, j.id) WHERE j.id = ?", [p["job_id"]]).fetchone()
@@ -290,10 +303,24 @@ def job_money(db: Database, job_id: str) -> dict[str, int]:
         "SELECT p.type, sum(e.amount) FROM ledger_entries e JOIN ledger_postings p"
         " ON p.seq = e.posting_seq WHERE e.account = ? GROUP BY p.type",
         [escrow(job_id)]).fetchall())
+    pattern = _like(job_id)
+    to_client = db.execute(
+        "SELECT coalesce(sum(e.amount), 0) FROM ledger_entries e JOIN ledger_postings p"
+        " ON p.seq = e.posting_seq JOIN ledger_accounts a ON a.account = e.account"
+        " WHERE p.type = 'reverse' AND a.type = 'client' AND (p.job_id = ? OR p.job_id LIKE ?"
+        " ESCAPE '\\')", [job_id, pattern + "-%"]).fetchone()[0]
+    held = db.execute(
+        "SELECT coalesce(sum(balance), 0) FROM ledger_accounts WHERE type = 'disputed' AND"
+        " (account LIKE ? ESCAPE '\\' OR account LIKE ? ESCAPE '\\')",
+        [f"disputed:{pattern}:%", f"disputed:{pattern}-%"]).fetchone()[0]
     return {"hold": rows.get("hold", 0) + rows.get("topup", 0),
-            "charged": -rows.get("settle", 0) - rows.get("reverse", 0),
-            "remaining": balance(db, escrow(job_id)),
-            "disputed": balance(db, disputed(job_id))}
+            "charged": -rows.get("settle", 0) - rows.get("reverse", 0) - to_client,
+            "remaining": balance(db, escrow(job_id)), "disputed": held}
+
+
+def _like(text: str) -> str:
+    """``text`` as a literal in a LIKE pattern (ESCAPE '\\')."""
+    return text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
 
 
 ACCOUNT_LABELS = {"client": "available", "escrow": "held", "provider": "earned",
@@ -309,8 +336,7 @@ def lines(db: Database, key_id: str, job_id: str = "", limit: int = 100,
     args: list = [client(key_id), provider(key_id), stake(key_id), key_id]
     if job_id:
         where.append("(p.job_id = ? OR p.job_id LIKE ? ESCAPE '\\')")
-        pattern = job_id.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
-        args += [job_id, pattern + "-%"]
+        args += [job_id, _like(job_id) + "-%"]
     if before_seq:
         where.append("p.seq < ?")
         args.append(before_seq)
@@ -334,7 +360,8 @@ def summary(db: Database, key_id: str) -> dict[str, int]:
         "SELECT coalesce(sum(e.amount), 0) FROM ledger_accounts a"
         " JOIN ledger_entries e ON e.account = a.account"
         " JOIN ledger_postings p ON p.seq = e.posting_seq"
-        " WHERE a.type = 'escrow' AND a.owner = ? AND p.type IN ('settle', 'reverse')",
+        " WHERE ((a.type = 'escrow' AND p.type IN ('settle', 'reverse'))"
+        " OR (a.type = 'client' AND p.type = 'reverse')) AND a.owner = ?",
         [key_id]).fetchone()[0]
     held = sum(r[0] for r in db.execute(
         "SELECT balance FROM ledger_accounts WHERE type = 'escrow' AND owner = ?", [key_id]))

@@ -231,7 +231,7 @@ class MarketplaceServicer(marketplace_pb2_grpc.MarketplaceServicer):
     async def GetAccount(self, request: mp.GetAccountRequest, context) -> mp.GetAccountResponse:
         found = await self.state.store.read(account_view, caller(), request.job_id[:100],
                                             min(request.limit or 100, MAX_LIST),
-                                            request.before_seq)
+                                            min(request.before_seq, 2**63 - 1))
         found.billing = self.state.config.billing
         return found
 

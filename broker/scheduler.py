@@ -152,6 +152,17 @@ async def expire(state: BrokerState) -> None:
             changed = True
     if await state.store.write(jobs.expire_queued, now):
         changed = True
+    for lease_id in await state.store.read(views.leases_over_hold, now):
+        ended = await state.store.write(jobs.exhaust, lease_id, now)
+        if ended is None:
+            continue
+        log.info("job %s paused: its hold is spent", ended.job_id)
+        changed = True
+        session = state.sessions.get(ended.provider_id)
+        if session is not None:
+            session.send(gw.BrokerMessage(cancel=gw.CancelLease(
+                job_id=ended.job_id, epoch=ended.epoch,
+                reason="paused: the job's hold is spent (its client can top it up)")))
     if changed:
         state.events.notify()
         state.placement.notify()

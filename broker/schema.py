@@ -348,6 +348,7 @@ def m011_ledger(db: Database) -> None:
     db.execute("ALTER TABLE jobs ADD COLUMN fee_ppm INTEGER NOT NULL DEFAULT 0")
     db.execute("ALTER TABLE jobs ADD COLUMN enforce_funds INTEGER NOT NULL DEFAULT 0")
     db.execute("ALTER TABLE jobs ADD COLUMN hold_basis TEXT NOT NULL DEFAULT ''")
+    db.execute("ALTER TABLE jobs ADD COLUMN hold_needed INTEGER NOT NULL DEFAULT 0")
     db.execute("ALTER TABLE leases ADD COLUMN start_step INTEGER NOT NULL DEFAULT 0")
     db.execute("ALTER TABLE leases ADD COLUMN settled_step INTEGER")
     db.execute("ALTER TABLE leases ADD COLUMN settled_to_ms INTEGER")

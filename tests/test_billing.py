@@ -43,19 +43,21 @@ def test_credit_hold_pause_top_up_and_statements(tmp_path):
         assert "credited 2.50 credits to client:" in r.stdout
         assert json.loads(market.cli("balance", "--json").stdout)["available"] == 2_500_000
 
-        # A budget that runs out after the first segment: the job pauses at that checkpoint.
+        # A budget that runs out early (about 11 s of the provider's device, where the job
+        # needs 15 s or more): the job pauses, at a checkpoint, or where its hold ends if
+        # that comes first.
         market.start_provider("p1", 1.0)
         market.wait_for_offers(1)
-        tight = training_job(tmp_path / "tight.toml", steps=200, checkpoint_every=40,
-                             extra="budget = 0.001")
+        tight = training_job(tmp_path / "tight.toml", steps=1500, checkpoint_every=100,
+                             extra="budget = 0.003")
         r = market.cli("submit", str(tight))
         assert r.returncode == 0, r.stderr
         job_id = r.stdout.split()[0]
         paused = market.wait_state(job_id, "PAUSED", timeout=180)
-        assert int(paused["checkpoint_step"]) == 40 and "topup" in paused["queue_reason"]
+        assert "topup" in paused["queue_reason"]
         assert market.cli("watch", job_id).returncode == 5
         r = market.cli("status", job_id)
-        assert "paused" in r.stdout and "billing   held 0.001" in r.stdout
+        assert "paused" in r.stdout and "billing   held 0.003" in r.stdout
 
         r = market.cli("topup", job_id, "1")
         assert r.returncode == 0 and "QUEUED" in r.stdout, r.stdout + r.stderr
@@ -67,9 +69,9 @@ def test_credit_hold_pause_top_up_and_statements(tmp_path):
                  market.cli("statement", "--job", job_id, "--json").stdout.splitlines()]
         settles = sorted((int(x.get("step_from", 0)), int(x["step_to"]), int(x["amount"]))
                          for x in lines if x["type"] == "settle")
-        assert [s[:2] for s in settles][:4] == [(0, 40), (40, 80), (80, 120), (120, 160)]
+        assert settles[0][0] == 0 and settles[-1][1] == 1500
         assert all(a[1] == b[0] for a, b in zip(settles, settles[1:]))   # no gap, no overlap
-        assert settles[-1][1] == 200
+        assert {100, 700, 1400} <= {s[1] for s in settles}
         charged = -sum(s[2] for s in settles)
         billing = market.job(job_id)["billing"]
         assert int(billing["charged"]) == charged > 0

@@ -62,6 +62,14 @@ async def _drive(market: Marketplace, http: str, provider: str, tmp_path: Path) 
                             "'SUCCEEDED'", "the job to show as SUCCEEDED", timeout=180)
         text = await page.evaluate(f"document.querySelector('{job_row}').textContent")
         assert "300/300" in text, text
+        # The ledger section: each checkpoint's settlement, the release, the books balanced.
+        await page.wait_for("document.querySelector('#ledger tr[data-type=\"release\"]')",
+                            "the job's release in the ledger")
+        settles = await page.evaluate(
+            "document.querySelectorAll('#ledger tr[data-type=\"settle\"]').length")
+        assert settles >= 3, settles
+        assert "balanced" in await page.evaluate(
+            "document.querySelector('#ledger-check').textContent")
         await page.screenshot(tmp_path / "dashboard.png")
     target = os.environ.get("GPUMARKET_SCREENSHOT_DIR")
     if target:

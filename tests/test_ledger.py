@@ -112,7 +112,7 @@ def apply(w: World, op: tuple, crash: bool) -> None:
         p = PROVIDERS[b % 3]
         w.write(jobs.create_lease, job_id, p, [0], PRICES[p], w.now, 60_000, EVERY, sign,
                 crash=crash)
-    elif name in ("start", "checkpoint", "succeed", "fail", "lose"):
+    elif name in ("start", "checkpoint", "succeed", "fail", "lose", "exhaust"):
         lease = w.active_lease(job_id)
         if lease is None:
             return
@@ -133,6 +133,9 @@ def apply(w: World, op: tuple, crash: bool) -> None:
                     crash=crash)
         elif name == "fail":
             w.write(jobs.fail, job_id, epoch, p, "boom", w.now, crash=crash)
+        elif name == "exhaust":   # the broker's check of running leases against their hold
+            w.now += b * 3_600_000
+            w.write(jobs.exhaust, lease_id, w.now, crash=crash)
         else:
             w.write(jobs.lose_lease, lease_id, "missed heartbeats", w.now, crash=crash)
     elif name == "cancel":
@@ -213,7 +216,7 @@ def check(w: World) -> None:
 
 OPS = st.tuples(st.sampled_from(["credit", "submit", "lease", "start", "checkpoint",
                                  "checkpoint", "succeed", "fail", "lose", "cancel", "topup",
-                                 "dispute", "resolve", "restart"]),
+                                 "dispute", "resolve", "restart", "exhaust"]),
                 st.integers(0, 5), st.integers(0, 4))
 
 
@@ -357,3 +360,64 @@ def test_a_job_asking_for_a_stake_goes_only_to_staked_providers_and_a_slash_pays
     assert ledger.balance(w.db, ledger.stake("staked")) == 3_000_000
     assert ledger.balance(w.db, ledger.client("ca")) == 2_000_000
     assert ledger.audit(w.db) == []
+
+
+def test_a_running_lease_stops_where_its_hold_ends_and_a_token_top_up_does_not_resume_it(
+        tmp_path):
+    """A tiny hold (a budget of one unit, a job that never checkpoints) buys only what it
+    covers: the lease is stopped and paid the hold when its cost reaches it, and a top-up
+    resumes the job only once the hold covers a minute of the lease."""
+    w = World(tmp_path / "b.db")
+    w.write(ledger.credit, "ca", 10**6, "client", "", "op", "k1", 1)
+    w.write(jobs.submit, new_job("j", "ca", 1, True), 2)
+    w.write(jobs.create_lease, "j", "pa", [0], 1.0, 3, 60_000, EVERY, sign)
+    assert w.write(jobs.exhaust, "j.1", 3_600_000) is None     # not started: costs nothing
+    w.write(jobs.mark_started, "j", 1, "pa", 3_600_000)
+    assert w.write(jobs.exhaust, "j.1", 3_600_001) is None     # 1 ms < 1 unit: still covered
+    ended = w.write(jobs.exhaust, "j.1", 7_200_000)            # an hour later
+    assert ended == jobs.EndedLease("j", 1, "pa")
+    assert w.job("j")["state"] == jobs.PAUSED
+    assert ledger.balance(w.db, ledger.provider("pa")) == 1    # the hold, and no more
+    assert w.write(jobs.top_up, "j", "ca", 1, 7_300_000) == jobs.PAUSED
+    assert "short of what it needs" in w.job("j")["queue_reason"]
+    assert w.write(jobs.top_up, "j", "ca", 16_666, 7_400_000) == jobs.QUEUED   # a minute
+    assert ledger.audit(w.db) == []
+
+
+def test_a_failed_or_cancelled_job_pays_its_running_lease_and_nothing_before_it_started(
+        tmp_path):
+    w = World(tmp_path / "b.db")
+    w.write(ledger.credit, "ca", 10**7, "client", "", "op", "k1", 1)
+    for job_id, end in (("f", "fail"), ("c", "cancel")):
+        w.write(jobs.submit, new_job(job_id, "ca", 2_000_000, True), 2)
+        w.write(jobs.create_lease, job_id, "pa", [0], 1.0, 10, 60_000, EVERY, sign)
+        w.write(jobs.mark_started, job_id, 1, "pa", 3_600_010)   # an hour after the lease
+        if end == "fail":
+            w.write(jobs.fail, job_id, 1, "pa", "its code crashed", 5_400_010)
+        else:
+            w.write(jobs.cancel, job_id, "ca", 5_400_010)
+        # Half an hour of running at 1 credit/h is paid; the hour before "started" is not.
+        assert ledger.job_money(w.db, job_id) == {"hold": 2_000_000, "charged": 500_000,
+                                                  "remaining": 0, "disputed": 0}
+    assert ledger.balance(w.db, ledger.provider("pa")) == 2 * 475_000
+    assert ledger.audit(w.db) == []
+
+
+def test_an_offer_with_absurd_figures_cannot_inflate_holds():
+    from gpumarket.broker import holds
+    from gpumarket.broker.calibration import Model
+    from gpumarket.broker.matcher import Estimate, OfferView
+
+    needs = Needs(kind=pb.JOB_KIND_TRAINING, gpus=1, min_memory_bytes=0,
+                  accelerator=pb.ACCELERATOR_UNSPECIFIED, max_price_per_gpu_hour=2.0,
+                  work_flops=1e13)
+    liar = OfferView("liar", 0.0, frozenset({pb.JOB_KIND_TRAINING}), (0,), pb.ACCELERATOR_CPU,
+                     2**30, claimed_flops=1e-6)
+    raw = holds.raw_seconds(needs.work_flops, liar, 1)
+    assert raw == 1e4            # counted at 1 GFLOP/s, not at the 1e-6 it claims
+    slow = Model(10**9, 10**9, 3, "its own stalling")
+    timed = [holds.Timed(Estimate("liar", 0.0, 1, 1, 0, 1, 1), raw, slow.seconds(raw),
+                         slow.basis)]
+    held, basis = holds.amount(needs, 1, timed, 0.0)
+    assert held == ledger.units(2.0 * 7 * 24)       # capped at seven days of max_price
+    assert "at most 7 days" in basis
