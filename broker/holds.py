@@ -82,5 +82,6 @@ def amount(needs: Needs, parts: int, candidates: list[Timed], budget: float
                if needs.work_flops <= 0 else "one hour: no offer fits it now")
     devices = needs.gpus * max(parts, 1)
     held = math.ceil(ledger.units(needs.max_price_per_gpu_hour) * devices * seconds / 3600)
-    return min(max(held, 1), ledger.units(MAX_CREDITS)), (f"{why}, at max_price {needs.max_price_per_gpu_hour:g}/device-hour"
-                          f" x {devices} device{'s' if devices > 1 else ''}")
+    held = min(max(held, 1), ledger.units(MAX_CREDITS))
+    return held, (f"{why}, at max_price {needs.max_price_per_gpu_hour:g}/device-hour"
+                  f" x {devices} device{'s' if devices > 1 else ''}")
