@@ -13,7 +13,7 @@ import os
 
 import grpc
 
-from gpumarket.broker import holdings, jobs, logs, providers, views
+from gpumarket.broker import holdings, jobs, logs, providers
 from gpumarket.broker.auth import caller
 from gpumarket.broker.rpc import STATUS
 from gpumarket.broker.sessions import MESSAGES_PER_S, ProviderSession
@@ -225,9 +225,9 @@ class ProviderGatewayServicer(gateway_pb2_grpc.ProviderGatewayServicer):
                                   update.progress, now)
             elif which == "checkpoint":
                 c = update.checkpoint
-                await store.write(jobs.record_checkpoint, update.job_id, update.epoch, pid,
-                                  c.step, c.artifact, c.write_seconds, now)
-                if await store.read(views.job_state, update.job_id) == jobs.PAUSED:
+                stored = await store.write(jobs.record_checkpoint, update.job_id, update.epoch,
+                                           pid, c.step, c.artifact, c.write_seconds, now)
+                if stored == "paused":
                     # Its hold ran out: the checkpoint just settled is where it resumes.
                     session.send(gw.BrokerMessage(cancel=gw.CancelLease(
                         job_id=update.job_id, epoch=update.epoch,

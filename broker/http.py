@@ -4,6 +4,7 @@ reads behind the dashboard, and the dashboard itself (plain HTML/CSS/JS, no buil
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections import deque
 from pathlib import Path
@@ -36,12 +37,12 @@ def _db_counts(db) -> tuple[dict[int, int], int, dict[str, int], int, bool]:
 def _ledger_page(db, limit: int) -> dict:
     """The operator's view of the ledger: totals, the audit, the latest postings whole."""
     postings = [dict(zip(("seq", "at_ms", "type", "job_id", "provider_id", "step_from",
-                          "step_to", "seconds", "memo", "actor"), r)) for r in db.execute(
-        "SELECT seq, at_ms, type, job_id, provider_id, step_from, step_to, seconds, memo, actor"
-        " FROM ledger_postings ORDER BY seq DESC LIMIT ?", [limit]).fetchall()]
+                          "step_to", "seconds", "memo", "actor", "entries"), r))
+                for r in db.execute(
+        "SELECT seq, at_ms, type, job_id, provider_id, step_from, step_to, seconds, memo, actor,"
+        " entries FROM ledger_postings ORDER BY seq DESC LIMIT ?", [limit]).fetchall()]
     for p in postings:
-        p["entries"] = {a: v / ledger.UNIT for a, v in db.execute(
-            "SELECT account, amount FROM ledger_entries WHERE posting_seq = ?", [p["seq"]])}
+        p["entries"] = {a: v / ledger.UNIT for a, v in json.loads(p["entries"]).items()}
     return {"totals": {k: v / ledger.UNIT for k, v in ledger.totals(db).items()},
             "problems": ledger.audit(db), "postings": postings}
 

@@ -251,7 +251,8 @@ def create_lease(
         }
     )
     _set_job(db, job_id, now, state=LEASED, epoch=epoch, provider_id=provider_id,
-             lease_id=lease.lease_id, queue_reason="")
+             lease_id=lease.lease_id, queue_reason="", settled_to_ms=None,
+             settled_step=job["checkpoint_step"] if job["resume_from"] else 0)
     resume = f", resuming from step {job['checkpoint_step']}" if job["resume_from"] else ""
     append_event(db, job_id, "leased", LEASED, lease.attempt, now, provider_id=provider_id,
                  message=f"leased to {provider_id} at {price_per_gpu_hour:g}/GPU-hour"
@@ -282,6 +283,9 @@ def mark_started(db: Database, job_id: str, epoch: int, provider_id: str, now: i
     job, lease = _current(db, job_id, epoch, provider_id)
     db.execute("UPDATE leases SET started_at_ms = ?, renewed_at_ms = ? WHERE id = ?",
                [now, now, lease["id"]])
+    # Billing starts here (once: a re-attached job reporting again changes nothing).
+    db.execute("UPDATE jobs SET settled_to_ms = coalesce(settled_to_ms, ?) WHERE id = ?",
+               [now, job_id])
     if job["state"] == LEASED:
         _set_job(db, job_id, now, state=RUNNING)
         where = f", resumed from step {resumed_from_step}" if resumed_from_step else ""
@@ -304,10 +308,10 @@ def record_progress(
 def record_checkpoint(
     db: Database, job_id: str, epoch: int, provider_id: str, step: int, artifact: pb.ArtifactRef,
     write_seconds: float, now: int,
-) -> bool:
+) -> bool | str:
     """Make a stored, hash-checked checkpoint the job's latest and settle the lease's work up
     to it; False if it is not newer. A job whose hold would not cover another segment like
-    this one is paused here (the caller tells the provider to stop).
+    this one is paused here: then it returns "paused" (the caller tells the provider to stop).
 
     Raises InvalidArgument unless this provider uploaded the artifact intact (its hash was
     checked when the upload finished): naming a blob it only saw referenced is not enough.
@@ -338,6 +342,7 @@ def record_checkpoint(
             and step < job["progress_total"]:
         _pause(db, job, lease, now, max(paid.amount, _resume_floor(lease)),
                "another segment like the last")
+        return "paused"
     return True
 
 
@@ -375,8 +380,7 @@ def _stop_lease(db: Database, job: dict, state: str, reason: str, now: int) -> N
     failed, its client cancelled it, a sibling part failed): its work since the last
     settlement is paid up to now, as far as the hold goes."""
     lease = _lease_row(db, job["lease_id"])
-    ledger.settle(db, job, lease, lease["settled_step"] if lease["settled_step"] is not None
-                  else lease["start_step"], now, tag="end")
+    ledger.settle(db, job, lease, job["settled_step"], now, tag="end")
     _end_lease(db, lease["id"], state, reason, now)
 
 
@@ -389,10 +393,9 @@ def exhaust(db: Database, lease_id: str, now: int) -> EndedLease | None:
     if lease["state"] != "active" or job["lease_id"] != lease_id or not job["enforce_funds"]:
         return None
     left = ledger.balance(db, ledger.escrow(job["parent_id"] or job["id"]))
-    if ledger.accrued(lease, now) < left:
+    if ledger.accrued(job, lease, now) < left:
         return None
-    ledger.settle(db, job, lease, lease["settled_step"] if lease["settled_step"] is not None
-                  else lease["start_step"], now, tag="end")
+    ledger.settle(db, job, lease, job["settled_step"], now, tag="end")
     _pause(db, job, lease, now, _resume_floor(lease), "a minute of its lease")
     return EndedLease(job["id"], job["epoch"], lease["provider_id"])
 

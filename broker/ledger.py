@@ -3,8 +3,9 @@
 Amounts are integers in units: 1 credit = 1,000,000 units (``UNIT``), never floats. A posting
 is one event (a credit, a hold, a settlement, ...) whose entries sum to zero; postings and
 entries are append-only (SQLite triggers refuse UPDATE and DELETE) and each carries an
-idempotency key, so the same event can never post twice. ``ledger_accounts`` caches each
-account's balance; ``audit`` checks it against the sum of the entries.
+idempotency key, so the same event can never post twice. Each entry carries its account's
+running balance (``ledger_entries`` is clustered by account, so a balance is one index seek);
+``audit`` checks every running balance against the sum of the entries before it.
 
 Accounts (see docs/ledger.md):
 
@@ -68,8 +69,25 @@ def disputed(job_id: str, provider_id: str) -> str:
 
 
 def balance(db: Database, account: str) -> int:
-    row = db.execute("SELECT balance FROM ledger_accounts WHERE account = ?", [account]).fetchone()
+    """The account's balance: the running balance of its latest entry (the sum of its
+    entries, as the audit checks)."""
+    row = _latest(db, account)
     return row[0] if row else 0
+
+
+def _latest(db: Database, account: str) -> tuple[int] | None:
+    return db.conn.execute("SELECT balance FROM ledger_entries WHERE account = ?"
+                           " ORDER BY posting_seq DESC LIMIT 1", [account]).fetchone()
+
+
+LATEST = ("SELECT a.account, a.type, a.owner, e.balance FROM ledger_accounts a"
+          " JOIN ledger_entries e ON e.account = a.account AND e.posting_seq ="
+          " (SELECT max(posting_seq) FROM ledger_entries WHERE account = a.account)")
+
+
+def _prefix(account_prefix: str) -> tuple[str, str]:
+    """Bounds of the accounts that start with ``account_prefix``, for a range scan."""
+    return account_prefix, account_prefix[:-1] + chr(ord(account_prefix[-1]) + 1)
 
 
 def posted(db: Database, key: str) -> int | None:
@@ -96,36 +114,32 @@ def post(db: Database, key: str, type_: str, lines: dict[str, int], now: int, *,
         raise ValueError(f"posting {key} does not balance: {lines}")
     if not lines:
         return None
-    # Only what an entry takes out can overdraw an account: read those balances, in one query.
-    out = [a for a, v in lines.items() if v < 0 and account_type(a)[0] not in NEGATIVE_BY_NATURE
-           and a not in may_go_negative]
-    if out:
-        held = dict(db.execute(f"SELECT account, balance FROM ledger_accounts WHERE account IN"
-                               f" ({','.join('?' * len(out))})", out).fetchall())
-        for account in out:
-            if held.get(account, 0) + lines[account] < 0:
-                raise FailedPrecondition(f"{account} would go below zero"
-                                         f" ({fmt(held.get(account, 0) + lines[account])}"
-                                         f" credits) by {type_} {key}")
-    cur = db.execute(
-        "INSERT INTO ledger_postings (key, at_ms, type, job_id, lease_id, provider_id,"
-        " step_from, step_to, seconds, memo, actor) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+    latest = {a: _latest(db, a) for a in lines}
+    after = {a: (latest[a][0] if latest[a] else 0) + v for a, v in lines.items()}
+    for account, amount in lines.items():   # only what an entry takes out can overdraw
+        if after[account] < 0 and amount < 0 and account not in may_go_negative \
+                and account_type(account)[0] not in NEGATIVE_BY_NATURE:
+            raise FailedPrecondition(f"{account} would go below zero"
+                                     f" ({fmt(after[account])} credits) by {type_} {key}")
+    cur = db.conn.execute(
+        "INSERT INTO ledger_postings (key, at_ms, type, entries, job_id, lease_id, provider_id,"
+        " step_from, step_to, seconds, memo, actor) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
         " ON CONFLICT(key) DO NOTHING",
-        [key, now, type_, job_id, lease_id, provider_id, step_from, step_to, seconds,
-         memo[:500], actor])
+        [key, now, type_, json.dumps(lines, sort_keys=True), job_id, lease_id, provider_id,
+         step_from, step_to, seconds, memo[:500], actor])
     if cur.rowcount == 0:
         return None          # posted before: the idempotency key holds
     seq = cur.lastrowid
-    named = {a: account_type(a) for a in lines}
-    rows = ", ".join(["(?, ?, ?)"] * len(lines))
-    db.conn.execute(f"INSERT INTO ledger_entries (posting_seq, account, amount) VALUES {rows}",
-                    [x for a, v in lines.items() for x in (seq, a, v)])
-    db.conn.execute(
-        f"INSERT INTO ledger_accounts (account, type, owner, balance) VALUES"
-        f" {', '.join(['(?, ?, ?, ?)'] * len(lines))}"
-        " ON CONFLICT(account) DO UPDATE SET balance = balance + excluded.balance",
-        [x for a, v in lines.items()
-         for x in (a, named[a][0], (owners or {}).get(a, named[a][1]), v)])
+    db.conn.execute(f"INSERT INTO ledger_entries (account, posting_seq, amount, balance) VALUES"
+                    f" {', '.join(['(?, ?, ?, ?)'] * len(lines))}",
+                    [x for a, v in lines.items() for x in (a, seq, v, after[a])])
+    new = [a for a in lines if latest[a] is None]   # accounts without entries yet
+    if new:
+        named = {a: account_type(a) for a in new}
+        db.conn.execute(
+            f"INSERT OR IGNORE INTO ledger_accounts (account, type, owner) VALUES"
+            f" {', '.join(['(?, ?, ?)'] * len(new))}",
+            [x for a in new for x in (a, named[a][0], (owners or {}).get(a, named[a][1]))])
     return seq
 
 
@@ -189,22 +203,22 @@ class Settlement:
 
 def settle(db: Database, job: dict, lease: dict, step_to: int, now: int, *,
            tag: str = "") -> Settlement:
-    """Pay a lease's work since its last settlement (or its start) up to progress ``step_to``:
+    """Pay a lease's work since its last settlement (or its start) up to progress ``step_to``
+    (the cursor is on the job's row: ``settled_to_ms``, ``settled_step``):
     the lease's price x its devices x the time, from the job's escrow to the provider, less
     the market's fee. Idempotent per (lease, ``tag`` or step: "final" at the receipt, "end"
     when the lease is stopped); a broker that enforces funds never pays more than the hold has
     left. Nothing is paid for time before the provider reported the job started."""
     top = job["parent_id"] or job["id"]
-    started = lease["settled_to_ms"] if lease["settled_to_ms"] is not None \
-        else lease["started_at_ms"]
-    step_from = lease["settled_step"] if lease["settled_step"] is not None else lease["start_step"]
+    started, step_from = job["settled_to_ms"], job["settled_step"]
     elapsed = max(0, now - started) if started is not None else 0
-    devices = len(json.loads(lease["device_indices"]))
-    amount = units(lease["price_per_gpu_hour"]) * devices * elapsed // MS_PER_HOUR
+    amount = accrued(job, lease, now)
     left = balance(db, escrow(top))
     paid = min(amount, max(left, 0)) if job["enforce_funds"] else amount
     fee = paid * job["fee_ppm"] // PPM
     pid = lease["provider_id"]
+    if paid == 0:    # nothing moves (not started, or under a unit): the next settlement covers it
+        return Settlement(amount, 0, left)
     post(db, f"settle:{lease['id']}:{tag or step_to}", "settle",
          {escrow(top): -paid, provider(pid): paid - fee, "fee": fee}, now,
          owners={escrow(top): job["client_id"]},
@@ -212,15 +226,15 @@ def settle(db: Database, job: dict, lease: dict, step_to: int, now: int, *,
          job_id=job["id"], lease_id=lease["id"], provider_id=pid, step_from=step_from,
          step_to=max(step_to, step_from), seconds=elapsed / 1000,
          memo="" if paid == amount else f"hold exhausted: {fmt(amount - paid)} not covered")
-    db.execute("UPDATE leases SET settled_to_ms = ?, settled_step = ? WHERE id = ?",
-               [now, max(step_to, step_from), lease["id"]])
+    db.conn.execute("UPDATE jobs SET settled_to_ms = ?, settled_step = ? WHERE id = ?",
+                    [now, max(step_to, step_from), job["id"]])
     return Settlement(amount, paid, left - paid)
 
 
-def accrued(lease: dict, now: int) -> int:
-    """What a running lease has cost since its last settlement, in units."""
-    started = lease["settled_to_ms"] if lease["settled_to_ms"] is not None \
-        else lease["started_at_ms"]
+def accrued(job: dict, lease: dict, now: int) -> int:
+    """What the job's running lease has cost since its last settlement (or its start), in
+    units."""
+    started = job["settled_to_ms"]
     if started is None:
         return 0
     devices = len(json.loads(lease["device_indices"]))
@@ -244,9 +258,8 @@ def _settlement(db: Database, seq: int) -> tuple[dict, dict[str, int]]:
     if row is None:
         raise InvalidArgument(f"no settlement {seq}")
     cols = [d[0] for d in db.execute("SELECT * FROM ledger_postings LIMIT 0").description]
-    entries = dict(db.execute("SELECT account, amount FROM ledger_entries WHERE posting_seq = ?",
-                              [seq]).fetchall())
-    return dict(zip(cols, row)), entries
+    posting = dict(zip(cols, row))
+    return posting, json.loads(posting["entries"])
 
 
 def dispute(db: Database, seq: int, now: int) -> None:
@@ -274,14 +287,18 @@ def resolve(db: Database, seq: int, passed: bool, now: int) -> None:
     top, client_id, ended = db.execute(
         "SELECT t.id, t.client_id, t.state IN (4, 5, 6) FROM jobs j JOIN jobs t"
         " ON t.id = coalesce(j.parent_id, j.id) WHERE j.id = ?", [p["job_id"]]).fetchone()
-    # Back into the job's hold while it runs (its re-run is paid from there), else to the client.
-    back = client(client_id) if ended else escrow(top)
+    # Back into the job's hold (its re-run is paid from there); if the job has ended, on to
+    # its client, as its release would have.
     lines = ({held: -(paid + fee), provider(p["provider_id"]): paid, "fee": fee} if passed
-             else {held: -(paid + fee), back: paid + fee})
+             else {held: -(paid + fee), escrow(top): paid + fee})
     post(db, f"resolve:{seq}", "restore" if passed else "reverse", lines, now,
          job_id=p["job_id"], lease_id=p["lease_id"], provider_id=p["provider_id"],
          step_from=p["step_from"], step_to=p["step_to"],
          memo=f"check of settlement {seq} {'passed' if passed else 'failed: pay returned'}")
+    if not passed and ended:
+        post(db, f"refund:{seq}", "release", {escrow(top): -(paid + fee),
+                                              client(client_id): paid + fee}, now,
+             job_id=top, memo=f"settlement {seq} reversed after the job ended")
 
 
 def slash(db: Database, provider_id: str, client_id: str, job_id: str, amount: int,
@@ -303,18 +320,11 @@ def job_money(db: Database, job_id: str) -> dict[str, int]:
         "SELECT p.type, sum(e.amount) FROM ledger_entries e JOIN ledger_postings p"
         " ON p.seq = e.posting_seq WHERE e.account = ? GROUP BY p.type",
         [escrow(job_id)]).fetchall())
-    pattern = _like(job_id)
-    to_client = db.execute(
-        "SELECT coalesce(sum(e.amount), 0) FROM ledger_entries e JOIN ledger_postings p"
-        " ON p.seq = e.posting_seq JOIN ledger_accounts a ON a.account = e.account"
-        " WHERE p.type = 'reverse' AND a.type = 'client' AND (p.job_id = ? OR p.job_id LIKE ?"
-        " ESCAPE '\\')", [job_id, pattern + "-%"]).fetchone()[0]
-    held = db.execute(
-        "SELECT coalesce(sum(balance), 0) FROM ledger_accounts WHERE type = 'disputed' AND"
-        " (account LIKE ? ESCAPE '\\' OR account LIKE ? ESCAPE '\\')",
-        [f"disputed:{pattern}:%", f"disputed:{pattern}-%"]).fetchone()[0]
+    held = sum(balance(db, a) for sep in (":", "-") for (a,) in db.conn.execute(
+        "SELECT account FROM ledger_accounts WHERE account >= ? AND account < ?",
+        _prefix(f"disputed:{job_id}{sep}")))
     return {"hold": rows.get("hold", 0) + rows.get("topup", 0),
-            "charged": -rows.get("settle", 0) - rows.get("reverse", 0) - to_client,
+            "charged": -rows.get("settle", 0) - rows.get("reverse", 0),
             "remaining": balance(db, escrow(job_id)), "disputed": held}
 
 
@@ -360,11 +370,10 @@ def summary(db: Database, key_id: str) -> dict[str, int]:
         "SELECT coalesce(sum(e.amount), 0) FROM ledger_accounts a"
         " JOIN ledger_entries e ON e.account = a.account"
         " JOIN ledger_postings p ON p.seq = e.posting_seq"
-        " WHERE ((a.type = 'escrow' AND p.type IN ('settle', 'reverse'))"
-        " OR (a.type = 'client' AND p.type = 'reverse')) AND a.owner = ?",
+        " WHERE a.type = 'escrow' AND p.type IN ('settle', 'reverse') AND a.owner = ?",
         [key_id]).fetchone()[0]
-    held = sum(r[0] for r in db.execute(
-        "SELECT balance FROM ledger_accounts WHERE type = 'escrow' AND owner = ?", [key_id]))
+    held = db.execute(f"SELECT coalesce(sum(balance), 0) FROM ({LATEST} WHERE a.owner = ?"
+                      " AND a.type = 'escrow')", [key_id]).fetchone()[0]
     credited = db.execute(
         "SELECT coalesce(sum(e.amount), 0) FROM ledger_entries e JOIN ledger_postings p"
         " ON p.seq = e.posting_seq WHERE e.account = ? AND p.type = 'credit'",
@@ -376,34 +385,45 @@ def summary(db: Database, key_id: str) -> dict[str, int]:
 
 def totals(db: Database) -> dict[str, int]:
     """Sum of balances per account type."""
-    found = dict(db.execute("SELECT type, sum(balance) FROM ledger_accounts GROUP BY type"
+    found = dict(db.execute(f"SELECT type, sum(balance) FROM ({LATEST}) GROUP BY type"
                             ).fetchall())
     return {t: found.get(t, 0) for t in TYPES}
 
 
 def audit(db: Database) -> list[str]:
-    """What is wrong with the ledger (nothing, if empty): a posting that does not sum to zero,
-    a cached balance that differs from its entries, an account below zero that may not be."""
+    """What is wrong with the ledger (nothing, if empty): a posting that does not sum to zero
+    or whose entries differ from its record, an entry on an unregistered account, an account
+    below zero that may not be."""
     problems = [f"posting {seq} sums to {total}, not 0" for seq, total in db.execute(
         "SELECT posting_seq, sum(amount) FROM ledger_entries GROUP BY posting_seq"
         " HAVING sum(amount) != 0").fetchall()]
-    problems += [f"{account}: cached balance {cached} but its entries sum to {total}"
-                 for account, cached, total in db.execute(
-                     "SELECT a.account, a.balance, coalesce(sum(e.amount), 0) FROM"
-                     " ledger_accounts a LEFT JOIN ledger_entries e ON e.account = a.account"
-                     " GROUP BY a.account HAVING a.balance != coalesce(sum(e.amount), 0)"
-                 ).fetchall()]
-    problems += [f"{account} has no cached balance" for (account,) in db.execute(
+    entries: dict[int, dict[str, int]] = {}
+    running, last = 0, None
+    for account, seq, amount, after in db.execute(
+            "SELECT account, posting_seq, amount, balance FROM ledger_entries"
+            " ORDER BY account, posting_seq"):
+        entries.setdefault(seq, {})[account] = amount
+        running = (running if account == last else 0) + amount
+        last = account
+        if after != running:
+            problems.append(f"{account}: running balance {after} at posting {seq}, but its"
+                            f" entries sum to {running}")
+            running = after
+    problems += [f"posting {seq}: its entries differ from its record"
+                 for seq, recorded in db.execute("SELECT seq, entries FROM ledger_postings")
+                 if json.loads(recorded) != entries.pop(seq, {})]
+    problems += [f"entries of posting {seq} without a posting" for seq in entries]
+    problems += [f"{account} is not a registered account" for (account,) in db.execute(
         "SELECT DISTINCT account FROM ledger_entries WHERE account NOT IN"
         " (SELECT account FROM ledger_accounts)").fetchall()]
-    problems += [f"{account} is below zero ({fmt(b)})" for account, b in db.execute(
-        "SELECT account, balance FROM ledger_accounts WHERE balance < 0"
-        " AND type IN ('fee', 'stake', 'disputed')").fetchall()]
-    problems += [f"{account} is below zero ({fmt(b)}) though its job enforces funds"
-                 for account, b in db.execute(
-                     "SELECT a.account, a.balance FROM ledger_accounts a JOIN jobs j ON"
-                     " a.account = 'escrow:' || j.id WHERE a.balance < 0 AND j.enforce_funds"
-                 ).fetchall()]
+    balances = db.execute(f"SELECT account, type, balance FROM ({LATEST}) WHERE balance < 0"
+                          ).fetchall()
+    enforced = {r[0] for r in db.execute("SELECT id FROM jobs WHERE enforce_funds")}
+    for account, kind, b in balances:
+        if kind in ("fee", "stake", "disputed"):
+            problems.append(f"{account} is below zero ({fmt(b)})")
+        elif kind == "escrow" and account_type(account)[1] in enforced:
+            problems.append(f"{account} is below zero ({fmt(b)}) though its job enforces funds")
     if totals(db)["deposits"] > 0:
         problems.append("deposits are above zero: more left than came in")
     return problems

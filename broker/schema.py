@@ -299,16 +299,21 @@ def m010_job_needs(db: Database) -> None:
 
 @migrations()
 def m011_ledger(db: Database) -> None:
-    """The ledger (broker/ledger.py): append-only postings whose entries sum to zero, a cached
-    balance per account, and what each job and lease needs to settle: the terms it was
+    """The ledger (broker/ledger.py): append-only postings whose entries sum to zero, the
+    accounts they name, and what each job and lease needs to settle: the terms it was
     accepted under (fee, whether funds are enforced) and where its last settlement ended."""
+    # Laid out for the single writer: a settlement writes one postings row (its entries also
+    # as JSON in it), three entry rows clustered by account, each with the account's running
+    # balance (so a balance is one index seek), and nothing else; accounts are registered
+    # once, when first used.
     db.execute(
         """
         CREATE TABLE ledger_postings (
-            seq INTEGER PRIMARY KEY AUTOINCREMENT,
+            seq INTEGER PRIMARY KEY,        -- never reused: postings are never deleted
             key TEXT NOT NULL UNIQUE,       -- idempotency: one posting per event, ever
             at_ms INTEGER NOT NULL,
             type TEXT NOT NULL,
+            entries TEXT NOT NULL,          -- {account: amount}, as in ledger_entries
             job_id TEXT NOT NULL DEFAULT '',
             lease_id TEXT NOT NULL DEFAULT '',
             provider_id TEXT NOT NULL DEFAULT '',
@@ -319,27 +324,26 @@ def m011_ledger(db: Database) -> None:
             actor TEXT NOT NULL DEFAULT ''  -- the operator key of a credit
         )"""
     )
-    db.execute("CREATE INDEX ledger_postings_by_job ON ledger_postings(job_id, seq)")
     db.execute(
         """
         CREATE TABLE ledger_entries (
-            posting_seq INTEGER NOT NULL REFERENCES ledger_postings(seq),
             account TEXT NOT NULL,
+            posting_seq INTEGER NOT NULL,   -- a ledger_postings.seq (the audit checks)
             amount INTEGER NOT NULL,
-            PRIMARY KEY (posting_seq, account)
-        )"""
+            balance INTEGER NOT NULL,       -- the account's balance after this entry
+            PRIMARY KEY (account, posting_seq)
+        ) WITHOUT ROWID"""
     )
-    db.execute("CREATE INDEX ledger_entries_by_account ON ledger_entries(account, posting_seq)")
     db.execute(
         """
         CREATE TABLE ledger_accounts (
             account TEXT PRIMARY KEY,
             type TEXT NOT NULL,     -- deposits, client, escrow, provider, stake, fee, disputed
-            owner TEXT NOT NULL DEFAULT '', -- the client (client, escrow) or provider it belongs to
-            balance INTEGER NOT NULL DEFAULT 0
+            owner TEXT NOT NULL DEFAULT ''  -- the client (client, escrow) or provider it is of
         )"""
     )
-    db.execute("CREATE INDEX ledger_accounts_by_owner ON ledger_accounts(owner, type)")
+    db.execute("CREATE INDEX ledger_accounts_by_owner ON ledger_accounts(owner)")
+    db.execute("CREATE INDEX ledger_accounts_by_type ON ledger_accounts(type)")
     for table in ("ledger_postings", "ledger_entries"):
         for action in ("UPDATE", "DELETE"):
             db.execute(f"CREATE TRIGGER {table}_append_only_{action.lower()}"
@@ -350,8 +354,10 @@ def m011_ledger(db: Database) -> None:
     db.execute("ALTER TABLE jobs ADD COLUMN hold_basis TEXT NOT NULL DEFAULT ''")
     db.execute("ALTER TABLE jobs ADD COLUMN hold_needed INTEGER NOT NULL DEFAULT 0")
     db.execute("ALTER TABLE leases ADD COLUMN start_step INTEGER NOT NULL DEFAULT 0")
-    db.execute("ALTER TABLE leases ADD COLUMN settled_step INTEGER")
-    db.execute("ALTER TABLE leases ADD COLUMN settled_to_ms INTEGER")
+    # The current lease's settlement cursor, on the job's row (which a checkpoint writes anyway):
+    # the time and step its last settlement reached (time NULL until the lease's job started).
+    db.execute("ALTER TABLE jobs ADD COLUMN settled_to_ms INTEGER")
+    db.execute("ALTER TABLE jobs ADD COLUMN settled_step INTEGER NOT NULL DEFAULT 0")
     db.execute("ALTER TABLE leases ADD COLUMN raw_runtime_s REAL NOT NULL DEFAULT 0")
     db.execute("ALTER TABLE leases ADD COLUMN accelerator INTEGER NOT NULL DEFAULT 0")
     db.execute(

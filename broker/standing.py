@@ -22,10 +22,8 @@ def standings(db: Database, provider_ids: list[str] | None, now: int) -> list[pb
     ids = [r["id"] for r in rows]
     offers = {r["provider_id"]: r for r in views.offers(db)}
     running = views.active_lease_counts(db)
-    marks = ",".join("?" * len(ids))
-    balances = dict(db.execute(
-        f"SELECT account, balance FROM ledger_accounts WHERE type IN ('provider', 'stake')"
-        f" AND owner IN ({marks})", ids).fetchall())
+    balances = {a: ledger.balance(db, a) for i in ids
+                for a in (ledger.provider(i), ledger.stake(i))}
     out = []
     for row in rows:
         h = views.provider_history(db, row["id"], now)

@@ -202,15 +202,16 @@ def running_by_client(db: Database) -> dict[str, int]:
 
 def stakes(db: Database) -> dict[str, int]:
     """Units each provider has staked (the ledger's stake accounts)."""
-    return dict(db.execute("SELECT owner, balance FROM ledger_accounts WHERE type = 'stake'"
-                           " AND balance > 0").fetchall())
+    return dict(db.execute(f"SELECT owner, balance FROM ({ledger.LATEST} WHERE a.type ="
+                           " 'stake') WHERE balance > 0").fetchall())
 
 
 def leases_over_hold(db: Database, now: int) -> list[str]:
     """Active leases whose cost since their last settlement has reached what their job's hold
     has left (jobs that enforce funds only)."""
-    rows = _rows(db, "SELECT l.*, coalesce(j.parent_id, j.id) AS top FROM leases l"
-                 " JOIN jobs j ON j.id = l.job_id WHERE l.state = 'active'"
-                 " AND l.started_at_ms IS NOT NULL AND j.enforce_funds", [])
+    rows = _rows(db, "SELECT l.id, l.price_per_gpu_hour, l.device_indices, j.settled_to_ms,"
+                 " coalesce(j.parent_id, j.id) AS top FROM leases l JOIN jobs j ON j.id ="
+                 " l.job_id AND j.lease_id = l.id WHERE l.state = 'active'"
+                 " AND j.settled_to_ms IS NOT NULL AND j.enforce_funds", [])
     return [r["id"] for r in rows
-            if ledger.accrued(r, now) >= ledger.balance(db, ledger.escrow(r["top"]))]
+            if ledger.accrued(r, r, now) >= ledger.balance(db, ledger.escrow(r["top"]))]
