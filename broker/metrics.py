@@ -47,8 +47,9 @@ class BrokerMetrics:
         self.postings = Gauge("gpumarket_ledger_postings", "Postings in the ledger",
                               registry=r)
         self.ledger_ok = Gauge("gpumarket_ledger_balanced",
-                               "1 if the ledger's entries and its cached balances each sum"
-                               " to zero (the full audit: gpumarket-broker admin audit)",
+                               "1 if the ledger's entries and its accounts' latest running"
+                               " balances each sum to zero (the full audit:"
+                               " gpumarket-broker admin audit)",
                                registry=r)
         for state in STATE_NAMES.values():
             self.jobs.labels(state=state)

@@ -338,18 +338,32 @@ async def balance(market: Broker, as_json: bool) -> None:
 
 
 def print_lines(lines, as_json: bool) -> None:
-    """Ledger lines as a table (or JSON lines), newest first."""
+    """Ledger lines, newest first: JSON lines, or a table with one row per posting and a
+    column per account it moved (available, held, ...)."""
     if as_json:
         for line in lines:
             click.echo(json.dumps(MessageToDict(line, preserving_proto_field_name=True)))
         return
-    table = Table("seq", "time", "type", "account", "amount", "job", "provider", "steps",
-                  "memo")
+    postings: dict[int, list] = {}
     for line in lines:
-        steps = f"{line.step_from}→{line.step_to}" if line.type == "settle" else ""
-        table.add_row(str(line.seq), _time(line.at_ms), line.type, line.account,
-                      fmt(line.amount), line.job_id, short(line.provider_id) or "", steps,
-                      line.memo)
+        postings.setdefault(line.seq, []).append(line)
+    accounts = [a for a in ("available", "held", "earned", "stake", "disputed")
+                if any(x.account == a for x in lines)]
+    table = Table(box=None, header_style="bold")
+    for name, width in (("seq", 3), ("time", 8), ("type", 7), ("job", 8), ("steps", 9),
+                        ("provider", 8)):
+        table.add_column(name, no_wrap=True, min_width=width)
+    for a in accounts:
+        table.add_column(a, justify="right", no_wrap=True, min_width=10)
+    table.add_column("memo", no_wrap=True, overflow="ellipsis")
+    for seq, group in postings.items():
+        first = group[0]
+        moved = {x.account: x.amount for x in group}
+        steps = f"{first.step_from}→{first.step_to}" if first.type == "settle" else ""
+        table.add_row(str(seq), _time(first.at_ms), first.type, first.job_id[:8], steps,
+                      first.provider_id[:8], *(f"{moved[a]:+,}"[:1] + fmt(abs(moved[a]))
+                                               if a in moved else "" for a in accounts),
+                      first.memo)
     out.print(table)
 
 
