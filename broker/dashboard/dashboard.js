@@ -75,7 +75,7 @@ function renderLedger(ledger) {
     el("td", { class: "id", title: p.provider_id }, short(p.provider_id)),
     el("td", {}, p.type === "settle" ? `${p.step_from}→${p.step_to} (${p.seconds.toFixed(1)} s)` : ""),
     el("td", {}, Object.entries(p.entries).map(([a, v]) => `${a.split(":")[0]} ${v > 0 ? "+" : ""}${v.toFixed(6)}`).join(", ")),
-    el("td", {}, p.memo))));
+    el("td", { class: "memo", title: p.memo }, p.memo))));
 }
 
 function renderChart(series) {
