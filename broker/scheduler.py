@@ -20,6 +20,7 @@ from gpumarket.proto.v1 import types_pb2 as pb
 log = logging.getLogger(__name__)
 
 QUEUE_SCAN = 1000
+RUNTIME_GRACE_S = 60      # past a job's max_runtime, before the broker takes the lease back
 
 
 def fair_order(rows: list[dict], running: dict[str, int]) -> list[dict]:
@@ -152,6 +153,19 @@ async def expire(state: BrokerState) -> None:
             changed = True
     if await state.store.write(jobs.expire_queued, now):
         changed = True
+    for lease_id, limit in await state.store.read(views.leases_past_runtime, now,
+                                                  RUNTIME_GRACE_S * 1000):
+        row = await state.store.read(views.lease_holder, lease_id)
+        if await state.store.write(jobs.lose_lease, lease_id,
+                                   f"ran past the job's max_runtime of {limit}s", now):
+            log.warning("lease %s taken back: it ran past its job's max_runtime", lease_id)
+            changed = True
+            job_id, epoch, provider_id = row
+            session = state.sessions.get(provider_id)
+            if session is not None:
+                session.send(gw.BrokerMessage(cancel=gw.CancelLease(
+                    job_id=job_id, epoch=epoch,
+                    reason=f"ran past the job's max_runtime of {limit}s")))
     for lease_id in await state.store.read(views.leases_over_hold, now):
         ended = await state.store.write(jobs.exhaust, lease_id, now)
         if ended is None:

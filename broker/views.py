@@ -134,6 +134,26 @@ def overdue_leases(db: Database, renewed_before_ms: int) -> list[str]:
     ).fetchall()]
 
 
+def lease_holder(db: Database, lease_id: str) -> tuple[str, int, str]:
+    """(job id, epoch, provider id) of a lease."""
+    return tuple(db.execute("SELECT job_id, epoch, provider_id FROM leases WHERE id = ?",
+                            [lease_id]).fetchone())
+
+
+def leases_past_runtime(db: Database, now: int, grace_ms: int) -> list[tuple[str, int]]:
+    """Active leases that have run longer than their job's max_runtime (from their start)
+    plus ``grace_ms``: (lease id, max_runtime_s). An honest provider stops such a job itself;
+    the broker does not wait for one that does not (nor pay it for the overrun)."""
+    out = []
+    for lease_id, started, needs in db.execute(
+            "SELECT l.id, l.started_at_ms, j.needs FROM leases l JOIN jobs j ON j.id = l.job_id"
+            " WHERE l.state = 'active' AND l.started_at_ms IS NOT NULL").fetchall():
+        limit = json.loads(needs).get("max_runtime_s", 0)
+        if limit and now - started > limit * 1000 + grace_ms:
+            out.append((lease_id, limit))
+    return out
+
+
 def may_read(db: Database, key_id: str, sha256: str) -> bool:
     """Whether ``key_id`` may read the blob: it uploaded it, or the blob belongs to one of
     its jobs (input, checkpoint, output), or to a job it holds an active lease on."""

@@ -433,3 +433,26 @@ def test_an_offer_with_absurd_figures_cannot_inflate_holds():
     held, basis = holds.amount(needs, 1, timed, 0.0)
     assert held == ledger.units(2.0 * 7 * 24)       # capped at seven days of max_price
     assert "at most 7 days" in basis
+
+
+def test_a_lease_running_past_its_max_runtime_is_taken_back_unpaid_since_its_checkpoint(
+        tmp_path):
+    """A provider that stalls past the job's max_runtime is not waited for: the broker takes
+    the lease back (lost), and its time since its last checkpoint is never paid."""
+    from gpumarket.broker import views
+
+    w = World(tmp_path / "b.db")
+    w.write(ledger.credit, "ca", 10**7, "client", "", "op", "k1", 1)
+    job = new_job("j", "ca", 5_000_000, True)
+    job = NewJob(**{**job.__dict__, "needs": Needs(**{**job.needs.__dict__,
+                                                      "max_runtime_s": 600})})
+    w.write(jobs.submit, job, 2)
+    w.write(jobs.create_lease, "j", "pa", [0], 1.0, 3, 60_000, EVERY, sign)
+    w.write(jobs.mark_started, "j", 1, "pa", 0)
+    ref = w.write(artifact, "pa", 10, 0)
+    w.write(jobs.record_checkpoint, "j", 1, "pa", 10, ref, 0.1, 300_000)     # paid: 300 s
+    assert views.leases_past_runtime(w.db, 660_000, 60_000) == []
+    assert views.leases_past_runtime(w.db, 660_001, 60_000) == [("j.1", 600)]
+    assert w.write(jobs.lose_lease, "j.1", "ran past the job's max_runtime of 600s", 3_600_000)
+    assert w.job("j")["state"] == jobs.QUEUED
+    assert ledger.job_money(w.db, "j")["charged"] == 83_333          # the 300 s only
