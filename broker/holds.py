@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from gpumarket.broker import calibration, ledger, matcher
 from gpumarket.broker.admission import Needs
+from gpumarket.proto.errors import InvalidArgument
 from gpumarket.proto.jobspec import MAX_CREDITS
 
 HOLD_MARGIN = 2.0
@@ -61,10 +62,21 @@ def timed(db, book: matcher.Book, job: matcher.JobNeeds, found: list[matcher.Est
     return out
 
 
+MIN_BUDGET_S = 10      # a budget must pay at least this much of every device at max_price
+
+
 def amount(needs: Needs, parts: int, candidates: list[Timed], budget: float
            ) -> tuple[int, str]:
-    """(units to hold, what that rests on)."""
+    """(units to hold, what that rests on); InvalidArgument for a budget too small to pay
+    for anything."""
     if budget > 0:
+        devices = needs.gpus * max(parts, 1)
+        floor = math.ceil(ledger.units(needs.max_price_per_gpu_hour) * devices * MIN_BUDGET_S
+                          / 3600)
+        if ledger.units(budget) < floor:
+            raise InvalidArgument(f"budget: at least {ledger.fmt(floor)} credits ({MIN_BUDGET_S}"
+                                  f" s of max_price x {devices} device"
+                                  f"{'s' if devices > 1 else ''})")
         return ledger.units(budget), "the job's budget"
     if needs.work_flops > 0 and candidates:
         slowest = max(candidates[:CANDIDATES], key=lambda t: t.seconds)

@@ -281,8 +281,8 @@ def _current(db: Database, job_id: str, epoch: int, provider_id: str) -> tuple[d
 def mark_started(db: Database, job_id: str, epoch: int, provider_id: str, now: int,
                  resumed_from_step: int = 0) -> None:
     job, lease = _current(db, job_id, epoch, provider_id)
-    db.execute("UPDATE leases SET started_at_ms = ?, renewed_at_ms = ? WHERE id = ?",
-               [now, now, lease["id"]])
+    db.execute("UPDATE leases SET started_at_ms = coalesce(started_at_ms, ?), renewed_at_ms = ?"
+               " WHERE id = ?", [now, now, lease["id"]])
     # Billing starts here (once: a re-attached job reporting again changes nothing).
     db.execute("UPDATE jobs SET settled_to_ms = coalesce(settled_to_ms, ?) WHERE id = ?",
                [now, job_id])
@@ -338,15 +338,30 @@ def record_checkpoint(
                  message=f"checkpoint at step {step} stored ({artifact.sha256[:12]}, "
                  f"{artifact.size_bytes} bytes, written in {write_seconds:.2f}s);"
                  f" {ledger.fmt(paid.paid)} credits settled")
-    if job["enforce_funds"] and paid.remaining < max(paid.amount, 1) \
-            and step < job["progress_total"]:
+    finished = job["progress_total"] and step >= job["progress_total"]
+    if job["enforce_funds"] and not finished and \
+            paid.remaining - _siblings_accrued(db, job, now) < max(paid.amount, 1):
         _pause(db, job, lease, now, max(paid.amount, _resume_floor(lease)),
                "another segment like the last")
         return "paused"
     return True
 
 
-RESUME_FLOOR_S = 60     # a paused job is queued again once its hold covers this much of its lease
+def _siblings_accrued(db: Database, job: dict, now: int) -> int:
+    """What the other running parts of a split job have cost since their last settlements:
+    they draw on the same hold."""
+    if not job["parent_id"]:
+        return 0
+    total = 0
+    for part in _parts_of(db, job["parent_id"]):
+        if part["id"] != job["id"] and part["state"] in ACTIVE_STATES and part["lease_id"]:
+            total += ledger.accrued(part, _lease_row(db, part["lease_id"]), now)
+    return total
+
+
+# A job is leased, or a paused one queued again, only while its hold covers at least this much
+# of the lease (so no provider works unpaid between the broker's checks of running leases).
+RESUME_FLOOR_S = 10
 
 
 def _resume_floor(lease: dict) -> int:
@@ -393,24 +408,30 @@ def exhaust(db: Database, lease_id: str, now: int) -> EndedLease | None:
     if lease["state"] != "active" or job["lease_id"] != lease_id or not job["enforce_funds"]:
         return None
     left = ledger.balance(db, ledger.escrow(job["parent_id"] or job["id"]))
-    if ledger.accrued(job, lease, now) < left:
+    if ledger.accrued(job, lease, now) + _siblings_accrued(db, job, now) < left:
         return None
     ledger.settle(db, job, lease, job["settled_step"], now, tag="end")
-    _pause(db, job, lease, now, _resume_floor(lease), "a minute of its lease")
+    _pause(db, job, lease, now, _resume_floor(lease), f"{RESUME_FLOOR_S} s of its lease")
     return EndedLease(job["id"], job["epoch"], lease["provider_id"])
 
 
-def top_up(db: Database, job_id: str, client_id: str, amount: int, now: int) -> int:
-    """Add ``amount`` units from the client's available balance to the job's hold; a paused
-    job (or paused parts) is queued again. Returns the job's state."""
+def top_up(db: Database, job_id: str, client_id: str, amount: int, now: int,
+           nonce: str = "") -> int:
+    """Add ``amount`` units from the client's available balance to the job's hold (once per
+    ``nonce``); a paused job (or paused parts) is queued again once the hold covers what the
+    pause needs. Returns the job's state."""
     job = job_row(db, job_id)
     if job["client_id"] != client_id or job["parent_id"]:
         raise no_such_job(job_id)
     if job["state"] in TERMINAL_STATES:
         raise FailedPrecondition(f"job {job_id} is {state_name(job['state'])}: nothing to top up")
-    ledger.top_up(db, job_id, client_id, amount, bool(job["enforce_funds"]), now)
+    if job["state"] == PAUSED and job["expires_at_ms"] <= now:
+        raise FailedPrecondition(f"job {job_id}: its signed spec expired; it cannot be"
+                                 " leased again (cancel it to get its hold back)")
+    ledger.top_up(db, job_id, client_id, amount, bool(job["enforce_funds"]), now, nonce)
     left = ledger.balance(db, ledger.escrow(job_id))
-    # A split job's state follows its parts: resume those, and it follows.
+    # A split job's state follows its parts: resume those the hold covers (together), and it
+    # follows.
     for row in _parts_of(db, job_id) if job["parts"] else [job]:
         if row["state"] != PAUSED:
             continue
@@ -420,9 +441,7 @@ def top_up(db: Database, job_id: str, client_id: str, amount: int, now: int) -> 
                    f" (gpumarket topup {job_id} AMOUNT)")
             _set_job(db, row["id"], now, queue_reason=why)
             continue
-        if row["expires_at_ms"] <= now:
-            raise FailedPrecondition(f"job {job_id}: its signed spec expired; it cannot be"
-                                     " leased again (cancel it to get its hold back)")
+        left -= row["hold_needed"]
         _set_job(db, row["id"], now, state=QUEUED, queue_reason="", hold_needed=0)
         append_event(db, row["id"], "resumed", QUEUED, row["attempt"], now,
                      message=f"hold topped up by {ledger.fmt(amount)} credits; queued to"
@@ -600,16 +619,28 @@ def renew_leases(
 
 
 def expire_queued(db: Database, now: int) -> list[str]:
-    """Fail QUEUED jobs whose spec expired before any provider took them."""
+    """Fail QUEUED (and PAUSED) jobs whose spec expired before a provider could take them."""
     rows = db.execute(
-        "SELECT id, attempt FROM jobs WHERE state = ? AND expires_at_ms <= ?", [QUEUED, now]
-    ).fetchall()
-    for job_id, attempt in rows:
-        error = "job spec expired before a provider could run it"
+        "SELECT id, attempt, state FROM jobs WHERE state IN (?, ?) AND expires_at_ms <= ?",
+        [QUEUED, PAUSED, now]).fetchall()
+    for job_id, attempt, state in rows:
+        error = ("job spec expired while the job was paused (its hold spent)" if state == PAUSED
+                 else "job spec expired before a provider could run it")
         _set_job(db, job_id, now, state=FAILED, error=error)
         _drop_checkpoints(db, job_id)
         append_event(db, job_id, "failed", FAILED, attempt, now, message=error)
     return [r[0] for r in rows]
+
+
+def covers_lease(db: Database, job_id: str, price_per_gpu_hour: float, devices: int) -> bool:
+    """Whether the job's hold covers RESUME_FLOOR_S of a lease at this price (always, for a
+    job that does not enforce funds)."""
+    row = db.execute("SELECT coalesce(parent_id, id), enforce_funds FROM jobs WHERE id = ?",
+                     [job_id]).fetchone()
+    if row is None or not row[1]:
+        return True
+    need = -(-ledger.units(price_per_gpu_hour) * devices * RESUME_FLOOR_S // 3600)   # ceil
+    return ledger.balance(db, ledger.escrow(row[0])) >= max(need, 1)
 
 
 def set_queue_reasons(db: Database, reasons: dict[str, str], now: int) -> None:

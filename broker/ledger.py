@@ -180,7 +180,7 @@ def hold(db: Database, job_id: str, client_id: str, amount: int, basis: str, enf
 
 
 def top_up(db: Database, job_id: str, client_id: str, amount: int, enforce: bool,
-           now: int) -> None:
+           now: int, nonce: str = "") -> None:
     if amount <= 0:
         raise InvalidArgument("amount: must be more than 0")
     available = balance(db, client(client_id))
@@ -188,9 +188,13 @@ def top_up(db: Database, job_id: str, client_id: str, amount: int, enforce: bool
         raise InsufficientFunds(f"insufficient funds: the top-up is {fmt(amount)} credits; your"
                                 f" available balance is {fmt(available)},"
                                 f" {fmt(amount - available)} short")
-    n = db.execute("SELECT count(*) FROM ledger_postings WHERE job_id = ? AND type = 'topup'",
-                   [job_id]).fetchone()[0]
-    post(db, f"topup:{job_id}:{n + 1}", "topup",
+    if nonce:       # the client's: a retried call moves nothing twice
+        key = f"topup:{job_id}:{nonce}"
+    else:
+        n = db.execute("SELECT count(*) FROM ledger_postings WHERE job_id = ? AND"
+                       " type = 'topup'", [job_id]).fetchone()[0]
+        key = f"topup:{job_id}:{n + 1}"
+    post(db, key, "topup",
          {client(client_id): -amount, escrow(job_id): amount}, now,
          owners={escrow(job_id): client_id}, job_id=job_id, memo="top-up by the client",
          may_go_negative=frozenset() if enforce else frozenset({client(client_id)}))
@@ -213,8 +217,11 @@ def settle(db: Database, job: dict, lease: dict, step_to: int, now: int, *,
     left. Nothing is paid for time before the provider reported the job started."""
     top = job["parent_id"] or job["id"]
     started, step_from = job["settled_to_ms"], job["settled_step"]
-    elapsed = max(0, now - started) if started is not None else 0
     amount = accrued(job, lease, now)
+    # The time this amount pays for exactly: what is left of a unit carries to the next one.
+    rate = units(lease["price_per_gpu_hour"]) * len(json.loads(lease["device_indices"]))
+    elapsed = 0 if started is None else (
+        max(0, now - started) if rate <= 0 else amount * MS_PER_HOUR // rate)
     left = balance(db, escrow(top))
     paid = min(amount, max(left, 0)) if job["enforce_funds"] else amount
     fee = paid * job["fee_ppm"] // PPM
@@ -230,7 +237,7 @@ def settle(db: Database, job: dict, lease: dict, step_to: int, now: int, *,
          step_to=max(step_to, step_from), seconds=elapsed / 1000,
          memo="" if paid == amount else f"hold exhausted: {fmt(amount - paid)} not covered")
     db.conn.execute("UPDATE jobs SET settled_to_ms = ?, settled_step = ? WHERE id = ?",
-                    [now, max(step_to, step_from), job["id"]])
+                    [started + elapsed, max(step_to, step_from), job["id"]])
     return Settlement(amount, paid, left - paid)
 
 

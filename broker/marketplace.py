@@ -240,8 +240,10 @@ class MarketplaceServicer(marketplace_pb2_grpc.MarketplaceServicer):
         if not 0 < request.amount <= ledger.units(MAX_CREDITS):
             raise InvalidArgument(f"amount: must be more than 0 and at most {MAX_CREDITS:,}"
                                   " credits")
+        if len(request.nonce) not in (0, 16):
+            raise InvalidArgument("nonce: 16 random bytes (or none)")
         state = await self.state.store.write(jobs.top_up, request.job_id, caller(),
-                                             request.amount, now_ms())
+                                             request.amount, now_ms(), request.nonce.hex())
         self.state.events.notify()
         self.state.placement.notify()
         job = await self.state.store.read(views.get_job, request.job_id)

@@ -107,6 +107,15 @@ async def place_queued(state: BrokerState) -> int:
         session = state.sessions.get(placement.provider_id)
         if session is None:
             continue
+        if not await store.read(jobs.covers_lease, row["id"], placement.price_per_gpu_hour,
+                                len(placement.device_indices)):
+            book.release(book.index[placement.provider_id], placement.device_indices)
+            reason = (f"waiting for funds: its hold covers less than {jobs.RESUME_FLOOR_S} s"
+                      f" of the best offer (gpumarket topup {row['parent_id'] or row['id']}"
+                      " AMOUNT)")
+            if reason != row["queue_reason"]:
+                reasons[row["id"]] = reason
+            continue
         offer = book.offers[book.index[placement.provider_id]]   # read with the book
         interval = reliability.checkpoint_interval_s(row["checkpoint_seconds"], offer.mtbf_s)
         raw_s = holds.raw_seconds(stored.work_flops, offer, stored.gpus)

@@ -227,11 +227,15 @@ def stakes(db: Database) -> dict[str, int]:
 
 
 def leases_over_hold(db: Database, now: int) -> list[str]:
-    """Active leases whose cost since their last settlement has reached what their job's hold
-    has left (jobs that enforce funds only)."""
+    """Active leases whose cost since their last settlement (with their sibling parts', for a
+    split job) has reached what their job's hold has left (jobs that enforce funds only)."""
     rows = _rows(db, "SELECT l.id, l.price_per_gpu_hour, l.device_indices, j.settled_to_ms,"
                  " coalesce(j.parent_id, j.id) AS top FROM leases l JOIN jobs j ON j.id ="
                  " l.job_id AND j.lease_id = l.id WHERE l.state = 'active'"
                  " AND j.settled_to_ms IS NOT NULL AND j.enforce_funds", [])
-    return [r["id"] for r in rows
-            if ledger.accrued(r, r, now) >= ledger.balance(db, ledger.escrow(r["top"]))]
+    by_top: dict[str, list[dict]] = {}
+    for r in rows:      # the parts of a split job draw on one hold: count them together
+        by_top.setdefault(r["top"], []).append(r)
+    return [r["id"] for top, group in by_top.items()
+            if sum(ledger.accrued(r, r, now) for r in group)
+            >= ledger.balance(db, ledger.escrow(top)) for r in group]

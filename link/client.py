@@ -4,6 +4,7 @@ Artifacts client, over one channel. grpc.aio.AioRpcError becomes a gpumarket err
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -120,7 +121,10 @@ class BrokerClient:
         return await self._call(self.market.GetAccount, req)
 
     async def top_up(self, job_id: str, amount: int) -> mp.TopUpResponse:
-        return await self._call(self.market.TopUp, mp.TopUpRequest(job_id=job_id, amount=amount))
+        """Add ``amount`` units to the job's hold; the nonce makes a retried call move the
+        money once."""
+        req = mp.TopUpRequest(job_id=job_id, amount=amount, nonce=os.urandom(16))
+        return await self._call(self.market.TopUp, req)
 
     async def get_provider(self, provider_id: str) -> mp.GetProviderResponse:
         req = mp.GetProviderRequest(provider_id=provider_id)

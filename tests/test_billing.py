@@ -45,11 +45,14 @@ def test_credit_hold_pause_top_up_and_statements(tmp_path):
 
         # A budget that runs out early (about 11 s of the provider's device, where the job
         # needs 15 s or more): the job pauses, at a checkpoint, or where its hold ends if
-        # that comes first.
+        # that comes first. (A budget under 10 s of max_price is refused.)
+        small = training_job(tmp_path / "small.toml", max_price=1.0, extra="budget = 0.002")
+        r = market.cli("submit", str(small))
+        assert r.returncode == 1 and "budget: at least 0.002778 credits" in r.stderr, r.stderr
         market.start_provider("p1", 1.0)
         market.wait_for_offers(1)
         tight = training_job(tmp_path / "tight.toml", steps=1500, checkpoint_every=100,
-                             extra="budget = 0.003")
+                             max_price=1.0, extra="budget = 0.003")
         r = market.cli("submit", str(tight))
         assert r.returncode == 0, r.stderr
         job_id = r.stdout.split()[0]

@@ -257,12 +257,14 @@ class GetAccountResponse(_message.Message):
     def __init__(self, key_id: _Optional[str] = ..., available: _Optional[int] = ..., held: _Optional[int] = ..., credited: _Optional[int] = ..., spent: _Optional[int] = ..., earned: _Optional[int] = ..., stake: _Optional[int] = ..., lines: _Optional[_Iterable[_Union[_types_pb2.LedgerLine, _Mapping]]] = ..., billing: _Optional[bool] = ...) -> None: ...
 
 class TopUpRequest(_message.Message):
-    __slots__ = ("job_id", "amount")
+    __slots__ = ("job_id", "amount", "nonce")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     AMOUNT_FIELD_NUMBER: _ClassVar[int]
+    NONCE_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     amount: int
-    def __init__(self, job_id: _Optional[str] = ..., amount: _Optional[int] = ...) -> None: ...
+    nonce: bytes
+    def __init__(self, job_id: _Optional[str] = ..., amount: _Optional[int] = ..., nonce: _Optional[bytes] = ...) -> None: ...
 
 class TopUpResponse(_message.Message):
     __slots__ = ("state", "billing")
