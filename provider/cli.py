@@ -317,6 +317,29 @@ async def _broker_standing(broker: str, pin: str, identity, data_dir: Path):
 CLOCK_SKEW_WARN_MS = 60_000
 
 
+def _key_and_broker(data_dir: Path, broker: str, broker_key: str
+                    ) -> tuple[Identity, str, str]:
+    """The provider's key, and the broker to ask (the options', else its provider.toml's);
+    one line on stderr and exit 1 if there is no key or the config is unusable."""
+    key = data_dir / "provider.key"
+    if not key.exists():
+        click.echo(f"error: no provider key in {data_dir}; run `gpumarket-provider init`",
+                   err=True)
+        sys.exit(1)
+    try:
+        identity = Identity.load(key)
+        if (data_dir / "provider.toml").exists():
+            from gpumarket.provider import config as provider_config
+
+            settings = provider_config.load(data_dir / "provider.toml")
+            broker = broker or settings.get("broker", "")
+            broker_key = broker_key or settings.get("broker_key", "")
+    except GpumarketError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(1)
+    return identity, broker, broker_key
+
+
 @cli.command()
 @click.option("--data-dir", type=click.Path(file_okay=False, path_type=Path), required=True,
               help="The provider's data directory.")
@@ -337,28 +360,17 @@ def earnings(data_dir: Path, broker: str, broker_key: str, job_id: str, limit: i
     from gpumarket.link.client import BrokerClient
     from gpumarket.proto.money import fmt
 
-    key = data_dir / "provider.key"
-    if not key.exists():
-        click.echo(f"error: no provider key in {data_dir}; run `gpumarket-provider init`",
-                   err=True)
-        sys.exit(1)
+    identity, broker, broker_key = _key_and_broker(data_dir, broker, broker_key)
+    if not broker:
+        raise click.UsageError("give --broker (or broker in provider.toml)")
 
-    async def ask(identity):
+    async def ask():
         trust = Trust(pin=broker_key, known=data_dir / "known_brokers")
         async with BrokerClient(broker, identity, timeout_s=10, trust=trust) as client:
             return await client.account(job_id=job_id, limit=limit)
 
     try:
-        identity = Identity.load(key)
-        if not broker and (data_dir / "provider.toml").exists():
-            from gpumarket.provider import config as provider_config
-
-            settings = provider_config.load(data_dir / "provider.toml")
-            broker = settings.get("broker", "")
-            broker_key = broker_key or settings.get("broker_key", "")
-        if not broker:
-            raise click.UsageError("give --broker (or broker in provider.toml)")
-        acct = asyncio.run(ask(identity))
+        acct = asyncio.run(ask())
     except GpumarketError as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(1)
@@ -395,22 +407,7 @@ def status(data_dir: Path, broker: str, broker_key: str, as_json: bool) -> None:
     from gpumarket.provider.inventory import detect
     from gpumarket.provider.journal import Journal
 
-    key = data_dir / "provider.key"
-    if not key.exists():
-        click.echo(f"error: no provider key in {data_dir}; run `gpumarket-provider init`",
-                   err=True)
-        sys.exit(1)
-    try:
-        identity = Identity.load(key)
-        if (data_dir / "provider.toml").exists():
-            from gpumarket.provider import config as provider_config
-
-            settings = provider_config.load(data_dir / "provider.toml")
-            broker = broker or settings.get("broker", "")
-            broker_key = broker_key or settings.get("broker_key", "")
-    except GpumarketError as exc:
-        click.echo(f"error: {exc}", err=True)
-        sys.exit(1)
+    identity, broker, broker_key = _key_and_broker(data_dir, broker, broker_key)
     found, warning = detect()
     if warning:
         click.echo(f"warning: {warning}", err=True)

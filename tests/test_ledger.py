@@ -58,6 +58,16 @@ def artifact(db, provider: str, step: int, now: int) -> pb.ArtifactRef:
     return pb.ArtifactRef(name="ckpt.tar", sha256=sha, size_bytes=10)
 
 
+def running(w, job_id: str = "j", hold: int = 500_000, *, credit: int = 10**6,
+            started_ms: int = 0, price: float = 1.0, job: NewJob | None = None) -> None:
+    """Client "ca" credited, job ``job_id`` holding ``hold`` and running on "pa" since
+    ``started_ms``."""
+    w.write(ledger.credit, "ca", credit, "client", "", "op", f"k-{job_id}", 1)
+    w.write(jobs.submit, job or new_job(job_id, "ca", hold, True, price=max(price, 1.0)), 2)
+    w.write(jobs.create_lease, job_id, "pa", [0], price, 3, 60_000, EVERY, sign)
+    w.write(jobs.mark_started, job_id, 1, "pa", started_ms)
+
+
 class World:
     """The broker's store and a clock; each call is one transaction, as Store.write runs
     it, optionally crashing before COMMIT."""
@@ -255,10 +265,7 @@ def test_random_histories_keep_the_books_balanced(tmp_path_factory, history):
 
 def test_a_checkpoint_reported_twice_is_settled_once(tmp_path):
     w = World(tmp_path / "b.db")
-    w.write(ledger.credit, "ca", 10**6, "client", "", "op", "k1", 1)
-    w.write(jobs.submit, new_job("j", "ca", 500_000, True), 2)
-    w.write(jobs.create_lease, "j", "pa", [0], 1.0, 3, 60_000, EVERY, sign)
-    w.write(jobs.mark_started, "j", 1, "pa", 1_000)
+    running(w, started_ms=1_000)
     ref = w.write(artifact, "pa", 10, 1_000)
     assert w.write(jobs.record_checkpoint, "j", 1, "pa", 10, ref, 0.1, 361_000)
     assert not w.write(jobs.record_checkpoint, "j", 1, "pa", 10, ref, 0.1, 400_000)
@@ -288,11 +295,7 @@ def test_a_hold_the_client_cannot_cover_queues_nothing(tmp_path):
 
 def test_a_spent_hold_pauses_at_a_checkpoint_and_a_top_up_resumes(tmp_path):
     w = World(tmp_path / "b.db")
-    w.write(ledger.credit, "ca", 10**6, "client", "", "op", "k1", 1)
-    # 0.15 credit of hold at 1 credit/h: 540 s of one device.
-    w.write(jobs.submit, new_job("j", "ca", 150_000, True), 2)
-    w.write(jobs.create_lease, "j", "pa", [0], 1.0, 3, 60_000, EVERY, sign)
-    w.write(jobs.mark_started, "j", 1, "pa", 0)
+    running(w, hold=150_000)            # 0.15 credit at 1 credit/h: 540 s of one device
     w.write(jobs.record_progress, "j", 1, "pa", pb.Progress(step=10, total=40), 300_000)
     ref = w.write(artifact, "pa", 10, 0)
     w.write(jobs.record_checkpoint, "j", 1, "pa", 10, ref, 0.1, 300_000)   # 300 s: 0.0833
@@ -334,10 +337,7 @@ def test_a_credit_order_applies_once(tmp_path):
 
 def test_a_failed_check_returns_the_pay_to_the_job(tmp_path):
     w = World(tmp_path / "b.db")
-    w.write(ledger.credit, "ca", 10**6, "client", "", "op", "k1", 1)
-    w.write(jobs.submit, new_job("j", "ca", 500_000, True), 2)
-    w.write(jobs.create_lease, "j", "pa", [0], 1.0, 3, 60_000, EVERY, sign)
-    w.write(jobs.mark_started, "j", 1, "pa", 0)
+    running(w)
     ref = w.write(artifact, "pa", 10, 0)
     w.write(jobs.record_checkpoint, "j", 1, "pa", 10, ref, 0.1, 360_000)
     seq = w.db.execute("SELECT seq FROM ledger_postings WHERE type = 'settle'").fetchone()[0]
@@ -444,13 +444,9 @@ def test_a_lease_running_past_its_max_runtime_is_taken_back_unpaid_since_its_che
     from gpumarket.broker import views
 
     w = World(tmp_path / "b.db")
-    w.write(ledger.credit, "ca", 10**7, "client", "", "op", "k1", 1)
     job = new_job("j", "ca", 5_000_000, True)
-    job = NewJob(**{**job.__dict__, "needs": Needs(**{**job.needs.__dict__,
-                                                      "max_runtime_s": 600})})
-    w.write(jobs.submit, job, 2)
-    w.write(jobs.create_lease, "j", "pa", [0], 1.0, 3, 60_000, EVERY, sign)
-    w.write(jobs.mark_started, "j", 1, "pa", 0)
+    running(w, credit=10**7, job=NewJob(**{**job.__dict__, "needs": Needs(
+        **{**job.needs.__dict__, "max_runtime_s": 600})}))
     ref = w.write(artifact, "pa", 10, 0)
     w.write(jobs.record_checkpoint, "j", 1, "pa", 10, ref, 0.1, 300_000)     # paid: 300 s
     assert views.leases_past_runtime(w.db, 660_000, 60_000) == []
@@ -487,10 +483,7 @@ def test_the_parts_of_a_split_job_draw_on_one_hold(tmp_path):
 def test_fractions_of_a_unit_carry_to_the_next_settlement_and_a_restart_keeps_the_clock(
         tmp_path):
     w = World(tmp_path / "b.db")
-    w.write(ledger.credit, "ca", 10**6, "client", "", "op", "k1", 1)
-    w.write(jobs.submit, new_job("j", "ca", 500_000, True, price=0.05), 2)
-    w.write(jobs.create_lease, "j", "pa", [0], 0.05, 3, 60_000, 1, sign)  # 1 unit = 72 ms
-    w.write(jobs.mark_started, "j", 1, "pa", 0)
+    running(w, price=0.05)                                      # 1 unit = 72 ms
     for step in range(1, 101):                           # a checkpoint every 100 ms, 10 s
         if step == 50:
             w.write(jobs.mark_started, "j", 1, "pa", 5_000)   # a re-attached job reports again
@@ -519,11 +512,8 @@ def test_budgets_too_small_to_pay_for_anything_are_refused_and_never_leased(tmp_
 
 def test_a_paused_job_whose_spec_expired_fails_and_gives_its_hold_back(tmp_path):
     w = World(tmp_path / "b.db")
-    w.write(ledger.credit, "ca", 10**6, "client", "", "op", "k1", 1)
-    job = NewJob(**{**new_job("j", "ca", 100_000, True).__dict__, "expires_at_ms": 10**6})
-    w.write(jobs.submit, job, 2)
-    w.write(jobs.create_lease, "j", "pa", [0], 1.0, 3, 60_000, EVERY, sign)
-    w.write(jobs.mark_started, "j", 1, "pa", 0)
+    running(w, job=NewJob(**{**new_job("j", "ca", 100_000, True).__dict__,
+                             "expires_at_ms": 10**6}))
     w.write(jobs.exhaust, "j.1", 400_000)
     assert w.job("j")["state"] == jobs.PAUSED
     with pytest.raises(GpumarketError, match="expired"):
