@@ -349,21 +349,26 @@ def print_lines(lines, as_json: bool) -> None:
         postings.setdefault(line.seq, []).append(line)
     accounts = [a for a in ("available", "held", "earned", "stake", "disputed")
                 if any(x.account == a for x in lines)]
-    table = Table(box=None, header_style="bold")
-    for name, width in (("seq", 3), ("time", 8), ("type", 7), ("job", 8), ("steps", 9),
-                        ("provider", 8)):
-        table.add_column(name, no_wrap=True, min_width=width)
-    for a in accounts:
-        table.add_column(a, justify="right", no_wrap=True, min_width=10)
-    table.add_column("memo", no_wrap=True, overflow="ellipsis")
+    rows = []
     for seq, group in postings.items():
         first = group[0]
         moved = {x.account: x.amount for x in group}
         steps = f"{first.step_from}→{first.step_to}" if first.type == "settle" else ""
-        table.add_row(str(seq), _time(first.at_ms), first.type, first.job_id[:8], steps,
-                      first.provider_id[:8], *(f"{moved[a]:+,}"[:1] + fmt(abs(moved[a]))
-                                               if a in moved else "" for a in accounts),
-                      first.memo)
+        rows.append((_time(first.at_ms), first.type, first.job_id[:8], steps,
+                     first.provider_id[:8],
+                     *(("+" if moved[a] > 0 else "-") + fmt(abs(moved[a])) if a in moved else ""
+                       for a in accounts), first.memo))
+    names = ("time", "type", "job", "steps", "provider", *accounts, "memo")
+    table = Table(box=None, header_style="bold", pad_edge=False)
+    for i, name in enumerate(names):
+        if name == "memo":      # the one column that gives way when the line is short
+            table.add_column(name, no_wrap=True, overflow="ellipsis")
+            continue
+        width = max([len(name), *(len(r[i]) for r in rows)])
+        table.add_column(name, no_wrap=True, min_width=width,
+                         justify="right" if name in accounts else "left")
+    for row in rows:
+        table.add_row(*row)
     out.print(table)
 
 
