@@ -5,6 +5,8 @@ SQL, no grpc."""
 
 from __future__ import annotations
 
+from sqlite_utils import Database
+
 from gpumarket.proto.errors import FailedPrecondition, ResourceExhausted
 
 
@@ -85,3 +87,20 @@ def expired_uploads(db, updated_before_ms: int) -> list[tuple[str, str]]:
                       " updated_at_ms < ?", [updated_before_ms]).fetchall()
     db.execute("DELETE FROM artifact_uploads WHERE updated_at_ms < ?", [updated_before_ms])
     return [(r[0], r[1]) for r in rows]
+
+
+def unreferenced_artifacts(db: Database, created_before_ms: int) -> list[str]:
+    """Blobs no job references any more (inputs, the latest checkpoint, outputs), older
+    than the cutoff so that inputs uploaded for a job not yet submitted survive."""
+    return [r[0] for r in db.execute(
+        "SELECT sha256 FROM artifacts a WHERE created_at_ms < ? AND NOT EXISTS"
+        " (SELECT 1 FROM artifact_refs r WHERE r.sha256 = a.sha256)", [created_before_ms]
+    ).fetchall()]
+
+
+def forget_artifacts(db: Database, shas: list[str]) -> None:
+    for sha in shas:
+        db.execute("DELETE FROM artifacts WHERE sha256 = ? AND NOT EXISTS"
+                   " (SELECT 1 FROM artifact_refs r WHERE r.sha256 = ?)", [sha, sha])
+        db.execute("DELETE FROM artifact_owners WHERE sha256 = ? AND NOT EXISTS"
+                   " (SELECT 1 FROM artifacts a WHERE a.sha256 = ?)", [sha, sha])

@@ -7,15 +7,17 @@
                 the job's max_runtime, or DEFAULT_HOLD_S, when its work is unknown or no offer
                 fits it yet
 
-or the job's own ``budget``. A job whose hold runs out is paused at a checkpoint, not killed
-(jobs.record_checkpoint); a top-up resumes it. Plain code apart from ``quote``, which reads the
-live offer book.
+or the job's own ``budget``. A job whose hold runs out is paused, not killed (jobs), and is
+leased again only while its hold covers RESUME_FLOOR_S of the lease (``covers_lease``). Plain
+code; ``timed`` and ``covers_lease`` read the store.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+
+from sqlite_utils import Database
 
 from gpumarket.broker import calibration, ledger, matcher
 from gpumarket.broker.admission import Needs
@@ -63,6 +65,9 @@ def timed(db, book: matcher.Book, job: matcher.JobNeeds, found: list[matcher.Est
 
 
 MIN_BUDGET_S = 10      # a budget must pay at least this much of every device at max_price
+# A job is leased, or a paused one queued again, only while its hold covers at least this much
+# of the lease (so no provider works unpaid between the broker's checks of running leases).
+RESUME_FLOOR_S = 10
 
 
 def amount(needs: Needs, parts: int, candidates: list[Timed], budget: float
@@ -97,3 +102,14 @@ def amount(needs: Needs, parts: int, candidates: list[Timed], budget: float
     held = min(max(held, 1), ledger.units(MAX_CREDITS))
     return held, (f"{why}, at max_price {needs.max_price_per_gpu_hour:g}/device-hour"
                   f" x {devices} device{'s' if devices > 1 else ''}")
+
+
+def covers_lease(db: Database, job_id: str, price_per_gpu_hour: float, devices: int) -> bool:
+    """Whether the job's hold covers RESUME_FLOOR_S of a lease at this price (always, for a
+    job that does not enforce funds)."""
+    row = db.execute("SELECT coalesce(parent_id, id), enforce_funds FROM jobs WHERE id = ?",
+                     [job_id]).fetchone()
+    if row is None or not row[1]:
+        return True
+    need = -(-ledger.units(price_per_gpu_hour) * devices * RESUME_FLOOR_S // 3600)   # ceil
+    return ledger.balance(db, ledger.escrow(row[0])) >= max(need, 1)

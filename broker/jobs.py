@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from sqlite_utils import Database
 
-from gpumarket.broker import calibration, holdings, ledger
+from gpumarket.broker import calibration, holdings, holds, ledger
 from gpumarket.broker.admission import Needs, NewJob
 from gpumarket.proto.errors import (
     FailedPrecondition, InvalidArgument, NotFound, Replay,
@@ -359,15 +359,10 @@ def _siblings_accrued(db: Database, job: dict, now: int) -> int:
     return total
 
 
-# A job is leased, or a paused one queued again, only while its hold covers at least this much
-# of the lease (so no provider works unpaid between the broker's checks of running leases).
-RESUME_FLOOR_S = 10
-
-
 def _resume_floor(lease: dict) -> int:
-    """Units of RESUME_FLOOR_S of the lease's devices at its price."""
+    """Units of holds.RESUME_FLOOR_S of the lease's devices at its price."""
     devices = len(json.loads(lease["device_indices"]))
-    return ledger.units(lease["price_per_gpu_hour"]) * devices * RESUME_FLOOR_S // 3600
+    return ledger.units(lease["price_per_gpu_hour"]) * devices * holds.RESUME_FLOOR_S // 3600
 
 
 def _pause(db: Database, job: dict, lease: dict, now: int, needed: int, what: str) -> None:
@@ -411,7 +406,7 @@ def exhaust(db: Database, lease_id: str, now: int) -> EndedLease | None:
     if ledger.accrued(job, lease, now) + _siblings_accrued(db, job, now) < left:
         return None
     ledger.settle(db, job, lease, job["settled_step"], now, tag="end")
-    _pause(db, job, lease, now, _resume_floor(lease), f"{RESUME_FLOOR_S} s of its lease")
+    _pause(db, job, lease, now, _resume_floor(lease), f"{holds.RESUME_FLOOR_S} s of its lease")
     return EndedLease(job["id"], job["epoch"], lease["provider_id"])
 
 
@@ -576,48 +571,6 @@ def release(db: Database, job_id: str, epoch: int, provider_id: str, reason: str
     lose_lease(db, lease["id"], reason, now, outcome=outcome)
 
 
-def previous_providers(db: Database, job_id: str) -> set[str]:
-    """Providers that lost or released this job before."""
-    return {r[0] for r in db.execute(
-        "SELECT provider_id FROM leases WHERE job_id = ?"
-        " AND state IN ('lost', 'released', 'rejected')",
-        [job_id]).fetchall()}
-
-
-def unreferenced_artifacts(db: Database, created_before_ms: int) -> list[str]:
-    """Blobs no job references any more (inputs, the latest checkpoint, outputs), older
-    than the cutoff so that inputs uploaded for a job not yet submitted survive."""
-    return [r[0] for r in db.execute(
-        "SELECT sha256 FROM artifacts a WHERE created_at_ms < ? AND NOT EXISTS"
-        " (SELECT 1 FROM artifact_refs r WHERE r.sha256 = a.sha256)", [created_before_ms]
-    ).fetchall()]
-
-
-def forget_artifacts(db: Database, shas: list[str]) -> None:
-    for sha in shas:
-        db.execute("DELETE FROM artifacts WHERE sha256 = ? AND NOT EXISTS"
-                   " (SELECT 1 FROM artifact_refs r WHERE r.sha256 = ?)", [sha, sha])
-        db.execute("DELETE FROM artifact_owners WHERE sha256 = ? AND NOT EXISTS"
-                   " (SELECT 1 FROM artifacts a WHERE a.sha256 = ?)", [sha, sha])
-
-
-def renew_leases(
-    db: Database, provider_id: str, running: list[tuple[str, int]], now: int
-) -> list[tuple[str, int]]:
-    """Renew the provider's active leases it says it runs; return the (job, epoch) pairs
-    it runs that are no longer its to run."""
-    stale = []
-    for job_id, epoch in running:
-        cur = db.execute(
-            "UPDATE leases SET renewed_at_ms = ? WHERE job_id = ? AND epoch = ?"
-            " AND provider_id = ? AND state = 'active'",
-            [now, job_id, epoch, provider_id],
-        )
-        if cur.rowcount == 0:
-            stale.append((job_id, epoch))
-    return stale
-
-
 def expire_queued(db: Database, now: int) -> list[str]:
     """Fail QUEUED (and PAUSED) jobs whose spec expired before a provider could take them."""
     rows = db.execute(
@@ -632,27 +585,9 @@ def expire_queued(db: Database, now: int) -> list[str]:
     return [r[0] for r in rows]
 
 
-def covers_lease(db: Database, job_id: str, price_per_gpu_hour: float, devices: int) -> bool:
-    """Whether the job's hold covers RESUME_FLOOR_S of a lease at this price (always, for a
-    job that does not enforce funds)."""
-    row = db.execute("SELECT coalesce(parent_id, id), enforce_funds FROM jobs WHERE id = ?",
-                     [job_id]).fetchone()
-    if row is None or not row[1]:
-        return True
-    need = -(-ledger.units(price_per_gpu_hour) * devices * RESUME_FLOOR_S // 3600)   # ceil
-    return ledger.balance(db, ledger.escrow(row[0])) >= max(need, 1)
-
-
 def set_queue_reasons(db: Database, reasons: dict[str, str], now: int) -> None:
     for job_id, reason in reasons.items():
         db.execute("UPDATE jobs SET queue_reason = ? WHERE id = ? AND state = ?",
                    [reason, job_id, QUEUED])
         db.execute("UPDATE jobs SET queue_reason = ? WHERE state = ? AND id ="
                    " (SELECT parent_id FROM jobs WHERE id = ?)", [reason, QUEUED, job_id])
-
-
-def renew_all_leases(db: Database, now: int) -> int:
-    """After a broker restart: every active lease gets a full lease timeout from ``now`` for
-    its provider to reconnect; return how many there are."""
-    return db.execute(
-        "UPDATE leases SET renewed_at_ms = ? WHERE state = 'active'", [now]).rowcount

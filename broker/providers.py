@@ -49,7 +49,7 @@ def heartbeat(db: Database, provider_id: str, running: list[tuple[str, int]],
     """The provider is alive and runs ``running``: renew those of its leases; return the
     (job, epoch) pairs it runs that are no longer its to run."""
     db.execute("UPDATE providers SET last_seen_ms = ? WHERE id = ?", [now, provider_id])
-    return jobs.renew_leases(db, provider_id, running, now)
+    return renew_leases(db, provider_id, running, now)
 
 
 def session_started(db: Database, provider_id: str, now: int) -> int:
@@ -105,3 +105,27 @@ def unrevoke(db: Database, key_id: str) -> None:
 
 def revoked(db: Database) -> list[str]:
     return [row[0] for row in db.execute("SELECT key_id FROM revoked_keys")]
+
+
+def renew_leases(
+    db: Database, provider_id: str, running: list[tuple[str, int]], now: int
+) -> list[tuple[str, int]]:
+    """Renew the provider's active leases it says it runs; return the (job, epoch) pairs
+    it runs that are no longer its to run."""
+    stale = []
+    for job_id, epoch in running:
+        cur = db.execute(
+            "UPDATE leases SET renewed_at_ms = ? WHERE job_id = ? AND epoch = ?"
+            " AND provider_id = ? AND state = 'active'",
+            [now, job_id, epoch, provider_id],
+        )
+        if cur.rowcount == 0:
+            stale.append((job_id, epoch))
+    return stale
+
+
+def renew_all_leases(db: Database, now: int) -> int:
+    """After a broker restart: every active lease gets a full lease timeout from ``now`` for
+    its provider to reconnect; return how many there are."""
+    return db.execute(
+        "UPDATE leases SET renewed_at_ms = ? WHERE state = 'active'", [now]).rowcount

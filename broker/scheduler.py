@@ -93,7 +93,7 @@ async def place_queued(state: BrokerState) -> int:
         avoid: frozenset[str] = frozenset()
         if row["attempt"] > 1:
             # A job that was lost goes elsewhere first; its old provider only if nothing else fits.
-            avoid = frozenset(await store.read(jobs.previous_providers, row["id"]))
+            avoid = frozenset(await store.read(views.previous_providers, row["id"]))
         if row["parent_id"]:
             # The parts of a split job go to different providers, where there are enough.
             avoid |= await store.read(views.busy_siblings, row["parent_id"])
@@ -107,10 +107,10 @@ async def place_queued(state: BrokerState) -> int:
         session = state.sessions.get(placement.provider_id)
         if session is None:
             continue
-        if not await store.read(jobs.covers_lease, row["id"], placement.price_per_gpu_hour,
+        if not await store.read(holds.covers_lease, row["id"], placement.price_per_gpu_hour,
                                 len(placement.device_indices)):
             book.release(book.index[placement.provider_id], placement.device_indices)
-            reason = (f"waiting for funds: its hold covers less than {jobs.RESUME_FLOOR_S} s"
+            reason = (f"waiting for funds: its hold covers less than {holds.RESUME_FLOOR_S} s"
                       f" of the best offer (gpumarket topup {row['parent_id'] or row['id']}"
                       " AMOUNT)")
             if reason != row["queue_reason"]:
@@ -197,10 +197,10 @@ async def collect_garbage(state: BrokerState) -> int:
     cutoff = now_ms() - int(state.config.artifact_grace_s * 1000)
     for sha, key in await state.store.write(holdings.expired_uploads, cutoff):
         state.artifacts.drop_partial(sha, key)
-    shas = await state.store.read(jobs.unreferenced_artifacts, cutoff)
+    shas = await state.store.read(holdings.unreferenced_artifacts, cutoff)
     if not shas:
         return 0
-    await state.store.write(jobs.forget_artifacts, shas)
+    await state.store.write(holdings.forget_artifacts, shas)
     removed = 0
     for sha in shas:
         st = await state.store.read(views.artifact_size, sha)

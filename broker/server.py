@@ -12,7 +12,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from gpumarket.broker import jobs, providers, scheduler
+from gpumarket.broker import providers, scheduler
 from gpumarket.broker.admin import AdminServicer
 from gpumarket.broker.auth import Authenticator
 from gpumarket.broker.artifact_store import ArtifactStore
@@ -58,7 +58,7 @@ class BrokerServer:
         store = Store(cfg.db_path)
         store.open()
         await store.write(providers.after_restart)
-        kept = await store.write(jobs.renew_all_leases, now_ms())
+        kept = await store.write(providers.renew_all_leases, now_ms())
         if kept:
             log.info("%d leases were active at the last stop; waiting for their providers", kept)
         artifacts = ArtifactStore(cfg.data_dir / "artifacts", cfg.max_artifact_bytes)

@@ -239,3 +239,11 @@ def leases_over_hold(db: Database, now: int) -> list[str]:
     return [r["id"] for top, group in by_top.items()
             if sum(ledger.accrued(r, r, now) for r in group)
             >= ledger.balance(db, ledger.escrow(top)) for r in group]
+
+
+def previous_providers(db: Database, job_id: str) -> set[str]:
+    """Providers that lost or released this job before."""
+    return {r[0] for r in db.execute(
+        "SELECT provider_id FROM leases WHERE job_id = ?"
+        " AND state IN ('lost', 'released', 'rejected')",
+        [job_id]).fetchall()}

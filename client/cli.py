@@ -8,7 +8,6 @@ Exit codes: 0 ok; 1 error (bad input, broker unreachable, refused); 2 usage;
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import os
 import sys
@@ -17,17 +16,17 @@ from pathlib import Path
 
 import click
 from google.protobuf.json_format import MessageToDict
-from rich.console import Console
 from rich.table import Table
 
 from gpumarket import kinds
-from gpumarket.client import jobfile
+from gpumarket.client import jobfile, money
+from gpumarket.client.console import clock, command, dump, err, key_path, load_identity, out
 from gpumarket.link.channel import Trust
 from gpumarket.link.client import Broker, BrokerClient
 from gpumarket.client.watch import EXIT_BY_STATE, follow
 from gpumarket.proto.artifacts import write_atomically
 from gpumarket.proto.envelope import open_envelope, payload_sha256, seal
-from gpumarket.proto.money import fmt, parse_credits
+from gpumarket.proto.money import fmt
 from gpumarket.proto.present import job_dict, short
 from gpumarket.proto.errors import BadSignature, FailedPrecondition, GpumarketError
 from gpumarket.proto.identity import Identity, home_dir
@@ -38,43 +37,8 @@ from gpumarket.proto.jobspec import (
 from gpumarket.proto.v1 import marketplace_pb2 as mp
 from gpumarket.proto.v1 import types_pb2 as pb
 
-out = Console(highlight=False, soft_wrap=True)
-err = Console(stderr=True, highlight=False, soft_wrap=True)
-
-
-def key_path() -> Path:
-    return home_dir() / "client.key"
-
-
-def load_identity() -> Identity:
-    path = key_path()
-    if not path.exists():
-        raise click.ClickException(f"no client key at {path}; run `gpumarket keys init` first")
-    return Identity.load(path)
-
-
 def _identity_if_any() -> Identity | None:
     return Identity.load(key_path()) if key_path().exists() else None
-
-
-def command(fn):
-    """Run an async command; a GpumarketError becomes one line on stderr and exit 1."""
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        try:
-            return asyncio.run(fn(*args, **kwargs))
-        except GpumarketError as exc:
-            click.echo(f"error: {exc}", err=True)
-            sys.exit(1)
-        except KeyboardInterrupt:
-            sys.exit(130)
-
-    return wrapper
-
-
-def _dump(obj) -> None:
-    click.echo(json.dumps(obj, indent=2, sort_keys=True))
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -170,7 +134,7 @@ async def submit(market: Broker, job_file: Path, watch_: bool, as_json: bool) ->
         spec = build_spec(job, refs, now_ms())
         resp = await broker.submit(seal(identity, spec))
         if as_json:
-            _dump({"job_id": resp.job_id, "state": state_name(resp.state)})
+            dump({"job_id": resp.job_id, "state": state_name(resp.state)})
         else:
             click.echo(resp.job_id)
         if watch_:
@@ -191,7 +155,7 @@ async def status(market: Broker, job_id: str, as_json: bool) -> None:
         job_id = await broker.job_id(job_id)
         job = await broker.get_job(job_id)
     if as_json:
-        _dump(job_dict(job))
+        dump(job_dict(job))
         return
     out.print(f"job       {job.job_id}  ({job.name})")
     out.print(f"kind      {kind_name(job.kind)}")
@@ -225,17 +189,9 @@ async def status(market: Broker, job_id: str, as_json: bool) -> None:
         table = Table("attempt", "epoch", "provider", "started", "ended", "outcome", "reason")
         for a in job.attempts:
             table.add_row(str(a.attempt), str(a.epoch), short(a.provider_id),
-                          _time(a.started_at_ms),
-                          _time(a.ended_at_ms), a.outcome, a.reason)
+                          clock(a.started_at_ms),
+                          clock(a.ended_at_ms), a.outcome, a.reason)
         out.print(table)
-
-
-def _time(ms: int) -> str:
-    if not ms:
-        return "-"
-    import datetime as dt
-
-    return dt.datetime.fromtimestamp(ms / 1000).strftime("%H:%M:%S")
 
 
 @cli.command("list")
@@ -254,7 +210,7 @@ async def list_(market: Broker, states: tuple[str, ...], limit: int, as_json: bo
         jobs = await broker.list_jobs(client_id, [STATES_BY_NAME[s.upper()] for s in states],
                                       limit)
     if as_json:
-        _dump([job_dict(j) for j in jobs])
+        dump([job_dict(j) for j in jobs])
         return
     table = Table("name", "kind", "state", "progress", "attempt", "provider")
     table.add_column("job", no_wrap=True)
@@ -312,99 +268,6 @@ async def cancel(market: Broker, job_id: str) -> None:
         job_id = await broker.job_id(job_id)
         state = await broker.cancel(seal(identity, mp.CancelOrder(job_id=job_id, at_ms=now_ms())))
     click.echo(f"{job_id} {state_name(state)}")
-
-
-# -- money --------------------------------------------------------------------------------
-
-@cli.command()
-@click.option("--json", "as_json", is_flag=True, help="Print JSON (amounts in units).")
-@click.pass_obj
-@command
-async def balance(market: Broker, as_json: bool) -> None:
-    """Your credits on this broker: available for new jobs, held for unfinished ones, and
-    what your jobs have been charged (1 credit = 1,000,000 units)."""
-    async with market.client(load_identity()) as broker:
-        acct = await broker.account(limit=1)
-    if as_json:
-        _dump({k: getattr(acct, k) for k in ("key_id", "available", "held", "credited",
-                                                "spent", "billing")})
-        return
-    out.print(f"available  {fmt(acct.available)} credits")
-    out.print(f"held       {fmt(acct.held)} (for your unfinished jobs)")
-    out.print(f"spent      {fmt(acct.spent)} (settled progress of your jobs)")
-    out.print(f"credited   {fmt(acct.credited)} (by the broker's operator)")
-    if not acct.billing:
-        out.print("this broker does not enforce funds: it records usage only")
-
-
-def print_lines(lines, as_json: bool) -> None:
-    """Ledger lines, newest first: JSON lines, or a table with one row per posting and a
-    column per account it moved (available, held, ...)."""
-    if as_json:
-        for line in lines:
-            click.echo(json.dumps(MessageToDict(line, preserving_proto_field_name=True)))
-        return
-    postings: dict[int, list] = {}
-    for line in lines:
-        postings.setdefault(line.seq, []).append(line)
-    accounts = [a for a in ("available", "held", "earned", "stake", "disputed")
-                if any(x.account == a for x in lines)]
-    rows = []
-    for seq, group in postings.items():
-        first = group[0]
-        moved = {x.account: x.amount for x in group}
-        steps = f"{first.step_from}→{first.step_to}" if first.type == "settle" else ""
-        rows.append((_time(first.at_ms), first.type, first.job_id[:8], steps,
-                     first.provider_id[:8],
-                     *(("+" if moved[a] > 0 else "-") + fmt(abs(moved[a])) if a in moved else ""
-                       for a in accounts), first.memo))
-    names = ("time", "type", "job", "steps", "provider", *accounts, "memo")
-    table = Table(box=None, header_style="bold", pad_edge=False)
-    for i, name in enumerate(names):
-        if name == "memo":      # the one column that gives way when the line is short
-            table.add_column(name, no_wrap=True, overflow="ellipsis")
-            continue
-        width = max([len(name), *(len(r[i]) for r in rows)])
-        table.add_column(name, no_wrap=True, min_width=width,
-                         justify="right" if name in accounts else "left")
-    for row in rows:
-        table.add_row(*row)
-    out.print(table)
-
-
-@cli.command()
-@click.option("--job", "job_id", default="", help="Only this job's lines (an id or prefix).")
-@click.option("--limit", type=click.IntRange(1, 1000), default=50, show_default=True)
-@click.option("--json", "as_json", is_flag=True, help="Print each line as a JSON object.")
-@click.pass_obj
-@command
-async def statement(market: Broker, job_id: str, limit: int, as_json: bool) -> None:
-    """Your ledger lines, newest first: credits, holds, each settled segment of progress
-    (steps, provider, device-seconds), releases."""
-    async with market.client(load_identity()) as broker:
-        if job_id:
-            job_id = await broker.job_id(job_id)
-        acct = await broker.account(job_id=job_id, limit=limit)
-    print_lines(acct.lines, as_json)
-
-
-@cli.command()
-@click.argument("job_id")
-@click.argument("amount")
-@click.pass_obj
-@command
-async def topup(market: Broker, job_id: str, amount: str) -> None:
-    """Add AMOUNT credits from your available balance to a job's hold; a job PAUSED because
-    its hold ran out is queued again and resumes from its last checkpoint."""
-    try:
-        units = parse_credits(amount)
-    except ValueError as exc:
-        raise click.BadParameter(str(exc), param_hint="AMOUNT") from None
-    async with market.client(load_identity()) as broker:
-        job_id = await broker.job_id(job_id)
-        resp = await broker.top_up(job_id, units)
-    click.echo(f"{job_id} {state_name(resp.state)}; hold {fmt(resp.billing.hold)},"
-               f" charged {fmt(resp.billing.charged)}, left {fmt(resp.billing.remaining)}")
 
 
 def verify_receipts(job: pb.Job, client_id: str | None) -> list[pb.Receipt]:
@@ -495,7 +358,7 @@ async def results(market: Broker, job_id: str, output_dir: Path, as_json: bool) 
                              "metrics": dict(r.metrics)} for i, r in enumerate(receipts, 1)]
     write_atomically(output_dir / "receipt.json", json.dumps(summary, indent=2).encode())
     if as_json:
-        _dump(summary)
+        dump(summary)
         return
     for r in receipts:
         out.print(f"receipt signed by provider {r.provider_id}: signature valid"
@@ -579,7 +442,7 @@ async def offers(market: Broker, query_text: str, sort_by: str, list_fields: boo
                              else ",".join(r[0][sort_field])), reverse=descending)
     rows = rows[:limit]
     if as_json:
-        _dump([{**row, "offer": MessageToDict(o, preserving_proto_field_name=True)}
+        dump([{**row, "offer": MessageToDict(o, preserving_proto_field_name=True)}
                for row, o in rows])
         return
     table = Table("devices", "accel", "GiB/dev", "TFLOP/s", "figures", "price/h", "free",
@@ -625,7 +488,7 @@ async def quote(market: Broker, job_file: Path, limit: int, as_json: bool) -> No
         spec = build_spec(job, refs, now_ms())
         resp = await broker.quote(spec, limit, client_id)
     if as_json:
-        _dump(MessageToDict(resp, preserving_proto_field_name=True))
+        dump(MessageToDict(resp, preserving_proto_field_name=True))
         return
     if resp.estimated_memory_bytes or resp.work_flops:
         out.print(f"job needs about {resp.estimated_memory_bytes / 2**30:.2f} GiB per device and"
@@ -648,6 +511,10 @@ async def quote(market: Broker, job_file: Path, limit: int, as_json: bool) -> No
               + (f"; excluded: {excluded}" if excluded else ""))
     if resp.explanation:
         out.print(resp.explanation)
+
+
+for _command in money.COMMANDS:
+    cli.add_command(_command)
 
 
 def main() -> None:

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from gpumarket.broker import jobs, views
+from gpumarket.broker import jobs, providers, views
 from gpumarket.broker.admission import Needs, NewJob
 from gpumarket.broker.artifact_store import ArtifactStore
 from gpumarket.broker.store import Store
@@ -60,8 +60,8 @@ def test_lifecycle_and_epochs(store):
         with pytest.raises(FailedPrecondition, match="stale"):
             await w(jobs.record_progress, "j1", 1, "p1", pb.Progress(step=2, total=2), 7)
         await w(jobs.create_lease, "j1", "p2", [0], 1.0, 8, 60_000, 10, sign)
-        assert await w(jobs.renew_leases, "p1", [("j1", 1)], 9) == [("j1", 1)]
-        assert await w(jobs.renew_leases, "p2", [("j1", 2)], 9) == []
+        assert await w(providers.renew_leases, "p1", [("j1", 1)], 9) == [("j1", 1)]
+        assert await w(providers.renew_leases, "p2", [("j1", 2)], 9) == []
         # losing the second lease exceeds max_attempts=2: the job fails
         await w(jobs.lose_lease, "j1.2", "provider session ended", 10)
         job = await store.read(views.get_job, "j1")
@@ -206,7 +206,7 @@ def test_a_split_job_follows_its_parts(store):
         assert job.error == "part 2/2 failed: scene: Blender cannot open it"
         assert job.parts[0].state == pb.JOB_STATE_CANCELLED
         # p1 learns at its next heartbeat that part 1 is no longer its to run
-        assert await w(jobs.renew_leases, "p1", [("j1-1", 1)], 7) == [("j1-1", 1)]
+        assert await w(providers.renew_leases, "p1", [("j1-1", 1)], 7) == [("j1-1", 1)]
         listed = await store.read(views.list_jobs, client.id, [], 10)
         assert [j.job_id for j in listed] == ["j1"]
 

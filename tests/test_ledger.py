@@ -506,8 +506,8 @@ def test_budgets_too_small_to_pay_for_anything_are_refused_and_never_leased(tmp_
     w = World(tmp_path / "b.db")
     w.write(ledger.credit, "ca", 10**6, "client", "", "op", "k1", 1)
     w.write(jobs.submit, new_job("j", "ca", 2_777, True), 2)
-    assert not jobs.covers_lease(w.db, "j", 1.0, 1)      # 10 s at 1 credit/h is 2,778
-    assert jobs.covers_lease(w.db, "j", 0.9, 1)
+    assert not holds.covers_lease(w.db, "j", 1.0, 1)      # 10 s at 1 credit/h is 2,778
+    assert holds.covers_lease(w.db, "j", 0.9, 1)
 
 
 def test_a_paused_job_whose_spec_expired_fails_and_gives_its_hold_back(tmp_path):
