@@ -70,12 +70,17 @@ MIN_BUDGET_S = 10      # a budget must pay at least this much of every device at
 RESUME_FLOOR_S = 10
 
 
+def floor_units(price_per_gpu_hour: float, devices: int) -> int:
+    """Units of RESUME_FLOOR_S of a lease of ``devices`` at this price (at least 1)."""
+    return max(1, -(-ledger.units(price_per_gpu_hour) * devices * RESUME_FLOOR_S // 3600))
+
+
 def amount(needs: Needs, parts: int, candidates: list[Timed], budget: float
            ) -> tuple[int, str]:
     """(units to hold, what that rests on); InvalidArgument for a budget too small to pay
     for anything."""
+    devices = needs.gpus * max(parts, 1)
     if budget > 0:
-        devices = needs.gpus * max(parts, 1)
         floor = math.ceil(ledger.units(needs.max_price_per_gpu_hour) * devices * MIN_BUDGET_S
                           / 3600)
         if ledger.units(budget) < floor:
@@ -97,7 +102,6 @@ def amount(needs: Needs, parts: int, candidates: list[Timed], budget: float
         seconds = DEFAULT_HOLD_S
         why = ("one hour: its work is not known ahead (set max_runtime or budget)"
                if needs.work_flops <= 0 else "one hour: no offer fits it now")
-    devices = needs.gpus * max(parts, 1)
     held = math.ceil(ledger.units(needs.max_price_per_gpu_hour) * devices * seconds / 3600)
     held = min(max(held, 1), ledger.units(MAX_CREDITS))
     return held, (f"{why}, at max_price {needs.max_price_per_gpu_hour:g}/device-hour"
@@ -111,5 +115,4 @@ def covers_lease(db: Database, job_id: str, price_per_gpu_hour: float, devices: 
                      [job_id]).fetchone()
     if row is None or not row[1]:
         return True
-    need = -(-ledger.units(price_per_gpu_hour) * devices * RESUME_FLOOR_S // 3600)   # ceil
-    return ledger.balance(db, ledger.escrow(row[0])) >= max(need, 1)
+    return ledger.balance(db, ledger.escrow(row[0])) >= floor_units(price_per_gpu_hour, devices)

@@ -360,9 +360,7 @@ def _siblings_accrued(db: Database, job: dict, now: int) -> int:
 
 
 def _resume_floor(lease: dict) -> int:
-    """Units of holds.RESUME_FLOOR_S of the lease's devices at its price."""
-    devices = len(json.loads(lease["device_indices"]))
-    return ledger.units(lease["price_per_gpu_hour"]) * devices * holds.RESUME_FLOOR_S // 3600
+    return holds.floor_units(lease["price_per_gpu_hour"], len(json.loads(lease["device_indices"])))
 
 
 def _pause(db: Database, job: dict, lease: dict, now: int, needed: int, what: str) -> None:

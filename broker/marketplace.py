@@ -74,7 +74,7 @@ class MarketplaceServicer(marketplace_pb2_grpc.MarketplaceServicer):
 
     async def _hold(self, needs: admission.Needs, client_id: str, parts: int,
                     budget: float) -> tuple[int, str]:
-        _, timed, _ = await self._timed(needs, client_id, 50) if not budget else (None, [], {})
+        timed = [] if budget else (await self._timed(needs, client_id, 50))[1]
         return holds.amount(needs, parts, timed, budget)
 
     async def _check_input(self, i: int, ref: pb.ArtifactRef, key_id: str) -> None:

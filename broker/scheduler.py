@@ -149,6 +149,14 @@ async def place_queued(state: BrokerState) -> int:
     return made
 
 
+def stop(state: BrokerState, job_id: str, epoch: int, provider_id: str, reason: str) -> None:
+    """Tell a connected provider that a lease the broker ended is no longer its to run."""
+    session = state.sessions.get(provider_id)
+    if session is not None:
+        session.send(gw.BrokerMessage(cancel=gw.CancelLease(job_id=job_id, epoch=epoch,
+                                                            reason=reason)))
+
+
 async def expire(state: BrokerState) -> None:
     """Lose leases whose heartbeats stopped; fail queued jobs whose spec expired."""
     now = now_ms()
@@ -169,23 +177,15 @@ async def expire(state: BrokerState) -> None:
                                    f"ran past the job's max_runtime of {limit}s", now):
             log.warning("lease %s taken back: it ran past its job's max_runtime", lease_id)
             changed = True
-            job_id, epoch, provider_id = row
-            session = state.sessions.get(provider_id)
-            if session is not None:
-                session.send(gw.BrokerMessage(cancel=gw.CancelLease(
-                    job_id=job_id, epoch=epoch,
-                    reason=f"ran past the job's max_runtime of {limit}s")))
+            stop(state, *row, f"ran past the job's max_runtime of {limit}s")
     for lease_id in await state.store.read(views.leases_over_hold, now):
         ended = await state.store.write(jobs.exhaust, lease_id, now)
         if ended is None:
             continue
         log.info("job %s paused: its hold is spent", ended.job_id)
         changed = True
-        session = state.sessions.get(ended.provider_id)
-        if session is not None:
-            session.send(gw.BrokerMessage(cancel=gw.CancelLease(
-                job_id=ended.job_id, epoch=ended.epoch,
-                reason="paused: the job's hold is spent (its client can top it up)")))
+        stop(state, ended.job_id, ended.epoch, ended.provider_id,
+             "paused: the job's hold is spent (its client can top it up)")
     if changed:
         state.events.notify()
         state.placement.notify()
