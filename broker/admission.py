@@ -39,6 +39,7 @@ class Needs:
     remote_code: bool = False           # runs its model's own code
     checkpoint_every: int = 0           # the job's own checkpoint cadence; 0 = the broker's
     min_stake: int = 0                  # units its provider must have staked
+    verify_rate: float = 0.0            # share of segments to check at least (verify)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -87,7 +88,7 @@ def needs(spec: pb.JobSpec, values: dict, estimate: JobEstimate) -> Needs:
         accelerator=r.accelerator, max_price_per_gpu_hour=spec.max_price_per_gpu_hour,
         min_compute_capability=r.min_compute_capability, gpu_models=tuple(r.gpu_models),
         min_reliability=spec.min_reliability, work_flops=estimate.work_flops,
-        min_stake=round(spec.min_provider_stake * 1_000_000),
+        min_stake=round(spec.min_provider_stake * 1_000_000), verify_rate=spec.verify_rate,
         objective=OBJECTIVE_NAMES[spec.objective], deadline_s=spec.deadline_s,
         max_runtime_s=spec.max_runtime_s, engine=kind.engine(values),
         model_name=kind.model_name(values),

@@ -62,13 +62,20 @@ def cli() -> None:
 @click.option("--market-fee", type=float,
               help="Share of each settlement kept as the market's fee, 0 to 0.5 "
               "[default: 0.05].")
+@click.option("--verify/--no-verify", default=None,
+              help="Spot-check providers' work by replaying part of it on another provider "
+              "[default: on]; see docs/verification.md.")
+@click.option("--check-wait", type=float,
+              help="Seconds a check waits for a provider to replay it before it is skipped "
+              "[default: 600].")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
 def serve(config_file: Path | None, listen: str | None, data_dir: Path | None,
           http: str | None, lease_timeout: float | None, heartbeat_interval: float | None,
           max_attempts: int | None, artifact_grace: float | None, operators: tuple[str, ...],
           plaintext: bool | None, rate_limit: float | None, max_queued_jobs: int | None,
-          billing: bool | None, market_fee: float | None, log_level: str) -> None:
+          billing: bool | None, market_fee: float | None, verify: bool | None,
+          check_wait: float | None, log_level: str) -> None:
     """Serve the broker's gRPC API (and HTTP side) until SIGTERM."""
     from gpumarket.broker import config as broker_config
 
@@ -84,7 +91,8 @@ def serve(config_file: Path | None, listen: str | None, data_dir: Path | None,
                        ("max_attempts", max_attempts), ("artifact_grace_s", artifact_grace),
                        ("operators", operators or None), ("plaintext", plaintext),
                        ("rate_limit_per_s", rate_limit), ("max_queued_jobs", max_queued_jobs),
-                       ("billing", billing), ("market_fee", market_fee)):
+                       ("billing", billing), ("market_fee", market_fee),
+                       ("verify", verify), ("check_wait_s", check_wait)):
         if value is not None:
             settings[key] = value
     if "data_dir" not in settings:

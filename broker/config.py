@@ -29,6 +29,9 @@ class BrokerConfig:
     max_key_artifact_bytes: int = 256 << 30  # bytes of blobs one key may have uploaded
     billing: bool = True                   # enforce funds (holds); False: only record usage
     market_fee: float = 0.05               # share of each settlement kept as the market's fee
+    verify: bool = True                    # spot-check providers' work by replay
+    check_wait_s: float = 600.0            # a check no provider took this long is skipped
+    ban_after_failed_checks: int = 2       # failed checks that ban a provider; 0 = never
 
     @property
     def fee_ppm(self) -> int:
@@ -86,6 +89,9 @@ max_key_artifact_gib = 256         # GiB of artifacts one key may upload
 billing = true                     # enforce funds: hold each job's worst-case cost at submission
                                    # (false: a private cluster; the ledger only records usage)
 market_fee = 0.05                  # share of each settlement kept as the market's fee
+verify = true                      # spot-check providers' work by replay on another provider
+check_wait = 600                   # seconds a check waits for a provider before it is skipped
+ban_after_failed_checks = 2        # failed checks that ban a provider (0 = never)
 """
 
 # config key -> (BrokerConfig field, type, scale)
@@ -106,6 +112,9 @@ KEYS = {
     "max_key_artifact_gib": ("max_key_artifact_bytes", int, 2**30),
     "billing": ("billing", bool, None),
     "market_fee": ("market_fee", float, None),
+    "verify": ("verify", bool, None),
+    "check_wait": ("check_wait_s", float, None),
+    "ban_after_failed_checks": ("ban_after_failed_checks", int, None),
 }
 
 

@@ -10,10 +10,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import random
 
 import grpc
 
-from gpumarket.broker import holdings, jobs, logs, providers
+from gpumarket.broker import holdings, jobs, logs, providers, verdicts
 from gpumarket.broker.auth import caller
 from gpumarket.broker.rpc import STATUS
 from gpumarket.broker.sessions import MESSAGES_PER_S, ProviderSession
@@ -32,6 +33,7 @@ log = logging.getLogger(__name__)
 
 HANDSHAKE_TIMEOUT_S = 10.0
 PROOF_MAX_AGE_MS = 5 * 60 * 1000
+DRAW = random.SystemRandom()  # which segments are checked: nothing a provider can predict
 MAX_EPOCH = 2**63 - 1       # SQLite's INTEGER
 MAX_RUNNING = 1024          # leases one heartbeat may list (a provider runs one per device)
 MAX_DEVICES = 256
@@ -226,7 +228,8 @@ class ProviderGatewayServicer(gateway_pb2_grpc.ProviderGatewayServicer):
             elif which == "checkpoint":
                 c = update.checkpoint
                 stored = await store.write(jobs.record_checkpoint, update.job_id, update.epoch,
-                                           pid, c.step, c.artifact, c.write_seconds, now)
+                                           pid, c.step, c.artifact, c.write_seconds, now,
+                                           verdicts.policy(self.state, pid, DRAW.random()))
                 if stored == "paused":
                     # Its hold ran out: the checkpoint just settled is where it resumes.
                     session.send(gw.BrokerMessage(cancel=gw.CancelLease(
@@ -296,4 +299,5 @@ class ProviderGatewayServicer(gateway_pb2_grpc.ProviderGatewayServicer):
                               f"receipt rejected: {exc.message}", now)
             raise
         await store.write(jobs.succeed, update.job_id, update.epoch, provider_id,
-                          update.receipt.SerializeToString(), now)
+                          update.receipt.SerializeToString(), now,
+                          verdicts.policy(self.state, provider_id, DRAW.random()))

@@ -102,16 +102,21 @@ def amount(needs: Needs, parts: int, candidates: list[Timed], budget: float
         seconds = DEFAULT_HOLD_S
         why = ("one hour: its work is not known ahead (set max_runtime or budget)"
                if needs.work_flops <= 0 else "one hour: no offer fits it now")
-    held = math.ceil(ledger.units(needs.max_price_per_gpu_hour) * devices * seconds / 3600)
+    # Checks the job asks for (verify) replay that share of its work, paid from its hold.
+    extra = 1 + needs.verify_rate
+    held = math.ceil(ledger.units(needs.max_price_per_gpu_hour) * devices * seconds * extra
+                     / 3600)
     held = min(max(held, 1), ledger.units(MAX_CREDITS))
+    checks = f", + {needs.verify_rate:.0%} for the checks it asks for" if needs.verify_rate else ""
     return held, (f"{why}, at max_price {needs.max_price_per_gpu_hour:g}/device-hour"
-                  f" x {devices} device{'s' if devices > 1 else ''}")
+                  f" x {devices} device{'s' if devices > 1 else ''}{checks}")
 
 
 def covers_lease(db: Database, job_id: str, price_per_gpu_hour: float, devices: int) -> bool:
     """Whether the job's hold covers RESUME_FLOOR_S of a lease at this price (always, for a
     job that does not enforce funds)."""
-    row = db.execute("SELECT coalesce(parent_id, id), enforce_funds FROM jobs WHERE id = ?",
+    row = db.execute("SELECT coalesce(pays_from, parent_id, id), enforce_funds FROM jobs"
+                     " WHERE id = ?",
                      [job_id]).fetchone()
     if row is None or not row[1]:
         return True

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 from sqlite_utils import Database
 
-from gpumarket.broker import calibration, holdings, holds, ledger
+from gpumarket import kinds
+from gpumarket.broker import calibration, holdings, holds, ledger, verification
 from gpumarket.broker.admission import Needs, NewJob
 from gpumarket.proto.errors import (
     FailedPrecondition, InvalidArgument, NotFound, Replay,
@@ -26,6 +27,7 @@ SUCCEEDED = pb.JOB_STATE_SUCCEEDED
 FAILED = pb.JOB_STATE_FAILED
 CANCELLED = pb.JOB_STATE_CANCELLED
 PAUSED = pb.JOB_STATE_PAUSED
+VERIFYING = pb.JOB_STATE_VERIFYING
 ACTIVE_STATES = (LEASED, RUNNING)
 
 
@@ -72,7 +74,7 @@ def append_event(
 # The event type a split job gets when its parts move it into a state.
 PARENT_EVENT = {QUEUED: "requeued", LEASED: "leased", RUNNING: "started",
                 SUCCEEDED: "succeeded", FAILED: "failed", CANCELLED: "cancelled",
-                PAUSED: "paused"}
+                PAUSED: "paused", VERIFYING: "verifying"}
 
 
 def _parts_of(db: Database, parent_id: str) -> list[dict]:
@@ -109,6 +111,8 @@ def _follow_parts(db: Database, parent_id: str, now: int, message: str, type_: s
                          message=f"stopped: {error}", mirror=False)
     elif all(s == SUCCEEDED for s in states):
         state = SUCCEEDED
+    elif all(s in (SUCCEEDED, VERIFYING) for s in states):
+        state = VERIFYING
     elif RUNNING in states:
         state = RUNNING
     elif LEASED in states:
@@ -154,9 +158,11 @@ def _set_job(db: Database, job_id: str, now: int, **values: object) -> None:
     if values.get("state") in TERMINAL_STATES:
         # A job that ended (a whole job, or a split job once its parts did) gives back
         # what its hold has left, in the same transaction.
-        row = db.execute("SELECT client_id FROM jobs WHERE id = ? AND parent_id IS NULL",
-                         [job_id]).fetchone()
+        row = db.execute("SELECT client_id FROM jobs WHERE id = ? AND parent_id IS NULL"
+                         " AND check_of IS NULL", [job_id]).fetchone()
         if row is not None:
+            # Its checks end with it (their checkers paid up to now), before the hold goes.
+            verification.drop(db, job_id, now)
             ledger.release(db, job_id, row[0], now)
 
 
@@ -238,6 +244,9 @@ def create_lease(
     )
     if job["resume_from"]:
         lease.resume_from.CopyFrom(pb.ArtifactRef(**json.loads(job["resume_from"])))
+    if job["check_of"]:
+        lease.check.CopyFrom(verification.scope_of(db, job_id))
+        verification.leased(db, job_id, provider_id, now)
     lease.job_spec.ParseFromString(job["spec"])
     envelope = sign(lease)
     db["leases"].insert(
@@ -307,7 +316,7 @@ def record_progress(
 
 def record_checkpoint(
     db: Database, job_id: str, epoch: int, provider_id: str, step: int, artifact: pb.ArtifactRef,
-    write_seconds: float, now: int,
+    write_seconds: float, now: int, policy: verification.Policy = verification.OFF,
 ) -> bool | str:
     """Make a stored, hash-checked checkpoint the job's latest and settle the lease's work up
     to it; False if it is not newer. A job whose hold would not cover another segment like
@@ -333,13 +342,19 @@ def record_checkpoint(
                [artifact.sha256, job_id, "checkpoint"])
     paid = ledger.settle(db, job, lease, step, now)
     db.execute("UPDATE jobs SET hold_needed = 0 WHERE id = ?", [job_id])
+    verification.remember(db, job, lease, step, ref)
+    if kinds.get(job["kind"]).verify == "replay":
+        # The segment since the previous checkpoint, replayed from it on another provider.
+        verification.choose(db, policy, job, lease, job["checkpoint_step"], step,
+                            json.loads(job["resume_from"]) if job["resume_from"] else None,
+                            {"checkpoint.tar": ref}, {}, now)
     append_event(db, job_id, "checkpoint", job["state"], job["attempt"], now,
                  provider_id=provider_id,
                  message=f"checkpoint at step {step} stored ({artifact.sha256[:12]}, "
                  f"{artifact.size_bytes} bytes, written in {write_seconds:.2f}s);"
                  f" {ledger.fmt(paid.paid)} credits settled")
     finished = job["progress_total"] and step >= job["progress_total"]
-    if job["enforce_funds"] and not finished and \
+    if job["enforce_funds"] and not finished and not job["check_of"] and \
             paid.remaining - _siblings_accrued(db, job, now) < max(paid.amount, 1):
         _pause(db, job, lease, now, max(paid.amount, _resume_floor(lease)),
                "another segment like the last")
@@ -414,7 +429,7 @@ def top_up(db: Database, job_id: str, client_id: str, amount: int, now: int,
     ``nonce``); a paused job (or paused parts) is queued again once the hold covers what the
     pause needs. Returns the job's state."""
     job = job_row(db, job_id)
-    if job["client_id"] != client_id or job["parent_id"]:
+    if job["client_id"] != client_id or job["parent_id"] or job["check_of"]:
         raise no_such_job(job_id)
     if job["state"] in TERMINAL_STATES:
         raise FailedPrecondition(f"job {job_id} is {state_name(job['state'])}: nothing to top up")
@@ -443,7 +458,8 @@ def top_up(db: Database, job_id: str, client_id: str, amount: int, now: int,
 
 
 def _drop_checkpoints(db: Database, job_id: str) -> None:
-    db.execute("DELETE FROM artifact_refs WHERE job_id = ? AND role = 'checkpoint'", [job_id])
+    db.execute("DELETE FROM artifact_refs WHERE job_id = ? AND role IN ('checkpoint', 'history')",
+               [job_id])
 
 
 def _end_lease(db: Database, lease_id: str, state: str, reason: str, now: int) -> None:
@@ -452,25 +468,116 @@ def _end_lease(db: Database, lease_id: str, state: str, reason: str, now: int) -
 
 
 def succeed(
-    db: Database, job_id: str, epoch: int, provider_id: str, receipt: bytes, now: int
+    db: Database, job_id: str, epoch: int, provider_id: str, receipt: bytes, now: int,
+    policy: verification.Policy = verification.OFF,
 ) -> None:
+    """The lease's receipt: its work is paid to the end; the job succeeds, or waits
+    (VERIFYING) for the checks of its work still running; a check's job hands what its
+    checker returned to the verdict."""
     job, lease = _current(db, job_id, epoch, provider_id)
     total = max(job["progress_step"], job["progress_total"])
     ledger.settle(db, job, lease, total, now, tag="final")
-    calibration.record(db, job, lease, now)
     _end_lease(db, lease["id"], "succeeded", "", now)
-    _set_job(db, job_id, now, state=SUCCEEDED, receipt=receipt, progress_step=total)
     parsed = pb.Envelope()
     parsed.ParseFromString(receipt)
     receipt_msg = pb.Receipt()
     receipt_msg.ParseFromString(parsed.payload)
+    outputs = {o.name: {"name": o.name, "sha256": o.sha256, "size_bytes": o.size_bytes}
+               for o in receipt_msg.outputs}
+    if job["check_of"]:
+        _set_job(db, job_id, now, state=SUCCEEDED, receipt=receipt, progress_step=total)
+        verification.returned(db, job_id, outputs, now)
+        append_event(db, job_id, "succeeded", SUCCEEDED, job["attempt"], now,
+                     provider_id=provider_id, message="replayed; compared next")
+        return
+    calibration.record(db, job, lease, now)
     for out in receipt_msg.outputs:
         db.execute("INSERT OR IGNORE INTO artifact_refs (sha256, job_id, role) VALUES (?, ?, ?)",
                    [out.sha256, job_id, "output"])
-    _drop_checkpoints(db, job_id)
     _record_throughput(db, job, provider_id, receipt_msg, now)
-    append_event(db, job_id, "succeeded", SUCCEEDED, job["attempt"], now,
-                 provider_id=provider_id, message="finished; receipt verified")
+    _choose_final_check(db, policy, job, lease, total, outputs, receipt_msg, now)
+    if verification.open_checks(db, job_id):
+        _set_job(db, job_id, now, state=VERIFYING, receipt=receipt, progress_step=total)
+        append_event(db, job_id, "verifying", VERIFYING, job["attempt"], now,
+                     provider_id=provider_id, message="finished; receipt verified; waiting"
+                     " for the checks of its work")
+        return
+    _set_job(db, job_id, now, receipt=receipt, progress_step=total)
+    finished(db, job_row(db, job_id), now, "finished; receipt verified"
+             + ("" if not policy.enabled else f"; work {verification.summary(db, job_id)}"))
+
+
+def _choose_final_check(db: Database, policy: verification.Policy, job: dict, lease: dict,
+                        total: int, outputs: dict, receipt: pb.Receipt, now: int) -> None:
+    """Perhaps check the work of the lease since its last checkpoint (training), or some rows
+    or frames of what it returned."""
+    kind = kinds.get(job["kind"])
+    if kind.verify == "replay":
+        names = kind.evidence(set(outputs))
+        verification.choose(db, policy, job, lease, job["checkpoint_step"], total,
+                            json.loads(job["resume_from"]) if job["resume_from"] else None,
+                            {n: outputs[n] for n in names}, {}, now)
+    elif kind.verify:
+        spec = pb.Envelope()
+        spec.ParseFromString(job["spec"])
+        values = kind.values_of(pb.JobSpec.FromString(spec.payload))
+        scope = kind.check_scope(values, job["part"], job["parts"], dict(receipt.metrics))
+        names = kind.evidence(set(outputs))
+        if scope and names:
+            verification.choose(db, policy, job, lease, 0, total, None,
+                                {n: outputs[n] for n in names}, scope, now)
+
+
+def finished(db: Database, job: dict, now: int, message: str) -> None:
+    """The job succeeded (its checks, if any, done): its hold's rest goes back."""
+    _set_job(db, job["id"], now, state=SUCCEEDED)
+    _drop_checkpoints(db, job["id"])
+    if not job["parent_id"]:    # what its checks compared is no longer needed
+        db.execute("DELETE FROM artifact_refs WHERE job_id = ? AND role = 'evidence'",
+                   [job["id"]])
+    append_event(db, job["id"], "succeeded", SUCCEEDED, job["attempt"], now,
+                 provider_id=job["provider_id"] or "", message=message)
+
+
+def rewind(db: Database, job: dict, step: int, start: dict | None, why: str,
+           now: int) -> list[tuple[str, int, str]]:
+    """A check found work on the job wrong from ``step`` on: stop whoever runs it now, drop
+    its result if it had one, and queue it again from the checkpoint at ``step`` (``start``;
+    None: from the beginning). Returns the leases to stop."""
+    stop = []
+    if job["state"] in ACTIVE_STATES and job["lease_id"]:
+        lease = _lease_row(db, job["lease_id"])
+        if lease["provider_id"] not in verification.excluded(db, job["id"]):
+            ledger.settle(db, job, lease, job["settled_step"], now, tag="end")
+        _end_lease(db, lease["id"], "revoked", why, now)
+        stop.append((job["id"], job["epoch"], lease["provider_id"]))
+    db.execute("DELETE FROM artifact_refs WHERE job_id = ? AND role IN ('output', 'checkpoint')",
+               [job["id"]])
+    if start:
+        db.execute("INSERT OR IGNORE INTO artifact_refs (sha256, job_id, role) VALUES (?, ?, ?)",
+                   [start["sha256"], job["id"], "checkpoint"])
+    attempt = job["attempt"] + 1
+    _set_job(db, job["id"], now, state=QUEUED, attempt=attempt, provider_id=None, lease_id=None,
+             receipt=None, resume_from=json.dumps(start) if start else None,
+             checkpoint_step=step, progress_step=step, settled_to_ms=None, settled_step=step)
+    where = f"from step {step}" if start else "from the start"
+    append_event(db, job["id"], "disputed", QUEUED, attempt, now,
+                 message=f"{why}; queued to run again {where} on another provider")
+    return stop
+
+
+def end_check_job(db: Database, check_id: str, why: str, now: int
+                  ) -> list[tuple[str, int, str]]:
+    """Stop a check's job row (its checker paid up to now); the leases to stop."""
+    job = job_row(db, check_id)
+    stop = []
+    if job["state"] in ACTIVE_STATES and job["lease_id"]:
+        _stop_lease(db, job, "cancelled", why, now)
+        stop.append((check_id, job["epoch"], job["provider_id"]))
+    if job["state"] not in TERMINAL_STATES:
+        _set_job(db, check_id, now, state=CANCELLED, error=why)
+        append_event(db, check_id, "cancelled", CANCELLED, job["attempt"], now, message=why)
+    return stop
 
 
 def _record_throughput(db: Database, job: dict, provider_id: str, receipt: pb.Receipt,
@@ -501,6 +608,8 @@ def fail(db: Database, job_id: str, epoch: int, provider_id: str, error: str, no
     _drop_checkpoints(db, job_id)
     append_event(db, job_id, "failed", FAILED, job["attempt"], now,
                  provider_id=provider_id, message=error)
+    if job["check_of"]:
+        verification.could_not_run(db, job_id, error, now)
 
 
 def cancel(db: Database, job_id: str, client_id: str, now: int
@@ -508,7 +617,7 @@ def cancel(db: Database, job_id: str, client_id: str, now: int
     """Cancel the job (all its parts, if split) for its client; return (new state, the
     leases to revoke)."""
     job = job_row(db, job_id)
-    if job["client_id"] != client_id:
+    if job["client_id"] != client_id or job["check_of"]:
         raise no_such_job(job_id)   # the same answer as for a job that does not exist
     if job["state"] in TERMINAL_STATES:
         return job["state"], []
@@ -551,9 +660,13 @@ def lose_lease(db: Database, lease_id: str, reason: str, now: int, *,
         _drop_checkpoints(db, job_id)
         append_event(db, job_id, "failed", FAILED, job["attempt"], now,
                      provider_id=provider_id, message=error)
+        if job["check_of"]:
+            verification.could_not_run(db, job_id, error, now)
         return True
     attempt = job["attempt"] + 1
     _set_job(db, job_id, now, state=QUEUED, attempt=attempt, provider_id=None, lease_id=None)
+    if job["check_of"]:
+        verification.requeued(db, job_id)
     resume = (f"resumes from step {job['checkpoint_step']}" if job["resume_from"]
               else "starts over (no checkpoint yet)")
     what = outcome if outcome in ("released", "rejected") else "lost"
@@ -572,14 +685,16 @@ def release(db: Database, job_id: str, epoch: int, provider_id: str, reason: str
 def expire_queued(db: Database, now: int) -> list[str]:
     """Fail QUEUED (and PAUSED) jobs whose spec expired before a provider could take them."""
     rows = db.execute(
-        "SELECT id, attempt, state FROM jobs WHERE state IN (?, ?) AND expires_at_ms <= ?",
-        [QUEUED, PAUSED, now]).fetchall()
-    for job_id, attempt, state in rows:
+        "SELECT id, attempt, state, check_of FROM jobs WHERE state IN (?, ?)"
+        " AND expires_at_ms <= ?", [QUEUED, PAUSED, now]).fetchall()
+    for job_id, attempt, state, check_of in rows:
         error = ("job spec expired while the job was paused (its hold spent)" if state == PAUSED
                  else "job spec expired before a provider could run it")
         _set_job(db, job_id, now, state=FAILED, error=error)
         _drop_checkpoints(db, job_id)
         append_event(db, job_id, "failed", FAILED, attempt, now, message=error)
+        if check_of:
+            verification.could_not_run(db, job_id, error, now)
     return [r[0] for r in rows]
 
 

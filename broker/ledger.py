@@ -215,7 +215,7 @@ def settle(db: Database, job: dict, lease: dict, step_to: int, now: int, *,
     the market's fee. Idempotent per (lease, ``tag`` or step: "final" at the receipt, "end"
     when the lease is stopped); a broker that enforces funds never pays more than the hold has
     left. Nothing is paid for time before the provider reported the job started."""
-    top = job["parent_id"] or job["id"]
+    top = job.get("pays_from") or job["parent_id"] or job["id"]
     started, step_from = job["settled_to_ms"], job["settled_step"]
     amount = accrued(job, lease, now)
     # The time this amount pays for exactly: what is left of a unit carries to the next one.
@@ -296,7 +296,8 @@ def resolve(db: Database, seq: int, passed: bool, now: int) -> None:
     held = disputed(p["job_id"], p["provider_id"])
     top, client_id, ended = db.execute(
         "SELECT t.id, t.client_id, t.state IN (4, 5, 6) FROM jobs j JOIN jobs t"
-        " ON t.id = coalesce(j.parent_id, j.id) WHERE j.id = ?", [p["job_id"]]).fetchone()
+        " ON t.id = coalesce(j.pays_from, j.parent_id, j.id) WHERE j.id = ?",
+        [p["job_id"]]).fetchone()
     # Back into the job's hold (its re-run is paid from there); if the job has ended, on to
     # its client, as its release would have.
     lines = ({held: -(paid + fee), provider(p["provider_id"]): paid, "fee": fee} if passed

@@ -9,7 +9,7 @@ import logging
 from gpumarket import kinds
 from gpumarket.broker import (
     admission, estimates, figures, holds, jobs, ledger, logs, matcher, offers, reliability,
-    scheduler, standing, views,
+    scheduler, standing, verification, views,
 )
 from gpumarket.broker.auth import caller
 from gpumarket.broker.rpc import streaming, unary
@@ -172,6 +172,7 @@ class MarketplaceServicer(marketplace_pb2_grpc.MarketplaceServicer):
         achieved = await store.read(views.achieved_flops)
         limit = min(request.limit or 100, MAX_LIST)
         hist = await store.read(views.histories, [r["provider_id"] for r in rows], now_ms())
+        checked = await store.read(verification.standings)
         out = []
         for row in rows:
             env = pb.Envelope()
@@ -191,7 +192,9 @@ class MarketplaceServicer(marketplace_pb2_grpc.MarketplaceServicer):
                 leases_completed=h.leases_completed, leases_lost=h.leases_lost,
                 achieved_flops=done,
                 uptime_7d=h.uptime_window_s / h.window_s if h.window_s else 0.0,
-                figures=judged.status, figures_detail=judged.detail))
+                figures=judged.status, figures_detail=judged.detail,
+                check_rate=checked.get(offer.provider_id, (verification.rate(0), 0, 0))[0],
+                checks_passed=checked.get(offer.provider_id, (1.0, 0, 0))[1]))
             if len(out) >= limit:
                 break
         return mp.SearchOffersResponse(offers=out)

@@ -44,7 +44,7 @@ ANY = pb.ACCELERATOR_UNSPECIFIED
 # The order in which exclusions are counted: what can never change first, "busy" last.
 CONSTRAINTS = ("kind", "policy", "hours", "duration", "price", "gpus", "accelerator",
                "compute_capability", "gpu_model", "memory", "reliability", "stake", "deadline",
-               "busy")
+               "independent", "busy")
 REASON_TEXT = {
     "kind": "do not run this job kind as asked (engine, local model, remote code)",
     "policy": "do not accept this client",
@@ -59,6 +59,7 @@ REASON_TEXT = {
     "reliability": "are less reliable than asked",
     "stake": "have staked less than min_provider_stake",
     "deadline": "are not expected to finish before the deadline",
+    "independent": "are the provider whose work this check replays (or found wrong on it)",
     "busy": "are busy with other jobs",
 }
 
@@ -116,6 +117,7 @@ class JobNeeds:
     warm_sha256: str = ""                # the job's model archive: holders are preferred
     remote_code: bool = False            # runs its model's own code: needs a willing provider
     min_stake: int = 0                   # units its provider must have staked
+    exclude: frozenset[str] = frozenset()  # providers that must not run it (verification)
 
 
 @dataclass(frozen=True)
@@ -187,6 +189,8 @@ def exclusion(job: JobNeeds, offer: OfferView, now: datetime | None = None) -> s
         return "stake"
     if job.objective == "deadline" and job.deadline_s and est.expected_s > job.deadline_s:
         return "deadline"
+    if offer.provider_id in job.exclude:
+        return "independent"
     if len(offer.free) < job.gpus:
         return "busy"
     return None
@@ -333,10 +337,20 @@ class Book:
             return -self.rel, cost
         return cost, t
 
+    def _excluded(self, job: JobNeeds) -> np.ndarray:
+        mask = self._all_true.copy()
+        for pid in job.exclude:
+            i = self.index.get(pid)
+            if i is not None:
+                mask[i] = False
+        return mask
+
     def _feasible(self, job: JobNeeds) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         static, _ = self._static_masks(job)
         factor = self._time_factor(job.checkpoint_cost_s)
         mask = static & (self.free >= job.gpus)
+        if job.exclude:
+            mask &= self._excluded(job)
         if job.objective == "deadline" and job.deadline_s:
             t = _work(job) / (self.flops * job.gpus) * factor
             mask &= t <= job.deadline_s
@@ -351,7 +365,8 @@ class Book:
             else np.ones(len(self.offers), dtype=bool)
         remaining = np.ones(len(self.offers), dtype=bool)
         out: Counter = Counter()
-        for name, m in zip(CONSTRAINTS, [*masks, deadline, self.free >= job.gpus]):
+        for name, m in zip(CONSTRAINTS, [*masks, deadline, self._excluded(job),
+                                         self.free >= job.gpus]):
             failed = remaining & ~m
             if failed.any():
                 out[name] = int(failed.sum())

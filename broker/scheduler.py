@@ -7,7 +7,9 @@ import logging
 import time
 from collections import defaultdict, deque
 
-from gpumarket.broker import auth, holdings, holds, jobs, matcher, reliability, views
+from gpumarket.broker import (
+    auth, holdings, holds, jobs, matcher, reliability, verdicts, verification, views,
+)
 from gpumarket.broker.admission import Needs
 from gpumarket.broker.offers import claim_efficiency, offer_view
 from gpumarket.broker.state import BrokerState
@@ -41,7 +43,7 @@ def fair_order(rows: list[dict], running: dict[str, int]) -> list[dict]:
 
 
 def needs_of(row: dict, avoid: frozenset[str] = frozenset(),
-             n: Needs | None = None) -> matcher.JobNeeds:
+             n: Needs | None = None, exclude: frozenset[str] = frozenset()) -> matcher.JobNeeds:
     """The matcher's view of a queued job row: its stored needs (``n``, if read already),
     its deadline as time left, its measured checkpoint cost, and the providers to avoid."""
     n = n or Needs.from_json(row["needs"])
@@ -55,7 +57,7 @@ def needs_of(row: dict, avoid: frozenset[str] = frozenset(),
         if n.deadline_s else 0.0,
         max_runtime_s=n.max_runtime_s, checkpoint_cost_s=row["checkpoint_seconds"],
         avoid=avoid, engine=n.engine, model_name=n.model_name, warm_sha256=n.model_sha256,
-        remote_code=n.remote_code, min_stake=n.min_stake,
+        remote_code=n.remote_code, min_stake=n.min_stake, exclude=exclude,
     )
 
 
@@ -97,8 +99,12 @@ async def place_queued(state: BrokerState) -> int:
         if row["parent_id"]:
             # The parts of a split job go to different providers, where there are enough.
             avoid |= await store.read(views.busy_siblings, row["parent_id"])
+        # A check never goes to the provider it checks; no job goes back to a provider a
+        # check found wrong on it.
+        exclude = await store.read(verification.excluded, row["id"]) \
+            if row["check_of"] or row["attempt"] > 1 else frozenset()
         stored = Needs.from_json(row["needs"])
-        placement, excluded = book.place(needs_of(row, avoid, stored))
+        placement, excluded = book.place(needs_of(row, avoid, stored, exclude))
         if placement is None:
             reason = matcher.explain(excluded, len(book))
             if reason != row["queue_reason"]:
@@ -219,6 +225,7 @@ async def run(state: BrokerState) -> None:
         try:
             await place_queued(state)
             await expire(state)
+            await verdicts.decide(state)
             if time.monotonic() - last_gc >= state.config.gc_interval_s:
                 last_gc = time.monotonic()
                 await collect_garbage(state)

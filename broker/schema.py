@@ -374,3 +374,59 @@ def m011_ledger(db: Database) -> None:
     )
     db.execute("CREATE INDEX runtime_samples_by_provider ON runtime_samples(provider_id, kind, id)")
     db.execute("CREATE INDEX runtime_samples_by_class ON runtime_samples(accelerator, kind, id)")
+
+
+@migrations()
+def m012_verification(db: Database) -> None:
+    """Spot checks (broker/verification.py): each replays part of a provider's work on
+    another provider. A check runs as a job row of its own (``check_of`` names the job it
+    checks; ``pays_from`` the job whose hold pays for it) and has a row here."""
+    db.execute(
+        """
+        CREATE TABLE checks (
+            id TEXT PRIMARY KEY,            -- also the id of the job row that runs it
+            job_id TEXT NOT NULL,           -- the job (or part) whose work is checked
+            top_id TEXT NOT NULL,           -- the job whose hold pays (a split job, for a part)
+            provider_id TEXT NOT NULL,      -- whose work is checked
+            lease_id TEXT NOT NULL,         -- the lease that did it
+            settle_seq INTEGER,             -- its settlement, held while the check runs
+            step_from INTEGER NOT NULL,
+            step_to INTEGER NOT NULL,
+            scope TEXT NOT NULL,            -- JSON: rows / frames / batch_size
+            start TEXT,                     -- JSON ArtifactRef: the checkpoint it resumes from
+            expect TEXT NOT NULL,           -- JSON {name: ArtifactRef}: the provider's result
+            role TEXT NOT NULL,             -- check, or tiebreak (after a disagreement)
+            first_check TEXT,               -- a tiebreak: the check that disagreed
+            checker_id TEXT,
+            outputs TEXT,                   -- JSON {name: ArtifactRef}: the checker's result
+            state TEXT NOT NULL,            -- queued, running, returned, passed, failed,
+                                            -- disagreed, inconclusive, skipped, cancelled
+            liar TEXT,                      -- the provider this check found wrong, if any
+            detail TEXT NOT NULL DEFAULT '',
+            created_at_ms INTEGER NOT NULL,
+            ended_at_ms INTEGER
+        )"""
+    )
+    db.execute("CREATE INDEX checks_by_job ON checks(job_id)")
+    db.execute("CREATE INDEX checks_by_top ON checks(top_id)")
+    db.execute("CREATE INDEX checks_by_provider ON checks(provider_id, created_at_ms)")
+    db.execute("CREATE INDEX checks_by_liar ON checks(liar) WHERE liar IS NOT NULL")
+    db.execute("CREATE INDEX checks_by_state ON checks(state)")
+    db.execute("ALTER TABLE jobs ADD COLUMN check_of TEXT")
+    db.execute("ALTER TABLE jobs ADD COLUMN pays_from TEXT")
+    # Every checkpoint of an unfinished job, kept (its blob too) so that a check that finds a
+    # provider's work wrong can send the job back to the last checkpoint not built on it.
+    db.execute(
+        """
+        CREATE TABLE checkpoint_history (
+            seq INTEGER PRIMARY KEY AUTOINCREMENT,
+            job_id TEXT NOT NULL,
+            step INTEGER NOT NULL,
+            ref TEXT NOT NULL,              -- JSON ArtifactRef
+            lease_id TEXT NOT NULL,
+            provider_id TEXT NOT NULL,
+            start_step INTEGER NOT NULL,    -- where that lease started (its resume point)
+            dropped INTEGER NOT NULL DEFAULT 0
+        )"""
+    )
+    db.execute("CREATE INDEX checkpoint_history_by_job ON checkpoint_history(job_id, seq)")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from sqlite_utils import Database
 
-from gpumarket.broker import ledger, reliability, views
+from gpumarket.broker import ledger, reliability, verification, views
 from gpumarket.proto.v1 import types_pb2 as pb
 
 def _device_line(d: pb.Device) -> str:
@@ -24,6 +24,7 @@ def standings(db: Database, provider_ids: list[str] | None, now: int) -> list[pb
     running = views.active_lease_counts(db)
     balances = {a: ledger.balance(db, a) for i in ids
                 for a in (ledger.provider(i), ledger.stake(i))}
+    checked = verification.standings(db)
     out = []
     for row in rows:
         h = views.provider_history(db, row["id"], now)
@@ -34,6 +35,8 @@ def standings(db: Database, provider_ids: list[str] | None, now: int) -> list[pb
             earned=balances.get(ledger.provider(row["id"]), 0) / ledger.UNIT,
             stake=balances.get(ledger.stake(row["id"]), 0), last_seen_ms=row["last_seen_ms"],
             first_seen_ms=row["first_seen_ms"])
+        rate, passed, failed = checked.get(row["id"], (verification.rate(0), 0, 0))
+        standing.check_rate, standing.checks_passed, standing.checks_failed = rate, passed, failed
         offer_row = offers.get(row["id"])
         if offer_row is not None:
             envelope = pb.Envelope.FromString(offer_row["envelope"])

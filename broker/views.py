@@ -6,7 +6,7 @@ import json
 
 from sqlite_utils import Database
 
-from gpumarket.broker import ledger
+from gpumarket.broker import ledger, verification
 from gpumarket.broker.jobs import job_row
 from gpumarket.broker.reliability import WINDOW_S, ProviderHistory
 from gpumarket.proto.v1 import types_pb2 as pb
@@ -29,9 +29,10 @@ def job_message(db: Database, row: dict, *, with_attempts: bool = True) -> pb.Jo
                              metrics=json.loads(row["progress_metrics"])),
     )
     job.spec.ParseFromString(row["spec"])
-    if not row["parent_id"]:
+    if not row["parent_id"] and not row["check_of"]:
         job.billing.CopyFrom(pb.JobBilling(**ledger.job_money(db, row["id"]),
                                            basis=row["hold_basis"]))
+        job.verification.CopyFrom(verification.view(db, row["id"]))
     if row["receipt"]:
         job.receipt.ParseFromString(row["receipt"])
     if row["parts"] and not row["part"]:
@@ -63,7 +64,8 @@ def get_job(db: Database, job_id: str) -> pb.Job:
 
 
 def list_jobs(db: Database, client_id: str, states: list[int], limit: int) -> list[pb.Job]:
-    sql = "SELECT * FROM jobs WHERE parent_id IS NULL"   # a split job is listed once
+    # A split job is listed once; checks are shown with the job they check.
+    sql = "SELECT * FROM jobs WHERE parent_id IS NULL AND check_of IS NULL"
     params: list = []
     if client_id:
         sql += " AND client_id = ?"
@@ -93,7 +95,8 @@ def events_after(db: Database, job_id: str, seq: int, limit: int = 500) -> list[
 
 def queued_count(db: Database, client_id: str) -> int:
     return db.execute("SELECT count(*) FROM jobs WHERE client_id = ? AND state = ?"
-                      " AND parent_id IS NULL", [client_id, pb.JOB_STATE_QUEUED]).fetchone()[0]
+                      " AND parent_id IS NULL AND check_of IS NULL",
+                      [client_id, pb.JOB_STATE_QUEUED]).fetchone()[0]
 
 
 def job_state(db: Database, job_id: str) -> int:
@@ -103,7 +106,7 @@ def job_state(db: Database, job_id: str) -> int:
 
 def queued_jobs(db: Database, limit: int) -> list[dict]:
     return _rows(db, "SELECT id, client_id, needs, expires_at_ms, queue_reason, attempt,"
-                     " checkpoint_seconds, created_at_ms, updated_at_ms, parent_id"
+                     " checkpoint_seconds, created_at_ms, updated_at_ms, parent_id, check_of"
                      " FROM jobs WHERE state = ? AND NOT (parts > 0 AND part = 0)"
                      " ORDER BY created_at_ms, id LIMIT ?",
                  [pb.JOB_STATE_QUEUED, limit])
@@ -165,6 +168,7 @@ def may_read(db: Database, key_id: str, sha256: str) -> bool:
         "  JOIN jobs j ON j.id = r.job_id OR j.parent_id = r.job_id"
         "  JOIN leases l ON l.job_id = j.id"
         "  WHERE r.sha256 = :sha AND l.provider_id = :key AND l.state = 'active'"
+        "  AND r.role != 'evidence'"
         " LIMIT 1", {"sha": sha256, "key": key_id}).fetchone() is not None
 
 
@@ -232,7 +236,8 @@ def leases_over_hold(db: Database, now: int) -> list[str]:
     rows = _rows(db, "SELECT l.id, l.price_per_gpu_hour, l.device_indices, j.settled_to_ms,"
                  " coalesce(j.parent_id, j.id) AS top FROM leases l JOIN jobs j ON j.id ="
                  " l.job_id AND j.lease_id = l.id WHERE l.state = 'active'"
-                 " AND j.settled_to_ms IS NOT NULL AND j.enforce_funds", [])
+                 " AND j.settled_to_ms IS NOT NULL AND j.enforce_funds"
+                 " AND j.check_of IS NULL", [])   # a check is paid up to the hold, not paused
     by_top: dict[str, list[dict]] = {}
     for r in rows:      # the parts of a split job draw on one hold: count them together
         by_top.setdefault(r["top"], []).append(r)

@@ -113,6 +113,7 @@ def build_spec(job: jobfile.JobFile, refs: list[pb.ArtifactRef], created_ms: int
         max_price_per_gpu_hour=job.max_price, inputs=refs, max_runtime_s=job.max_runtime_s,
         max_attempts=job.max_attempts, nonce=os.urandom(NONCE_BYTES),
         budget=job.budget, min_provider_stake=job.min_provider_stake,
+        verify_rate=job.verify_rate,
         created_at_ms=created_ms, expires_at_ms=created_ms + job.expires_in_s * 1000,
     )
     kinds.get(job.kind).write(spec, job.params)
@@ -178,6 +179,16 @@ async def status(market: Broker, job_id: str, as_json: bool) -> None:
         out.print(f"billing   held {fmt(b.hold)}, charged {fmt(b.charged)}, left"
                   f" {fmt(b.remaining)} credits" + (f", disputed {fmt(b.disputed)}"
                                                     if b.disputed else ""))
+    v = job.verification
+    if v.status:
+        rate = f" (checks {v.rate:.0%} of its provider's work)" if v.rate else ""
+        out.print(f"verified  {v.status}{rate}")
+        if v.checks:
+            table = Table("check", "of", "work", "checker", "state", "detail")
+            for c in v.checks:
+                table.add_row(c.check_id.rsplit("~", 1)[-1], short(c.provider_id), c.what,
+                              short(c.checker_id) if c.checker_id else "-", c.state, c.detail)
+            out.print(table)
     if job.parts:
         table = Table("part", "job", "state", "progress", "attempt", "provider", "error")
         for p in job.parts:
@@ -397,6 +408,8 @@ def offer_row(listing: mp.OfferListing, offer: pb.Offer) -> dict:
         "uptime": round(listing.uptime_7d, 3),
         "completed": listing.leases_completed,
         "lost": listing.leases_lost,
+        "check_rate": round(listing.check_rate, 3),
+        "checks_passed": listing.checks_passed,
         "kind": [kind_name(k) for k in offer.kinds],
         "figures": FIGURE_NAMES.get(listing.figures, "unknown"),
         "figures_detail": listing.figures_detail,
@@ -446,13 +459,14 @@ async def offers(market: Broker, query_text: str, sort_by: str, list_fields: boo
                for row, o in rows])
         return
     table = Table("devices", "accel", "GiB/dev", "TFLOP/s", "figures", "price/h", "free",
-                  "reliability", "MTBF h", "kinds")
+                  "reliability", "MTBF h", "checked", "kinds")
     table.add_column("provider", no_wrap=True)
     for row, _ in rows:
         table.add_row(f"{row['gpus']}× {row['gpu_name']}", row["accelerator"],
                       f"{row['gpu_ram']:g}", f"{row['tflops']:.3g}", row["figures"],
                       f"{row['price']:g}", str(row["free_gpus"]), f"{row['reliability']:.2f}",
-                      f"{row['mtbf_h']:.1f}", ",".join(row["kind"]), short(row["provider"]))
+                      f"{row['mtbf_h']:.1f}", f"{row['check_rate']:.0%}", ",".join(row["kind"]),
+                      short(row["provider"]))
     out.print(table)
     for row, _ in rows:
         if row["figures"] == "contradicted":

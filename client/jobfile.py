@@ -33,6 +33,7 @@ TOP = {
     "objective": (str, False), "deadline": ("duration", False),
     "min_reliability": (float, False), "resources": (dict, False),
     "budget": (float, False), "min_provider_stake": (float, False),
+    "verify": ("verify", False),
 }   # and one table, named after the kind, of the kind's own fields (gpumarket.kinds)
 RESOURCES = {"gpus": (int, False), "memory": ("size", False), "accelerator": (str, False),
              "compute_capability": ("version", False), "gpu_models": ("strings", False)}
@@ -72,6 +73,20 @@ class JobFile:
     inputs: tuple[LocalInput, ...]
     budget: float = 0.0             # credits to hold; 0 = the broker's estimate
     min_provider_stake: float = 0.0
+    verify_rate: float = 0.0        # share of segments checked at least; 0 = the broker's rate
+
+
+def parse_verify(value: Any, where: str) -> float:
+    """``verify``: "auto" (the broker's adaptive rate), "always" (every segment replayed on a
+    second provider), or a share of segments between 0 and 1."""
+    if value == "auto":
+        return 0.0
+    if value == "always":
+        return 1.0
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= 1:
+        return float(value)
+    raise JobFileError(f"{where} must be \"auto\", \"always\" or a share between 0 and 1,"
+                       f" got {value!r}")
 
 
 def parse_size(value: Any, where: str) -> int:
@@ -105,7 +120,8 @@ def _type_name(t: Any) -> str:
             dict: "a table",
             "size": "a size", "path": "a file path", "dir_or_file": "a path",
             "duration": "a duration", "version": "a version like \"8.0\"",
-            "strings": "a list of strings"}[t]
+            "strings": "a list of strings",
+            "verify": "\"auto\", \"always\" or a share between 0 and 1"}[t]
 
 
 def _check_table(table: dict, schema: dict, where: str, file: str) -> dict:
@@ -129,6 +145,7 @@ def _check_table(table: dict, schema: dict, where: str, file: str) -> dict:
             "version": isinstance(value, (int, float, str)) and not isinstance(value, bool),
             "strings": isinstance(value, list) and all(isinstance(v, str) for v in value),
             bool: isinstance(value, bool),
+            "verify": isinstance(value, (int, float, str)) and not isinstance(value, bool),
         }[typ]
         if not ok:
             raise JobFileError(f"{file}: field '{where}{key}' must be {_type_name(typ)},"
@@ -197,6 +214,7 @@ def load(path: Path) -> JobFile:
             raise JobFileError(f"{file}: field {key!r} must be between 0 and {MAX_CREDITS:,}"
                                " credits")
         money[key] = value
+    verify_rate = parse_verify(raw.get("verify", "auto"), f"{file}: field 'verify'")
     min_rel = float(raw.get("min_reliability", 0.0))
     if not 0 <= min_rel <= 1:
         raise JobFileError(f"{file}: field 'min_reliability' must be between 0 and 1")
@@ -220,6 +238,7 @@ def load(path: Path) -> JobFile:
         max_price=float(raw["max_price"]),
         budget=money["budget"],
         min_provider_stake=money["min_provider_stake"],
+        verify_rate=verify_rate,
         max_runtime_s=numbers["max_runtime"],
         max_attempts=numbers["max_attempts"],
         expires_in_s=numbers["expires_in"],

@@ -35,6 +35,8 @@ FIELDS: dict[str, tuple[str, str]] = {
     "completed": ("number", "leases completed with a valid receipt"),
     "figures": ("text", "claimed, measured (receipts back them) or contradicted"),
     "lost": ("number", "leases lost"),
+    "check_rate": ("number", "share of its work the broker spot-checks now, 0.05 to 1"),
+    "checks_passed": ("number", "spot checks passed since its last failed one"),
     "kind": ("text", "a job kind the provider runs (training, generate, embed, render)"),
     "provider": ("text", "provider id"),
 }

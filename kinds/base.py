@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from gpumarket.kinds.schema import TYPE_WORDS, Param, ParamError, check_values
@@ -26,6 +27,8 @@ class Kind:
     provider_engine: str = ""         # an engine a provider must have to offer the kind
     sizing: str = ""                  # the broker's sizing rule ("training", "inference")
     runner_path: tuple[str, ...] = field(default=(), compare=False)  # import roots of a plugin
+    verify: str = ""                  # how its work is spot-checked: "replay" (segments between
+                                      # checkpoints), "rows", "frames"; "" = not checked
 
     # -- parameters ---------------------------------------------------------------------
 
@@ -117,4 +120,23 @@ class Kind:
     def output_problem(self, values: dict[str, Any], names: set[str]) -> str:
         """Why a finished job's outputs (by name) cannot be its result; "" if they can."""
         return ""
+
+    # -- spot checks (docs/verification.md) -----------------------------------------------
+
+    def check_scope(self, values: dict[str, Any], part: int, parts: int,
+                    metrics: dict[str, float]) -> dict:
+        """What a check of a finished job (or part) replays, picked at random where the
+        provider cannot predict it: {"rows": [...], "batch_size": n} or {"frames": [...]};
+        {} for none."""
+        return {}
+
+    def evidence(self, names: set[str]) -> set[str]:
+        """Of a finished job's outputs (by name), those a replay must reproduce."""
+        return set()
+
+    def compare(self, expect: dict[str, Path], got: dict[str, Path], scope: dict
+                ) -> tuple[bool, str]:
+        """Whether a replay's outputs (``got``, by name) reproduce the checked provider's
+        (``expect``): (agrees, what was compared or where they differ)."""
+        return False, f"{self.name} jobs cannot be checked"
 

@@ -3,11 +3,14 @@ as JSONL or a float32 .npy, resumable per batch."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from gpumarket.kinds.inference import Inference, model_params
 from gpumarket.kinds.schema import Param, ParamError
 from gpumarket.proto.v1 import types_pb2 as pb
+
+COSINE_MIN = 0.999
 
 
 class Embed(Inference):
@@ -16,10 +19,33 @@ class Embed(Inference):
         if values["engine"] == "vllm":
             raise ParamError("embed.engine", "embed jobs run on transformers")
 
+    # Vectors of the same batch agree to float rounding; a wrong model or random vectors are
+    # far off (unrelated unit vectors have a cosine near 0). The .npy format is not checked.
+    count_metric = "texts"
+    agreement = f"cosine >= {COSINE_MIN}"
+
+    def evidence(self, names: set[str]) -> set[str]:
+        return names & {"embeddings.jsonl"}
+
+    def same_row(self, want: dict, have: dict) -> tuple[bool, str]:
+        a, b = want.get("embedding"), have.get("embedding")
+        if not (isinstance(a, list) and isinstance(b, list)) or len(a) != len(b) or not a:
+            return False, "the vectors differ in length"
+        try:
+            dot = sum(x * y for x, y in zip(a, b))
+            norm = math.sqrt(sum(x * x for x in a)) * math.sqrt(sum(y * y for y in b))
+        except TypeError:
+            return False, "a vector holds something that is not a number"
+        cosine = dot / norm if norm > 0 else 0.0
+        if cosine < COSINE_MIN:
+            return False, f"cosine {cosine:.4f} < {COSINE_MIN}"
+        return True, ""
+
+
 
 KIND = Embed(
     name="embed", number=pb.JOB_KIND_EMBED, proto_field="embed",
-    runner="gpumarket.provider.runners.embed", sizing="inference",
+    runner="gpumarket.provider.runners.embed", sizing="inference", verify="rows",
     params=model_params() + (
         Param("texts", "file", required=True, input_name="texts.jsonl",
               doc='JSONL, one {"text": ...} object per line'),

@@ -16,10 +16,23 @@ class Generate(Inference):
         if values["quantization"] and values["engine"] != "vllm":
             raise ParamError("generate.quantization", 'needs engine = "vllm"')
 
+    # The same batch on the same device class and software gives the same tokens: greedy,
+    # and sampled too (each batch draws from its own seed).
+    count_metric = "prompts"
+    agreement = "completions identical"
+
+    def evidence(self, names: set[str]) -> set[str]:
+        return names & {"completions.jsonl"}
+
+    def same_row(self, want: dict, have: dict) -> tuple[bool, str]:
+        if want.get("completion") != have.get("completion"):
+            return False, "the completions differ"
+        return True, ""
+
 
 KIND = Generate(
     name="generate", number=pb.JOB_KIND_GENERATE, proto_field="generate",
-    runner="gpumarket.provider.runners.generate", sizing="inference",
+    runner="gpumarket.provider.runners.generate", sizing="inference", verify="rows",
     params=model_params() + (
         Param("prompts", "file", required=True, input_name="prompts.jsonl",
               doc='JSONL, one {"prompt": ...} object per line'),

@@ -39,6 +39,7 @@ STATE_NAMES = {
     types_pb2.JOB_STATE_SUCCEEDED: "SUCCEEDED",
     types_pb2.JOB_STATE_FAILED: "FAILED",
     types_pb2.JOB_STATE_CANCELLED: "CANCELLED",
+    types_pb2.JOB_STATE_VERIFYING: "VERIFYING",
     types_pb2.JOB_STATE_PAUSED: "PAUSED",
 }
 STATES_BY_NAME = {v: k for k, v in STATE_NAMES.items()}
@@ -111,6 +112,8 @@ def check_common(spec: types_pb2.JobSpec) -> None:
     for field in ("budget", "min_provider_stake"):
         if not 0 <= getattr(spec, field) <= MAX_CREDITS:
             raise InvalidArgument(f"{field}: must be between 0 and {MAX_CREDITS:,} credits")
+    if not 0 <= spec.verify_rate <= 1:
+        raise InvalidArgument("verify_rate: must be between 0 and 1")
     if spec.expires_at_ms <= spec.created_at_ms:
         raise InvalidArgument("expires_at_ms: must be after created_at_ms")
     if spec.expires_at_ms - spec.created_at_ms > MAX_LIFETIME_MS:

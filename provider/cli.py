@@ -468,6 +468,9 @@ def _print_status(r: dict) -> None:
                    f" {standing.get('reliability', 0):.2f}, leases completed"
                    f" {standing.get('leases_completed', 0)}, lost {standing.get('leases_lost', 0)},"
                    f" running {standing.get('running', 0)}, earned {standing.get('earned', 0):.4f}")
+        click.echo(f"  spot checks: {standing.get('check_rate', 1.0):.0%} of its work checked"
+                   f" now; passed {standing.get('checks_passed', 0)} since the last failure,"
+                   f" failed {standing.get('checks_failed', 0)} (docs/verification.md)")
         skew = r.get("clock_skew_ms", 0)
         if abs(skew) > CLOCK_SKEW_WARN_MS:
             click.echo(f"warning: this machine's clock is {abs(skew) / 1000:.0f}s"

@@ -113,7 +113,25 @@ def runner_config(a: Assignment, inputs: dict[str, str], resume_dir: Path | None
         "model_dir": str(model_dir) if model_dir else None,
         "part": a.lease.part,
         "parts": a.lease.parts,
+        **check_config(a.lease),
     }
+
+
+def check_config(lease: pb.Lease) -> dict:
+    """What a check lease (a replay of another provider's work) tells its runner: train up to
+    ``stop_at`` and return the state there; redo only ``rows`` (in batches of
+    ``check_batch_size``); render only ``frames``."""
+    c = lease.check
+    if not c.checked_job_id:
+        return {}
+    out: dict = {"check_of": c.checked_job_id}
+    if c.rows:
+        out.update(check_rows=list(c.rows), check_batch_size=len(c.rows))
+    elif c.frames:
+        out["check_frames"] = list(c.frames)
+    else:
+        out["stop_at"] = c.step_to
+    return out
 
 
 def refusal(exc: GpumarketError) -> str:

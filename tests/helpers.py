@@ -103,9 +103,13 @@ class Marketplace:
         return env
 
     def start_broker(self, *extra: str, listen: str = "127.0.0.1:0",
-                     credit: float = 1000) -> str:
+                     credit: float = 1000, verify: bool = False) -> str:
         """Start the broker; ``credit``: credits its operator gives the client (as `make demo`
-        does: billing is on), 0 for none."""
+        does: billing is on), 0 for none; ``verify``: spot checks on (they are on by default,
+        and off here so that other tests' jobs go where they expect; tests/test_verification
+        turns them on)."""
+        if not verify:
+            extra = (*extra, "--no-verify")
         data = self.root / "broker"
         info = data / "broker.json"
         info.unlink(missing_ok=True)
@@ -150,11 +154,18 @@ class Marketplace:
         opened = await open_channel(self.address, identity or None, self.trust())
         return opened.channel
 
-    def start_provider(self, name: str = "p1", price: float = 1.0, *extra: str) -> Process:
+    def start_provider(self, name: str = "p1", price: float = 1.0, *extra: str,
+                       cheat: str = "", cheat_rate: float = 1.0) -> Process:
+        """Start a provider; ``cheat``: a dishonest one (tests/cheating_provider.py) that
+        doctors that share of its uploads: "weights", "text" or "blank"."""
         (self.root / name).mkdir(exist_ok=True)
-        proc = Process([str(BIN / "gpumarket-provider"), "run", "--broker", self.address,
+        program = [str(BIN / "python"), "-m", "tests.cheating_provider"] if cheat \
+            else [str(BIN / "gpumarket-provider")]
+        env = {**self.env, "CHEAT_MODE": cheat, "CHEAT_RATE": str(cheat_rate),
+               "PYTHONPATH": str(ROOT)} if cheat else self.env
+        proc = Process([*program, "run", "--broker", self.address,
                         "--data-dir", str(self.root / name), "--price", str(price), *extra],
-                       self.root / f"{name}.log", self.env)
+                       self.root / f"{name}.log", env)
         self.providers[name] = proc
         return proc
 

@@ -100,7 +100,7 @@ class SearchOffersRequest(_message.Message):
     def __init__(self, kind: _Optional[_Union[_types_pb2.JobKind, str]] = ..., min_gpus: _Optional[int] = ..., min_memory_bytes: _Optional[int] = ..., accelerator: _Optional[_Union[_types_pb2.Accelerator, str]] = ..., max_price_per_gpu_hour: _Optional[float] = ..., limit: _Optional[int] = ...) -> None: ...
 
 class OfferListing(_message.Message):
-    __slots__ = ("offer", "online", "free_devices", "reliability", "mtbf_s", "leases_completed", "leases_lost", "achieved_flops", "uptime_7d", "figures", "figures_detail")
+    __slots__ = ("offer", "online", "free_devices", "reliability", "mtbf_s", "leases_completed", "leases_lost", "achieved_flops", "uptime_7d", "figures", "figures_detail", "check_rate", "checks_passed")
     OFFER_FIELD_NUMBER: _ClassVar[int]
     ONLINE_FIELD_NUMBER: _ClassVar[int]
     FREE_DEVICES_FIELD_NUMBER: _ClassVar[int]
@@ -112,6 +112,8 @@ class OfferListing(_message.Message):
     UPTIME_7D_FIELD_NUMBER: _ClassVar[int]
     FIGURES_FIELD_NUMBER: _ClassVar[int]
     FIGURES_DETAIL_FIELD_NUMBER: _ClassVar[int]
+    CHECK_RATE_FIELD_NUMBER: _ClassVar[int]
+    CHECKS_PASSED_FIELD_NUMBER: _ClassVar[int]
     offer: _types_pb2.Envelope
     online: bool
     free_devices: int
@@ -123,7 +125,9 @@ class OfferListing(_message.Message):
     uptime_7d: float
     figures: _types_pb2.OfferFigures
     figures_detail: str
-    def __init__(self, offer: _Optional[_Union[_types_pb2.Envelope, _Mapping]] = ..., online: _Optional[bool] = ..., free_devices: _Optional[int] = ..., reliability: _Optional[float] = ..., mtbf_s: _Optional[float] = ..., leases_completed: _Optional[int] = ..., leases_lost: _Optional[int] = ..., achieved_flops: _Optional[float] = ..., uptime_7d: _Optional[float] = ..., figures: _Optional[_Union[_types_pb2.OfferFigures, str]] = ..., figures_detail: _Optional[str] = ...) -> None: ...
+    check_rate: float
+    checks_passed: int
+    def __init__(self, offer: _Optional[_Union[_types_pb2.Envelope, _Mapping]] = ..., online: _Optional[bool] = ..., free_devices: _Optional[int] = ..., reliability: _Optional[float] = ..., mtbf_s: _Optional[float] = ..., leases_completed: _Optional[int] = ..., leases_lost: _Optional[int] = ..., achieved_flops: _Optional[float] = ..., uptime_7d: _Optional[float] = ..., figures: _Optional[_Union[_types_pb2.OfferFigures, str]] = ..., figures_detail: _Optional[str] = ..., check_rate: _Optional[float] = ..., checks_passed: _Optional[int] = ...) -> None: ...
 
 class SearchOffersResponse(_message.Message):
     __slots__ = ("offers",)

@@ -31,6 +31,7 @@ class JobState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     JOB_STATE_FAILED: _ClassVar[JobState]
     JOB_STATE_CANCELLED: _ClassVar[JobState]
     JOB_STATE_PAUSED: _ClassVar[JobState]
+    JOB_STATE_VERIFYING: _ClassVar[JobState]
 
 class OfferFigures(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -62,6 +63,7 @@ JOB_STATE_SUCCEEDED: JobState
 JOB_STATE_FAILED: JobState
 JOB_STATE_CANCELLED: JobState
 JOB_STATE_PAUSED: JobState
+JOB_STATE_VERIFYING: JobState
 OFFER_FIGURES_UNSPECIFIED: OfferFigures
 OFFER_FIGURES_CLAIMED: OfferFigures
 OFFER_FIGURES_MEASURED: OfferFigures
@@ -237,7 +239,7 @@ class KindParams(_message.Message):
     def __init__(self, json: _Optional[str] = ...) -> None: ...
 
 class JobSpec(_message.Message):
-    __slots__ = ("name", "kind", "resources", "max_price_per_gpu_hour", "inputs", "max_runtime_s", "max_attempts", "objective", "deadline_s", "min_reliability", "training", "generate", "embed", "render", "custom", "budget", "min_provider_stake", "nonce", "created_at_ms", "expires_at_ms")
+    __slots__ = ("name", "kind", "resources", "max_price_per_gpu_hour", "inputs", "max_runtime_s", "max_attempts", "objective", "deadline_s", "min_reliability", "training", "generate", "embed", "render", "custom", "budget", "min_provider_stake", "verify_rate", "nonce", "created_at_ms", "expires_at_ms")
     NAME_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     RESOURCES_FIELD_NUMBER: _ClassVar[int]
@@ -255,6 +257,7 @@ class JobSpec(_message.Message):
     CUSTOM_FIELD_NUMBER: _ClassVar[int]
     BUDGET_FIELD_NUMBER: _ClassVar[int]
     MIN_PROVIDER_STAKE_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_RATE_FIELD_NUMBER: _ClassVar[int]
     NONCE_FIELD_NUMBER: _ClassVar[int]
     CREATED_AT_MS_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_AT_MS_FIELD_NUMBER: _ClassVar[int]
@@ -275,10 +278,11 @@ class JobSpec(_message.Message):
     custom: KindParams
     budget: float
     min_provider_stake: float
+    verify_rate: float
     nonce: bytes
     created_at_ms: int
     expires_at_ms: int
-    def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[JobKind, str]] = ..., resources: _Optional[_Union[Resources, _Mapping]] = ..., max_price_per_gpu_hour: _Optional[float] = ..., inputs: _Optional[_Iterable[_Union[ArtifactRef, _Mapping]]] = ..., max_runtime_s: _Optional[int] = ..., max_attempts: _Optional[int] = ..., objective: _Optional[_Union[Objective, str]] = ..., deadline_s: _Optional[int] = ..., min_reliability: _Optional[float] = ..., training: _Optional[_Union[TrainingParams, _Mapping]] = ..., generate: _Optional[_Union[GenerateParams, _Mapping]] = ..., embed: _Optional[_Union[EmbedParams, _Mapping]] = ..., render: _Optional[_Union[RenderParams, _Mapping]] = ..., custom: _Optional[_Union[KindParams, _Mapping]] = ..., budget: _Optional[float] = ..., min_provider_stake: _Optional[float] = ..., nonce: _Optional[bytes] = ..., created_at_ms: _Optional[int] = ..., expires_at_ms: _Optional[int] = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[JobKind, str]] = ..., resources: _Optional[_Union[Resources, _Mapping]] = ..., max_price_per_gpu_hour: _Optional[float] = ..., inputs: _Optional[_Iterable[_Union[ArtifactRef, _Mapping]]] = ..., max_runtime_s: _Optional[int] = ..., max_attempts: _Optional[int] = ..., objective: _Optional[_Union[Objective, str]] = ..., deadline_s: _Optional[int] = ..., min_reliability: _Optional[float] = ..., training: _Optional[_Union[TrainingParams, _Mapping]] = ..., generate: _Optional[_Union[GenerateParams, _Mapping]] = ..., embed: _Optional[_Union[EmbedParams, _Mapping]] = ..., render: _Optional[_Union[RenderParams, _Mapping]] = ..., custom: _Optional[_Union[KindParams, _Mapping]] = ..., budget: _Optional[float] = ..., min_provider_stake: _Optional[float] = ..., verify_rate: _Optional[float] = ..., nonce: _Optional[bytes] = ..., created_at_ms: _Optional[int] = ..., expires_at_ms: _Optional[int] = ...) -> None: ...
 
 class Benchmark(_message.Message):
     __slots__ = ("matmul_flops", "matmul_dtype", "memory_bandwidth_bytes_per_s", "measured_at_ms", "matmul_flops_by_dtype", "host_to_device_bytes_per_s", "sm_count", "interconnect")
@@ -382,7 +386,7 @@ class Offer(_message.Message):
     def __init__(self, provider_id: _Optional[str] = ..., devices: _Optional[_Iterable[_Union[Device, _Mapping]]] = ..., price_per_gpu_hour: _Optional[float] = ..., kinds: _Optional[_Iterable[_Union[JobKind, str]]] = ..., software_version: _Optional[str] = ..., created_at_ms: _Optional[int] = ..., policy: _Optional[_Union[Policy, _Mapping]] = ..., engines: _Optional[_Iterable[str]] = ..., models: _Optional[_Iterable[str]] = ..., cached: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Lease(_message.Message):
-    __slots__ = ("lease_id", "job_id", "attempt", "epoch", "provider_id", "client_id", "price_per_gpu_hour", "checkpoint_every", "resume_from", "device_indices", "issued_at_ms", "expires_at_ms", "job_spec", "provider_mtbf_s", "checkpoint_interval_s", "part", "parts")
+    __slots__ = ("lease_id", "job_id", "attempt", "epoch", "provider_id", "client_id", "price_per_gpu_hour", "checkpoint_every", "resume_from", "device_indices", "issued_at_ms", "expires_at_ms", "job_spec", "provider_mtbf_s", "checkpoint_interval_s", "part", "parts", "check")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
@@ -400,6 +404,7 @@ class Lease(_message.Message):
     CHECKPOINT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
     PART_FIELD_NUMBER: _ClassVar[int]
     PARTS_FIELD_NUMBER: _ClassVar[int]
+    CHECK_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     job_id: str
     attempt: int
@@ -417,7 +422,22 @@ class Lease(_message.Message):
     checkpoint_interval_s: float
     part: int
     parts: int
-    def __init__(self, lease_id: _Optional[str] = ..., job_id: _Optional[str] = ..., attempt: _Optional[int] = ..., epoch: _Optional[int] = ..., provider_id: _Optional[str] = ..., client_id: _Optional[str] = ..., price_per_gpu_hour: _Optional[float] = ..., checkpoint_every: _Optional[int] = ..., resume_from: _Optional[_Union[ArtifactRef, _Mapping]] = ..., device_indices: _Optional[_Iterable[int]] = ..., issued_at_ms: _Optional[int] = ..., expires_at_ms: _Optional[int] = ..., job_spec: _Optional[_Union[Envelope, _Mapping]] = ..., provider_mtbf_s: _Optional[float] = ..., checkpoint_interval_s: _Optional[float] = ..., part: _Optional[int] = ..., parts: _Optional[int] = ...) -> None: ...
+    check: CheckScope
+    def __init__(self, lease_id: _Optional[str] = ..., job_id: _Optional[str] = ..., attempt: _Optional[int] = ..., epoch: _Optional[int] = ..., provider_id: _Optional[str] = ..., client_id: _Optional[str] = ..., price_per_gpu_hour: _Optional[float] = ..., checkpoint_every: _Optional[int] = ..., resume_from: _Optional[_Union[ArtifactRef, _Mapping]] = ..., device_indices: _Optional[_Iterable[int]] = ..., issued_at_ms: _Optional[int] = ..., expires_at_ms: _Optional[int] = ..., job_spec: _Optional[_Union[Envelope, _Mapping]] = ..., provider_mtbf_s: _Optional[float] = ..., checkpoint_interval_s: _Optional[float] = ..., part: _Optional[int] = ..., parts: _Optional[int] = ..., check: _Optional[_Union[CheckScope, _Mapping]] = ...) -> None: ...
+
+class CheckScope(_message.Message):
+    __slots__ = ("checked_job_id", "step_from", "step_to", "rows", "frames")
+    CHECKED_JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FROM_FIELD_NUMBER: _ClassVar[int]
+    STEP_TO_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    FRAMES_FIELD_NUMBER: _ClassVar[int]
+    checked_job_id: str
+    step_from: int
+    step_to: int
+    rows: _containers.RepeatedScalarFieldContainer[int]
+    frames: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, checked_job_id: _Optional[str] = ..., step_from: _Optional[int] = ..., step_to: _Optional[int] = ..., rows: _Optional[_Iterable[int]] = ..., frames: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Progress(_message.Message):
     __slots__ = ("step", "total", "metrics")
@@ -510,7 +530,7 @@ class Attempt(_message.Message):
     def __init__(self, attempt: _Optional[int] = ..., epoch: _Optional[int] = ..., provider_id: _Optional[str] = ..., started_at_ms: _Optional[int] = ..., ended_at_ms: _Optional[int] = ..., outcome: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class Job(_message.Message):
-    __slots__ = ("job_id", "name", "kind", "state", "client_id", "attempt", "provider_id", "progress", "error", "created_at_ms", "updated_at_ms", "spec", "receipt", "attempts", "queue_reason", "checkpoint_step", "parts", "billing")
+    __slots__ = ("job_id", "name", "kind", "state", "client_id", "attempt", "provider_id", "progress", "error", "created_at_ms", "updated_at_ms", "spec", "receipt", "attempts", "queue_reason", "checkpoint_step", "parts", "billing", "verification")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
@@ -529,6 +549,7 @@ class Job(_message.Message):
     CHECKPOINT_STEP_FIELD_NUMBER: _ClassVar[int]
     PARTS_FIELD_NUMBER: _ClassVar[int]
     BILLING_FIELD_NUMBER: _ClassVar[int]
+    VERIFICATION_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     name: str
     kind: JobKind
@@ -547,7 +568,40 @@ class Job(_message.Message):
     checkpoint_step: int
     parts: _containers.RepeatedCompositeFieldContainer[JobPart]
     billing: JobBilling
-    def __init__(self, job_id: _Optional[str] = ..., name: _Optional[str] = ..., kind: _Optional[_Union[JobKind, str]] = ..., state: _Optional[_Union[JobState, str]] = ..., client_id: _Optional[str] = ..., attempt: _Optional[int] = ..., provider_id: _Optional[str] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., error: _Optional[str] = ..., created_at_ms: _Optional[int] = ..., updated_at_ms: _Optional[int] = ..., spec: _Optional[_Union[Envelope, _Mapping]] = ..., receipt: _Optional[_Union[Envelope, _Mapping]] = ..., attempts: _Optional[_Iterable[_Union[Attempt, _Mapping]]] = ..., queue_reason: _Optional[str] = ..., checkpoint_step: _Optional[int] = ..., parts: _Optional[_Iterable[_Union[JobPart, _Mapping]]] = ..., billing: _Optional[_Union[JobBilling, _Mapping]] = ...) -> None: ...
+    verification: JobVerification
+    def __init__(self, job_id: _Optional[str] = ..., name: _Optional[str] = ..., kind: _Optional[_Union[JobKind, str]] = ..., state: _Optional[_Union[JobState, str]] = ..., client_id: _Optional[str] = ..., attempt: _Optional[int] = ..., provider_id: _Optional[str] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., error: _Optional[str] = ..., created_at_ms: _Optional[int] = ..., updated_at_ms: _Optional[int] = ..., spec: _Optional[_Union[Envelope, _Mapping]] = ..., receipt: _Optional[_Union[Envelope, _Mapping]] = ..., attempts: _Optional[_Iterable[_Union[Attempt, _Mapping]]] = ..., queue_reason: _Optional[str] = ..., checkpoint_step: _Optional[int] = ..., parts: _Optional[_Iterable[_Union[JobPart, _Mapping]]] = ..., billing: _Optional[_Union[JobBilling, _Mapping]] = ..., verification: _Optional[_Union[JobVerification, _Mapping]] = ...) -> None: ...
+
+class JobVerification(_message.Message):
+    __slots__ = ("status", "rate", "checks")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    RATE_FIELD_NUMBER: _ClassVar[int]
+    CHECKS_FIELD_NUMBER: _ClassVar[int]
+    status: str
+    rate: float
+    checks: _containers.RepeatedCompositeFieldContainer[Check]
+    def __init__(self, status: _Optional[str] = ..., rate: _Optional[float] = ..., checks: _Optional[_Iterable[_Union[Check, _Mapping]]] = ...) -> None: ...
+
+class Check(_message.Message):
+    __slots__ = ("check_id", "job_id", "provider_id", "checker_id", "what", "state", "detail", "created_at_ms", "ended_at_ms")
+    CHECK_ID_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    PROVIDER_ID_FIELD_NUMBER: _ClassVar[int]
+    CHECKER_ID_FIELD_NUMBER: _ClassVar[int]
+    WHAT_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_MS_FIELD_NUMBER: _ClassVar[int]
+    ENDED_AT_MS_FIELD_NUMBER: _ClassVar[int]
+    check_id: str
+    job_id: str
+    provider_id: str
+    checker_id: str
+    what: str
+    state: str
+    detail: str
+    created_at_ms: int
+    ended_at_ms: int
+    def __init__(self, check_id: _Optional[str] = ..., job_id: _Optional[str] = ..., provider_id: _Optional[str] = ..., checker_id: _Optional[str] = ..., what: _Optional[str] = ..., state: _Optional[str] = ..., detail: _Optional[str] = ..., created_at_ms: _Optional[int] = ..., ended_at_ms: _Optional[int] = ...) -> None: ...
 
 class JobBilling(_message.Message):
     __slots__ = ("hold", "charged", "remaining", "disputed", "basis")
@@ -610,7 +664,7 @@ class JobPart(_message.Message):
     def __init__(self, part: _Optional[int] = ..., job_id: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., attempt: _Optional[int] = ..., provider_id: _Optional[str] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., error: _Optional[str] = ..., receipt: _Optional[_Union[Envelope, _Mapping]] = ...) -> None: ...
 
 class ProviderStanding(_message.Message):
-    __slots__ = ("provider_id", "online", "banned", "devices", "price_per_gpu_hour", "reliability", "leases_completed", "leases_lost", "running", "earned", "last_seen_ms", "first_seen_ms", "stake")
+    __slots__ = ("provider_id", "online", "banned", "devices", "price_per_gpu_hour", "reliability", "leases_completed", "leases_lost", "running", "earned", "last_seen_ms", "first_seen_ms", "stake", "check_rate", "checks_passed", "checks_failed")
     PROVIDER_ID_FIELD_NUMBER: _ClassVar[int]
     ONLINE_FIELD_NUMBER: _ClassVar[int]
     BANNED_FIELD_NUMBER: _ClassVar[int]
@@ -624,6 +678,9 @@ class ProviderStanding(_message.Message):
     LAST_SEEN_MS_FIELD_NUMBER: _ClassVar[int]
     FIRST_SEEN_MS_FIELD_NUMBER: _ClassVar[int]
     STAKE_FIELD_NUMBER: _ClassVar[int]
+    CHECK_RATE_FIELD_NUMBER: _ClassVar[int]
+    CHECKS_PASSED_FIELD_NUMBER: _ClassVar[int]
+    CHECKS_FAILED_FIELD_NUMBER: _ClassVar[int]
     provider_id: str
     online: bool
     banned: bool
@@ -637,7 +694,10 @@ class ProviderStanding(_message.Message):
     last_seen_ms: int
     first_seen_ms: int
     stake: int
-    def __init__(self, provider_id: _Optional[str] = ..., online: _Optional[bool] = ..., banned: _Optional[bool] = ..., devices: _Optional[_Iterable[str]] = ..., price_per_gpu_hour: _Optional[float] = ..., reliability: _Optional[float] = ..., leases_completed: _Optional[int] = ..., leases_lost: _Optional[int] = ..., running: _Optional[int] = ..., earned: _Optional[float] = ..., last_seen_ms: _Optional[int] = ..., first_seen_ms: _Optional[int] = ..., stake: _Optional[int] = ...) -> None: ...
+    check_rate: float
+    checks_passed: int
+    checks_failed: int
+    def __init__(self, provider_id: _Optional[str] = ..., online: _Optional[bool] = ..., banned: _Optional[bool] = ..., devices: _Optional[_Iterable[str]] = ..., price_per_gpu_hour: _Optional[float] = ..., reliability: _Optional[float] = ..., leases_completed: _Optional[int] = ..., leases_lost: _Optional[int] = ..., running: _Optional[int] = ..., earned: _Optional[float] = ..., last_seen_ms: _Optional[int] = ..., first_seen_ms: _Optional[int] = ..., stake: _Optional[int] = ..., check_rate: _Optional[float] = ..., checks_passed: _Optional[int] = ..., checks_failed: _Optional[int] = ...) -> None: ...
 
 class LogLine(_message.Message):
     __slots__ = ("seq", "at_ms", "attempt", "text")

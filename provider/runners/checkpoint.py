@@ -71,16 +71,20 @@ def set_rng_state(tensors: dict[str, torch.Tensor], meta: dict) -> None:
 def save(root: Path, step: int, model: torch.nn.Module, opt: torch.optim.Optimizer,
          sched: Any, extra: dict) -> Path:
     """Write checkpoint ``root/step-NNNNNNNN`` atomically; return its path."""
-    def write(tmp: Path) -> None:
-        save_model(model, str(tmp / "model.safetensors"))
-        opt_tensors, opt_meta = _optimizer_split(opt)
-        rng_tensors, rng_meta = rng_state()
-        save_file({**opt_tensors, **rng_tensors}, str(tmp / "state.safetensors"))
-        meta = {"step": step, "optimizer": opt_meta, "scheduler": sched.state_dict(),
-                "rng": rng_meta, **extra}
-        (tmp / "state.json").write_text(json.dumps(meta))
+    return publish_checkpoint(
+        root, step, lambda tmp: write_files(tmp, step, model, opt, sched, extra))
 
-    return publish_checkpoint(root, step, write)
+
+def write_files(target: Path, step: int, model: torch.nn.Module, opt: torch.optim.Optimizer,
+                sched: Any, extra: dict) -> None:
+    """The checkpoint's files, into ``target`` (the same bytes for the same state)."""
+    save_model(model, str(target / "model.safetensors"))
+    opt_tensors, opt_meta = _optimizer_split(opt)
+    rng_tensors, rng_meta = rng_state()
+    save_file({**opt_tensors, **rng_tensors}, str(target / "state.safetensors"))
+    meta = {"step": step, "optimizer": opt_meta, "scheduler": sched.state_dict(),
+            "rng": rng_meta, **extra}
+    (target / "state.json").write_text(json.dumps(meta))
 
 
 def latest(root: Path) -> Path | None:

@@ -91,7 +91,9 @@ class Results:
         self.workdir, self.total, self.report = workdir, total, report
         self.path = workdir / RESULTS
         self.done: dict[int, dict] = {}
-        self.batch_size = batch_size
+        # A check redoes only some rows, in the batch the checked provider ran them in.
+        self.only = set(job.get("check_rows") or ())
+        self.batch_size = int(job.get("check_batch_size") or batch_size)
         resume = job.get("resume_from")
         if resume:
             meta = json.loads((Path(resume) / "state.json").read_text())
@@ -123,6 +125,11 @@ class Results:
 
     def batches(self) -> Iterator[list[int]]:
         """The batches not done yet, each a list of item indices in input order."""
+        if self.only:
+            batch = sorted(i for i in self.only if 0 <= i < self.total)
+            if batch and not all(i in self.done for i in batch):
+                yield batch
+            return
         for start in range(0, self.total, self.batch_size):
             batch = list(range(start, min(start + self.batch_size, self.total)))
             if not all(i in self.done for i in batch):
@@ -153,10 +160,12 @@ class Results:
         self.report.checkpoint(step, str(final.relative_to(self.workdir)), took)
 
     def in_order(self) -> list[dict]:
-        missing = [i for i in range(self.total) if i not in self.done]
+        wanted = sorted(i for i in self.only if 0 <= i < self.total) if self.only \
+            else range(self.total)
+        missing = [i for i in wanted if i not in self.done]
         if missing:
             raise JobError(f"{len(missing)} items have no result (first: {missing[0]})")
-        return [self.done[i] for i in range(self.total)]
+        return [self.done[i] for i in wanted]
 
 
 def torch_device(job: dict):

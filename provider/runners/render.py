@@ -44,6 +44,8 @@ def frame_name(frame: int) -> str:
 
 def frames_of(job: dict) -> list[int]:
     p = job["params"]
+    if job.get("check_frames"):     # a check renders only these frames again
+        return sorted({int(f) for f in job["check_frames"]})
     try:
         return list(part_frames(int(p.get("frame_start", 0)), int(p.get("frame_end", 0)),
                                 int(job.get("part") or 0), int(job.get("parts") or 0)))

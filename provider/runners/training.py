@@ -126,6 +126,7 @@ def train(workdir: Path, report: Reporter) -> None:
     use_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
     losses: list[list[float]] = []
     start = 0
+    stop_at = int(job.get("stop_at") or 0)
     ckpt_root = workdir / "checkpoints"
     resume = job.get("resume_from")
     if resume:
@@ -177,6 +178,17 @@ def train(workdir: Path, report: Reporter) -> None:
         if (step + 1) % log_every == 0 or step + 1 == steps:
             print(f"step {step + 1}/{steps} loss {value:.4f} lr {sched.get_last_lr()[0]:.2e}"
                   f" tokens/s {tokens_done / max(elapsed, 1e-9):,.0f}", flush=True)
+        if step + 1 == stop_at < steps:
+            # A check: the state at stop_at is the result, compared with the checkpoint the
+            # checked provider reported there.
+            out = workdir / "outputs"
+            out.mkdir(exist_ok=True)
+            checkpoint.write_files(out, step + 1, model, opt, sched,
+                                   {"losses": losses, "world_size": world.size})
+            print(f"check: state at step {stop_at} written", flush=True)
+            report.done(steps=float(stop_at), resumed_from_step=float(start))
+            world.finish()
+            return
         if step + 1 < steps and (drain_requested() or cadence.due(step + 1)):
             save(step + 1)
             if drain_requested():

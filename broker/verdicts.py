@@ -1,0 +1,83 @@
+"""The scheduler's part of spot checks: compare what a check's replay returned with what the
+checked provider returned (reading the blobs off the event loop), record the verdict, give
+up on checks nobody could take, and tell providers what the verdicts ended."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from gpumarket import kinds
+from gpumarket.broker import verification
+from gpumarket.broker.state import BrokerState
+from gpumarket.proto.jobspec import now_ms
+from gpumarket.proto.v1 import gateway_pb2 as gw
+
+log = logging.getLogger(__name__)
+
+
+def policy(state: BrokerState, provider_id: str, draw: float) -> verification.Policy:
+    """What a transaction that may choose a check needs to know: whether checks are on, and
+    whether a provider other than ``provider_id`` is online to run one."""
+    return verification.Policy(
+        enabled=state.config.verify,
+        others_online=any(o.provider_id != provider_id for o in state.sessions.offers()),
+        draw=draw, ban_after=state.config.ban_after_failed_checks or 1 << 30)
+
+
+def _compare(kind: kinds.Kind, state: BrokerState, expect: dict, got: dict,
+             scope: dict) -> tuple[bool, str]:
+    def paths(refs: dict) -> dict:
+        return {name: state.artifacts.blob_path(ref["sha256"]) for name, ref in refs.items()}
+
+    try:
+        return kind.compare(paths(expect), paths(got), scope)
+    except OSError as exc:
+        return False, f"a result could not be read ({exc.strerror or exc})"
+
+
+async def decide(state: BrokerState) -> int:
+    """Compare every returned check and apply its verdict; skip checks no provider took in
+    time. Returns the verdicts made."""
+    store, made = state.store, 0
+    for item in await store.read(verification.to_compare):
+        kind = kinds.get(item.kind)
+        agrees, detail = await asyncio.to_thread(_compare, kind, state, item.expect,
+                                                 item.outputs, item.scope)
+        agrees_first = False
+        if item.role == "tiebreak":
+            first = {n: r for n, r in item.first_outputs.items()
+                     if n in kind.evidence(set(item.first_outputs))}
+            agrees_first, why = await asyncio.to_thread(_compare, kind, state, first,
+                                                        item.outputs, item.scope)
+            detail = (f"against the checked result: {detail}; against the first check's:"
+                      f" {why}")
+        outcome = await store.write(verification.conclude, item.check_id, agrees,
+                                    agrees_first, detail, now_ms(),
+                                    state.config.ban_after_failed_checks or 1 << 30)
+        log.info("check %s: %s (%s)", item.check_id, "agrees" if agrees else "disagrees",
+                 detail)
+        _tell(state, outcome)
+        made += 1
+    cutoff = now_ms() - int(state.config.check_wait_s * 1000)
+    for check_id in await store.read(verification.waiting_too_long, cutoff):
+        stop = await store.write(verification.skip, check_id, f"no other provider took it"
+                                 f" within {state.config.check_wait_s:g}s", now_ms())
+        _tell(state, verification.Outcome(stop=tuple(stop)))
+        made += 1
+    if made:
+        state.events.notify()
+        state.placement.notify()
+    return made
+
+
+def _tell(state: BrokerState, outcome: verification.Outcome) -> None:
+    for job_id, epoch, provider_id in outcome.stop:
+        session = state.sessions.get(provider_id)
+        if session is not None:
+            session.send(gw.BrokerMessage(cancel=gw.CancelLease(
+                job_id=job_id, epoch=epoch, reason="a spot check ended this work")))
+    for provider_id in outcome.banned:
+        log.warning("provider %s banned: spot checks found its results wrong", provider_id)
+        if state.sessions.get(provider_id) is not None:
+            state.sessions.end(provider_id)

@@ -1,0 +1,93 @@
+"""A dishonest provider, for the verification tests only (never part of the package): the
+real provider daemon whose uploads are doctored at a chosen rate before they leave.
+
+    python -m tests.cheating_provider run --broker ... (the gpumarket-provider arguments)
+
+CHEAT_MODE: ``weights`` flips one bit of the weights in the checkpoints and final weights it
+uploads (the state still loads and trains on, as a lazy or sloppy provider's would);
+``text`` replaces its completions with another model's text; ``blank`` uploads black frames.
+CHEAT_RATE: the share of such uploads it doctors (default 1).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import struct
+import tempfile
+import zlib
+from pathlib import Path
+
+from gpumarket.provider import daemon
+from gpumarket.provider.cli import main
+
+MODE = os.environ.get("CHEAT_MODE", "weights")
+RATE = float(os.environ.get("CHEAT_RATE", "1"))
+DRAW = random.Random(os.environ.get("CHEAT_SEED"))
+
+
+def _read(source: Path | int) -> bytes:
+    if isinstance(source, int):
+        os.lseek(source, 0, os.SEEK_SET)
+        chunks = []
+        while chunk := os.read(source, 1 << 20):
+            chunks.append(chunk)
+        return b"".join(chunks)
+    return Path(source).read_bytes()
+
+
+def flip_weight_bit(data: bytes, offset: int, size: int) -> bytes:
+    """Flip the lowest bit of the last float32 of a safetensors file at ``offset``."""
+    at = offset + size - 4
+    return data[:at] + bytes([data[at] ^ 1]) + data[at + 1:]
+
+
+def doctor(name: str, data: bytes) -> bytes | None:
+    if MODE == "weights" and name == "checkpoint.tar":
+        size = int(data[124:136].rstrip(b"\0 ").decode(), 8)   # the first member's size
+        if data[:17] == b"model.safetensors":
+            return flip_weight_bit(data, 512, size)
+    if MODE == "weights" and name == "model.safetensors":
+        return flip_weight_bit(data, 0, len(data))
+    if MODE == "text" and name == "completions.jsonl":
+        lines = [json.loads(x) for x in data.decode().splitlines() if x.strip()]
+        for r in lines:
+            r["completion"] = "the quick brown fox jumps over the lazy dog"
+        return "".join(json.dumps(r) + "\n" for r in lines).encode()
+    if MODE == "blank" and name.startswith("frame_") and name.endswith(".png"):
+        width, height = struct.unpack(">II", data[16:24])
+        raw = b"".join(b"\0" + b"\0" * (width * 4) for _ in range(height))
+
+        def chunk(kind: bytes, body: bytes) -> bytes:
+            return (struct.pack(">I", len(body)) + kind + body
+                    + struct.pack(">I", zlib.crc32(kind + body)))
+
+        return (b"\x89PNG\r\n\x1a\n"
+                + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 6, 0, 0, 0))
+                + chunk(b"IDAT", zlib.compress(raw)) + chunk(b"IEND", b""))
+    return None
+
+
+real_upload = daemon.ProviderDaemon.upload
+
+
+async def cheating_upload(self, source, name):
+    if DRAW.random() < RATE:
+        doctored = doctor(name, _read(source))
+        if doctored is not None:
+            with tempfile.NamedTemporaryFile(delete=False) as f:
+                f.write(doctored)
+            try:
+                return await real_upload(self, Path(f.name), name)
+            finally:
+                os.unlink(f.name)
+    if isinstance(source, int):
+        os.lseek(source, 0, os.SEEK_SET)
+    return await real_upload(self, source, name)
+
+
+daemon.ProviderDaemon.upload = cheating_upload
+
+if __name__ == "__main__":
+    main()

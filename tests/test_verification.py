@@ -1,0 +1,120 @@
+"""Spot checks end to end, with real processes: a provider that doctors its results
+(tests/cheating_provider.py) among honest ones is caught by replay, its work re-run elsewhere,
+its pay returned to the client, and banned; honest providers' work is checked and paid."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import subprocess
+
+import pytest
+
+from tests.helpers import BIN, LEASE_ARGS, Marketplace, training_job, wait_until
+
+pytestmark = pytest.mark.e2e
+
+
+def ledger_balance(root, account: str) -> int:
+    with sqlite3.connect(f"file:{root / 'broker' / 'broker.db'}?mode=ro", uri=True) as db:
+        row = db.execute("SELECT balance FROM ledger_entries WHERE account = ?"
+                         " ORDER BY posting_seq DESC LIMIT 1", [account]).fetchone()
+    return row[0] if row else 0
+
+
+def audit(market: Marketplace, root) -> dict:
+    r = subprocess.run([str(BIN / "gpumarket-broker"), "admin", "audit", "--json", "--key",
+                        str(root / "broker" / "broker.key")], env=market.env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def checks_of(market: Marketplace, job_id: str) -> list[dict]:
+    return market.job(job_id).get("verification", {}).get("checks", [])
+
+
+def test_a_provider_that_corrupts_weights_is_caught_re_run_unpaid_and_banned(tmp_path):
+    market = Marketplace(tmp_path)
+    try:
+        market.start_broker(*LEASE_ARGS, verify=True)
+        # The cheat is the cheapest: the job goes to it first.
+        market.start_provider("cheat", 0.5, cheat="weights")
+        market.start_provider("h1", 1.0)
+        market.start_provider("h2", 1.5)
+        market.wait_for_offers(3)
+        cheat, h1, h2 = (market.provider_id(n) for n in ("cheat", "h1", "h2"))
+        job = training_job(tmp_path / "job.toml", steps=60, checkpoint_every=20)
+        r = market.cli("submit", str(job), "--json")
+        assert r.returncode == 0, r.stderr
+        job_id = json.loads(r.stdout)["job_id"]
+        final = market.wait_state(job_id, "SUCCEEDED", "FAILED", timeout=400)
+        assert final["state"] == "SUCCEEDED", (final, market.cli("logs", job_id).stdout)
+
+        v = final["verification"]
+        checks = v["checks"]
+        assert v["status"] == "disputed -> re-run", v
+        # The cheat's replayed segment disagreed, a third provider sided with the replay.
+        caught = [c for c in checks if c["provider_id"] == cheat and c["state"] == "failed"]
+        assert caught, checks
+        # No honest provider's work was ever found wrong.
+        assert not [c for c in checks if c["provider_id"] in (h1, h2)
+                    and c["state"] == "failed"], checks
+        assert final["provider_id"] in (h1, h2)
+
+        # The cheat keeps nothing: its pay went back to the hold, and from there to the client.
+        assert ledger_balance(tmp_path, f"provider:{cheat}") == 0
+        assert ledger_balance(tmp_path, f"disputed:{job_id}:{cheat}") == 0
+        assert ledger_balance(tmp_path, f"provider:{h1}") > 0
+        books = audit(market, tmp_path)
+        assert books["ok"], books
+
+        # Its record: failed checks, then banned (after BAN_AFTER = 2 failures: it also
+        # returned a doctored replay when it checked an honest provider's segment, or a
+        # second segment of its own).
+        def banned():
+            r = subprocess.run([str(BIN / "gpumarket-broker"), "providers", "--json",
+                                "--key", str(tmp_path / "broker" / "broker.key")],
+                               env=market.env, capture_output=True, text=True, timeout=60)
+            rows = {p["provider_id"]: p for p in json.loads(r.stdout)}
+            return rows[cheat].get("banned") and rows
+        rows = wait_until(banned, "the cheat to be banned", 120, interval=0.5)
+        assert not rows[h1].get("banned") and not rows[h2].get("banned")
+        assert rows[cheat]["checks_failed"] >= 2, rows[cheat]
+        # The client sees how its job was checked.
+        status = market.cli("status", job_id)
+        assert "disputed -> re-run" in status.stdout and cheat[:12] in status.stdout, \
+            status.stdout
+    finally:
+        market.close()
+
+
+def test_honest_providers_work_is_checked_verified_and_paid(tmp_path):
+    market = Marketplace(tmp_path)
+    try:
+        market.start_broker(*LEASE_ARGS, verify=True)
+        for name, price in (("h1", 0.5), ("h2", 1.0)):
+            market.start_provider(name, price)
+        market.wait_for_offers(2)
+        h1, h2 = market.provider_id("h1"), market.provider_id("h2")
+        job = training_job(tmp_path / "job.toml", steps=40, checkpoint_every=20,
+                           extra='verify = "always"')
+        r = market.cli("submit", str(job), "--json")
+        assert r.returncode == 0, r.stderr
+        job_id = json.loads(r.stdout)["job_id"]
+        final = market.wait_state(job_id, "SUCCEEDED", "FAILED", timeout=300)
+        assert final["state"] == "SUCCEEDED", final
+        v = final["verification"]
+        # verify = "always": both segments (0-20 and 20-40) replayed on the other provider.
+        assert v["status"] == "verified", v
+        assert sorted(c["what"] for c in v["checks"]) == ["steps 0-20", "steps 20-40"], v
+        assert all(c["state"] == "passed" and c["checker_id"] == h2 for c in v["checks"]), v
+        assert ledger_balance(tmp_path, f"provider:{h1}") > 0
+        assert ledger_balance(tmp_path, f"provider:{h2}") > 0       # paid for its replays
+        assert ledger_balance(tmp_path, f"disputed:{job_id}:{h1}") == 0
+        assert audit(market, tmp_path)["ok"]
+        r = market.cli("offers", "--json")
+        rates = {o["provider"]: o for o in json.loads(r.stdout)}
+        assert rates[h1]["checks_passed"] == 2 and rates[h1]["check_rate"] < 1, rates[h1]
+    finally:
+        market.close()
