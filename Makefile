@@ -43,6 +43,7 @@ bench: $(STAMP)
 	$(PY) bench/failover.py
 	$(PY) bench/archive_scan.py
 	$(PY) bench/ledger.py
+	$(PY) bench/verification.py
 
 clean:
 	rm -rf $(VENV) demo-output .pytest_cache

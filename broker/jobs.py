@@ -11,8 +11,7 @@ from dataclasses import dataclass
 
 from sqlite_utils import Database
 
-from gpumarket import kinds
-from gpumarket.broker import calibration, holdings, holds, ledger, verification
+from gpumarket.broker import calibration, disputes, holdings, holds, ledger, verification
 from gpumarket.broker.admission import Needs, NewJob
 from gpumarket.proto.errors import (
     FailedPrecondition, InvalidArgument, NotFound, Replay,
@@ -103,9 +102,9 @@ def _follow_parts(db: Database, parent_id: str, now: int, message: str, type_: s
             if p["state"] in TERMINAL_STATES:
                 continue
             if p["state"] in ACTIVE_STATES and p["lease_id"]:
-                _stop_lease(db, p, "cancelled", error, now)
+                stop_lease(db, p, "cancelled", error, now)
                 ended.append(EndedLease(p["id"], p["epoch"], p["provider_id"]))
-            _set_job(db, p["id"], now, state=CANCELLED, error=error)
+            set_job(db, p["id"], now, state=CANCELLED, error=error)
             _drop_checkpoints(db, p["id"])
             append_event(db, p["id"], "cancelled", CANCELLED, p["attempt"], now,
                          message=f"stopped: {error}", mirror=False)
@@ -124,7 +123,7 @@ def _follow_parts(db: Database, parent_id: str, now: int, message: str, type_: s
     step = sum(p["progress_step"] for p in parts)
     reason = next((p["queue_reason"] for p in parts if p["state"] == QUEUED), "")
     attempt = max(p["attempt"] for p in parts)
-    _set_job(db, parent_id, now, state=state, progress_step=step, attempt=attempt,
+    set_job(db, parent_id, now, state=state, progress_step=step, attempt=attempt,
              error=error, queue_reason=reason)
     if type_ == "progress" and state == parent["state"]:
         append_event(db, parent_id, "progress", state, attempt, now, provider_id=provider_id,
@@ -151,7 +150,7 @@ def job_row(db: Database, job_id: str) -> dict:
     return dict(zip(cols, row))
 
 
-def _set_job(db: Database, job_id: str, now: int, **values: object) -> None:
+def set_job(db: Database, job_id: str, now: int, **values: object) -> None:
     values["updated_at_ms"] = now
     sets = ", ".join(f"{k} = ?" for k in values)
     db.execute(f"UPDATE jobs SET {sets} WHERE id = ?", [*values.values(), job_id])
@@ -162,7 +161,7 @@ def _set_job(db: Database, job_id: str, now: int, **values: object) -> None:
                          " AND check_of IS NULL", [job_id]).fetchone()
         if row is not None:
             # Its checks end with it (their checkers paid up to now), before the hold goes.
-            verification.drop(db, job_id, now)
+            disputes.drop(db, job_id, now)
             ledger.release(db, job_id, row[0], now)
 
 
@@ -259,7 +258,7 @@ def create_lease(
             "raw_runtime_s": raw_runtime_s, "accelerator": accelerator,
         }
     )
-    _set_job(db, job_id, now, state=LEASED, epoch=epoch, provider_id=provider_id,
+    set_job(db, job_id, now, state=LEASED, epoch=epoch, provider_id=provider_id,
              lease_id=lease.lease_id, queue_reason="", settled_to_ms=None,
              settled_step=job["checkpoint_step"] if job["resume_from"] else 0)
     resume = f", resuming from step {job['checkpoint_step']}" if job["resume_from"] else ""
@@ -296,7 +295,7 @@ def mark_started(db: Database, job_id: str, epoch: int, provider_id: str, now: i
     db.execute("UPDATE jobs SET settled_to_ms = coalesce(settled_to_ms, ?) WHERE id = ?",
                [now, job_id])
     if job["state"] == LEASED:
-        _set_job(db, job_id, now, state=RUNNING)
+        set_job(db, job_id, now, state=RUNNING)
         where = f", resumed from step {resumed_from_step}" if resumed_from_step else ""
         append_event(db, job_id, "started", RUNNING, job["attempt"], now,
                      provider_id=provider_id, message=f"running on {provider_id}{where}")
@@ -307,7 +306,7 @@ def record_progress(
 ) -> None:
     job, _ = _current(db, job_id, epoch, provider_id)
     metrics = dict(progress.metrics)
-    _set_job(db, job_id, now, progress_step=progress.step, progress_total=progress.total,
+    set_job(db, job_id, now, progress_step=progress.step, progress_total=progress.total,
              progress_metrics=json.dumps(metrics))
     append_event(db, job_id, "progress", job["state"], job["attempt"], now,
                  provider_id=provider_id,
@@ -335,7 +334,7 @@ def record_checkpoint(
     # The measured cost feeds the next lease's interval; smooth it over checkpoints.
     cost = job["checkpoint_seconds"]
     cost = write_seconds if cost <= 0 else 0.7 * cost + 0.3 * write_seconds
-    _set_job(db, job_id, now, resume_from=json.dumps(ref), checkpoint_step=step,
+    set_job(db, job_id, now, resume_from=json.dumps(ref), checkpoint_step=step,
              checkpoint_seconds=cost)
     db.execute("DELETE FROM artifact_refs WHERE job_id = ? AND role = 'checkpoint'", [job_id])
     db.execute("INSERT OR IGNORE INTO artifact_refs (sha256, job_id, role) VALUES (?, ?, ?)",
@@ -343,11 +342,7 @@ def record_checkpoint(
     paid = ledger.settle(db, job, lease, step, now)
     db.execute("UPDATE jobs SET hold_needed = 0 WHERE id = ?", [job_id])
     verification.remember(db, job, lease, step, ref)
-    if kinds.get(job["kind"]).verify == "replay":
-        # The segment since the previous checkpoint, replayed from it on another provider.
-        verification.choose(db, policy, job, lease, job["checkpoint_step"], step,
-                            json.loads(job["resume_from"]) if job["resume_from"] else None,
-                            {"checkpoint.tar": ref}, {}, now)
+    verification.choose_segment(db, policy, job, lease, step, ref, now)
     append_event(db, job_id, "checkpoint", job["state"], job["attempt"], now,
                  provider_id=provider_id,
                  message=f"checkpoint at step {step} stored ({artifact.sha256[:12]}, "
@@ -370,7 +365,7 @@ def _siblings_accrued(db: Database, job: dict, now: int) -> int:
     total = 0
     for part in _parts_of(db, job["parent_id"]):
         if part["id"] != job["id"] and part["state"] in ACTIVE_STATES and part["lease_id"]:
-            total += ledger.accrued(part, _lease_row(db, part["lease_id"]), now)
+            total += ledger.accrued(part, lease_row(db, part["lease_id"]), now)
     return total
 
 
@@ -382,36 +377,36 @@ def _pause(db: Database, job: dict, lease: dict, now: int, needed: int, what: st
     """The job's hold would not pay for more work: end the lease where it was settled last and
     wait for a top-up that brings the hold to ``needed`` units (it resumes from its latest
     checkpoint)."""
-    _end_lease(db, lease["id"], "paused", "hold exhausted", now)
+    end_lease(db, lease["id"], "paused", "hold exhausted", now)
     top = job["parent_id"] or job["id"]
     left = ledger.balance(db, ledger.escrow(top))
     why = (f"paused: its hold has {ledger.fmt(left)} credits left, {ledger.fmt(needed - left)}"
            f" short of {what} (gpumarket topup {top} AMOUNT)")
-    _set_job(db, job["id"], now, state=PAUSED, provider_id=None, lease_id=None,
+    set_job(db, job["id"], now, state=PAUSED, provider_id=None, lease_id=None,
              queue_reason=why, hold_needed=needed)
     append_event(db, job["id"], "paused", PAUSED, job["attempt"], now,
                  provider_id=lease["provider_id"], message=why)
 
 
-def _lease_row(db: Database, lease_id: str) -> dict:
+def lease_row(db: Database, lease_id: str) -> dict:
     cur = db.execute("SELECT * FROM leases WHERE id = ?", [lease_id])
     return dict(zip([d[0] for d in cur.description], cur.fetchone()))
 
 
-def _stop_lease(db: Database, job: dict, state: str, reason: str, now: int) -> None:
+def stop_lease(db: Database, job: dict, state: str, reason: str, now: int) -> None:
     """End the job's active lease for a reason that is not its provider's fault (the job
     failed, its client cancelled it, a sibling part failed): its work since the last
     settlement is paid up to now, as far as the hold goes."""
-    lease = _lease_row(db, job["lease_id"])
+    lease = lease_row(db, job["lease_id"])
     ledger.settle(db, job, lease, job["settled_step"], now, tag="end")
-    _end_lease(db, lease["id"], state, reason, now)
+    end_lease(db, lease["id"], state, reason, now)
 
 
 def exhaust(db: Database, lease_id: str, now: int) -> EndedLease | None:
     """A running lease has cost what its job's hold has left (no checkpoint came in time):
     pay it up to the hold and pause the job; its work since its last checkpoint is redone
     after a top-up. None if the lease is no longer active or still covered."""
-    lease = _lease_row(db, lease_id)
+    lease = lease_row(db, lease_id)
     job = job_row(db, lease["job_id"])
     if lease["state"] != "active" or job["lease_id"] != lease_id or not job["enforce_funds"]:
         return None
@@ -447,10 +442,10 @@ def top_up(db: Database, job_id: str, client_id: str, amount: int, now: int,
             why = (f"paused: its hold has {ledger.fmt(left)} credits left,"
                    f" {ledger.fmt(row['hold_needed'] - left)} short of what it needs to go on"
                    f" (gpumarket topup {job_id} AMOUNT)")
-            _set_job(db, row["id"], now, queue_reason=why)
+            set_job(db, row["id"], now, queue_reason=why)
             continue
         left -= row["hold_needed"]
-        _set_job(db, row["id"], now, state=QUEUED, queue_reason="", hold_needed=0)
+        set_job(db, row["id"], now, state=QUEUED, queue_reason="", hold_needed=0)
         append_event(db, row["id"], "resumed", QUEUED, row["attempt"], now,
                      message=f"hold topped up by {ledger.fmt(amount)} credits; queued to"
                      f" resume from step {row['checkpoint_step']}")
@@ -462,7 +457,7 @@ def _drop_checkpoints(db: Database, job_id: str) -> None:
                [job_id])
 
 
-def _end_lease(db: Database, lease_id: str, state: str, reason: str, now: int) -> None:
+def end_lease(db: Database, lease_id: str, state: str, reason: str, now: int) -> None:
     db.execute("UPDATE leases SET state = ?, ended_at_ms = ?, reason = ? WHERE id = ?",
                [state, now, reason, lease_id])
 
@@ -477,7 +472,7 @@ def succeed(
     job, lease = _current(db, job_id, epoch, provider_id)
     total = max(job["progress_step"], job["progress_total"])
     ledger.settle(db, job, lease, total, now, tag="final")
-    _end_lease(db, lease["id"], "succeeded", "", now)
+    end_lease(db, lease["id"], "succeeded", "", now)
     parsed = pb.Envelope()
     parsed.ParseFromString(receipt)
     receipt_msg = pb.Receipt()
@@ -485,7 +480,7 @@ def succeed(
     outputs = {o.name: {"name": o.name, "sha256": o.sha256, "size_bytes": o.size_bytes}
                for o in receipt_msg.outputs}
     if job["check_of"]:
-        _set_job(db, job_id, now, state=SUCCEEDED, receipt=receipt, progress_step=total)
+        set_job(db, job_id, now, state=SUCCEEDED, receipt=receipt, progress_step=total)
         verification.returned(db, job_id, outputs, now)
         append_event(db, job_id, "succeeded", SUCCEEDED, job["attempt"], now,
                      provider_id=provider_id, message="replayed; compared next")
@@ -495,89 +490,27 @@ def succeed(
         db.execute("INSERT OR IGNORE INTO artifact_refs (sha256, job_id, role) VALUES (?, ?, ?)",
                    [out.sha256, job_id, "output"])
     _record_throughput(db, job, provider_id, receipt_msg, now)
-    _choose_final_check(db, policy, job, lease, total, outputs, receipt_msg, now)
+    verification.choose_final(db, policy, job, lease, total, outputs, receipt_msg, now)
     if verification.open_checks(db, job_id):
-        _set_job(db, job_id, now, state=VERIFYING, receipt=receipt, progress_step=total)
+        set_job(db, job_id, now, state=VERIFYING, receipt=receipt, progress_step=total)
         append_event(db, job_id, "verifying", VERIFYING, job["attempt"], now,
                      provider_id=provider_id, message="finished; receipt verified; waiting"
                      " for the checks of its work")
         return
-    _set_job(db, job_id, now, receipt=receipt, progress_step=total)
+    set_job(db, job_id, now, receipt=receipt, progress_step=total)
     finished(db, job_row(db, job_id), now, "finished; receipt verified"
              + ("" if not policy.enabled else f"; work {verification.summary(db, job_id)}"))
 
 
-def _choose_final_check(db: Database, policy: verification.Policy, job: dict, lease: dict,
-                        total: int, outputs: dict, receipt: pb.Receipt, now: int) -> None:
-    """Perhaps check the work of the lease since its last checkpoint (training), or some rows
-    or frames of what it returned."""
-    kind = kinds.get(job["kind"])
-    if kind.verify == "replay":
-        names = kind.evidence(set(outputs))
-        verification.choose(db, policy, job, lease, job["checkpoint_step"], total,
-                            json.loads(job["resume_from"]) if job["resume_from"] else None,
-                            {n: outputs[n] for n in names}, {}, now)
-    elif kind.verify:
-        spec = pb.Envelope()
-        spec.ParseFromString(job["spec"])
-        values = kind.values_of(pb.JobSpec.FromString(spec.payload))
-        scope = kind.check_scope(values, job["part"], job["parts"], dict(receipt.metrics))
-        names = kind.evidence(set(outputs))
-        if scope and names:
-            verification.choose(db, policy, job, lease, 0, total, None,
-                                {n: outputs[n] for n in names}, scope, now)
-
-
 def finished(db: Database, job: dict, now: int, message: str) -> None:
     """The job succeeded (its checks, if any, done): its hold's rest goes back."""
-    _set_job(db, job["id"], now, state=SUCCEEDED)
+    set_job(db, job["id"], now, state=SUCCEEDED)
     _drop_checkpoints(db, job["id"])
     if not job["parent_id"]:    # what its checks compared is no longer needed
         db.execute("DELETE FROM artifact_refs WHERE job_id = ? AND role = 'evidence'",
                    [job["id"]])
     append_event(db, job["id"], "succeeded", SUCCEEDED, job["attempt"], now,
                  provider_id=job["provider_id"] or "", message=message)
-
-
-def rewind(db: Database, job: dict, step: int, start: dict | None, why: str,
-           now: int) -> list[tuple[str, int, str]]:
-    """A check found work on the job wrong from ``step`` on: stop whoever runs it now, drop
-    its result if it had one, and queue it again from the checkpoint at ``step`` (``start``;
-    None: from the beginning). Returns the leases to stop."""
-    stop = []
-    if job["state"] in ACTIVE_STATES and job["lease_id"]:
-        lease = _lease_row(db, job["lease_id"])
-        if lease["provider_id"] not in verification.excluded(db, job["id"]):
-            ledger.settle(db, job, lease, job["settled_step"], now, tag="end")
-        _end_lease(db, lease["id"], "revoked", why, now)
-        stop.append((job["id"], job["epoch"], lease["provider_id"]))
-    db.execute("DELETE FROM artifact_refs WHERE job_id = ? AND role IN ('output', 'checkpoint')",
-               [job["id"]])
-    if start:
-        db.execute("INSERT OR IGNORE INTO artifact_refs (sha256, job_id, role) VALUES (?, ?, ?)",
-                   [start["sha256"], job["id"], "checkpoint"])
-    attempt = job["attempt"] + 1
-    _set_job(db, job["id"], now, state=QUEUED, attempt=attempt, provider_id=None, lease_id=None,
-             receipt=None, resume_from=json.dumps(start) if start else None,
-             checkpoint_step=step, progress_step=step, settled_to_ms=None, settled_step=step)
-    where = f"from step {step}" if start else "from the start"
-    append_event(db, job["id"], "disputed", QUEUED, attempt, now,
-                 message=f"{why}; queued to run again {where} on another provider")
-    return stop
-
-
-def end_check_job(db: Database, check_id: str, why: str, now: int
-                  ) -> list[tuple[str, int, str]]:
-    """Stop a check's job row (its checker paid up to now); the leases to stop."""
-    job = job_row(db, check_id)
-    stop = []
-    if job["state"] in ACTIVE_STATES and job["lease_id"]:
-        _stop_lease(db, job, "cancelled", why, now)
-        stop.append((check_id, job["epoch"], job["provider_id"]))
-    if job["state"] not in TERMINAL_STATES:
-        _set_job(db, check_id, now, state=CANCELLED, error=why)
-        append_event(db, check_id, "cancelled", CANCELLED, job["attempt"], now, message=why)
-    return stop
 
 
 def _record_throughput(db: Database, job: dict, provider_id: str, receipt: pb.Receipt,
@@ -603,13 +536,13 @@ def _record_throughput(db: Database, job: dict, provider_id: str, receipt: pb.Re
 
 def fail(db: Database, job_id: str, epoch: int, provider_id: str, error: str, now: int) -> None:
     job, _ = _current(db, job_id, epoch, provider_id)
-    _stop_lease(db, job, "failed", error, now)
-    _set_job(db, job_id, now, state=FAILED, error=error)
+    stop_lease(db, job, "failed", error, now)
+    set_job(db, job_id, now, state=FAILED, error=error)
     _drop_checkpoints(db, job_id)
     append_event(db, job_id, "failed", FAILED, job["attempt"], now,
                  provider_id=provider_id, message=error)
     if job["check_of"]:
-        verification.could_not_run(db, job_id, error, now)
+        disputes.could_not_run(db, job_id, error, now)
 
 
 def cancel(db: Database, job_id: str, client_id: str, now: int
@@ -627,9 +560,9 @@ def cancel(db: Database, job_id: str, client_id: str, now: int
         if row["state"] in TERMINAL_STATES:
             continue
         if row["state"] in ACTIVE_STATES and row["lease_id"]:
-            _stop_lease(db, row, "cancelled", "cancelled by client", now)
+            stop_lease(db, row, "cancelled", "cancelled by client", now)
             ended.append(EndedLease(row["id"], row["epoch"], row["provider_id"]))
-        _set_job(db, row["id"], now, state=CANCELLED, error="cancelled by client")
+        set_job(db, row["id"], now, state=CANCELLED, error="cancelled by client")
         _drop_checkpoints(db, row["id"])
         ended += append_event(db, row["id"], "cancelled", CANCELLED, row["attempt"], now,
                               message="cancelled by client",
@@ -650,21 +583,21 @@ def lose_lease(db: Database, lease_id: str, reason: str, now: int, *,
     if row is None or row[3] != "active":
         return False
     job_id, epoch, provider_id, _ = row
-    _end_lease(db, lease_id, outcome, reason, now)
+    end_lease(db, lease_id, outcome, reason, now)
     job = job_row(db, job_id)
     if job["epoch"] != epoch or job["state"] not in ACTIVE_STATES:
         return True
     if job["attempt"] >= job["max_attempts"]:
         error = f"gave up after {job['attempt']} attempts; last: {reason}"
-        _set_job(db, job_id, now, state=FAILED, error=error)
+        set_job(db, job_id, now, state=FAILED, error=error)
         _drop_checkpoints(db, job_id)
         append_event(db, job_id, "failed", FAILED, job["attempt"], now,
                      provider_id=provider_id, message=error)
         if job["check_of"]:
-            verification.could_not_run(db, job_id, error, now)
+            disputes.could_not_run(db, job_id, error, now)
         return True
     attempt = job["attempt"] + 1
-    _set_job(db, job_id, now, state=QUEUED, attempt=attempt, provider_id=None, lease_id=None)
+    set_job(db, job_id, now, state=QUEUED, attempt=attempt, provider_id=None, lease_id=None)
     if job["check_of"]:
         verification.requeued(db, job_id)
     resume = (f"resumes from step {job['checkpoint_step']}" if job["resume_from"]
@@ -690,11 +623,11 @@ def expire_queued(db: Database, now: int) -> list[str]:
     for job_id, attempt, state, check_of in rows:
         error = ("job spec expired while the job was paused (its hold spent)" if state == PAUSED
                  else "job spec expired before a provider could run it")
-        _set_job(db, job_id, now, state=FAILED, error=error)
+        set_job(db, job_id, now, state=FAILED, error=error)
         _drop_checkpoints(db, job_id)
         append_event(db, job_id, "failed", FAILED, attempt, now, message=error)
         if check_of:
-            verification.could_not_run(db, job_id, error, now)
+            disputes.could_not_run(db, job_id, error, now)
     return [r[0] for r in rows]
 
 

@@ -30,6 +30,9 @@ class BrokerMetrics:
         self.placements = Counter("gpumarket_placements", "Leases granted", registry=r)
         self.lease_expiries = Counter("gpumarket_lease_expiries",
                                       "Leases lost to missed heartbeats", registry=r)
+        self.checks = Counter("gpumarket_checks",
+                              "Spot checks decided, by verdict (agree, disagree, skipped)",
+                              ["verdict"], registry=r)
         self.resumes = Counter("gpumarket_resumes",
                                "Leases granted to resume a job from a checkpoint", registry=r)
         self.rejected = Counter(

@@ -8,7 +8,7 @@ import asyncio
 import logging
 
 from gpumarket import kinds
-from gpumarket.broker import verification
+from gpumarket.broker import disputes, verification
 from gpumarket.broker.state import BrokerState
 from gpumarket.proto.jobspec import now_ms
 from gpumarket.proto.v1 import gateway_pb2 as gw
@@ -18,10 +18,11 @@ log = logging.getLogger(__name__)
 
 def policy(state: BrokerState, provider_id: str, draw: float) -> verification.Policy:
     """What a transaction that may choose a check needs to know: whether checks are on, and
-    whether a provider other than ``provider_id`` is online to run one."""
+    the device classes of the providers other than ``provider_id`` online to run one."""
     return verification.Policy(
         enabled=state.config.verify,
-        others_online=any(o.provider_id != provider_id for o in state.sessions.offers()),
+        others_online=frozenset(d.accelerator for o in state.sessions.offers()
+                                if o.provider_id != provider_id for d in o.devices),
         draw=draw, ban_after=state.config.ban_after_failed_checks or 1 << 30)
 
 
@@ -40,7 +41,7 @@ async def decide(state: BrokerState) -> int:
     """Compare every returned check and apply its verdict; skip checks no provider took in
     time. Returns the verdicts made."""
     store, made = state.store, 0
-    for item in await store.read(verification.to_compare):
+    for item in await store.read(disputes.to_compare):
         kind = kinds.get(item.kind)
         agrees, detail = await asyncio.to_thread(_compare, kind, state, item.expect,
                                                  item.outputs, item.scope)
@@ -52,18 +53,20 @@ async def decide(state: BrokerState) -> int:
                                                         item.outputs, item.scope)
             detail = (f"against the checked result: {detail}; against the first check's:"
                       f" {why}")
-        outcome = await store.write(verification.conclude, item.check_id, agrees,
+        outcome = await store.write(disputes.conclude, item.check_id, agrees,
                                     agrees_first, detail, now_ms(),
                                     state.config.ban_after_failed_checks or 1 << 30)
         log.info("check %s: %s (%s)", item.check_id, "agrees" if agrees else "disagrees",
                  detail)
+        state.metrics.checks.labels(verdict="agree" if agrees else "disagree").inc()
         _tell(state, outcome)
         made += 1
     cutoff = now_ms() - int(state.config.check_wait_s * 1000)
-    for check_id in await store.read(verification.waiting_too_long, cutoff):
-        stop = await store.write(verification.skip, check_id, f"no other provider took it"
+    for check_id in await store.read(disputes.waiting_too_long, cutoff):
+        stop = await store.write(disputes.skip, check_id, f"no other provider took it"
                                  f" within {state.config.check_wait_s:g}s", now_ms())
-        _tell(state, verification.Outcome(stop=tuple(stop)))
+        _tell(state, disputes.Outcome(stop=tuple(stop)))
+        state.metrics.checks.labels(verdict="skipped").inc()
         made += 1
     if made:
         state.events.notify()
@@ -71,7 +74,7 @@ async def decide(state: BrokerState) -> int:
     return made
 
 
-def _tell(state: BrokerState, outcome: verification.Outcome) -> None:
+def _tell(state: BrokerState, outcome: disputes.Outcome) -> None:
     for job_id, epoch, provider_id in outcome.stop:
         session = state.sessions.get(provider_id)
         if session is not None:

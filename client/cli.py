@@ -359,9 +359,11 @@ async def results(market: Broker, job_id: str, output_dir: Path, as_json: bool) 
         "outputs": [{"name": r.name, "sha256": r.sha256, "size_bytes": r.size_bytes}
                     for r in outputs],
         # The provider's signature over these hashes checks out, and the bytes match them;
-        # whether the provider computed them right is not checked here.
+        # whether the provider computed them right is what the broker's spot checks say.
         "receipt_signature": "valid",
-        "content": "not verified",
+        "content": job.verification.status or "unverified",
+        "checks": [{"what": c.what, "provider_id": c.provider_id, "checker_id": c.checker_id,
+                    "state": c.state, "detail": c.detail} for c in job.verification.checks],
     }
     if len(receipts) > 1:
         summary["parts"] = [{"part": i, "job_id": r.job_id, "provider_id": r.provider_id,
@@ -379,8 +381,13 @@ async def results(market: Broker, job_id: str, output_dir: Path, as_json: bool) 
         table.add_row(r.name, str(r.size_bytes), r.sha256[:16] + "…  ok")
     out.print(table)
     metrics = ", ".join(f"{k} {v:.4g}" for k, v in sorted(summary["metrics"].items()))
-    out.print(f"{len(outputs)} files in {output_dir}, each matching its signed hash (the"
-              f" results themselves are the provider's word); {metrics}")
+    passed = sum(c.state == "passed" for c in job.verification.checks)
+    content = {"verified": f"verified: {passed} spot check{'s' if passed != 1 else ''} by"
+                           " replay on other providers agreed",
+               "unverified": "unverified: no spot check replayed this work (the results are"
+                             " the provider's word)"}.get(summary["content"], summary["content"])
+    out.print(f"{len(outputs)} files in {output_dir}, each matching its signed hash; {content};"
+              f" {metrics}")
 
 
 FIGURE_NAMES = {pb.OFFER_FIGURES_CLAIMED: "claimed", pb.OFFER_FIGURES_MEASURED: "measured",

@@ -1,0 +1,176 @@
+"""What spot checks catch and cost (docs/verification.md).
+
+Two parts:
+
+1. Real checks on small real jobs: a tiny Llama is trained with the provider's own training
+   runner, checkpointing every few steps; each segment is then replayed from its start
+   checkpoint by a second run of the runner (as a check lease runs it: ``stop_at``) and
+   compared by the broker's own comparison (kinds.training.compare). Honest segments must all
+   agree (false positives), and a copy of each checkpoint with one flipped weight bit (what
+   tests/cheating_provider.py uploads) must all disagree (detections). The replay's cost is
+   measured against the segment's.
+
+2. The simulator, for rates: a provider's segments pass through the broker's real rate
+   function (verification.rate) with its streak and failures, many times over. For a
+   provider that doctors a share of its segments: the probability it is caught within its
+   first 20 jobs; for an honest one: the checks' compute as a share of its own, at steady
+   state (after a long record) and over its first 1,000 jobs.
+
+    .venv/bin/python bench/verification.py [--trials N] [--segments-per-job S]
+
+Prints its figures; the last line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from gpumarket.broker import verification
+from gpumarket.kinds import training
+from gpumarket.provider.checkpoints import pack
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples" / "data"
+RUNNER = "gpumarket.provider.runners.training"
+
+
+# -- 1. real checks -------------------------------------------------------------------------
+
+def run_training(workdir: Path, steps: int, every: int, resume: Path | None = None,
+                 stop_at: int = 0) -> float:
+    """Run the provider's training runner in ``workdir``; return its wall seconds."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    job = {"job_id": "bench", "attempt": 1, "kind": "training",
+           "params": {"model_config": "config", "base_model": "", "dataset": "data",
+                      "steps": steps, "batch_size": 4, "seq_len": 32, "learning_rate": 3e-3,
+                      "seed": 7, "warmup_steps": 0, "checkpoint_every": every},
+           "inputs": {"config": str(EXAMPLES / "tiny-llama.json"),
+                      "data": str(EXAMPLES / "tiny-corpus.jsonl")},
+           "checkpoint_every": every, "checkpoint_interval_s": 0, "provider_mtbf_s": 0,
+           "device": "cpu", "resume_from": str(resume) if resume else None, "world_size": 1,
+           "model_dir": None, "part": 0, "parts": 0}
+    if stop_at:
+        job["stop_at"] = stop_at
+    (workdir / "job.json").write_text(json.dumps(job))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
+    began = time.perf_counter()
+    subprocess.run([sys.executable, "-m", RUNNER, str(workdir)], check=True, env=env,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return time.perf_counter() - began
+
+
+def flip_weight_bit(tar: Path, out: Path) -> Path:
+    data = bytearray(tar.read_bytes())
+    size = int(bytes(data[124:136]).rstrip(b"\0 ").decode(), 8)
+    data[512 + size - 4] ^= 1
+    out.write_bytes(bytes(data))
+    return out
+
+
+def real_checks(steps: int, every: int) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        original = root / "original"
+        train_s = run_training(original, steps, every)
+        ckpts = sorted((original / "checkpoints").glob("step-*"))
+        tars = {}
+        for c in ckpts:
+            tars[int(c.name.split("-")[1])] = pack(c, root / f"{c.name}.tar")
+        agree = disagree = false_pos = missed = 0
+        replay_s, segment_steps = [], []
+        bounds = sorted(tars)
+        for i, step in enumerate(bounds):
+            start = bounds[i - 1] if i else 0
+            work = root / f"replay-{step}"
+            resume = ckpts[i - 1] if i else None
+            replay_s.append(run_training(work, steps, every, resume, stop_at=step))
+            segment_steps.append(step - start)
+            got = {n: work / "outputs" / n for n in training.CHECKPOINT_FILES}
+            ok, _ = training.KIND.compare({"checkpoint.tar": tars[step]}, got, {})
+            agree += ok
+            false_pos += not ok
+            bad = flip_weight_bit(tars[step], root / f"bad-{step}.tar")
+            caught, _ = training.KIND.compare({"checkpoint.tar": bad}, got, {})
+            disagree += not caught
+            missed += caught
+        # A replay pays its start-up (imports, model build, checkpoint load) per check.
+        per_step = train_s / steps
+        overhead = [r / (n * per_step) for r, n in zip(replay_s, segment_steps)]
+    return {"real_segments": len(bounds), "real_agree": agree, "real_false_positives": false_pos,
+            "real_detected": disagree, "real_missed": missed,
+            "real_train_s": round(train_s, 2),
+            "real_replay_cost_ratio_median": round(float(np.median(overhead)), 2)}
+
+
+# -- 2. the simulator -----------------------------------------------------------------------
+
+def simulate(cheat_share: float, jobs: int, per_job: int, trials: int, seed: int,
+             ban_after: int) -> dict:
+    """``trials`` providers that doctor ``cheat_share`` of their segments, each doing
+    ``jobs`` jobs of ``per_job`` segments through the real rate function: the share caught
+    (at least one failed check) and banned, and the checks' compute per segment of work."""
+    rng = np.random.default_rng(seed)
+    rates = np.array([verification.rate(n) for n in range(jobs * per_job + 1)])
+    streak = np.zeros(trials, dtype=np.int64)
+    fails = np.zeros(trials, dtype=np.int64)
+    checks = np.zeros(trials, dtype=np.int64)
+    for _ in range(jobs * per_job):
+        checked = rng.random(trials) < rates[streak]
+        wrong = rng.random(trials) < cheat_share
+        caught = checked & wrong
+        # A doctored segment that disagrees costs a tie-break too.
+        checks += checked + caught
+        fails += caught
+        streak = np.where(caught, 0, streak + (checked & ~wrong))
+    return {"caught": float((fails > 0).mean()), "banned": float((fails >= ban_after).mean()),
+            "check_compute": float(checks.mean() / (jobs * per_job))}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--trials", type=int, default=20_000)
+    ap.add_argument("--segments-per-job", type=int, default=5)
+    ap.add_argument("--skip-real", action="store_true", help="only the simulator")
+    args = ap.parse_args()
+    s = args.segments_per_job
+    figures: dict = {"segments_per_job": s, "trials": args.trials,
+                     "warmup_checks": verification.WARMUP, "floor_rate": verification.FLOOR}
+    if not args.skip_real:
+        real = real_checks(steps=60, every=10)
+        print(f"real checks: {real['real_segments']} training segments replayed from their"
+              f" start checkpoints: {real['real_agree']} agree, {real['real_false_positives']}"
+              f" false positives; with one weight bit flipped: {real['real_detected']}"
+              f" detected, {real['real_missed']} missed; a replay costs"
+              f" {real['real_replay_cost_ratio_median']}x its segment's training time"
+              " (start-up included)")
+        figures.update(real)
+    for share in (0.01, 0.05, 0.10, 0.25, 1.0):
+        r = simulate(share, 20, s, args.trials, 1, verification.BAN_AFTER)
+        print(f"cheats on {share:>4.0%} of segments: caught within 20 jobs with p ="
+              f" {r['caught']:.4f}, banned with p = {r['banned']:.4f}")
+        figures[f"detection_p_20_jobs_at_{int(share * 100)}pct"] = round(r["caught"], 4)
+        if share == 0.10:
+            figures["detection_p_20_jobs"] = round(r["caught"], 4)
+            figures["ban_p_20_jobs"] = round(r["banned"], 4)
+    honest = simulate(0.0, 1000, s, 2000, 2, verification.BAN_AFTER)
+    steady = verification.rate(10**9)
+    print(f"honest provider: checks cost {honest['check_compute']:.3f} of its work over its"
+          f" first 1,000 jobs; {steady:.3f} at steady state (a long clean record)")
+    figures.update(check_overhead=round(steady, 4),
+                   check_overhead_first_1000_jobs=round(honest["check_compute"], 4),
+                   false_positives=figures.get("real_false_positives", 0)
+                   + int(honest["caught"] > 0))
+    print(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    main()

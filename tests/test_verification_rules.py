@@ -1,0 +1,209 @@
+"""The rules of spot checks on a real SQLite file, through the same transactions the broker
+runs (jobs, verification, ledger): who is paid, who is found wrong, where a job resumes."""
+
+from __future__ import annotations
+
+import pytest
+
+from gpumarket.broker import disputes, jobs, ledger, verification
+from gpumarket.proto.v1 import types_pb2 as pb
+from tests.test_ledger import World, artifact, new_job, sign
+
+CHECK = verification.Policy(enabled=True, others_online=True, draw=0.0, ban_after=2)
+NO_CHECK = verification.OFF
+
+
+def receipt(job_id: str, provider: str, names: list[str], w: World) -> bytes:
+    outs = [artifact(w.db, provider, 1000 + i, w.now) for i, _ in enumerate(names)]
+    for ref, name in zip(outs, names):
+        ref.name = name
+    r = pb.Receipt(job_id=job_id, provider_id=provider, outputs=outs)
+    return pb.Envelope(payload=r.SerializeToString()).SerializeToString()
+
+
+@pytest.fixture
+def w(tmp_path):
+    world = World(tmp_path / "broker.db")
+    for p in ("liar", "h1", "h2", "h3"):
+        world.db["providers"].insert({"id": p, "public_key": b"", "first_seen_ms": 0,
+                                      "last_seen_ms": 0, "online": 1})
+    world.write(ledger.credit, "ca", 10**7, "client", "", "op", "k", 1)
+    return world
+
+
+def start(w: World, job_id: str, provider: str, price: float = 1.0) -> int:
+    """Lease the queued job (or check) to ``provider`` and start it; return the epoch."""
+    w.now += 1000
+    w.write(jobs.create_lease, job_id, provider, [0], price, w.now, 60_000, 10, sign)
+    epoch = w.job(job_id)["epoch"]
+    w.write(jobs.mark_started, job_id, epoch, provider, w.now)
+    return epoch
+
+
+def checkpoint(w: World, job_id: str, provider: str, step: int, policy=NO_CHECK):
+    w.now += 60_000
+    ref = artifact(w.db, provider, step, w.now)
+    w.write(jobs.record_checkpoint, job_id, w.job(job_id)["epoch"], provider, step, ref, 0.1,
+            w.now, policy)
+
+
+def replay(w: World, check_id: str, checker: str) -> None:
+    """The checker runs the check's job and returns the state at its end."""
+    start(w, check_id, checker)
+    w.now += 30_000
+    w.write(jobs.succeed, check_id, w.job(check_id)["epoch"], checker,
+            receipt(check_id, checker, ["model.safetensors", "state.safetensors",
+                                        "state.json"], w), w.now)
+
+
+def checks(w: World, job_id: str) -> dict[str, dict]:
+    cur = w.db.execute("SELECT * FROM checks WHERE job_id = ? ORDER BY created_at_ms, id",
+                       [job_id])
+    cols = [d[0] for d in cur.description]
+    return {r[0]: dict(zip(cols, r)) for r in cur.fetchall()}
+
+
+def test_the_rate_falls_with_a_record_and_never_below_the_floor():
+    rates = [verification.rate(n) for n in range(1000)]
+    assert rates[0] == rates[verification.WARMUP - 1] == 1.0 > rates[verification.WARMUP]
+    assert all(a >= b for a, b in zip(rates, rates[1:]))
+    assert rates[-1] == verification.FLOOR
+
+
+def test_a_passed_check_pays_the_held_segment_on(w):
+    w.write(jobs.submit, new_job("j", "ca", 500_000, True), w.now)
+    start(w, "j", "h1")
+    checkpoint(w, "j", "h1", 10, CHECK)
+    (check_id,) = checks(w, "j")
+    held = ledger.balance(w.db, ledger.disputed("j", "h1"))
+    assert held > 0 and ledger.balance(w.db, ledger.provider("h1")) == 0
+    # The check never goes to the provider it checks.
+    assert verification.excluded(w.db, check_id) == {"h1"}
+    lease = verification.scope_of(w.db, check_id)
+    assert (lease.step_from, lease.step_to, lease.checked_job_id) == (0, 10, "j")
+    replay(w, check_id, "h2")
+    w.write(disputes.conclude, check_id, True, False, "identical", w.now)
+    assert checks(w, "j")[check_id]["state"] == "passed"
+    assert ledger.balance(w.db, ledger.disputed("j", "h1")) == 0
+    assert ledger.balance(w.db, ledger.provider("h1")) > 0
+    assert ledger.balance(w.db, ledger.provider("h2")) > 0     # the checker is paid
+    assert verification.record(w.db, "h1") == (1, 1, 0)
+    assert verification.summary(w.db, "j") == "verified"
+    assert ledger.audit(w.db) == []
+
+
+def test_a_liar_is_found_by_a_tie_break_unpaid_rewound_past_and_banned_at_the_second(w):
+    w.write(jobs.submit, new_job("j", "ca", 500_000, True), w.now)
+    start(w, "j", "h1")
+    checkpoint(w, "j", "h1", 10)                    # honest, unchecked
+    w.write(jobs.lose_lease, w.job("j")["lease_id"], "gone", w.now)
+    start(w, "j", "liar")                           # resumes from h1's step 10
+    checkpoint(w, "j", "liar", 20, CHECK)
+    checkpoint(w, "j", "liar", 30)                  # built on its own wrong state
+    (first,) = checks(w, "j")
+    replay(w, first, "h2")
+    w.write(disputes.conclude, first, False, False, "model.safetensors differs", w.now)
+    tiebreak = [c for c in checks(w, "j") if c != first][0]
+    assert verification.excluded(w.db, tiebreak) == {"liar", "h2"}
+    replay(w, tiebreak, "h3")
+    out = w.write(disputes.conclude, tiebreak, False, True, "differs / identical", w.now)
+
+    c = checks(w, "j")
+    assert c[first]["state"] == "passed" and c[tiebreak]["state"] == "failed"
+    assert c[tiebreak]["liar"] == "liar"
+    # Nothing it did on the job is paid; the client gets the segments back in the hold.
+    assert ledger.balance(w.db, ledger.provider("liar")) == 0
+    assert ledger.balance(w.db, ledger.disputed("j", "liar")) == 0
+    # The job resumes from the last checkpoint no liar had a hand in: h1's step 10.
+    job = w.job("j")
+    assert job["state"] == jobs.QUEUED and job["checkpoint_step"] == 10
+    assert ("j", 2, "liar") in out.stop            # its running lease is taken back
+    assert "liar" in verification.excluded(w.db, "j")
+    assert verification.summary(w.db, "j") == "disputed -> re-run"
+    assert verification.rate(verification.record(w.db, "liar")[0]) == 1.0
+    assert not out.banned
+    assert ledger.audit(w.db) == []
+
+    # A second job, a second failure: banned.
+    w.write(jobs.submit, new_job("k", "ca", 500_000, True), w.now)
+    start(w, "k", "liar")
+    checkpoint(w, "k", "liar", 10, CHECK)
+    (first,) = checks(w, "k")
+    replay(w, first, "h1")
+    w.write(disputes.conclude, first, False, False, "differs", w.now)
+    tiebreak = [x for x in checks(w, "k") if x != first][0]
+    replay(w, tiebreak, "h2")
+    out = w.write(disputes.conclude, tiebreak, False, True, "differs", w.now)
+    assert out.banned == ("liar",)
+    assert w.db.execute("SELECT banned FROM providers WHERE id = 'liar'").fetchone()[0] == 1
+
+
+def test_a_checker_that_lies_is_found_wrong_and_the_checked_provider_is_paid(w):
+    w.write(jobs.submit, new_job("j", "ca", 500_000, True), w.now)
+    start(w, "j", "h1")
+    checkpoint(w, "j", "h1", 10, CHECK)
+    (first,) = checks(w, "j")
+    replay(w, first, "liar")
+    w.write(disputes.conclude, first, False, False, "differs", w.now)
+    tiebreak = [c for c in checks(w, "j") if c != first][0]
+    assert verification.excluded(w.db, tiebreak) == {"h1", "liar"}
+    replay(w, tiebreak, "h2")
+    w.write(disputes.conclude, tiebreak, True, False, "identical / differs", w.now)
+    c = checks(w, "j")
+    assert c[first]["liar"] == "liar" and c[first]["state"] == "passed"
+    assert ledger.balance(w.db, ledger.provider("h1")) > 0           # paid on
+    assert ledger.balance(w.db, ledger.provider("liar")) == 0        # its replay is not paid
+    assert w.job("j")["checkpoint_step"] == 10 and w.job("j")["state"] == jobs.RUNNING
+    assert verification.record(w.db, "liar")[2] == 1
+    assert verification.record(w.db, "h1")[:2] == (1, 1)
+    assert ledger.audit(w.db) == []
+
+
+def test_a_finished_job_waits_for_its_checks_and_one_nobody_takes_is_skipped(w):
+    w.write(jobs.submit, new_job("j", "ca", 500_000, True), w.now)
+    start(w, "j", "h1")
+    checkpoint(w, "j", "h1", 10, CHECK)
+    w.now += 1000
+    w.write(jobs.succeed, "j", w.job("j")["epoch"], "h1",
+            receipt("j", "h1", ["model.safetensors", "loss.jsonl", "metrics.json"], w), w.now,
+            CHECK)
+    assert w.job("j")["state"] == jobs.VERIFYING
+    pending = list(checks(w, "j"))
+    assert len(pending) == 2                        # steps 0-10, and 10 to the end
+    assert disputes.waiting_too_long(w.db, w.now + 1) == pending
+    for check_id in pending:
+        w.write(disputes.skip, check_id, "no other provider took it", w.now)
+    job = w.job("j")
+    assert job["state"] == jobs.SUCCEEDED
+    assert ledger.balance(w.db, ledger.escrow("j")) == 0             # released
+    assert ledger.balance(w.db, ledger.disputed("j", "h1")) == 0     # and h1 paid
+    assert verification.summary(w.db, "j") == "unverified"
+    assert ledger.audit(w.db) == []
+
+
+def test_no_check_without_another_provider_and_none_when_off(w):
+    w.write(jobs.submit, new_job("j", "ca", 500_000, True), w.now)
+    start(w, "j", "h1")
+    alone = verification.Policy(enabled=True, others_online=False, draw=0.0)
+    checkpoint(w, "j", "h1", 10, alone)
+    checkpoint(w, "j", "h1", 20, verification.OFF)
+    assert not checks(w, "j")
+    events = [r[0] for r in w.db.execute("SELECT message FROM events WHERE job_id = 'j'")]
+    assert any("no other provider of its device class online" in e for e in events)
+
+
+def test_a_cancelled_job_ends_its_checks_and_pays_the_checked_provider(w):
+    w.write(jobs.submit, new_job("j", "ca", 500_000, True), w.now)
+    start(w, "j", "h1")
+    checkpoint(w, "j", "h1", 10, CHECK)
+    (check_id,) = checks(w, "j")
+    start(w, check_id, "h2")
+    w.write(jobs.cancel, "j", "ca", w.now)
+    assert checks(w, "j")[check_id]["state"] == "cancelled"
+    assert w.job(check_id)["state"] == jobs.CANCELLED
+    assert ledger.balance(w.db, ledger.disputed("j", "h1")) == 0
+    assert ledger.balance(w.db, ledger.escrow("j")) == 0
+    assert ledger.audit(w.db) == []
+    # A client cannot cancel or top up a check row by its id.
+    with pytest.raises(Exception, match="no job"):
+        w.write(jobs.cancel, check_id, "ca", w.now)
