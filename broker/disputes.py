@@ -91,19 +91,20 @@ def conclude(db: Database, check_id: str, agrees: bool, agrees_first: bool, deta
                    " WHERE id = ?", [first["checker_id"], f"the checker's replay was wrong"
                                      f" ({first['detail']}; the tie-break {check_id} agreed"
                                      " with the provider)", now, first["id"]])
-        _reverse(db, first["id"], first["checker_id"], 0, now)   # a wrong replay is not paid
+        _reverse(db, first["id"], first["checker_id"], now)   # a wrong replay is not paid
         _close(db, c, "passed", f"{detail}; the first checker ({first['checker_id']}) was"
                " wrong", None, now)
         banned = _maybe_ban(db, first["checker_id"], ban_after, now)
         return Outcome(banned=banned)
     if agrees_first and not agrees:
-        db.execute("UPDATE checks SET state = 'passed', detail = ?, ended_at_ms = ? WHERE id = ?",
+        # The work this check replayed was wrong (the tie-break counts the failure: ``liar``).
+        db.execute("UPDATE checks SET state = 'failed', detail = ?, ended_at_ms = ? WHERE id = ?",
                    [f"{first['detail']}: the tie-break {check_id} agreed with this replay", now,
                     first["id"]])
         return _convict(db, c, detail, now, ban_after)
-    _close(db, c, "inconclusive", f"{detail}; no two of the three results agree", None, now)
     db.execute("UPDATE checks SET state = 'inconclusive', ended_at_ms = ? WHERE id = ?",
                [now, first["id"]])
+    _close(db, c, "inconclusive", f"{detail}; no two of the three results agree", None, now)
     return Outcome()
 
 
@@ -160,7 +161,7 @@ def _convict(db: Database, c: dict, detail: str, now: int, ban_after: int) -> Ou
     _close(db, c, "failed", detail, liar, now, finish=False)
     # All it was paid on this job goes back: the job will not keep work of a provider caught
     # lying on it (it re-runs from before its first checkpoint).
-    _reverse(db, job_id, liar, 0, now)
+    _reverse(db, job_id, liar, now)
     # Its other segments' checks have nothing left to decide.
     stop: list[tuple[str, int, str]] = []
     for (other,) in db.execute(
@@ -176,7 +177,7 @@ def _convict(db: Database, c: dict, detail: str, now: int, ban_after: int) -> Ou
                         finish=False)
     for (other,) in db.execute("SELECT id FROM checks WHERE top_id = ? AND checker_id = ?",
                                [c["top_id"], liar]).fetchall():
-        _reverse(db, other, liar, 0, now)
+        _reverse(db, other, liar, now)
     job = jobs.job_row(db, job_id)
     paid = db.execute("SELECT coalesce(sum(json_extract(entries, '$.\"' || ? || '\"')), 0)"
                       " FROM ledger_postings WHERE seq = ?",
@@ -202,18 +203,24 @@ def _convict(db: Database, c: dict, detail: str, now: int, ban_after: int) -> Ou
     return Outcome(stop=tuple(stop), banned=banned)
 
 
-def _reverse(db: Database, job_id: str, provider_id: str, after_step: int, now: int) -> None:
-    """Return to the hold what ``provider_id`` was paid for its work on ``job_id`` past
-    ``after_step`` (held first where it was not)."""
+def _reverse(db: Database, job_id: str, provider_id: str, now: int) -> None:
+    """Return to the hold everything ``provider_id`` was paid for its work on ``job_id``
+    (held first where it was not; taken back where a check had let it be paid)."""
     for (seq,) in db.execute(
             "SELECT seq FROM ledger_postings WHERE type = 'settle' AND job_id = ?"
-            " AND provider_id = ? AND (step_to > ? OR ? = 0)",
-            [job_id, provider_id, after_step, after_step]).fetchall():
+            " AND provider_id = ?", [job_id, provider_id]).fetchall():
         if ledger.posted(db, f"resolve:{seq}") is not None:
+            ledger.claw_back(db, seq, now)
             continue
         if ledger.posted(db, f"dispute:{seq}") is None:
             ledger.dispute(db, seq, now)
         ledger.resolve(db, seq, False, now)
+
+
+def _liars(db: Database, job_id: str) -> set[str]:
+    """Providers a check on this job found wrong: as its provider or as a checker."""
+    return {r[0] for r in db.execute("SELECT liar FROM checks WHERE job_id = ? AND liar IS NOT"
+                                     " NULL", [job_id]).fetchall()}
 
 
 def clean_point(db: Database, job_id: str) -> tuple[int, dict | None]:
@@ -221,8 +228,7 @@ def clean_point(db: Database, job_id: str) -> tuple[int, dict | None]:
     (its step, its ArtifactRef); (0, None) for the start. The kept history is one chain
     (each lease resumes from the checkpoint before it), so it is the one before the first
     checkpoint such a provider wrote."""
-    liars = {r[0] for r in db.execute("SELECT liar FROM checks WHERE job_id = ? AND liar ="
-                                      " provider_id", [job_id]).fetchall()}
+    liars = _liars(db, job_id)
     best: tuple[int, dict | None] = (0, None)
     for step, ref, provider_id in db.execute(
             "SELECT step, ref, provider_id FROM checkpoint_history WHERE job_id = ? AND"
@@ -235,8 +241,7 @@ def clean_point(db: Database, job_id: str) -> tuple[int, dict | None]:
 
 def _tainted(db: Database, job: dict, clean_step: int) -> bool:
     """Whether the job's work now rests on anything past its clean point (or is a liar's)."""
-    liars = {r[0] for r in db.execute("SELECT liar FROM checks WHERE job_id = ? AND liar ="
-                                      " provider_id", [job["id"]]).fetchall()}
+    liars = _liars(db, job["id"])
     if job["checkpoint_step"] > clean_step or job["provider_id"] in liars:
         return True
     if job["lease_id"] and job["state"] in (pb.JOB_STATE_LEASED, pb.JOB_STATE_RUNNING,
@@ -270,18 +275,23 @@ def _cancel(db: Database, c: dict, why: str, now: int, finish: bool = True
     return stop
 
 
-def drop(db: Database, top_id: str, now: int) -> None:
-    """The job ended (failed, cancelled): its open checks end too."""
+def drop(db: Database, top_id: str, failed: bool, now: int) -> None:
+    """The job ended while checks of its work were open: they end too. If its client
+    cancelled it, the held pay is paid on (nobody was found wrong); if it FAILED, the work
+    under check is not paid (a job that fails delivers nothing, and a provider must not escape
+    a pending check by failing the job)."""
+    why = "the job it checks failed: the work under check is not paid" if failed \
+        else "the job it checks was cancelled"
     for (check_id,) in db.execute(f"SELECT id FROM checks WHERE top_id = ? AND state IN"
                                   f" ({MARKS})", [top_id, *OPEN]).fetchall():
         c = _row(db, check_id)
-
-        end_check_job(db, check_id, "the job it checks ended", now)
+        end_check_job(db, check_id, why, now)
         db.execute("UPDATE checks SET state = 'cancelled', detail = ?, ended_at_ms = ? WHERE"
-                   " id = ?", ["the job it checks ended", now, c["id"]])
+                   " id = ?", [why, now, c["id"]])
         seq = c["settle_seq"]
-        if seq is not None and ledger.posted(db, f"resolve:{seq}") is None:
-            ledger.resolve(db, seq, True, now)
+        if seq is not None and ledger.posted(db, f"resolve:{seq}") is None \
+                and not _still_checked(db, seq):
+            ledger.resolve(db, seq, not failed, now)
     db.execute("DELETE FROM artifact_refs WHERE job_id = ? AND role = 'evidence'", [top_id])
 
 
@@ -289,7 +299,7 @@ def waiting_too_long(db: Database, before_ms: int) -> list[str]:
     """Checks still queued (no provider could take them) since before ``before_ms``."""
     return [r[0] for r in db.execute(
         "SELECT c.id FROM checks c JOIN jobs j ON j.id = c.id WHERE c.state = 'queued'"
-        " AND j.state = ? AND c.created_at_ms < ?", [pb.JOB_STATE_QUEUED, before_ms]).fetchall()]
+        " AND j.state = ? AND j.updated_at_ms < ?", [pb.JOB_STATE_QUEUED, before_ms]).fetchall()]
 
 
 def skip(db: Database, check_id: str, why: str, now: int) -> list[tuple[str, int, str]]:

@@ -161,7 +161,7 @@ def set_job(db: Database, job_id: str, now: int, **values: object) -> None:
                          " AND check_of IS NULL", [job_id]).fetchone()
         if row is not None:
             # Its checks end with it (their checkers paid up to now), before the hold goes.
-            disputes.drop(db, job_id, now)
+            disputes.drop(db, job_id, values["state"] == FAILED, now)
             ledger.release(db, job_id, row[0], now)
 
 

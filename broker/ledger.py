@@ -312,6 +312,31 @@ def resolve(db: Database, seq: int, passed: bool, now: int) -> None:
              job_id=top, memo=f"settlement {seq} reversed after the job ended")
 
 
+def claw_back(db: Database, seq: int, now: int) -> None:
+    """Take back a settlement a check had let be paid (its provider was found wrong on the
+    job later): into the job's hold, or to its client if the job has ended. The provider's
+    earned balance may go below zero."""
+    if posted(db, f"resolve:{seq}") is None or posted(db, f"clawback:{seq}") is not None:
+        return
+    reversed_ = db.execute("SELECT type FROM ledger_postings WHERE key = ?",
+                           [f"resolve:{seq}"]).fetchone()[0] == "reverse"
+    if reversed_:
+        return
+    p, entries = _settlement(db, seq)
+    paid, fee = entries.get(provider(p["provider_id"]), 0), entries.get("fee", 0)
+    top, client_id, ended = db.execute(
+        "SELECT t.id, t.client_id, t.state IN (4, 5, 6) FROM jobs j JOIN jobs t"
+        " ON t.id = coalesce(j.pays_from, j.parent_id, j.id) WHERE j.id = ?",
+        [p["job_id"]]).fetchone()
+    to = client(client_id) if ended else escrow(top)
+    post(db, f"clawback:{seq}", "reverse", {provider(p["provider_id"]): -paid, "fee": -fee,
+                                              to: paid + fee}, now,
+         job_id=p["job_id"], lease_id=p["lease_id"], provider_id=p["provider_id"],
+         step_from=p["step_from"], step_to=p["step_to"],
+         memo=f"settlement {seq} taken back: its provider was found wrong on the job",
+         may_go_negative=frozenset({provider(p["provider_id"])}))
+
+
 def slash(db: Database, provider_id: str, client_id: str, job_id: str, amount: int,
           now: int) -> int:
     """A provider caught returning wrong results loses up to ``amount`` of its stake to the

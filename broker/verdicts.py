@@ -15,6 +15,8 @@ from gpumarket.proto.v1 import gateway_pb2 as gw
 
 log = logging.getLogger(__name__)
 
+COMPARE_TIMEOUT_S = 300
+
 
 def policy(state: BrokerState, provider_id: str, draw: float) -> verification.Policy:
     """What a transaction that may choose a check needs to know: whether checks are on, and
@@ -35,6 +37,19 @@ def _compare(kind: kinds.Kind, state: BrokerState, expect: dict, got: dict,
         return kind.compare(paths(expect), paths(got), scope)
     except OSError as exc:
         return False, f"a result could not be read ({exc.strerror or exc})"
+    except Exception as exc:     # a hostile file: it disagrees (the tie-break finds whose)
+        return False, f"a result could not be compared ({type(exc).__name__}: {exc})"[:300]
+
+
+async def _compared(kind: kinds.Kind, state: BrokerState, expect: dict, got: dict,
+                    scope: dict) -> tuple[bool, str]:
+    """Compare off the event loop, for at most COMPARE_TIMEOUT_S (a result that takes longer
+    to read than that disagrees)."""
+    try:
+        return await asyncio.wait_for(asyncio.to_thread(_compare, kind, state, expect, got,
+                                                        scope), COMPARE_TIMEOUT_S)
+    except TimeoutError:
+        return False, f"not compared within {COMPARE_TIMEOUT_S}s"
 
 
 async def decide(state: BrokerState) -> int:
@@ -43,19 +58,23 @@ async def decide(state: BrokerState) -> int:
     store, made = state.store, 0
     for item in await store.read(disputes.to_compare):
         kind = kinds.get(item.kind)
-        agrees, detail = await asyncio.to_thread(_compare, kind, state, item.expect,
-                                                 item.outputs, item.scope)
+        agrees, detail = await _compared(kind, state, item.expect, item.outputs, item.scope)
         agrees_first = False
         if item.role == "tiebreak":
             first = {n: r for n, r in item.first_outputs.items()
                      if n in kind.evidence(set(item.first_outputs))}
-            agrees_first, why = await asyncio.to_thread(_compare, kind, state, first,
-                                                        item.outputs, item.scope)
+            # Two replays of the same part: neither holds the whole result.
+            agrees_first, why = await _compared(kind, state, first, item.outputs,
+                                                {**item.scope, "replays": True})
             detail = (f"against the checked result: {detail}; against the first check's:"
                       f" {why}")
-        outcome = await store.write(disputes.conclude, item.check_id, agrees,
-                                    agrees_first, detail, now_ms(),
-                                    state.config.ban_after_failed_checks or 1 << 30)
+        try:
+            outcome = await store.write(disputes.conclude, item.check_id, agrees,
+                                        agrees_first, detail, now_ms(),
+                                        state.config.ban_after_failed_checks or 1 << 30)
+        except Exception:     # one verdict that cannot be applied must not stop the others
+            log.exception("check %s: the verdict could not be applied", item.check_id)
+            continue
         log.info("check %s: %s (%s)", item.check_id, "agrees" if agrees else "disagrees",
                  detail)
         state.metrics.checks.labels(verdict="agree" if agrees else "disagree").inc()

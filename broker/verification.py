@@ -102,6 +102,8 @@ def choose(db: Database, policy: Policy, job: dict, lease: dict, step_from: int,
     settlement and queue the check. Returns the check's id, or None."""
     if not policy.enabled or job["check_of"] or not expect:
         return None
+    if json.loads(job["needs"]).get("remote_code"):
+        return None     # its model's own code runs: a replay need not behave the same
     if policy.draw >= _job_rate(db, job, lease["provider_id"]):
         return None
     if not policy.can_check(lease["accelerator"]):
@@ -141,11 +143,13 @@ def choose_final(db: Database, policy: Policy, job: dict, lease: dict, total: in
         return None
     spec = pb.Envelope.FromString(job["spec"])
     values = kind.values_of(pb.JobSpec.FromString(spec.payload))
-    scope = kind.check_scope(values, job["part"], job["parts"], dict(receipt.metrics))
+    # Only this lease's own work: rows or frames done before it resumed were another's.
+    scope = kind.check_scope(values, job["part"], job["parts"], dict(receipt.metrics),
+                             lease["start_step"])
     if not scope:
         return None
-    return choose(db, policy, job, lease, 0, total, None, {n: outputs[n] for n in names},
-                  scope, now)
+    return choose(db, policy, job, lease, lease["start_step"], total, None,
+                  {n: outputs[n] for n in names}, scope, now)
 
 
 def queue(db: Database, job: dict, provider_id: str, lease_id: str, seq: int | None,
@@ -195,9 +199,8 @@ def queue(db: Database, job: dict, provider_id: str, lease_id: str, seq: int | N
 
 
 def what(step_from: int, step_to: int, scope: dict) -> str:
-    if scope.get("rows"):
-        rows = scope["rows"]
-        return f"rows {rows[0]}-{rows[-1]}" if len(rows) > 1 else f"row {rows[0]}"
+    if scope.get("batch_size"):
+        return f"a batch of {scope['batch_size']} rows from row {step_from} on"
     if scope.get("frames"):
         frames = scope["frames"]
         return "frame " + ", ".join(str(f) for f in frames)
@@ -225,8 +228,9 @@ def scope_of(db: Database, check_id: str) -> pb.CheckScope | None:
         return None
     scope = json.loads(c["scope"])
     return pb.CheckScope(checked_job_id=c["job_id"], step_from=c["step_from"],
-                         step_to=c["step_to"], rows=scope.get("rows", []),
-                         frames=scope.get("frames", []))
+                         step_to=c["step_to"], frames=scope.get("frames", []),
+                         position=scope.get("position", 0.0),
+                         batch_size=scope.get("batch_size", 0))
 
 
 def excluded(db: Database, job_id: str) -> frozenset[str]:
@@ -238,6 +242,9 @@ def excluded(db: Database, job_id: str) -> frozenset[str]:
     c = check_row(db, job_id)
     if c is not None:
         out.add(c["provider_id"])
+        # Whoever resumed the job from the checked result could copy it instead of replaying.
+        out |= {r[0] for r in db.execute("SELECT provider_id FROM leases WHERE job_id = ? AND"
+                                         " start_step >= ?", [c["job_id"], c["step_to"]])}
         if c["first_check"]:
             first = check_row(db, c["first_check"])
             if first and first["checker_id"]:

@@ -168,7 +168,7 @@ def may_read(db: Database, key_id: str, sha256: str) -> bool:
         "  JOIN jobs j ON j.id = r.job_id OR j.parent_id = r.job_id"
         "  JOIN leases l ON l.job_id = j.id"
         "  WHERE r.sha256 = :sha AND l.provider_id = :key AND l.state = 'active'"
-        "  AND r.role != 'evidence'"
+        "  AND r.role NOT IN ('evidence', 'history')"
         " LIMIT 1", {"sha": sha256, "key": key_id}).fetchone() is not None
 
 

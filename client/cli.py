@@ -181,8 +181,8 @@ async def status(market: Broker, job_id: str, as_json: bool) -> None:
                                                     if b.disputed else ""))
     v = job.verification
     if v.status:
-        rate = f" (checks {v.rate:.0%} of its provider's work)" if v.rate else ""
-        out.print(f"verified  {v.status}{rate}")
+        rate = f"; its provider's work is spot-checked at {v.rate:.0%}" if v.rate else ""
+        out.print(f"checks    {v.status}{rate}")
         if v.checks:
             table = Table("check", "of", "work", "checker", "state", "detail")
             for c in v.checks:

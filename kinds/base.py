@@ -124,10 +124,11 @@ class Kind:
     # -- spot checks (docs/verification.md) -----------------------------------------------
 
     def check_scope(self, values: dict[str, Any], part: int, parts: int,
-                    metrics: dict[str, float]) -> dict:
-        """What a check of a finished job (or part) replays, picked at random where the
-        provider cannot predict it: {"rows": [...], "batch_size": n} or {"frames": [...]};
-        {} for none."""
+                    metrics: dict[str, float], done_before: int) -> dict:
+        """What a check of a finished lease's work replays, picked at random where the
+        provider cannot predict it, among what it did itself (``done_before``: the steps done
+        before it resumed): {"position": u, "batch_size": n} (a batch of rows the checker's
+        runner picks from the input it reads) or {"frames": [...]}; {} for none."""
         return {}
 
     def evidence(self, names: set[str]) -> set[str]:

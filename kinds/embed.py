@@ -31,13 +31,15 @@ class Embed(Inference):
         a, b = want.get("embedding"), have.get("embedding")
         if not (isinstance(a, list) and isinstance(b, list)) or len(a) != len(b) or not a:
             return False, "the vectors differ in length"
+        if not all(type(x) is float and math.isfinite(x) for x in (*a, *b)):
+            return False, "a vector holds something that is not a finite number"
         try:
             dot = sum(x * y for x, y in zip(a, b))
             norm = math.sqrt(sum(x * x for x in a)) * math.sqrt(sum(y * y for y in b))
-        except TypeError:
-            return False, "a vector holds something that is not a number"
-        cosine = dot / norm if norm > 0 else 0.0
-        if cosine < COSINE_MIN:
+            cosine = dot / norm if norm > 0 else 0.0
+        except (OverflowError, ZeroDivisionError):
+            return False, "the vectors cannot be compared"
+        if not cosine >= COSINE_MIN:
             return False, f"cosine {cosine:.4f} < {COSINE_MIN}"
         return True, ""
 

@@ -12,6 +12,7 @@ from gpumarket.kinds.base import Kind
 from gpumarket.kinds.schema import NAME_RE, UINT32, Param, ParamError
 
 ENGINES = ("", "transformers", "vllm")
+MAX_CHECK_BATCH = 4096     # rows one check replays at most (the kinds' largest batch_size)
 DTYPES = ("", "auto", "float32", "bfloat16", "float16")
 
 
@@ -40,36 +41,48 @@ class Inference(Kind):
     def config_input(self, values: dict[str, Any]) -> tuple[str, bool] | None:
         return (values["model"], True) if values["model"] else None
 
-    # A check re-runs one batch of rows, chosen at random, with the batch size the provider
-    # used (padding changes the numbers), and compares those rows.
+    # A check re-runs one batch of rows with the batch size the provider says it used
+    # (padding changes the numbers; a size it did not use makes its rows disagree). Which
+    # batch: a random position among the batches the lease did itself, turned into rows by
+    # the checker's runner from the input it reads (not from anything the provider claims).
     def check_scope(self, values: dict[str, Any], part: int, parts: int,
-                    metrics: dict[str, float]) -> dict:
-        total, batch = int(metrics.get(self.count_metric, 0)), int(metrics.get("batch_size", 0))
-        if total <= 0 or batch <= 0:
-            return {}
-        first = secrets.randbelow(-(-total // batch)) * batch
-        return {"rows": list(range(first, min(total, first + batch))), "batch_size": batch}
+                    metrics: dict[str, float], done_before: int) -> dict:
+        batch = int(min(max(metrics.get("batch_size", 0), 1), MAX_CHECK_BATCH))
+        return {"position": secrets.randbelow(1 << 30) / (1 << 30), "batch_size": batch}
 
-    def rows_of(self, path: Path, rows: list[int]) -> dict[int, dict]:
-        wanted, out = set(rows), {}
+    def rows_of(self, path: Path, rows: list[int] | None) -> dict[int, dict]:
+        """The records of ``path`` by their integer ``index`` (of ``rows`` only, if given)."""
+        wanted, out = set(rows or ()), {}
         with open(path, encoding="utf-8") as f:
             for line in f:
                 if line.strip():
                     record = json.loads(line)
-                    if isinstance(record, dict) and record.get("index") in wanted:
-                        out[record["index"]] = record
+                    index = record.get("index") if isinstance(record, dict) else None
+                    if type(index) is int and (rows is None or index in wanted):
+                        out[index] = record
         return out
 
     def compare(self, expect: dict[str, Path], got: dict[str, Path], scope: dict
                 ) -> tuple[bool, str]:
+        if len(expect) != 1:
+            return False, "no result to compare"
         (name, want_path), = expect.items()
         if name not in got:
             return False, f"the replay returned no {name}"
-        rows = scope.get("rows", [])
         try:
-            want, have = self.rows_of(want_path, rows), self.rows_of(got[name], rows)
-        except (OSError, ValueError) as exc:
+            have = self.rows_of(got[name], None)
+            rows = sorted(have)
+            want = self.rows_of(want_path, None)
+            total = json.loads(got["metrics.json"].read_text())[self.count_metric] \
+                if "metrics.json" in got else None
+        except (OSError, ValueError, KeyError, TypeError) as exc:
             return False, f"{name} is unreadable ({exc})"
+        if not rows:
+            return False, "the replay returned no rows"
+        if total is not None and not scope.get("replays") and \
+                sorted(want) != list(range(int(total))):
+            return False, (f"the provider's {name} has {len(want)} rows, not the input's"
+                           f" {int(total)}")
         for i in rows:
             if i not in want:
                 return False, f"row {i} is missing from the provider's {name}"
@@ -78,7 +91,7 @@ class Inference(Kind):
             same, why = self.same_row(want[i], have[i])
             if not same:
                 return False, f"row {i}: {why}"
-        return True, f"{len(rows)} rows agree ({self.agreement})"
+        return True, f"rows {rows[0]}-{rows[-1]} agree ({self.agreement})"
 
     count_metric = ""
     agreement = ""

@@ -125,8 +125,9 @@ def check_config(lease: pb.Lease) -> dict:
     if not c.checked_job_id:
         return {}
     out: dict = {"check_of": c.checked_job_id}
-    if c.rows:
-        out.update(check_rows=list(c.rows), check_batch_size=len(c.rows))
+    if c.batch_size:
+        out.update(check_position=c.position, check_batch_size=c.batch_size,
+                   check_from_row=c.step_from)
     elif c.frames:
         out["check_frames"] = list(c.frames)
     else:

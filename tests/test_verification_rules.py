@@ -109,7 +109,7 @@ def test_a_liar_is_found_by_a_tie_break_unpaid_rewound_past_and_banned_at_the_se
     out = w.write(disputes.conclude, tiebreak, False, True, "differs / identical", w.now)
 
     c = checks(w, "j")
-    assert c[first]["state"] == "passed" and c[tiebreak]["state"] == "failed"
+    assert c[first]["state"] == c[tiebreak]["state"] == "failed"
     assert c[tiebreak]["liar"] == "liar"
     # Nothing it did on the job is paid; the client gets the segments back in the hold.
     assert ledger.balance(w.db, ledger.provider("liar")) == 0
@@ -207,3 +207,86 @@ def test_a_cancelled_job_ends_its_checks_and_pays_the_checked_provider(w):
     # A client cannot cancel or top up a check row by its id.
     with pytest.raises(Exception, match="no job"):
         w.write(jobs.cancel, check_id, "ca", w.now)
+
+
+def test_failing_the_job_does_not_escape_a_pending_check(w):
+    w.write(jobs.submit, new_job("j", "ca", 500_000, True), w.now)
+    start(w, "j", "liar")
+    checkpoint(w, "j", "liar", 10, CHECK)
+    checkpoint(w, "j", "liar", 20, CHECK)
+    w.write(jobs.fail, "j", w.job("j")["epoch"], "liar", "out of memory", w.now)
+    assert {c["state"] for c in checks(w, "j").values()} == {"cancelled"}
+    # The work under check is not paid; the client has its hold back.
+    assert ledger.balance(w.db, ledger.provider("liar")) == 0
+    assert ledger.balance(w.db, ledger.disputed("j", "liar")) == 0
+    assert ledger.balance(w.db, ledger.escrow("j")) == 0
+    assert ledger.balance(w.db, ledger.client("ca")) == 10**7
+    assert ledger.audit(w.db) == []
+
+
+def test_pay_a_passed_check_let_through_is_taken_back_when_the_provider_is_caught(w):
+    w.write(jobs.submit, new_job("j", "ca", 500_000, True), w.now)
+    start(w, "j", "liar")
+    checkpoint(w, "j", "liar", 10, CHECK)
+    (first,) = checks(w, "j")
+    replay(w, first, "h1")
+    w.write(disputes.conclude, first, True, False, "identical", w.now)
+    assert ledger.balance(w.db, ledger.provider("liar")) > 0      # 0-10 passed: paid
+    checkpoint(w, "j", "liar", 20, CHECK)
+    second = [c for c in checks(w, "j") if c != first][0]
+    replay(w, second, "h1")
+    w.write(disputes.conclude, second, False, False, "differs", w.now)
+    tiebreak = [c for c in checks(w, "j") if c not in (first, second)][0]
+    replay(w, tiebreak, "h2")
+    w.write(disputes.conclude, tiebreak, False, True, "differs", w.now)
+    # The job goes back to the start (the liar wrote every checkpoint): its pay for 0-10 too.
+    assert w.job("j")["checkpoint_step"] == 0
+    assert ledger.balance(w.db, ledger.provider("liar")) == 0
+    assert verification.record(w.db, "liar") == (0, 1, 1)
+    assert ledger.audit(w.db) == []
+
+
+def test_hostile_results_disagree_instead_of_crashing_the_comparison(tmp_path):
+    from gpumarket.kinds import embed, generate
+
+    good = tmp_path / "good.jsonl"
+    good.write_text('{"index": 0, "completion": "a"}\n')
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"index": []}\n[1, 2]\n"x"\n{"index": 0, "completion": "b"}\n')
+    metrics = tmp_path / "metrics.json"
+    metrics.write_text('{"prompts": 1, "texts": 1}')
+    ok, why = generate.KIND.compare({"completions.jsonl": bad},
+                                    {"completions.jsonl": good, "metrics.json": metrics}, {})
+    assert not ok and "differ" in why
+    ok, why = generate.KIND.compare({}, {"completions.jsonl": good}, {})
+    assert not ok
+    inf = tmp_path / "inf.jsonl"
+    inf.write_text('{"index": 0, "embedding": [Infinity, 1.0]}\n')
+    fine = tmp_path / "fine.jsonl"
+    fine.write_text('{"index": 0, "embedding": [0.6, 0.8]}\n')
+    ok, why = embed.KIND.compare({"embeddings.jsonl": inf},
+                                 {"embeddings.jsonl": fine, "metrics.json": metrics}, {})
+    assert not ok and "finite" in why
+    ok, _ = embed.KIND.compare({"embeddings.jsonl": fine},
+                               {"embeddings.jsonl": fine, "metrics.json": metrics}, {})
+    assert ok
+
+
+def test_an_inconclusive_tie_break_finishes_the_job(w):
+    w.write(jobs.submit, new_job("j", "ca", 500_000, True), w.now)
+    start(w, "j", "h1")
+    checkpoint(w, "j", "h1", 10, CHECK)
+    w.write(jobs.succeed, "j", w.job("j")["epoch"], "h1",
+            receipt("j", "h1", ["model.safetensors", "loss.jsonl"], w), w.now, NO_CHECK)
+    assert w.job("j")["state"] == jobs.VERIFYING
+    (first,) = checks(w, "j")
+    replay(w, first, "h2")
+    w.write(disputes.conclude, first, False, False, "differs", w.now)
+    tiebreak = [c for c in checks(w, "j") if c != first][0]
+    replay(w, tiebreak, "h3")
+    w.write(disputes.conclude, tiebreak, False, False, "all differ", w.now)
+    assert {c["state"] for c in checks(w, "j").values()} == {"inconclusive"}
+    assert w.job("j")["state"] == jobs.SUCCEEDED
+    assert ledger.balance(w.db, ledger.disputed("j", "h1")) == 0
+    assert verification.summary(w.db, "j") == "inconclusive"
+    assert ledger.audit(w.db) == []

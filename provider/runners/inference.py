@@ -91,9 +91,16 @@ class Results:
         self.workdir, self.total, self.report = workdir, total, report
         self.path = workdir / RESULTS
         self.done: dict[int, dict] = {}
-        # A check redoes only some rows, in the batch the checked provider ran them in.
-        self.only = set(job.get("check_rows") or ())
+        # A check redoes one batch of rows, as the checked provider batched them: the batch
+        # at ``check_position`` among those from row ``check_from_row`` on.
         self.batch_size = int(job.get("check_batch_size") or batch_size)
+        self.only: set[int] = set()
+        if job.get("check_batch_size"):
+            b = self.batch_size
+            first, count = -(-int(job.get("check_from_row") or 0) // b), -(-total // b)
+            pick = min(count - 1, first + int(float(job.get("check_position") or 0)
+                                              * max(1, count - first)))
+            self.only = set(range(max(0, pick) * b, min(total, (max(0, pick) + 1) * b)))
         resume = job.get("resume_from")
         if resume:
             meta = json.loads((Path(resume) / "state.json").read_text())
