@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from sqlite_utils import Database
 
 from gpumarket.broker import calibration, disputes, holdings, holds, ledger, verification
-from gpumarket.broker.admission import Needs, NewJob
+from gpumarket.broker.admission import NewJob
 from gpumarket.proto.errors import (
     FailedPrecondition, InvalidArgument, NotFound, Replay,
 )
@@ -489,7 +489,7 @@ def succeed(
     for out in receipt_msg.outputs:
         db.execute("INSERT OR IGNORE INTO artifact_refs (sha256, job_id, role) VALUES (?, ?, ?)",
                    [out.sha256, job_id, "output"])
-    _record_throughput(db, job, provider_id, receipt_msg, now)
+    calibration.record_throughput(db, job, provider_id, receipt_msg, now)
     verification.choose_final(db, policy, job, lease, total, outputs, receipt_msg, now)
     if verification.open_checks(db, job_id):
         set_job(db, job_id, now, state=VERIFYING, receipt=receipt, progress_step=total)
@@ -511,27 +511,6 @@ def finished(db: Database, job: dict, now: int, message: str) -> None:
                    [job["id"]])
     append_event(db, job["id"], "succeeded", SUCCEEDED, job["attempt"], now,
                  provider_id=job["provider_id"] or "", message=message)
-
-
-def _record_throughput(db: Database, job: dict, provider_id: str, receipt: pb.Receipt,
-                       now: int) -> None:
-    """Keep the speed this provider achieved on a whole job (FLOP/s per device), so the
-    matcher can prefer it over the benchmark's claim. Only uninterrupted attempts count."""
-    seconds = receipt.metrics.get("train_seconds", 0.0)
-    needs = Needs.from_json(job["needs"])
-    if needs.work_flops <= 0 or seconds <= 0 or receipt.metrics.get("resumed_from_step", 0):
-        return
-    achieved = needs.work_flops / seconds / max(1, needs.gpus)
-    row = db.execute("SELECT flops_per_device, samples FROM throughput WHERE provider_id = ?"
-                     " AND kind = ?", [provider_id, job["kind"]]).fetchone()
-    if row is None:
-        db["throughput"].insert({"provider_id": provider_id, "kind": job["kind"],
-                                 "flops_per_device": achieved, "samples": 1, "updated_ms": now})
-    else:
-        value = 0.7 * row[0] + 0.3 * achieved
-        db.execute("UPDATE throughput SET flops_per_device = ?, samples = ?, updated_ms = ?"
-                   " WHERE provider_id = ? AND kind = ?",
-                   [value, row[1] + 1, now, provider_id, job["kind"]])
 
 
 def fail(db: Database, job_id: str, epoch: int, provider_id: str, error: str, now: int) -> None:
