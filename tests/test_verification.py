@@ -30,26 +30,33 @@ def audit(market: Marketplace, root) -> dict:
     return json.loads(r.stdout)
 
 
-def checks_of(market: Marketplace, job_id: str) -> list[dict]:
-    return market.job(job_id).get("verification", {}).get("checks", [])
+def cheat_among_honest(market: Marketplace, mode: str) -> tuple[str, str, str]:
+    """A broker with checks on, a cheat ("cheat", the cheapest: jobs go to it first) and
+    two honest providers ("h1", "h2"); their ids."""
+    market.start_broker(*LEASE_ARGS, verify=True)
+    market.start_provider("cheat", 0.5, cheat=mode)
+    market.start_provider("h1", 1.0)
+    market.start_provider("h2", 1.5)
+    market.wait_for_offers(3)
+    return tuple(market.provider_id(n) for n in ("cheat", "h1", "h2"))
+
+
+def run_to_end(market: Marketplace, job) -> tuple[str, dict]:
+    """Submit the job file; wait for it to succeed; (its id, its status)."""
+    r = market.cli("submit", str(job), "--json")
+    assert r.returncode == 0, r.stderr
+    job_id = json.loads(r.stdout)["job_id"]
+    final = market.wait_state(job_id, "SUCCEEDED", "FAILED", timeout=400)
+    assert final["state"] == "SUCCEEDED", (final, market.cli("logs", job_id).stdout)
+    return job_id, final
 
 
 def test_a_provider_that_corrupts_weights_is_caught_re_run_unpaid_and_banned(tmp_path):
     market = Marketplace(tmp_path)
     try:
-        market.start_broker(*LEASE_ARGS, verify=True)
-        # The cheat is the cheapest: the job goes to it first.
-        market.start_provider("cheat", 0.5, cheat="weights")
-        market.start_provider("h1", 1.0)
-        market.start_provider("h2", 1.5)
-        market.wait_for_offers(3)
-        cheat, h1, h2 = (market.provider_id(n) for n in ("cheat", "h1", "h2"))
-        job = training_job(tmp_path / "job.toml", steps=60, checkpoint_every=20)
-        r = market.cli("submit", str(job), "--json")
-        assert r.returncode == 0, r.stderr
-        job_id = json.loads(r.stdout)["job_id"]
-        final = market.wait_state(job_id, "SUCCEEDED", "FAILED", timeout=400)
-        assert final["state"] == "SUCCEEDED", (final, market.cli("logs", job_id).stdout)
+        cheat, h1, h2 = cheat_among_honest(market, "weights")
+        job_id, final = run_to_end(market, training_job(tmp_path / "job.toml", steps=60,
+                                                        checkpoint_every=20))
 
         v = final["verification"]
         checks = v["checks"]
@@ -97,13 +104,8 @@ def test_honest_providers_work_is_checked_verified_and_paid(tmp_path):
             market.start_provider(name, price)
         market.wait_for_offers(2)
         h1, h2 = market.provider_id("h1"), market.provider_id("h2")
-        job = training_job(tmp_path / "job.toml", steps=40, checkpoint_every=20,
-                           extra='verify = "always"')
-        r = market.cli("submit", str(job), "--json")
-        assert r.returncode == 0, r.stderr
-        job_id = json.loads(r.stdout)["job_id"]
-        final = market.wait_state(job_id, "SUCCEEDED", "FAILED", timeout=300)
-        assert final["state"] == "SUCCEEDED", final
+        job_id, final = run_to_end(market, training_job(
+            tmp_path / "job.toml", steps=40, checkpoint_every=20, extra='verify = "always"'))
         v = final["verification"]
         # verify = "always": both segments (0-20 and 20-40) replayed on the other provider.
         assert v["status"] == "verified", v
@@ -126,20 +128,11 @@ def test_a_provider_that_returns_another_models_text_is_caught_and_the_job_re_ru
 
     market = Marketplace(tmp_path)
     try:
-        market.start_broker(*LEASE_ARGS, verify=True)
-        market.start_provider("cheat", 0.5, cheat="text")
-        market.start_provider("h1", 1.0)
-        market.start_provider("h2", 1.5)
-        market.wait_for_offers(3)
-        cheat = market.provider_id("cheat")
+        cheat, _, _ = cheat_among_honest(market, "text")
         model = tiny_causal_lm(tmp_path / "tiny")
         prompts = write_prompts(tmp_path / "prompts.jsonl", 8)
-        job = generate_job(tmp_path / "job.toml", model, prompts, max_tokens=6, batch_size=4)
-        r = market.cli("submit", str(job), "--json")
-        assert r.returncode == 0, r.stderr
-        job_id = json.loads(r.stdout)["job_id"]
-        final = market.wait_state(job_id, "SUCCEEDED", "FAILED", timeout=400)
-        assert final["state"] == "SUCCEEDED", final
+        job_id, final = run_to_end(market, generate_job(tmp_path / "job.toml", model, prompts,
+                                                        max_tokens=6, batch_size=4))
         v = final["verification"]
         assert v["status"] == "disputed -> re-run", v
         assert any(c["provider_id"] == cheat and c["state"] == "failed"
@@ -163,20 +156,11 @@ def test_a_provider_that_renders_blank_frames_is_caught_on_its_part(tmp_path):
 
     market = Marketplace(tmp_path)
     try:
-        market.start_broker(*LEASE_ARGS, verify=True)
-        market.start_provider("cheat", 0.5, cheat="blank")
-        market.start_provider("h1", 1.0)
-        market.start_provider("h2", 1.5)
-        market.wait_for_offers(3)
-        cheat = market.provider_id("cheat")
+        cheat, _, _ = cheat_among_honest(market, "blank")
         scene = make_scene(tmp_path / "scene.blend", 4, tmp_path / "marker")
-        job = render_job(tmp_path / "job.toml", scene, frame_start=1, frame_end=4,
-                         resolution_x=48, resolution_y=32, samples=4, split=2)
-        r = market.cli("submit", str(job), "--json")
-        assert r.returncode == 0, r.stderr
-        job_id = json.loads(r.stdout)["job_id"]
-        final = market.wait_state(job_id, "SUCCEEDED", "FAILED", timeout=400)
-        assert final["state"] == "SUCCEEDED", final
+        job_id, final = run_to_end(market, render_job(
+            tmp_path / "job.toml", scene, frame_start=1, frame_end=4, resolution_x=48,
+            resolution_y=32, samples=4, split=2))
         v = final["verification"]
         assert v["status"] == "disputed -> re-run", v
         caught = [c for c in v["checks"] if c["provider_id"] == cheat and c["state"] == "failed"]

@@ -56,6 +56,20 @@ def replay(w: World, check_id: str, checker: str) -> None:
                                         "state.json"], w), w.now)
 
 
+def disagree(w: World, job_id: str, first: str, checker: str, tie_breaker: str,
+             agrees: bool, agrees_first: bool, excluded: set[str] | None = None):
+    """``checker`` replays the check ``first`` and disagrees; ``tie_breaker`` replays the
+    tie-break and agrees with the checked result (``agrees``), the first checker's
+    (``agrees_first``), or neither. Returns the tie-break's Outcome."""
+    replay(w, first, checker)
+    w.write(disputes.conclude, first, False, False, "differs", w.now)
+    tiebreak = [c for c, row in checks(w, job_id).items() if row["first_check"] == first][0]
+    if excluded is not None:
+        assert verification.excluded(w.db, tiebreak) == excluded
+    replay(w, tiebreak, tie_breaker)
+    return w.write(disputes.conclude, tiebreak, agrees, agrees_first, "tie-break", w.now)
+
+
 def checks(w: World, job_id: str) -> dict[str, dict]:
     cur = w.db.execute("SELECT * FROM checks WHERE job_id = ? ORDER BY created_at_ms, id",
                        [job_id])
@@ -101,12 +115,8 @@ def test_a_liar_is_found_by_a_tie_break_unpaid_rewound_past_and_banned_at_the_se
     checkpoint(w, "j", "liar", 20, CHECK)
     checkpoint(w, "j", "liar", 30)                  # built on its own wrong state
     (first,) = checks(w, "j")
-    replay(w, first, "h2")
-    w.write(disputes.conclude, first, False, False, "model.safetensors differs", w.now)
+    out = disagree(w, "j", first, "h2", "h3", False, True, excluded={"liar", "h2"})
     tiebreak = [c for c in checks(w, "j") if c != first][0]
-    assert verification.excluded(w.db, tiebreak) == {"liar", "h2"}
-    replay(w, tiebreak, "h3")
-    out = w.write(disputes.conclude, tiebreak, False, True, "differs / identical", w.now)
 
     c = checks(w, "j")
     assert c[first]["state"] == c[tiebreak]["state"] == "failed"
@@ -129,11 +139,7 @@ def test_a_liar_is_found_by_a_tie_break_unpaid_rewound_past_and_banned_at_the_se
     start(w, "k", "liar")
     checkpoint(w, "k", "liar", 10, CHECK)
     (first,) = checks(w, "k")
-    replay(w, first, "h1")
-    w.write(disputes.conclude, first, False, False, "differs", w.now)
-    tiebreak = [x for x in checks(w, "k") if x != first][0]
-    replay(w, tiebreak, "h2")
-    out = w.write(disputes.conclude, tiebreak, False, True, "differs", w.now)
+    out = disagree(w, "k", first, "h1", "h2", False, True)
     assert out.banned == ("liar",)
     assert w.db.execute("SELECT banned FROM providers WHERE id = 'liar'").fetchone()[0] == 1
 
@@ -143,12 +149,7 @@ def test_a_checker_that_lies_is_found_wrong_and_the_checked_provider_is_paid(w):
     start(w, "j", "h1")
     checkpoint(w, "j", "h1", 10, CHECK)
     (first,) = checks(w, "j")
-    replay(w, first, "liar")
-    w.write(disputes.conclude, first, False, False, "differs", w.now)
-    tiebreak = [c for c in checks(w, "j") if c != first][0]
-    assert verification.excluded(w.db, tiebreak) == {"h1", "liar"}
-    replay(w, tiebreak, "h2")
-    w.write(disputes.conclude, tiebreak, True, False, "identical / differs", w.now)
+    disagree(w, "j", first, "liar", "h2", True, False, excluded={"h1", "liar"})
     c = checks(w, "j")
     assert c[first]["liar"] == "liar" and c[first]["state"] == "passed"
     assert ledger.balance(w.db, ledger.provider("h1")) > 0           # paid on
@@ -234,11 +235,7 @@ def test_pay_a_passed_check_let_through_is_taken_back_when_the_provider_is_caugh
     assert ledger.balance(w.db, ledger.provider("liar")) > 0      # 0-10 passed: paid
     checkpoint(w, "j", "liar", 20, CHECK)
     second = [c for c in checks(w, "j") if c != first][0]
-    replay(w, second, "h1")
-    w.write(disputes.conclude, second, False, False, "differs", w.now)
-    tiebreak = [c for c in checks(w, "j") if c not in (first, second)][0]
-    replay(w, tiebreak, "h2")
-    w.write(disputes.conclude, tiebreak, False, True, "differs", w.now)
+    disagree(w, "j", second, "h1", "h2", False, True)
     # The job goes back to the start (the liar wrote every checkpoint): its pay for 0-10 too.
     assert w.job("j")["checkpoint_step"] == 0
     assert ledger.balance(w.db, ledger.provider("liar")) == 0
@@ -280,11 +277,7 @@ def test_an_inconclusive_tie_break_finishes_the_job(w):
             receipt("j", "h1", ["model.safetensors", "loss.jsonl"], w), w.now, NO_CHECK)
     assert w.job("j")["state"] == jobs.VERIFYING
     (first,) = checks(w, "j")
-    replay(w, first, "h2")
-    w.write(disputes.conclude, first, False, False, "differs", w.now)
-    tiebreak = [c for c in checks(w, "j") if c != first][0]
-    replay(w, tiebreak, "h3")
-    w.write(disputes.conclude, tiebreak, False, False, "all differ", w.now)
+    disagree(w, "j", first, "h2", "h3", False, False)
     assert {c["state"] for c in checks(w, "j").values()} == {"inconclusive"}
     assert w.job("j")["state"] == jobs.SUCCEEDED
     assert ledger.balance(w.db, ledger.disputed("j", "h1")) == 0
