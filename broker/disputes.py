@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from sqlite_utils import Database
 
-from gpumarket.broker import ledger, verification
+from gpumarket.broker import holdings, ledger, verification
 from gpumarket.proto.v1 import types_pb2 as pb
 
 OPEN = verification.OPEN       # check states that still await a verdict
@@ -85,8 +85,7 @@ def conclude(db: Database, check_id: str, agrees: bool, agrees_first: bool, deta
         return Outcome()
     first = _row(db, c["first_check"])
     if agrees and not agrees_first:
-        # The first checker was the wrong one.
-        # The checked work passed; the check's replay was what was wrong (``liar``).
+        # The checked work passed; the first check's replay was what was wrong (``liar``).
         db.execute("UPDATE checks SET state = 'passed', liar = ?, detail = ?, ended_at_ms = ?"
                    " WHERE id = ?", [first["checker_id"], f"the checker's replay was wrong"
                                      f" ({first['detail']}; the tie-break {check_id} agreed"
@@ -142,7 +141,7 @@ def _still_checked(db: Database, seq: int) -> bool:
 
 
 def finish_if_checked(db: Database, job_id: str, now: int) -> None:
-    """A job verification.VERIFYING whose last check ended succeeds now."""
+    """A job VERIFYING whose last check ended succeeds now."""
     from gpumarket.broker import jobs
 
     job = jobs.job_row(db, job_id)
@@ -153,10 +152,8 @@ def finish_if_checked(db: Database, job_id: str, now: int) -> None:
 
 
 def _convict(db: Database, c: dict, detail: str, now: int, ban_after: int) -> Outcome:
-    """The checked provider's result was wrong: undo what it was paid for it and after it on
-    this job, re-run the job from the segment's start elsewhere, and count it against it."""
-    from gpumarket.broker import jobs
-
+    """The checked provider's result was wrong: undo all it was paid on this job, re-run the
+    job from its last clean checkpoint elsewhere, and count it against it."""
     liar, job_id = c["provider_id"], c["job_id"]
     _close(db, c, "failed", detail, liar, now, finish=False)
     # All it was paid on this job goes back: the job will not keep work of a provider caught
@@ -170,18 +167,14 @@ def _convict(db: Database, c: dict, detail: str, now: int, ban_after: int) -> Ou
         stop += _cancel(db, _row(db, other), f"{liar}'s work on this job was found wrong",
                         now, finish=False)
     # Its replays on this job's checks cannot be trusted either: ended, and not paid.
-    for (other,) in db.execute(
-            f"SELECT id FROM checks WHERE top_id = ? AND checker_id = ? AND state IN"
-            f" ({MARKS})", [c["top_id"], liar, *OPEN]).fetchall():
-        stop += _cancel(db, _row(db, other), "its checker was found wrong on this job", now,
-                        finish=False)
-    for (other,) in db.execute("SELECT id FROM checks WHERE top_id = ? AND checker_id = ?",
-                               [c["top_id"], liar]).fetchall():
+    for (other, state) in db.execute("SELECT id, state FROM checks WHERE top_id = ? AND"
+                                     " checker_id = ?", [c["top_id"], liar]).fetchall():
+        if state in OPEN:
+            stop += _cancel(db, _row(db, other), "its checker was found wrong on this job",
+                            now, finish=False)
         _reverse(db, other, liar, now)
-    job = jobs.job_row(db, job_id)
-    paid = db.execute("SELECT coalesce(sum(json_extract(entries, '$.\"' || ? || '\"')), 0)"
-                      " FROM ledger_postings WHERE seq = ?",
-                      [ledger.provider(liar), c["settle_seq"] or -1]).fetchone()[0]
+    job = _job(db, job_id)
+    paid = ledger.settled_to(db, c["settle_seq"]) if c["settle_seq"] is not None else 0
     if paid:
         ledger.slash(db, liar, job["client_id"], job_id, paid, now)
     step, start = clean_point(db, job_id)
@@ -269,7 +262,6 @@ def _maybe_ban(db: Database, provider_id: str, ban_after: int, now: int) -> tupl
 def _cancel(db: Database, c: dict, why: str, now: int, finish: bool = True
             ) -> list[tuple[str, int, str]]:
     """End an open check without a verdict; its checker is paid up to now."""
-
     stop = end_check_job(db, c["id"], why, now)
     _close(db, c, "cancelled", why, None, now, finish)
     return stop
@@ -306,7 +298,6 @@ def skip(db: Database, check_id: str, why: str, now: int) -> list[tuple[str, int
     c = _row(db, check_id)
     if c is None or c["state"] not in OPEN:
         return []
-
     stop = end_check_job(db, check_id, why, now)
     if c["role"] == "tiebreak":
         first = _row(db, c["first_check"])
@@ -335,8 +326,7 @@ def rewind(db: Database, job: dict, step: int, start: dict | None, why: str,
     db.execute("DELETE FROM artifact_refs WHERE job_id = ? AND role IN ('output', 'checkpoint')",
                [job["id"]])
     if start:
-        db.execute("INSERT OR IGNORE INTO artifact_refs (sha256, job_id, role) VALUES (?, ?, ?)",
-                   [start["sha256"], job["id"], "checkpoint"])
+        holdings.refer(db, start["sha256"], job["id"], "checkpoint")
     attempt = job["attempt"] + 1
     jobs.set_job(db, job["id"], now, state=jobs.QUEUED, attempt=attempt, provider_id=None,
                  lease_id=None, receipt=None, resume_from=json.dumps(start) if start else None,

@@ -104,3 +104,10 @@ def forget_artifacts(db: Database, shas: list[str]) -> None:
                    " (SELECT 1 FROM artifact_refs r WHERE r.sha256 = ?)", [sha, sha])
         db.execute("DELETE FROM artifact_owners WHERE sha256 = ? AND NOT EXISTS"
                    " (SELECT 1 FROM artifacts a WHERE a.sha256 = ?)", [sha, sha])
+
+
+def refer(db, sha256: str, job_id: str, role: str) -> None:
+    """Keep the blob for the job (an input, checkpoint, output, history or evidence of it):
+    garbage collection leaves a referenced blob alone."""
+    db.execute("INSERT OR IGNORE INTO artifact_refs (sha256, job_id, role) VALUES (?, ?, ?)",
+               [sha256, job_id, role])

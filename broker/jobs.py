@@ -196,8 +196,7 @@ def submit(db: Database, job: NewJob, now: int) -> None:
         append_event(db, part_id, "submitted", QUEUED, 1, now,
                      message=f"part {i}/{len(job.part_sizes)} of job {job.id}")
     for sha in set(job.inputs):
-        db.execute("INSERT OR IGNORE INTO artifact_refs (sha256, job_id, role) VALUES (?, ?, ?)",
-                   [sha, job.id, "input"])
+        holdings.refer(db, sha, job.id, "input")
     ledger.hold(db, job.id, job.client_id, job.hold, job.hold_basis, job.enforce_funds, now)
     append_event(db, job.id, "submitted", QUEUED, 1, now,
                  message=f"submitted by {job.client_id}; {ledger.fmt(job.hold)} credits held"
@@ -337,8 +336,7 @@ def record_checkpoint(
     set_job(db, job_id, now, resume_from=json.dumps(ref), checkpoint_step=step,
              checkpoint_seconds=cost)
     db.execute("DELETE FROM artifact_refs WHERE job_id = ? AND role = 'checkpoint'", [job_id])
-    db.execute("INSERT OR IGNORE INTO artifact_refs (sha256, job_id, role) VALUES (?, ?, ?)",
-               [artifact.sha256, job_id, "checkpoint"])
+    holdings.refer(db, artifact.sha256, job_id, "checkpoint")
     paid = ledger.settle(db, job, lease, step, now)
     db.execute("UPDATE jobs SET hold_needed = 0 WHERE id = ?", [job_id])
     verification.remember(db, job, lease, step, ref)
@@ -487,8 +485,7 @@ def succeed(
         return
     calibration.record(db, job, lease, now)
     for out in receipt_msg.outputs:
-        db.execute("INSERT OR IGNORE INTO artifact_refs (sha256, job_id, role) VALUES (?, ?, ?)",
-                   [out.sha256, job_id, "output"])
+        holdings.refer(db, out.sha256, job_id, "output")
     calibration.record_throughput(db, job, provider_id, receipt_msg, now)
     verification.choose_final(db, policy, job, lease, total, outputs, receipt_msg, now)
     if verification.open_checks(db, job_id):

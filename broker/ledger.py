@@ -272,6 +272,20 @@ def _settlement(db: Database, seq: int) -> tuple[dict, dict[str, int]]:
     return posting, json.loads(posting["entries"])
 
 
+def _payer(db: Database, job_id: str) -> tuple[str, str, bool]:
+    """(the job whose hold pays for ``job_id``'s leases, its client, whether it has ended)."""
+    return db.execute(
+        "SELECT t.id, t.client_id, t.state IN (4, 5, 6) FROM jobs j JOIN jobs t"
+        " ON t.id = coalesce(j.pays_from, j.parent_id, j.id) WHERE j.id = ?",
+        [job_id]).fetchone()
+
+
+def settled_to(db: Database, seq: int) -> int:
+    """What a settlement paid its provider (after the fee), in units."""
+    p, entries = _settlement(db, seq)
+    return entries.get(provider(p["provider_id"]), 0)
+
+
 def dispute(db: Database, seq: int, now: int) -> None:
     """Hold a settlement's pay (provider's and fee) while a check of its segment runs."""
     p, entries = _settlement(db, seq)
@@ -294,10 +308,7 @@ def resolve(db: Database, seq: int, passed: bool, now: int) -> None:
     p, entries = _settlement(db, seq)
     paid, fee = entries.get(provider(p["provider_id"]), 0), entries.get("fee", 0)
     held = disputed(p["job_id"], p["provider_id"])
-    top, client_id, ended = db.execute(
-        "SELECT t.id, t.client_id, t.state IN (4, 5, 6) FROM jobs j JOIN jobs t"
-        " ON t.id = coalesce(j.pays_from, j.parent_id, j.id) WHERE j.id = ?",
-        [p["job_id"]]).fetchone()
+    top, client_id, ended = _payer(db, p["job_id"])
     # Back into the job's hold (its re-run is paid from there); if the job has ended, on to
     # its client, as its release would have.
     lines = ({held: -(paid + fee), provider(p["provider_id"]): paid, "fee": fee} if passed
@@ -324,10 +335,7 @@ def claw_back(db: Database, seq: int, now: int) -> None:
         return
     p, entries = _settlement(db, seq)
     paid, fee = entries.get(provider(p["provider_id"]), 0), entries.get("fee", 0)
-    top, client_id, ended = db.execute(
-        "SELECT t.id, t.client_id, t.state IN (4, 5, 6) FROM jobs j JOIN jobs t"
-        " ON t.id = coalesce(j.pays_from, j.parent_id, j.id) WHERE j.id = ?",
-        [p["job_id"]]).fetchone()
+    top, client_id, ended = _payer(db, p["job_id"])
     to = client(client_id) if ended else escrow(top)
     post(db, f"clawback:{seq}", "reverse", {provider(p["provider_id"]): -paid, "fee": -fee,
                                               to: paid + fee}, now,

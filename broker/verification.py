@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from sqlite_utils import Database
 
 from gpumarket import kinds
-from gpumarket.broker import ledger
+from gpumarket.broker import holdings, ledger
 from gpumarket.proto.v1 import types_pb2 as pb
 
 FLOOR = 0.05          # the rate of a provider with a long clean record
@@ -43,13 +43,13 @@ class Policy:
     predict) that decides whether this segment is checked."""
 
     enabled: bool = False
-    others_online: frozenset[int] | bool = False   # True: any class
+    others_online: frozenset[int] = frozenset()
     draw: float = 1.0
     ban_after: int = BAN_AFTER
 
     def can_check(self, accelerator: int) -> bool:
-        if isinstance(self.others_online, bool):
-            return self.others_online
+        """Whether a provider that could replay work done on this device class is online
+        (a lease of no recorded class: any other provider)."""
         return accelerator in self.others_online or (not accelerator and bool(
             self.others_online))
 
@@ -124,9 +124,15 @@ def choose_segment(db: Database, policy: Policy, job: dict, lease: dict, step: i
     replayed from it on another provider). Called before the job's row records ``ref``."""
     if kinds.get(job["kind"]).verify != "replay":
         return None
-    return choose(db, policy, job, lease, job["checkpoint_step"], step,
-                  json.loads(job["resume_from"]) if job["resume_from"] else None,
-                  {"checkpoint.tar": ref}, {}, now)
+    return _replay(db, policy, job, lease, step, {"checkpoint.tar": ref}, now)
+
+
+def _replay(db: Database, policy: Policy, job: dict, lease: dict, step_to: int,
+            expect: dict, now: int) -> str | None:
+    """Perhaps check the training segment from the job's latest checkpoint to ``step_to``."""
+    return choose(db, policy, job, lease, job["checkpoint_step"], step_to,
+                  json.loads(job["resume_from"]) if job["resume_from"] else None, expect, {},
+                  now)
 
 
 def choose_final(db: Database, policy: Policy, job: dict, lease: dict, total: int,
@@ -136,9 +142,7 @@ def choose_final(db: Database, policy: Policy, job: dict, lease: dict, total: in
     kind = kinds.get(job["kind"])
     names = kind.evidence(set(outputs))
     if kind.verify == "replay":
-        return choose(db, policy, job, lease, job["checkpoint_step"], total,
-                      json.loads(job["resume_from"]) if job["resume_from"] else None,
-                      {n: outputs[n] for n in names}, {}, now)
+        return _replay(db, policy, job, lease, total, {n: outputs[n] for n in names}, now)
     if not kind.verify or not names:
         return None
     spec = pb.Envelope.FromString(job["spec"])
@@ -183,14 +187,11 @@ def queue(db: Database, job: dict, provider_id: str, lease_id: str, seq: int | N
     # not copy it; views.may_read).
     for sha in {r[0] for r in db.execute("SELECT sha256 FROM artifact_refs WHERE job_id = ?"
                                          " AND role = 'input'", [top]).fetchall()}:
-        db.execute("INSERT OR IGNORE INTO artifact_refs (sha256, job_id, role) VALUES (?, ?, ?)",
-                   [sha, check_id, "input"])
+        holdings.refer(db, sha, check_id, "input")
     if start:
-        db.execute("INSERT OR IGNORE INTO artifact_refs (sha256, job_id, role) VALUES (?, ?, ?)",
-                   [start["sha256"], check_id, "checkpoint"])
+        holdings.refer(db, start["sha256"], check_id, "checkpoint")
     for ref in expect.values():
-        db.execute("INSERT OR IGNORE INTO artifact_refs (sha256, job_id, role) VALUES (?, ?, ?)",
-                   [ref["sha256"], top, "evidence"])
+        holdings.refer(db, ref["sha256"], top, "evidence")
     jobs.append_event(db, check_id, "submitted", QUEUED, 1, now,
                       message=f"{role} of {provider_id}'s {what(step_from, step_to, scope)}")
     note(db, job, f"{role} {check_id} queued: {what(step_from, step_to, scope)} of"
@@ -269,8 +270,7 @@ def returned(db: Database, check_id: str, outputs: dict[str, dict], now: int) ->
                [json.dumps(outputs), check_id])
     top = db.execute("SELECT top_id FROM checks WHERE id = ?", [check_id]).fetchone()[0]
     for ref in outputs.values():
-        db.execute("INSERT OR IGNORE INTO artifact_refs (sha256, job_id, role) VALUES (?, ?, ?)",
-                   [ref["sha256"], top, "evidence"])
+        holdings.refer(db, ref["sha256"], top, "evidence")
 
 
 def open_checks(db: Database, job_id: str) -> int:
@@ -283,8 +283,7 @@ def remember(db: Database, job: dict, lease: dict, step: int, ref: dict) -> None
     db["checkpoint_history"].insert({
         "job_id": job["id"], "step": step, "ref": json.dumps(ref), "lease_id": lease["id"],
         "provider_id": lease["provider_id"], "start_step": lease["start_step"]})
-    db.execute("INSERT OR IGNORE INTO artifact_refs (sha256, job_id, role) VALUES (?, ?, ?)",
-               [ref["sha256"], job["id"], "history"])
+    holdings.refer(db, ref["sha256"], job["id"], "history")
 
 
 # -- reading --------------------------------------------------------------------------------

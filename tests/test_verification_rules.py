@@ -9,7 +9,8 @@ from gpumarket.broker import disputes, jobs, ledger, verification
 from gpumarket.proto.v1 import types_pb2 as pb
 from tests.test_ledger import World, artifact, new_job, sign
 
-CHECK = verification.Policy(enabled=True, others_online=True, draw=0.0, ban_after=2)
+CHECK = verification.Policy(enabled=True, others_online=frozenset({pb.ACCELERATOR_CPU}),
+                            draw=0.0, ban_after=2)
 NO_CHECK = verification.OFF
 
 
@@ -185,7 +186,7 @@ def test_a_finished_job_waits_for_its_checks_and_one_nobody_takes_is_skipped(w):
 def test_no_check_without_another_provider_and_none_when_off(w):
     w.write(jobs.submit, new_job("j", "ca", 500_000, True), w.now)
     start(w, "j", "h1")
-    alone = verification.Policy(enabled=True, others_online=False, draw=0.0)
+    alone = verification.Policy(enabled=True, others_online=frozenset(), draw=0.0)
     checkpoint(w, "j", "h1", 10, alone)
     checkpoint(w, "j", "h1", 20, verification.OFF)
     assert not checks(w, "j")
