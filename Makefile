@@ -44,6 +44,7 @@ bench: $(STAMP)
 	$(PY) bench/archive_scan.py
 	$(PY) bench/ledger.py
 	$(PY) bench/verification.py
+	$(PY) bench/serving.py
 
 clean:
 	rm -rf $(VENV) demo-output .pytest_cache

@@ -68,6 +68,14 @@ def cli() -> None:
 @click.option("--check-wait", type=float,
               help="Seconds a check waits for a provider to replay it before it is skipped "
               "[default: 600].")
+@click.option("--api", help="HTTP address HOST:PORT of the endpoints' OpenAI-compatible API"
+              " alone (it is also under /v1 of --http) [default: none].")
+@click.option("--cold-start", type=float,
+              help="Seconds an endpoint request waits for a first replica before a 503 "
+              "[default: 300].")
+@click.option("--queue-wait", type=float,
+              help="Seconds an endpoint request waits for a free replica before a 429 "
+              "[default: 30].")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
 def serve(config_file: Path | None, listen: str | None, data_dir: Path | None,
@@ -75,7 +83,8 @@ def serve(config_file: Path | None, listen: str | None, data_dir: Path | None,
           max_attempts: int | None, artifact_grace: float | None, operators: tuple[str, ...],
           plaintext: bool | None, rate_limit: float | None, max_queued_jobs: int | None,
           billing: bool | None, market_fee: float | None, verify: bool | None,
-          check_wait: float | None, log_level: str) -> None:
+          check_wait: float | None, api: str | None, cold_start: float | None,
+          queue_wait: float | None, log_level: str) -> None:
     """Serve the broker's gRPC API (and HTTP side) until SIGTERM."""
     from gpumarket.broker import config as broker_config
 
@@ -92,7 +101,8 @@ def serve(config_file: Path | None, listen: str | None, data_dir: Path | None,
                        ("operators", operators or None), ("plaintext", plaintext),
                        ("rate_limit_per_s", rate_limit), ("max_queued_jobs", max_queued_jobs),
                        ("billing", billing), ("market_fee", market_fee),
-                       ("verify", verify), ("check_wait_s", check_wait)):
+                       ("verify", verify), ("check_wait_s", check_wait), ("api", api),
+                       ("cold_start_s", cold_start), ("queue_wait_s", queue_wait)):
         if value is not None:
             settings[key] = value
     if "data_dir" not in settings:

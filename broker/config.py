@@ -32,6 +32,12 @@ class BrokerConfig:
     verify: bool = True                    # spot-check providers' work by replay
     check_wait_s: float = 600.0            # a check no provider took this long is skipped
     ban_after_failed_checks: int = 2       # failed checks that ban a provider; 0 = never
+    api: str = ""                          # HTTP HOST:PORT of the endpoints' API alone; "" = none
+                                           # (it is also on `http`, under /v1)
+    public_url: str = ""                   # where clients reach the API (shown by the CLI)
+    queue_wait_s: float = 30.0             # an endpoint request waits this long for a free slot
+    cold_start_s: float = 300.0            # ... or this long for a first replica (from zero)
+    request_timeout_s: float = 300.0       # a replica silent this long on a request: 504
 
     @property
     def fee_ppm(self) -> int:
@@ -92,6 +98,13 @@ market_fee = 0.05                  # share of each settlement kept as the market
 verify = true                      # spot-check providers' work by replay on another provider
 check_wait = 600                   # seconds a check waits for a provider before it is skipped
 ban_after_failed_checks = 2        # failed checks that ban a provider (0 = never)
+# Endpoints (docs/serving.md): their OpenAI-compatible API is under /v1 of `http`, and alone
+# (it authenticates every call with an endpoint's key, so it may face the internet) on `api`.
+api = ""                           # HOST:PORT; "" = only on `http`
+public_url = ""                    # e.g. https://api.example.com (what `endpoint show` prints)
+queue_wait = 30                    # seconds a request waits for a free replica before a 429
+cold_start = 300                   # seconds a request waits for a first replica before a 503
+request_timeout = 300              # seconds a replica may stay silent on a request (then 504)
 """
 
 # config key -> (BrokerConfig field, type, scale)
@@ -115,6 +128,9 @@ KEYS = {
     "verify": ("verify", bool, None),
     "check_wait": ("check_wait_s", float, None),
     "ban_after_failed_checks": ("ban_after_failed_checks", int, None),
+    "api": ("api", str, None), "public_url": ("public_url", str, None),
+    "queue_wait": ("queue_wait_s", float, None), "cold_start": ("cold_start_s", float, None),
+    "request_timeout": ("request_timeout_s", float, None),
 }
 
 

@@ -14,10 +14,10 @@ import random
 
 import grpc
 
-from gpumarket.broker import holdings, jobs, logs, providers, verdicts
+from gpumarket.broker import endpoints, holdings, jobs, logs, providers, verdicts
 from gpumarket.broker.auth import caller
 from gpumarket.broker.rpc import STATUS
-from gpumarket.broker.sessions import MESSAGES_PER_S, ProviderSession
+from gpumarket.broker.sessions import CHUNKS_PER_S, MESSAGES_PER_S, ProviderSession
 from gpumarket.broker.state import BrokerState
 from gpumarket.proto.envelope import open_envelope, payload_sha256
 from gpumarket.proto.errors import (
@@ -98,6 +98,16 @@ class ProviderGatewayServicer(gateway_pb2_grpc.ProviderGatewayServicer):
                     break
                 if message is grpc.aio.EOF:
                     break
+                if message.WhichOneof("msg") == "chunk":
+                    # Answers to endpoint requests: many a second, each only taken for a
+                    # request this provider was sent (broker/serving.py).
+                    if not session.chunks.allow(""):
+                        session.end(f"it sent more than {CHUNKS_PER_S:.0f} inference chunks"
+                                    " a second")
+                        break
+                    if self.state.serving is not None:
+                        self.state.serving.chunk(provider_id, message.chunk)
+                    continue
                 if not session.messages.allow(""):
                     session.end(f"it sent more than {MESSAGES_PER_S:.0f} messages a second")
                     break
@@ -166,6 +176,8 @@ class ProviderGatewayServicer(gateway_pb2_grpc.ProviderGatewayServicer):
         if not current:
             return  # replaced by a newer session of the same provider
         log.info("provider %s disconnected", session.provider_id)
+        if self.state.serving is not None:
+            self.state.serving.provider_gone(session.provider_id)
         await self.state.store.write(providers.offline, session.provider_id, now_ms())
         self.state.events.notify()
         self.state.placement.notify()
@@ -187,6 +199,8 @@ class ProviderGatewayServicer(gateway_pb2_grpc.ProviderGatewayServicer):
             session.offer = offer
             self.state.placement.notify()
         elif kind == "heartbeat":
+            if message.heartbeat.draining and self.state.serving is not None:
+                self.state.serving.set_draining(session.provider_id, True)
             if message.heartbeat.draining and session.offer is not None:
                 log.info("provider %s is draining; its offer is withdrawn", session.provider_id)
                 session.offer = None
@@ -249,6 +263,12 @@ class ProviderGatewayServicer(gateway_pb2_grpc.ProviderGatewayServicer):
                                   now, "rejected")
             elif which == "receipt":
                 await self._receipt(pid, update, now)
+            elif which == "ready":
+                job = await store.write(endpoints.mark_ready, update.job_id, update.epoch, pid,
+                                        update.ready.engine[:200], now)
+                if self.state.serving is not None:
+                    self.state.serving.ready(pid, update.job_id, update.epoch, job["parent_id"],
+                                             update.ready)
             elif which == "log":
                 await store.write(logs.append, update.job_id, update.epoch, pid,
                                   list(update.log.lines), now)

@@ -12,7 +12,8 @@ from pathlib import Path
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from gpumarket.broker import ledger, standing, views
+from gpumarket.broker import endpoints, ledger, standing, views
+from gpumarket.broker.serving import percentile
 from gpumarket.broker.state import BrokerState
 from gpumarket.proto.jobspec import ACCELERATOR_NAMES, STATE_NAMES, kind_name, now_ms
 from gpumarket.proto.v1 import types_pb2 as pb
@@ -67,7 +68,7 @@ class BrokerHttp:
         self.state = state
         self.serving = serving  # () -> bool: is gRPC serving?
         self.hosts = set(LOOPBACK_NAMES) | {h.lower() for h in state.config.http_hosts}
-        self.app = web.Application(middlewares=[self.check_host])
+        self.app = web.Application(middlewares=[self.check_host], client_max_size=4 << 20)
         self.app.add_routes([
             web.get("/healthz", self.healthz),
             web.get("/readyz", self.readyz),
@@ -76,6 +77,7 @@ class BrokerHttp:
             web.get("/api/jobs", self.jobs),
             web.get("/api/series", self.series),
             web.get("/api/ledger", self.ledger),
+            web.get("/api/endpoints", self.endpoints),
             web.get("/", self.dashboard),
             web.get("/dashboard.js", self.asset),
             web.get("/dashboard.css", self.asset),
@@ -201,6 +203,26 @@ class BrokerHttp:
                 "last_seen_ms": p.last_seen_ms,
             })
         return web.json_response({"providers": out})
+
+    async def endpoints(self, request: web.Request) -> web.Response:
+        """Serving endpoints: replicas, load, latency and the latest scaling decision."""
+        live = await self.state.store.read(endpoints.live)
+        serving = self.state.serving
+        out = []
+        for row in live:
+            ep = serving.endpoints.get(row["id"]) if serving is not None else None
+            last = await self.state.store.read(endpoints.events_of, row["id"], 1)
+            s = row["settings"]
+            out.append({
+                "job_id": row["id"], "name": row["name"], "state": "SERVING",
+                "min_replicas": s["min_replicas"], "max_replicas": s["max_replicas"],
+                "live": len(row["replicas"]), "ready": len(ep.ready()) if ep else 0,
+                "in_flight": ep.in_flight if ep else 0, "queued": len(ep.waiting) if ep else 0,
+                "requests": ep.requests if ep else 0,
+                "ttft_p50_ms": percentile(ep.ttft, 0.5) * 1000 if ep else 0.0,
+                "tpot_p50_ms": percentile(ep.tpot, 0.5) * 1000 if ep else 0.0,
+                "last_event": last[0]["message"] if last else ""})
+        return web.json_response({"endpoints": out})
 
     async def jobs(self, request: web.Request) -> web.Response:
         try:

@@ -63,8 +63,16 @@ def append_event(
     )
     if not mirror or type_ == "submitted":
         return []
-    row = db.execute("SELECT parent_id, part, parts FROM jobs WHERE id = ?", [job_id]).fetchone()
+    row = db.execute("SELECT parent_id, part, parts, kind FROM jobs WHERE id = ?",
+                     [job_id]).fetchone()
     if row is None or row[0] is None:
+        return []
+    if row[3] == pb.JOB_KIND_ENDPOINT:
+        # An endpoint does not follow its replicas' states: it notes their moves.
+        if type_ not in ("progress", "checkpoint"):
+            top = db.execute("SELECT state, attempt FROM jobs WHERE id = ?", [row[0]]).fetchone()
+            append_event(db, row[0], "replica", top[0], top[1], now, provider_id=provider_id,
+                         message=f"replica {row[1]} {type_}: {message}", mirror=False)
         return []
     return _follow_parts(db, row[0], now, f"part {row[1]}/{row[2]}: {message}", type_,
                          provider_id)

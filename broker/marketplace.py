@@ -8,8 +8,8 @@ import logging
 
 from gpumarket import kinds
 from gpumarket.broker import (
-    admission, estimates, figures, holds, jobs, ledger, logs, matcher, offers, reliability,
-    scheduler, standing, verification, views,
+    admission, endpoints, estimates, figures, holds, jobs, ledger, logs, matcher, offers,
+    reliability, scheduler, serving, standing, verification, views,
 )
 from gpumarket.broker.auth import caller
 from gpumarket.broker.rpc import streaming, unary
@@ -53,10 +53,14 @@ class MarketplaceServicer(marketplace_pb2_grpc.MarketplaceServicer):
         est = await asyncio.to_thread(estimates.estimate, kinds.get(spec.kind), values, spec,
                                       self.state.artifacts.blob_path)
         job = admission.admit(request.spec, spec, client_id, values, est, cfg)
-        held, basis = await self._hold(job.needs, client_id, len(job.part_sizes), spec.budget)
+        parts = len(job.part_sizes)
+        if spec.kind == endpoints.KIND:     # its hold pays for up to max_replicas at once
+            parts = values["max_replicas"]
+        held, basis = await self._hold(job.needs, client_id, parts, spec.budget)
         job = dataclasses.replace(job, hold=held, hold_basis=basis, fee_ppm=cfg.fee_ppm,
                                   enforce_funds=cfg.billing)
-        await self.state.store.write(jobs.submit, job, now_ms())
+        submit = endpoints.submit if spec.kind == endpoints.KIND else jobs.submit
+        await self.state.store.write(submit, job, now_ms())
         log.info("job %s submitted by %s", job.id, client_id)
         self.state.events.notify()
         self.state.placement.notify()
@@ -140,6 +144,37 @@ class MarketplaceServicer(marketplace_pb2_grpc.MarketplaceServicer):
             await self.state.logs.wait(timeout=1.0)
 
     @unary
+    async def ListEndpoints(self, request: mp.ListEndpointsRequest, context):
+        store = self.state.store
+        tops = await store.read(endpoints.mine, caller())
+        infos = [await store.read(endpoints.overview, top, 0) for top in tops]
+        return mp.ListEndpointsResponse(endpoints=[endpoint_view(self.state, i) for i in infos])
+
+    @unary
+    async def GetEndpoint(self, request: mp.GetEndpointRequest, context):
+        store = self.state.store
+        top = await store.read(endpoints.find, caller(), request.endpoint)
+        info = await store.read(endpoints.overview, top, min(request.events or 50, 1000))
+        return mp.GetEndpointResponse(endpoint=endpoint_view(self.state, info))
+
+    @unary
+    async def CreateEndpointKey(self, request: mp.EndpointKeyRequest, context):
+        row, secret = await self.state.store.write(endpoints.create_key, caller(),
+                                                   request.endpoint, now_ms())
+        self.state.events.notify()
+        return mp.EndpointKeyResponse(secret=secret, key=mp.EndpointKey(
+            key_id=row["key_id"], created_at_ms=row["created_at_ms"]))
+
+    @unary
+    async def RevokeEndpointKey(self, request: mp.EndpointKeyRequest, context):
+        row = await self.state.store.write(endpoints.revoke_key, caller(), request.endpoint,
+                                           request.key_id, now_ms())
+        if self.state.serving is not None:
+            self.state.serving.keys.clear()     # a revoked key stops working at once
+        self.state.events.notify()
+        return mp.EndpointKeyResponse(key=mp.EndpointKey(**row))
+
+    @unary
     async def GetProvider(self, request: mp.GetProviderRequest, context):
         found = await self.state.store.read(standing.standings, [request.provider_id], now_ms())
         if not found:
@@ -154,6 +189,9 @@ class MarketplaceServicer(marketplace_pb2_grpc.MarketplaceServicer):
         if abs(now_ms() - order.at_ms) > CANCEL_ORDER_MAX_AGE_MS:
             raise BadSignature("cancel order is dated more than 10 minutes off (check the clock)")
         state, ended = await self.state.store.write(jobs.cancel, order.job_id, client_id, now_ms())
+        if self.state.serving is not None:     # a deleted endpoint's keys stop at once
+            self.state.serving.keys.clear()
+            self.state.serving.sync(await self.state.store.read(endpoints.live))
         for lease in ended:
             session = self.state.sessions.get(lease.provider_id)
             if session is not None:
@@ -251,6 +289,44 @@ class MarketplaceServicer(marketplace_pb2_grpc.MarketplaceServicer):
         self.state.placement.notify()
         job = await self.state.store.read(views.get_job, request.job_id)
         return mp.TopUpResponse(state=state, billing=job.billing)
+
+
+def endpoint_view(state: BrokerState, info: dict) -> mp.Endpoint:
+    """An endpoint as `endpoint list/show` print it: the database's view joined with the
+    router's (which replicas serve, their load, the latest TTFT and TPOT)."""
+    top, s, usage = info["top"], info["settings"], info["usage"]
+    live = state.serving.endpoints.get(top["id"]) if state.serving is not None else None
+    base = state.config.public_url.rstrip("/") or state.api_base
+    out = mp.Endpoint(
+        job_id=top["id"], name=top["name"], state=top["state"], task=s["task"],
+        min_replicas=s["min_replicas"], max_replicas=s["max_replicas"], target=s["target"],
+        api_base=f"{base}/v1" if base else "", error=top["error"] or "",
+        created_at_ms=top["created_at_ms"])
+    for r in info["replicas"]:
+        ready = live.replicas.get(r["id"]) if live is not None else None
+        out.replicas.append(mp.EndpointReplica(
+            job_id=r["id"], state=r["state"], provider_id=r["provider_id"] or "",
+            ready=ready is not None, draining=bool(ready and ready.draining),
+            in_flight=ready.in_flight if ready else 0,
+            max_concurrency=ready.max_concurrency if ready else 0,
+            tpot_ms=(ready.tpot_s * 1000) if ready else 0.0,
+            requests=ready.requests if ready else 0, engine=ready.engine if ready else ""))
+    out.load.CopyFrom(mp.EndpointLoad(
+        prompt_tokens=usage["prompt_tokens"], output_tokens=usage["output_tokens"],
+        requests=usage["requests"], errors=usage["errors"]))
+    if live is not None:
+        out.load.in_flight, out.load.queued = live.in_flight, len(live.waiting)
+        out.load.ttft_p50_ms = serving.percentile(live.ttft, 0.5) * 1000
+        out.load.ttft_p99_ms = serving.percentile(live.ttft, 0.99) * 1000
+        out.load.tpot_p50_ms = serving.percentile(live.tpot, 0.5) * 1000
+        out.load.tpot_p99_ms = serving.percentile(live.tpot, 0.99) * 1000
+    for k in info["keys"]:
+        out.keys.append(mp.EndpointKey(**k))
+    for e in info["events"]:
+        out.events.append(pb.JobEvent(seq=e["seq"], job_id=e["job_id"], at_ms=e["at_ms"],
+                                      type=e["type"], state=e["state"], attempt=e["attempt"],
+                                      provider_id=e["provider_id"], message=e["message"]))
+    return out
 
 
 def account_view(db, key_id: str, job_id: str, limit: int, before_seq: int

@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from gpumarket.proto.jobspec import STATE_NAMES
 
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 WAIT_BUCKETS = (0.1, 0.5, 1, 2, 5, 10, 30, 60, 300, 900, 3600, 4 * 3600, 24 * 3600)
 
 
@@ -54,5 +55,21 @@ class BrokerMetrics:
                                " balances each sum to zero (the full audit:"
                                " gpumarket-broker admin audit)",
                                registry=r)
+        self.endpoint_ttft = Histogram(
+            "gpumarket_endpoint_ttft_seconds", "Time to first token of endpoint requests, from"
+            " their arrival at the broker", ["endpoint"], buckets=LATENCY_BUCKETS, registry=r)
+        self.endpoint_tpot = Histogram(
+            "gpumarket_endpoint_tpot_seconds", "Time per output token of endpoint requests"
+            " (between their first and last pieces)", ["endpoint"], buckets=LATENCY_BUCKETS,
+            registry=r)
+        self.endpoint_tokens = Counter("gpumarket_endpoint_tokens",
+                                       "Tokens endpoints served, by type (prompt, output)",
+                                       ["endpoint", "type"], registry=r)
+        self.endpoint_requests = Counter("gpumarket_endpoint_requests",
+                                         "Endpoint API requests by HTTP status code",
+                                         ["endpoint", "code"], registry=r)
+        self.endpoint_replicas = Gauge("gpumarket_endpoint_replicas",
+                                       "Ready replicas per serving endpoint", ["endpoint"],
+                                       registry=r)
         for state in STATE_NAMES.values():
             self.jobs.labels(state=state)

@@ -430,3 +430,37 @@ def m012_verification(db: Database) -> None:
         )"""
     )
     db.execute("CREATE INDEX checkpoint_history_by_job ON checkpoint_history(job_id, seq)")
+
+
+@migrations()
+def m013_endpoints(db: Database) -> None:
+    """Endpoints (broker/endpoints.py): their API keys (only a sha256 of each secret) and the
+    requests and tokens each replica lease served, the unit a ledger can bill."""
+    db.execute(
+        """
+        CREATE TABLE endpoint_keys (
+            key_id TEXT PRIMARY KEY,
+            secret_sha256 TEXT NOT NULL UNIQUE,
+            endpoint_id TEXT NOT NULL,
+            client_id TEXT NOT NULL,
+            created_at_ms INTEGER NOT NULL,
+            revoked_at_ms INTEGER
+        )"""
+    )
+    db.execute("CREATE INDEX endpoint_keys_by_endpoint ON endpoint_keys(endpoint_id)")
+    db.execute(
+        """
+        CREATE TABLE endpoint_usage (
+            lease_id TEXT PRIMARY KEY,
+            endpoint_id TEXT NOT NULL,
+            job_id TEXT NOT NULL,            -- the replica
+            provider_id TEXT NOT NULL,
+            requests INTEGER NOT NULL DEFAULT 0,
+            errors INTEGER NOT NULL DEFAULT 0,
+            prompt_tokens INTEGER NOT NULL DEFAULT 0,
+            output_tokens INTEGER NOT NULL DEFAULT 0,
+            updated_at_ms INTEGER NOT NULL
+        )"""
+    )
+    db.execute("CREATE INDEX endpoint_usage_by_endpoint ON endpoint_usage(endpoint_id)")
+    db.execute("CREATE INDEX jobs_by_kind ON jobs(kind, state) WHERE parent_id IS NULL")

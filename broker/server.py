@@ -9,18 +9,22 @@ import os
 import signal
 
 import grpc
+from aiohttp import web
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from gpumarket.broker import providers, scheduler
 from gpumarket.broker.admin import AdminServicer
 from gpumarket.broker.auth import Authenticator
+from gpumarket.broker.autoscaler import Autoscaler
 from gpumarket.broker.artifact_store import ArtifactStore
 from gpumarket.broker.artifacts import ArtifactsServicer
 from gpumarket.broker.config import BrokerConfig
 from gpumarket.broker.gateway import ProviderGatewayServicer
 from gpumarket.broker.http import BrokerHttp
 from gpumarket.broker.marketplace import MarketplaceServicer
+from gpumarket.broker.openai_api import OpenAIApi
+from gpumarket.broker.serving import Serving
 from gpumarket.broker.state import BrokerState
 from gpumarket.broker.store import Store
 from gpumarket.proto.tls import tls_material
@@ -50,6 +54,7 @@ class BrokerServer:
         self.state: BrokerState | None = None
         self.http: BrokerHttp | None = None
         self.gateway: ProviderGatewayServicer | None = None
+        self.api_runner: web.AppRunner | None = None
 
     async def start(self) -> str:
         cfg = self.config
@@ -94,10 +99,25 @@ class BrokerServer:
         self.address = f"{PLAINTEXT if cfg.plaintext else ''}{host}:{bound}"
         info = {"address": self.address, "pid": os.getpid(), "broker_id": identity.id,
                 "tls": not cfg.plaintext}
+        serving = self.state.serving = Serving(self.state.sessions, self.state.metrics,
+                                               cfg.queue_wait_s, cfg.cold_start_s,
+                                               cfg.request_timeout_s)
+        api = OpenAIApi(self.state, serving)
         if cfg.http:
             self.http = BrokerHttp(self.state, lambda: self.server is not None)
+            self.http.app.add_routes(api.routes())
             info["http"] = await self.http.start(cfg.http)
             log.info("HTTP (health, metrics) on %s", info["http"])
+        if cfg.api:
+            self.api_runner = web.AppRunner(api.app(), access_log=None)
+            await self.api_runner.setup()
+            host, _, port = cfg.api.rpartition(":")
+            site = web.TCPSite(self.api_runner, host, int(port))
+            await site.start()
+            info["api"] = f"{host}:{site._server.sockets[0].getsockname()[1]}"
+            log.info("endpoints' API on %s", info["api"])
+        if info.get("api") or info.get("http"):
+            self.state.api_base = f"http://{info.get('api') or info['http']}"
         tmp = cfg.data_dir / "broker.json.tmp"
         tmp.write_text(json.dumps(info))
         os.replace(tmp, cfg.data_dir / "broker.json")
@@ -108,6 +128,8 @@ class BrokerServer:
     async def stop(self) -> None:
         if self.http is not None:
             await self.http.stop()
+        if self.api_runner is not None:
+            await self.api_runner.cleanup()
         if self.server is not None:
             server, self.server = self.server, None
             await server.stop(self.config.shutdown_grace_s)
@@ -130,8 +152,10 @@ async def serve(config: BrokerConfig) -> None:
     try:
         async with asyncio.TaskGroup() as tg:
             loops = tg.create_task(scheduler.run(broker.state))
+            scaling = tg.create_task(Autoscaler(broker.state, broker.state.serving).run())
             await stop.wait()
             log.info("shutting down")
             loops.cancel()
+            scaling.cancel()
     finally:
         await broker.stop()

@@ -14,6 +14,7 @@ from gpumarket.proto.v1 import types_pb2 as pb
 
 OUTBOX_MAX = 1000            # messages waiting for a provider that does not read them
 MESSAGES_PER_S = 200.0       # what a provider may send, sustained (bursts of 10 s worth)
+CHUNKS_PER_S = 20_000.0      # inference chunks (endpoint answers) a provider may send
 LOG_LINES_PER_S = 1.0        # broker log lines about one session (bursts of 20)
 
 
@@ -27,6 +28,8 @@ class ProviderSession:
     ended_why: str = ""                               # why the broker ended it, if it did
     messages: RateLimiter = field(
         default_factory=lambda: RateLimiter(MESSAGES_PER_S, MESSAGES_PER_S * 10))
+    chunks: RateLimiter = field(
+        default_factory=lambda: RateLimiter(CHUNKS_PER_S, CHUNKS_PER_S * 10))
     log_lines: RateLimiter = field(default_factory=lambda: RateLimiter(LOG_LINES_PER_S, 20))
     unlogged: int = 0
 

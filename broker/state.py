@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+from typing import Any
 
 from gpumarket.broker.artifact_store import ArtifactStore
 from gpumarket.broker.config import BrokerConfig
@@ -42,6 +43,8 @@ class BrokerState:
     logs: Changes = field(default_factory=Changes)        # job log lines were written
     metrics: BrokerMetrics = field(default_factory=BrokerMetrics)
     revoked: set[str] = field(default_factory=set)        # key ids refused everywhere
+    serving: Any = None                                   # broker/serving.py's Serving
+    api_base: str = ""                                    # where the endpoints' API listens
 
     @property
     def operators(self) -> set[str]:

@@ -19,7 +19,7 @@ from google.protobuf.json_format import MessageToDict
 from rich.table import Table
 
 from gpumarket import kinds
-from gpumarket.client import jobfile, money
+from gpumarket.client import endpoints, jobfile, money
 from gpumarket.client.console import clock, command, dump, err, key_path, load_identity, out
 from gpumarket.link.channel import Trust
 from gpumarket.link.client import Broker, BrokerClient
@@ -89,7 +89,7 @@ def keys_show() -> None:
 
 # -- submit -------------------------------------------------------------------------------
 
-async def _upload_inputs(broker: BrokerClient, job: jobfile.JobFile) -> list[pb.ArtifactRef]:
+async def upload_inputs(broker: BrokerClient, job: jobfile.JobFile) -> list[pb.ArtifactRef]:
     refs = []
     with tempfile.TemporaryDirectory() as tmp:
         for item in job.inputs:
@@ -131,7 +131,7 @@ async def submit(market: Broker, job_file: Path, watch_: bool, as_json: bool) ->
     job = jobfile.load(job_file)
     identity = load_identity()
     async with market.client(identity) as broker:
-        refs = await _upload_inputs(broker, job)
+        refs = await upload_inputs(broker, job)
         spec = build_spec(job, refs, now_ms())
         resp = await broker.submit(seal(identity, spec))
         if as_json:
@@ -505,7 +505,7 @@ async def quote(market: Broker, job_file: Path, limit: int, as_json: bool) -> No
     identity = load_identity()
     client_id = identity.id
     async with market.client(identity) as broker:
-        refs = await _upload_inputs(broker, job)  # the broker sizes the job from its model config
+        refs = await upload_inputs(broker, job)  # the broker sizes the job from its model config
         spec = build_spec(job, refs, now_ms())
         resp = await broker.quote(spec, limit, client_id)
     if as_json:
@@ -536,6 +536,7 @@ async def quote(market: Broker, job_file: Path, limit: int, as_json: bool) -> No
 
 for _command in money.COMMANDS:
     cli.add_command(_command)
+cli.add_command(endpoints.endpoint)
 
 
 def main() -> None:

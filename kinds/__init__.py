@@ -15,7 +15,7 @@ import importlib.metadata
 import os
 from typing import Any
 
-from gpumarket.kinds import embed, generate, render, training
+from gpumarket.kinds import embed, endpoint, generate, render, training
 from gpumarket.kinds.base import PLUGIN_NUMBERS, Kind
 from gpumarket.kinds.schema import ParamError
 from gpumarket.proto import jobspec
@@ -26,7 +26,8 @@ __all__ = ["Kind", "ParamError", "all_kinds", "check_spec", "get", "load_plugins
            "values_of"]
 
 _BY_NUMBER: dict[int, Kind] = {k.number: k for k in
-                               (training.KIND, generate.KIND, embed.KIND, render.KIND)}
+                               (training.KIND, generate.KIND, embed.KIND, render.KIND,
+                                            endpoint.KIND)}
 
 
 def register(kind: Kind) -> Kind:

@@ -126,6 +126,22 @@ class BrokerClient:
         req = mp.TopUpRequest(job_id=job_id, amount=amount, nonce=os.urandom(16))
         return await self._call(self.market.TopUp, req)
 
+    async def endpoints(self) -> list[mp.Endpoint]:
+        return list((await self._call(self.market.ListEndpoints,
+                                      mp.ListEndpointsRequest())).endpoints)
+
+    async def endpoint(self, name: str, events: int = 50) -> mp.Endpoint:
+        req = mp.GetEndpointRequest(endpoint=name, events=events)
+        return (await self._call(self.market.GetEndpoint, req)).endpoint
+
+    async def endpoint_key(self, name: str) -> mp.EndpointKeyResponse:
+        return await self._call(self.market.CreateEndpointKey,
+                                mp.EndpointKeyRequest(endpoint=name))
+
+    async def revoke_endpoint_key(self, name: str, key_id: str) -> mp.EndpointKey:
+        req = mp.EndpointKeyRequest(endpoint=name, key_id=key_id)
+        return (await self._call(self.market.RevokeEndpointKey, req)).key
+
     async def get_provider(self, provider_id: str) -> mp.GetProviderResponse:
         req = mp.GetProviderRequest(provider_id=provider_id)
         return await self._call(self.market.GetProvider, req)

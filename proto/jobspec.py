@@ -22,6 +22,7 @@ KIND_NAMES = {
     types_pb2.JOB_KIND_GENERATE: "generate",
     types_pb2.JOB_KIND_EMBED: "embed",
     types_pb2.JOB_KIND_RENDER: "render",
+    types_pb2.JOB_KIND_ENDPOINT: "endpoint",
 }
 KINDS_BY_NAME = {v: k for k, v in KIND_NAMES.items()}
 ACCELERATOR_NAMES = {

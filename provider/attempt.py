@@ -27,6 +27,7 @@ from gpumarket.provider.executor import JobProcess, job_env, read_reports
 from gpumarket.provider.inventory import DeviceInfo, local_models
 from gpumarket.provider.isolation import Isolation
 from gpumarket.provider.leases import Assignment, runner_config
+from gpumarket.provider.replica import EngineLink
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +63,7 @@ class Attempt:
         self.pending_checkpoint: tuple[int, str, float] | None = None
         self.uploaded_step = 0
         self.checkpoint_report: gw.ProviderMessage | None = None   # the latest, re-sent
+        self.engine: EngineLink | None = None    # an endpoint replica's engine
 
     @property
     def key(self) -> tuple[str, int]:
@@ -97,8 +99,12 @@ class Attempt:
             if self.host.draining:
                 final = self.update(released=gw.JobReleased(reason="provider is draining"))
             else:
-                self.process = self.new_process(self.host.take_warm(self.kind))
+                serves = self.kind.name == "endpoint"
+                warm = None if serves else self.host.take_warm(self.kind)
+                self.process = self.new_process(warm)
                 pid = await self.process.start()
+                if self.engine is not None:
+                    await self.engine.start()
                 await self.host.started(self, pid)
                 self.host.send(self.update(started=gw.JobStarted(
                     resumed_from_step=resumed_from)))
@@ -152,14 +158,26 @@ class Attempt:
             env["PYTHONPATH"] = os.pathsep.join(self.kind.runner_path)
         box, group = self.host.isolation.for_job(config, self.workdir, devices,
                                                  self.host.devices)
+        stdin = None
+        if self.kind.name == "endpoint" and warm is None:
+            self.engine = EngineLink(self.host.send, self.on_ready)
+            stdin = self.engine.child_fd
         return JobProcess(self.kind.runner, self.workdir, env, self.on_report, limit,
                           config.cancel_grace_s, warm, box,
-                          int(config.job_disk_gib * 2**30), group)
+                          int(config.job_disk_gib * 2**30), group, stdin)
+
+    def on_ready(self, ready: gw.ReplicaReady) -> None:
+        log.info("replica %s ready: %s", self.key[0], ready.engine)
+        self.host.send(self.update(ready=ready))
 
     async def follow(self) -> gw.ProviderMessage | None:
         """Follow the job process to its end; return the final update (None if cancelled)."""
         job_id = self.key[0]
-        outcome = await self.process.run()
+        try:
+            outcome = await self.process.run()
+        finally:
+            if self.engine is not None:
+                self.engine.close()
         if self.cancelled:
             return None
         if outcome.succeeded:
@@ -294,6 +312,8 @@ class Attempt:
                 task.cancel()
 
     def request_drain(self) -> None:
+        if self.engine is not None:
+            return      # a replica serves on: the broker starts its replacement, then stops it
         if self.process is not None:
             self.process.request_drain()
 
@@ -302,6 +322,9 @@ class Attempt:
     def reattach(self, pid: int) -> asyncio.Task:
         """Follow the job process a previous daemon started."""
         self.process = self.new_process()
+        if self.engine is not None:     # its engine lost its link with the old daemon: it ends
+            os.close(self.engine.child_fd)
+            self.engine.close()
         self.process.attach(pid)
         self.task = asyncio.create_task(self._reattached())
         return self.task

@@ -7,6 +7,7 @@ SIGTERM drains: every job checkpoints now, uploads, and gives its lease back, th
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import shutil
 import time
@@ -65,7 +66,24 @@ class ProviderDaemon:
 
     def pending(self) -> list[gw.ProviderMessage]:
         return [j.checkpoint_report for j in self.jobs.values() if j.checkpoint_report] + [
+            j.update(ready=j.engine.ready) for j in self.jobs.values()
+            if j.engine is not None and j.engine.ready is not None] + [
             *self.unsettled.values()]
+
+    def on_infer(self, request: gw.InferenceRequest) -> None:
+        job = self.jobs.get(request.job_id)
+        why = "no such replica on this provider"
+        if job is not None and job.key[1] == request.epoch and job.engine is not None:
+            why = job.engine.forward(request)
+        if why:
+            self.send(gw.ProviderMessage(chunk=gw.InferenceChunk(
+                request_id=request.request_id, last=True,
+                data=json.dumps({"error": why, "status": 503, "done": True}).encode())))
+
+    def on_infer_cancel(self, cancel: gw.InferenceCancel) -> None:
+        job = self.jobs.get(cancel.job_id)
+        if job is not None and job.key[1] == cancel.epoch and job.engine is not None:
+            job.engine.cancel(cancel.request_id)
 
     async def on_lease(self, envelope: pb.Envelope) -> None:
         try:

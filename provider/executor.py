@@ -127,8 +127,10 @@ class JobProcess:
                  on_report: Callable[[dict], Awaitable[None]], max_runtime_s: float,
                  grace_s: float, warm: asyncio.subprocess.Process | None = None,
                  sandbox: Sandbox | None = None, disk_quota_bytes: int = 0,
-                 cgroup: JobCgroup | None = None) -> None:
+                 cgroup: JobCgroup | None = None, stdin: int | None = None) -> None:
         self.warm = warm
+        self.stdin = stdin          # a descriptor for the job's stdin (an endpoint's engine
+                                    # socket), closed here once the child has it
         self.sandbox = sandbox
         self.cgroup = cgroup
         self.disk_quota_bytes = disk_quota_bytes
@@ -190,9 +192,12 @@ class JobProcess:
             env = {**env, SANDBOX_ENV: self.sandbox.to_json()}
         self.proc = await asyncio.create_subprocess_exec(
             sys.executable, *args, cwd=self.workdir, env=env,
-            stdin=asyncio.subprocess.DEVNULL, stdout=self._log_fd, stderr=self._log_fd,
-            start_new_session=True,
+            stdin=asyncio.subprocess.DEVNULL if self.stdin is None else self.stdin,
+            stdout=self._log_fd, stderr=self._log_fd, start_new_session=True,
         )
+        if self.stdin is not None:
+            os.close(self.stdin)
+            self.stdin = None
         self.pid = self.proc.pid
         return self.pid
 

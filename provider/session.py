@@ -40,6 +40,8 @@ class Peer(Protocol):
     async def on_lease(self, envelope: pb.Envelope) -> None: ...
     async def on_cancel(self, cancel: gw.CancelLease) -> None: ...
     async def on_settled(self, settled: gw.UpdateSettled) -> None: ...
+    def on_infer(self, request: gw.InferenceRequest) -> None: ...
+    def on_infer_cancel(self, cancel: gw.InferenceCancel) -> None: ...
 
 
 class BrokerSession:
@@ -154,6 +156,10 @@ class BrokerSession:
                 await self.peer.on_cancel(message.cancel)
             elif which == "settled":
                 await self.peer.on_settled(message.settled)
+            elif which == "infer":
+                self.peer.on_infer(message.infer)
+            elif which == "infer_cancel":
+                self.peer.on_infer_cancel(message.infer_cancel)
 
     async def with_broker(self, call: Callable[[ArtifactsClient], Awaitable], stopping,
                           attempts: int = 10):

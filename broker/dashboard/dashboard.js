@@ -58,6 +58,18 @@ function renderJobs(jobs) {
   $("#c-running").textContent = jobs.filter((j) => j.state === "RUNNING" || j.state === "LEASED").length;
 }
 
+function renderEndpoints(endpoints) {
+  $("#endpoints tbody").replaceChildren(...endpoints.map((e) => el("tr", { "data-endpoint": e.name },
+    el("td", { class: "id", title: e.job_id }, `${e.name} (${short(e.job_id)})`),
+    el("td", { class: "state-" + e.state }, e.state),
+    el("td", {}, `${e.ready} / ${e.live} (${e.min_replicas}-${e.max_replicas})`),
+    el("td", {}, `${e.in_flight} / ${e.queued}`),
+    el("td", {}, e.requests),
+    el("td", {}, `${e.ttft_p50_ms.toFixed(0)} ms`),
+    el("td", {}, `${e.tpot_p50_ms.toFixed(1)} ms`),
+    el("td", {}, e.last_event))));
+}
+
 function renderLedger(ledger) {
   const check = $("#ledger-check");
   check.textContent = ledger.problems.length ? `· ${ledger.problems.length} problems: ${ledger.problems[0]}` : "· balanced";
@@ -113,9 +125,10 @@ async function getJSON(path) {
 async function refresh() {
   const status = $("#status");
   try {
-    const [providers, jobs, series, ledger] = await Promise.all(
+    const [providers, jobs, series, ledger, endpoints] = await Promise.all(
       [getJSON("api/providers"), getJSON("api/jobs?limit=50"), getJSON("api/series"),
-       getJSON("api/ledger?limit=30")]);
+       getJSON("api/ledger?limit=30"), getJSON("api/endpoints")]);
+    renderEndpoints(endpoints.endpoints);
     renderProviders(providers.providers);
     renderJobs(jobs.jobs);
     renderChart(series);

@@ -101,8 +101,20 @@ class JobLog(_message.Message):
     lines: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, lines: _Optional[_Iterable[str]] = ...) -> None: ...
 
+class ReplicaReady(_message.Message):
+    __slots__ = ("engine", "task", "max_concurrency", "max_seq_len")
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    TASK_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONCURRENCY_FIELD_NUMBER: _ClassVar[int]
+    MAX_SEQ_LEN_FIELD_NUMBER: _ClassVar[int]
+    engine: str
+    task: str
+    max_concurrency: int
+    max_seq_len: int
+    def __init__(self, engine: _Optional[str] = ..., task: _Optional[str] = ..., max_concurrency: _Optional[int] = ..., max_seq_len: _Optional[int] = ...) -> None: ...
+
 class JobUpdate(_message.Message):
-    __slots__ = ("job_id", "epoch", "started", "progress", "failed", "receipt", "rejected", "checkpoint", "released", "log")
+    __slots__ = ("job_id", "epoch", "started", "progress", "failed", "receipt", "rejected", "checkpoint", "released", "log", "ready")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     STARTED_FIELD_NUMBER: _ClassVar[int]
@@ -113,6 +125,7 @@ class JobUpdate(_message.Message):
     CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     RELEASED_FIELD_NUMBER: _ClassVar[int]
     LOG_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     epoch: int
     started: JobStarted
@@ -123,21 +136,34 @@ class JobUpdate(_message.Message):
     checkpoint: CheckpointReport
     released: JobReleased
     log: JobLog
-    def __init__(self, job_id: _Optional[str] = ..., epoch: _Optional[int] = ..., started: _Optional[_Union[JobStarted, _Mapping]] = ..., progress: _Optional[_Union[_types_pb2.Progress, _Mapping]] = ..., failed: _Optional[_Union[JobFailed, _Mapping]] = ..., receipt: _Optional[_Union[_types_pb2.Envelope, _Mapping]] = ..., rejected: _Optional[_Union[JobRejected, _Mapping]] = ..., checkpoint: _Optional[_Union[CheckpointReport, _Mapping]] = ..., released: _Optional[_Union[JobReleased, _Mapping]] = ..., log: _Optional[_Union[JobLog, _Mapping]] = ...) -> None: ...
+    ready: ReplicaReady
+    def __init__(self, job_id: _Optional[str] = ..., epoch: _Optional[int] = ..., started: _Optional[_Union[JobStarted, _Mapping]] = ..., progress: _Optional[_Union[_types_pb2.Progress, _Mapping]] = ..., failed: _Optional[_Union[JobFailed, _Mapping]] = ..., receipt: _Optional[_Union[_types_pb2.Envelope, _Mapping]] = ..., rejected: _Optional[_Union[JobRejected, _Mapping]] = ..., checkpoint: _Optional[_Union[CheckpointReport, _Mapping]] = ..., released: _Optional[_Union[JobReleased, _Mapping]] = ..., log: _Optional[_Union[JobLog, _Mapping]] = ..., ready: _Optional[_Union[ReplicaReady, _Mapping]] = ...) -> None: ...
+
+class InferenceChunk(_message.Message):
+    __slots__ = ("request_id", "data", "last")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    data: bytes
+    last: bool
+    def __init__(self, request_id: _Optional[str] = ..., data: _Optional[bytes] = ..., last: _Optional[bool] = ...) -> None: ...
 
 class ProviderMessage(_message.Message):
-    __slots__ = ("hello", "proof", "offer", "heartbeat", "job_update")
+    __slots__ = ("hello", "proof", "offer", "heartbeat", "job_update", "chunk")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     PROOF_FIELD_NUMBER: _ClassVar[int]
     OFFER_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     JOB_UPDATE_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
     hello: ProviderHello
     proof: _types_pb2.Envelope
     offer: _types_pb2.Envelope
     heartbeat: Heartbeat
     job_update: JobUpdate
-    def __init__(self, hello: _Optional[_Union[ProviderHello, _Mapping]] = ..., proof: _Optional[_Union[_types_pb2.Envelope, _Mapping]] = ..., offer: _Optional[_Union[_types_pb2.Envelope, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., job_update: _Optional[_Union[JobUpdate, _Mapping]] = ...) -> None: ...
+    chunk: InferenceChunk
+    def __init__(self, hello: _Optional[_Union[ProviderHello, _Mapping]] = ..., proof: _Optional[_Union[_types_pb2.Envelope, _Mapping]] = ..., offer: _Optional[_Union[_types_pb2.Envelope, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., job_update: _Optional[_Union[JobUpdate, _Mapping]] = ..., chunk: _Optional[_Union[InferenceChunk, _Mapping]] = ...) -> None: ...
 
 class CancelLease(_message.Message):
     __slots__ = ("job_id", "epoch", "reason")
@@ -161,16 +187,42 @@ class UpdateSettled(_message.Message):
     reason: str
     def __init__(self, job_id: _Optional[str] = ..., epoch: _Optional[int] = ..., accepted: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
 
+class InferenceRequest(_message.Message):
+    __slots__ = ("request_id", "job_id", "epoch", "body")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    BODY_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    job_id: str
+    epoch: int
+    body: bytes
+    def __init__(self, request_id: _Optional[str] = ..., job_id: _Optional[str] = ..., epoch: _Optional[int] = ..., body: _Optional[bytes] = ...) -> None: ...
+
+class InferenceCancel(_message.Message):
+    __slots__ = ("request_id", "job_id", "epoch")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    job_id: str
+    epoch: int
+    def __init__(self, request_id: _Optional[str] = ..., job_id: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
+
 class BrokerMessage(_message.Message):
-    __slots__ = ("challenge", "welcome", "lease", "cancel", "settled")
+    __slots__ = ("challenge", "welcome", "lease", "cancel", "settled", "infer", "infer_cancel")
     CHALLENGE_FIELD_NUMBER: _ClassVar[int]
     WELCOME_FIELD_NUMBER: _ClassVar[int]
     LEASE_FIELD_NUMBER: _ClassVar[int]
     CANCEL_FIELD_NUMBER: _ClassVar[int]
     SETTLED_FIELD_NUMBER: _ClassVar[int]
+    INFER_FIELD_NUMBER: _ClassVar[int]
+    INFER_CANCEL_FIELD_NUMBER: _ClassVar[int]
     challenge: SessionChallenge
     welcome: SessionWelcome
     lease: _types_pb2.Envelope
     cancel: CancelLease
     settled: UpdateSettled
-    def __init__(self, challenge: _Optional[_Union[SessionChallenge, _Mapping]] = ..., welcome: _Optional[_Union[SessionWelcome, _Mapping]] = ..., lease: _Optional[_Union[_types_pb2.Envelope, _Mapping]] = ..., cancel: _Optional[_Union[CancelLease, _Mapping]] = ..., settled: _Optional[_Union[UpdateSettled, _Mapping]] = ...) -> None: ...
+    infer: InferenceRequest
+    infer_cancel: InferenceCancel
+    def __init__(self, challenge: _Optional[_Union[SessionChallenge, _Mapping]] = ..., welcome: _Optional[_Union[SessionWelcome, _Mapping]] = ..., lease: _Optional[_Union[_types_pb2.Envelope, _Mapping]] = ..., cancel: _Optional[_Union[CancelLease, _Mapping]] = ..., settled: _Optional[_Union[UpdateSettled, _Mapping]] = ..., infer: _Optional[_Union[InferenceRequest, _Mapping]] = ..., infer_cancel: _Optional[_Union[InferenceCancel, _Mapping]] = ...) -> None: ...

@@ -277,3 +277,133 @@ class TopUpResponse(_message.Message):
     state: _types_pb2.JobState
     billing: _types_pb2.JobBilling
     def __init__(self, state: _Optional[_Union[_types_pb2.JobState, str]] = ..., billing: _Optional[_Union[_types_pb2.JobBilling, _Mapping]] = ...) -> None: ...
+
+class EndpointReplica(_message.Message):
+    __slots__ = ("job_id", "state", "provider_id", "ready", "draining", "in_flight", "max_concurrency", "tpot_ms", "requests", "engine")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    PROVIDER_ID_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONCURRENCY_FIELD_NUMBER: _ClassVar[int]
+    TPOT_MS_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    state: _types_pb2.JobState
+    provider_id: str
+    ready: bool
+    draining: bool
+    in_flight: int
+    max_concurrency: int
+    tpot_ms: float
+    requests: int
+    engine: str
+    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[_Union[_types_pb2.JobState, str]] = ..., provider_id: _Optional[str] = ..., ready: _Optional[bool] = ..., draining: _Optional[bool] = ..., in_flight: _Optional[int] = ..., max_concurrency: _Optional[int] = ..., tpot_ms: _Optional[float] = ..., requests: _Optional[int] = ..., engine: _Optional[str] = ...) -> None: ...
+
+class EndpointLoad(_message.Message):
+    __slots__ = ("in_flight", "queued", "requests", "errors", "prompt_tokens", "output_tokens", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms")
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    ERRORS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TTFT_P50_MS_FIELD_NUMBER: _ClassVar[int]
+    TTFT_P99_MS_FIELD_NUMBER: _ClassVar[int]
+    TPOT_P50_MS_FIELD_NUMBER: _ClassVar[int]
+    TPOT_P99_MS_FIELD_NUMBER: _ClassVar[int]
+    in_flight: int
+    queued: int
+    requests: int
+    errors: int
+    prompt_tokens: int
+    output_tokens: int
+    ttft_p50_ms: float
+    ttft_p99_ms: float
+    tpot_p50_ms: float
+    tpot_p99_ms: float
+    def __init__(self, in_flight: _Optional[int] = ..., queued: _Optional[int] = ..., requests: _Optional[int] = ..., errors: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., ttft_p50_ms: _Optional[float] = ..., ttft_p99_ms: _Optional[float] = ..., tpot_p50_ms: _Optional[float] = ..., tpot_p99_ms: _Optional[float] = ...) -> None: ...
+
+class EndpointKey(_message.Message):
+    __slots__ = ("key_id", "created_at_ms", "revoked_at_ms")
+    KEY_ID_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_MS_FIELD_NUMBER: _ClassVar[int]
+    REVOKED_AT_MS_FIELD_NUMBER: _ClassVar[int]
+    key_id: str
+    created_at_ms: int
+    revoked_at_ms: int
+    def __init__(self, key_id: _Optional[str] = ..., created_at_ms: _Optional[int] = ..., revoked_at_ms: _Optional[int] = ...) -> None: ...
+
+class Endpoint(_message.Message):
+    __slots__ = ("job_id", "name", "state", "task", "min_replicas", "max_replicas", "target", "replicas", "load", "events", "keys", "api_base", "error", "created_at_ms")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    TASK_FIELD_NUMBER: _ClassVar[int]
+    MIN_REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    MAX_REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    API_BASE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_MS_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    name: str
+    state: _types_pb2.JobState
+    task: str
+    min_replicas: int
+    max_replicas: int
+    target: int
+    replicas: _containers.RepeatedCompositeFieldContainer[EndpointReplica]
+    load: EndpointLoad
+    events: _containers.RepeatedCompositeFieldContainer[_types_pb2.JobEvent]
+    keys: _containers.RepeatedCompositeFieldContainer[EndpointKey]
+    api_base: str
+    error: str
+    created_at_ms: int
+    def __init__(self, job_id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[_types_pb2.JobState, str]] = ..., task: _Optional[str] = ..., min_replicas: _Optional[int] = ..., max_replicas: _Optional[int] = ..., target: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[EndpointReplica, _Mapping]]] = ..., load: _Optional[_Union[EndpointLoad, _Mapping]] = ..., events: _Optional[_Iterable[_Union[_types_pb2.JobEvent, _Mapping]]] = ..., keys: _Optional[_Iterable[_Union[EndpointKey, _Mapping]]] = ..., api_base: _Optional[str] = ..., error: _Optional[str] = ..., created_at_ms: _Optional[int] = ...) -> None: ...
+
+class ListEndpointsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListEndpointsResponse(_message.Message):
+    __slots__ = ("endpoints",)
+    ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
+    endpoints: _containers.RepeatedCompositeFieldContainer[Endpoint]
+    def __init__(self, endpoints: _Optional[_Iterable[_Union[Endpoint, _Mapping]]] = ...) -> None: ...
+
+class GetEndpointRequest(_message.Message):
+    __slots__ = ("endpoint", "events")
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    endpoint: str
+    events: int
+    def __init__(self, endpoint: _Optional[str] = ..., events: _Optional[int] = ...) -> None: ...
+
+class GetEndpointResponse(_message.Message):
+    __slots__ = ("endpoint",)
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    endpoint: Endpoint
+    def __init__(self, endpoint: _Optional[_Union[Endpoint, _Mapping]] = ...) -> None: ...
+
+class EndpointKeyRequest(_message.Message):
+    __slots__ = ("endpoint", "key_id")
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    KEY_ID_FIELD_NUMBER: _ClassVar[int]
+    endpoint: str
+    key_id: str
+    def __init__(self, endpoint: _Optional[str] = ..., key_id: _Optional[str] = ...) -> None: ...
+
+class EndpointKeyResponse(_message.Message):
+    __slots__ = ("key", "secret")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    SECRET_FIELD_NUMBER: _ClassVar[int]
+    key: EndpointKey
+    secret: str
+    def __init__(self, key: _Optional[_Union[EndpointKey, _Mapping]] = ..., secret: _Optional[str] = ...) -> None: ...

@@ -89,6 +89,26 @@ class MarketplaceStub:
                 request_serializer=gpumarket_dot_proto_dot_v1_dot_marketplace__pb2.TopUpRequest.SerializeToString,
                 response_deserializer=gpumarket_dot_proto_dot_v1_dot_marketplace__pb2.TopUpResponse.FromString,
                 _registered_method=True)
+        self.ListEndpoints = channel.unary_unary(
+                '/gpumarket.v1.Marketplace/ListEndpoints',
+                request_serializer=gpumarket_dot_proto_dot_v1_dot_marketplace__pb2.ListEndpointsRequest.SerializeToString,
+                response_deserializer=gpumarket_dot_proto_dot_v1_dot_marketplace__pb2.ListEndpointsResponse.FromString,
+                _registered_method=True)
+        self.GetEndpoint = channel.unary_unary(
+                '/gpumarket.v1.Marketplace/GetEndpoint',
+                request_serializer=gpumarket_dot_proto_dot_v1_dot_marketplace__pb2.GetEndpointRequest.SerializeToString,
+                response_deserializer=gpumarket_dot_proto_dot_v1_dot_marketplace__pb2.GetEndpointResponse.FromString,
+                _registered_method=True)
+        self.CreateEndpointKey = channel.unary_unary(
+                '/gpumarket.v1.Marketplace/CreateEndpointKey',
+                request_serializer=gpumarket_dot_proto_dot_v1_dot_marketplace__pb2.EndpointKeyRequest.SerializeToString,
+                response_deserializer=gpumarket_dot_proto_dot_v1_dot_marketplace__pb2.EndpointKeyResponse.FromString,
+                _registered_method=True)
+        self.RevokeEndpointKey = channel.unary_unary(
+                '/gpumarket.v1.Marketplace/RevokeEndpointKey',
+                request_serializer=gpumarket_dot_proto_dot_v1_dot_marketplace__pb2.EndpointKeyRequest.SerializeToString,
+                response_deserializer=gpumarket_dot_proto_dot_v1_dot_marketplace__pb2.EndpointKeyResponse.FromString,
+                _registered_method=True)
 
 
 class MarketplaceServicer:
@@ -160,6 +180,31 @@ class MarketplaceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListEndpoints(self, request, context):
+        """Endpoints (docs/serving.md): created with SubmitJob (kind endpoint), deleted with CancelJob.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetEndpoint(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CreateEndpointKey(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RevokeEndpointKey(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MarketplaceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -217,6 +262,26 @@ def add_MarketplaceServicer_to_server(servicer, server):
                     servicer.TopUp,
                     request_deserializer=gpumarket_dot_proto_dot_v1_dot_marketplace__pb2.TopUpRequest.FromString,
                     response_serializer=gpumarket_dot_proto_dot_v1_dot_marketplace__pb2.TopUpResponse.SerializeToString,
+            ),
+            'ListEndpoints': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListEndpoints,
+                    request_deserializer=gpumarket_dot_proto_dot_v1_dot_marketplace__pb2.ListEndpointsRequest.FromString,
+                    response_serializer=gpumarket_dot_proto_dot_v1_dot_marketplace__pb2.ListEndpointsResponse.SerializeToString,
+            ),
+            'GetEndpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetEndpoint,
+                    request_deserializer=gpumarket_dot_proto_dot_v1_dot_marketplace__pb2.GetEndpointRequest.FromString,
+                    response_serializer=gpumarket_dot_proto_dot_v1_dot_marketplace__pb2.GetEndpointResponse.SerializeToString,
+            ),
+            'CreateEndpointKey': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateEndpointKey,
+                    request_deserializer=gpumarket_dot_proto_dot_v1_dot_marketplace__pb2.EndpointKeyRequest.FromString,
+                    response_serializer=gpumarket_dot_proto_dot_v1_dot_marketplace__pb2.EndpointKeyResponse.SerializeToString,
+            ),
+            'RevokeEndpointKey': grpc.unary_unary_rpc_method_handler(
+                    servicer.RevokeEndpointKey,
+                    request_deserializer=gpumarket_dot_proto_dot_v1_dot_marketplace__pb2.EndpointKeyRequest.FromString,
+                    response_serializer=gpumarket_dot_proto_dot_v1_dot_marketplace__pb2.EndpointKeyResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -516,6 +581,114 @@ class Marketplace:
             '/gpumarket.v1.Marketplace/TopUp',
             gpumarket_dot_proto_dot_v1_dot_marketplace__pb2.TopUpRequest.SerializeToString,
             gpumarket_dot_proto_dot_v1_dot_marketplace__pb2.TopUpResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListEndpoints(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gpumarket.v1.Marketplace/ListEndpoints',
+            gpumarket_dot_proto_dot_v1_dot_marketplace__pb2.ListEndpointsRequest.SerializeToString,
+            gpumarket_dot_proto_dot_v1_dot_marketplace__pb2.ListEndpointsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetEndpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gpumarket.v1.Marketplace/GetEndpoint',
+            gpumarket_dot_proto_dot_v1_dot_marketplace__pb2.GetEndpointRequest.SerializeToString,
+            gpumarket_dot_proto_dot_v1_dot_marketplace__pb2.GetEndpointResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CreateEndpointKey(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gpumarket.v1.Marketplace/CreateEndpointKey',
+            gpumarket_dot_proto_dot_v1_dot_marketplace__pb2.EndpointKeyRequest.SerializeToString,
+            gpumarket_dot_proto_dot_v1_dot_marketplace__pb2.EndpointKeyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RevokeEndpointKey(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gpumarket.v1.Marketplace/RevokeEndpointKey',
+            gpumarket_dot_proto_dot_v1_dot_marketplace__pb2.EndpointKeyRequest.SerializeToString,
+            gpumarket_dot_proto_dot_v1_dot_marketplace__pb2.EndpointKeyResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -14,6 +14,7 @@ class JobKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     JOB_KIND_GENERATE: _ClassVar[JobKind]
     JOB_KIND_EMBED: _ClassVar[JobKind]
     JOB_KIND_RENDER: _ClassVar[JobKind]
+    JOB_KIND_ENDPOINT: _ClassVar[JobKind]
 
 class Accelerator(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -52,6 +53,7 @@ JOB_KIND_TRAINING: JobKind
 JOB_KIND_GENERATE: JobKind
 JOB_KIND_EMBED: JobKind
 JOB_KIND_RENDER: JobKind
+JOB_KIND_ENDPOINT: JobKind
 ACCELERATOR_UNSPECIFIED: Accelerator
 ACCELERATOR_CPU: Accelerator
 ACCELERATOR_CUDA: Accelerator

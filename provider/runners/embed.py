@@ -24,6 +24,19 @@ from gpumarket.provider.runners.base import JobError
 DEFAULT_BATCH = 32
 
 
+def pool(hidden, mask, normalize: bool):
+    """One vector per row of ``hidden`` (batch, tokens, dim): the mean of its token vectors
+    over the attention ``mask`` (batch, tokens), L2-normalised if ``normalize``. The embed job
+    and the embedding endpoint share it, so both give the same vectors."""
+    import torch
+
+    weights = mask.unsqueeze(-1).to(hidden.dtype)
+    vectors = (hidden * weights).sum(1) / weights.sum(1).clamp(min=1e-9)
+    if normalize:
+        vectors = torch.nn.functional.normalize(vectors, dim=-1)
+    return vectors
+
+
 def embed(workdir: Path, report: Reporter) -> None:
     import numpy as np
     import torch
@@ -60,11 +73,7 @@ def embed(workdir: Path, report: Reporter) -> None:
                         truncation=True, max_length=max_len).to(device)
         with torch.inference_mode():
             hidden = model(**enc).last_hidden_state
-        mask = enc["attention_mask"].unsqueeze(-1).to(hidden.dtype)
-        vectors = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
-        if normalize:
-            vectors = torch.nn.functional.normalize(vectors, dim=-1)
-        vectors = vectors.float().cpu().numpy()
+        vectors = pool(hidden, enc["attention_mask"], normalize).float().cpu().numpy()
         tokens += int(enc["attention_mask"].sum())
         latencies.append(time.perf_counter() - start)
         # float32 bytes in base64: a quarter of the size of a JSON list, and no float repr

