@@ -14,7 +14,6 @@ import contextvars
 import hashlib
 import inspect
 import logging
-import time
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -22,6 +21,7 @@ from google.protobuf.message import DecodeError
 from gpumarket.broker.rpc import STATUS
 from gpumarket.proto.wire import TOKEN_METADATA
 from gpumarket.proto.envelope import open_envelope
+from gpumarket.proto.ratelimit import RateLimiter
 from gpumarket.proto.errors import (
     BadSignature, Expired, GpumarketError, PermissionDenied, Replay, ResourceExhausted,
 )
@@ -41,29 +41,6 @@ _caller: contextvars.ContextVar[str] = contextvars.ContextVar("caller", default=
 def caller() -> str:
     """The key id that signed the current call's token ("" for a public call)."""
     return _caller.get()
-
-
-class RateLimiter:
-    """A token bucket per key: ``rate`` calls a second, bursts of ``burst``."""
-
-    def __init__(self, rate: float, burst: float) -> None:
-        self.rate, self.burst = rate, burst
-        self._buckets: dict[str, tuple[float, float]] = {}
-
-    def allow(self, key: str) -> bool:
-        if self.rate <= 0:
-            return True
-        now = time.monotonic()
-        tokens, at = self._buckets.get(key, (self.burst, now))
-        tokens = min(self.burst, tokens + (now - at) * self.rate)
-        if len(self._buckets) > 100_000:   # forget full buckets: they would start full anyway
-            self._buckets = {k: v for k, v in self._buckets.items()
-                             if v[0] + (now - v[1]) * self.rate < self.burst}
-        if tokens < 1:
-            self._buckets[key] = (tokens, now)
-            return False
-        self._buckets[key] = (tokens - 1, now)
-        return True
 
 
 class Authenticator(grpc.aio.ServerInterceptor):

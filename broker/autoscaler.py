@@ -23,9 +23,10 @@ import logging
 import time
 from dataclasses import dataclass
 
-from gpumarket.broker import endpoints, scheduler
+from gpumarket.broker import endpoints, jobs, scheduler
 from gpumarket.broker.serving import Endpoint, Serving
 from gpumarket.broker.state import BrokerState
+from gpumarket.proto.errors import FailedPrecondition
 from gpumarket.proto.jobspec import now_ms
 from gpumarket.proto.v1 import types_pb2 as pb
 
@@ -55,7 +56,7 @@ class Watch:
 def decide(ep: Endpoint, rows: list[dict], watch: Watch, now: float, wanted: bool) -> Decision:
     """What to do for one endpoint now (pure, but for ``watch``)."""
     s = ep.settings
-    live = [r for r in rows if r["state"] != pb.JOB_STATE_PAUSED]
+    live = rows     # paused ones (their hold spent) count: a top-up resumes them
     ready = ep.ready()
     draining = [r for r in ready if r.draining]
     serving_ids = {r.job_id for r in ready}
@@ -139,12 +140,13 @@ class Autoscaler:
         for row in live:
             ep = serving.endpoints[row["id"]]
             self.state.metrics.endpoint_replicas.labels(endpoint=ep.id).set(len(ep.ready()))
-            broken = await store.read(endpoints.crash_loop, ep.id)
+            broken = "" if ep.ready() else await store.read(endpoints.crash_loop, ep.id)
             if broken:
                 ended = await store.write(endpoints.fail, ep.id, broken, now_ms())
                 self._stop(ended, broken)
                 changed = True
                 continue
+            changed |= await self._late(ep, row["replicas"])
             watch = self.watches.setdefault(ep.id, Watch(last_change=now))
             d = decide(ep, row["replicas"], watch, now, ep.id in serving.want)
             changed |= await self.apply(ep, watch, d)
@@ -160,22 +162,47 @@ class Autoscaler:
             self.state.events.notify()
             self.state.placement.notify()
 
+    async def _late(self, ep: Endpoint, rows: list[dict]) -> bool:
+        """A replica leased more than cold_start ago that never became ready is lost (its
+        provider's fault, as a missed heartbeat is): it is leased again elsewhere, and no
+        longer counts as one still starting."""
+        limit_ms = int(self.state.config.cold_start_s * 1000)
+        late = False
+        for r in rows:
+            if r["state"] in (pb.JOB_STATE_LEASED, pb.JOB_STATE_RUNNING) and \
+                    r["progress_step"] != 1 and r["issued_at_ms"] and \
+                    now_ms() - r["issued_at_ms"] > limit_ms and r["id"] not in ep.replicas:
+                why = f"not ready within {self.state.config.cold_start_s:.0f} s of its lease"
+                if await self.state.store.write(jobs.lose_lease, r["lease_id"], why, now_ms()):
+                    log.warning("endpoint %s: replica %s %s", ep.name, r["id"], why)
+                    scheduler.stop(self.state, r["id"], r["epoch"], r["provider_id"], why)
+                    late = True
+        return late
+
     async def apply(self, ep: Endpoint, watch: Watch, d: Decision) -> bool:
         store = self.state.store
+        replacing = bool(d.retire and not d.retire_why)
         for _ in range(d.add):
-            new = await store.write(endpoints.add_replica, ep.id, now_ms(), d.add_why)
+            # A drain's replacement may exceed max_replicas by one while the old one serves.
+            limit = ep.settings["max_replicas"] + (1 if replacing or watch.replacing else 0)
+            try:
+                new = await store.write(endpoints.add_replica, ep.id, now_ms(), d.add_why,
+                                        limit)
+            except FailedPrecondition as exc:
+                log.info("endpoint %s: no replica added: %s", ep.name, exc.message)
+                break
             log.info("endpoint %s: %s", ep.name, d.add_why)
-            if d.retire and not d.retire_why:      # a replacement for a draining replica
+            if replacing:      # a replacement for a draining replica
                 watch.replacing[d.retire[0]] = new
         if d.retire_why:
             for replica_id in d.retire:
+                replica = ep.replicas.get(replica_id)
+                if replica is not None:     # first: no request is sent to it meanwhile
+                    self.serving.drop(replica, "the replica was retired")
                 ended = await store.write(endpoints.retire, replica_id, d.retire_why, now_ms())
                 log.info("endpoint %s: replica %s retired: %s", ep.name, replica_id,
                          d.retire_why)
                 self._stop([ended] if ended else [], d.retire_why)
-                replica = ep.replicas.get(replica_id)
-                if replica is not None:
-                    self.serving.drop(replica, "the replica was retired")
         if d.add or d.retire_why:
             self.serving.want.discard(ep.id)
             return True

@@ -64,11 +64,15 @@ def created(db: Database, endpoint_id: str, now: int) -> None:
         add_replica(db, endpoint_id, now, "min_replicas")
 
 
-def add_replica(db: Database, endpoint_id: str, now: int, why: str) -> str:
-    """A new QUEUED replica row under the endpoint; returns its id."""
+def add_replica(db: Database, endpoint_id: str, now: int, why: str, limit: int = 0) -> str:
+    """A new QUEUED replica row under the endpoint (refused when it has ``limit`` live
+    replicas already, 0 = its max_replicas); returns its id."""
     top = jobs.job_row(db, endpoint_id)
     if top["state"] != pb.JOB_STATE_RUNNING:
         raise FailedPrecondition(f"endpoint {endpoint_id} is not serving")
+    limit = limit or settings_of(top["spec"])["max_replicas"]
+    if len(replicas(db, endpoint_id)) >= limit:
+        raise FailedPrecondition(f"endpoint {endpoint_id} has {limit} live replicas already")
     n = db.execute("SELECT coalesce(max(part), 0) + 1 FROM jobs WHERE parent_id = ?",
                    [endpoint_id]).fetchone()[0]
     replica_id = f"{endpoint_id}-r{n}"
@@ -114,13 +118,22 @@ def fail(db: Database, endpoint_id: str, error: str, now: int) -> list[jobs.Ende
 
 
 def crash_loop(db: Database, endpoint_id: str) -> str:
-    """The error of the last CRASH_LOOP replicas if each failed before it was ever ready
-    (``progress_step`` is 1 once a replica was); "" otherwise."""
-    rows = db.execute("SELECT state, progress_step, error FROM jobs WHERE parent_id = ?"
-                      " ORDER BY part DESC LIMIT ?", [endpoint_id, CRASH_LOOP]).fetchall()
-    if len(rows) < CRASH_LOOP or any(s != pb.JOB_STATE_FAILED or ready for s, ready, _ in rows):
-        return ""
-    return f"{CRASH_LOOP} replicas in a row failed before serving; the last: {rows[0][2]}"
+    """The error of the last replicas if each failed before it was ever ready
+    (``progress_step`` is 1 once a replica was): CRASH_LOOP of them on at least two
+    providers, or twice as many on any (one provider alone cannot fail an endpoint that
+    others could serve); "" otherwise."""
+    rows = db.execute("SELECT state, progress_step, error, provider_id FROM jobs"
+                      " WHERE parent_id = ? ORDER BY part DESC LIMIT ?",
+                      [endpoint_id, 2 * CRASH_LOOP]).fetchall()
+    failed = 0
+    for state, ready, _, _ in rows:
+        if state != pb.JOB_STATE_FAILED or ready:
+            break
+        failed += 1
+    providers = {r[3] for r in rows[:failed]}
+    if failed >= 2 * CRASH_LOOP or (failed >= CRASH_LOOP and len(providers) >= 2):
+        return f"{failed} replicas in a row failed before serving; the last: {rows[0][2]}"
+    return ""
 
 
 def mark_ready(db: Database, job_id: str, epoch: int, provider_id: str, engine: str,
@@ -153,8 +166,9 @@ def live(db: Database) -> list[dict]:
 
 def replicas(db: Database, endpoint_id: str) -> list[dict]:
     cur = db.execute(
-        f"SELECT id, part, state, epoch, provider_id, progress_step, attempt FROM jobs"
-        f" WHERE parent_id = ? AND state IN ({','.join('?' * len(LIVE))}) ORDER BY part",
+        f"SELECT j.id, j.part, j.state, j.epoch, j.provider_id, j.progress_step, j.attempt,"
+        f" j.lease_id, l.issued_at_ms FROM jobs j LEFT JOIN leases l ON l.id = j.lease_id"
+        f" WHERE j.parent_id = ? AND j.state IN ({','.join('?' * len(LIVE))}) ORDER BY j.part",
         [endpoint_id, *LIVE])
     cols = [d[0] for d in cur.description]
     return [dict(zip(cols, r)) for r in cur.fetchall()]

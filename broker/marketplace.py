@@ -170,7 +170,7 @@ class MarketplaceServicer(marketplace_pb2_grpc.MarketplaceServicer):
         row = await self.state.store.write(endpoints.revoke_key, caller(), request.endpoint,
                                            request.key_id, now_ms())
         if self.state.serving is not None:
-            self.state.serving.keys.clear()     # a revoked key stops working at once
+            self.state.serving.forget_keys()     # a revoked key stops working at once
         self.state.events.notify()
         return mp.EndpointKeyResponse(key=mp.EndpointKey(**row))
 
@@ -190,7 +190,7 @@ class MarketplaceServicer(marketplace_pb2_grpc.MarketplaceServicer):
             raise BadSignature("cancel order is dated more than 10 minutes off (check the clock)")
         state, ended = await self.state.store.write(jobs.cancel, order.job_id, client_id, now_ms())
         if self.state.serving is not None:     # a deleted endpoint's keys stop at once
-            self.state.serving.keys.clear()
+            self.state.serving.forget_keys()
             self.state.serving.sync(await self.state.store.read(endpoints.live))
         for lease in ended:
             session = self.state.sessions.get(lease.provider_id)

@@ -13,6 +13,7 @@ import array
 import base64
 import json
 import logging
+import math
 import secrets
 import time
 
@@ -30,7 +31,7 @@ MAX_INPUTS = 2048               # texts in one embeddings request
 MAX_TEXT = 1 << 20              # characters of one prompt, message or input
 DEFAULT_LIMIT = 4096            # max_tokens allowed when neither endpoint nor replica says
 KEY_CACHE_S = 2.0               # a key's lookup is reused this long (revoking clears it)
-ROLES = ("system", "developer", "user", "assistant", "tool")
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
          404: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error"}
 ENGINE_STATUSES = (400, 413, 429, 500, 502, 503, 504)
@@ -86,7 +87,7 @@ def completion_request(body: dict, chat: bool, limit: int) -> dict:
             if not isinstance(m, dict) or m.get("role") not in ROLES:
                 raise ApiError(400, f"messages[{i}] needs a role ({', '.join(ROLES)})",
                                f"messages[{i}].role")
-            out["messages"].append({"role": m["role"],
+            out["messages"].append({"role": ROLES[m["role"]],
                                     "content": _text(m.get("content") or "",
                                                      f"messages[{i}].content")})
     else:
@@ -125,6 +126,11 @@ def completion_request(body: dict, chat: bool, limit: int) -> dict:
     out["seed"] = seed
     if not isinstance(body.get("stream", False), bool):
         raise ApiError(400, "stream must be true or false", "stream")
+    options = body.get("stream_options")
+    if options is not None and (not isinstance(options, dict) or not isinstance(
+            options.get("include_usage", False), bool)):
+        raise ApiError(400, "stream_options must be an object like {\"include_usage\": true}",
+                       "stream_options")
     return out
 
 
@@ -162,8 +168,11 @@ class OpenAIApi:
         if hit is None or time.monotonic() - hit[1] > KEY_CACHE_S:
             if len(cache) > 10_000:
                 cache.clear()
+            generation = self.serving.keys_generation
             endpoint_id = await self.state.store.read(endpoints.key_endpoint, secret)
-            cache[secret] = hit = (endpoint_id, time.monotonic())
+            hit = (endpoint_id, time.monotonic())
+            if generation == self.serving.keys_generation:   # no revocation meanwhile
+                cache[secret] = hit
         ep = self.serving.endpoints.get(hit[0]) if hit[0] else None
         if ep is None and hit[0]:
             # Created since the autoscaler's last pass: bring the router up to date now.
@@ -181,8 +190,8 @@ class OpenAIApi:
             raise ApiError(413, f"the request is larger than {MAX_BODY:,} bytes") from exc
         try:
             body = json.loads(raw)
-        except ValueError as exc:
-            raise ApiError(400, "the request body is not JSON") from exc
+        except (ValueError, RecursionError) as exc:
+            raise ApiError(400, "the request body is not JSON (or is nested too deeply)") from exc
         if not isinstance(body, dict):
             raise ApiError(400, "the request body must be a JSON object")
         if body.get("model") != ep.name:
@@ -191,11 +200,11 @@ class OpenAIApi:
                            "model", "model_not_found")
         return body
 
-    def _limit(self, ep: Endpoint) -> int:
-        if ep.settings["max_tokens"]:
-            return ep.settings["max_tokens"]
-        lens = [r.max_seq_len for r in ep.ready() if r.max_seq_len]
-        return ep.settings["max_seq_len"] or (min(lens) if lens else DEFAULT_LIMIT)
+    @staticmethod
+    def _limit(ep: Endpoint) -> int:
+        """The largest max_tokens a request may ask: the endpoint's own settings (what a
+        replica announces is not trusted; its engine refuses what does not fit the model)."""
+        return ep.settings["max_tokens"] or ep.settings["max_seq_len"] or DEFAULT_LIMIT
 
     def _count(self, ep: Endpoint | None, status: int) -> None:
         self.state.metrics.endpoint_requests.labels(endpoint=ep.id if ep else "",
@@ -317,8 +326,8 @@ class OpenAIApi:
             await answer.aclose()
             vectors = final.get("embeddings")
             if not isinstance(vectors, list) or len(vectors) != len(texts) or not all(
-                    isinstance(v, list) and all(isinstance(x, (int, float)) for x in v)
-                    for v in vectors):
+                    isinstance(v, list) and all(type(x) in (int, float) and math.isfinite(x)
+                                                for x in v) for v in vectors):
                 raise ApiError(502, "the replica's embeddings are malformed")
         except ApiError as exc:
             self._count(ep, exc.status)

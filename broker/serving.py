@@ -29,6 +29,11 @@ MAX_BUFFER = 4 << 20        # an answer's bytes not yet a whole line
 MAX_ANSWER = 64 << 20       # all of one answer's bytes
 STATS_KEPT = 1000           # latest TTFT/TPOT samples per endpoint for `endpoint show`
 RETRIES = 2                 # another replica for a request nothing was streamed for yet
+MAX_REQUEST = (4 << 20) - (64 << 10)   # an InferenceRequest's body: under gRPC's 4 MiB
+MAX_HELD_BYTES = 64 << 20   # request bodies waiting or in flight, over all endpoints
+DEADLINE_TIMEOUTS = 4       # a request ends after this many request_timeouts in all
+BENCH_AFTER = 3             # server errors in a row after which a replica is chosen last ...
+BENCH_S = 30.0              # ... for this long
 TPOT_WEIGHT = 0.2           # exponential average of a replica's time per output token
 
 
@@ -55,7 +60,14 @@ class Replica:
     tpot_s: float = 0.0
     requests: int = 0
     draining: bool = False
+    failures: int = 0           # server errors in a row
+    benched_until: float = 0.0  # after BENCH_AFTER of them: chosen last until then
     usage: list[int] = field(default_factory=lambda: [0, 0, 0, 0])  # req, err, in, out
+
+    def failed(self) -> None:
+        self.failures += 1
+        if self.failures >= BENCH_AFTER:
+            self.benched_until = time.monotonic() + BENCH_S
 
     @property
     def lease_id(self) -> str:
@@ -86,12 +98,20 @@ class Endpoint:
     def ready(self) -> list[Replica]:
         return [r for r in self.replicas.values() if r.max_concurrency > 0]
 
-    def best(self) -> Replica | None:
-        free = [r for r in self.ready() if r.in_flight < r.max_concurrency]
-        if not free:
+    def best(self, tried: set[str] = frozenset()) -> Replica | None:
+        """The ready replica with a free slot to send a request to: one it was not tried on
+        yet, not failing, not draining, fewest in flight, then fastest (a replica not measured
+        yet counts as the slowest measured)."""
+        ready = self.ready()
+        if any(r.job_id not in tried for r in ready):     # wait for one not tried yet
+            ready = [r for r in ready if r.job_id not in tried]
+        untried = [r for r in ready if r.in_flight < r.max_concurrency]
+        if not untried:
             return None
-        # Draining replicas only while nothing else can take it.
-        return min(free, key=lambda r: (r.draining, r.in_flight, r.tpot_s))
+        slowest = max((r.tpot_s for r in untried), default=0.0)
+        now = time.monotonic()
+        return min(untried, key=lambda r: (r.benched_until > now, r.draining, r.in_flight,
+                                           r.tpot_s or slowest))
 
     def wake(self) -> None:
         while self.waiting:
@@ -99,6 +119,12 @@ class Endpoint:
             if not fut.done():
                 fut.set_result(None)
                 return
+
+
+@dataclass(frozen=True)
+class Limits:
+    request_bytes: int
+    max_tokens: int             # 0 for embeddings
 
 
 @dataclass
@@ -109,6 +135,8 @@ class Pending:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     buffer: bytearray = field(default_factory=bytearray)
     received: int = 0
+    pieces: int = 0
+    max_pieces: int = 0        # a completion's pieces: at most one per token (and one spare)
     done: bool = False
 
 
@@ -128,10 +156,18 @@ class Serving:
         # know yet.
         self.announced: dict[tuple[str, int], tuple[str, gw.ReplicaReady]] = {}
         self.leftover: list[tuple] = []      # usage of replicas dropped since the last take
+        self.held_bytes = 0                  # request bodies waiting or in flight
         self.kick = asyncio.Event()
         self.keys: dict[str, tuple[str | None, float]] = {}   # openai_api's key lookups
+        self.keys_generation = 0             # bumped by forget_keys
         self._ids = itertools.count(1)
         self._prefix = secrets.token_hex(4)
+
+    def forget_keys(self) -> None:
+        """A key was revoked or an endpoint deleted: no cached lookup is used again (and
+        none in flight is stored)."""
+        self.keys.clear()
+        self.keys_generation += 1
 
     # -- kept in step with the database by the autoscaler ---------------------------------
 
@@ -161,9 +197,11 @@ class Serving:
                 del self.announced[key]
         for endpoint_id in list(self.endpoints):
             if endpoint_id not in seen:
-                ep = self.endpoints.pop(endpoint_id)
+                ep = self.endpoints.pop(endpoint_id)   # first: its requests are not retried
                 for replica in list(ep.replicas.values()):
-                    self.drop(replica, "the endpoint stopped serving")
+                    ep.replicas.pop(replica.job_id)
+                    self._spill(replica)
+                    self._fail_requests(replica, "the endpoint stopped serving")
                 while ep.waiting:
                     fut = ep.waiting.popleft()
                     if not fut.done():
@@ -214,6 +252,9 @@ class Serving:
         if ep is not None and ep.replicas.get(replica.job_id) is replica:
             del ep.replicas[replica.job_id]
             self._spill(replica)
+        self._fail_requests(replica, why)
+
+    def _fail_requests(self, replica: Replica, why: str) -> None:
         for p in list(self.pending.values()):
             if p.replica is replica and not p.done:
                 self._finish(p, {"error": why, "status": 503, "lost": True, "done": True})
@@ -225,31 +266,40 @@ class Serving:
         if p is None or p.done or p.replica.provider_id != provider_id:
             return      # not a request this provider was sent (or it is over)
         p.received += len(chunk.data)
-        p.buffer += chunk.data
-        if p.received > MAX_ANSWER or len(p.buffer) > MAX_BUFFER:
-            self._finish(p, {"error": "the replica's answer is too large", "status": 502,
-                             "done": True})
-            self.cancel_on_provider(p)
+        if p.received > MAX_ANSWER or len(p.buffer) + len(chunk.data) > MAX_BUFFER:
+            self._refuse(p, "the replica's answer is too large")
             return
-        *lines, rest = p.buffer.split(b"\n")
+        if b"\n" not in chunk.data and not chunk.last:   # more of a line: only new bytes
+            p.buffer += chunk.data                      # are looked at
+            return
+        *lines, rest = chunk.data.split(b"\n")
+        lines[0] = bytes(p.buffer) + lines[0]
         p.buffer = bytearray(rest)
+        if chunk.last and rest:         # a last line without its newline
+            lines.append(rest)
         for line in lines:
             try:
                 message = json.loads(line)
-            except ValueError:
+            except (ValueError, RecursionError):
                 message = None
             if not isinstance(message, dict):
-                self._finish(p, {"error": "the replica sent a malformed answer", "status": 502,
-                                 "done": True})
-                self.cancel_on_provider(p)
+                self._refuse(p, "the replica sent a malformed answer")
                 return
             if message.get("done"):
                 self._finish(p, message)
                 return
+            p.pieces += 1
+            if p.pieces > p.max_pieces:
+                self._refuse(p, "the replica sent more pieces than the request's max_tokens")
+                return
             p.queue.put_nowait(message)
         if chunk.last:
-            self._finish(p, {"error": "the replica ended the answer early", "status": 502,
-                             "done": True})
+            self._refuse(p, "the replica ended the answer early")
+
+    def _refuse(self, p: Pending, why: str) -> None:
+        """End a request whose replica broke the protocol: 502, and the engine stops on it."""
+        self._finish(p, {"error": why, "status": 502, "done": True})
+        self.cancel_on_provider(p)
 
     def _finish(self, p: Pending, message: dict) -> None:
         p.done = True
@@ -263,10 +313,12 @@ class Serving:
 
     # -- requests ----------------------------------------------------------------------------
 
-    async def _acquire(self, ep: Endpoint) -> Replica:
+    async def _acquire(self, ep: Endpoint, tried: set[str] = frozenset()) -> Replica:
         began = time.monotonic()
         while True:
-            replica = ep.best()
+            if self.endpoints.get(ep.id) is not ep:
+                raise Refused(503, f"endpoint {ep.name} stopped serving")
+            replica = ep.best(tried)
             if replica is not None:
                 replica.in_flight += 1
                 ep.in_flight += 1
@@ -306,12 +358,33 @@ class Serving:
         one final message with "done"). A request nothing was streamed for yet is tried again
         on another replica when its replica goes away."""
         began = ep.last_request = time.monotonic()
-        first: float | None = None
         ep.requests += 1
-        data = json.dumps(body).encode()
+        data = json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+        if len(data) > MAX_REQUEST:
+            raise Refused(413, f"the request is {len(data):,} bytes as the replica would get it,"
+                          f" more than {MAX_REQUEST:,}")
+        if self.held_bytes + len(data) > MAX_HELD_BYTES:
+            raise Refused(429, "the broker holds too many requests' bytes now; retry later",
+                          retry_after=1)
+        self.held_bytes += len(data)
+        limits = Limits(len(data), int(body.get("max_tokens") or 0))
+        deadline = began + DEADLINE_TIMEOUTS * self.request_timeout_s
+        attempts = self._attempts(ep, data, limits, deadline, set(), began)
+        try:
+            async for message in attempts:
+                yield message
+        finally:
+            await attempts.aclose()     # its cleanup now, not when it is collected
+            self.held_bytes -= len(data)
+
+    async def _attempts(self, ep: Endpoint, data: bytes, limits: "Limits", deadline: float,
+                        tried: set[str], began: float) -> AsyncIterator[dict]:
+        first: float | None = None
         for attempt in range(RETRIES + 1):
-            replica = await self._acquire(ep)
-            p = Pending(f"{self._prefix}-{next(self._ids)}", ep, replica)
+            replica = await self._acquire(ep, tried)
+            tried.add(replica.job_id)
+            p = Pending(f"{self._prefix}-{next(self._ids)}", ep, replica,
+                        max_pieces=limits.max_tokens + 1)
             self.pending[p.id] = p
             streamed = False
             try:
@@ -323,24 +396,29 @@ class Serving:
                         request_id=p.id, job_id=replica.job_id, epoch=replica.epoch,
                         body=data)))
                 while True:
+                    wait = min(self.request_timeout_s, deadline - time.monotonic())
                     try:
-                        message = await asyncio.wait_for(p.queue.get(), self.request_timeout_s)
+                        message = await asyncio.wait_for(p.queue.get(), max(wait, 0))
                     except TimeoutError:
                         self.cancel_on_provider(p)
+                        p.done = True
                         message = {"error": f"the replica sent nothing for"
-                                   f" {self.request_timeout_s:.0f} s", "status": 504,
-                                   "done": True}
+                                   f" {self.request_timeout_s:.0f} s" if wait > 0 else
+                                   f"the request ran past its limit of"
+                                   f" {DEADLINE_TIMEOUTS * self.request_timeout_s:.0f} s",
+                                   "status": 504, "done": True}
                     last = bool(message.get("done"))
                     if not last and first is None:
                         first = time.monotonic()
                     retry = (last and not streamed and attempt < RETRIES
                              and message.get("status") == 503)
                     if retry:
+                        replica.failed()
                         break
                     if not last:
                         streamed = True
                     if last:
-                        self._account(ep, replica, message, began, first)
+                        self._account(ep, replica, message, began, first, limits)
                     yield message
                     if last:
                         return
@@ -353,7 +431,7 @@ class Serving:
         raise Refused(503, f"endpoint {ep.name}: the request failed on {RETRIES + 1} replicas")
 
     def _account(self, ep: Endpoint, replica: Replica, message: dict, began: float,
-                 first: float | None) -> None:
+                 first: float | None, limits: "Limits") -> None:
         """Count a finished request: its tokens for the replica's lease, its TTFT and TPOT as
         the broker saw them (from its arrival; between its first and last pieces)."""
         now = time.monotonic()
@@ -363,14 +441,22 @@ class Serving:
         replica.usage[1] += failed
         if failed:
             ep.errors += 1
+            if message.get("status", 500) >= 500:
+                replica.failed()
         else:
-            self._tokens(ep, replica, message, began, first, now)
+            replica.failures = 0
+            self._tokens(ep, replica, message, began, first, now, limits)
         if ep.replicas.get(replica.job_id) is not replica:
             self._spill(replica)    # dropped meanwhile: counted all the same
 
     def _tokens(self, ep: Endpoint, replica: Replica, message: dict, began: float,
-                first: float | None, now: float) -> None:
-        prompt, output = _count(message.get("prompt_tokens")), _count(message.get("output_tokens"))
+                first: float | None, now: float, limits: "Limits") -> None:
+        # What the provider reports, bounded by what the request allows: no more output
+        # tokens than its max_tokens, no more prompt tokens than it has bytes (and a margin
+        # for a chat template's own).
+        prompt = min(_count(message.get("prompt_tokens")), limits.request_bytes + 256)
+        output = min(_count(message.get("output_tokens")), limits.max_tokens)
+        message["prompt_tokens"], message["output_tokens"] = prompt, output
         replica.usage[2] += prompt
         replica.usage[3] += output
         ttft = (first if first is not None else now) - began

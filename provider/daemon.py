@@ -78,7 +78,8 @@ class ProviderDaemon:
         if why:
             self.send(gw.ProviderMessage(chunk=gw.InferenceChunk(
                 request_id=request.request_id, last=True,
-                data=json.dumps({"error": why, "status": 503, "done": True}).encode())))
+                data=json.dumps({"error": why, "status": 503, "done": True}).encode()
+                + b"\n")))
 
     def on_infer_cancel(self, cancel: gw.InferenceCancel) -> None:
         job = self.jobs.get(cancel.job_id)

@@ -169,7 +169,7 @@ def test_usage_counts_are_bounded_and_survive_a_dropped_replica():
         serving, sessions = router()
         ready(serving, "p1", "r1")
         ep = serving.endpoints["ep"]
-        agen = serving.run(ep, {"op": "complete"})
+        agen = serving.run(ep, {"op": "complete", "max_tokens": 4})
         task = asyncio.create_task(collect(agen))
         await asyncio.sleep(0.05)
         rid = sent_requests(sessions["p1"])[0]
@@ -178,7 +178,7 @@ def test_usage_counts_are_bounded_and_survive_a_dropped_replica():
         await task
         serving.provider_gone("p1")
         usage = serving.take_usage()
-        assert usage == [("r1.1", "ep", "r1", "p1", 1, 0, 0, 5)]
+        assert usage == [("r1.1", "ep", "r1", "p1", 1, 0, 0, 4)]    # not over max_tokens
         assert serving.take_usage() == []
     asyncio.run(main())
 
@@ -267,3 +267,47 @@ def test_a_draining_replica_is_replaced_before_it_is_retired():
     ep.replicas["r1"].in_flight = 0
     d = decide(ep, rows(RUNNING, RUNNING), watch, now=13.0, wanted=False)
     assert d.retire == ("r1",) and "draining provider" in d.retire_why
+
+
+# -- the provider's link to its engine (provider/replica.py) -----------------------------
+
+def test_engine_link_takes_only_answers_to_open_requests_and_bounds_them():
+    import socket
+
+    from gpumarket.provider import replica
+
+    async def main():
+        sent, readies = [], []
+        link = replica.EngineLink(sent.append, readies.append)
+        engine = socket.socket(fileno=link.child_fd)
+        await link.start()
+        request = gw.InferenceRequest(request_id="q1", job_id="j", epoch=1, body=b"{}")
+        assert "not ready" in link.forward(request)
+        engine.sendall(b'{"event": "ready", "engine": "e", "task": "generate",'
+                       b' "max_concurrency": 4, "max_seq_len": 99}\n')
+        await asyncio.sleep(0.05)
+        assert readies and readies[0].max_concurrency == 4
+        assert link.forward(request) == ""
+        assert json.loads(engine.recv(1000)) == {"id": "q1"}
+        # Answers to requests it was not sent, garbage, and a second "ready" are dropped.
+        engine.sendall(b'{"id": "other", "text": "x"}\nnot json\n[1]\n{"event": "ready"}\n'
+                       b'{"id": "q1", "text": "hi"}\n')
+        await asyncio.sleep(0.05)
+        assert [m.chunk.request_id for m in sent] == ["q1"] and len(readies) == 1
+        # An answer over MAX_ANSWER ends in a 502, and the engine is told to stop it.
+        replica.MAX_ANSWER, old = 100, replica.MAX_ANSWER
+        try:
+            engine.sendall(b'{"id": "q1", "text": "' + b"y" * 200 + b'"}\n')
+            await asyncio.sleep(0.05)
+        finally:
+            replica.MAX_ANSWER = old
+        final = json.loads(sent[-1].chunk.data)
+        assert sent[-1].chunk.last and final["status"] == 502, final
+        assert b'"op": "cancel"' in engine.recv(1000)
+        # The engine goes away: what it still owed ends in a 503.
+        link.forward(gw.InferenceRequest(request_id="q2", job_id="j", epoch=1, body=b"{}"))
+        engine.close()
+        await asyncio.sleep(0.05)
+        assert json.loads(sent[-1].chunk.data)["status"] == 503
+        assert sent[-1].chunk.request_id == "q2" and not link.open
+    asyncio.run(main())
