@@ -2,7 +2,9 @@
 
 Every write is a function run on the writer thread inside ``BEGIN IMMEDIATE`` …
 ``COMMIT``, so a state change and its event land together or not at all
-(the datasette ``execute_write_fn`` pattern).
+(the datasette ``execute_write_fn`` pattern). Writes queued while the writer was busy are
+committed together (group commit): each in its own savepoint, one fsync for all, every
+caller answered once its write is durable.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _STOP = object()
+MAX_GROUP = 256     # writes committed together at most
 
 
 def connect(path: Path, *, readonly: bool = False) -> Database:
@@ -49,6 +52,8 @@ class Store:
         self._local = threading.local()
         self._readers: list[Database] = []
         self._readers_lock = threading.Lock()
+        self.groups = 0             # transactions committed, and the writes in them
+        self.grouped = 0
 
     def open(self) -> None:
         """Apply migrations and start the writer thread."""
@@ -71,27 +76,54 @@ class Store:
             self._readers.clear()
 
     def _write_loop(self, db: Database) -> None:
+        """Group commit: the writes queued together run in one transaction, each inside its
+        own savepoint (one that raises is rolled back alone, as if it had its own
+        transaction), in the order they were queued; one COMMIT (one fsync) makes them all
+        durable, and only then is each caller answered."""
         while True:
-            item = self._queue.get()
-            if item is _STOP:
-                db.conn.close()
-                return
-            fn, args, loop, future, transaction = item
-            try:
-                if not transaction:  # VACUUM cannot run inside a transaction
-                    result = fn(db, *args)
-                else:
-                    db.conn.execute("BEGIN IMMEDIATE")
+            batch = [self._queue.get()]
+            while len(batch) < MAX_GROUP and batch[-1] is not _STOP and batch[-1][4]:
+                try:
+                    batch.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            group = [item for item in batch if item is not _STOP and item[4]]
+            if group:
+                self._commit_group(db, group)
+            for item in batch:
+                if item is _STOP:
+                    db.conn.close()
+                    return
+                if not item[4]:            # VACUUM cannot run inside a transaction
+                    fn, args, loop, future, _ = item
                     try:
                         result = fn(db, *args)
-                    except BaseException:
-                        db.conn.execute("ROLLBACK")
-                        raise
-                    db.conn.execute("COMMIT")
-            except BaseException as exc:  # handed to the awaiting coroutine
-                loop.call_soon_threadsafe(_settle, future, None, exc)
-            else:
-                loop.call_soon_threadsafe(_settle, future, result, None)
+                    except BaseException as exc:
+                        loop.call_soon_threadsafe(_settle, future, None, exc)
+                    else:
+                        loop.call_soon_threadsafe(_settle, future, result, None)
+
+    def _commit_group(self, db: Database, group: list) -> None:
+        outcomes = []
+        try:
+            db.conn.execute("BEGIN IMMEDIATE")
+            for fn, args, _, _, _ in group:
+                db.conn.execute("SAVEPOINT write")
+                try:
+                    outcomes.append((fn(db, *args), None))
+                except BaseException as exc:
+                    db.conn.execute("ROLLBACK TO write")
+                    outcomes.append((None, exc))
+                db.conn.execute("RELEASE write")
+            db.conn.execute("COMMIT")
+        except BaseException as exc:     # the transaction itself failed: nothing was written
+            if db.conn.in_transaction:
+                db.conn.execute("ROLLBACK")
+            outcomes = [(None, exc)] * len(group)
+        self.groups += 1
+        self.grouped += len(group)
+        for (_, _, loop, future, _), (result, exc) in zip(group, outcomes):
+            loop.call_soon_threadsafe(_settle, future, result, exc)
 
     async def write(self, fn: Callable[..., T], *args: Any, transaction: bool = True) -> T:
         """Run ``fn(db, *args)`` in one IMMEDIATE transaction on the writer thread
