@@ -45,6 +45,8 @@ bench: $(STAMP)
 	$(PY) bench/ledger.py
 	$(PY) bench/verification.py
 	$(PY) bench/serving.py
+	$(PY) bench/group_commit.py
+	$(PY) bench/scale.py
 
 clean:
 	rm -rf $(VENV) demo-output .pytest_cache
