@@ -8,7 +8,6 @@ read; no grpc here."""
 from __future__ import annotations
 
 import hashlib
-import json
 import secrets
 
 from sqlite_utils import Database
@@ -231,12 +230,6 @@ def usage_of(db: Database, endpoint_id: str) -> dict[str, int]:
     return dict(zip(("requests", "errors", "prompt_tokens", "output_tokens"), row))
 
 
-def lease_usage(db: Database, lease_id: str) -> dict[str, int]:
-    row = db.execute("SELECT requests, prompt_tokens, output_tokens FROM endpoint_usage"
-                     " WHERE lease_id = ?", [lease_id]).fetchone()
-    return dict(zip(("requests", "prompt_tokens", "output_tokens"), row or (0, 0, 0)))
-
-
 # -- API keys ----------------------------------------------------------------------------
 
 def secret_sha256(secret: str) -> str:
@@ -293,10 +286,6 @@ def events_of(db: Database, endpoint_id: str, limit: int) -> list[dict]:
                      [endpoint_id, limit])
     cols = [d[0] for d in cur.description]
     return [dict(zip(cols, r)) for r in reversed(cur.fetchall())]
-
-
-def json_settings(settings: dict) -> str:
-    return json.dumps(settings, sort_keys=True)
 
 
 def submit(db: Database, job, now: int) -> None:

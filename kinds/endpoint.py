@@ -8,8 +8,8 @@ from __future__ import annotations
 from typing import Any
 
 from gpumarket.kinds.base import Kind
-from gpumarket.kinds.inference import DTYPES
-from gpumarket.kinds.schema import NAME_RE, Param, ParamError
+from gpumarket.kinds.inference import DTYPES, check_model
+from gpumarket.kinds.schema import Param, ParamError
 from gpumarket.proto.v1 import types_pb2 as pb
 
 ENGINES = ("", "auto", "batch", "continuous", "vllm")
@@ -21,11 +21,7 @@ DEFAULT_IDLE_S = 300
 
 class Endpoint(Kind):
     def rules(self, values: dict[str, Any]) -> None:
-        if bool(values["model"]) == bool(values["model_name"]):
-            raise ParamError(self.name, "give exactly one of model or model_name")
-        if values["model_name"] and not NAME_RE.match(values["model_name"]):
-            raise ParamError(f"{self.name}.model_name",
-                             f"{values['model_name']!r} is not a plain name")
+        check_model(self.name, values)
         if values["min_replicas"] > values["max_replicas"]:
             raise ParamError(f"{self.name}.min_replicas",
                              f"{values['min_replicas']} is more than max_replicas"

@@ -30,13 +30,17 @@ def model_params(engines: tuple[str, ...] = ENGINES) -> tuple[Param, ...]:
     )
 
 
+def check_model(kind: str, values: dict[str, Any]) -> None:
+    """Exactly one of ``model`` (sent) and ``model_name`` (a plain name the provider holds)."""
+    if bool(values["model"]) == bool(values["model_name"]):
+        raise ParamError(kind, "give exactly one of model or model_name")
+    if values["model_name"] and not NAME_RE.match(values["model_name"]):
+        raise ParamError(f"{kind}.model_name", f"{values['model_name']!r} is not a plain name")
+
+
 class Inference(Kind):
     def rules(self, values: dict[str, Any]) -> None:
-        if bool(values["model"]) == bool(values["model_name"]):
-            raise ParamError(self.name, "give exactly one of model or model_name")
-        if values["model_name"] and not NAME_RE.match(values["model_name"]):
-            raise ParamError(f"{self.name}.model_name",
-                             f"{values['model_name']!r} is not a plain name")
+        check_model(self.name, values)
 
     def config_input(self, values: dict[str, Any]) -> tuple[str, bool] | None:
         return (values["model"], True) if values["model"] else None
