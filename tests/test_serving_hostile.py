@@ -213,10 +213,9 @@ def test_a_replicas_claimed_concurrency_is_capped_by_the_endpoint():
 
 def test_a_malformed_or_nested_answer_line_ends_only_that_request():
     """Holds for malformed lines (502 and a cancel). A line nested deeper than the JSON
-    parser's recursion limit raises RecursionError out of Serving.chunk (only ValueError is
-    caught, broker/serving.py:239): the gateway then ends that provider's own session with a
-    logged traceback; the provider only hurts itself, so this pins the malformed case and
-    records the nested one."""
+    parser's recursion limit used to raise RecursionError out of Serving.chunk (at 9686dab
+    only ValueError was caught), ending that provider's own session; both are now caught
+    and taken as a malformed answer."""
     async def main():
         serving, ep = router({"p1": AnsweringSession("p1", answer=None)})
         ready(serving, "p1", "r1")
