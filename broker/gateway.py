@@ -14,7 +14,7 @@ import random
 
 import grpc
 
-from gpumarket.broker import endpoints, holdings, jobs, logs, providers, verdicts
+from gpumarket.broker import arrays, endpoints, holdings, jobs, logs, providers, verdicts
 from gpumarket.broker.auth import caller
 from gpumarket.broker.rpc import STATUS
 from gpumarket.broker.sessions import CHUNKS_PER_S, MESSAGES_PER_S, ProviderSession
@@ -269,6 +269,9 @@ class ProviderGatewayServicer(gateway_pb2_grpc.ProviderGatewayServicer):
                 if self.state.serving is not None:
                     self.state.serving.ready(pid, update.job_id, update.epoch, job["parent_id"],
                                              update.ready)
+            elif which == "tasks":
+                await store.write(arrays.record_results, update.job_id, update.epoch, pid,
+                                  list(update.tasks.results), now)
             elif which == "log":
                 await store.write(logs.append, update.job_id, update.epoch, pid,
                                   list(update.log.lines), now)

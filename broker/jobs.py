@@ -11,7 +11,9 @@ from dataclasses import dataclass
 
 from sqlite_utils import Database
 
-from gpumarket.broker import calibration, disputes, holdings, holds, ledger, verification
+from gpumarket.broker import (
+    arrays, calibration, disputes, holdings, holds, ledger, verification,
+)
 from gpumarket.broker.admission import NewJob
 from gpumarket.proto.errors import (
     FailedPrecondition, InvalidArgument, NotFound, Replay,
@@ -63,9 +65,12 @@ def append_event(
     )
     if not mirror or type_ == "submitted":
         return []
-    row = db.execute("SELECT parent_id, part, parts, kind FROM jobs WHERE id = ?",
+    row = db.execute("SELECT parent_id, part, parts, kind, tasks FROM jobs WHERE id = ?",
                      [job_id]).fetchone()
     if row is None or row[0] is None:
+        return []
+    if row[4]:      # a batch of a job array: its tasks follow it, and the array them
+        arrays.follow_batch(db, row[0], job_id, type_, now)
         return []
     if row[3] == pb.JOB_KIND_ENDPOINT:
         # An endpoint does not follow its replicas' states: it notes their moves.
@@ -245,8 +250,9 @@ def create_lease(
         expires_at_ms=now + accept_within_ms,
         provider_mtbf_s=provider_mtbf_s,
         checkpoint_interval_s=checkpoint_interval_s,
-        part=job["part"],
-        parts=job["parts"] if job["part"] else 0,
+        part=0 if job["tasks"] else job["part"],
+        parts=job["parts"] if job["part"] and not job["tasks"] else 0,
+        tasks=arrays.lease_tasks(db, job_id) if job["tasks"] and job["parent_id"] else (),
     )
     if job["resume_from"]:
         lease.resume_from.CopyFrom(pb.ArtifactRef(**json.loads(job["resume_from"])))
@@ -495,7 +501,8 @@ def succeed(
     for out in receipt_msg.outputs:
         holdings.refer(db, out.sha256, job_id, "output")
     calibration.record_throughput(db, job, provider_id, receipt_msg, now)
-    verification.choose_final(db, policy, job, lease, total, outputs, receipt_msg, now)
+    if not job["tasks"]:        # (a job array's tasks are not spot-checked)
+        verification.choose_final(db, policy, job, lease, total, outputs, receipt_msg, now)
     if verification.open_checks(db, job_id):
         set_job(db, job_id, now, state=VERIFYING, receipt=receipt, progress_step=total)
         append_event(db, job_id, "verifying", VERIFYING, job["attempt"], now,
@@ -540,6 +547,8 @@ def cancel(db: Database, job_id: str, client_id: str, now: int
         return job["state"], []
     ended: list[EndedLease] = []
     parts = _parts_of(db, job_id) if job["parts"] and not job["part"] else []
+    if job["tasks"] and not job["parent_id"]:
+        arrays.cancelled(db, job_id, now)
     for row in [*parts, job]:
         if row["state"] in TERMINAL_STATES:
             continue

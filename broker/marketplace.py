@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 
 from gpumarket import kinds
+from gpumarket.kinds import arrays as task_arrays
 from gpumarket.broker import (
-    admission, endpoints, estimates, figures, holds, jobs, ledger, logs, matcher, offers,
+    admission, arrays, endpoints, estimates, figures, holds, jobs, ledger, logs, matcher, offers,
     reliability, scheduler, serving, standing, verification, views,
 )
 from gpumarket.broker.auth import caller
@@ -56,15 +58,54 @@ class MarketplaceServicer(marketplace_pb2_grpc.MarketplaceServicer):
         parts = len(job.part_sizes)
         if spec.kind == endpoints.KIND:     # its hold pays for up to max_replicas at once
             parts = values["max_replicas"]
+        if task_arrays.is_array(spec):      # ... for every task
+            await asyncio.to_thread(self._check_tasks, spec, values)
+            parts = spec.array.count
         held, basis = await self._hold(job.needs, client_id, parts, spec.budget)
         job = dataclasses.replace(job, hold=held, hold_basis=basis, fee_ppm=cfg.fee_ppm,
                                   enforce_funds=cfg.billing)
-        submit = endpoints.submit if spec.kind == endpoints.KIND else jobs.submit
+        submit = endpoints.submit if spec.kind == endpoints.KIND else \
+            arrays.submit if task_arrays.is_array(spec) else jobs.submit
         await self.state.store.write(submit, job, now_ms())
         log.info("job %s submitted by %s", job.id, client_id)
         self.state.events.notify()
         self.state.placement.notify()
         return mp.SubmitJobResponse(job_id=job.id, state=pb.JOB_STATE_QUEUED)
+
+    def _check_tasks(self, spec: pb.JobSpec, values: dict) -> None:
+        """Every task of an array runs, or the submission says which does not."""
+        ref = next(r for r in spec.inputs if r.name == spec.array.tasks_input)
+        path = self.state.artifacts.blob_path(ref.sha256)
+        if path.stat().st_size > task_arrays.MAX_TASKS_BYTES:
+            raise InvalidArgument(f"array.tasks: more than {task_arrays.MAX_TASKS_BYTES >> 20}"
+                                  " MiB")
+        data = path.read_bytes()
+        try:
+            task_arrays.check_tasks(kinds.get(spec.kind), values, data, spec.array.count,
+                                    {r.name for r in spec.inputs})
+        except kinds.ParamError as exc:
+            raise InvalidArgument(str(exc)) from exc
+
+    @unary
+    async def ListTasks(self, request: mp.ListTasksRequest, context) -> mp.ListTasksResponse:
+        row = await self.state.store.read(jobs.job_row, request.job_id)
+        own(row["client_id"], request.job_id)
+        if not row["tasks"] or row["parent_id"]:
+            raise FailedPrecondition(f"job {request.job_id} is not a job array")
+        limit = min(request.limit or 1000, 10_000)
+        found, after = await self.state.store.read(arrays.tasks, request.job_id,
+                                                   request.from_task, limit,
+                                                   list(request.states))
+        counts = await self.state.store.read(arrays.counts, request.job_id)
+        return mp.ListTasksResponse(
+            tasks=[pb.ArrayTask(task=t["task"], state=t["state"], attempts=t["attempts"],
+                                provider_id=t["provider_id"], error=t["error"],
+                                lease_job_id=t["batch_id"] or "", seconds=t["seconds"],
+                                updated_at_ms=t["updated_at_ms"],
+                                outputs=[pb.ArtifactRef(**o)
+                                         for o in json.loads(t["outputs"] or "[]")])
+                   for t in found],
+            progress=pb.ArrayProgress(tasks=row["tasks"], **counts), next_task=after)
 
     async def _timed(self, needs: admission.Needs, client_id: str, limit: int
                      ) -> tuple[matcher.Book, list[holds.Timed], dict]:

@@ -464,3 +464,29 @@ def m013_endpoints(db: Database) -> None:
     )
     db.execute("CREATE INDEX endpoint_usage_by_endpoint ON endpoint_usage(endpoint_id)")
     db.execute("CREATE INDEX jobs_by_kind ON jobs(kind, state) WHERE parent_id IS NULL")
+
+
+@migrations()
+def m014_arrays(db: Database) -> None:
+    """Job arrays (broker/arrays.py): each task's state. The array is a job row whose
+    batches are job rows under it (``parent_id``), each leased like any job and running the
+    tasks that name it in ``batch_id``; ``tasks`` counts an array's tasks (a batch's)."""
+    db.execute("ALTER TABLE jobs ADD COLUMN tasks INTEGER NOT NULL DEFAULT 0")
+    db.execute(
+        """
+        CREATE TABLE array_tasks (
+            array_id TEXT NOT NULL,
+            task INTEGER NOT NULL,              -- 0-based: its line in the tasks input
+            state INTEGER NOT NULL,             -- a JobState: QUEUED, LEASED (in a batch),
+                                                -- SUCCEEDED, FAILED or CANCELLED
+            attempts INTEGER NOT NULL DEFAULT 0,    -- runs that ended without success
+            batch_id TEXT,                      -- the batch that runs (or ran) it last
+            provider_id TEXT NOT NULL DEFAULT '',
+            error TEXT NOT NULL DEFAULT '',
+            outputs TEXT,                       -- JSON [ArtifactRef]: once its receipt is in
+            seconds REAL NOT NULL DEFAULT 0,
+            updated_at_ms INTEGER NOT NULL,
+            PRIMARY KEY (array_id, task)
+        ) WITHOUT ROWID"""
+    )
+    db.execute("CREATE INDEX array_tasks_by_batch ON array_tasks(batch_id)")

@@ -6,7 +6,7 @@ import json
 
 from sqlite_utils import Database
 
-from gpumarket.broker import ledger, verification
+from gpumarket.broker import arrays, ledger, verification
 from gpumarket.broker.jobs import job_row
 from gpumarket.broker.reliability import WINDOW_S, ProviderHistory
 from gpumarket.proto.v1 import types_pb2 as pb
@@ -35,6 +35,8 @@ def job_message(db: Database, row: dict, *, with_attempts: bool = True) -> pb.Jo
         job.verification.CopyFrom(verification.view(db, row["id"]))
     if row["receipt"]:
         job.receipt.ParseFromString(row["receipt"])
+    if row["tasks"] and not row["parent_id"]:
+        job.array.CopyFrom(pb.ArrayProgress(tasks=row["tasks"], **arrays.counts(db, row["id"])))
     if row["parts"] and not row["part"]:
         for part in _rows(db, "SELECT * FROM jobs WHERE parent_id = ? ORDER BY part",
                           [row["id"]]):

@@ -19,7 +19,8 @@ from google.protobuf.json_format import MessageToDict
 from rich.table import Table
 
 from gpumarket import kinds
-from gpumarket.client import endpoints, jobfile, money
+from gpumarket.client import arrays as job_arrays
+from gpumarket.client import endpoints, jobfile, money, tasks
 from gpumarket.client.console import clock, command, dump, err, key_path, load_identity, out
 from gpumarket.link.channel import Trust
 from gpumarket.link.client import Broker, BrokerClient
@@ -94,10 +95,14 @@ async def upload_inputs(broker: BrokerClient, job: jobfile.JobFile) -> list[pb.A
     with tempfile.TemporaryDirectory() as tmp:
         for item in job.inputs:
             path = item.path
-            if path.is_dir():
+            if item.data is not None:
+                path = Path(tmp) / item.name
+                path.write_bytes(item.data)
+            elif path.is_dir():
                 path = Path(tmp) / item.name
                 path.write_bytes(await asyncio.to_thread(jobfile.pack_directory, item.path))
-            err.print(f"uploading {item.path} as {item.name}")
+            err.print(f"uploading {'its tasks' if item.data is not None else item.path}"
+                      f" as {item.name}")
             refs.append(await broker.upload(path, item.name))
     return refs
 
@@ -117,6 +122,9 @@ def build_spec(job: jobfile.JobFile, refs: list[pb.ArtifactRef], created_ms: int
         created_at_ms=created_ms, expires_at_ms=created_ms + job.expires_in_s * 1000,
     )
     kinds.get(job.kind).write(spec, job.params)
+    if job.array_count:
+        spec.array.CopyFrom(pb.JobArray(count=job.array_count, per_lease=job.array_per_lease,
+                                        tasks_input=job_arrays.TASKS_INPUT))
     return spec
 
 
@@ -164,6 +172,8 @@ async def status(market: Broker, job_id: str, as_json: bool) -> None:
     if job.progress.total:
         metrics = ", ".join(f"{k} {v:.4g}" for k, v in sorted(job.progress.metrics.items()))
         out.print(f"progress  {job.progress.step}/{job.progress.total}  {metrics}")
+    if job.array.tasks:
+        out.print(f"tasks     {tasks.summary(job.array)}  (gpumarket tasks {job.job_id})")
     if job.checkpoint_step:
         out.print(f"checkpoint step {job.checkpoint_step} (stored, hash checked, resumable)")
     out.print(f"attempt   {job.attempt}")
@@ -333,16 +343,31 @@ def merged_metrics(receipts: list[pb.Receipt]) -> dict[str, float]:
 @click.argument("job_id")
 @click.option("-o", "--output", "output_dir", type=click.Path(file_okay=False, path_type=Path),
               required=True, help="Directory to write the outputs into.")
+@click.option("--task", type=click.IntRange(0),
+              help="A job array: only this task's outputs.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @click.pass_obj
 @command
-async def results(market: Broker, job_id: str, output_dir: Path, as_json: bool) -> None:
+async def results(market: Broker, job_id: str, output_dir: Path, task: int | None,
+                  as_json: bool) -> None:
     """Download a finished job's outputs, checking every receipt's signature and every hash
-    (a split job's parts are merged into one directory)."""
+    (a split job's parts are merged into one directory; a job array's succeeded tasks, even
+    while others run, each into a directory task-NNNNNN)."""
     identity = load_identity()
     async with market.client(identity) as broker:
         job_id = await broker.job_id(job_id)
         job = await broker.get_job(job_id)
+        if job.array.tasks:
+            found = await tasks.fetch_results(broker, job, identity.id, output_dir, task)
+            if as_json:
+                dump(found)
+            else:
+                out.print(f"{tasks.summary(job.array)}; {found['files']} files of"
+                          f" {len(found['tasks'])} tasks in {output_dir}, each matching its"
+                          " signed hash")
+            return
+        if task is not None:
+            raise FailedPrecondition(f"job {job_id} is not a job array: it has no tasks")
         receipts = verify_receipts(job, identity.id)
         output_dir.mkdir(parents=True, exist_ok=True)
         for receipt in receipts:
@@ -537,6 +562,7 @@ async def quote(market: Broker, job_file: Path, limit: int, as_json: bool) -> No
 for _command in money.COMMANDS:
     cli.add_command(_command)
 cli.add_command(endpoints.endpoint)
+cli.add_command(tasks.tasks_command)
 
 
 def main() -> None:

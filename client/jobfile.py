@@ -16,6 +16,7 @@ from typing import Any
 
 from gpumarket.proto.errors import JobFileError
 from gpumarket import kinds
+from gpumarket.client import arrays as job_arrays
 from gpumarket.kinds.schema import TYPE_WORDS, UINT32, UINT64
 from gpumarket.proto.jobspec import (
     ACCELERATORS_BY_NAME, MAX_CREDITS, MAX_PRICE, OBJECTIVES_BY_NAME,
@@ -47,6 +48,7 @@ UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
 class LocalInput:
     name: str          # the input's name in the spec
     path: Path         # file to upload (a tar made on the fly for directories)
+    data: bytes | None = None   # or: these bytes (a job array's tasks)
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,8 @@ class JobFile:
     budget: float = 0.0             # credits to hold; 0 = the broker's estimate
     min_provider_stake: float = 0.0
     verify_rate: float = 0.0        # share of segments checked at least; 0 = the broker's rate
+    array_count: int = 0            # a job array: its tasks (one per line of tasks.jsonl) ...
+    array_per_lease: int = 0        # ... and the most one lease runs (0: the broker's choice)
 
 
 def parse_verify(value: Any, where: str) -> float:
@@ -177,6 +181,7 @@ def load(path: Path) -> JobFile:
         raise JobFileError(f"{file}: field 'kind' must be one of {sorted(names)},"
                            f" got {kind_text!r}")
     table = raw.pop(kind_text, None) if kind_text in names else None
+    array_table = raw.pop("array", None)
     _check_table(raw, TOP, "", file)
     kind = kinds.get(kind_text)
     resources = _check_table(raw.get("resources", {}), RESOURCES, "resources.", file)
@@ -187,6 +192,16 @@ def load(path: Path) -> JobFile:
     if not isinstance(table, dict):
         raise JobFileError(f"{file}: a {kind_text} job needs a [{kind_text}] table")
     params, inputs = read_params(kind, table, path.parent, file)
+    array = None
+    if array_table is not None:
+        array = job_arrays.load(array_table, path.parent, file)
+        inputs += [LocalInput(p.name, p) for p in array.inputs]
+        inputs.append(LocalInput(job_arrays.TASKS_INPUT, path, array.data))
+        names = [i.name for i in inputs]
+        if len(set(names)) != len(names):
+            raise JobFileError(f"{file}: array.inputs: two inputs named alike")
+        full = {p.name: params.get(p.name, p.zero()) for p in kind.params}
+        job_arrays.check(kind, full, array, set(names), file)
     numbers = {"max_runtime": raw.get("max_runtime", 0), "max_attempts": raw.get("max_attempts", 0),
                "expires_in": raw.get("expires_in", DEFAULT_EXPIRY_S),
                "resources.gpus": resources.get("gpus", 1)}
@@ -248,6 +263,8 @@ def load(path: Path) -> JobFile:
         params_field=kind_text,
         params=params,
         inputs=tuple(inputs),
+        array_count=array.count if array else 0,
+        array_per_lease=array.per_lease if array else 0,
     )
 
 

@@ -15,7 +15,7 @@ import importlib.metadata
 import os
 from typing import Any
 
-from gpumarket.kinds import embed, endpoint, generate, render, training
+from gpumarket.kinds import arrays, embed, endpoint, generate, render, script, training
 from gpumarket.kinds.base import PLUGIN_NUMBERS, Kind
 from gpumarket.kinds.schema import ParamError
 from gpumarket.proto import jobspec
@@ -27,7 +27,7 @@ __all__ = ["Kind", "ParamError", "all_kinds", "check_spec", "get", "load_plugins
 
 _BY_NUMBER: dict[int, Kind] = {k.number: k for k in
                                (training.KIND, generate.KIND, embed.KIND, render.KIND,
-                                            endpoint.KIND)}
+                                            endpoint.KIND, script.KIND)}
 
 
 def register(kind: Kind) -> Kind:
@@ -104,6 +104,8 @@ def check_spec(spec: pb.JobSpec) -> dict[str, Any]:
     values = values_of(spec)
     try:
         kind.check(values, {ref.name for ref in spec.inputs})
+        if arrays.is_array(spec):
+            arrays.check_array(spec, kind)
     except ParamError as exc:
         raise InvalidArgument(str(exc)) from exc
     return values

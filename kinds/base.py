@@ -27,6 +27,7 @@ class Kind:
     provider_engine: str = ""         # an engine a provider must have to offer the kind
     sizing: str = ""                  # the broker's sizing rule ("training", "inference")
     runner_path: tuple[str, ...] = field(default=(), compare=False)  # import roots of a plugin
+    opt_in: bool = False              # a provider runs it only where its operator names it
     verify: str = ""                  # how its work is spot-checked: "replay" (segments between
                                       # checkpoints), "rows", "frames"; "" = not checked
 

@@ -103,6 +103,13 @@ class BrokerClient:
         req = mp.ListJobsRequest(client_id=client_id, states=states or [], limit=limit)
         return list((await self._call(self.market.ListJobs, req)).jobs)
 
+    async def list_tasks(self, job_id: str, from_task: int = 0, limit: int = 0,
+                         states: list[int] | None = None) -> mp.ListTasksResponse:
+        """One page of a job array's tasks (``next_task``: where the next starts; 0: none)."""
+        req = mp.ListTasksRequest(job_id=job_id, from_task=from_task, limit=limit,
+                                  states=states or [])
+        return await self._call(self.market.ListTasks, req)
+
     async def cancel(self, order: pb.Envelope) -> int:
         return (await self._call(self.market.CancelJob, mp.CancelJobRequest(order=order))).state
 

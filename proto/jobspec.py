@@ -23,6 +23,7 @@ KIND_NAMES = {
     types_pb2.JOB_KIND_EMBED: "embed",
     types_pb2.JOB_KIND_RENDER: "render",
     types_pb2.JOB_KIND_ENDPOINT: "endpoint",
+    types_pb2.JOB_KIND_SCRIPT: "script",
 }
 KINDS_BY_NAME = {v: k for k, v in KIND_NAMES.items()}
 ACCELERATOR_NAMES = {

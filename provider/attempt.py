@@ -15,6 +15,7 @@ from pathlib import Path, PurePosixPath
 from typing import Protocol
 
 from gpumarket import kinds
+from gpumarket.kinds import arrays
 from gpumarket.proto.envelope import seal
 from gpumarket.proto.errors import GpumarketError
 from gpumarket.proto.identity import Identity
@@ -30,6 +31,9 @@ from gpumarket.provider.leases import Assignment, runner_config
 from gpumarket.provider.replica import EngineLink
 
 log = logging.getLogger(__name__)
+
+TASK_FLUSH_S = 0.2         # a job array's task results are sent at most this often ...
+TASKS_PER_UPDATE = 1000    # ... this many to an update
 
 
 class Host(Protocol):
@@ -64,6 +68,9 @@ class Attempt:
         self.uploaded_step = 0
         self.checkpoint_report: gw.ProviderMessage | None = None   # the latest, re-sent
         self.engine: EngineLink | None = None    # an endpoint replica's engine
+        self.tasks_open = set(assignment.lease.tasks)   # a job array's tasks not yet reported
+        self.task_results: list[gw.TaskResult] = []
+        self.task_flush: asyncio.TimerHandle | None = None
 
     @property
     def key(self) -> tuple[str, int]:
@@ -178,6 +185,7 @@ class Attempt:
         finally:
             if self.engine is not None:
                 self.engine.close()
+            self.flush_tasks()
         if self.cancelled:
             return None
         if outcome.succeeded:
@@ -215,6 +223,8 @@ class Attempt:
             lines = [str(line)[:LOG_LINE_CHARS]
                      for line in report["lines"][:LOG_LINES_PER_UPDATE]]
             self.host.send(self.update(log=gw.JobLog(lines=lines)))
+        elif event == "task":
+            self.task_ended(report)
         elif event == "checkpoint":
             path = PurePosixPath(str(report.get("path", "")))
             if path.is_absolute():
@@ -226,6 +236,30 @@ class Attempt:
                                        float(report.get("write_seconds", 0.0)))
             if self.uploader is None or self.uploader.done():
                 self.uploader = asyncio.create_task(self.upload_checkpoints())
+
+    def task_ended(self, report: dict) -> None:
+        """A task of a job array's lease ended: pass it on with the others that end within
+        TASK_FLUSH_S (one update for many short tasks)."""
+        task = report.get("task")
+        if not isinstance(task, int) or task not in self.tasks_open:
+            return          # not a task of this lease, or told already
+        self.tasks_open.discard(task)
+        seconds = report.get("seconds")
+        self.task_results.append(gw.TaskResult(
+            task=task, ok=report.get("ok") is True, error=str(report.get("error") or "")[:1000],
+            seconds=float(seconds) if isinstance(seconds, (int, float)) else 0.0))
+        if self.task_flush is None:
+            self.task_flush = asyncio.get_running_loop().call_later(TASK_FLUSH_S,
+                                                                    self.flush_tasks)
+
+    def flush_tasks(self) -> None:
+        if self.task_flush is not None:
+            self.task_flush.cancel()
+            self.task_flush = None
+        for i in range(0, len(self.task_results), TASKS_PER_UPDATE):
+            self.host.send(self.update(tasks=gw.TaskResults(
+                results=self.task_results[i:i + TASKS_PER_UPDATE])))
+        self.task_results = []
 
     async def upload_checkpoints(self) -> None:
         """Upload the newest pending checkpoint (older pending ones are skipped)."""
@@ -285,9 +319,17 @@ class Attempt:
         outputs = []
         root = jobfiles.open_dir(self.workdir)
         try:
-            with jobfiles.plain_files(root, "outputs", self.job_uid) as files:
-                for name, fd in files:
-                    outputs.append(await self.host.upload(fd, name))
+            if not a.lease.tasks:
+                with jobfiles.plain_files(root, "outputs", self.job_uid) as files:
+                    for name, fd in files:
+                        outputs.append(await self.host.upload(fd, name))
+            for task in a.lease.tasks:     # a job array's: each task's, named by its task
+                rel = f"tasks/{task:06d}/outputs"
+                if not os.path.lexists(self.workdir / rel):
+                    continue        # a task that failed before it made its directory
+                with jobfiles.plain_files(root, rel, self.job_uid) as files:
+                    for name, fd in files:
+                        outputs.append(await self.host.upload(fd, arrays.output_name(task, name)))
         finally:
             os.close(root)
         metrics = {k: float(v) for k, v in (done.get("metrics") or {}).items()
@@ -329,9 +371,16 @@ class Attempt:
         self.task = asyncio.create_task(self._reattached())
         return self.task
 
+    def tasks_meanwhile(self, reports: list[dict]) -> None:
+        """Pass on the tasks of a job array's lease that ended while no daemon watched."""
+        for report in reports:
+            if report.get("event") == "task":
+                self.task_ended(report)
+
     async def _reattached(self) -> None:
-        ckpts = [r for r in read_reports(self.workdir, self.job_uid)
-                 if r.get("event") == "checkpoint"]
+        reports = read_reports(self.workdir, self.job_uid)
+        self.tasks_meanwhile(reports)
+        ckpts = [r for r in reports if r.get("event") == "checkpoint"]
         if ckpts:
             await self.on_report(ckpts[-1])
         final = await self.follow()
@@ -346,6 +395,8 @@ class Attempt:
     def finish_meanwhile(self, done: dict) -> asyncio.Task:
         """Sign the receipt of a job that finished while no daemon watched it."""
         async def finish() -> None:
+            self.tasks_meanwhile(read_reports(self.workdir, self.job_uid))
+            self.flush_tasks()
             try:
                 seconds = float((done.get("metrics") or {}).get("train_seconds", 0.0))
                 final = self.update(receipt=await self.receipt(done, seconds))

@@ -16,6 +16,7 @@ LAYOUTS = (
     ("model.safetensors", "state.safetensors", "state.json", "COMPLETE"),
     ("results.jsonl", "state.json", "COMPLETE"),
     ("frames.tar", "state.json", "COMPLETE"),
+    ("state.tar", "state.json", "COMPLETE"),         # a script job's own files
 )
 FILES = LAYOUTS[0]
 MAX_MEMBER_BYTES = 1 << 40

@@ -54,6 +54,9 @@ def cli() -> None:
 @click.option("--models-dir", type=click.Path(file_okay=False, path_type=Path),
               help="Models jobs may name, one directory each (default: DATA_DIR/models).")
 @click.option("--max-runtime", type=int, help="Longest a job may run, in seconds (default 1 day).")
+@click.option("--kinds", "kind_names",
+              help="Job kinds to run, comma-separated (default: every kind but script, which "
+                   "runs the client's own Python and must be named).")
 @click.option("--no-warm", is_flag=True,
               help="Do not keep an idle runner with its imports done (saves its memory; jobs "
                    "start a few seconds slower).")
@@ -61,8 +64,8 @@ def cli() -> None:
               type=click.Choice(["debug", "info", "warning", "error"]))
 def run(config_file: Path | None, broker: str | None, broker_key: str | None,
         data_dir: Path | None, price: float | None, cpu_only: bool, cpu_devices: int | None,
-        models_dir: Path | None, max_runtime: int | None, no_warm: bool,
-        log_level: str) -> None:
+        models_dir: Path | None, max_runtime: int | None, kind_names: str | None,
+        no_warm: bool, log_level: str) -> None:
     """Connect to a broker, advertise this machine, and run leased jobs until SIGTERM
     (SIGTERM drains: jobs checkpoint and move elsewhere; a second SIGTERM stops at once)."""
     from gpumarket.provider import config as provider_config
@@ -78,6 +81,11 @@ def run(config_file: Path | None, broker: str | None, broker_key: str | None,
                        ("cpu_devices", cpu_devices), ("models_path", models_dir)):
         if value is not None:
             settings[key] = value
+    if kind_names is not None:
+        try:
+            settings.update(provider_config.kinds_setting(kind_names.split(","), "--kinds"))
+        except GpumarketError as exc:
+            raise click.BadParameter(exc.message, param_hint="--kinds") from exc
     if cpu_only:
         settings["cpu_only"] = True
     if no_warm:

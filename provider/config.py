@@ -22,7 +22,8 @@ EXAMPLE = """\
 # broker_key = "…"               # the broker's key id (its operator tells you); without it the
 #                                # key seen first is trusted and kept in DATA_DIR/known_brokers
 price_per_gpu_hour = 1.20        # credits per device-hour
-kinds = ["training", "generate", "embed", "render"]  # render needs bpy
+kinds = ["training", "generate", "embed", "render"]  # render needs bpy; "script" (the
+#                                # client's own Python, sandboxed) runs only if named here
 max_job_hours = 24               # longest job accepted
 # cpu_devices = 2                # without GPUs: offer the CPU as 2 devices (equal shares)
 # models_dir = "/srv/models"     # models jobs may name, one directory each (default: DIR/models)
@@ -94,6 +95,15 @@ class ProviderConfig:
         return self.models_path or self.data_dir / "models"
 
 
+def kinds_setting(names: list[str], where: str) -> dict:
+    """The ``kinds`` setting from kind names (InvalidArgument naming ``where``)."""
+    names = [n.strip() for n in names if n.strip()]
+    known = {k.name: k.number for k in kinds.all_kinds()}
+    if not names or any(n not in known for n in names):
+        raise InvalidArgument(f"{where} must name some of {sorted(known)}")
+    return {"kinds": frozenset(known[n] for n in names)}
+
+
 def _list_of_str(raw: dict, key: str, file: str) -> list[str]:
     value = raw.get(key, [])
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
@@ -137,11 +147,7 @@ def load(path: Path) -> dict[str, Any]:
             raise InvalidArgument(f"{file}: price_per_gpu_hour must be a number >= 0")
         out["price_per_gpu_hour"] = float(price)
     if "kinds" in raw:
-        names = _list_of_str(raw, "kinds", file)
-        known = {k.name: k.number for k in kinds.all_kinds()}
-        if not names or any(n not in known for n in names):
-            raise InvalidArgument(f"{file}: kinds must name some of {sorted(known)}")
-        out["kinds"] = frozenset(known[n] for n in names)
+        out.update(kinds_setting(_list_of_str(raw, "kinds", file), f"{file}: kinds"))
     if "models_dir" in raw:
         if not isinstance(raw["models_dir"], str):
             raise InvalidArgument(f"{file}: models_dir must be a path")

@@ -59,7 +59,14 @@ class ProviderDaemon:
 
     def offer(self) -> pb.Envelope:
         return build_offer(self.config, self.identity, self.devices, self.benchmarks,
-                           self.kinds, self.engines, self.isolation.runs_code(self.config))
+                           self.offered_kinds(), self.engines,
+                           self.isolation.runs_code(self.config))
+
+    def offered_kinds(self) -> set[int]:
+        """The kinds it runs, less those running the client's own code where the host
+        cannot isolate it."""
+        isolates = self.isolation.isolates_code(self.config)
+        return {k for k in self.kinds if isolates or not kinds.get(k).opt_in}
 
     def running(self) -> list[tuple[str, int]]:
         return [job.key for job in self.jobs.values()]
@@ -94,7 +101,7 @@ class ProviderDaemon:
                 envelope, broker_public_key=self.session.broker_key or b"",
                 provider_id=self.identity.id, device_indices={d.index for d in self.devices}
                 - {i for j in self.jobs.values() for i in j.devices},
-                kinds=self.kinds, engines=self.engines,
+                kinds=self.offered_kinds(), engines=self.engines,
                 models=frozenset(local_models(self.config.models_dir)),
                 policy=self.config.policy, runs_code=self.isolation.runs_code(self.config))
         except GpumarketError as exc:

@@ -60,8 +60,11 @@ class Isolation:
         """Whether jobs' own code (a model's remote code) runs here: only if the operator
         allows it, and only where the host isolates such a job fully, unless the operator
         opted in to weaker isolation."""
-        if not config.policy.allow_remote_code:
-            return False
+        return config.policy.allow_remote_code and self.isolates_code(config)
+
+    def isolates_code(self, config: ProviderConfig) -> bool:
+        """Whether a job's own code may run here: the host isolates it fully, or the
+        operator opted in to weaker isolation."""
         return config.unisolated_code or not sandbox.missing_for_code(self.features)
 
     def job_uid(self, device_indices: set[int]) -> int:

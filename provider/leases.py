@@ -7,6 +7,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from gpumarket import kinds as job_kinds
+from gpumarket.kinds import arrays
 from gpumarket.proto.envelope import open_envelope, payload_sha256
 from gpumarket.proto.errors import (
     BadSignature, Expired, GpumarketError, InvalidArgument, PermissionDenied,
@@ -83,6 +84,11 @@ def check_lease(
     if kind.remote_code(values) and runs_code is False:
         raise PermissionDenied("this provider cannot isolate a model's own code on this"
                                " host (see gpumarket-provider doctor)")
+    if arrays.is_array(spec) != bool(lease.tasks):
+        raise InvalidArgument("a job array's lease must name its tasks (and only such a"
+                              " lease may)")
+    if len(lease.tasks) > arrays.MAX_PER_LEASE:
+        raise InvalidArgument(f"a lease runs at most {arrays.MAX_PER_LEASE:,} tasks")
     model = kind.model_name(values)
     if model and model not in models:
         raise InvalidArgument(f"this provider holds no model named {model!r}")
@@ -98,7 +104,9 @@ def runner_config(a: Assignment, inputs: dict[str, str], resume_dir: Path | None
     and the checkpoint to resume from."""
     kind = job_kinds.get(a.spec.kind)
     params = kind.values_of(a.spec)      # every parameter, its default where not given
+    tasks = array_tasks(a, kind, params, inputs) if a.lease.tasks else None
     return {
+        "tasks": tasks,
         "job_id": a.lease.job_id,
         "attempt": a.lease.attempt,
         "kind": kind.name,
@@ -115,6 +123,23 @@ def runner_config(a: Assignment, inputs: dict[str, str], resume_dir: Path | None
         "parts": a.lease.parts,
         **check_config(a.lease),
     }
+
+
+def array_tasks(a: Assignment, kind: job_kinds.Kind, base: dict, inputs: dict[str, str]
+                ) -> list[dict]:
+    """The tasks of a job array's lease with their parameters, read from the signed spec's
+    tasks input and checked again here (InvalidArgument)."""
+    spec = a.spec
+    try:
+        data = Path(inputs[spec.array.tasks_input]).read_bytes()
+        lines = arrays.read_tasks(data, spec.array.count)
+        if any(t >= len(lines) for t in a.lease.tasks):
+            raise job_kinds.ParamError("lease.tasks", "a task the array does not have")
+        names = {ref.name for ref in spec.inputs}
+        return [{"task": t, "params": arrays.task_values(kind, base, lines[t], names, t)}
+                for t in a.lease.tasks]
+    except (job_kinds.ParamError, KeyError, OSError) as exc:
+        raise InvalidArgument(f"job array: {exc}") from exc
 
 
 def check_config(lease: pb.Lease) -> dict:

@@ -19,9 +19,10 @@ CACHED_LISTED = 256
 
 def runnable_kinds(config: ProviderConfig, engines: frozenset[str]) -> set[int]:
     """The kinds this provider runs: those its operator allows (every kind it knows by
-    default), less those needing an engine this host lacks (render needs Cycles)."""
+    default, but kinds that run the client's own code only where named), less those
+    needing an engine this host lacks (render needs Cycles)."""
     return {k.number for k in kinds.all_kinds()
-            if (not config.kinds or k.number in config.kinds)
+            if (k.number in config.kinds or not config.kinds and not k.opt_in)
             and (not k.provider_engine or k.provider_engine in engines)}
 
 

@@ -114,7 +114,7 @@ class ReplicaReady(_message.Message):
     def __init__(self, engine: _Optional[str] = ..., task: _Optional[str] = ..., max_concurrency: _Optional[int] = ..., max_seq_len: _Optional[int] = ...) -> None: ...
 
 class JobUpdate(_message.Message):
-    __slots__ = ("job_id", "epoch", "started", "progress", "failed", "receipt", "rejected", "checkpoint", "released", "log", "ready")
+    __slots__ = ("job_id", "epoch", "started", "progress", "failed", "receipt", "rejected", "checkpoint", "released", "log", "ready", "tasks")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     STARTED_FIELD_NUMBER: _ClassVar[int]
@@ -126,6 +126,7 @@ class JobUpdate(_message.Message):
     RELEASED_FIELD_NUMBER: _ClassVar[int]
     LOG_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
+    TASKS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     epoch: int
     started: JobStarted
@@ -137,7 +138,26 @@ class JobUpdate(_message.Message):
     released: JobReleased
     log: JobLog
     ready: ReplicaReady
-    def __init__(self, job_id: _Optional[str] = ..., epoch: _Optional[int] = ..., started: _Optional[_Union[JobStarted, _Mapping]] = ..., progress: _Optional[_Union[_types_pb2.Progress, _Mapping]] = ..., failed: _Optional[_Union[JobFailed, _Mapping]] = ..., receipt: _Optional[_Union[_types_pb2.Envelope, _Mapping]] = ..., rejected: _Optional[_Union[JobRejected, _Mapping]] = ..., checkpoint: _Optional[_Union[CheckpointReport, _Mapping]] = ..., released: _Optional[_Union[JobReleased, _Mapping]] = ..., log: _Optional[_Union[JobLog, _Mapping]] = ..., ready: _Optional[_Union[ReplicaReady, _Mapping]] = ...) -> None: ...
+    tasks: TaskResults
+    def __init__(self, job_id: _Optional[str] = ..., epoch: _Optional[int] = ..., started: _Optional[_Union[JobStarted, _Mapping]] = ..., progress: _Optional[_Union[_types_pb2.Progress, _Mapping]] = ..., failed: _Optional[_Union[JobFailed, _Mapping]] = ..., receipt: _Optional[_Union[_types_pb2.Envelope, _Mapping]] = ..., rejected: _Optional[_Union[JobRejected, _Mapping]] = ..., checkpoint: _Optional[_Union[CheckpointReport, _Mapping]] = ..., released: _Optional[_Union[JobReleased, _Mapping]] = ..., log: _Optional[_Union[JobLog, _Mapping]] = ..., ready: _Optional[_Union[ReplicaReady, _Mapping]] = ..., tasks: _Optional[_Union[TaskResults, _Mapping]] = ...) -> None: ...
+
+class TaskResults(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[TaskResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[TaskResult, _Mapping]]] = ...) -> None: ...
+
+class TaskResult(_message.Message):
+    __slots__ = ("task", "ok", "error", "seconds")
+    TASK_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    task: int
+    ok: bool
+    error: str
+    seconds: float
+    def __init__(self, task: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class InferenceChunk(_message.Message):
     __slots__ = ("request_id", "data", "last")

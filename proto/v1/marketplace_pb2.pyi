@@ -49,6 +49,28 @@ class ListJobsResponse(_message.Message):
     jobs: _containers.RepeatedCompositeFieldContainer[_types_pb2.Job]
     def __init__(self, jobs: _Optional[_Iterable[_Union[_types_pb2.Job, _Mapping]]] = ...) -> None: ...
 
+class ListTasksRequest(_message.Message):
+    __slots__ = ("job_id", "from_task", "limit", "states")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    FROM_TASK_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    STATES_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    from_task: int
+    limit: int
+    states: _containers.RepeatedScalarFieldContainer[_types_pb2.JobState]
+    def __init__(self, job_id: _Optional[str] = ..., from_task: _Optional[int] = ..., limit: _Optional[int] = ..., states: _Optional[_Iterable[_Union[_types_pb2.JobState, str]]] = ...) -> None: ...
+
+class ListTasksResponse(_message.Message):
+    __slots__ = ("tasks", "progress", "next_task")
+    TASKS_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_TASK_FIELD_NUMBER: _ClassVar[int]
+    tasks: _containers.RepeatedCompositeFieldContainer[_types_pb2.ArrayTask]
+    progress: _types_pb2.ArrayProgress
+    next_task: int
+    def __init__(self, tasks: _Optional[_Iterable[_Union[_types_pb2.ArrayTask, _Mapping]]] = ..., progress: _Optional[_Union[_types_pb2.ArrayProgress, _Mapping]] = ..., next_task: _Optional[int] = ...) -> None: ...
+
 class WatchJobRequest(_message.Message):
     __slots__ = ("job_id", "after_seq")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]

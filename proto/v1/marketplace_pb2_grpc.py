@@ -49,6 +49,11 @@ class MarketplaceStub:
                 request_serializer=gpumarket_dot_proto_dot_v1_dot_marketplace__pb2.ListJobsRequest.SerializeToString,
                 response_deserializer=gpumarket_dot_proto_dot_v1_dot_marketplace__pb2.ListJobsResponse.FromString,
                 _registered_method=True)
+        self.ListTasks = channel.unary_unary(
+                '/gpumarket.v1.Marketplace/ListTasks',
+                request_serializer=gpumarket_dot_proto_dot_v1_dot_marketplace__pb2.ListTasksRequest.SerializeToString,
+                response_deserializer=gpumarket_dot_proto_dot_v1_dot_marketplace__pb2.ListTasksResponse.FromString,
+                _registered_method=True)
         self.WatchJob = channel.unary_stream(
                 '/gpumarket.v1.Marketplace/WatchJob',
                 request_serializer=gpumarket_dot_proto_dot_v1_dot_marketplace__pb2.WatchJobRequest.SerializeToString,
@@ -127,6 +132,12 @@ class MarketplaceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ListJobs(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListTasks(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -222,6 +233,11 @@ def add_MarketplaceServicer_to_server(servicer, server):
                     servicer.ListJobs,
                     request_deserializer=gpumarket_dot_proto_dot_v1_dot_marketplace__pb2.ListJobsRequest.FromString,
                     response_serializer=gpumarket_dot_proto_dot_v1_dot_marketplace__pb2.ListJobsResponse.SerializeToString,
+            ),
+            'ListTasks': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListTasks,
+                    request_deserializer=gpumarket_dot_proto_dot_v1_dot_marketplace__pb2.ListTasksRequest.FromString,
+                    response_serializer=gpumarket_dot_proto_dot_v1_dot_marketplace__pb2.ListTasksResponse.SerializeToString,
             ),
             'WatchJob': grpc.unary_stream_rpc_method_handler(
                     servicer.WatchJob,
@@ -365,6 +381,33 @@ class Marketplace:
             '/gpumarket.v1.Marketplace/ListJobs',
             gpumarket_dot_proto_dot_v1_dot_marketplace__pb2.ListJobsRequest.SerializeToString,
             gpumarket_dot_proto_dot_v1_dot_marketplace__pb2.ListJobsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListTasks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gpumarket.v1.Marketplace/ListTasks',
+            gpumarket_dot_proto_dot_v1_dot_marketplace__pb2.ListTasksRequest.SerializeToString,
+            gpumarket_dot_proto_dot_v1_dot_marketplace__pb2.ListTasksResponse.FromString,
             options,
             channel_credentials,
             insecure,

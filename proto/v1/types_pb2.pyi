@@ -15,6 +15,7 @@ class JobKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     JOB_KIND_EMBED: _ClassVar[JobKind]
     JOB_KIND_RENDER: _ClassVar[JobKind]
     JOB_KIND_ENDPOINT: _ClassVar[JobKind]
+    JOB_KIND_SCRIPT: _ClassVar[JobKind]
 
 class Accelerator(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -54,6 +55,7 @@ JOB_KIND_GENERATE: JobKind
 JOB_KIND_EMBED: JobKind
 JOB_KIND_RENDER: JobKind
 JOB_KIND_ENDPOINT: JobKind
+JOB_KIND_SCRIPT: JobKind
 ACCELERATOR_UNSPECIFIED: Accelerator
 ACCELERATOR_CPU: Accelerator
 ACCELERATOR_CUDA: Accelerator
@@ -241,7 +243,7 @@ class KindParams(_message.Message):
     def __init__(self, json: _Optional[str] = ...) -> None: ...
 
 class JobSpec(_message.Message):
-    __slots__ = ("name", "kind", "resources", "max_price_per_gpu_hour", "inputs", "max_runtime_s", "max_attempts", "objective", "deadline_s", "min_reliability", "training", "generate", "embed", "render", "custom", "budget", "min_provider_stake", "verify_rate", "nonce", "created_at_ms", "expires_at_ms")
+    __slots__ = ("name", "kind", "resources", "max_price_per_gpu_hour", "inputs", "max_runtime_s", "max_attempts", "objective", "deadline_s", "min_reliability", "training", "generate", "embed", "render", "custom", "budget", "min_provider_stake", "verify_rate", "nonce", "created_at_ms", "expires_at_ms", "array")
     NAME_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     RESOURCES_FIELD_NUMBER: _ClassVar[int]
@@ -263,6 +265,7 @@ class JobSpec(_message.Message):
     NONCE_FIELD_NUMBER: _ClassVar[int]
     CREATED_AT_MS_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_AT_MS_FIELD_NUMBER: _ClassVar[int]
+    ARRAY_FIELD_NUMBER: _ClassVar[int]
     name: str
     kind: JobKind
     resources: Resources
@@ -284,7 +287,18 @@ class JobSpec(_message.Message):
     nonce: bytes
     created_at_ms: int
     expires_at_ms: int
-    def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[JobKind, str]] = ..., resources: _Optional[_Union[Resources, _Mapping]] = ..., max_price_per_gpu_hour: _Optional[float] = ..., inputs: _Optional[_Iterable[_Union[ArtifactRef, _Mapping]]] = ..., max_runtime_s: _Optional[int] = ..., max_attempts: _Optional[int] = ..., objective: _Optional[_Union[Objective, str]] = ..., deadline_s: _Optional[int] = ..., min_reliability: _Optional[float] = ..., training: _Optional[_Union[TrainingParams, _Mapping]] = ..., generate: _Optional[_Union[GenerateParams, _Mapping]] = ..., embed: _Optional[_Union[EmbedParams, _Mapping]] = ..., render: _Optional[_Union[RenderParams, _Mapping]] = ..., custom: _Optional[_Union[KindParams, _Mapping]] = ..., budget: _Optional[float] = ..., min_provider_stake: _Optional[float] = ..., verify_rate: _Optional[float] = ..., nonce: _Optional[bytes] = ..., created_at_ms: _Optional[int] = ..., expires_at_ms: _Optional[int] = ...) -> None: ...
+    array: JobArray
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[JobKind, str]] = ..., resources: _Optional[_Union[Resources, _Mapping]] = ..., max_price_per_gpu_hour: _Optional[float] = ..., inputs: _Optional[_Iterable[_Union[ArtifactRef, _Mapping]]] = ..., max_runtime_s: _Optional[int] = ..., max_attempts: _Optional[int] = ..., objective: _Optional[_Union[Objective, str]] = ..., deadline_s: _Optional[int] = ..., min_reliability: _Optional[float] = ..., training: _Optional[_Union[TrainingParams, _Mapping]] = ..., generate: _Optional[_Union[GenerateParams, _Mapping]] = ..., embed: _Optional[_Union[EmbedParams, _Mapping]] = ..., render: _Optional[_Union[RenderParams, _Mapping]] = ..., custom: _Optional[_Union[KindParams, _Mapping]] = ..., budget: _Optional[float] = ..., min_provider_stake: _Optional[float] = ..., verify_rate: _Optional[float] = ..., nonce: _Optional[bytes] = ..., created_at_ms: _Optional[int] = ..., expires_at_ms: _Optional[int] = ..., array: _Optional[_Union[JobArray, _Mapping]] = ...) -> None: ...
+
+class JobArray(_message.Message):
+    __slots__ = ("count", "tasks_input", "per_lease")
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    TASKS_INPUT_FIELD_NUMBER: _ClassVar[int]
+    PER_LEASE_FIELD_NUMBER: _ClassVar[int]
+    count: int
+    tasks_input: str
+    per_lease: int
+    def __init__(self, count: _Optional[int] = ..., tasks_input: _Optional[str] = ..., per_lease: _Optional[int] = ...) -> None: ...
 
 class Benchmark(_message.Message):
     __slots__ = ("matmul_flops", "matmul_dtype", "memory_bandwidth_bytes_per_s", "measured_at_ms", "matmul_flops_by_dtype", "host_to_device_bytes_per_s", "sm_count", "interconnect")
@@ -388,7 +402,7 @@ class Offer(_message.Message):
     def __init__(self, provider_id: _Optional[str] = ..., devices: _Optional[_Iterable[_Union[Device, _Mapping]]] = ..., price_per_gpu_hour: _Optional[float] = ..., kinds: _Optional[_Iterable[_Union[JobKind, str]]] = ..., software_version: _Optional[str] = ..., created_at_ms: _Optional[int] = ..., policy: _Optional[_Union[Policy, _Mapping]] = ..., engines: _Optional[_Iterable[str]] = ..., models: _Optional[_Iterable[str]] = ..., cached: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Lease(_message.Message):
-    __slots__ = ("lease_id", "job_id", "attempt", "epoch", "provider_id", "client_id", "price_per_gpu_hour", "checkpoint_every", "resume_from", "device_indices", "issued_at_ms", "expires_at_ms", "job_spec", "provider_mtbf_s", "checkpoint_interval_s", "part", "parts", "check")
+    __slots__ = ("lease_id", "job_id", "attempt", "epoch", "provider_id", "client_id", "price_per_gpu_hour", "checkpoint_every", "resume_from", "device_indices", "issued_at_ms", "expires_at_ms", "job_spec", "provider_mtbf_s", "checkpoint_interval_s", "part", "parts", "check", "tasks")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
@@ -407,6 +421,7 @@ class Lease(_message.Message):
     PART_FIELD_NUMBER: _ClassVar[int]
     PARTS_FIELD_NUMBER: _ClassVar[int]
     CHECK_FIELD_NUMBER: _ClassVar[int]
+    TASKS_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     job_id: str
     attempt: int
@@ -425,7 +440,8 @@ class Lease(_message.Message):
     part: int
     parts: int
     check: CheckScope
-    def __init__(self, lease_id: _Optional[str] = ..., job_id: _Optional[str] = ..., attempt: _Optional[int] = ..., epoch: _Optional[int] = ..., provider_id: _Optional[str] = ..., client_id: _Optional[str] = ..., price_per_gpu_hour: _Optional[float] = ..., checkpoint_every: _Optional[int] = ..., resume_from: _Optional[_Union[ArtifactRef, _Mapping]] = ..., device_indices: _Optional[_Iterable[int]] = ..., issued_at_ms: _Optional[int] = ..., expires_at_ms: _Optional[int] = ..., job_spec: _Optional[_Union[Envelope, _Mapping]] = ..., provider_mtbf_s: _Optional[float] = ..., checkpoint_interval_s: _Optional[float] = ..., part: _Optional[int] = ..., parts: _Optional[int] = ..., check: _Optional[_Union[CheckScope, _Mapping]] = ...) -> None: ...
+    tasks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, lease_id: _Optional[str] = ..., job_id: _Optional[str] = ..., attempt: _Optional[int] = ..., epoch: _Optional[int] = ..., provider_id: _Optional[str] = ..., client_id: _Optional[str] = ..., price_per_gpu_hour: _Optional[float] = ..., checkpoint_every: _Optional[int] = ..., resume_from: _Optional[_Union[ArtifactRef, _Mapping]] = ..., device_indices: _Optional[_Iterable[int]] = ..., issued_at_ms: _Optional[int] = ..., expires_at_ms: _Optional[int] = ..., job_spec: _Optional[_Union[Envelope, _Mapping]] = ..., provider_mtbf_s: _Optional[float] = ..., checkpoint_interval_s: _Optional[float] = ..., part: _Optional[int] = ..., parts: _Optional[int] = ..., check: _Optional[_Union[CheckScope, _Mapping]] = ..., tasks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CheckScope(_message.Message):
     __slots__ = ("checked_job_id", "step_from", "step_to", "frames", "position", "batch_size")
@@ -534,7 +550,7 @@ class Attempt(_message.Message):
     def __init__(self, attempt: _Optional[int] = ..., epoch: _Optional[int] = ..., provider_id: _Optional[str] = ..., started_at_ms: _Optional[int] = ..., ended_at_ms: _Optional[int] = ..., outcome: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class Job(_message.Message):
-    __slots__ = ("job_id", "name", "kind", "state", "client_id", "attempt", "provider_id", "progress", "error", "created_at_ms", "updated_at_ms", "spec", "receipt", "attempts", "queue_reason", "checkpoint_step", "parts", "billing", "verification")
+    __slots__ = ("job_id", "name", "kind", "state", "client_id", "attempt", "provider_id", "progress", "error", "created_at_ms", "updated_at_ms", "spec", "receipt", "attempts", "queue_reason", "checkpoint_step", "parts", "billing", "verification", "array")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
@@ -554,6 +570,7 @@ class Job(_message.Message):
     PARTS_FIELD_NUMBER: _ClassVar[int]
     BILLING_FIELD_NUMBER: _ClassVar[int]
     VERIFICATION_FIELD_NUMBER: _ClassVar[int]
+    ARRAY_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     name: str
     kind: JobKind
@@ -573,7 +590,46 @@ class Job(_message.Message):
     parts: _containers.RepeatedCompositeFieldContainer[JobPart]
     billing: JobBilling
     verification: JobVerification
-    def __init__(self, job_id: _Optional[str] = ..., name: _Optional[str] = ..., kind: _Optional[_Union[JobKind, str]] = ..., state: _Optional[_Union[JobState, str]] = ..., client_id: _Optional[str] = ..., attempt: _Optional[int] = ..., provider_id: _Optional[str] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., error: _Optional[str] = ..., created_at_ms: _Optional[int] = ..., updated_at_ms: _Optional[int] = ..., spec: _Optional[_Union[Envelope, _Mapping]] = ..., receipt: _Optional[_Union[Envelope, _Mapping]] = ..., attempts: _Optional[_Iterable[_Union[Attempt, _Mapping]]] = ..., queue_reason: _Optional[str] = ..., checkpoint_step: _Optional[int] = ..., parts: _Optional[_Iterable[_Union[JobPart, _Mapping]]] = ..., billing: _Optional[_Union[JobBilling, _Mapping]] = ..., verification: _Optional[_Union[JobVerification, _Mapping]] = ...) -> None: ...
+    array: ArrayProgress
+    def __init__(self, job_id: _Optional[str] = ..., name: _Optional[str] = ..., kind: _Optional[_Union[JobKind, str]] = ..., state: _Optional[_Union[JobState, str]] = ..., client_id: _Optional[str] = ..., attempt: _Optional[int] = ..., provider_id: _Optional[str] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., error: _Optional[str] = ..., created_at_ms: _Optional[int] = ..., updated_at_ms: _Optional[int] = ..., spec: _Optional[_Union[Envelope, _Mapping]] = ..., receipt: _Optional[_Union[Envelope, _Mapping]] = ..., attempts: _Optional[_Iterable[_Union[Attempt, _Mapping]]] = ..., queue_reason: _Optional[str] = ..., checkpoint_step: _Optional[int] = ..., parts: _Optional[_Iterable[_Union[JobPart, _Mapping]]] = ..., billing: _Optional[_Union[JobBilling, _Mapping]] = ..., verification: _Optional[_Union[JobVerification, _Mapping]] = ..., array: _Optional[_Union[ArrayProgress, _Mapping]] = ...) -> None: ...
+
+class ArrayProgress(_message.Message):
+    __slots__ = ("tasks", "queued", "running", "succeeded", "failed", "cancelled")
+    TASKS_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    SUCCEEDED_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    CANCELLED_FIELD_NUMBER: _ClassVar[int]
+    tasks: int
+    queued: int
+    running: int
+    succeeded: int
+    failed: int
+    cancelled: int
+    def __init__(self, tasks: _Optional[int] = ..., queued: _Optional[int] = ..., running: _Optional[int] = ..., succeeded: _Optional[int] = ..., failed: _Optional[int] = ..., cancelled: _Optional[int] = ...) -> None: ...
+
+class ArrayTask(_message.Message):
+    __slots__ = ("task", "state", "attempts", "provider_id", "error", "outputs", "lease_job_id", "seconds", "updated_at_ms")
+    TASK_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
+    PROVIDER_ID_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    UPDATED_AT_MS_FIELD_NUMBER: _ClassVar[int]
+    task: int
+    state: JobState
+    attempts: int
+    provider_id: str
+    error: str
+    outputs: _containers.RepeatedCompositeFieldContainer[ArtifactRef]
+    lease_job_id: str
+    seconds: float
+    updated_at_ms: int
+    def __init__(self, task: _Optional[int] = ..., state: _Optional[_Union[JobState, str]] = ..., attempts: _Optional[int] = ..., provider_id: _Optional[str] = ..., error: _Optional[str] = ..., outputs: _Optional[_Iterable[_Union[ArtifactRef, _Mapping]]] = ..., lease_job_id: _Optional[str] = ..., seconds: _Optional[float] = ..., updated_at_ms: _Optional[int] = ...) -> None: ...
 
 class JobVerification(_message.Message):
     __slots__ = ("status", "rate", "checks")

@@ -3,6 +3,7 @@ cadence, the drain signal, and the fsync helpers of atomic checkpoint writes."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import shutil
@@ -104,9 +105,79 @@ def run_main(module_name: str, fn: Callable) -> int:
         print(f"usage: python -m gpumarket.provider.runners.{module_name} WORKDIR",
               file=sys.stderr)
         return 2
+    workdir = Path(sys.argv[1])
     try:
-        fn(Path(sys.argv[1]), Reporter())
+        job = json.loads((workdir / "job.json").read_text())
+        if job.get("tasks") is not None:
+            run_tasks(fn, workdir, job, Reporter())
+        else:
+            fn(workdir, Reporter())
     except JobError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+class _TaskReporter:
+    """What a task of an array reports: its end only (the lease's progress is tasks done;
+    a task is not checkpointed: one cut short runs again from its start)."""
+
+    def __init__(self) -> None:
+        self.done_metrics: dict | None = None
+
+    def send(self, event: str, **fields) -> None:
+        pass
+
+    def progress(self, step: int, total: int, **metrics: float) -> None:
+        pass
+
+    def checkpoint(self, step: int, path: str, write_seconds: float) -> None:
+        pass
+
+    def drained(self, step: int) -> None:
+        pass
+
+    def done(self, **metrics: float) -> None:
+        self.done_metrics = metrics
+
+
+def run_tasks(fn: Callable, workdir: Path, job: dict, reporter) -> None:
+    """A job array's lease: its tasks one after another in this process (one client's, of
+    one array), each in ``tasks/NNNNNN/`` with its own job.json and outputs, each reported
+    as it ends (``task`` reports) while a failed task does not stop the others. On a drain
+    request it stops between tasks: the rest run elsewhere."""
+    import traceback
+
+    listen_for_drain()
+    tasks = job["tasks"]
+    ok_count = 0
+    home = os.getcwd()
+    for i, item in enumerate(tasks):
+        n = int(item["task"])
+        tdir = workdir / "tasks" / f"{n:06d}"
+        (tdir / "outputs").mkdir(parents=True, exist_ok=True)
+        (tdir / "job.json").write_text(json.dumps(
+            {**job, "params": item["params"], "task": n, "tasks": None, "resume_from": None}))
+        quiet = _TaskReporter()
+        started = time.monotonic()
+        error = ""
+        os.chdir(tdir)
+        try:
+            fn(tdir, quiet)
+            if quiet.done_metrics is None:
+                error = "it ended without finishing"
+        except JobError as exc:
+            error = str(exc)
+        except Exception as exc:       # the task's own fault: its siblings go on
+            traceback.print_exc()
+            error = f"{type(exc).__name__}: {exc}"
+        finally:
+            os.chdir(home)
+        ok_count += not error
+        reporter.send("task", task=n, ok=not error, error=error[:1000],
+                      seconds=round(time.monotonic() - started, 6))
+        reporter.progress(i + 1, len(tasks))
+        if drain_requested() and i + 1 < len(tasks):
+            reporter.drained(i + 1)
+            return
+    reporter.done(tasks_ok=ok_count, tasks_failed=len(tasks) - ok_count)

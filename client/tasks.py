@@ -1,0 +1,139 @@
+"""A job array's tasks on the client: ``gpumarket tasks ARRAY`` lists them, and ``results``
+fetches each succeeded task's outputs into its own directory as tasks complete
+(docs/jobs.md)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+from rich.table import Table
+
+from gpumarket.client.console import command, dump, load_identity, out
+from gpumarket.kinds import arrays
+from gpumarket.link.client import Broker, BrokerClient
+from gpumarket.proto.envelope import open_envelope, payload_sha256
+from gpumarket.proto.errors import BadSignature, FailedPrecondition
+from gpumarket.proto.jobspec import STATES_BY_NAME, check_artifact_name, state_name
+from gpumarket.proto.present import short
+from gpumarket.proto.v1 import types_pb2 as pb
+
+PAGE = 10_000
+
+
+def summary(progress: pb.ArrayProgress) -> str:
+    """'1,000 tasks: 990 succeeded, 10 failed'."""
+    parts = [(progress.queued, "queued"), (progress.running, "running"),
+             (progress.succeeded, "succeeded"), (progress.failed, "failed"),
+             (progress.cancelled, "cancelled")]
+    return f"{progress.tasks:,} tasks: " + ", ".join(f"{n:,} {w}" for n, w in parts if n)
+
+
+async def all_tasks(broker: BrokerClient, job_id: str, states: list[int] | None = None,
+                    from_task: int = 0, limit: int = 0) -> list[pb.ArrayTask]:
+    """The array's tasks (of ``states``) from ``from_task``, every page, up to ``limit``."""
+    found: list[pb.ArrayTask] = []
+    while True:
+        page = await broker.list_tasks(job_id, from_task, PAGE, states)
+        found += page.tasks
+        if not page.next_task or (limit and len(found) >= limit):
+            return found[:limit] if limit else found
+        from_task = page.next_task
+
+
+@click.command("tasks")
+@click.argument("job_id")
+@click.option("--state", "states", multiple=True,
+              type=click.Choice(sorted(STATES_BY_NAME), case_sensitive=False),
+              help="Only tasks in this state (repeatable).")
+@click.option("--from", "from_task", type=click.IntRange(0), default=0,
+              help="First task to show (0-based).")
+@click.option("--limit", type=click.IntRange(1), default=100, show_default=True,
+              help="Most tasks to show.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.pass_obj
+@command
+async def tasks_command(market: Broker, job_id: str, states: tuple[str, ...], from_task: int,
+                        limit: int, as_json: bool) -> None:
+    """List a job array's tasks: state, attempts, provider, time and error of each."""
+    wanted = [STATES_BY_NAME[s.upper()] for s in states]
+    async with market.client(load_identity()) as broker:
+        job_id = await broker.job_id(job_id)
+        page = await broker.list_tasks(job_id, from_task, 1, wanted)
+        found = await all_tasks(broker, job_id, wanted, from_task, limit)
+    if as_json:
+        dump({"job_id": job_id, "progress": progress_dict(page.progress),
+              "tasks": [task_dict(t) for t in found]})
+        return
+    out.print(summary(page.progress))
+    table = Table("task", "state", "attempts", "provider", "seconds", "outputs", "error")
+    for t in found:
+        table.add_row(str(t.task), state_name(t.state), str(t.attempts),
+                      short(t.provider_id) if t.provider_id else "-", f"{t.seconds:.3f}",
+                      str(len(t.outputs)), t.error)
+    out.print(table)
+
+
+def progress_dict(p: pb.ArrayProgress) -> dict:
+    return {"tasks": p.tasks, "queued": p.queued, "running": p.running,
+            "succeeded": p.succeeded, "failed": p.failed, "cancelled": p.cancelled}
+
+
+def task_dict(t: pb.ArrayTask) -> dict:
+    return {"task": t.task, "state": state_name(t.state), "attempts": t.attempts,
+            "provider_id": t.provider_id, "seconds": t.seconds, "error": t.error,
+            "batch": t.lease_job_id, "updated_at_ms": t.updated_at_ms,
+            "outputs": [{"name": o.name, "sha256": o.sha256, "size_bytes": o.size_bytes}
+                        for o in t.outputs]}
+
+
+def signed_outputs(job: pb.Job, client_id: str) -> dict[str, pb.Receipt]:
+    """Every output of the array's finished batches (by name), each from a receipt signed by
+    the provider that ran the batch, for this exact spec."""
+    _, signer = open_envelope(job.spec, pb.JobSpec)
+    if signer != client_id:
+        raise BadSignature(f"job {job.job_id} was not signed by your key")
+    found: dict[str, pb.Receipt] = {}
+    for part in job.parts:
+        if not part.receipt.payload:
+            continue
+        receipt, provider = open_envelope(part.receipt, pb.Receipt)
+        if provider != receipt.provider_id or provider != part.provider_id:
+            raise BadSignature(f"receipt of {part.job_id} is not signed by the provider that"
+                               " ran it")
+        if receipt.job_id != part.job_id or receipt.spec_sha256 != payload_sha256(job.spec):
+            raise BadSignature(f"receipt of {part.job_id} is for another job")
+        for i, ref in enumerate(receipt.outputs):
+            check_artifact_name(ref.name, f"receipt.outputs[{i}].name")
+            found[ref.name] = receipt
+    return found
+
+
+async def fetch_results(broker: BrokerClient, job: pb.Job, client_id: str, output_dir: Path,
+                        only: int | None) -> dict:
+    """Download the outputs of the array's succeeded tasks (or task ``only``) into
+    ``output_dir/task-NNNNNN/``, each checked against a signed receipt and its hash; write
+    ``tasks.json``; return the summary."""
+    signed = signed_outputs(job, client_id)
+    states = [pb.JOB_STATE_SUCCEEDED] if only is None else []
+    found = await all_tasks(broker, job.job_id, states, only or 0, 1 if only is not None else 0)
+    if only is not None and (not found or found[0].task != only):
+        raise FailedPrecondition(f"job {job.job_id} has no task {only}")
+    output_dir.mkdir(parents=True, exist_ok=True)
+    files = 0
+    for t in found:
+        for ref in t.outputs:
+            named = arrays.output_task(ref.name)
+            receipt = signed.get(ref.name)
+            if named is None or named[0] != t.task or receipt is None or not any(
+                    o.sha256 == ref.sha256 for o in receipt.outputs if o.name == ref.name):
+                raise BadSignature(f"task {t.task}: output {ref.name} is in no signed receipt")
+            target = output_dir / f"task-{t.task:06d}"
+            target.mkdir(exist_ok=True)
+            await broker.download(ref, target / named[1])
+            files += 1
+    result = {"job_id": job.job_id, "progress": progress_dict(job.array), "files": files,
+              "receipt_signature": "valid", "tasks": [task_dict(t) for t in found]}
+    (output_dir / "tasks.json").write_text(json.dumps(result, indent=2))
+    return result

@@ -1,0 +1,75 @@
+"""Runs a ``script`` job: the client's own Python entry point, as ``__main__``, with its
+arguments, in the job's sandbox (the provider started this process there). Its code comes
+as an input: one .py file, or a tar of a directory unpacked beside it. It talks to the
+provider through ``gpumarket.provider.runners.task``.
+
+    python -m gpumarket.provider.runners.script WORKDIR
+"""
+
+from __future__ import annotations
+
+import json
+import runpy
+import shutil
+import sys
+import tarfile
+import traceback
+from pathlib import Path
+
+from gpumarket.provider.runners import task
+from gpumarket.provider.runners.base import JobError, listen_for_drain, run_main
+from gpumarket.provider.runners.report import Reporter
+
+
+def unpack(code: Path, target: Path, entry: str) -> Path:
+    """The code in ``target``; returns the entry point's path (JobError if it is missing)."""
+    target.mkdir(exist_ok=True)
+    if tarfile.is_tarfile(code):
+        try:
+            with tarfile.open(code) as tar:
+                tar.extractall(target, filter="data")
+        except (tarfile.TarError, OSError) as exc:
+            raise JobError(f"script.code: cannot unpack ({exc})") from exc
+    else:
+        shutil.copyfile(code, target / entry)
+    path = target / entry
+    if not path.is_file():
+        raise JobError(f"script.entry: {entry!r} is not in the code")
+    return path
+
+
+def run(workdir: Path, reporter: Reporter) -> None:
+    listen_for_drain()
+    job = json.loads((workdir / "job.json").read_text())
+    params = job["params"]
+    entry = unpack(Path(job["inputs"][params["code"]]), workdir / "code", params["entry"])
+    task._start(job, workdir, reporter)
+    argv, path = sys.argv, list(sys.path)
+    sys.argv = [str(entry), *params["args"]]
+    sys.path.insert(0, str(entry.parent))
+    try:
+        runpy.run_path(str(entry), run_name="__main__")
+    except SystemExit as exc:
+        if exc.code not in (None, 0):
+            raise JobError(f"the script exited with {exc.code}") from exc
+    except Exception as exc:
+        traceback.print_exc()
+        raise JobError(f"the script raised {type(exc).__name__}: {str(exc)[:300]}") from exc
+    finally:
+        sys.argv, sys.path[:] = argv, path
+    if task._need().get("drained"):
+        return          # it checkpointed and stopped on the drain request (task.checkpoint)
+    reporter.done(**task._need()["metrics"])
+
+
+def warm_up() -> None:
+    """A script may import torch: the forkserver imports it once for every job."""
+    import torch  # noqa: F401
+
+
+def main() -> int:
+    return run_main("script", run)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
