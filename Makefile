@@ -46,6 +46,7 @@ bench: $(STAMP)
 	$(PY) bench/verification.py
 	$(PY) bench/serving.py
 	$(PY) bench/group_commit.py
+	$(PY) bench/throughput.py
 	$(PY) bench/scale.py
 
 clean:
