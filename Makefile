@@ -47,6 +47,7 @@ bench: $(STAMP)
 	$(PY) bench/serving.py
 	$(PY) bench/group_commit.py
 	$(PY) bench/throughput.py
+	$(PY) bench/forkserver.py
 	$(PY) bench/scale.py
 
 clean:

@@ -25,6 +25,7 @@ from gpumarket.proto.v1 import types_pb2 as pb
 from gpumarket.provider import checkpoints, jobfiles
 from gpumarket.provider.config import ProviderConfig
 from gpumarket.provider.executor import JobProcess, job_env, read_reports
+from gpumarket.provider.forkservers import ForkServers
 from gpumarket.provider.inventory import DeviceInfo, local_models
 from gpumarket.provider.isolation import Isolation
 from gpumarket.provider.leases import Assignment, runner_config
@@ -44,11 +45,11 @@ class Host(Protocol):
     isolation: Isolation
     devices: list[DeviceInfo]
     draining: bool
+    forks: ForkServers | None      # the kinds' forkservers; None: every job starts cold
 
     def send(self, message: gw.ProviderMessage) -> None: ...
     async def fetch(self, ref: pb.ArtifactRef, target: Path) -> None: ...
     async def upload(self, source: Path | int, name: str) -> pb.ArtifactRef: ...
-    def take_warm(self, kind: kinds.Kind) -> asyncio.subprocess.Process | None: ...
     async def started(self, attempt: "Attempt", pid: int) -> None: ...
     async def finished(self, attempt: "Attempt", final: gw.ProviderMessage) -> None: ...
 
@@ -106,9 +107,7 @@ class Attempt:
             if self.host.draining:
                 final = self.update(released=gw.JobReleased(reason="provider is draining"))
             else:
-                serves = self.kind.name == "endpoint"
-                warm = None if serves else self.host.take_warm(self.kind)
-                self.process = self.new_process(warm)
+                self.process = self.new_process(self.host.forks)
                 pid = await self.process.start()
                 if self.engine is not None:
                     await self.engine.start()
@@ -155,10 +154,13 @@ class Attempt:
         (self.workdir / "job.json").write_text(json.dumps(spec, indent=2))
         return step
 
-    def new_process(self, warm: asyncio.subprocess.Process | None = None) -> JobProcess:
+    def new_process(self, forks: ForkServers | None = None) -> JobProcess:
+        """The job's process, to start (forked by ``forks`` where its kind has a
+        forkserver; an endpoint's always cold, with its engine link) or to re-attach to."""
         config, devices = self.host.config, self._devices()
         cuda = any(d.is_cuda for d in devices)
-        limit = min(self.assignment.spec.max_runtime_s or config.max_runtime_s,
+        per_task = max(1, len(self.assignment.lease.tasks))  # an array's limit is per task
+        limit = min((self.assignment.spec.max_runtime_s * per_task) or config.max_runtime_s,
                     config.max_runtime_s)
         env = job_env(self.workdir, ",".join(d.uuid for d in devices) if cuda else "", None)
         if self.kind.runner_path:    # a plugin's runner, imported from where the plugin was
@@ -166,11 +168,11 @@ class Attempt:
         box, group = self.host.isolation.for_job(config, self.workdir, devices,
                                                  self.host.devices)
         stdin = None
-        if self.kind.name == "endpoint" and warm is None:
+        if self.kind.name == "endpoint":
             self.engine = EngineLink(self.host.send, self.on_ready)
             stdin = self.engine.child_fd
         return JobProcess(self.kind.runner, self.workdir, env, self.on_report, limit,
-                          config.cancel_grace_s, warm, box,
+                          config.cancel_grace_s, forks, box,
                           int(config.job_disk_gib * 2**30), group, stdin)
 
     def on_ready(self, ready: gw.ReplicaReady) -> None:

@@ -58,8 +58,8 @@ def cli() -> None:
               help="Job kinds to run, comma-separated (default: every kind but script, which "
                    "runs the client's own Python and must be named).")
 @click.option("--no-warm", is_flag=True,
-              help="Do not keep an idle runner with its imports done (saves its memory; jobs "
-                   "start a few seconds slower).")
+              help="Run no forkservers (each keeps a kind's imports loaded to fork jobs from; "
+                   "saves their memory, jobs start a few seconds slower).")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
 def run(config_file: Path | None, broker: str | None, broker_key: str | None,

@@ -70,7 +70,7 @@ class ProviderConfig:
     unisolated_code: bool = False        # run jobs' own code even where isolation is partial
     job_uid_pool: tuple[int, int] = POOL  # uids jobs run as (each daemon claims 64)
     job_disk_gib: float = 100.0          # disk quota of each job's work directory
-    warm_runners: bool = True            # keep one idle runner per kind with imports done
+    warm_runners: bool = True            # a forkserver per kind: jobs forked, imports done
     kinds: frozenset[int] = frozenset()  # kinds accepted; empty = every kind it knows
     policy: Policy = field(default_factory=Policy)  # clients and hours served
     device_prices: dict[int, float] = field(default_factory=dict)  # per device index

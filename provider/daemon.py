@@ -22,13 +22,13 @@ from gpumarket.provider import recovery
 from gpumarket.provider.attempt import Attempt
 from gpumarket.provider.cache import ArtifactCache
 from gpumarket.provider.config import ProviderConfig
+from gpumarket.provider.forkservers import ForkServers
 from gpumarket.provider.inventory import DeviceInfo, inference_engines, local_models
 from gpumarket.provider.isolation import Isolation
 from gpumarket.provider.journal import Journal
 from gpumarket.provider.leases import check_lease, refusal, rejection
 from gpumarket.provider.offering import build_offer, runnable_kinds
 from gpumarket.provider.session import BrokerSession
-from gpumarket.provider.warm_pool import WarmPool
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ class ProviderDaemon:
         self.stopping = asyncio.Event()
         self.draining = False
         self.journal = Journal(config.data_dir / "journal.db")
-        self.warm = WarmPool(config.jobs_dir, config.warm_runners)
+        self.forks = ForkServers(config.jobs_dir, config.warm_runners)
         self.isolation = Isolation()
         self.session = BrokerSession(config, identity, self)
         # A new cached artifact is re-offered: jobs that need it prefer this provider.
@@ -142,7 +142,7 @@ class ProviderDaemon:
         await asyncio.to_thread(self.journal.remove, *job.key)
         shutil.rmtree(job.workdir, ignore_errors=True)
 
-    # -- for attempts: the broker, the cache, the warm runners, the journal --------------
+    # -- for attempts: the broker, the cache, the journal ------------------------------
 
     def send(self, message: gw.ProviderMessage) -> None:
         self.session.send(message)
@@ -155,12 +155,6 @@ class ProviderDaemon:
 
     async def _with_broker(self, call):
         return await self.session.with_broker(call, self.stopping)
-
-    def take_warm(self, kind: kinds.Kind) -> asyncio.subprocess.Process | None:
-        proc = self.warm.take(kind.runner)
-        if kind.warm:       # the next lease of this kind finds one ready too
-            self._spawn(self.warm.refill(kind.runner))
-        return proc
 
     async def started(self, job: Attempt, pid: int) -> None:
         await asyncio.to_thread(self.journal.set_pid, *job.key, pid)
@@ -177,9 +171,9 @@ class ProviderDaemon:
         """Serve until stopped (after a drain, or at once by stop()); then end every job."""
         self.isolation = await asyncio.to_thread(Isolation.prepare, self.config,
                                                  self.identity.id)
-        await recovery.restore(self)
+        await recovery.restore(self)    # first: it kills what it finds of an earlier daemon
         for kind in [k for k in map(kinds.get, self.kinds) if k.warm]:
-            await self.warm.refill(kind.runner)
+            await self.forks.start(kind.runner, kind.runner_path)
         try:
             await self.session.run(self.stopping)
         finally:
@@ -187,14 +181,14 @@ class ProviderDaemon:
                 await job.stop("provider is shutting down")
             for task in list(self._background):
                 task.cancel()
-            await self.warm.close()
+            await self.forks.close()
             self.journal.close()
             if self.isolation.cgroups:
                 self.isolation.cgroups.remove()     # empty now: every job was ended
 
     def stop(self) -> None:
         """Stop now: jobs are killed and their leases lapse."""
-        self.warm.closing = True
+        self.forks.closing = True
         self.stopping.set()
 
     def request_drain(self) -> None:
@@ -204,7 +198,7 @@ class ProviderDaemon:
         """Checkpoint every job now, upload, give the leases back, then stop."""
         if self.draining:
             return
-        self.draining = self.warm.closing = True
+        self.draining = self.forks.closing = True
         log.info("draining %d jobs: checkpoint, upload, release", len(self.jobs))
         self.send(self.session.heartbeat())
         for job in list(self.jobs.values()):

@@ -4,7 +4,8 @@ The child appends reports (one JSON object a line, see runners/report.py) to
 ``reports.jsonl`` in its work directory and its stdout and stderr to ``job.log``. It
 leads its own process group, so a cancel reaches everything it started: SIGTERM, then
 SIGKILL. Because reports go to a file, a restarted daemon can re-attach to a job that
-outlived the daemon before it (``JobProcess.attach``).
+outlived the daemon before it (``JobProcess.attach``). A job of a kind with a forkserver
+(provider/forkservers.py) is forked from it rather than started cold.
 """
 
 from __future__ import annotations
@@ -19,12 +20,16 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from gpumarket.proto.jobspec import LOG_LINES_PER_UPDATE
 from gpumarket.provider import jobfiles
 from gpumarket.provider.cgroups import CgroupError, JobCgroup
 from gpumarket.provider.sandbox import ENV as SANDBOX_ENV
 from gpumarket.provider.sandbox import Sandbox, kill_uid
+
+if TYPE_CHECKING:
+    from gpumarket.provider.forkservers import ForkServers
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +113,7 @@ def read_reports(workdir: Path, owner: int) -> list[dict]:
 
 def pid_runs_in(pid: int, workdir: Path) -> bool:
     """True if ``pid`` is alive and is a job process for ``workdir`` (started for it, or a
-    warm runner that took it on and moved into it)."""
+    forkserver's child that moved into it)."""
     try:
         cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -120,17 +125,51 @@ def pid_runs_in(pid: int, workdir: Path) -> bool:
     return str(workdir).encode() in cmd or cwd == str(workdir)
 
 
+class ForkedChild:
+    """A job process forked by a forkserver (provider/forkservers.py), as much of an
+    ``asyncio.subprocess.Process`` as JobProcess uses. The forkserver, its parent, reports
+    its end; if the forkserver dies first, the child is followed by pid until it is gone,
+    and ``wait()`` returns None (its exit code went with its parent)."""
+
+    def __init__(self, pid: int, workdir: Path) -> None:
+        self.pid = pid
+        self.workdir = workdir
+        self.returncode: int | None = None
+        self._orphaned = False
+        self._known = asyncio.Event()    # its end was reported, or its forkserver is gone
+
+    def exited(self, code: int) -> None:
+        self.returncode = code
+        self._known.set()
+
+    def orphaned(self) -> None:
+        self._orphaned = True
+        self._known.set()
+
+    def running(self) -> bool:
+        if self.returncode is not None:
+            return False
+        return not self._orphaned or pid_runs_in(self.pid, self.workdir)
+
+    async def wait(self) -> int | None:
+        await self._known.wait()
+        while self.running():
+            await asyncio.sleep(POLL_S)
+        return self.returncode
+
+
 class JobProcess:
     """One job process; ``run()`` follows it to the end, ``stop()`` ends it."""
 
     def __init__(self, module: str, workdir: Path, env: dict[str, str],
                  on_report: Callable[[dict], Awaitable[None]], max_runtime_s: float,
-                 grace_s: float, warm: asyncio.subprocess.Process | None = None,
+                 grace_s: float, forks: ForkServers | None = None,
                  sandbox: Sandbox | None = None, disk_quota_bytes: int = 0,
                  cgroup: JobCgroup | None = None, stdin: int | None = None) -> None:
-        self.warm = warm
+        self.forks = forks          # None: start cold
         self.stdin = stdin          # a descriptor for the job's stdin (an endpoint's engine
-                                    # socket), closed here once the child has it
+                                    # socket), closed here once the child has it; such a
+                                    # job always starts cold
         self.sandbox = sandbox
         self.cgroup = cgroup
         self.disk_quota_bytes = disk_quota_bytes
@@ -141,7 +180,7 @@ class JobProcess:
         self.on_report = on_report
         self.max_runtime_s = max_runtime_s
         self.grace_s = grace_s
-        self.proc: asyncio.subprocess.Process | None = None
+        self.proc: asyncio.subprocess.Process | ForkedChild | None = None
         self.pid: int | None = None
         self._offset = 0
         self._log_offset = 0
@@ -167,25 +206,22 @@ class JobProcess:
         self._log_fd = self._reports_fd = -1
 
     async def start(self) -> int:
-        """Start the job (on the warm runner if one was given and is alive); return its pid
-        (also its process group id)."""
+        """Start the job (forked by its kind's forkserver where there is one, else cold);
+        return its pid (also its process group id)."""
         (self.workdir / "tmp").mkdir(exist_ok=True)
         self._create_files()
         if self.sandbox is not None:
             hand_over(self.workdir, self.sandbox)
-        warm, self.warm = self.warm, None
-        if warm is not None and warm.returncode is None and warm.stdin is not None:
-            order = json.dumps({"workdir": str(self.workdir), "env": self.env,
-                                "sandbox": self.sandbox.to_json() if self.sandbox else ""})
-            order += "\n"
-            try:
-                warm.stdin.write(order.encode())
-                await warm.stdin.drain()
-                warm.stdin.close()
-                self.proc, self.pid = warm, warm.pid
+        forks, self.forks = self.forks, None
+        if forks is not None and self.stdin is None:
+            child = await forks.spawn(self.module, self.workdir, self.env,
+                                      self.sandbox.to_json() if self.sandbox else "",
+                                      self._log_fd)
+            if child is not None:
+                log.info("job in %s: forked by the %s forkserver, pid %d", self.workdir.name,
+                         self.module, child.pid)
+                self.proc, self.pid = child, child.pid
                 return self.pid
-            except (BrokenPipeError, ConnectionResetError):
-                log.warning("warm runner %d was gone; starting the job cold", warm.pid)
         args, env = ["-m", self.module, str(self.workdir)], self.env
         if self.sandbox is not None:
             args = ["-m", "gpumarket.provider.sandbox", self.module, str(self.workdir)]
@@ -216,6 +252,8 @@ class JobProcess:
             log.warning("job in %s: cannot follow its files (%s)", self.workdir, exc)
 
     def alive(self) -> bool:
+        if isinstance(self.proc, ForkedChild):
+            return self.proc.running()
         if self.proc is not None:
             return self.proc.returncode is None
         return self.pid is not None and pid_runs_in(self.pid, self.workdir)

@@ -7,8 +7,9 @@ with private scratch directories and a way to only the paths the job needs
 (provider/mounts.py), resource limits, a private umask, and last the job's own unprivileged
 uid (from the daemon's own range, provider/job_uids.py). The first steps need root; the uid
 switch ends it. The daemon starts a cold job as ``python -m gpumarket.provider.sandbox MODULE
-WORKDIR`` with the sandbox in ``$GPUMARKET_SANDBOX``; a warm runner applies the one in its
-order before it reads the job. The work directory's disk quota is watched by the executor
+WORKDIR`` with the sandbox in ``$GPUMARKET_SANDBOX``; a job forked by its kind's
+forkserver (runners/forkserver.py) applies the one in its order before it runs anything of
+the job. The work directory's disk quota is watched by the executor
 (and no single file may exceed it: RLIMIT_FSIZE); scratch directories are tmpfs of a bounded
 size whose pages count against the job's memory.
 

@@ -205,7 +205,7 @@ class Marketplace:
 
 def job_processes(marker: str) -> list[int]:
     """Pids of job processes for ``marker`` (a job's work dir, or a jobs dir): started for it
-    (its path is in their command line) or working in it (a warm runner that took it on)."""
+    (its path is in their command line) or working in it (a forkserver's child)."""
     pids = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -218,8 +218,8 @@ def job_processes(marker: str) -> list[int]:
             continue
         if "gpumarket.provider.runners" not in cmd or state == "Z":
             continue
-        if "runners.warm" in cmd and cwd != marker and not cwd.startswith(marker + "/"):
-            continue  # an idle warm runner waits in the jobs dir: no job of ours
+        if "runners.forkserver" in cmd and cwd != marker and not cwd.startswith(marker + "/"):
+            continue  # a forkserver waits in the jobs dir: no job of ours (its children move)
         if marker in cmd or cwd == marker or cwd.startswith(marker + "/"):
             pids.append(int(entry.name))
     return pids

@@ -68,6 +68,7 @@ class FakeHost:
         self.isolation = Isolation()
         self.devices = cpu_devices(1)
         self.draining = False
+        self.forks = None             # every job cold (tests/test_forkserver.py forks them)
         self.blobs = blobs
         self.sent: list[gw.ProviderMessage] = []
         self.final: gw.ProviderMessage | None = None
@@ -86,9 +87,6 @@ class FakeHost:
         sha = hashlib.sha256(data).hexdigest()
         self.blobs[sha] = data
         return pb.ArtifactRef(name=name, sha256=sha, size_bytes=len(data))
-
-    def take_warm(self, kind):
-        return None
 
     async def started(self, attempt, pid):
         self.pid = pid

@@ -220,7 +220,7 @@ def train(workdir: Path, report: Reporter) -> None:
 
 
 def warm_up() -> None:
-    """Import what a job will need, ahead of the job (see runners/warm.py)."""
+    """Import what a job will need, ahead of the job (see runners/forkserver.py)."""
     import transformers  # noqa: F401
     from transformers import AutoConfig, AutoModelForCausalLM  # noqa: F401
     from transformers.models.llama import modeling_llama  # noqa: F401
