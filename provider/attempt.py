@@ -328,7 +328,7 @@ class Attempt:
             for task in a.lease.tasks:     # a job array's: each task's, named by its task
                 rel = f"tasks/{task:06d}/outputs"
                 if not os.path.lexists(self.workdir / rel):
-                    continue        # a task that failed before it made its directory
+                    continue        # a task that wrote no outputs
                 with jobfiles.plain_files(root, rel, self.job_uid) as files:
                     for name, fd in files:
                         outputs.append(await self.host.upload(fd, arrays.output_name(task, name)))

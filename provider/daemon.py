@@ -137,10 +137,16 @@ class ProviderDaemon:
             await self._forget(job)
 
     async def _forget(self, job: Attempt) -> None:
+        """The job is over: its devices are free now; its journal entry and work directory
+        go in the background (a large array lease's directory takes a while to remove, and
+        the session's reader must not wait for it; a restart sweeps what is left)."""
         if self.jobs.get(job.key[0]) is job:
             del self.jobs[job.key[0]]
+        self._spawn(self._remove(job))
+
+    async def _remove(self, job: Attempt) -> None:
         await asyncio.to_thread(self.journal.remove, *job.key)
-        shutil.rmtree(job.workdir, ignore_errors=True)
+        await asyncio.to_thread(shutil.rmtree, job.workdir, ignore_errors=True)
 
     # -- for attempts: the broker, the cache, the journal ------------------------------
 

@@ -27,7 +27,6 @@ import json
 import os
 import resource
 import runpy
-import signal
 import socket
 import struct
 import subprocess
@@ -278,25 +277,27 @@ def missing_for_code(features: dict) -> list[str]:
     return [name for name in CODE_NEEDS if not features.get(name, {}).get("available")]
 
 
+# Run as the job's uid: kill(-1, SIGKILL), the shell's builtin (no interpreter the job's uid
+# may not be able to reach); the shell is among the killed.
+KILL_ALL = ["/bin/sh", "-c", "kill -9 -1"]
+
+
 def kill_uid(uid: int) -> int:
     """SIGKILL every process of ``uid`` (a job's uid: whatever it left behind, even outside
     its process group and after detaching); return how many were seen. A child that takes
     the uid sends ``kill(-1)``, which the kernel delivers to all of the uid's processes at
     once, so none can fork past it. It is sent whatever a scan of /proc shows (a process
     that forks and exits in a loop can be missed by a scan) until three scans in a row find
-    nothing."""
+    nothing.
+
+    The child is exec'd, not a bare ``os.fork()`` of the daemon: a fork runs gRPC's at-fork
+    handlers in the child, which abort it there (a failed check in its poller) while other
+    threads are in gRPC, before the kill was sent."""
     seen, quiet = 0, 0
     for _ in range(100):
-        child = os.fork()
-        if child == 0:   # only syscalls here: the daemon may have other threads
-            try:
-                os.setgroups([])
-                os.setresgid(uid, uid, uid)
-                os.setresuid(uid, uid, uid)
-                os.kill(-1, signal.SIGKILL)
-            finally:
-                os._exit(0)
-        os.waitpid(child, 0)
+        subprocess.run(KILL_ALL, user=uid, group=uid, extra_groups=[], close_fds=True,
+                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                       stderr=subprocess.DEVNULL, env={}, check=False)
         pids = processes_of({uid}).get(uid, [])
         seen = max(seen, len(pids))
         quiet = 0 if pids else quiet + 1

@@ -44,14 +44,14 @@ def test_credit_hold_pause_top_up_and_statements(tmp_path):
         assert json.loads(market.cli("balance", "--json").stdout)["available"] == 2_500_000
 
         # A budget that runs out early (about 11 s of the provider's device, where the job
-        # needs 15 s or more): the job pauses, at a checkpoint, or where its hold ends if
+        # needs 25 s or more on a quiet machine, its runner forked warm): the job pauses, at a checkpoint, or where its hold ends if
         # that comes first. (A budget under 10 s of max_price is refused.)
         small = training_job(tmp_path / "small.toml", max_price=1.0, extra="budget = 0.002")
         r = market.cli("submit", str(small))
         assert r.returncode == 1 and "budget: at least 0.002778 credits" in r.stderr, r.stderr
         market.start_provider("p1", 1.0)
         market.wait_for_offers(1)
-        tight = training_job(tmp_path / "tight.toml", steps=1500, checkpoint_every=100,
+        tight = training_job(tmp_path / "tight.toml", steps=4000, checkpoint_every=100,
                              max_price=1.0, extra="budget = 0.003")
         r = market.cli("submit", str(tight))
         assert r.returncode == 0, r.stderr
@@ -70,9 +70,11 @@ def test_credit_hold_pause_top_up_and_statements(tmp_path):
         # The client's statement: settled segments chain over every step once.
         lines = [json.loads(x) for x in
                  market.cli("statement", "--job", job_id, "--json").stdout.splitlines()]
-        settles = sorted((int(x.get("step_from", 0)), int(x["step_to"]), int(x["amount"]))
-                         for x in lines if x["type"] == "settle")
-        assert settles[0][0] == 0 and settles[-1][1] == 1500
+        # (A zero step is left out of the JSON: on a slow machine the hold can run out
+        # before the first checkpoint, and that time is paid as a segment from 0 to 0.)
+        settles = sorted((int(x.get("step_from", 0)), int(x.get("step_to", 0)),
+                          int(x["amount"])) for x in lines if x["type"] == "settle")
+        assert settles[0][0] == 0 and settles[-1][1] == 4000
         assert all(a[1] == b[0] for a, b in zip(settles, settles[1:]))   # no gap, no overlap
         assert {100, 700, 1400} <= {s[1] for s in settles}
         charged = -sum(s[2] for s in settles)

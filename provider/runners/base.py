@@ -14,7 +14,17 @@ from collections.abc import Callable
 from pathlib import Path
 
 MARKER = "COMPLETE"
+PROGRESS_S = 0.25      # an array lease's progress (tasks done) is reported at most this often
 _drain = False
+_task: tuple[Path, dict] | None = None     # run_tasks: the task running now, and its job
+
+
+def read_job(workdir: Path) -> dict:
+    """The job this process runs in ``workdir``: its job.json, or, for a task of an array's
+    lease, the task's job as run_tasks handed it over (no file written and read per task)."""
+    if _task is not None and _task[0] == workdir:
+        return _task[1]
+    return json.loads((workdir / "job.json").read_text())
 
 
 class JobError(Exception):
@@ -143,21 +153,24 @@ class _TaskReporter:
 
 def run_tasks(fn: Callable, workdir: Path, job: dict, reporter) -> None:
     """A job array's lease: its tasks one after another in this process (one client's, of
-    one array), each in ``tasks/NNNNNN/`` with its own job.json and outputs, each reported
+    one array), each in ``tasks/NNNNNN/`` (its outputs in ``outputs/`` there), each reported
     as it ends (``task`` reports) while a failed task does not stop the others. On a drain
     request it stops between tasks: the rest run elsewhere."""
     import traceback
 
+    global _task
     listen_for_drain()
     tasks = job["tasks"]
     ok_count = 0
     home = os.getcwd()
+    (workdir / "tasks").mkdir(exist_ok=True)
+    reported = 0.0
     for i, item in enumerate(tasks):
         n = int(item["task"])
         tdir = workdir / "tasks" / f"{n:06d}"
-        (tdir / "outputs").mkdir(parents=True, exist_ok=True)
-        (tdir / "job.json").write_text(json.dumps(
-            {**job, "params": item["params"], "task": n, "tasks": None, "resume_from": None}))
+        tdir.mkdir(exist_ok=True)
+        _task = (tdir, {**job, "params": item["params"], "task": n, "tasks": None,
+                        "resume_from": None})
         quiet = _TaskReporter()
         started = time.monotonic()
         error = ""
@@ -173,10 +186,14 @@ def run_tasks(fn: Callable, workdir: Path, job: dict, reporter) -> None:
             error = f"{type(exc).__name__}: {exc}"
         finally:
             os.chdir(home)
+            _task = None
         ok_count += not error
+        ended = time.monotonic()
         reporter.send("task", task=n, ok=not error, error=error[:1000],
-                      seconds=round(time.monotonic() - started, 6))
-        reporter.progress(i + 1, len(tasks))
+                      seconds=round(ended - started, 6))
+        if ended - reported >= PROGRESS_S or i + 1 == len(tasks):
+            reporter.progress(i + 1, len(tasks))
+            reported = ended
         if drain_requested() and i + 1 < len(tasks):
             reporter.drained(i + 1)
             return

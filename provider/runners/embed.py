@@ -19,7 +19,7 @@ from gpumarket.provider.runners.inference import (
     Results, percentiles, read_items, run_main, torch_device, torch_dtype, unpack_model,
 )
 from gpumarket.provider.runners.report import Reporter
-from gpumarket.provider.runners.base import JobError
+from gpumarket.provider.runners.base import JobError, read_job
 
 DEFAULT_BATCH = 32
 
@@ -42,7 +42,7 @@ def embed(workdir: Path, report: Reporter) -> None:
     import torch
     from transformers import AutoModel, AutoTokenizer
 
-    job = json.loads((workdir / "job.json").read_text())
+    job = read_job(workdir)
     p = job["params"]
     texts = read_items(job["inputs"][p["texts"]], "text", "texts")
     fmt = p.get("output_format") or "jsonl"

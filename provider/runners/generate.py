@@ -20,7 +20,7 @@ from gpumarket.provider.runners.inference import (
     Results, percentiles, read_items, run_main, torch_device, torch_dtype, unpack_model,
 )
 from gpumarket.provider.runners.report import Reporter
-from gpumarket.provider.runners.base import JobError
+from gpumarket.provider.runners.base import JobError, read_job
 
 CPU_BATCH = 8
 MAX_BATCH = 128
@@ -80,7 +80,7 @@ class StepClock:
 
 
 def generate(workdir: Path, report: Reporter) -> None:
-    job = json.loads((workdir / "job.json").read_text())
+    job = read_job(workdir)
     p = job["params"]
     prompts = read_items(job["inputs"][p["prompts"]], "prompt", "prompts")
     model_dir = unpack_model(job, "model", workdir)

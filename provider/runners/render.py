@@ -13,7 +13,7 @@ attempt unpacks them into outputs/ and renders only the missing frames.
 
 from __future__ import annotations
 
-from gpumarket.provider.runners.base import listen_for_drain
+from gpumarket.provider.runners.base import listen_for_drain, read_job
 
 listen_for_drain()
 
@@ -169,7 +169,7 @@ def quiet():
 
 
 def render(workdir: Path, report: Reporter) -> None:
-    job = json.loads((workdir / "job.json").read_text())
+    job = read_job(workdir)
     p = job["params"]
     frames = frames_of(job)
     out = workdir / "outputs"

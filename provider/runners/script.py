@@ -8,7 +8,6 @@ provider through ``gpumarket.provider.runners.task``.
 
 from __future__ import annotations
 
-import json
 import runpy
 import shutil
 import sys
@@ -17,7 +16,7 @@ import traceback
 from pathlib import Path
 
 from gpumarket.provider.runners import task
-from gpumarket.provider.runners.base import JobError, listen_for_drain, run_main
+from gpumarket.provider.runners.base import JobError, listen_for_drain, read_job, run_main
 from gpumarket.provider.runners.report import Reporter
 
 
@@ -38,11 +37,20 @@ def unpack(code: Path, target: Path, entry: str) -> Path:
     return path
 
 
+# The code unpacked by this process, by (input, entry): the tasks of an array's lease (one
+# client's, one array's, in one process) share the first task's copy instead of each
+# unpacking its own.
+_unpacked: dict[tuple[str, str], Path] = {}
+
+
 def run(workdir: Path, reporter: Reporter) -> None:
     listen_for_drain()
-    job = json.loads((workdir / "job.json").read_text())
+    job = read_job(workdir)
     params = job["params"]
-    entry = unpack(Path(job["inputs"][params["code"]]), workdir / "code", params["entry"])
+    key = (job["inputs"][params["code"]], params["entry"])
+    entry = _unpacked.get(key)
+    if entry is None or not entry.is_file():
+        entry = _unpacked[key] = unpack(Path(key[0]), workdir / "code", params["entry"])
     task._start(job, workdir, reporter)
     argv, path = sys.argv, list(sys.path)
     sys.argv = [str(entry), *params["args"]]

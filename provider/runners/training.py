@@ -10,7 +10,7 @@ config and the loss curve to WORKDIR/outputs.
 
 from __future__ import annotations
 
-from gpumarket.provider.runners.base import listen_for_drain
+from gpumarket.provider.runners.base import listen_for_drain, read_job
 
 listen_for_drain()
 
@@ -102,7 +102,7 @@ def lr_lambda(warmup: int, total: int):
 
 
 def train(workdir: Path, report: Reporter) -> None:
-    job = json.loads((workdir / "job.json").read_text())
+    job = read_job(workdir)
     p = job["params"]
     seed, steps, batch, seq_len = int(p["seed"]), int(p["steps"]), int(p["batch_size"]), int(p["seq_len"])
     cadence = Cadence(int(job.get("checkpoint_every") or 0),
