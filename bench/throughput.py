@@ -162,7 +162,11 @@ def main() -> None:
         market.start_broker("--heartbeat-interval", "1")
         market.cli("keys", "init")
         for name in ("p1", "p2"):
-            market.start_provider(name, 1.0, "--kinds", "script,training")
+            # Each offers this machine's CPU as two one-core devices: the two providers share
+            # its cores, and a job's threads are its lease's cores (two providers that each
+            # took every core would oversubscribe it: see docs/provider.md).
+            market.start_provider(name, 1.0, "--kinds", "script,training",
+                                  "--cpu-devices", "2")
         market.wait_for_offers(2)
         noop_array(market, root, 100)     # warm-up, as Ray's run has (forkservers ready)
         ours = noop_array(market, root, args.tasks)

@@ -10,8 +10,10 @@ from pathlib import Path
 import grpc
 
 from gpumarket.link.errors import error_of
-from gpumarket.proto.artifacts import publish_verified, receive, sha256_file, upload_requests
-from gpumarket.proto.errors import InvalidArgument
+from gpumarket.proto.artifacts import (
+    CHUNK_BYTES, publish_verified, receive, sha256_file, upload_requests,
+)
+from gpumarket.proto.errors import FailedPrecondition, InvalidArgument
 from gpumarket.proto.v1 import artifacts_pb2 as ap
 from gpumarket.proto.v1 import artifacts_pb2_grpc
 from gpumarket.proto.v1 import types_pb2 as pb
@@ -34,20 +36,34 @@ class ArtifactsClient:
             raise error_of(exc, self.address) from exc
 
     async def upload(self, source: Path | int, name: str,
-                     on_bytes: Callable[[int], None] | None = None) -> pb.ArtifactRef:
+                     on_bytes: Callable[[int], None] | None = None,
+                     digest: tuple[str, int] | None = None) -> pb.ArtifactRef:
         """Upload a file, given by path or as a descriptor the caller keeps open, unless the
         broker shows this key holds it already; a partial upload resumes where the broker's
-        copy ends. Returns its reference."""
-        sha, size = await asyncio.to_thread(sha256_file, source)
+        copy ends. Returns its reference. ``digest``: its (sha256, size), where the caller
+        has it (the broker checks it against the bytes)."""
+        sha, size = digest or await asyncio.to_thread(sha256_file, source)
+        ref = pb.ArtifactRef(name=name, sha256=sha, size_bytes=size)
+        if size <= CHUNK_BYTES:
+            # One message: sent at once rather than asked about first (the broker drops it
+            # if this key holds the blob already), one round trip instead of two.
+            try:
+                await self._send(source, sha, size, 0, on_bytes)
+                return ref
+            except FailedPrecondition:
+                pass        # a partial copy of an earlier try is there: continue it
         st = await self.stat(sha, size)
         if not st.complete:
-            try:
-                await self.stub.Upload(
-                    upload_requests(source, sha, size, st.received_bytes, on_bytes),
-                    timeout=self.timeout_s + size / BYTES_PER_S)
-            except grpc.aio.AioRpcError as exc:
-                raise error_of(exc, self.address) from exc
-        return pb.ArtifactRef(name=name, sha256=sha, size_bytes=size)
+            await self._send(source, sha, size, st.received_bytes, on_bytes)
+        return ref
+
+    async def _send(self, source: Path | int, sha: str, size: int, offset: int,
+                    on_bytes: Callable[[int], None] | None) -> None:
+        try:
+            await self.stub.Upload(upload_requests(source, sha, size, offset, on_bytes),
+                                   timeout=self.timeout_s + size / BYTES_PER_S)
+        except grpc.aio.AioRpcError as exc:
+            raise error_of(exc, self.address) from exc
 
     async def download(self, ref: pb.ArtifactRef, target: Path) -> None:
         """Download a blob to ``target``; what arrived of a broken download is kept next to

@@ -6,6 +6,7 @@ a signed receipt, a failure, or a release. What it needs of the daemon is a ``Ho
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -16,6 +17,7 @@ from typing import Protocol
 
 from gpumarket import kinds
 from gpumarket.kinds import arrays
+from gpumarket.proto.artifacts import sha256_file
 from gpumarket.proto.envelope import seal
 from gpumarket.proto.errors import GpumarketError
 from gpumarket.proto.identity import Identity
@@ -33,6 +35,8 @@ from gpumarket.provider.replica import EngineLink
 
 log = logging.getLogger(__name__)
 
+UPLOADS_AT_ONCE = 8        # a lease's output files in flight at once
+TASK_DIRS_AT_ONCE = 16     # an array lease's task output directories open at once
 TASK_FLUSH_S = 0.2         # a job array's task results are sent at most this often ...
 TASKS_PER_UPDATE = 1000    # ... this many to an update
 
@@ -49,7 +53,8 @@ class Host(Protocol):
 
     def send(self, message: gw.ProviderMessage) -> None: ...
     async def fetch(self, ref: pb.ArtifactRef, target: Path) -> None: ...
-    async def upload(self, source: Path | int, name: str) -> pb.ArtifactRef: ...
+    async def upload(self, source: Path | int, name: str,
+                     digest: tuple[str, int] | None = None) -> pb.ArtifactRef: ...
     async def started(self, attempt: "Attempt", pid: int) -> None: ...
     async def finished(self, attempt: "Attempt", final: gw.ProviderMessage) -> None: ...
 
@@ -162,7 +167,11 @@ class Attempt:
         per_task = max(1, len(self.assignment.lease.tasks))  # an array's limit is per task
         limit = min((self.assignment.spec.max_runtime_s * per_task) or config.max_runtime_s,
                     config.max_runtime_s)
-        env = job_env(self.workdir, ",".join(d.uuid for d in devices) if cuda else "", None)
+        # A CPU lease's threads are its cores: as many threads as the job's CPU quota. More
+        # (torch's default, all of the host's) oversubscribe the cores beside other leases
+        # or providers, where OpenMP's spin-waits make small ops many times slower.
+        threads = None if cuda else sum(d.cpu_cores for d in devices) or None
+        env = job_env(self.workdir, ",".join(d.uuid for d in devices) if cuda else "", threads)
         if self.kind.runner_path:    # a plugin's runner, imported from where the plugin was
             env["PYTHONPATH"] = os.pathsep.join(self.kind.runner_path)
         box, group = self.host.isolation.for_job(config, self.workdir, devices,
@@ -312,26 +321,50 @@ class Attempt:
         finally:
             os.close(parent)
 
+    async def upload_all(self, files: list[tuple[int, str]]) -> list[pb.ArtifactRef]:
+        """Upload open files (descriptor, name), UPLOADS_AT_ONCE at a time and each content
+        once (an array's tasks write many files alike); their references, in order. Every
+        upload has ended when this returns or raises: the descriptors are the caller's."""
+        digests = await asyncio.to_thread(lambda: [sha256_file(fd) for fd, _ in files])
+        first: dict[tuple[str, int], tuple[int, str]] = {}
+        for file, digest in zip(files, digests):
+            first.setdefault(digest, file)
+        gate = asyncio.Semaphore(UPLOADS_AT_ONCE)
+
+        async def send(file: tuple[int, str], digest: tuple[str, int]) -> None:
+            async with gate:
+                await self.host.upload(*file, digest)
+
+        ended = await asyncio.gather(*(send(f, d) for d, f in first.items()),
+                                     return_exceptions=True)
+        for result in ended:
+            if isinstance(result, BaseException):
+                raise result
+        return [pb.ArtifactRef(name=name, sha256=sha, size_bytes=size)
+                for (_, name), (sha, size) in zip(files, digests)]
+
     async def receipt(self, done: dict, wall_seconds: float) -> pb.Envelope:
         """Upload the job's outputs and sign the receipt for them. The job may have swapped
         outputs/ or a file in it for a link to anything the daemon can read: only the
         job's own plain files are taken, read through descriptors (JobFileError if it left
         anything else there)."""
         a = self.assignment
-        outputs = []
+        if not a.lease.tasks:
+            dirs: list[tuple[str, int | None]] = [("outputs", None)]
+        else:              # a job array's lease: each task's, named by its task
+            dirs = [(f"tasks/{task:06d}/outputs", task) for task in a.lease.tasks]
+            dirs = [(rel, task) for rel, task in dirs   # not a task that wrote no outputs
+                    if os.path.lexists(self.workdir / rel)]
+        outputs: list[pb.ArtifactRef] = []
         root = jobfiles.open_dir(self.workdir)
         try:
-            if not a.lease.tasks:
-                with jobfiles.plain_files(root, "outputs", self.job_uid) as files:
-                    for name, fd in files:
-                        outputs.append(await self.host.upload(fd, name))
-            for task in a.lease.tasks:     # a job array's: each task's, named by its task
-                rel = f"tasks/{task:06d}/outputs"
-                if not os.path.lexists(self.workdir / rel):
-                    continue        # a task that wrote no outputs
-                with jobfiles.plain_files(root, rel, self.job_uid) as files:
-                    for name, fd in files:
-                        outputs.append(await self.host.upload(fd, arrays.output_name(task, name)))
+            for i in range(0, len(dirs), TASK_DIRS_AT_ONCE):
+                with contextlib.ExitStack() as opened:
+                    files = [(fd, name if task is None else arrays.output_name(task, name))
+                             for rel, task in dirs[i:i + TASK_DIRS_AT_ONCE]
+                             for name, fd in opened.enter_context(
+                                 jobfiles.plain_files(root, rel, self.job_uid))]
+                    outputs += await self.upload_all(files)
         finally:
             os.close(root)
         metrics = {k: float(v) for k, v in (done.get("metrics") or {}).items()

@@ -156,8 +156,9 @@ class ProviderDaemon:
     async def fetch(self, ref: pb.ArtifactRef, target: Path) -> None:
         await self.cache.put(ref, target)
 
-    async def upload(self, source: Path | int, name: str) -> pb.ArtifactRef:
-        return await self._with_broker(lambda a: a.upload(source, name))
+    async def upload(self, source: Path | int, name: str,
+                     digest: tuple[str, int] | None = None) -> pb.ArtifactRef:
+        return await self._with_broker(lambda a: a.upload(source, name, digest=digest))
 
     async def _with_broker(self, call):
         return await self.session.with_broker(call, self.stopping)

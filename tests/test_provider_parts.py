@@ -24,6 +24,7 @@ from gpumarket.proto.v1 import gateway_pb2_grpc
 from gpumarket.proto.v1 import types_pb2 as pb
 from gpumarket.provider import config as provider_config
 from gpumarket.provider.attempt import Attempt
+from gpumarket.provider.cache import ArtifactCache
 from gpumarket.provider.inventory import cpu_devices
 from gpumarket.provider.isolation import Isolation
 from gpumarket.provider.leases import Assignment
@@ -82,7 +83,7 @@ class FakeHost:
             raise NotFound(f"no artifact {ref.sha256}")
         target.write_bytes(self.blobs[ref.sha256])
 
-    async def upload(self, source, name):
+    async def upload(self, source, name, digest=None):
         data = os.pread(source, 1 << 30, 0) if isinstance(source, int) else source.read_bytes()
         sha = hashlib.sha256(data).hexdigest()
         self.blobs[sha] = data
@@ -121,6 +122,39 @@ def test_an_attempt_whose_input_cannot_be_had_fails_with_the_reason(tmp_path):
     assert host.pid == 0                     # nothing started
     assert host.final.job_update.WhichOneof("update") == "failed"
     assert "no artifact" in host.final.job_update.failed.error
+
+
+def test_the_cache_downloads_an_artifact_once_for_leases_that_want_it_at_once(tmp_path):
+    """Two leases of one array on one provider start together and want the same inputs:
+    one download, which a lease cancelled meanwhile does not take down with it."""
+    downloads: list[str] = []
+
+    class Store:
+        async def download(self, ref, target: Path) -> None:
+            downloads.append(ref.sha256)
+            partial = target.with_name(f".{target.name}.partial")
+            partial.write_bytes(b"part")
+            await asyncio.sleep(0.2)
+            partial.rename(target)          # as publish_verified does: the partial is gone
+
+    async def via_broker(call):
+        return await call(Store())
+
+    async def scenario() -> None:
+        cache = ArtifactCache(tmp_path / "cache", via_broker, lambda: None)
+        ref = pb.ArtifactRef(name="in.bin", sha256="ab" * 32, size_bytes=4)
+        cancelled = asyncio.ensure_future(cache.put(ref, tmp_path / "c.bin"))
+        both = asyncio.gather(cache.put(ref, tmp_path / "a.bin"),
+                              cache.put(ref, tmp_path / "b.bin"))
+        await asyncio.sleep(0.05)
+        cancelled.cancel()
+        await both
+        assert cache.fetching == {}
+
+    asyncio.run(scenario())
+    assert downloads == ["ab" * 32]
+    assert (tmp_path / "a.bin").read_bytes() == (tmp_path / "b.bin").read_bytes() == b"part"
+    assert not (tmp_path / "c.bin").exists()
 
 
 class FakeBroker(gateway_pb2_grpc.ProviderGatewayServicer):
