@@ -331,17 +331,18 @@ class Attempt:
             first.setdefault(digest, file)
         gate = asyncio.Semaphore(UPLOADS_AT_ONCE)
 
-        async def send(file: tuple[int, str], digest: tuple[str, int]) -> None:
+        async def send(file: tuple[int, str], digest: tuple[str, int]) -> pb.ArtifactRef:
             async with gate:
-                await self.host.upload(*file, digest)
+                return await self.host.upload(*file, digest)
 
         ended = await asyncio.gather(*(send(f, d) for d, f in first.items()),
                                      return_exceptions=True)
         for result in ended:
             if isinstance(result, BaseException):
                 raise result
-        return [pb.ArtifactRef(name=name, sha256=sha, size_bytes=size)
-                for (_, name), (sha, size) in zip(files, digests)]
+        sent = dict(zip(first, ended))    # each content as the broker took it
+        return [pb.ArtifactRef(name=name, sha256=sent[d].sha256, size_bytes=sent[d].size_bytes)
+                for (_, name), d in zip(files, digests)]
 
     async def receipt(self, done: dict, wall_seconds: float) -> pb.Envelope:
         """Upload the job's outputs and sign the receipt for them. The job may have swapped

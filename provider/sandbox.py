@@ -290,9 +290,9 @@ def kill_uid(uid: int) -> int:
     that forks and exits in a loop can be missed by a scan) until three scans in a row find
     nothing.
 
-    The child is exec'd, not a bare ``os.fork()`` of the daemon: a fork runs gRPC's at-fork
-    handlers in the child, which abort it there (a failed check in its poller) while other
-    threads are in gRPC, before the kill was sent."""
+    The child is exec'd, not a bare ``os.fork()`` of the daemon: no Python runs in it
+    before the kill (gRPC's fork handlers, which could abort it there, are off in the
+    provider: see provider/__init__.py)."""
     seen, quiet = 0, 0
     for _ in range(100):
         subprocess.run(KILL_ALL, user=uid, group=uid, extra_groups=[], close_fds=True,
