@@ -211,15 +211,9 @@ class ProviderGatewayServicer(gateway_pb2_grpc.ProviderGatewayServicer):
                 return
             running = [(r.job_id, r.epoch) for r in message.heartbeat.running
                        if r.epoch <= MAX_EPOCH]   # no lease has a larger one
-            stale = await self.state.store.write(providers.heartbeat, session.provider_id,
-                                                 running, now_ms())
-            if stale:
-                session.log(log, logging.INFO, "provider %s still runs %d leases that are no"
-                            " longer its (job %s, ...); told to stop", session.provider_id,
-                            len(stale), stale[0][0])
-            for job_id, epoch in stale:
-                session.send(gw.BrokerMessage(cancel=gw.CancelLease(
-                    job_id=job_id, epoch=epoch, reason="this lease is no longer yours")))
+            # Written with the others in the next scheduler pass (broker/liveness.py), which
+            # tells the provider to stop any of them that is no longer its.
+            self.state.liveness.heard(session.provider_id, running, now_ms())
         elif kind == "job_update":
             await self._job_update(session, message.job_update)
         else:

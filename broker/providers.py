@@ -44,12 +44,19 @@ def offline(db: Database, provider_id: str, now: int) -> None:
     withdraw_offer(db, provider_id)
 
 
-def heartbeat(db: Database, provider_id: str, running: list[tuple[str, int]],
-              now: int) -> list[tuple[str, int]]:
-    """The provider is alive and runs ``running``: renew those of its leases; return the
-    (job, epoch) pairs it runs that are no longer its to run."""
-    db.execute("UPDATE providers SET last_seen_ms = ? WHERE id = ?", [now, provider_id])
-    return renew_leases(db, provider_id, running, now)
+def heartbeats(db: Database, seen: dict[str, int], running: dict[str, list[tuple[str, int]]]
+               ) -> dict[str, list[tuple[str, int]]]:
+    """The heartbeats heard since the last write (broker/liveness.py): each provider was
+    alive at ``seen[provider]`` and ran ``running[provider]``; renew those of its leases.
+    Return, by provider, the (job, epoch) pairs it runs that are no longer its to run."""
+    db.conn.executemany("UPDATE providers SET last_seen_ms = max(last_seen_ms, ?) WHERE id = ?",
+                        [(when, provider_id) for provider_id, when in seen.items()])
+    stale = {}
+    for provider_id, pairs in running.items():
+        gone = renew_leases(db, provider_id, pairs, seen[provider_id])
+        if gone:
+            stale[provider_id] = gone
+    return stale
 
 
 def session_started(db: Database, provider_id: str, now: int) -> int:

@@ -8,7 +8,8 @@ import time
 from collections import defaultdict, deque
 
 from gpumarket.broker import (
-    auth, holdings, holds, jobs, matcher, reliability, verdicts, verification, views,
+    auth, holdings, holds, jobs, matcher, providers, reliability, verdicts, verification,
+    views,
 )
 from gpumarket.broker.admission import Needs
 from gpumarket.broker.offers import claim_efficiency, offer_view
@@ -163,8 +164,32 @@ def stop(state: BrokerState, job_id: str, epoch: int, provider_id: str, reason: 
                                                             reason=reason)))
 
 
+async def write_heartbeats(state: BrokerState) -> None:
+    """Write the heartbeats heard since the last pass, in one transaction, and tell each
+    provider to stop the leases it said it runs that are no longer its."""
+    seen, running = state.liveness.take()
+    if not seen:
+        return
+    try:
+        stale = await state.store.write(providers.heartbeats, seen, running)
+    except BaseException:
+        state.liveness.put_back(seen, running)
+        raise
+    for provider_id, pairs in stale.items():
+        session = state.sessions.get(provider_id)
+        if session is None:
+            continue
+        session.log(log, logging.INFO, "provider %s still runs %d leases that are no longer"
+                    " its (job %s, ...); told to stop", provider_id, len(pairs), pairs[0][0])
+        for job_id, epoch in pairs:
+            session.send(gw.BrokerMessage(cancel=gw.CancelLease(
+                job_id=job_id, epoch=epoch, reason="this lease is no longer yours")))
+
+
 async def expire(state: BrokerState) -> None:
-    """Lose leases whose heartbeats stopped; fail queued jobs whose spec expired."""
+    """Lose leases whose heartbeats stopped (after writing those heard); fail queued jobs
+    whose spec expired."""
+    await write_heartbeats(state)
     now = now_ms()
     overdue = await state.store.read(
         views.overdue_leases, now - int(state.config.lease_timeout_s * 1000))

@@ -8,6 +8,7 @@ from typing import Any
 
 from gpumarket.broker.artifact_store import ArtifactStore
 from gpumarket.broker.config import BrokerConfig
+from gpumarket.broker.liveness import Liveness
 from gpumarket.broker.metrics import BrokerMetrics
 from gpumarket.broker.sessions import Sessions
 from gpumarket.broker.store import Store
@@ -43,6 +44,7 @@ class BrokerState:
     logs: Changes = field(default_factory=Changes)        # job log lines were written
     metrics: BrokerMetrics = field(default_factory=BrokerMetrics)
     revoked: set[str] = field(default_factory=set)        # key ids refused everywhere
+    liveness: Liveness = field(default_factory=Liveness)  # heartbeats not yet written
     serving: Any = None                                   # broker/serving.py's Serving
     api_base: str = ""                                    # where the endpoints' API listens
 

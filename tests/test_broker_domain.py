@@ -249,3 +249,57 @@ def test_a_database_from_before_job_needs_keeps_its_jobs(tmp_path):
                                                 frozenset({"H100"}), 1e15)
     assert Needs.from_json(row["needs"]).checkpoint_every == 7
     assert "gpus" not in db["jobs"].columns_dict
+
+
+def test_heartbeats_are_noted_in_memory_and_written_before_leases_expire(store, tmp_path):
+    """A heartbeat costs no write of its own: broker/liveness.py notes it, and the scheduler
+    writes all that were heard in one transaction, before it looks for overdue leases (a
+    lease renewed only in memory is not lost) and telling a provider to stop a lease that
+    is no longer its."""
+    from gpumarket.broker import scheduler
+    from gpumarket.broker.artifact_store import ArtifactStore
+    from gpumarket.broker.config import BrokerConfig
+    from gpumarket.broker.state import BrokerState
+    from gpumarket.proto.jobspec import now_ms
+
+    broker, client = Identity.generate(), Identity.generate()
+    state = BrokerState(BrokerConfig(data_dir=tmp_path, lease_timeout_s=4.0), broker, store,
+                        ArtifactStore(tmp_path / "artifacts", 1 << 20))
+    told: list = []
+
+    class Session:
+        def send(self, message):
+            told.append((message.cancel.job_id, message.cancel.epoch))
+
+        def log(self, *args):
+            pass
+
+    state.sessions.get = lambda provider_id: Session() if provider_id == "p2" else None
+
+    async def scenario():
+        w = store.write
+        for pid in ("p1", "p2"):
+            await w(providers.online, pid, b"key", 1)
+        await w(jobs.submit, new_job(client), 1)
+        await w(jobs.create_lease, "j1", "p1", [0], 1.0, 2, 60_000, 10,
+                lambda lease: seal(broker, lease))
+        old = now_ms() - 60_000            # the lease's last renewal in the database
+        await w(lambda db: db.execute("UPDATE leases SET renewed_at_ms = ?", [old]))
+        groups = store.groups
+        for _ in range(50):                     # heartbeats: noted, nothing written
+            state.liveness.heard("p1", [("j1", 1)], now_ms())
+            state.liveness.heard("p2", [("j1", 1)], now_ms())
+        assert store.groups == groups
+        await scheduler.expire(state)           # writes them first: the lease stays
+        assert await store.read(lambda db: db.execute(
+            "SELECT state FROM leases WHERE job_id = 'j1'").fetchall()) == [("active",)]
+        assert await store.read(views.overdue_leases, now_ms() - 4_000) == []
+        assert told == [("j1", 1)]              # p2 runs a lease that is not its own
+        assert state.liveness.seen == {}
+        seen = await store.read(lambda db: db.execute(
+            "SELECT last_seen_ms FROM providers WHERE id = 'p1'").fetchone()[0])
+        assert seen > old
+        await scheduler.expire(state)           # no heartbeat since: nothing to tell
+        assert told == [("j1", 1)]
+
+    asyncio.run(scenario())
