@@ -196,7 +196,7 @@ class ProviderGatewayServicer(gateway_pb2_grpc.ProviderGatewayServicer):
                 return
             await self.state.store.write(providers.store_offer, session.provider_id,
                                          message.offer.SerializeToString(), offer, now_ms())
-            session.offer = offer
+            session.offer, session.offer_envelope = offer, message.offer
             self.state.placement.notify()
         elif kind == "heartbeat":
             if message.heartbeat.draining and self.state.serving is not None:

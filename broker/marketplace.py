@@ -245,21 +245,20 @@ class MarketplaceServicer(marketplace_pb2_grpc.MarketplaceServicer):
 
     @unary
     async def SearchOffers(self, request: mp.SearchOffersRequest, context):
+        # The offers of the sessions open now, from memory (each verified when it came);
+        # the database only for the standing of the page's providers.
         store = self.state.store
-        rows = await store.read(views.offers)
+        limit = min(request.limit or 100, MAX_LIST)
+        page = [(offer, env) for offer, env in self.state.sessions.listings()
+                if _matches(offer, request)][:limit]
+        if not page:
+            return mp.SearchOffersResponse()
         busy = await store.read(views.busy_devices)
         achieved = await store.read(views.achieved_flops)
-        limit = min(request.limit or 100, MAX_LIST)
-        hist = await store.read(views.histories, [r["provider_id"] for r in rows], now_ms())
+        hist = await store.read(views.histories, [o.provider_id for o, _ in page], now_ms())
         checked = await store.read(verification.standings)
         out = []
-        for row in rows:
-            env = pb.Envelope()
-            env.ParseFromString(row["envelope"])
-            offer = pb.Offer()
-            offer.ParseFromString(env.payload)  # verified when it was stored
-            if not _matches(offer, request):
-                continue
+        for offer, env in page:
             held = busy.get(offer.provider_id, set())
             free = sum(1 for d in offer.devices if d.index not in held)
             h = hist[offer.provider_id]
@@ -274,8 +273,6 @@ class MarketplaceServicer(marketplace_pb2_grpc.MarketplaceServicer):
                 figures=judged.status, figures_detail=judged.detail,
                 check_rate=checked.get(offer.provider_id, (verification.rate(0), 0, 0))[0],
                 checks_passed=checked.get(offer.provider_id, (1.0, 0, 0))[1]))
-            if len(out) >= limit:
-                break
         return mp.SearchOffersResponse(offers=out)
 
     @unary

@@ -23,6 +23,7 @@ class ProviderSession:
     provider_id: str
     outbox: asyncio.Queue = field(default_factory=lambda: asyncio.Queue(OUTBOX_MAX))
     offer: pb.Offer | None = None                     # None until offered, or while draining
+    offer_envelope: pb.Envelope | None = None         # the signed offer, as it came
     closed: bool = False
     row_id: int = 0                                   # provider_sessions row
     ended_why: str = ""                               # why the broker ended it, if it did
@@ -96,6 +97,14 @@ class Sessions:
 
     def offers(self) -> list[pb.Offer]:
         return [s.offer for s in self._by_provider.values() if s.offer is not None]
+
+    def listings(self) -> list[tuple[pb.Offer, pb.Envelope]]:
+        """The current offers with their signed envelopes, cheapest first (then by provider
+        id): what SearchOffers pages through, from memory."""
+        found = [(s.offer, s.offer_envelope) for s in self._by_provider.values()
+                 if s.offer is not None and s.offer_envelope is not None]
+        found.sort(key=lambda x: (x[0].price_per_gpu_hour, x[0].provider_id))
+        return found
 
     def __len__(self) -> int:
         return len(self._by_provider)
