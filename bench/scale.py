@@ -7,10 +7,13 @@ proves its key (hello, challenge, proof), sends a signed offer, and heartbeats e
 - broker CPU (share of one core) and RSS, from /proc, over the measuring window;
 - heartbeat lateness p99: how long past its interval a provider's last_seen is, read from
   the broker's database (what the broker recorded, not what was sent);
-- signed calls (GetAccount: a token checked and its nonce written) p50/p99, one at a time;
+- signed calls (GetAccount: a token checked and its nonce written) p50/p99, one at a time,
+  from a process of their own (not the simulator's event loop, which 10,000 sessions'
+  heartbeats keep busy);
 - submit -> lease p50/p99: a training job submitted, until a simulated provider holds its
-  signed lease (then it is cancelled);
-- offers search (SearchOffers, anonymous) p50;
+  signed lease (then it is cancelled) — seen by the simulator's own loop, so its delays
+  are in this figure;
+- offers search (SearchOffers, anonymous, up to 1,000 listings) p50, from that process too;
 - the reconnect storm: the broker is restarted and every provider reconnects at once
   (within a second); sessions refused (a handshake that failed or timed out) are counted.
 
@@ -34,6 +37,7 @@ import sqlite3
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -54,6 +58,37 @@ from gpumarket.proto.wire import TOKEN_METADATA  # noqa: E402
 from tests.helpers import Marketplace, signed_offer, training_job  # noqa: E402
 
 SESSION = "/gpumarket.v1.ProviderGateway/Session"
+PROBE = r"""
+import asyncio, json, sys, time
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+from gpumarket.link.channel import Trust
+from gpumarket.link.client import BrokerClient
+from gpumarket.proto.identity import Identity
+from gpumarket.proto.v1 import marketplace_pb2 as mp
+
+async def main(address, pin, key, window, count):
+    client = BrokerClient(address, Identity.load(Path(key)), trust=Trust(pin=pin))
+    anonymous = BrokerClient(address, None, trust=Trust(pin=pin))
+    await client.connect()
+    await anonymous.connect()
+    calls, searches = [], []
+    deadline = time.perf_counter() + window
+    while time.perf_counter() < deadline:
+        began = time.perf_counter()
+        await client.account(limit=1)
+        calls.append(time.perf_counter() - began)
+        await asyncio.sleep(max(0.0, window / count - (time.perf_counter() - began)))
+    for _ in range(10):
+        began = time.perf_counter()
+        await anonymous.search_offers(mp.SearchOffersRequest(limit=1000))
+        searches.append(time.perf_counter() - began)
+    await client.close()
+    await anonymous.close()
+    print(json.dumps({"calls": calls, "searches": searches}))
+
+asyncio.run(main(sys.argv[2], sys.argv[3], sys.argv[4], float(sys.argv[5]), int(sys.argv[6])))
+"""
 CHANNELS = 16
 
 
@@ -86,6 +121,7 @@ class Fleet:
         self.leases: dict[str, float] = {}      # job id -> when its lease arrived
         self.open = 0
         self.refused = 0
+        self.why: Counter[str] = Counter()      # refusals, by what the broker said
         self.tasks: list[asyncio.Task] = []
         self.stop = asyncio.Event()
 
@@ -117,8 +153,11 @@ class Fleet:
             if welcome is grpc.aio.EOF or welcome.WhichOneof("msg") != "welcome":
                 raise RuntimeError("no welcome")
             await call.write(gw.ProviderMessage(offer=signed_offer(identity)))
-        except (grpc.aio.AioRpcError, RuntimeError, TimeoutError, asyncio.InvalidStateError):
+        except (grpc.aio.AioRpcError, RuntimeError, TimeoutError,
+                asyncio.InvalidStateError) as exc:
             self.refused += 1
+            self.why[f"{exc.code().name}: {exc.details()}" if isinstance(
+                exc, grpc.aio.AioRpcError) else type(exc).__name__] += 1
             call.cancel()
             return
         self.open += 1
@@ -154,6 +193,7 @@ class Fleet:
     def start(self, spread: float) -> None:
         self.stop = asyncio.Event()
         self.refused = 0
+        self.why = Counter()
         self.tasks = [asyncio.create_task(self.session(i, ident, spread))
                       for i, ident in enumerate(self.identities)]
 
@@ -178,31 +218,34 @@ def lateness_p99(db_path: Path, interval: float) -> float:
 
 async def measure(market: Marketplace, fleet: Fleet, n: int, args, job_file: Path) -> dict:
     pid = market.broker.proc.pid
-    trust = market.trust()
-    client = BrokerClient(market.address, market.identity(), trust=trust)
-    anonymous = BrokerClient(market.address, None, trust=trust)
+    client = BrokerClient(market.address, market.identity(), trust=market.trust())
     await client.connect()
-    await anonymous.connect()
     try:
+        # Signed calls and searches from a process of their own: this one's event loop is
+        # busy with every simulated session's heartbeats, and would delay them.
+        probe = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", PROBE, str(ROOT), market.address, market.broker_id,
+            str(market.home / "client.key"), str(args.window), str(args.calls),
+            stdout=asyncio.subprocess.PIPE)
         cpu0, t0 = proc_cpu_s(pid), time.perf_counter()
-        late = []
-        calls: list[float] = []
-        deadline = t0 + args.window
-        while time.perf_counter() < deadline:
-            began = time.perf_counter()
-            await client.account(limit=1)
-            calls.append(time.perf_counter() - began)
-            if len(calls) % 20 == 0:
+        late, cpu, rss = [], None, 0.0
+        while probe.returncode is None:
+            try:
+                await asyncio.wait_for(probe.wait(), 3.0)
+            except TimeoutError:
+                pass
+            if cpu is None and time.perf_counter() - t0 >= args.window:
+                cpu = (proc_cpu_s(pid) - cpu0) / (time.perf_counter() - t0)
+                rss = proc_rss_mib(pid)
+            elif cpu is None:
                 late.append(lateness_p99(market.root / "broker" / "broker.db", args.interval))
-            await asyncio.sleep(max(0.0, args.window / args.calls
-                                    - (time.perf_counter() - began)))
-        cpu = (proc_cpu_s(pid) - cpu0) / (time.perf_counter() - t0)
-        rss = proc_rss_mib(pid)
-        searches = []
-        for _ in range(10):
-            began = time.perf_counter()
-            await anonymous.search_offers(mp.SearchOffersRequest(limit=1000))
-            searches.append(time.perf_counter() - began)
+        if probe.returncode != 0:
+            raise SystemExit(f"the probe failed (exit {probe.returncode})")
+        probed = json.loads((await probe.stdout.read()).decode().strip().splitlines()[-1])
+        calls, searches = probed["calls"], probed["searches"]
+        if cpu is None:
+            cpu = (proc_cpu_s(pid) - cpu0) / (time.perf_counter() - t0)
+            rss = proc_rss_mib(pid)
         leases = []
         from gpumarket.client import jobfile
         from gpumarket.client.cli import build_spec, upload_inputs
@@ -221,7 +264,6 @@ async def measure(market: Marketplace, fleet: Fleet, n: int, args, job_file: Pat
                                                                      at_ms=now_ms())))
     finally:
         await client.close()
-        await anonymous.close()
     return {"providers": n, "broker_cpu_fraction": round(cpu, 3), "rss_mib": round(rss, 1),
             "heartbeat_lateness_p99_s": round(max(late) if late else float("nan"), 3),
             "signed_call_p50_ms": round(pct(calls, 0.5) * 1000, 2),
@@ -263,6 +305,16 @@ async def one_n(root: Path, n: int, args) -> dict | None:
             await asyncio.sleep(0.2)
         figures["storm_refused"] = fleet.refused + (n - fleet.open - fleet.refused)
         figures["storm_s"] = round(time.perf_counter() - began, 1)
+        if fleet.why:
+            # What the simulator saw, and what the broker logged: grpc's asyncio client may
+            # report a stream the server ended while it was writing as INTERNAL.
+            said = Counter(line.split(": ", 2)[-1][:90] for line in
+                           (market.root / "broker.log").read_text().splitlines()
+                           if "refused" in line and "WARNING" in line)
+            print(f"N={n}: storm refusals: " + "; ".join(
+                f"{count} {why}" for why, count in fleet.why.most_common(3))
+                + "; the broker logged: " + "; ".join(
+                f"{count} {why}" for why, count in said.most_common(3)), flush=True)
         print(f"N={n}: " + ", ".join(f"{k} {v}" for k, v in figures.items() if k != "providers"),
               flush=True)
         return figures

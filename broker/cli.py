@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import sys
@@ -117,6 +118,14 @@ def serve(config_file: Path | None, listen: str | None, data_dir: Path | None,
     config = replace(config, gc_interval_s=min(60.0, max(1.0, config.artifact_grace_s / 2)))
     # What the broker writes (its database, artifacts, keys) is its own, however started.
     os.umask(0o077)
+    # The broker keeps many objects for long (each session's state, its stream's tasks) and
+    # makes many short-lived ones per message: with CPython's default thresholds (700, 10,
+    # 10), at 10,000 providers a full collection ran every few seconds, pausing the event
+    # loop 0.7 s each time and finding nothing (bench/scale.py: signed calls' p99 was
+    # 634-748 ms, 13 ms with these). What the start made is left out of collections; the
+    # young generation is collected every 50,000 allocations, the older ones less often.
+    gc.freeze()
+    gc.set_threshold(50_000, 20, 100)
     try:
         asyncio.run(serve_main(config))
     except GpumarketError as exc:

@@ -303,3 +303,39 @@ def test_heartbeats_are_noted_in_memory_and_written_before_leases_expire(store, 
         assert told == [("j1", 1)]
 
     asyncio.run(scenario())
+
+
+def test_provider_histories_are_read_in_bulk_each_providers_own(store):
+    """views.histories reads many providers' histories in three queries; each provider gets
+    its own sessions and leases, and one never seen gets nothing."""
+    from gpumarket.broker.reliability import ProviderHistory
+
+    client, now = Identity.generate(), 10_000_000
+
+    def rows(db):
+        db["provider_sessions"].insert_all([
+            {"provider_id": "p1", "started_ms": now - 5_000, "ended_ms": now - 3_000},
+            {"provider_id": "p1", "started_ms": now - 2_000, "ended_ms": None},
+            {"provider_id": "p2", "started_ms": now - 1_000, "ended_ms": now - 500}])
+        for epoch, (pid, state) in enumerate([("p1", "lost"), ("p1", "succeeded"),
+                                              ("p1", "succeeded"), ("p2", "lost")], 1):
+            db["leases"].insert({
+                "id": f"j1.{epoch}", "job_id": "j1", "attempt": epoch, "epoch": epoch,
+                "provider_id": pid, "device_indices": "[0]", "price_per_gpu_hour": 1.0,
+                "state": state, "issued_at_ms": 1, "renewed_at_ms": 1, "envelope": b""})
+
+    async def scenario():
+        await store.write(jobs.submit, new_job(client), 1)
+        await store.write(providers.online, "p1", b"key", now - 5_000)
+        await store.write(providers.online, "p2", b"key", now - 1_000)
+        await store.write(rows)
+        return (await store.read(views.histories, ["p1", "p2", "p3"], now),
+                await store.read(views.provider_history, "p2", now))
+
+    many, one = asyncio.run(scenario())
+    assert many["p1"] == ProviderHistory(uptime_s=4.0, leases_lost=1, leases_completed=2,
+                                         uptime_window_s=4.0, window_s=5.0, age_s=5.0)
+    assert many["p2"] == one == ProviderHistory(uptime_s=0.5, leases_lost=1,
+                                                leases_completed=0, uptime_window_s=0.5,
+                                                window_s=1.0, age_s=1.0)
+    assert many["p3"] == ProviderHistory(uptime_s=0.0, leases_lost=0, leases_completed=0)
