@@ -36,7 +36,7 @@ from gpumarket.provider.replica import EngineLink
 log = logging.getLogger(__name__)
 
 UPLOADS_AT_ONCE = 8        # a lease's output files in flight at once
-TASK_DIRS_AT_ONCE = 16     # an array lease's task output directories open at once
+FILES_AT_ONCE = 256        # a lease's output files open at once (beyond one directory's)
 TASK_FLUSH_S = 0.2         # a job array's task results are sent at most this often ...
 TASKS_PER_UPDATE = 1000    # ... this many to an update
 
@@ -359,13 +359,20 @@ class Attempt:
         outputs: list[pb.ArtifactRef] = []
         root = jobfiles.open_dir(self.workdir)
         try:
-            for i in range(0, len(dirs), TASK_DIRS_AT_ONCE):
-                with contextlib.ExitStack() as opened:
-                    files = [(fd, name if task is None else arrays.output_name(task, name))
-                             for rel, task in dirs[i:i + TASK_DIRS_AT_ONCE]
-                             for name, fd in opened.enter_context(
-                                 jobfiles.plain_files(root, rel, self.job_uid))]
-                    outputs += await self.upload_all(files)
+            # Directories are opened until FILES_AT_ONCE of their files are, then those go up
+            # and are closed: a task may leave thousands of files, and the daemon's
+            # descriptors are not the job's to use up.
+            with contextlib.ExitStack() as opened:
+                files: list[tuple[int, str]] = []
+                for rel, task in dirs:
+                    files += [(fd, name if task is None else arrays.output_name(task, name))
+                              for name, fd in opened.enter_context(
+                                  jobfiles.plain_files(root, rel, self.job_uid))]
+                    if len(files) >= FILES_AT_ONCE:
+                        outputs += await self.upload_all(files)
+                        files = []
+                        opened.close()
+                outputs += await self.upload_all(files)
         finally:
             os.close(root)
         metrics = {k: float(v) for k, v in (done.get("metrics") or {}).items()

@@ -124,6 +124,48 @@ def test_an_attempt_whose_input_cannot_be_had_fails_with_the_reason(tmp_path):
     assert "no artifact" in host.final.job_update.failed.error
 
 
+def test_a_receipt_of_many_tasks_keeps_few_files_open_and_sends_each_content_once(tmp_path):
+    """An array lease's tasks may each leave many files: the receipt names every one (by
+    task), sends content alike once per batch of open files, and never holds more than
+    FILES_AT_ONCE of them open beyond one directory's."""
+    from gpumarket.provider import attempt as attempt_module
+
+    host = FakeHost(tmp_path, {})
+    assignment = checksum_assignment(b"x")
+    assignment.lease.tasks.extend(range(40))
+    job = Attempt(assignment, tmp_path / "jobs" / "j.1", host)
+    for task in range(40):
+        out = job.workdir / "tasks" / f"{task:06d}" / "outputs"
+        out.mkdir(parents=True)
+        (out / "config.json").write_text("{}")               # alike in every task
+        for i in range(30):
+            (out / f"part-{i:02d}.txt").write_text(f"{task} {i}")
+    uploads, most_open = [], 0
+    real_upload = host.upload
+
+    async def upload(source, name, digest=None):
+        nonlocal most_open
+        most_open = max(most_open, len(os.listdir("/proc/self/fd")))
+        uploads.append(name)
+        return await real_upload(source, name, digest)
+
+    host.upload = upload
+    before = len(os.listdir("/proc/self/fd"))
+    attempt_module.FILES_AT_ONCE, kept = 100, attempt_module.FILES_AT_ONCE
+    try:
+        receipt, _ = open_envelope(asyncio.run(job.receipt({}, 1.0)), pb.Receipt)
+    finally:
+        attempt_module.FILES_AT_ONCE = kept
+    assert len(receipt.outputs) == 40 * 31
+    assert receipt.outputs[0].name == "task000000.config.json"
+    assert {o.sha256 for o in receipt.outputs if o.name.endswith("config.json")} \
+        == {hashlib.sha256(b"{}").hexdigest()}
+    # config.json once per batch of files open at once (four tasks' 124), not once a task
+    assert sum(n.endswith("config.json") for n in uploads) == 10
+    assert len(uploads) == 40 * 30 + 10
+    assert most_open - before < 100 + 31 + 16, (before, most_open)
+
+
 def test_the_cache_downloads_an_artifact_once_for_leases_that_want_it_at_once(tmp_path):
     """Two leases of one array on one provider start together and want the same inputs:
     one download, which a lease cancelled meanwhile does not take down with it."""
