@@ -306,8 +306,10 @@ async def one_n(root: Path, n: int, args) -> dict | None:
         figures["storm_refused"] = fleet.refused + (n - fleet.open - fleet.refused)
         figures["storm_s"] = round(time.perf_counter() - began, 1)
         if fleet.why:
-            # What the simulator saw, and what the broker logged: grpc's asyncio client may
-            # report a stream the server ended while it was writing as INTERNAL.
+            # What the simulator saw, and what the broker logged: grpc's asyncio client
+            # reports a stream the server ended while it was writing as INTERNAL ("Internal
+            # error from Core"), whatever the server said; a call gRPC's core refused at its
+            # backlog (proto/wire.py MAX_PENDING_CALLS) is never seen by the broker at all.
             said = Counter(line.split(": ", 2)[-1][:90] for line in
                            (market.root / "broker.log").read_text().splitlines()
                            if "refused" in line and "WARNING" in line)

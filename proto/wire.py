@@ -23,7 +23,14 @@ CLIENT_OPTIONS = (
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
 )
+# A broker restart makes every provider reconnect within seconds: 10,000 sessions' calls
+# wait at once for the server to take them. Past gRPC's pending-call backlog (1,000, refusing
+# at random up to 3,000 and all beyond) core refuses them as RESOURCE_EXHAUSTED before the
+# broker sees them, so the backlog is sized for the storm (a pending call costs a few KiB).
+MAX_PENDING_CALLS = 20_000
 SERVER_OPTIONS = (
+    ("grpc.server.max_pending_requests", MAX_PENDING_CALLS),
+    ("grpc.server.max_pending_requests_hard_limit", 2 * MAX_PENDING_CALLS),
     ("grpc.keepalive_time_ms", 60_000),
     ("grpc.keepalive_timeout_ms", 20_000),
     ("grpc.keepalive_permit_without_calls", 1),

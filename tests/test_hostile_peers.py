@@ -18,6 +18,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gpumarket.client import jobfile
 from gpumarket.link.client import BrokerClient
@@ -106,6 +107,30 @@ def test_a_provider_cannot_make_the_broker_hand_out_a_blob_it_never_held(market,
     assert job.state == pb.JOB_STATE_FAILED and "receipt rejected" in job.error, job.error
     assert "is not yours" in str(refused), refused
     assert not (tmp_path / "stolen.bin").exists()
+
+
+def test_a_burst_of_calls_waits_for_the_broker_instead_of_being_refused(market):
+    """After a broker restart every provider reconnects at once, and thousands of calls wait
+    together for the broker to take them. Past gRPC's default backlog (1,000 calls) its core
+    refused them before the broker saw any (bench/scale.py: 806 of 10,000 sessions)."""
+    async def burst() -> list:
+        channels = [await market.channel(False) for _ in range(8)]
+        stubs = [health_pb2_grpc.HealthStub(c) for c in channels]
+
+        async def check(i: int):
+            try:
+                await stubs[i % len(stubs)].Check(health_pb2.HealthCheckRequest(), timeout=120)
+            except grpc.aio.AioRpcError as exc:
+                return exc.code()
+            return None
+        try:
+            return await asyncio.gather(*(check(i) for i in range(5000)))
+        finally:
+            for channel in channels:
+                await channel.close()
+
+    refused = [code for code in run(burst()) if code is not None]
+    assert not refused, f"{len(refused)} of 5,000 calls refused: {set(refused)}"
 
 
 def test_a_provider_session_is_bounded(market):
