@@ -9,7 +9,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo test proto proto-check bench screenshot clean
+.PHONY: demo test proto proto-check bench screenshot clean gpu-check
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -49,6 +49,16 @@ bench: $(STAMP)
 	$(PY) bench/throughput.py
 	$(PY) bench/forkserver.py
 	$(PY) bench/scale.py
+
+# CUDA paths on this machine's NVIDIA GPU (issue 15; docs/provider.md): one line per check,
+# figures in bench/results/gpu-<gpu>-<date>.json. Runs with the Python that has the project
+# installed: .venv's where there is one, else python3 (a GPU machine's own torch; bring the
+# missing packages with scripts/gpu_wheels.sh). Without a GPU: one line, exit 0.
+GPU_PY ?= $(if $(wildcard $(PY)),$(PY),python3)
+GPU_CHECK_ARGS ?=
+
+gpu-check:
+	@$(GPU_PY) scripts/gpu_check.py $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) demo-output .pytest_cache

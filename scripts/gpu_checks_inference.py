@@ -1,0 +1,353 @@
+"""The inference checks of scripts/gpu_check.py: generate and embed jobs through the
+marketplace against the same runner run directly (no broker, no provider, no sandbox), the
+endpoint engine through the broker's API against the same engine in this process, and vLLM.
+Figures are the runners' own (metrics.json) and, for the endpoint, timed here per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from gpu_checks import Outcome, failed, passed, ratio, say, skipped
+from gpu_market import (
+    CheckError,
+    finish,
+    job_file,
+    last_line,
+    results,
+    submit,
+    wait_for,
+)
+
+PROMPT_WORDS = ("the quick brown fox", "a marketplace for idle gpus", "providers advertise",
+                "checkpoints let a job resume", "the broker matches each job")
+
+
+def _prompts(n: int) -> list[str]:
+    return [f"{PROMPT_WORDS[i % len(PROMPT_WORDS)]} {i}" for i in range(n)]
+
+
+def _jsonl(path: Path, key: str, items: list[str]) -> Path:
+    path.write_text("".join(json.dumps({key: s}) + "\n" for s in items))
+    return path
+
+
+def run_direct(ctx, kind: str, params: dict, inputs: dict[str, Path], timeout: float
+               ) -> tuple[Path, float]:
+    """Run ``kind``'s runner on this machine as the provider would, minus the marketplace
+    (no broker, daemon, sandbox or forkserver): a job.json and ``python -m``. Returns its
+    outputs directory and its wall seconds."""
+    work = ctx.root / f"direct-{kind}"
+    work.mkdir()
+    (work / "tmp").mkdir()
+    job = {"job_id": f"direct-{kind}", "attempt": 1, "kind": kind, "params": params,
+           "inputs": {k: str(v) for k, v in inputs.items()}, "checkpoint_every": 0,
+           "checkpoint_interval_s": 0.0, "provider_mtbf_s": 0.0,
+           "device": "cuda" if ctx.cuda else "cpu", "resume_from": None, "world_size": 1,
+           "model_dir": str(ctx.model_dir), "part": 0, "parts": 0}
+    (work / "job.json").write_text(json.dumps(job))
+    env = {k: os.environ[k] for k in ("PATH", "LANG", "LC_ALL", "TZ", "VIRTUAL_ENV")
+           if k in os.environ}
+    env.update({"HOME": str(work), "TMPDIR": str(work / "tmp"), "PYTHONUNBUFFERED": "1",
+                "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+                "GPUMARKET_REPORT_FILE": str(work / "reports.jsonl"),
+                "CUDA_VISIBLE_DEVICES": ctx.gpu_uuid if ctx.cuda else ""})
+    if not ctx.cuda:     # as the provider runs a CPU lease: its cores' threads
+        env["OMP_NUM_THREADS"] = str(ctx.cpu_cores)
+    began = time.perf_counter()
+    with open(work / "job.log", "w") as log:
+        try:
+            r = subprocess.run([sys.executable, "-m", f"gpumarket.provider.runners.{kind}",
+                                str(work)], cwd=work, env=env, stdout=log,
+                               stderr=subprocess.STDOUT, timeout=timeout, check=False)
+        except subprocess.TimeoutExpired as exc:
+            raise CheckError(f"the {kind} runner run directly took over {timeout:.0f} s") from exc
+    wall = time.perf_counter() - began
+    if r.returncode != 0:
+        raise CheckError(f"the {kind} runner run directly exited {r.returncode}:"
+                         f" {last_line((work / 'job.log').read_text(errors='replace'))}")
+    return work / "outputs", wall
+
+
+def _through_market(ctx, kind: str, table: dict, timeout: float, tag: str = ""
+                    ) -> tuple[Path, float, str]:
+    """Submit a job of ``kind`` and wait for it; (its results, submit-to-done seconds, id)."""
+    market = ctx.market()
+    tag = tag or kind
+    path = job_file(ctx.root / f"market-{tag}.toml", kind, table,
+                    accelerator="cuda" if ctx.cuda else "cpu")
+    began = time.perf_counter()
+    job_id = submit(market, path)
+    finish(market, job_id, timeout=timeout)
+    wall = time.perf_counter() - began
+    return results(market, job_id, ctx.root / f"market-{tag}-out"), wall, job_id
+
+
+def generate(ctx) -> Outcome:
+    n, tokens, batch = (64, 128, 32) if ctx.cuda else (8, 16, 4)
+    prompts = _jsonl(ctx.root / "prompts.jsonl", "prompt", _prompts(n))
+    dtype = "bfloat16" if ctx.cuda else "float32"
+    table = {"model_name": ctx.model_name, "prompts": str(prompts), "max_tokens": tokens,
+             "batch_size": batch, "temperature": 0.0, "dtype": dtype,
+             "engine": "transformers"}
+    ctx.model()
+    say(f"generate: {n} prompts x {tokens} tokens through the marketplace")
+    out, market_wall, _ = _through_market(ctx, "generate", table, timeout=900)
+    say("generate: the same, the runner run directly")
+    params = {**table, "prompts": "prompts.jsonl", "top_p": 0.0, "seed": 0, "stop": [],
+              "quantization": "", "model": "", "trust_remote_code": False,
+              "checkpoint_every": 0}
+    direct_out, direct_wall = run_direct(ctx, "generate", params,
+                                         {"prompts.jsonl": prompts}, timeout=900)
+    m = json.loads((out / "metrics.json").read_text())
+    d = json.loads((direct_out / "metrics.json").read_text())
+    same = ((out / "completions.jsonl").read_text().count("\n") == n and
+            [json.loads(x)["completion"] for x in (out / "completions.jsonl").open()] ==
+            [json.loads(x)["completion"] for x in (direct_out / "completions.jsonl").open()])
+    figures = _side_by_side(m, d, ("tokens_per_s", "ttft_s_p50", "tpot_s_p50",
+                                   "generate_seconds"))
+    figures.update(prompts=n, max_tokens=tokens, batch_size=batch, dtype=dtype,
+                   market_wall_s=round(market_wall, 3), direct_wall_s=round(direct_wall, 3),
+                   wall_ratio=ratio(market_wall, direct_wall), completions_equal=same,
+                   parameters=ctx.model_parameters)
+    text = (f"{m.get('tokens_per_s', 0):,.1f} tokens/s through the market,"
+            f" x{figures['ratio']['tokens_per_s']} of direct; TTFT p50"
+            f" x{figures['ratio']['ttft_s_p50']}, TPOT p50 x{figures['ratio']['tpot_s_p50']};"
+            f" submit-to-done x{figures['wall_ratio']}; greedy completions"
+            f" {'equal' if same else 'DIFFER'}")
+    slow = (figures["ratio"]["tokens_per_s"] or 0) < 0.5
+    return (failed("market under half the direct tokens/s: " + text, **figures) if slow
+            else passed(text, **figures))
+
+
+def _side_by_side(m: dict, d: dict, names: tuple[str, ...]) -> dict:
+    return {"market": {k: m[k] for k in names if k in m},
+            "direct": {k: d[k] for k in names if k in d},
+            "ratio": {k: ratio(m.get(k), d.get(k)) for k in names}}
+
+
+def embed(ctx) -> Outcome:
+    import numpy as np
+
+    n, batch = (2048, 64) if ctx.cuda else (64, 16)
+    texts = _jsonl(ctx.root / "texts.jsonl", "text", _prompts(n))
+    dtype = "bfloat16" if ctx.cuda else "float32"
+    table = {"model_name": ctx.model_name, "texts": str(texts), "batch_size": batch,
+             "output_format": "npy", "dtype": dtype}
+    ctx.model()
+    say(f"embed: {n} texts through the marketplace")
+    out, market_wall, _ = _through_market(ctx, "embed", table, timeout=900)
+    say("embed: the same, the runner run directly")
+    params = {**table, "texts": "texts.jsonl", "keep_scale": False, "model": "",
+              "trust_remote_code": False, "engine": "", "checkpoint_every": 0}
+    direct_out, direct_wall = run_direct(ctx, "embed", params, {"texts.jsonl": texts},
+                                         timeout=900)
+    m = json.loads((out / "metrics.json").read_text())
+    d = json.loads((direct_out / "metrics.json").read_text())
+    a, b = np.load(out / "embeddings.npy"), np.load(direct_out / "embeddings.npy")
+    diff = float(np.abs(a - b).max()) if a.shape == b.shape else None
+    figures = _side_by_side(m, d, ("texts_per_s", "tokens_per_s", "batch_s_p50"))
+    figures.update(texts=n, batch_size=batch, dtype=dtype, dimensions=int(a.shape[1]),
+                   market_wall_s=round(market_wall, 3), direct_wall_s=round(direct_wall, 3),
+                   wall_ratio=ratio(market_wall, direct_wall), max_abs_diff_vs_direct=diff)
+    text = (f"{m.get('texts_per_s', 0):,.1f} texts/s through the market,"
+            f" x{figures['ratio']['texts_per_s']} of direct; batch latency p50"
+            f" x{figures['ratio']['batch_s_p50']}; submit-to-done x{figures['wall_ratio']};"
+            f" vectors max |diff| vs direct {diff}")
+    if diff is None:
+        return failed(f"embeddings of shape {a.shape} vs {b.shape} direct", **figures)
+    slow = (figures["ratio"]["texts_per_s"] or 0) < 0.5
+    return (failed("market under half the direct texts/s: " + text, **figures) if slow
+            else passed(text, **figures))
+
+
+# -- the endpoint engine --------------------------------------------------------------------
+
+def _pct(values: list[float], q: float) -> float | None:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))] if ordered else None
+
+
+async def _load(send, n: int, concurrency: int) -> dict:
+    """``n`` requests, at most ``concurrency`` at once; throughput and latency figures."""
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(i: int) -> dict:
+        async with gate:
+            return await send(i)
+
+    began = time.perf_counter()
+    samples = await asyncio.gather(*(one(i) for i in range(n)))
+    window = time.perf_counter() - began
+    ok = [s for s in samples if not s.get("error")]
+    errors = [s["error"] for s in samples if s.get("error")]
+    tokens = sum(s["tokens"] for s in ok)
+    return {"requests": n, "errors": len(errors), "first_error": errors[0] if errors else "",
+            "tokens_per_s": tokens / window if window else 0.0,
+            "ttft_s_p50": _pct([s["ttft"] for s in ok], 0.5),
+            "ttft_s_p99": _pct([s["ttft"] for s in ok], 0.99),
+            "tpot_s_p50": _pct([s["tpot"] for s in ok if s["tokens"] > 1], 0.5),
+            "tpot_s_p99": _pct([s["tpot"] for s in ok if s["tokens"] > 1], 0.99)}
+
+
+def _sample(start: float, pieces: list[float], tokens: int) -> dict:
+    end = time.perf_counter()
+    first = pieces[0] if pieces else end
+    return {"ttft": first - start, "tokens": tokens,
+            "tpot": (end - first) / (tokens - 1) if tokens > 1 else 0.0}
+
+
+def _messages(i: int) -> list[dict]:
+    return [{"role": "user", "content": PROMPT_WORDS[i % len(PROMPT_WORDS)]}]
+
+
+async def _direct_engine(ctx, n: int, tokens: int, concurrency: int) -> dict:
+    import torch
+    from gpumarket.provider.runners.engine import load_engine
+
+    job = {"params": {"model_name": ctx.model_name, "max_concurrency": concurrency,
+                      "max_seq_len": 512, "dtype": "bfloat16" if ctx.cuda else "float32"},
+           "inputs": {}, "model_dir": str(ctx.model_dir), "device": "cuda" if ctx.cuda
+           else "cpu"}
+    engine = load_engine(job, ctx.model_dir)
+
+    async def send(i: int) -> dict:
+        start, pieces, final = time.perf_counter(), [], {}
+        request = {"id": f"d{i}", "op": "complete", "max_tokens": tokens, "temperature": 0,
+                   "messages": _messages(i)}
+        async for event in engine.complete(request):
+            if event.get("done"):
+                final = event
+            elif event.get("text"):
+                pieces.append(time.perf_counter())
+        if "error" in final:
+            return {"error": str(final["error"])[:200]}
+        return _sample(start, pieces, int(final.get("output_tokens", 0)))
+
+    try:
+        await send(-1)      # warm-up
+        figures = await _load(send, n, concurrency)
+        figures["engine"] = engine.description
+    finally:
+        await engine.close()
+        if ctx.cuda:
+            torch.cuda.empty_cache()
+    return figures
+
+
+async def _market_endpoint(base: str, key: str, name: str, n: int, tokens: int,
+                           concurrency: int) -> dict:
+    import aiohttp
+
+    headers = {"Authorization": f"Bearer {key}"}
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(headers=headers, timeout=timeout) as http:
+
+        async def send(i: int) -> dict:
+            body = {"model": name, "messages": _messages(i), "max_tokens": tokens,
+                    "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+            start, pieces, used = time.perf_counter(), [], None
+            async with http.post(f"{base}/chat/completions", json=body) as resp:
+                if resp.status != 200:
+                    return {"error": f"HTTP {resp.status}: {(await resp.text())[:200]}"}
+                async for raw in resp.content:
+                    line = raw.decode("utf-8", "replace").strip()
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    if chunk.get("error"):
+                        return {"error": str(chunk["error"])[:200]}
+                    if chunk.get("usage"):
+                        used = chunk["usage"].get("completion_tokens")
+                    choices = chunk.get("choices") or []
+                    if choices and (choices[0].get("delta") or {}).get("content"):
+                        pieces.append(time.perf_counter())
+            return _sample(start, pieces, used if used is not None else len(pieces))
+
+        await send(-1)
+        return await _load(send, n, concurrency)
+
+
+def endpoint(ctx) -> Outcome:
+    n, tokens, concurrency = (64, 64, 8) if ctx.cuda else (8, 16, 4)
+    ctx.model()
+    say(f"endpoint: {n} streamed requests x {tokens} tokens, {concurrency} at once,"
+        " the engine in this process")
+    direct = asyncio.run(asyncio.wait_for(_direct_engine(ctx, n, tokens, concurrency), 900))
+    market = ctx.market()
+    name = "gpucheck"
+    path = ctx.root / "endpoint.toml"
+    path.write_text(f'kind = "endpoint"\nname = "{name}"\nmax_price = 5.0\n\n[resources]\n'
+                    f'accelerator = "{"cuda" if ctx.cuda else "cpu"}"\n\n[endpoint]\n'
+                    f'model_name = "{ctx.model_name}"\n'
+                    f'dtype = "{"bfloat16" if ctx.cuda else "float32"}"\n'
+                    f"max_concurrency = {concurrency}\nmax_seq_len = 512\nmin_replicas = 1\n"
+                    "max_replicas = 1\n")
+    r = market.cli("endpoint", "create", str(path), timeout=300)
+    if r.returncode != 0:
+        raise CheckError(f"endpoint create: {last_line(r.stderr)}")
+    try:
+        say("endpoint: waiting for its replica")
+        replica = wait_for(lambda: _ready_replica(market, name), "the endpoint's replica",
+                           timeout=600, interval=1.0)
+        r = market.cli("endpoint", "key", name, "--json", timeout=120)
+        if r.returncode != 0:
+            raise CheckError(f"endpoint key: {last_line(r.stderr)}")
+        key = json.loads(r.stdout)["key"]
+        info = json.loads((market.root / "broker" / "broker.json").read_text())
+        say("endpoint: the same requests through the broker's API")
+        through = asyncio.run(asyncio.wait_for(_market_endpoint(
+            f"http://{info['http']}/v1", key, name, n, tokens, concurrency), 900))
+    finally:
+        market.cli("endpoint", "delete", name, timeout=120)
+    names = ("tokens_per_s", "ttft_s_p50", "tpot_s_p50")
+    figures = {"market": through, "direct": direct,
+               "ratio": {k: ratio(through.get(k), direct.get(k)) for k in names},
+               "requests": n, "max_tokens": tokens, "max_concurrency": concurrency,
+               "replica_engine": replica.get("engine", "")}
+    text = (f"{direct.get('engine')}: {through['tokens_per_s']:,.1f} tokens/s through the"
+            f" broker, x{figures['ratio']['tokens_per_s']} of in-process; TTFT p50"
+            f" x{figures['ratio']['ttft_s_p50']}, TPOT p50 x{figures['ratio']['tpot_s_p50']}")
+    if through["errors"] or direct["errors"]:
+        return failed(f"{through['errors']} errors through the broker"
+                      f" ({through['first_error']}), {direct['errors']} in-process"
+                      f" ({direct['first_error']})", **figures)
+    return passed(text, **figures)
+
+
+def _ready_replica(market, name: str) -> dict | None:
+    r = market.cli("endpoint", "show", name, "--json", timeout=120)
+    if r.returncode != 0:
+        return None
+    shown = json.loads(r.stdout)
+    if shown.get("state") in ("FAILED", "CANCELLED"):
+        raise CheckError(f"endpoint {shown.get('state')}: {shown.get('error', '')}"[:300])
+    return next((rep for rep in shown.get("replicas", []) if rep.get("ready")), None)
+
+
+def vllm(ctx) -> Outcome:
+    if not ctx.cuda:
+        return skipped("vLLM runs on CUDA only (CPU rehearsal)")
+    if importlib.util.find_spec("vllm") is None:
+        return skipped("vllm is not installed in this Python (pip install 'gpumarket[vllm]')")
+    offer_engines = set(ctx.offer().get("engines", []))
+    if "vllm" not in offer_engines:
+        raise CheckError(f"vllm imports here but the provider offers {sorted(offer_engines)}")
+    n, tokens = 64, 128
+    prompts = _jsonl(ctx.root / "vllm-prompts.jsonl", "prompt", _prompts(n))
+    ctx.model()
+    out, wall, _ = _through_market(ctx, "generate", {
+        "model_name": ctx.model_name, "prompts": str(prompts), "max_tokens": tokens,
+        "temperature": 0.0, "dtype": "bfloat16", "engine": "vllm"}, timeout=900, tag="vllm")
+    m = json.loads((out / "metrics.json").read_text())
+    figures = {k: m[k] for k in ("tokens_per_s", "ttft_s_p50", "tpot_s_p50") if k in m}
+    figures.update(prompts=n, max_tokens=tokens, market_wall_s=round(wall, 3))
+    return passed(f"generate with vLLM through the market: {m.get('tokens_per_s', 0):,.1f}"
+                  " tokens/s", **figures)

@@ -1,0 +1,205 @@
+"""What scripts/gpu_check.py runs its checks on: a local marketplace of real processes (a
+broker and providers on 127.0.0.1, SQLite, temporary directories: tests/helpers.py's
+Marketplace, as examples/demo.py starts one), Llama models with random weights and a
+tokenizer trained on the spot (nothing can be downloaded on a GPU machine), and job files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tests.helpers import Marketplace, job_processes, wait_until
+
+# Short leases: a killed provider's job moves after 4 s.
+LEASE_ARGS = ("--lease-timeout", "4", "--heartbeat-interval", "0.5")
+KINDS = "training,generate,embed,endpoint,script,render"
+
+# The issue's model: a Llama of about 1B parameters (random weights, bf16) on a GPU; a
+# 2-layer one for the CPU rehearsal.
+LLAMA_1B = {"hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 16,
+            "num_attention_heads": 32, "num_key_value_heads": 32, "vocab_size": 32000,
+            "max_position_embeddings": 2048}
+LLAMA_TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 320,
+              "max_position_embeddings": 256}
+
+
+class CheckError(Exception):
+    """A check's failure, with its one-line reason."""
+
+
+def corpus(n_words: int, lines: int, seed: int = 0) -> list[str]:
+    """Sentences of made-up words: enough distinct pairs for a BPE of 32,000 tokens."""
+    rng = random.Random(seed)
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    words = ["".join(rng.choice(letters) for _ in range(rng.randint(3, 10)))
+             for _ in range(n_words)]
+    return [" ".join(rng.choice(words) for _ in range(12)) for _ in range(lines)]
+
+
+def make_llama(target: Path, shape: dict, dtype_name: str, device: str) -> int:
+    """A LlamaForCausalLM of ``shape`` with random weights (seed 0) and a byte-level BPE
+    tokenizer trained here to the shape's vocabulary, saved as safetensors in ``dtype_name``
+    into ``target``, readable by the jobs' own uids. Returns its parameter count."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=shape["vocab_size"],
+                                  special_tokens=["<pad>", "<s>", "</s>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    big = shape["vocab_size"] > 1000
+    tok.train_from_iterator(corpus(40000, 20000) if big else corpus(200, 200), trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                   pad_token="<pad>")
+    config = LlamaConfig(**{**shape, "vocab_size": len(fast)}, bos_token_id=fast.bos_token_id,
+                         eos_token_id=fast.eos_token_id, pad_token_id=fast.pad_token_id)
+    dtype = getattr(torch, dtype_name)
+    torch.manual_seed(0)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)       # made in its dtype on its device: seconds, not minutes
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(previous)
+    target.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(target, safe_serialization=True)
+    fast.save_pretrained(target)
+    count = sum(p.numel() for p in model.parameters())
+    del model
+    for path in (target.parent, target, *target.iterdir()):
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    return count
+
+
+def start_market(root: Path, cpu: bool, models_dir: Path) -> Marketplace:
+    """A broker (with its HTTP side, for endpoints) and one provider ``p1`` holding the
+    models of ``models_dir``, offering the GPUs (or, for the rehearsal, the CPU)."""
+    market = Marketplace(root)
+    market.start_broker(*LEASE_ARGS, "--http", "127.0.0.1:0")
+    r = market.cli("keys", "init", timeout=60)
+    if r.returncode != 0:
+        raise CheckError(f"client key: {r.stderr.strip()}")
+    start_provider(market, "p1", cpu, models_dir)
+    market.wait_for_offers(1, timeout=600)   # a GPU provider benchmarks first (a minute)
+    return market
+
+
+def start_provider(market: Marketplace, name: str, cpu: bool, models_dir: Path):
+    return market.start_provider(name, 1.0, "--models-dir", str(models_dir), "--kinds", KINDS,
+                                 *(("--cpu-only",) if cpu else ()))
+
+
+def offers(market: Marketplace) -> list[dict]:
+    r = market.cli("offers", "--json", timeout=60)
+    if r.returncode != 0:
+        raise CheckError(f"gpumarket offers: {last_line(r.stderr)}")
+    return json.loads(r.stdout)
+
+
+def offer_of(market: Marketplace, name: str) -> dict:
+    pid = market.provider_id(name)
+    for row in offers(market):
+        if row["offer"].get("provider_id") == pid:
+            return row["offer"]
+    raise CheckError(f"provider {name} has no offer on the broker")
+
+
+def submit(market: Marketplace, job_file: Path) -> str:
+    r = market.cli("submit", str(job_file), timeout=600)
+    if r.returncode != 0:
+        raise CheckError(f"submit {job_file.name}: {last_line(r.stderr)}")
+    return r.stdout.split()[0]
+
+
+def finish(market: Marketplace, job_id: str, timeout: float) -> dict:
+    """The job once it ended; CheckError unless it SUCCEEDED."""
+    job = market.wait_state(job_id, "SUCCEEDED", "FAILED", "CANCELLED", timeout=timeout)
+    if job["state"] != "SUCCEEDED":
+        raise CheckError(f"job {job_id} {job['state']}: {job.get('error', '')}"[:300])
+    return job
+
+
+def results(market: Marketplace, job_id: str, out: Path) -> Path:
+    r = market.cli("results", job_id, "-o", str(out), timeout=600)
+    if r.returncode != 0:
+        raise CheckError(f"results of {job_id}: {last_line(r.stderr)}")
+    return out
+
+
+def job_log(market: Marketplace, job_id: str) -> str:
+    r = market.cli("logs", job_id, timeout=120)
+    return r.stdout if r.returncode == 0 else ""
+
+
+def kill_machine(market: Marketplace, name: str, job_id: str, epoch: int) -> None:
+    """SIGKILL a provider daemon and its job's processes: the machine is gone."""
+    market.providers[name].stop(signal.SIGKILL)
+    for pid in job_processes(str(market.root / name / "jobs" / f"{job_id}.{epoch}")):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def close(market: Marketplace | None, root: Path) -> None:
+    """Stop every process of the marketplace under ``root``, and any job process a killed
+    provider left running (jobs outlive their daemon by design)."""
+    if market is not None:
+        for proc in market.providers.values():
+            proc.stop(timeout=20)
+        if market.broker is not None:
+            market.broker.stop(timeout=20)
+    for pid in job_processes(str(root)):
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def last_line(text: str) -> str:
+    lines = [ln for ln in (text or "").strip().splitlines() if ln.strip()]
+    return lines[-1][:300] if lines else "(no output)"
+
+
+def toml_value(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    return json.dumps(value)
+
+
+def job_file(path: Path, kind: str, params: dict, *, accelerator: str,
+             gpus: int = 1, max_runtime: int = 3600) -> Path:
+    """Write a job file of ``kind`` with ``params`` (its table), for any provider at up to
+    5 credits per device-hour."""
+    lines = [f'name = "gpu-check-{path.stem}"', f'kind = "{kind}"', "max_price = 5.0",
+             f"max_runtime = {max_runtime}", "", "[resources]", f"gpus = {gpus}",
+             f'accelerator = "{accelerator}"', "", f"[{kind}]"]
+    lines += [f"{k} = {toml_value(v)}" for k, v in params.items()]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def wait_for(check, what: str, timeout: float, interval: float = 0.5):
+    """``check()``'s first true value; CheckError after ``timeout`` seconds."""
+    try:
+        return wait_until(check, what, timeout, interval)
+    except AssertionError as exc:
+        raise CheckError(str(exc)) from exc

@@ -1,0 +1,72 @@
+"""`make gpu-check` (scripts/gpu_check.py) on a machine without an NVIDIA GPU: one line
+saying so, exit 0, every check SKIPPED with a reason, nothing written unless asked."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+CHECKS = ["inventory", "benchmark", "training_resume", "generate", "embed", "endpoint",
+          "sandbox", "vllm", "blender"]
+
+
+@pytest.fixture(autouse=True)
+def no_gpu():
+    from gpumarket.provider.inventory import nvidia_devices
+
+    try:
+        nvidia_devices()
+    except RuntimeError:
+        return
+    pytest.skip("an NVIDIA GPU is here: make gpu-check would run its checks for real")
+
+
+def make(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["make", "-s", "--no-print-directory", "gpu-check",
+                           f"GPU_PY={sys.executable}", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120, check=False)
+
+
+def results_dir() -> set[str]:
+    path = ROOT / "bench" / "results"
+    return {p.name for p in path.iterdir()} if path.is_dir() else set()
+
+
+def test_without_a_gpu_one_line_and_exit_0():
+    before = results_dir()
+    r = make()
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = r.stdout.splitlines()
+    assert len(lines) == 1 and r.stderr == "", r.stdout + r.stderr
+    assert lines[0].startswith("gpu-check: no NVIDIA GPU here (")
+    assert "every check SKIPPED" in lines[0]
+    assert results_dir() == before      # the tree stays clean
+
+
+def test_without_a_gpu_json_lists_every_check_skipped(tmp_path):
+    out = tmp_path / "nested" / "gpu.json"
+    r = make(f"GPU_CHECK_ARGS=--json {out}")
+    assert r.returncode == 0 and len(r.stdout.splitlines()) == 1, r.stdout + r.stderr
+    report = json.loads(out.read_text())
+    assert report["gpu"] is None and report["mode"] == "no-gpu" and report["reason"]
+    assert [c["name"] for c in report["checks"]] == CHECKS
+    for check in report["checks"]:
+        assert check["status"] == "SKIPPED"
+        assert check["detail"].startswith("no NVIDIA GPU (") and len(check["detail"]) > 20
+
+
+@pytest.mark.parametrize("args, says", [
+    ("--only nosuch", "unknown check 'nosuch'"),
+    ("--json /", "is a directory"),
+])
+def test_bad_input_is_one_line_and_exit_2(args, says):
+    r = subprocess.run([sys.executable, "scripts/gpu_check.py", *args.split()], cwd=ROOT,
+                       capture_output=True, text=True, timeout=60, check=False)
+    assert r.returncode == 2 and r.stdout == "", r.stdout + r.stderr
+    assert len(r.stderr.splitlines()) == 1 and says in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
