@@ -167,13 +167,15 @@ def devices(as_json: bool, cpu_only: bool) -> None:
     rows = [{"index": d.index, "name": d.name, "uuid": d.uuid,
              "accelerator": ACCELERATOR_NAMES[d.accelerator], "memory_bytes": d.memory_bytes,
              "compute_capability": d.compute_capability, "driver_version": d.driver_version,
-             "cuda_version": d.cuda_version, "cpu_cores": d.cpu_cores} for d in found]
+             "cuda_version": d.cuda_version, "cpu_cores": d.cpu_cores,
+             "mig_mode": d.mig_mode} for d in found]
     if as_json:
         click.echo(json.dumps(rows, indent=2))
         return
     for r in rows:
         extra = (f"cc {r['compute_capability']}, driver {r['driver_version']}, CUDA "
-                 f"{r['cuda_version']}" if r["accelerator"] == "cuda"
+                 f"{r['cuda_version']}{', MIG ' + r['mig_mode'] if r['mig_mode'] else ''}"
+                 if r["accelerator"] == "cuda"
                  else f"{r['cpu_cores']} cores")
         click.echo(f"{r['index']}  {r['accelerator']:4}  {r['name']}  "
                    f"{_gib(r['memory_bytes'])}  {extra}  {r['uuid']}")

@@ -28,6 +28,7 @@ class DeviceInfo:
     driver_version: str = ""
     cuda_version: str = ""           # "12.4"
     cpu_cores: int = 0
+    mig_mode: str = ""               # "enabled", "disabled"; "" where the GPU has no MIG
 
     @property
     def is_cuda(self) -> bool:
@@ -38,7 +39,7 @@ class DeviceInfo:
                       accelerator=self.accelerator, memory_bytes=self.memory_bytes,
                       compute_capability=self.compute_capability,
                       driver_version=self.driver_version, cuda_version=self.cuda_version,
-                      cpu_cores=self.cpu_cores)
+                      cpu_cores=self.cpu_cores, mig_mode=self.mig_mode)
         if benchmark is not None:
             d.benchmark.CopyFrom(benchmark)
         return d
@@ -78,6 +79,16 @@ def _text(value: object) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
+def _mig_mode(pynvml, handle) -> str:
+    """The GPU's current MIG mode: "enabled" or "disabled"; "" where it has none (NVML
+    answers NotSupported on GPUs without MIG, and older drivers lack the call)."""
+    try:
+        current, _pending = pynvml.nvmlDeviceGetMigMode(handle)
+    except (pynvml.NVMLError_NotSupported, pynvml.NVMLError_FunctionNotFound):
+        return ""
+    return "enabled" if current == pynvml.NVML_DEVICE_MIG_ENABLE else "disabled"
+
+
 def nvidia_devices() -> list[DeviceInfo]:
     """Every NVIDIA GPU NVML sees; raise RuntimeError with a one-line reason if none."""
     try:
@@ -109,6 +120,7 @@ def nvidia_devices() -> list[DeviceInfo]:
                 compute_capability=f"{major}.{minor}",
                 driver_version=driver,
                 cuda_version=cuda_version,
+                mig_mode=_mig_mode(pynvml, h),
             ))
     finally:
         pynvml.nvmlShutdown()

@@ -70,3 +70,27 @@ def test_bad_input_is_one_line_and_exit_2(args, says):
     assert r.returncode == 2 and r.stdout == "", r.stdout + r.stderr
     assert len(r.stderr.splitlines()) == 1 and says in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_mig_mode_as_nvml_reports_it():
+    """The offer's MIG mode: NVML's current mode, "" where the GPU has none (NotSupported)
+    or the driver lacks the call; pynvml's own error classes, a stand-in for the driver."""
+    import types
+
+    import pynvml
+    from gpumarket.provider.inventory import _mig_mode
+
+    def nvml(answer) -> types.SimpleNamespace:
+        def get(handle):
+            if isinstance(answer, type):
+                raise answer(0)
+            return answer
+        return types.SimpleNamespace(
+            nvmlDeviceGetMigMode=get, NVML_DEVICE_MIG_ENABLE=pynvml.NVML_DEVICE_MIG_ENABLE,
+            NVMLError_NotSupported=pynvml.NVMLError_NotSupported,
+            NVMLError_FunctionNotFound=pynvml.NVMLError_FunctionNotFound)
+
+    assert _mig_mode(nvml([1, 1]), None) == "enabled"
+    assert _mig_mode(nvml([0, 1]), None) == "disabled"     # pending enable: not yet
+    assert _mig_mode(nvml(pynvml.NVMLError_NotSupported), None) == ""
+    assert _mig_mode(nvml(pynvml.NVMLError_FunctionNotFound), None) == ""
