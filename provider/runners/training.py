@@ -16,6 +16,7 @@ listen_for_drain()
 
 import json  # noqa: E402
 import math  # noqa: E402
+import os  # noqa: E402
 import random  # noqa: E402
 import sys  # noqa: E402
 import tarfile  # noqa: E402
@@ -101,6 +102,16 @@ def lr_lambda(warmup: int, total: int):
     return f
 
 
+def deterministic_cuda() -> None:
+    """What exact resume needs on CUDA, before the first CUDA op: cuBLAS with a fixed
+    workspace (else torch's deterministic mode cannot make its matmuls repeatable, and says
+    so), and cuDNN choosing the same deterministic kernels every run instead of the fastest
+    it benchmarks. The CPU path needs none of it."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.backends.cudnn.benchmark = False
+    torch.backends.cudnn.deterministic = True
+
+
 def train(workdir: Path, report: Reporter) -> None:
     job = read_job(workdir)
     p = job["params"]
@@ -111,9 +122,11 @@ def train(workdir: Path, report: Reporter) -> None:
     torch.manual_seed(seed)
     random.seed(seed)
     np.random.seed(seed % 2**32)
-    torch.use_deterministic_algorithms(True, warn_only=True)
     world = World(int(job.get("world_size") or 1),
                   job.get("device") == "cuda" and torch.cuda.is_available())
+    if world.cuda:
+        deterministic_cuda()
+    torch.use_deterministic_algorithms(True, warn_only=True)
     if batch % world.size:
         raise JobError(f"batch_size {batch} does not split evenly over {world.size} devices")
     device = world.device()
