@@ -120,7 +120,7 @@ class Context:
                 import torch
 
                 torch.cuda.empty_cache()
-            print(f"   .. model: Llama, {self.model_parameters / 1e9:.3f}B parameters"
+            print(f"   .. model: Llama, {self.model_parameters:,} parameters"
                   f" ({dtype}, random weights), made in {time.perf_counter() - began:.0f} s",
                   file=sys.stderr, flush=True)
             return self.model_dir
@@ -284,7 +284,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     unknown = [n for n in only if n not in CHECK_NAMES]
     if unknown:
         raise Usage(f"unknown check {unknown[0]!r}; checks: {', '.join(CHECK_NAMES)}")
-    args.names = only or list(CHECK_NAMES)
+    args.names = [n for n in CHECK_NAMES if n in only] if only else list(CHECK_NAMES)
     if args.json is not None and args.json.is_dir():
         raise Usage(f"--json {args.json}: is a directory; give a file path")
     return args

@@ -217,9 +217,12 @@ def benchmark(ctx) -> Outcome:
     direct = _direct_figures(ctx.cuda, set(offered))
     ratios = {k: ratio(offered[k], direct[k]) for k in offered if k in direct}
     # The provider measures with a few repeats; within a factor of 1.5 of a longer direct
-    # measurement on a GPU is honest advertising (a shared 2-core host is noisier: 3).
-    band = 1.5 if ctx.cuda else 3.0
-    off = {k: r for k, r in ratios.items() if r is None or not 1 / band <= r <= band}
+    # measurement on a GPU is honest advertising. The rehearsal's CPU is shared with other
+    # work (the same matmul took 0.3 ms or 8 ms in two processes a minute apart on the
+    # 2-core host it was written on): its ratios are reported, not judged.
+    band = 1.5
+    off = {k: r for k, r in ratios.items() if r is None or not 1 / band <= r <= band} \
+        if ctx.cuda else {}
     figures = {"offered": offered, "direct": direct, "ratio_offered_to_direct": ratios,
                "host_to_device_bytes_per_s": float(bench.get("host_to_device_bytes_per_s", 0)),
                "sm_count": int(bench.get("sm_count", 0)),
@@ -229,7 +232,8 @@ def benchmark(ctx) -> Outcome:
                      for k in sorted(ratios))
     if off:
         return failed(f"offered/direct outside 1/{band:g}..{band:g}: {off}; {text}", **figures)
-    return passed(f"offered (offered/direct): {text}", **figures)
+    return passed(f"{'' if ctx.cuda else 'CPU rehearsal, not judged: '}offered"
+                  f" (offered/direct): {text}", **figures)
 
 
 # -- training, killed once and resumed ----------------------------------------------------
@@ -301,7 +305,7 @@ def training_resume(ctx) -> Outcome:
     a = results(market, job_id, work / "out-interrupted")
     b = results(market, clean_id, work / "out-clean")
     metrics = json.loads((b / "metrics.json").read_text())
-    resumed = json.loads((a / "metrics.json").read_text()).get("resumed_from_step")
+    resumed = int(json.loads((a / "metrics.json").read_text()).get("resumed_from_step", -1))
     bitwise = (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
     losses_equal = (a / "loss.jsonl").read_text() == (b / "loss.jsonl").read_text()
     warnings = sum("deterministic" in line.lower() and "warn" in line.lower()
@@ -338,12 +342,20 @@ from gpumarket.provider.runners import task
 
 seen = {"uid": os.getuid(), "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
         "rlimit_as": resource.getrlimit(resource.RLIMIT_AS)[0]}
-try:
-    group = open("/proc/self/cgroup").read().strip().split("::", 1)[-1]
-    seen["cgroup"] = group
-    seen["cgroup_memory_max"] = open(f"/sys/fs/cgroup{group}/memory.max").read().strip()
-except OSError as exc:
-    seen["cgroup_error"] = str(exc)
+raw = open("/proc/self/cgroup").read()
+seen["proc_self_cgroup"] = raw.split()
+groups = dict(line.split(":", 2)[1:] for line in raw.split())
+seen["cgroup"] = groups.get("memory") or groups.get("")
+# v2, v1's memory controller; the mount may start below the path /proc shows (a container)
+for base, path, name in (("/sys/fs/cgroup", groups.get(""), "memory.max"),
+                         ("/sys/fs/cgroup/memory", groups.get("memory"),
+                          "memory.limit_in_bytes")):
+    parts = [p for p in (path or "").split("/") if p]
+    found = [f for f in ("/".join([base, *parts[i:], name]) for i in range(len(parts)))
+             if os.path.exists(f)]
+    if parts and found:
+        seen["cgroup_memory_max"] = open(found[0]).read().strip()
+        break
 import torch
 seen["torch_cuda_available"] = torch.cuda.is_available()
 if seen["torch_cuda_available"]:
@@ -403,7 +415,7 @@ def sandbox(ctx) -> Outcome:
         if seen.get("cuda_visible_devices") != "" or seen.get("torch_device_count"):
             problems.append("a CPU lease's job sees a GPU")
     own_uid = seen.get("uid") != 0
-    limit = seen.get("cgroup_memory_max", "no cgroup")
+    limit = seen.get("cgroup_memory_max", "not readable by the job")
     where = "GPU" if ctx.cuda else "CPU rehearsal"
     text = (f"{where}: the job ({'own uid ' + str(seen.get('uid')) if own_uid else 'uid 0'},"
             f" cgroup memory.max {limit}, RLIMIT_AS {seen.get('rlimit_as')}) sees"

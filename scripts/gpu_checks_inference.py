@@ -26,6 +26,7 @@ from gpu_market import (
     wait_for,
 )
 
+SEQ_LEN = 256       # an endpoint's prompt + output tokens (the tiny model's limit too)
 PROMPT_WORDS = ("the quick brown fox", "a marketplace for idle gpus", "providers advertise",
                 "checkpoints let a job resume", "the broker matches each job")
 
@@ -122,9 +123,18 @@ def generate(ctx) -> Outcome:
             f" x{figures['ratio']['ttft_s_p50']}, TPOT p50 x{figures['ratio']['tpot_s_p50']};"
             f" submit-to-done x{figures['wall_ratio']}; greedy completions"
             f" {'equal' if same else 'DIFFER'}")
-    slow = (figures["ratio"]["tokens_per_s"] or 0) < 0.5
-    return (failed("market under half the direct tokens/s: " + text, **figures) if slow
-            else passed(text, **figures))
+    return _judged(ctx, figures["ratio"]["tokens_per_s"], "tokens/s", text, figures)
+
+
+def _judged(ctx, speed_ratio: float | None, unit: str, text: str, figures: dict) -> Outcome:
+    """PASS unless, on a GPU, the job ran at under half its direct speed inside the
+    marketplace (its sandbox, limits or start-up cost it that). The rehearsal's shared CPU
+    is too noisy to judge: its ratios are reported only."""
+    if not ctx.cuda:
+        return passed("CPU rehearsal, not judged: " + text, **figures)
+    if (speed_ratio or 0) < 0.5:
+        return failed(f"under half the direct {unit} through the market: " + text, **figures)
+    return passed(text, **figures)
 
 
 def _side_by_side(m: dict, d: dict, names: tuple[str, ...]) -> dict:
@@ -163,9 +173,7 @@ def embed(ctx) -> Outcome:
             f" vectors max |diff| vs direct {diff}")
     if diff is None:
         return failed(f"embeddings of shape {a.shape} vs {b.shape} direct", **figures)
-    slow = (figures["ratio"]["texts_per_s"] or 0) < 0.5
-    return (failed("market under half the direct texts/s: " + text, **figures) if slow
-            else passed(text, **figures))
+    return _judged(ctx, figures["ratio"]["texts_per_s"], "texts/s", text, figures)
 
 
 # -- the endpoint engine --------------------------------------------------------------------
@@ -213,7 +221,7 @@ async def _direct_engine(ctx, n: int, tokens: int, concurrency: int) -> dict:
     from gpumarket.provider.runners.engine import load_engine
 
     job = {"params": {"model_name": ctx.model_name, "max_concurrency": concurrency,
-                      "max_seq_len": 512, "dtype": "bfloat16" if ctx.cuda else "float32"},
+                      "max_seq_len": SEQ_LEN, "dtype": "bfloat16" if ctx.cuda else "float32"},
            "inputs": {}, "model_dir": str(ctx.model_dir), "device": "cuda" if ctx.cuda
            else "cpu"}
     engine = load_engine(job, ctx.model_dir)
@@ -288,7 +296,7 @@ def endpoint(ctx) -> Outcome:
                     f'accelerator = "{"cuda" if ctx.cuda else "cpu"}"\n\n[endpoint]\n'
                     f'model_name = "{ctx.model_name}"\n'
                     f'dtype = "{"bfloat16" if ctx.cuda else "float32"}"\n'
-                    f"max_concurrency = {concurrency}\nmax_seq_len = 512\nmin_replicas = 1\n"
+                    f"max_concurrency = {concurrency}\nmax_seq_len = {SEQ_LEN}\nmin_replicas = 1\n"
                     "max_replicas = 1\n")
     r = market.cli("endpoint", "create", str(path), timeout=300)
     if r.returncode != 0:
@@ -319,7 +327,7 @@ def endpoint(ctx) -> Outcome:
         return failed(f"{through['errors']} errors through the broker"
                       f" ({through['first_error']}), {direct['errors']} in-process"
                       f" ({direct['first_error']})", **figures)
-    return passed(text, **figures)
+    return _judged(ctx, figures["ratio"]["tokens_per_s"], "tokens/s", text, figures)
 
 
 def _ready_replica(market, name: str) -> dict | None:
