@@ -155,6 +155,7 @@ class MarketplaceServicer(marketplace_pb2_grpc.MarketplaceServicer):
         own((await store.read(jobs.job_row, request.job_id))["client_id"], request.job_id)
         cursor = request.after_seq
         while True:
+            seen = self.state.events.seen()
             # Read the state before the events: a terminal state then guarantees that
             # the events read next include the final one.
             state = await store.read(views.job_state, request.job_id)
@@ -166,7 +167,7 @@ class MarketplaceServicer(marketplace_pb2_grpc.MarketplaceServicer):
                 continue
             if state in TERMINAL_STATES:
                 return
-            await self.state.events.wait(timeout=1.0)
+            await self.state.events.wait(1.0, since=seen)
 
     @streaming
     async def StreamLogs(self, request: mp.StreamLogsRequest, context):
@@ -174,6 +175,7 @@ class MarketplaceServicer(marketplace_pb2_grpc.MarketplaceServicer):
         own((await store.read(jobs.job_row, request.job_id))["client_id"], request.job_id)
         cursor = request.after_seq
         while True:
+            seen = self.state.logs.seen()
             state = await store.read(views.job_state, request.job_id)
             lines = await store.read(logs.lines_after, request.job_id, cursor)
             if lines:
@@ -182,7 +184,7 @@ class MarketplaceServicer(marketplace_pb2_grpc.MarketplaceServicer):
                 continue
             if not request.follow or state in TERMINAL_STATES:
                 return
-            await self.state.logs.wait(timeout=1.0)
+            await self.state.logs.wait(1.0, since=seen)
 
     @unary
     async def ListEndpoints(self, request: mp.ListEndpointsRequest, context):

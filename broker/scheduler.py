@@ -247,6 +247,7 @@ async def run(state: BrokerState) -> None:
     """Place, expire and collect garbage until cancelled."""
     last_gc = 0.0
     while True:
+        seen = state.placement.seen()
         try:
             await place_queued(state)
             await expire(state)
@@ -259,4 +260,4 @@ async def run(state: BrokerState) -> None:
             raise
         except Exception:
             log.exception("scheduler pass failed; retrying")
-        await state.placement.wait(timeout=state.config.schedule_interval_s)
+        await state.placement.wait(state.config.schedule_interval_s, since=seen)

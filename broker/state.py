@@ -16,16 +16,26 @@ from gpumarket.proto.identity import Identity
 
 
 class Changes:
-    """Wakes watchers and the scheduler after a write: wait() returns at the next notify()."""
+    """Wakes watchers and the scheduler after a write: wait() returns at the next notify().
+    A waiter takes ``seen()`` before it reads what it watches and passes it to wait(), which
+    then returns at once if a notify() came in between: a change written while the waiter
+    was reading (or placing) is not left for the timeout to find."""
 
     def __init__(self) -> None:
         self._event = asyncio.Event()
+        self._count = 0
 
     def notify(self) -> None:
+        self._count += 1
         self._event.set()
         self._event = asyncio.Event()
 
-    async def wait(self, timeout: float) -> None:
+    def seen(self) -> int:
+        return self._count
+
+    async def wait(self, timeout: float, since: int | None = None) -> None:
+        if since is not None and since != self._count:
+            return
         try:
             await asyncio.wait_for(self._event.wait(), timeout)
         except TimeoutError:

@@ -339,3 +339,24 @@ def test_provider_histories_are_read_in_bulk_each_providers_own(store):
                                                 leases_completed=0, uptime_window_s=0.5,
                                                 window_s=1.0, age_s=1.0)
     assert many["p3"] == ProviderHistory(uptime_s=0.0, leases_lost=0, leases_completed=0)
+
+
+def test_a_change_noted_while_its_waiter_was_reading_wakes_it_at_once():
+    """The scheduler and job watchers take ``seen()`` before they read: a notify() that comes
+    while they read (a lease ending during a placement pass) must not wait for the timeout."""
+    from gpumarket.broker.state import Changes
+
+    async def go() -> float:
+        changes = Changes()
+        seen = changes.seen()
+        changes.notify()                    # written while the waiter was reading
+        began = asyncio.get_running_loop().time()
+        await changes.wait(30.0, since=seen)
+        waited = asyncio.get_running_loop().time() - began
+        # Nothing new since: a wait with the current count sleeps until the next notify.
+        seen = changes.seen()
+        asyncio.get_running_loop().call_later(0.05, changes.notify)
+        await asyncio.wait_for(changes.wait(30.0, since=seen), 10)
+        return waited
+
+    assert asyncio.run(go()) < 1.0
