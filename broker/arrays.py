@@ -33,14 +33,15 @@ def spec_of(envelope: bytes) -> pb.JobSpec:
     return spec
 
 
-def submit(db: Database, job: NewJob, now: int) -> None:
+def submit(db: Database, job: NewJob, now: int, lanes: int = 0) -> None:
     """Store a new array: its row (as any job's: nonce, hold, events), a row per task, and
-    its first batches."""
+    its first batches; ``lanes``: how many leases the broker spreads it over where its spec
+    does not say how many tasks a lease runs (0: the default)."""
     spec = spec_of(job.spec)
     jobs.submit(db, job, now)
     count = spec.array.count
-    db.execute("UPDATE jobs SET tasks = ?, parts = 0, progress_total = ? WHERE id = ?",
-               [count, count, job.id])
+    db.execute("UPDATE jobs SET tasks = ?, parts = 0, progress_total = ?, lanes = ?"
+               " WHERE id = ?", [count, count, max(0, min(lanes, count)), job.id])
     db.conn.executemany("INSERT INTO array_tasks (array_id, task, state, updated_at_ms)"
                    " VALUES (?, ?, ?, ?)", [(job.id, t, QUEUED, now) for t in range(count)])
     add_batches(db, job.id, now)
@@ -54,7 +55,7 @@ def add_batches(db: Database, array_id: str, now: int) -> int:
     if not waiting:
         return 0
     top = jobs.job_row(db, array_id)
-    size = arrays.per_lease(spec_of(top["spec"]))
+    size = arrays.per_lease(spec_of(top["spec"]), top["lanes"])
     keep = ("client_id", "kind", "spec", "spec_sha256", "needs", "expires_at_ms",
             "max_attempts", "fee_ppm", "enforce_funds", "hold_basis")
     made = top["parts"] or 0

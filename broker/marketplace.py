@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 import logging
 
@@ -58,14 +59,15 @@ class MarketplaceServicer(marketplace_pb2_grpc.MarketplaceServicer):
         parts = len(job.part_sizes)
         if spec.kind == endpoints.KIND:     # its hold pays for up to max_replicas at once
             parts = values["max_replicas"]
+        submit = endpoints.submit if spec.kind == endpoints.KIND else jobs.submit
         if task_arrays.is_array(spec):      # ... for every task
             await asyncio.to_thread(self._check_tasks, spec, values)
             parts = spec.array.count
+            lanes = 0 if spec.array.per_lease else await self._lanes(job.needs, client_id)
+            submit = functools.partial(arrays.submit, lanes=lanes)
         held, basis = await self._hold(job.needs, client_id, parts, spec.budget)
         job = dataclasses.replace(job, hold=held, hold_basis=basis, fee_ppm=cfg.fee_ppm,
                                   enforce_funds=cfg.billing)
-        submit = endpoints.submit if spec.kind == endpoints.KIND else \
-            arrays.submit if task_arrays.is_array(spec) else jobs.submit
         await self.state.store.write(submit, job, now_ms())
         log.info("job %s submitted by %s", job.id, client_id)
         self.state.events.notify()
@@ -116,6 +118,12 @@ class MarketplaceServicer(marketplace_pb2_grpc.MarketplaceServicer):
         job = scheduler.needs_of(row, n=needs)
         found, excluded = book.candidates(job, limit)
         return book, await self.state.store.read(holds.timed, book, job, found), excluded
+
+    async def _lanes(self, needs: admission.Needs, client_id: str) -> int:
+        """How many leases of these needs the live offers that fit them could run at once."""
+        row = {"id": "lanes", "client_id": client_id, "needs": needs.to_json(),
+               "created_at_ms": now_ms(), "checkpoint_seconds": 0.0}
+        return (await scheduler.offer_book(self.state)).lanes(scheduler.needs_of(row, n=needs))
 
     async def _hold(self, needs: admission.Needs, client_id: str, parts: int,
                     budget: float) -> tuple[int, str]:

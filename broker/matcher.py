@@ -356,6 +356,12 @@ class Book:
             mask &= t <= job.deadline_s
         return mask, factor, static
 
+    def lanes(self, job: JobNeeds) -> int:
+        """How many leases of ``job``'s shape the offers that fit it could run at once, their
+        devices busy or not (an array is spread over that many: broker/arrays.py)."""
+        static, _ = self._static_masks(job)
+        return int((self.count[static] // max(1, job.gpus)).sum())
+
     def exclusions(self, job: JobNeeds) -> Counter:
         """How many offers each constraint excludes (first failing constraint counted)."""
         _, masks = self._static_masks(job)

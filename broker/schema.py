@@ -490,3 +490,10 @@ def m014_arrays(db: Database) -> None:
         ) WITHOUT ROWID"""
     )
     db.execute("CREATE INDEX array_tasks_by_batch ON array_tasks(batch_id)")
+
+
+@migrations()
+def m015_array_lanes(db: Database) -> None:
+    """How many leases an array's tasks are spread over when its spec leaves that to the
+    broker (kinds/arrays.py per_lease): the devices that could run it when it came."""
+    db.execute("ALTER TABLE jobs ADD COLUMN lanes INTEGER NOT NULL DEFAULT 0")

@@ -38,12 +38,15 @@ def check_array(spec: pb.JobSpec, kind: Kind) -> None:
         raise ParamError("array.per_lease", f"must be at most {MAX_PER_LEASE:,}")
 
 
-def per_lease(spec: pb.JobSpec) -> int:
-    """Most tasks one lease runs: the spec's, else an eighth of the tasks (1 to 1,000): a
-    lease costs 0.1-0.3 s beside its tasks (matching, a fork, its outputs and receipt), a
-    no-op task in it under a millisecond; eight leases spread an array over eight devices."""
+def per_lease(spec: pb.JobSpec, lanes: int = 0) -> int:
+    """Most tasks one lease runs: the spec's; else the tasks spread evenly over ``lanes``
+    leases, as many as the devices that fit the array could run at once when it came (eight
+    where none did), 1 to 1,000 tasks each. A lease costs 0.1-0.3 s beside its tasks
+    (matching, a fork, its outputs and receipt), a no-op task in it under a millisecond: one
+    lease per device pays that once per device and ends together, where more leases than
+    devices run in waves (docs/jobs.md has the figures)."""
     a = spec.array
-    return a.per_lease or max(1, min(MAX_PER_LEASE, math.ceil(a.count / 8)))
+    return a.per_lease or max(1, min(MAX_PER_LEASE, math.ceil(a.count / (lanes or 8))))
 
 
 def read_tasks(data: bytes, count: int) -> list[dict[str, Any]]:

@@ -75,6 +75,14 @@ def test_a_script_array_runs_every_task_and_retries_only_the_failed(market, tmp_
             assert json.loads(f.read_text()) == {"n": n, "square": n * n}
     r = market.cli("status", job_id)
     assert "20 tasks: 17 succeeded, 3 failed" in r.stdout, r.stdout
+    # Left to the broker, an array is spread over the devices that can run it: one lease on
+    # each provider's one device here, not eight leases in waves.
+    job_id = submit(market, array_job(tmp_path / "spread.toml", 12, per_lease=0))
+    market.wait_state(job_id, "FAILED", timeout=180)
+    r = market.cli("tasks", job_id, "--json")
+    assert r.returncode == 0, r.stderr
+    first = {t["batch"] for t in json.loads(r.stdout)["tasks"] if t["task"] % 7 != 3}
+    assert len(first) == 2, first
 
 
 def test_cancel_stops_the_rest_and_keeps_what_finished(market, tmp_path):

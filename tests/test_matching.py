@@ -53,6 +53,25 @@ def test_every_constraint_excludes_and_is_explained():
     assert matcher.explain({}, 0) == "waiting: no provider is online"
 
 
+def test_an_array_is_spread_over_the_devices_that_fit_it_busy_or_not():
+    """Book.lanes: the leases of a job's shape the fitting offers could run at once."""
+    from gpumarket.kinds import arrays
+
+    offers = [offer("a", n=3, busy={0, 1, 2}), offer("b", n=2), offer("c", n=5, mem=8 * GiB),
+              offer("d", n=4, accel=CPU, cc=0.0, name="CPU")]
+    book = Book(offers, NOON)
+    assert book.lanes(need(1, 40 * GiB, CUDA)) == 5          # a (busy) and b; not c, d
+    assert book.lanes(need(2, 40 * GiB, CUDA)) == 2          # a: one pair, b: one
+    assert book.lanes(need(1, 0, ANY)) == 14
+    assert book.lanes(need(1, 0, ANY, kind=GEN)) == 0        # nobody runs the kind
+    spec = pb.JobSpec(array=pb.JobArray(count=100))
+    assert arrays.per_lease(spec, 4) == 25                    # one lease per device
+    assert arrays.per_lease(spec, 0) == 13                    # none fit yet: eight leases
+    assert arrays.per_lease(spec, 1000) == 1
+    assert arrays.per_lease(pb.JobSpec(array=pb.JobArray(count=100, per_lease=7)), 4) == 7
+    assert arrays.per_lease(pb.JobSpec(array=pb.JobArray(count=10**6)), 2) == 1000
+
+
 def test_policy_hours_duration_and_models():
     weekdays = frozenset(range(5))
     night = Window(weekdays, 20 * 60, 6 * 60)   # 20:00-06:00 UTC, wraps midnight
