@@ -60,12 +60,24 @@ def find_gpus() -> tuple[list, str]:
         devices = nvidia_devices()
     except RuntimeError as exc:
         return [], f"NVML: {exc}"
+    installed()
     import torch
 
     if not torch.cuda.is_available():
         return [], (f"NVML lists {len(devices)} ({devices[0].name}) but torch"
                     f" {torch.__version__} has no CUDA device")
     return devices, ""
+
+
+def installed() -> None:
+    """Raise Usage unless gpumarket's programs sit beside this Python (where the checks
+    start the broker, the provider and the client from)."""
+    here = Path(sys.executable).parent
+    missing = [p for p in ("gpumarket-broker", "gpumarket-provider", "gpumarket")
+               if not (here / p).exists()]
+    if missing:
+        raise Usage(f"{missing[0]} is not in {here}: install gpumarket into this Python"
+                    " (scripts/gpu_wheels.sh install)")
 
 
 def slug(text: str) -> str:
@@ -195,12 +207,14 @@ def line(name: str, status: str, detail: str) -> str:
     return f"{status:<7}  {name:<15}  {detail}"
 
 
-def run_checks(ctx: Context, names: list[str]) -> list[dict]:
+def run_checks(ctx: Context, names: list[str], records: list[dict], save) -> None:
+    """Run the checks ``names`` in order, appending a record for each to ``records`` and
+    calling ``save()`` after each (a run cut short still leaves its results). On Ctrl-C
+    (or SIGTERM) the checks not ended are recorded SKIPPED and KeyboardInterrupt goes on."""
     from gpu_checks import Outcome
     from gpu_market import CheckError
 
     functions = check_functions()
-    records = []
     try:
         for name in names:
             began = time.perf_counter()
@@ -217,6 +231,7 @@ def run_checks(ctx: Context, names: list[str]) -> list[dict]:
             print(line(name, outcome.status, outcome.detail), flush=True)
             records.append({"name": name, "status": outcome.status, "detail": outcome.detail,
                             "seconds": seconds, **outcome.figures})
+            save()
     except KeyboardInterrupt:
         done = {r["name"] for r in records}
         for name in names:
@@ -225,7 +240,6 @@ def run_checks(ctx: Context, names: list[str]) -> list[dict]:
                                 "detail": "interrupted (Ctrl-C) before it ended"})
                 print(line(name, "SKIPPED", "interrupted"), flush=True)
         raise
-    return records
 
 
 def software() -> dict:
@@ -299,6 +313,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = parse(sys.argv[1:] if argv is None else argv)
         devices, why = ([], "CPU rehearsal asked for") if args.rehearse_cpu else find_gpus()
+        if args.rehearse_cpu:
+            installed()
     except Usage as exc:
         print(f"gpu-check: {exc}", file=sys.stderr)
         return 2
@@ -325,43 +341,57 @@ def main(argv: list[str] | None = None) -> int:
     def stop(signum, frame):
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, stop)
+    for sig in (signal.SIGINT, signal.SIGTERM):   # SIGINT too where a shell ignored it
+        signal.signal(sig, stop)
     records: list[dict] = []
-    interrupted = False
     began = time.perf_counter()
+    path = args.json
+    if path is None and cuda:
+        path = ROOT / "bench" / "results" / f"gpu-{slug(gpu)}-{date}.json"
+
+    def report(complete: bool) -> dict:
+        names_run = {r["name"] for r in records}
+        checks = records + [{"name": n, "status": "SKIPPED",
+                             "detail": "not asked for (--only)" if n not in args.names
+                             else "not run yet (the run was cut short)"}
+                            for n in CHECK_NAMES if n not in names_run]
+        checks.sort(key=lambda r: CHECK_NAMES.index(r["name"]))
+        return {"gpu": gpu, "date": date, "mode": mode, "complete": complete,
+                "devices": [dataclasses.asdict(d) for d in devices],
+                "software": software(), "seconds": round(time.perf_counter() - began, 1),
+                "checks": checks,
+                "figures": {r["name"]: {k: v for k, v in r.items()
+                                        if k not in ("name", "status", "detail")}
+                            for r in records if r["status"] != "SKIPPED"}}
+
+    def save() -> None:
+        if path is not None:
+            write_json(path, report(False))
+
+    interrupted = False
     try:
-        records = run_checks(ctx, args.names)
+        run_checks(ctx, args.names, records, save)
     except KeyboardInterrupt:
         interrupted = True
     finally:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)     # the clean-up is not interrupted
+        for sig in (signal.SIGINT, signal.SIGTERM):     # the clean-up is not interrupted
+            signal.signal(sig, signal.SIG_IGN)
         ctx.close(args.logs)
         if args.keep:
             print(f"gpu-check: kept {root}", file=sys.stderr)
         else:
             shutil.rmtree(root, ignore_errors=True)
         signal.signal(signal.SIGINT, signal.default_int_handler)
-    names_run = {r["name"] for r in records}
-    records += [{"name": n, "status": "SKIPPED", "detail": "not asked for (--only)"}
-                for n in CHECK_NAMES if n not in names_run]
-    summary_table(records, title)
-    report = {"gpu": gpu, "date": date, "mode": mode,
-              "devices": [dataclasses.asdict(d) for d in devices],
-              "software": software(), "seconds": round(time.perf_counter() - began, 1),
-              "checks": records,
-              "figures": {r["name"]: {k: v for k, v in r.items()
-                                      if k not in ("name", "status", "detail")}
-                          for r in records if r["status"] != "SKIPPED"}}
-    path = args.json
-    if path is None and cuda:
-        path = ROOT / "bench" / "results" / f"gpu-{slug(gpu)}-{date}.json"
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    final = report(not interrupted)
+    summary_table(final["checks"], title)
     if path is not None:
-        write_json(path, report)
+        write_json(path, final)
         print(f"gpu-check: results written to {path}", flush=True)
     if interrupted:
         print("gpu-check: interrupted", file=sys.stderr)
         return 130
-    return 1 if any(r["status"] == "FAIL" for r in records) else 0
+    return 1 if any(r["status"] == "FAIL" for r in final["checks"]) else 0
 
 
 if __name__ == "__main__":

@@ -289,7 +289,7 @@ def training_resume(ctx) -> Outcome:
     if job["state"] != "RUNNING":
         raise CheckError(f"job {job_id} was {job['state']} before the kill: too few steps")
     killed_after = _checkpoint_step(market, job_id)
-    kill_machine(market, first, job_id, int(job.get("attempt") or 1))
+    kill_machine(market, first)
     second = ctx.next_provider()
     start_provider(market, second, not ctx.cuda, ctx.models_dir)
     say(f"{first} killed after checkpoint {killed_after}; {second} started to resume it")

@@ -154,10 +154,10 @@ def job_log(market: Marketplace, job_id: str) -> str:
     return r.stdout if r.returncode == 0 else ""
 
 
-def kill_machine(market: Marketplace, name: str, job_id: str, epoch: int) -> None:
-    """SIGKILL a provider daemon and its job's processes: the machine is gone."""
+def kill_machine(market: Marketplace, name: str) -> None:
+    """SIGKILL a provider daemon and every job process of it: the machine is gone."""
     market.providers[name].stop(signal.SIGKILL)
-    for pid in job_processes(str(market.root / name / "jobs" / f"{job_id}.{epoch}")):
+    for pid in job_processes(str(market.root / name)):
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
