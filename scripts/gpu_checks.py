@@ -73,12 +73,20 @@ def nvidia_smi() -> dict[str, dict]:
                        timeout=60, check=False)
     if r.returncode != 0:
         raise CheckError(f"nvidia-smi exited {r.returncode}: {last_line(r.stdout + r.stderr)}")
+    return parse_smi(r.stdout)
+
+
+def parse_smi(text: str) -> dict[str, dict]:
+    """nvidia-smi's CSV (SMI_FIELDS, no header, no units) by UUID; "[N/A]" and the like kept
+    as text (they compare unequal to what the offer says, and the check says so)."""
     out = {}
-    for line in r.stdout.strip().splitlines():
-        uuid, name, mib, cc, driver, mig = [v.strip() for v in line.split(",")]
-        out[uuid] = {"name": name, "memory_mib": int(mib), "compute_capability": cc,
-                     "driver_version": driver,
-                     "mig_mode": mig.lower() if mig.lower() in ("enabled", "disabled") else ""}
+    for line in text.strip().splitlines():
+        uuid, rest = line.split(",", 1)           # a UUID has no comma; a name might
+        name, mib, cc, driver, mig = [v.strip() for v in rest.rsplit(",", 4)]
+        out[uuid.strip()] = {
+            "name": name, "memory_mib": int(mib) if mib.isdigit() else mib,
+            "compute_capability": cc, "driver_version": driver,
+            "mig_mode": mig.lower() if mig.lower() in ("enabled", "disabled") else ""}
     return out
 
 
@@ -265,7 +273,9 @@ def _compare_weights(a: Path, b: Path) -> dict:
 def training_resume(ctx) -> Outcome:
     market = ctx.market()
     if ctx.cuda:
-        config, steps, every, batch, seq = TRAIN_CUDA, 2000, 100, 16, 128
+        # ~13M parameters: a checkpoint (weights and AdamW state) is ~150 MB to write and
+        # upload, so one every 250 steps
+        config, steps, every, batch, seq = TRAIN_CUDA, 2000, 250, 16, 128
     else:
         config, steps, every, batch, seq = (json.loads((ROOT / "examples" / "data" /
                                                         "tiny-llama.json").read_text()),
@@ -281,7 +291,7 @@ def training_resume(ctx) -> Outcome:
     first = ctx.provider
     job_id = submit(market, job_file(work / "interrupted.toml", "training", params,
                                      accelerator=accel))
-    kill_at = 3 * every
+    kill_at = 2 * every      # resumed from a checkpoint that is not the first
     say(f"training {job_id}: killing {first} once a checkpoint at step >= {kill_at} is in")
     wait_for(lambda: _checkpoint_step(market, job_id) >= kill_at, f"a checkpoint >= {kill_at}",
              timeout=600, interval=0.3)

@@ -94,3 +94,19 @@ def test_mig_mode_as_nvml_reports_it():
     assert _mig_mode(nvml([0, 1]), None) == "disabled"     # pending enable: not yet
     assert _mig_mode(nvml(pynvml.NVMLError_NotSupported), None) == ""
     assert _mig_mode(nvml(pynvml.NVMLError_FunctionNotFound), None) == ""
+
+
+def test_nvidia_smi_lines_as_the_inventory_check_reads_them():
+    """What the inventory check compares the offer with (the format of nvidia-smi 580)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from gpu_checks import parse_smi
+
+    text = ("GPU-0f3c, NVIDIA H100 80GB HBM3, 81559, 9.0, 580.159.04, Disabled\n"
+            "GPU-1a2b, Some GPU, with a comma, 24576, 8.9, 580.159.04, [N/A]\n")
+    assert parse_smi(text) == {
+        "GPU-0f3c": {"name": "NVIDIA H100 80GB HBM3", "memory_mib": 81559,
+                     "compute_capability": "9.0", "driver_version": "580.159.04",
+                     "mig_mode": "disabled"},
+        "GPU-1a2b": {"name": "Some GPU, with a comma", "memory_mib": 24576,
+                     "compute_capability": "8.9", "driver_version": "580.159.04",
+                     "mig_mode": ""}}
