@@ -7,6 +7,7 @@ Figures are the runners' own (metrics.json) and, for the endpoint, timed here pe
 from __future__ import annotations
 
 import asyncio
+import gc
 import importlib.util
 import json
 import os
@@ -224,13 +225,15 @@ async def _direct_engine(ctx, n: int, tokens: int, concurrency: int) -> dict:
                       "max_seq_len": SEQ_LEN, "dtype": "bfloat16" if ctx.cuda else "float32"},
            "inputs": {}, "model_dir": str(ctx.model_dir), "device": "cuda" if ctx.cuda
            else "cpu"}
-    engine = load_engine(job, ctx.model_dir)
+    # Held in a dict so that it can be dropped before the replica starts: continuous
+    # batching sizes its KV cache from the GPU memory free at its start.
+    held = {"engine": load_engine(job, ctx.model_dir)}
 
     async def send(i: int) -> dict:
         start, pieces, final = time.perf_counter(), [], {}
         request = {"id": f"d{i}", "op": "complete", "max_tokens": tokens, "temperature": 0,
                    "messages": _messages(i)}
-        async for event in engine.complete(request):
+        async for event in held["engine"].complete(request):
             if event.get("done"):
                 final = event
             elif event.get("text"):
@@ -242,9 +245,10 @@ async def _direct_engine(ctx, n: int, tokens: int, concurrency: int) -> dict:
     try:
         await send(-1)      # warm-up
         figures = await _load(send, n, concurrency)
-        figures["engine"] = engine.description
+        figures["engine"] = held["engine"].description
     finally:
-        await engine.close()
+        await held.pop("engine").close()
+        gc.collect()
         if ctx.cuda:
             torch.cuda.empty_cache()
     return figures
