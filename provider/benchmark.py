@@ -19,11 +19,20 @@ from gpumarket.provider.inventory import DeviceInfo
 
 log = logging.getLogger(__name__)
 CACHE_VERSION = 2
+# On a GPU each figure is timed over 20 repeats after a quarter second of the same op: five
+# repeats of an 8192 bf16 matmul last ~7 ms on an H100, less than a GPU idling at a few
+# hundred MHz takes to raise its clocks (not yet measured on one: make gpu-check's benchmark
+# check compares these figures with a longer measurement of its own).
+GPU_REPEAT, GPU_WARM_S = 20, 0.25
 
 
-def _timed(fn, repeat: int, sync) -> float:
+def _timed(fn, repeat: int, sync, warm_s: float = 0.0) -> float:
     fn()  # warm up
     sync()
+    began = time.perf_counter()
+    while time.perf_counter() - began < warm_s:   # a GPU raises its clocks under load
+        fn()
+        sync()
     start = time.perf_counter()
     for _ in range(repeat):
         fn()
@@ -31,10 +40,11 @@ def _timed(fn, repeat: int, sync) -> float:
     return (time.perf_counter() - start) / repeat
 
 
-def _matmul_flops(torch, dev, dtype, n: int, sync, repeat: int = 5) -> float:
+def _matmul_flops(torch, dev, dtype, n: int, sync, repeat: int = 5, warm_s: float = 0.0
+                  ) -> float:
     a = torch.randn(n, n, device=dev).to(dtype)
     b = torch.randn(n, n, device=dev).to(dtype)
-    return 2 * n**3 / _timed(lambda: torch.mm(a, b), repeat, sync)
+    return 2 * n**3 / _timed(lambda: torch.mm(a, b), repeat, sync, warm_s)
 
 
 def _fp8_flops(torch, dev, n: int, sync) -> float:
@@ -43,7 +53,7 @@ def _fp8_flops(torch, dev, n: int, sync) -> float:
     b = torch.randn(n, n, device=dev).to(torch.float8_e4m3fn).t()
     one = torch.tensor(1.0, device=dev)
     fn = lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)  # noqa: E731
-    return 2 * n**3 / _timed(fn, 5, sync)
+    return 2 * n**3 / _timed(fn, GPU_REPEAT, sync, GPU_WARM_S)
 
 
 def _link(index: int) -> str:
@@ -84,13 +94,14 @@ def measure(device: DeviceInfo) -> pb.Benchmark:
         sm_count = props.multi_processor_count
         n = 8192
         torch.backends.cuda.matmul.allow_tf32 = False
-        figures["fp32"] = _matmul_flops(torch, dev, torch.float32, n, sync)
+        gpu = {"repeat": GPU_REPEAT, "warm_s": GPU_WARM_S}
+        figures["fp32"] = _matmul_flops(torch, dev, torch.float32, n, sync, **gpu)
         torch.backends.cuda.matmul.allow_tf32 = True
-        figures["tf32"] = _matmul_flops(torch, dev, torch.float32, n, sync)
+        figures["tf32"] = _matmul_flops(torch, dev, torch.float32, n, sync, **gpu)
         torch.backends.cuda.matmul.allow_tf32 = False
-        figures["fp16"] = _matmul_flops(torch, dev, torch.float16, n, sync)
+        figures["fp16"] = _matmul_flops(torch, dev, torch.float16, n, sync, **gpu)
         if torch.cuda.is_bf16_supported():
-            figures["bf16"] = _matmul_flops(torch, dev, torch.bfloat16, n, sync)
+            figures["bf16"] = _matmul_flops(torch, dev, torch.bfloat16, n, sync, **gpu)
         if (props.major, props.minor) >= (8, 9) and hasattr(torch, "float8_e4m3fn"):
             try:
                 figures["fp8"] = _fp8_flops(torch, dev, n, sync)
@@ -99,7 +110,8 @@ def measure(device: DeviceInfo) -> pb.Benchmark:
         copy_bytes = 1 << 30
         host = torch.empty(copy_bytes // 4, dtype=torch.float32).pin_memory()
         target = torch.empty(copy_bytes // 4, dtype=torch.float32, device=dev)
-        h2d = copy_bytes / _timed(lambda: target.copy_(host, non_blocking=True), 5, sync)
+        h2d = copy_bytes / _timed(lambda: target.copy_(host, non_blocking=True), GPU_REPEAT,
+                                  sync, GPU_WARM_S)
         link = _link(device.index)
         headline = "bf16" if "bf16" in figures else "fp16"
     else:
@@ -111,7 +123,8 @@ def measure(device: DeviceInfo) -> pb.Benchmark:
         headline = "fp32"
     src = torch.empty(copy_bytes // 4, device=dev, dtype=torch.float32).fill_(1.0)
     dst = torch.empty_like(src)
-    bandwidth = 2 * copy_bytes / _timed(lambda: dst.copy_(src), 5, sync)  # read + write
+    repeat, warm_s = (GPU_REPEAT, GPU_WARM_S) if device.is_cuda else (5, 0.0)
+    bandwidth = 2 * copy_bytes / _timed(lambda: dst.copy_(src), repeat, sync, warm_s)  # r + w
     return pb.Benchmark(
         matmul_flops=figures[headline], matmul_dtype=headline,
         memory_bandwidth_bytes_per_s=bandwidth, measured_at_ms=now_ms(),
