@@ -291,6 +291,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
                         help="comma-separated checks to run (the others are SKIPPED)")
     parser.add_argument("--logs", type=Path, metavar="DIR",
                         help="copy the broker's and providers' logs here at the end")
+    parser.add_argument("--merge", action="store_true",
+                        help="keep, from the results file already there (same GPU), the"
+                             " checks not run now: a run split over several calls with --only"
+                             " ends as one file")
     parser.add_argument("--keep", action="store_true",
                         help="keep the temporary directory (models, work dirs) and say where")
     args = parser.parse_args(argv)
@@ -302,6 +306,19 @@ def parse(argv: list[str]) -> argparse.Namespace:
     if args.json is not None and args.json.is_dir():
         raise Usage(f"--json {args.json}: is a directory; give a file path")
     return args
+
+
+def earlier_checks(path: Path | None, gpu: str | None, mode: str) -> dict[str, dict]:
+    """The checks that ran (not SKIPPED) in the results file at ``path``, by name, if it is
+    of the same GPU and mode, each marked ``earlier_run``; {} otherwise."""
+    try:
+        old = json.loads(path.read_text()) if path is not None else {}
+    except (OSError, ValueError):
+        return {}
+    if old.get("gpu") != gpu or old.get("mode") != mode:
+        return {}
+    return {c["name"]: {**c, "earlier_run": True} for c in old.get("checks", [])
+            if c.get("name") in CHECK_NAMES and c.get("status") != "SKIPPED"}
 
 
 def write_json(path: Path, report: dict) -> None:
@@ -349,9 +366,14 @@ def main(argv: list[str] | None = None) -> int:
     if path is None and cuda:
         path = ROOT / "bench" / "results" / f"gpu-{slug(gpu)}-{date}.json"
 
+    earlier = earlier_checks(path, gpu, mode) if args.merge else {}
+
     def report(complete: bool) -> dict:
         names_run = {r["name"] for r in records}
-        checks = records + [{"name": n, "status": "SKIPPED",
+        kept = [earlier[n] for n in CHECK_NAMES if n not in names_run and n in earlier
+                and n not in args.names]
+        names_run |= {r["name"] for r in kept}
+        checks = records + kept + [{"name": n, "status": "SKIPPED",
                              "detail": "not asked for (--only)" if n not in args.names
                              else "not run yet (the run was cut short)"}
                             for n in CHECK_NAMES if n not in names_run]
@@ -362,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
                 "checks": checks,
                 "figures": {r["name"]: {k: v for k, v in r.items()
                                         if k not in ("name", "status", "detail")}
-                            for r in records if r["status"] != "SKIPPED"}}
+                            for r in checks if r["status"] != "SKIPPED"}}
 
     def save() -> None:
         if path is not None:
