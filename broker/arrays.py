@@ -11,11 +11,13 @@ import json
 
 from sqlite_utils import Database
 
-from gpumarket.broker import jobs
+from gpumarket.broker import holdings, jobs
 from gpumarket.broker.admission import NewJob
 from gpumarket.kinds import arrays
-from gpumarket.proto.errors import InvalidArgument
-from gpumarket.proto.jobspec import TERMINAL_STATES
+from gpumarket.proto.envelope import open_envelope
+from gpumarket.proto.errors import BadSignature, FailedPrecondition, InvalidArgument
+from gpumarket.proto.jobspec import TERMINAL_STATES, check_artifact_name, check_sha256
+from gpumarket.proto.v1 import gateway_pb2 as gw
 from gpumarket.proto.v1 import types_pb2 as pb
 
 QUEUED, RUNNING = pb.JOB_STATE_QUEUED, pb.JOB_STATE_RUNNING
@@ -83,10 +85,50 @@ def lease_tasks(db: Database, batch_id: str) -> list[int]:
         [batch_id, *OPEN])]
 
 
+def task_receipts(results: list[gw.TaskResult], provider_id: str) -> dict[int, pb.Receipt]:
+    """The receipts that came with task results (for their outputs alone), by task, each
+    signed by the lease's provider (BadSignature if one is not). No database here: the
+    signatures are checked before the write."""
+    out: dict[int, pb.Receipt] = {}
+    for r in results:
+        if r.receipt.payload:
+            receipt, signer = open_envelope(r.receipt, pb.Receipt)
+            if signer != provider_id or receipt.provider_id != provider_id:
+                raise BadSignature(f"task {r.task}: its receipt is not signed by the lease's"
+                                   " provider")
+            out[r.task] = receipt
+    return out
+
+
+def _task_outputs(db: Database, batch: dict, epoch: int, provider_id: str, task: int,
+                  receipt: pb.Receipt) -> list[dict]:
+    """A task's outputs as its own receipt names them, each one the provider uploaded."""
+    if receipt.job_id != batch["id"] or receipt.epoch != epoch or \
+            receipt.spec_sha256 != batch["spec_sha256"]:
+        raise BadSignature(f"task {task}: its receipt names another lease or spec")
+    if len(receipt.outputs) > arrays.TASK_RECEIPT_OUTPUTS:
+        raise InvalidArgument(f"task {task}: a task's receipt names at most"
+                              f" {arrays.TASK_RECEIPT_OUTPUTS} outputs")
+    out = []
+    for i, ref in enumerate(receipt.outputs):
+        check_artifact_name(ref.name, f"task {task}: receipt.outputs[{i}].name")
+        check_sha256(ref.sha256, f"task {task}: receipt.outputs[{i}].sha256")
+        named = arrays.output_task(ref.name)
+        if named is None or named[0] != task:
+            raise InvalidArgument(f"task {task}: its receipt names {ref.name}, not its own")
+        if not holdings.holds_intact(db, provider_id, ref.sha256, ref.size_bytes):
+            raise FailedPrecondition(f"task {task}: output {ref.name} was not uploaded intact"
+                                     " by this provider")
+        out.append({"name": ref.name, "sha256": ref.sha256, "size_bytes": ref.size_bytes})
+    return out
+
+
 def record_results(db: Database, batch_id: str, epoch: int, provider_id: str,
-                   results: list[pb.TaskResult], now: int) -> None:
+                   results: list[gw.TaskResult], now: int,
+                   receipts: dict[int, pb.Receipt] | None = None) -> None:
     """Tasks of the provider's current lease of the batch ended (``gw.TaskResult``s): each
-    succeeded, or failed and runs again later while it has attempts left."""
+    succeeded, or failed and runs again later while it has attempts left. A succeeded task
+    with its own receipt (``task_receipts``, checked) has its outputs from it at once."""
     batch, _ = jobs._current(db, batch_id, epoch, provider_id)
     if len(results) > arrays.MAX_PER_LEASE:
         raise InvalidArgument(f"at most {arrays.MAX_PER_LEASE:,} task results at once")
@@ -99,9 +141,18 @@ def record_results(db: Database, batch_id: str, epoch: int, provider_id: str,
             continue            # not a task of this batch, or told already
         seconds = max(0.0, min(float(r.seconds), 1e9)) if r.seconds == r.seconds else 0.0
         if r.ok:
+            receipt = (receipts or {}).get(r.task)
+            outputs = envelope = None
+            if receipt is not None:
+                refs = _task_outputs(db, batch, epoch, provider_id, r.task, receipt)
+                for ref in refs:        # the client's to read, kept from garbage collection
+                    holdings.refer(db, ref["sha256"], batch_id, "output")
+                outputs, envelope = json.dumps(refs), r.receipt.SerializeToString()
             db.execute("UPDATE array_tasks SET state = ?, provider_id = ?, error = '',"
-                       " seconds = ?, updated_at_ms = ? WHERE array_id = ? AND task = ?",
-                       [SUCCEEDED, provider_id, seconds, now, array_id, r.task])
+                       " seconds = ?, updated_at_ms = ?, outputs = ?, receipt = ?"
+                       " WHERE array_id = ? AND task = ?",
+                       [SUCCEEDED, provider_id, seconds, now, outputs, envelope, array_id,
+                        r.task])
         else:
             _task_failed(db, array_id, r.task, row[1], batch["max_attempts"],
                          r.error[:1000] or "failed", provider_id, now, seconds)
@@ -153,9 +204,10 @@ def _batch_ended(db: Database, array_id: str, batch: dict, now: int) -> None:
             if named is not None:
                 by_task.setdefault(named[0], []).append(
                     {"name": out.name, "sha256": out.sha256, "size_bytes": out.size_bytes})
-        db.conn.executemany("UPDATE array_tasks SET outputs = ? WHERE array_id = ? AND task = ?"
-                       " AND batch_id = ?", [(json.dumps(refs), array_id, task, batch["id"])
-                                             for task, refs in by_task.items()])
+        db.conn.executemany("UPDATE array_tasks SET outputs = ?, receipt = NULL WHERE"
+                            " array_id = ? AND task = ? AND batch_id = ?",
+                            [(json.dumps(refs), array_id, task, batch["id"])
+                             for task, refs in by_task.items()])
     open_tasks = db.execute("SELECT task, attempts FROM array_tasks WHERE batch_id = ? AND"
                             " state IN (?, ?)", [batch["id"], *OPEN]).fetchall()
     top = db.execute("SELECT state FROM jobs WHERE id = ?", [array_id]).fetchone()

@@ -264,8 +264,12 @@ class ProviderGatewayServicer(gateway_pb2_grpc.ProviderGatewayServicer):
                     self.state.serving.ready(pid, update.job_id, update.epoch, job["parent_id"],
                                              update.ready)
             elif which == "tasks":
+                results = list(update.tasks.results)
+                signed = sum(1 for r in results if r.receipt.payload)
+                receipts = await asyncio.to_thread(arrays.task_receipts, results, pid) \
+                    if signed > 16 else arrays.task_receipts(results, pid)
                 await store.write(arrays.record_results, update.job_id, update.epoch, pid,
-                                  list(update.tasks.results), now)
+                                  results, now, receipts)
             elif which == "log":
                 await store.write(logs.append, update.job_id, update.epoch, pid,
                                   list(update.log.lines), now)

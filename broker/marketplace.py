@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 
 MAX_LIST = 1000
 CANCEL_ORDER_MAX_AGE_MS = 10 * 60 * 1000
+TASK_PAGE_BYTES = 3 << 20     # a ListTasks page (tasks' receipts and outputs): under gRPC's 4 MiB
 
 
 class MarketplaceServicer(marketplace_pb2_grpc.MarketplaceServicer):
@@ -99,15 +100,23 @@ class MarketplaceServicer(marketplace_pb2_grpc.MarketplaceServicer):
                                                    request.from_task, limit,
                                                    list(request.states))
         counts = await self.state.store.read(arrays.counts, request.job_id)
-        return mp.ListTasksResponse(
-            tasks=[pb.ArrayTask(task=t["task"], state=t["state"], attempts=t["attempts"],
+        tasks, size = [], 0
+        for t in found:
+            task = pb.ArrayTask(task=t["task"], state=t["state"], attempts=t["attempts"],
                                 provider_id=t["provider_id"], error=t["error"],
                                 lease_job_id=t["batch_id"] or "", seconds=t["seconds"],
                                 updated_at_ms=t["updated_at_ms"],
+                                receipt=pb.Envelope.FromString(t["receipt"])
+                                if t["receipt"] else None,
                                 outputs=[pb.ArtifactRef(**o)
                                          for o in json.loads(t["outputs"] or "[]")])
-                   for t in found],
-            progress=pb.ArrayProgress(tasks=row["tasks"], **counts), next_task=after)
+            size += task.ByteSize()
+            if tasks and size > TASK_PAGE_BYTES:    # the rest on the next page
+                after = t["task"]
+                break
+            tasks.append(task)
+        return mp.ListTasksResponse(tasks=tasks, next_task=after,
+                                    progress=pb.ArrayProgress(tasks=row["tasks"], **counts))
 
     async def _timed(self, needs: admission.Needs, client_id: str, limit: int
                      ) -> tuple[matcher.Book, list[holds.Timed], dict]:

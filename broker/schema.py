@@ -493,7 +493,9 @@ def m014_arrays(db: Database) -> None:
 
 
 @migrations()
-def m015_array_lanes(db: Database) -> None:
+def m015_array_lanes_and_task_receipts(db: Database) -> None:
     """How many leases an array's tasks are spread over when its spec leaves that to the
-    broker (kinds/arrays.py per_lease): the devices that could run it when it came."""
+    broker (kinds/arrays.py per_lease): the devices that could run it when it came. And a
+    task's own receipt (a signed Envelope) where its outputs went up as it ended."""
     db.execute("ALTER TABLE jobs ADD COLUMN lanes INTEGER NOT NULL DEFAULT 0")
+    db.execute("ALTER TABLE array_tasks ADD COLUMN receipt BLOB")

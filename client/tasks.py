@@ -110,6 +110,20 @@ def signed_outputs(job: pb.Job, client_id: str) -> dict[str, pb.Receipt]:
     return found
 
 
+def task_receipt(job: pb.Job, t: pb.ArrayTask) -> pb.Receipt:
+    """A task's own receipt (its outputs went up as it ended), signed by the provider that
+    ran it, for the lease that ran it and this exact spec."""
+    receipt, provider = open_envelope(t.receipt, pb.Receipt)
+    if provider != receipt.provider_id or provider != t.provider_id:
+        raise BadSignature(f"task {t.task}: its receipt is not signed by the provider that"
+                           " ran it")
+    if receipt.job_id != t.lease_job_id or receipt.spec_sha256 != payload_sha256(job.spec):
+        raise BadSignature(f"task {t.task}: its receipt is for another lease or job")
+    for i, ref in enumerate(receipt.outputs):
+        check_artifact_name(ref.name, f"task {t.task}: receipt.outputs[{i}].name")
+    return receipt
+
+
 async def fetch_results(broker: BrokerClient, job: pb.Job, client_id: str, output_dir: Path,
                         only: int | None) -> dict:
     """Download the outputs of the array's succeeded tasks (or task ``only``) into
@@ -123,9 +137,10 @@ async def fetch_results(broker: BrokerClient, job: pb.Job, client_id: str, outpu
     output_dir.mkdir(parents=True, exist_ok=True)
     files = 0
     for t in found:
+        own = task_receipt(job, t) if t.receipt.payload else None
         for ref in t.outputs:
             named = arrays.output_task(ref.name)
-            receipt = signed.get(ref.name)
+            receipt = own or signed.get(ref.name)
             if named is None or named[0] != t.task or receipt is None or not any(
                     o.sha256 == ref.sha256 for o in receipt.outputs if o.name == ref.name):
                 raise BadSignature(f"task {t.task}: output {ref.name} is in no signed receipt")

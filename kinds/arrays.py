@@ -17,6 +17,7 @@ MAX_TASKS = 100_000
 MAX_TASKS_BYTES = 32 << 20       # the tasks input
 MAX_LINE_BYTES = 64 << 10        # one task's parameters
 MAX_PER_LEASE = 1_000
+TASK_RECEIPT_OUTPUTS = 64        # a task's own receipt names at most this many outputs
 # What a task may not change: what the broker matched and sized the whole array on.
 FIXED = frozenset({"model", "model_name", "engine", "trust_remote_code", "dtype", "split"})
 

@@ -38,7 +38,8 @@ log = logging.getLogger(__name__)
 UPLOADS_AT_ONCE = 8        # a lease's output files in flight at once
 FILES_AT_ONCE = 256        # a lease's output files open at once (beyond one directory's)
 TASK_FLUSH_S = 0.2         # a job array's task results are sent at most this often ...
-TASKS_PER_UPDATE = 1000    # ... this many to an update
+TASKS_PER_UPDATE = 1000    # ... this many to an update ...
+UPDATE_BYTES = 1 << 20     # ... and this many bytes (receipts included)
 
 
 class Host(Protocol):
@@ -59,6 +60,11 @@ class Host(Protocol):
     async def finished(self, attempt: "Attempt", final: gw.ProviderMessage) -> None: ...
 
 
+def task_outputs(task: int) -> str:
+    """Where an array task's outputs are, in its lease's work dir."""
+    return f"tasks/{task:06d}/outputs"
+
+
 class Attempt:
     def __init__(self, assignment: Assignment, workdir: Path, host: Host) -> None:
         self.assignment = assignment
@@ -77,6 +83,9 @@ class Attempt:
         self.tasks_open = set(assignment.lease.tasks)   # a job array's tasks not yet reported
         self.task_results: list[gw.TaskResult] = []
         self.task_flush: asyncio.TimerHandle | None = None
+        self.task_outputs: list[gw.TaskResult] = []     # succeeded, their outputs to go up
+        self.task_uploader: asyncio.Task | None = None
+        self.receipted: set[int] = set()    # tasks whose outputs went up with their own receipt
 
     @property
     def key(self) -> tuple[str, int]:
@@ -196,7 +205,7 @@ class Attempt:
         finally:
             if self.engine is not None:
                 self.engine.close()
-            self.flush_tasks()
+            await self.settle_tasks()
         if self.cancelled:
             return None
         if outcome.succeeded:
@@ -256,20 +265,72 @@ class Attempt:
             return          # not a task of this lease, or told already
         self.tasks_open.discard(task)
         seconds = report.get("seconds")
-        self.task_results.append(gw.TaskResult(
+        result = gw.TaskResult(
             task=task, ok=report.get("ok") is True, error=str(report.get("error") or "")[:1000],
-            seconds=float(seconds) if isinstance(seconds, (int, float)) else 0.0))
+            seconds=float(seconds) if isinstance(seconds, (int, float)) else 0.0)
+        if result.ok and os.path.lexists(self.workdir / task_outputs(task)):
+            self.task_outputs.append(result)
+            if self.task_uploader is None or self.task_uploader.done():
+                self.task_uploader = asyncio.create_task(self.upload_tasks())
+        else:
+            self.queue_result(result)
+
+    def queue_result(self, result: gw.TaskResult) -> None:
+        self.task_results.append(result)
         if self.task_flush is None:
             self.task_flush = asyncio.get_running_loop().call_later(TASK_FLUSH_S,
                                                                     self.flush_tasks)
+
+    async def upload_tasks(self) -> None:
+        """Upload the outputs of the tasks that succeeded, those ended meanwhile together, and
+        pass each task on with a receipt for its outputs alone: an array's results can be
+        fetched as its tasks end, not only when their lease does. Where that fails, its
+        outputs go with the lease's receipt."""
+        while self.task_outputs:
+            batch, self.task_outputs = self.task_outputs, []
+            try:
+                outputs = await self.upload_outputs([(task_outputs(r.task), r.task)
+                                                     for r in batch])
+            except Exception as exc:  # noqa: BLE001 (they go with the lease's receipt)
+                log.warning("job %s: outputs of %d tasks not sent as they ended: %s",
+                            self.key[0], len(batch), exc)
+                for result in batch:
+                    self.queue_result(result)
+                continue
+            by_task: dict[int, list[pb.ArtifactRef]] = {}
+            for ref in outputs:
+                by_task.setdefault(arrays.output_task(ref.name)[0], []).append(ref)
+            for result in batch:
+                refs = by_task.get(result.task, [])
+                if len(refs) <= arrays.TASK_RECEIPT_OUTPUTS:    # else: the lease's receipt
+                    result.receipt.CopyFrom(self.sign(refs, result.seconds))
+                    self.receipted.add(result.task)
+                self.queue_result(result)
+
+    async def settle_tasks(self) -> None:
+        """The job ended: its tasks' uploads end (or are cancelled with the lease), then
+        every task result not sent yet goes."""
+        if self.task_uploader is not None:
+            if self.cancelled:
+                self.task_uploader.cancel()
+            await asyncio.gather(self.task_uploader, return_exceptions=True)
+        self.flush_tasks()
 
     def flush_tasks(self) -> None:
         if self.task_flush is not None:
             self.task_flush.cancel()
             self.task_flush = None
-        for i in range(0, len(self.task_results), TASKS_PER_UPDATE):
-            self.host.send(self.update(tasks=gw.TaskResults(
-                results=self.task_results[i:i + TASKS_PER_UPDATE])))
+        batch: list[gw.TaskResult] = []
+        size = 0
+        for result in self.task_results:
+            if batch and (len(batch) == TASKS_PER_UPDATE
+                          or size + result.ByteSize() > UPDATE_BYTES):
+                self.host.send(self.update(tasks=gw.TaskResults(results=batch)))
+                batch, size = [], 0
+            batch.append(result)
+            size += result.ByteSize()
+        if batch:
+            self.host.send(self.update(tasks=gw.TaskResults(results=batch)))
         self.task_results = []
 
     async def upload_checkpoints(self) -> None:
@@ -345,17 +406,25 @@ class Attempt:
                 for (_, name), d in zip(files, digests)]
 
     async def receipt(self, done: dict, wall_seconds: float) -> pb.Envelope:
-        """Upload the job's outputs and sign the receipt for them. The job may have swapped
-        outputs/ or a file in it for a link to anything the daemon can read: only the
-        job's own plain files are taken, read through descriptors (JobFileError if it left
-        anything else there)."""
+        """Upload the job's outputs (an array lease's: of its tasks that sent none with their
+        own receipt) and sign the receipt for them."""
         a = self.assignment
         if not a.lease.tasks:
             dirs: list[tuple[str, int | None]] = [("outputs", None)]
         else:              # a job array's lease: each task's, named by its task
-            dirs = [(f"tasks/{task:06d}/outputs", task) for task in a.lease.tasks]
+            dirs = [(task_outputs(task), task) for task in a.lease.tasks
+                    if task not in self.receipted]
             dirs = [(rel, task) for rel, task in dirs   # not a task that wrote no outputs
                     if os.path.lexists(self.workdir / rel)]
+        metrics = {k: float(v) for k, v in (done.get("metrics") or {}).items()
+                   if isinstance(v, (int, float))}
+        return self.sign(await self.upload_outputs(dirs), wall_seconds, metrics)
+
+    async def upload_outputs(self, dirs: list[tuple[str, int | None]]) -> list[pb.ArtifactRef]:
+        """Upload the files of ``dirs`` (in the work dir; a task's named by its task). The job
+        may have swapped a directory or a file in it for a link to anything the daemon can
+        read: only the job's own plain files are taken, read through descriptors
+        (JobFileError if it left anything else there)."""
         outputs: list[pb.ArtifactRef] = []
         root = jobfiles.open_dir(self.workdir)
         try:
@@ -375,14 +444,17 @@ class Attempt:
                 outputs += await self.upload_all(files)
         finally:
             os.close(root)
-        metrics = {k: float(v) for k, v in (done.get("metrics") or {}).items()
-                   if isinstance(v, (int, float))}
+        return outputs
+
+    def sign(self, outputs: list[pb.ArtifactRef], wall_seconds: float,
+             metrics: dict[str, float] | None = None) -> pb.Envelope:
+        a = self.assignment
         receipt = pb.Receipt(
             job_id=a.lease.job_id, lease_id=a.lease.lease_id, attempt=a.lease.attempt,
             epoch=a.lease.epoch, provider_id=self.host.identity.id, spec_sha256=a.spec_sha256,
             outputs=outputs, wall_seconds=wall_seconds,
             device_seconds=wall_seconds * len(a.lease.device_indices),
-            metrics=metrics, finished_at_ms=now_ms())
+            metrics=metrics or {}, finished_at_ms=now_ms())
         return seal(self.host.identity, receipt)
 
     # -- ending it -------------------------------------------------------------------------
@@ -439,7 +511,7 @@ class Attempt:
         """Sign the receipt of a job that finished while no daemon watched it."""
         async def finish() -> None:
             self.tasks_meanwhile(read_reports(self.workdir, self.job_uid))
-            self.flush_tasks()
+            await self.settle_tasks()
             try:
                 seconds = float((done.get("metrics") or {}).get("train_seconds", 0.0))
                 final = self.update(receipt=await self.receipt(done, seconds))

@@ -88,7 +88,9 @@ def test_a_script_array_runs_every_task_and_retries_only_the_failed(market, tmp_
 def test_cancel_stops_the_rest_and_keeps_what_finished(market, tmp_path):
     market.start_provider("p1", 1.0, "--kinds", "script")
     market.wait_for_offers(1)
-    (tmp_path / "slow.py").write_text("import time\ntime.sleep(0.3)\n")
+    (tmp_path / "slow.py").write_text(
+        "import time\nfrom gpumarket.provider.runners import task\ntime.sleep(0.3)\n"
+        "(task.output_dir() / 'n.txt').write_text(str(task.params()['task']))\n")
     (tmp_path / "tasks.jsonl").write_text('{"steps": 1}\n' * 60)
     path = tmp_path / "slow.toml"
     path.write_text(f"""
@@ -100,11 +102,21 @@ code = "{tmp_path / 'slow.py'}"
 
 [array]
 tasks = "{tmp_path / 'tasks.jsonl'}"
-per_lease = 6
+per_lease = 60
 """)
     job_id = submit(market, path)
     wait_until(lambda: market.job(job_id).get("array", {}).get("succeeded", 0) >= 3,
                "some tasks done", timeout=120)
+    # The tasks that ended can be fetched while their lease still runs: each task's outputs
+    # went up as it ended, under a receipt of its own.
+    r = market.cli("results", job_id, "-o", str(tmp_path / "early"), "--json")
+    assert r.returncode == 0, r.stderr
+    early = json.loads(r.stdout)
+    assert early["files"] >= 3, early
+    for t in early["tasks"]:
+        assert (tmp_path / "early" / f"task-{t['task']:06d}" / "n.txt").read_text() \
+            == str(t["task"])
+    assert market.job(job_id)["state"] == "RUNNING"     # one lease of 60 tasks, 0.3 s each
     r = market.cli("cancel", job_id)
     assert r.returncode == 0, r.stderr
     job = market.wait_state(job_id, "CANCELLED", timeout=60)

@@ -360,3 +360,51 @@ def test_a_change_noted_while_its_waiter_was_reading_wakes_it_at_once():
         return waited
 
     assert asyncio.run(go()) < 1.0
+
+
+def test_a_tasks_own_receipt_is_taken_only_for_its_own_uploaded_outputs(store):
+    """A provider's receipt for one array task's outputs (sent as the task ended): signed by
+    the lease's provider, for that lease, epoch and spec, naming only that task's outputs,
+    each a blob that provider uploaded intact; anything else is refused."""
+    from gpumarket.broker import arrays, holdings
+    from gpumarket.kinds.arrays import output_name
+    from gpumarket.proto.v1 import gateway_pb2 as gw
+
+    provider, stranger = Identity.generate(), Identity.generate()
+    batch = {"id": "a1-1", "spec_sha256": "ab" * 32}
+    good = hashlib.sha256(b"weights").hexdigest()
+
+    def receipt(task=3, signer=provider, job_id="a1-1", epoch=2, names=None, sha=good, size=7):
+        names = names if names is not None else [output_name(task, "model.safetensors")]
+        r = pb.Receipt(job_id=job_id, epoch=epoch, provider_id=provider.id,
+                       spec_sha256=batch["spec_sha256"],
+                       outputs=[pb.ArtifactRef(name=n, sha256=sha, size_bytes=size)
+                                for n in names])
+        return gw.TaskResult(task=task, ok=True, receipt=seal(signer, r))
+
+    def outputs(result: gw.TaskResult):
+        taken = arrays.task_receipts([result], provider.id)[result.task]
+        return asyncio.run(store.read(arrays._task_outputs, batch, 2, provider.id, result.task,
+                                      taken))
+
+    async def scenario():
+        await store.write(holdings.record, good, 7, provider.id, 1)
+
+    asyncio.run(scenario())
+    with pytest.raises(Exception, match="not signed by the lease's provider"):
+        arrays.task_receipts([receipt(signer=stranger)], provider.id)
+    assert arrays.task_receipts([gw.TaskResult(task=1, ok=True)], provider.id) == {}
+    assert outputs(receipt()) == [{"name": output_name(3, "model.safetensors"),
+                                   "sha256": good, "size_bytes": 7}]
+    with pytest.raises(Exception, match="another lease or spec"):
+        outputs(receipt(epoch=1))
+    with pytest.raises(Exception, match="another lease or spec"):
+        outputs(receipt(job_id="a1-2"))
+    with pytest.raises(InvalidArgument, match="not its own"):
+        outputs(receipt(names=[output_name(4, "model.safetensors")]))
+    with pytest.raises(FailedPrecondition, match="not uploaded intact"):
+        outputs(receipt(sha=hashlib.sha256(b"never sent").hexdigest()))
+    with pytest.raises(FailedPrecondition, match="not uploaded intact"):
+        outputs(receipt(size=8))
+    with pytest.raises(InvalidArgument, match="at most 64 outputs"):
+        outputs(receipt(names=[output_name(3, f"f{i}") for i in range(65)]))

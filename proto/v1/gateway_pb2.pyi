@@ -148,16 +148,18 @@ class TaskResults(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[TaskResult, _Mapping]]] = ...) -> None: ...
 
 class TaskResult(_message.Message):
-    __slots__ = ("task", "ok", "error", "seconds")
+    __slots__ = ("task", "ok", "error", "seconds", "receipt")
     TASK_FIELD_NUMBER: _ClassVar[int]
     OK_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
+    RECEIPT_FIELD_NUMBER: _ClassVar[int]
     task: int
     ok: bool
     error: str
     seconds: float
-    def __init__(self, task: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., seconds: _Optional[float] = ...) -> None: ...
+    receipt: _types_pb2.Envelope
+    def __init__(self, task: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., seconds: _Optional[float] = ..., receipt: _Optional[_Union[_types_pb2.Envelope, _Mapping]] = ...) -> None: ...
 
 class InferenceChunk(_message.Message):
     __slots__ = ("request_id", "data", "last")

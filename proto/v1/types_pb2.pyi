@@ -612,7 +612,7 @@ class ArrayProgress(_message.Message):
     def __init__(self, tasks: _Optional[int] = ..., queued: _Optional[int] = ..., running: _Optional[int] = ..., succeeded: _Optional[int] = ..., failed: _Optional[int] = ..., cancelled: _Optional[int] = ...) -> None: ...
 
 class ArrayTask(_message.Message):
-    __slots__ = ("task", "state", "attempts", "provider_id", "error", "outputs", "lease_job_id", "seconds", "updated_at_ms")
+    __slots__ = ("task", "state", "attempts", "provider_id", "error", "outputs", "lease_job_id", "seconds", "updated_at_ms", "receipt")
     TASK_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
@@ -622,6 +622,7 @@ class ArrayTask(_message.Message):
     LEASE_JOB_ID_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     UPDATED_AT_MS_FIELD_NUMBER: _ClassVar[int]
+    RECEIPT_FIELD_NUMBER: _ClassVar[int]
     task: int
     state: JobState
     attempts: int
@@ -631,7 +632,8 @@ class ArrayTask(_message.Message):
     lease_job_id: str
     seconds: float
     updated_at_ms: int
-    def __init__(self, task: _Optional[int] = ..., state: _Optional[_Union[JobState, str]] = ..., attempts: _Optional[int] = ..., provider_id: _Optional[str] = ..., error: _Optional[str] = ..., outputs: _Optional[_Iterable[_Union[ArtifactRef, _Mapping]]] = ..., lease_job_id: _Optional[str] = ..., seconds: _Optional[float] = ..., updated_at_ms: _Optional[int] = ...) -> None: ...
+    receipt: Envelope
+    def __init__(self, task: _Optional[int] = ..., state: _Optional[_Union[JobState, str]] = ..., attempts: _Optional[int] = ..., provider_id: _Optional[str] = ..., error: _Optional[str] = ..., outputs: _Optional[_Iterable[_Union[ArtifactRef, _Mapping]]] = ..., lease_job_id: _Optional[str] = ..., seconds: _Optional[float] = ..., updated_at_ms: _Optional[int] = ..., receipt: _Optional[_Union[Envelope, _Mapping]] = ...) -> None: ...
 
 class JobVerification(_message.Message):
     __slots__ = ("status", "rate", "checks")
