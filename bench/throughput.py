@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.helpers import Marketplace, training_job  # noqa: E402
+from tests.helpers import Marketplace, training_job, wait_until  # noqa: E402
 
 NOOP = "pass\n"
 RAY_SCRIPT = r"""
@@ -168,7 +168,13 @@ def main() -> None:
             market.start_provider(name, 1.0, "--kinds", "script,training",
                                   "--cpu-devices", "2")
         market.wait_for_offers(2)
-        noop_array(market, root, 100)     # warm-up, as Ray's run has (forkservers ready)
+        # Measured once every forkserver has its imports (the training one takes seconds of
+        # CPU: measuring beside it measured this machine's two cores shared with it).
+        wait_until(lambda: all(f"forkserver for gpumarket.provider.runners.{kind} ready"
+                               in p.text() for p in market.providers.values()
+                               for kind in ("script", "training")),
+                   "the providers' forkservers", timeout=300)
+        noop_array(market, root, 100)     # warm-up, as Ray's run has (workers started)
         ours = noop_array(market, root, args.tasks)
         print(f"array of {args.tasks:,} no-op script tasks on 2 providers: {ours['wall_s']:.1f}s,"
               f" {ours['tasks_per_s']:,.0f} tasks/s, submit->done p50 {ours['p50_ms']:,.0f} ms"

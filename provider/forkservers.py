@@ -132,6 +132,7 @@ class ForkServer:
         if message.get("ready") is True:
             self.served = True
             self.ready.set()
+            log.info("forkserver for %s ready", self.module)
         elif "exit" in message:
             child = self.children.pop(pid, None) if isinstance(pid, int) else None
             if child is not None and isinstance(message["exit"], int):

@@ -187,6 +187,12 @@ def run_tasks(fn: Callable, workdir: Path, job: dict, reporter) -> None:
         finally:
             os.chdir(home)
             _task = None
+        try:
+            # A task that left nothing leaves no directory: thousands of empty directories
+            # in one made each mkdir here cost 0.6 ms (ext4), against 0.1 ms made and removed.
+            tdir.rmdir()
+        except OSError:
+            pass    # its outputs (or anything else it left) stay for the receipt
         ok_count += not error
         ended = time.monotonic()
         reporter.send("task", task=n, ok=not error, error=error[:1000],
