@@ -26,14 +26,14 @@ from gpumarket.link.channel import Trust
 from gpumarket.link.client import Broker, BrokerClient
 from gpumarket.client.watch import EXIT_BY_STATE, follow
 from gpumarket.proto.artifacts import write_atomically
-from gpumarket.proto.envelope import open_envelope, payload_sha256, seal
+from gpumarket.proto.envelope import open_envelope, seal
 from gpumarket.proto.money import fmt
 from gpumarket.proto.present import job_dict, short
 from gpumarket.proto.errors import BadSignature, FailedPrecondition, GpumarketError
 from gpumarket.proto.identity import Identity, home_dir
 from gpumarket.proto.jobspec import (
     ACCELERATOR_NAMES, NONCE_BYTES, STATES_BY_NAME,
-    check_artifact_name, kind_name, now_ms, state_name,
+    kind_name, now_ms, state_name,
 )
 from gpumarket.proto.v1 import marketplace_pb2 as mp
 from gpumarket.proto.v1 import types_pb2 as pb
@@ -303,13 +303,8 @@ def verify_receipts(job: pb.Job, client_id: str | None) -> list[pb.Receipt]:
         (job.job_id, job.provider_id, job.receipt)]
     receipts, names = [], set()
     for job_id, provider_id, envelope in runs:
-        receipt, provider = open_envelope(envelope, pb.Receipt)
-        if provider != receipt.provider_id or provider != provider_id:
-            raise BadSignature(f"receipt of {job_id} is not signed by the provider that ran it")
-        if receipt.job_id != job_id or receipt.spec_sha256 != payload_sha256(job.spec):
-            raise BadSignature(f"receipt of {job_id} is for another job")
-        for i, ref in enumerate(receipt.outputs):
-            check_artifact_name(ref.name, f"receipt.outputs[{i}].name")
+        receipt = tasks.open_receipt(envelope, provider_id, job_id, job.spec)
+        for ref in receipt.outputs:
             if ref.name in names:
                 raise BadSignature(f"two parts of job {job.job_id} both wrote {ref.name}")
             names.add(ref.name)

@@ -88,6 +88,23 @@ def task_dict(t: pb.ArrayTask) -> dict:
                         for o in t.outputs]}
 
 
+def open_receipt(envelope: pb.Envelope, provider_id: str, job_id: str, spec: pb.Envelope,
+                 task: int | None = None) -> pb.Receipt:
+    """A receipt signed by ``provider_id``, the provider that ran ``job_id`` (a job, a part
+    of one, or an array's lease; ``task``: for that task's outputs alone), for this exact
+    ``spec``, its output names checked; BadSignature (or InvalidArgument) otherwise."""
+    what = f"receipt of {job_id}" if task is None else f"task {task}: its receipt"
+    receipt, provider = open_envelope(envelope, pb.Receipt)
+    if provider != receipt.provider_id or provider != provider_id:
+        raise BadSignature(f"{what} is not signed by the provider that ran it")
+    if receipt.job_id != job_id or receipt.spec_sha256 != payload_sha256(spec):
+        raise BadSignature(f"{what} is for another job")
+    for i, ref in enumerate(receipt.outputs):
+        check_artifact_name(ref.name, ("" if task is None else f"task {task}: ")
+                            + f"receipt.outputs[{i}].name")
+    return receipt
+
+
 def signed_outputs(job: pb.Job, client_id: str) -> dict[str, pb.Receipt]:
     """Every output of the array's finished batches (by name), each from a receipt signed by
     the provider that ran the batch, for this exact spec."""
@@ -96,32 +113,16 @@ def signed_outputs(job: pb.Job, client_id: str) -> dict[str, pb.Receipt]:
         raise BadSignature(f"job {job.job_id} was not signed by your key")
     found: dict[str, pb.Receipt] = {}
     for part in job.parts:
-        if not part.receipt.payload:
-            continue
-        receipt, provider = open_envelope(part.receipt, pb.Receipt)
-        if provider != receipt.provider_id or provider != part.provider_id:
-            raise BadSignature(f"receipt of {part.job_id} is not signed by the provider that"
-                               " ran it")
-        if receipt.job_id != part.job_id or receipt.spec_sha256 != payload_sha256(job.spec):
-            raise BadSignature(f"receipt of {part.job_id} is for another job")
-        for i, ref in enumerate(receipt.outputs):
-            check_artifact_name(ref.name, f"receipt.outputs[{i}].name")
-            found[ref.name] = receipt
+        if part.receipt.payload:
+            receipt = open_receipt(part.receipt, part.provider_id, part.job_id, job.spec)
+            found.update(dict.fromkeys((ref.name for ref in receipt.outputs), receipt))
     return found
 
 
 def task_receipt(job: pb.Job, t: pb.ArrayTask) -> pb.Receipt:
     """A task's own receipt (its outputs went up as it ended), signed by the provider that
     ran it, for the lease that ran it and this exact spec."""
-    receipt, provider = open_envelope(t.receipt, pb.Receipt)
-    if provider != receipt.provider_id or provider != t.provider_id:
-        raise BadSignature(f"task {t.task}: its receipt is not signed by the provider that"
-                           " ran it")
-    if receipt.job_id != t.lease_job_id or receipt.spec_sha256 != payload_sha256(job.spec):
-        raise BadSignature(f"task {t.task}: its receipt is for another lease or job")
-    for i, ref in enumerate(receipt.outputs):
-        check_artifact_name(ref.name, f"task {t.task}: receipt.outputs[{i}].name")
-    return receipt
+    return open_receipt(t.receipt, t.provider_id, t.lease_job_id, job.spec, t.task)
 
 
 async def fetch_results(broker: BrokerClient, job: pb.Job, client_id: str, output_dir: Path,

@@ -25,7 +25,7 @@ from gpumarket.proto.tls import Untrusted, broker_key_of, make_certificate
 from gpumarket.proto.wire import TOKEN_METADATA, split_address
 from gpumarket.proto.envelope import seal
 from gpumarket.proto.errors import (
-    FailedPrecondition, InvalidArgument, PermissionDenied, ResourceExhausted,
+    BadSignature, FailedPrecondition, InvalidArgument, PermissionDenied, ResourceExhausted,
 )
 from gpumarket.proto.identity import Identity
 from gpumarket.proto.jobspec import now_ms
@@ -488,6 +488,49 @@ def test_artifact_names_never_leave_the_work_dir(name):
                  provider_id=provider.id)
     with pytest.raises(InvalidArgument, match="receipt.outputs\\[0\\].name"):
         verify_receipts(job, client.id)
+
+
+def test_a_receipt_counts_only_from_the_provider_that_ran_it_for_this_spec():
+    """The client takes a receipt (a job's, or an array task's own) only when it is signed
+    by the provider the broker says ran it, for that job (or lease) and that exact spec."""
+    from gpumarket.client.cli import verify_receipts
+    from gpumarket.client.tasks import task_receipt
+    from gpumarket.proto.envelope import payload_sha256
+
+    client, provider, stranger = Identity.generate(), Identity.generate(), Identity.generate()
+    training = pb.TrainingParams(checkpoint_every=7)
+    spec = seal(client, pb.JobSpec(name="j", kind=pb.JOB_KIND_TRAINING, training=training))
+    other_spec = seal(client, pb.JobSpec(name="k", kind=pb.JOB_KIND_TRAINING,
+                                         training=training))
+
+    def receipt(signer=provider, job_id="j1", of=spec, name="model.safetensors"):
+        return seal(signer, pb.Receipt(
+            job_id=job_id, provider_id=signer.id, spec_sha256=payload_sha256(of),
+            outputs=[pb.ArtifactRef(name=name, sha256="0" * 64, size_bytes=1)]))
+
+    def job(r):
+        return pb.Job(job_id="j1", state=pb.JOB_STATE_SUCCEEDED, spec=spec, receipt=r,
+                      provider_id=provider.id)
+
+    assert verify_receipts(job(receipt()), client.id)[0].outputs[0].name == "model.safetensors"
+    with pytest.raises(BadSignature, match="not signed by the provider that ran it"):
+        verify_receipts(job(receipt(signer=stranger)), client.id)
+    for forged in (receipt(job_id="j2"), receipt(of=other_spec)):
+        with pytest.raises(BadSignature, match="is for another job"):
+            verify_receipts(job(forged), client.id)
+
+    def task(r, lease="a1-1"):
+        return pb.ArrayTask(task=4, provider_id=provider.id, lease_job_id=lease, receipt=r)
+
+    array = pb.Job(job_id="a1", spec=spec)
+    mine = receipt(job_id="a1-1", name="task000004.out.json")
+    assert task_receipt(array, task(mine)).outputs[0].name == "task000004.out.json"
+    with pytest.raises(BadSignature, match="task 4: its receipt is for another job"):
+        task_receipt(array, task(mine, lease="a1-2"))
+    with pytest.raises(BadSignature, match="task 4: its receipt is not signed"):
+        task_receipt(array, task(receipt(signer=stranger, job_id="a1-1")))
+    with pytest.raises(InvalidArgument, match="task 4: receipt.outputs\\[0\\].name"):
+        task_receipt(array, task(receipt(job_id="a1-1", name="../x")))
 
 
 def test_the_unauthenticated_http_side_stays_on_loopback_unless_asked(tmp_path):
