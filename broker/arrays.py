@@ -15,8 +15,8 @@ from gpumarket.broker import holdings, jobs
 from gpumarket.broker.admission import NewJob
 from gpumarket.kinds import arrays
 from gpumarket.proto.envelope import open_envelope
-from gpumarket.proto.errors import BadSignature, FailedPrecondition, InvalidArgument
-from gpumarket.proto.jobspec import TERMINAL_STATES, check_artifact_name, check_sha256
+from gpumarket.proto.errors import BadSignature, InvalidArgument
+from gpumarket.proto.jobspec import TERMINAL_STATES
 from gpumarket.proto.v1 import gateway_pb2 as gw
 from gpumarket.proto.v1 import types_pb2 as pb
 
@@ -109,18 +109,13 @@ def _task_outputs(db: Database, batch: dict, epoch: int, provider_id: str, task:
     if len(receipt.outputs) > arrays.TASK_RECEIPT_OUTPUTS:
         raise InvalidArgument(f"task {task}: a task's receipt names at most"
                               f" {arrays.TASK_RECEIPT_OUTPUTS} outputs")
-    out = []
-    for i, ref in enumerate(receipt.outputs):
-        check_artifact_name(ref.name, f"task {task}: receipt.outputs[{i}].name")
-        check_sha256(ref.sha256, f"task {task}: receipt.outputs[{i}].sha256")
+    for ref in receipt.outputs:
         named = arrays.output_task(ref.name)
         if named is None or named[0] != task:
             raise InvalidArgument(f"task {task}: its receipt names {ref.name}, not its own")
-        if not holdings.holds_intact(db, provider_id, ref.sha256, ref.size_bytes):
-            raise FailedPrecondition(f"task {task}: output {ref.name} was not uploaded intact"
-                                     " by this provider")
-        out.append({"name": ref.name, "sha256": ref.sha256, "size_bytes": ref.size_bytes})
-    return out
+    holdings.check_outputs(db, provider_id, receipt.outputs, f"task {task}: ")
+    return [{"name": ref.name, "sha256": ref.sha256, "size_bytes": ref.size_bytes}
+            for ref in receipt.outputs]
 
 
 def record_results(db: Database, batch_id: str, epoch: int, provider_id: str,

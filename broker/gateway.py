@@ -24,7 +24,7 @@ from gpumarket.proto.errors import (
     BadSignature, FailedPrecondition, GpumarketError, InvalidArgument, PermissionDenied,
 )
 from gpumarket.proto.identity import fingerprint
-from gpumarket.proto.jobspec import NAME_RE, SHA256_RE, check_artifact_name, check_sha256, now_ms
+from gpumarket.proto.jobspec import NAME_RE, SHA256_RE, now_ms
 from gpumarket.proto.v1 import gateway_pb2 as gw
 from gpumarket.proto.v1 import gateway_pb2_grpc
 from gpumarket.proto.v1 import types_pb2 as pb
@@ -307,13 +307,7 @@ class ProviderGatewayServicer(gateway_pb2_grpc.ProviderGatewayServicer):
             spec_env.ParseFromString(job["spec"])
             if receipt.spec_sha256 != payload_sha256(spec_env):
                 raise BadSignature("receipt is for another job spec")
-            for i, out in enumerate(receipt.outputs):
-                check_artifact_name(out.name, f"receipt.outputs[{i}].name")
-                check_sha256(out.sha256, f"receipt.outputs[{i}].sha256")
-                if not await store.read(holdings.holds_intact, provider_id, out.sha256,
-                                        out.size_bytes):
-                    raise FailedPrecondition(f"output {out.name} was not uploaded intact by"
-                                             " this provider")
+            await store.read(holdings.check_outputs, provider_id, list(receipt.outputs))
         except (BadSignature, FailedPrecondition, InvalidArgument) as exc:
             # A bad receipt fails the job rather than leaving it running forever.
             await store.write(jobs.fail, update.job_id, update.epoch, provider_id,

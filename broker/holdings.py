@@ -8,6 +8,7 @@ from __future__ import annotations
 from sqlite_utils import Database
 
 from gpumarket.proto.errors import FailedPrecondition, ResourceExhausted
+from gpumarket.proto.jobspec import check_artifact_name, check_sha256
 
 
 def holds(db, key_id: str, sha256: str) -> bool:
@@ -25,6 +26,17 @@ def holds_intact(db, key_id: str, sha256: str, size_bytes: int) -> bool:
     """Whether the blob is stored with that size and ``key_id`` holds it."""
     row = db.execute("SELECT size_bytes FROM artifacts WHERE sha256 = ?", [sha256]).fetchone()
     return row is not None and row[0] == size_bytes and holds(db, key_id, sha256)
+
+
+def check_outputs(db, provider_id: str, outputs, where: str = "") -> None:
+    """Raise unless every output a provider's receipt names (``pb.ArtifactRef``s) is a plain
+    name and a blob that provider uploaded intact; ``where`` prefixes the field named."""
+    for i, out in enumerate(outputs):
+        check_artifact_name(out.name, f"{where}receipt.outputs[{i}].name")
+        check_sha256(out.sha256, f"{where}receipt.outputs[{i}].sha256")
+        if not holds_intact(db, provider_id, out.sha256, out.size_bytes):
+            raise FailedPrecondition(f"{where}output {out.name} was not uploaded intact by"
+                                     " this provider")
 
 
 def uploaded_bytes(db, key_id: str) -> int:

@@ -61,12 +61,16 @@ class MarketplaceServicer(marketplace_pb2_grpc.MarketplaceServicer):
         if spec.kind == endpoints.KIND:     # its hold pays for up to max_replicas at once
             parts = values["max_replicas"]
         submit = endpoints.submit if spec.kind == endpoints.KIND else jobs.submit
+        book = None
         if task_arrays.is_array(spec):      # ... for every task
             await asyncio.to_thread(self._check_tasks, spec, values)
             parts = spec.array.count
-            lanes = 0 if spec.array.per_lease else await self._lanes(job.needs, client_id)
+            lanes = 0
+            if not spec.array.per_lease:    # spread over the devices that fit it
+                book = await scheduler.offer_book(self.state)
+                lanes = book.lanes(self._view(job.needs, client_id))
             submit = functools.partial(arrays.submit, lanes=lanes)
-        held, basis = await self._hold(job.needs, client_id, parts, spec.budget)
+        held, basis = await self._hold(job.needs, client_id, parts, spec.budget, book)
         job = dataclasses.replace(job, hold=held, hold_basis=basis, fee_ppm=cfg.fee_ppm,
                                   enforce_funds=cfg.billing)
         await self.state.store.write(submit, job, now_ms())
@@ -118,25 +122,27 @@ class MarketplaceServicer(marketplace_pb2_grpc.MarketplaceServicer):
         return mp.ListTasksResponse(tasks=tasks, next_task=after,
                                     progress=pb.ArrayProgress(tasks=row["tasks"], **counts))
 
-    async def _timed(self, needs: admission.Needs, client_id: str, limit: int
-                     ) -> tuple[matcher.Book, list[holds.Timed], dict]:
-        """The offers that fit a job now, best first, each with the job's calibrated wall time."""
+    @staticmethod
+    def _view(needs: admission.Needs, client_id: str) -> matcher.JobNeeds:
+        """The matcher's view of a job not stored yet."""
         row = {"id": "quote", "client_id": client_id, "needs": needs.to_json(),
                "created_at_ms": now_ms(), "checkpoint_seconds": 0.0}
-        book = await scheduler.offer_book(self.state)
-        job = scheduler.needs_of(row, n=needs)
+        return scheduler.needs_of(row, n=needs)
+
+    async def _timed(self, needs: admission.Needs, client_id: str, limit: int,
+                     book: matcher.Book | None = None
+                     ) -> tuple[matcher.Book, list[holds.Timed], dict]:
+        """The offers that fit a job now, best first, each with the job's calibrated wall time
+        (``book``: the live offers, if read already)."""
+        if book is None:
+            book = await scheduler.offer_book(self.state)
+        job = self._view(needs, client_id)
         found, excluded = book.candidates(job, limit)
         return book, await self.state.store.read(holds.timed, book, job, found), excluded
 
-    async def _lanes(self, needs: admission.Needs, client_id: str) -> int:
-        """How many leases of these needs the live offers that fit them could run at once."""
-        row = {"id": "lanes", "client_id": client_id, "needs": needs.to_json(),
-               "created_at_ms": now_ms(), "checkpoint_seconds": 0.0}
-        return (await scheduler.offer_book(self.state)).lanes(scheduler.needs_of(row, n=needs))
-
     async def _hold(self, needs: admission.Needs, client_id: str, parts: int,
-                    budget: float) -> tuple[int, str]:
-        timed = [] if budget else (await self._timed(needs, client_id, 50))[1]
+                    budget: float, book: matcher.Book | None = None) -> tuple[int, str]:
+        timed = [] if budget else (await self._timed(needs, client_id, 50, book))[1]
         return holds.amount(needs, parts, timed, budget)
 
     async def _check_input(self, i: int, ref: pb.ArtifactRef, key_id: str) -> None:

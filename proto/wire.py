@@ -26,7 +26,7 @@ CLIENT_OPTIONS = (
 # A broker restart makes every provider reconnect within seconds: 10,000 sessions' calls
 # wait at once for the server to take them. Past gRPC's pending-call backlog (1,000, refusing
 # at random up to 3,000 and all beyond) core refuses them as RESOURCE_EXHAUSTED before the
-# broker sees them, so the backlog is sized for the storm (a pending call costs a few KiB).
+# broker sees them, so the backlog is sized for the storm.
 MAX_PENDING_CALLS = 20_000
 SERVER_OPTIONS = (
     ("grpc.server.max_pending_requests", MAX_PENDING_CALLS),

@@ -83,7 +83,7 @@ class Attempt:
         self.tasks_open = set(assignment.lease.tasks)   # a job array's tasks not yet reported
         self.task_results: list[gw.TaskResult] = []
         self.task_flush: asyncio.TimerHandle | None = None
-        self.task_outputs: list[gw.TaskResult] = []     # succeeded, their outputs to go up
+        self.to_upload: list[gw.TaskResult] = []    # tasks succeeded, their outputs to go up
         self.task_uploader: asyncio.Task | None = None
         self.receipted: set[int] = set()    # tasks whose outputs went up with their own receipt
 
@@ -269,7 +269,7 @@ class Attempt:
             task=task, ok=report.get("ok") is True, error=str(report.get("error") or "")[:1000],
             seconds=float(seconds) if isinstance(seconds, (int, float)) else 0.0)
         if result.ok and os.path.lexists(self.workdir / task_outputs(task)):
-            self.task_outputs.append(result)
+            self.to_upload.append(result)
             if self.task_uploader is None or self.task_uploader.done():
                 self.task_uploader = asyncio.create_task(self.upload_tasks())
         else:
@@ -286,8 +286,8 @@ class Attempt:
         pass each task on with a receipt for its outputs alone: an array's results can be
         fetched as its tasks end, not only when their lease does. Where that fails, its
         outputs go with the lease's receipt."""
-        while self.task_outputs:
-            batch, self.task_outputs = self.task_outputs, []
+        while self.to_upload:
+            batch, self.to_upload = self.to_upload, []
             try:
                 outputs = await self.upload_outputs([(task_outputs(r.task), r.task)
                                                      for r in batch])
