@@ -440,7 +440,21 @@ def offer_row(listing: mp.OfferListing, offer: pb.Offer) -> dict:
         "kind": [kind_name(k) for k in offer.kinds],
         "figures": FIGURE_NAMES.get(listing.figures, "unknown"),
         "figures_detail": listing.figures_detail,
+        "limits": limits_text(offer),
     }
+
+
+LIMIT_NAMES = {pb.LIMIT_METHOD_NONE: "none", pb.LIMIT_METHOD_CGROUP_V2: "cgroup-v2",
+               pb.LIMIT_METHOD_CGROUP_V1: "cgroup-v1", pb.LIMIT_METHOD_RLIMIT: "rlimit"}
+
+
+def limits_text(offer: pb.Offer) -> str:
+    """How the offer says its jobs' memory, processes and CPU are limited, e.g.
+    "memory:cgroup-v2 pids:rlimit cpu:none" ("unknown" from an older provider)."""
+    if not offer.HasField("job_limits"):
+        return "unknown"
+    return " ".join(f"{name}:{LIMIT_NAMES.get(getattr(offer.job_limits, name), 'unknown')}"
+                    for name in ("memory", "pids", "cpu"))
 
 
 @cli.command()
@@ -486,14 +500,14 @@ async def offers(market: Broker, query_text: str, sort_by: str, list_fields: boo
                for row, o in rows])
         return
     table = Table("devices", "accel", "GiB/dev", "TFLOP/s", "figures", "price/h", "free",
-                  "reliability", "MTBF h", "checked", "kinds")
+                  "reliability", "MTBF h", "checked", "kinds", "limits")
     table.add_column("provider", no_wrap=True)
     for row, _ in rows:
         table.add_row(f"{row['gpus']}× {row['gpu_name']}", row["accelerator"],
                       f"{row['gpu_ram']:g}", f"{row['tflops']:.3g}", row["figures"],
                       f"{row['price']:g}", str(row["free_gpus"]), f"{row['reliability']:.2f}",
                       f"{row['mtbf_h']:.1f}", f"{row['check_rate']:.0%}", ",".join(row["kind"]),
-                      short(row["provider"]))
+                      row["limits"], short(row["provider"]))
     out.print(table)
     for row, _ in rows:
         if row["figures"] == "contradicted":

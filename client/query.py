@@ -38,6 +38,7 @@ FIELDS: dict[str, tuple[str, str]] = {
     "check_rate": ("number", "share of its work the broker spot-checks now, 0.05 to 1"),
     "checks_passed": ("number", "spot checks passed since its last failed one"),
     "kind": ("text", "a job kind the provider runs (training, generate, embed, render)"),
+    "limits": ("text", "how its jobs are limited, e.g. memory:cgroup-v2 pids:rlimit cpu:none"),
     "provider": ("text", "provider id"),
 }
 CLAUSE = re.compile(

@@ -1,11 +1,25 @@
-"""One control group per job: its memory, processes and CPU limited together, and every
-process of it killed at once, however it forked or detached.
+"""One control group per job: every process of it tracked and killed at once, however it
+forked or detached, and its memory, processes and CPU limited by whichever controllers this
+host gives the daemon.
 
-cgroup v2 where its controllers are there to use. On a hybrid host (v2 mounted beside the v1
-controllers, as many distributions and container hosts still are) the v2 hierarchy holds and
-kills the job (``cgroup.kill``) and the v1 ``memory``, ``pids`` and ``cpu`` controllers limit
-it. Each daemon keeps its jobs under a directory of its own (``gpumarket-<provider>``) below
-its own cgroup, so one daemon never touches another's jobs.
+The daemon uses what its OWN cgroup was delegated, one controller at a time: a host that
+delegates ``memory`` only (a common v2 host) still limits each job's memory, and the limits
+it lacks fall back elsewhere (sandbox.for_job: RLIMIT_NPROC of the job's own uid for
+processes, no CPU cap). cgroup v2 where its controllers are there to use; on a hybrid host (v2
+mounted beside the v1 controllers, as many distributions and container hosts still are) the
+v2 hierarchy holds and kills the job (``cgroup.kill``) and the v1 controllers limit it. Each
+daemon keeps its jobs under a directory of its own (``gpumarket-<provider>``) beside its own
+cgroup's leaf, so one daemon never touches another's jobs.
+
+The v2 layout, in the cgroup the daemon was started in (P)::
+
+    P/                       controllers enabled for its children, one write each
+    P/daemon/                every process that was in P (a v2 group with enabled
+                             controllers holds processes only in its leaves)
+    P/gpumarket-<provider>/  one daemon's jobs, each a group of its own below
+
+A daemon started again (or a second daemon started by the first one's tools) finds itself in
+``P/daemon`` and uses P again: nothing nests, and each provider's directory is a sibling.
 
 The daemon makes the groups and sets the limits; the job process joins them itself (writing
 its pid into each ``cgroup.procs``) while still root, before it drops to its uid, so nothing
@@ -23,9 +37,12 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-CGROUP_FS = Path("/sys/fs/cgroup")
+PROC_SELF = Path("/proc/self")
 CONTROLLERS = ("memory", "pids", "cpu")
+LEAF = "daemon"            # the leaf of P that P's own processes move into (see above)
+PROCESSES = 4096           # a job's processes: pids.max of its group, RLIMIT_NPROC of its uid
 CPU_PERIOD_US = 100_000
+V2, V1 = "cgroup v2", "cgroup v1"
 
 
 class CgroupError(Exception):
@@ -35,89 +52,163 @@ class CgroupError(Exception):
 @dataclass(frozen=True)
 class Limits:
     memory_bytes: int = 0       # 0: no limit
-    pids: int = 4096
+    pids: int = PROCESSES
     cpus: float = 0.0           # CPU time as a number of cores; 0: no limit
 
 
-def _own_paths() -> dict[str, str]:
-    """This process's cgroup per hierarchy: "" for v2, the controller name for v1."""
-    out = {}
-    for line in Path("/proc/self/cgroup").read_text().splitlines():
-        _, names, path = line.split(":", 2)
-        for name in (names.split(",") if names else [""]):
-            out[name] = path
-    return out
+@dataclass(frozen=True)
+class Mount:
+    path: Path                  # where it is mounted
+    root: str                   # the cgroup shown at ``path`` ("/" unless a bind of a subtree)
+
+    def dir(self, cgroup: str) -> Path:
+        """The directory of ``cgroup`` (a path as /proc/self/cgroup gives it) here."""
+        root = self.root.rstrip("/")
+        if root and (cgroup == root or cgroup.startswith(root + "/")):
+            cgroup = cgroup[len(root):]
+        return self.path / cgroup.lstrip("/")
 
 
-def _v1_mounts() -> dict[str, Path]:
-    """Mount points of v1 controllers, by controller."""
-    out = {}
-    for line in Path("/proc/self/mountinfo").read_text().splitlines():
-        head, _, tail = line.partition(" - ")
-        fields = tail.split()
-        if len(fields) >= 3 and fields[0] == "cgroup":
-            for opt in fields[2].split(","):
-                if opt in CONTROLLERS:
-                    out.setdefault(opt, Path(head.split()[4]))
-    return out
+class CgroupFs:
+    """The cgroup filesystems as this process sees them: where they are mounted
+    (``proc``/mountinfo), which group it is in (``proc``/cgroup), and the reads, writes and
+    directories of their files. Tests give a tree of their own that acts like cgroupfs for
+    these files (tests/test_cgroups.py)."""
+
+    def __init__(self, proc: Path = PROC_SELF) -> None:
+        self.proc = proc
+
+    def own_paths(self) -> dict[str, str]:
+        """This process's cgroup per hierarchy: "" for v2, the controller name for v1."""
+        out = {}
+        for line in (self.proc / "cgroup").read_text().splitlines():
+            _, names, path = line.split(":", 2)
+            for name in (names.split(",") if names else [""]):
+                out[name] = path
+        return out
+
+    def mounts(self) -> tuple[Mount | None, dict[str, Mount]]:
+        """The v2 mount (the first; None where there is none) and each v1 controller's."""
+        v2, v1 = None, {}
+        for line in (self.proc / "mountinfo").read_text().splitlines():
+            head, _, tail = line.partition(" - ")
+            fields, fs = head.split(), tail.split()
+            if len(fields) < 5 or len(fs) < 3:
+                continue
+            mount = Mount(Path(_unescape(fields[4])), _unescape(fields[3]))
+            if fs[0] == "cgroup2" and v2 is None:
+                v2 = mount
+            elif fs[0] == "cgroup":
+                for opt in fs[2].split(","):
+                    if opt in CONTROLLERS:
+                        v1.setdefault(opt, mount)
+        return v2, v1
+
+    def read(self, path: Path) -> str:
+        try:
+            return path.read_text()
+        except OSError as exc:
+            raise CgroupError(f"cannot read {path} ({exc.strerror})") from exc
+
+    def words(self, path: Path) -> set[str]:
+        return set(self.read(path).split())
+
+    def write(self, path: Path, value: str) -> None:
+        try:
+            with open(path, "w") as f:
+                f.write(value)
+        except OSError as exc:
+            raise CgroupError(f"cannot write {value!r} to {path} ({exc.strerror})") from exc
+
+    def mkdir(self, path: Path) -> None:
+        try:
+            path.mkdir(exist_ok=True)
+        except OSError as exc:
+            raise CgroupError(f"cannot make {path} ({exc.strerror})") from exc
+
+    def rmdir(self, path: Path) -> None:
+        path.rmdir()
 
 
-def _write(path: Path, value: str) -> None:
-    try:
-        path.write_text(value)
-    except OSError as exc:
-        raise CgroupError(f"cannot write {value!r} to {path} ({exc.strerror})") from exc
+def _unescape(field: str) -> str:
+    """A mountinfo path: space, tab, newline and backslash are octal escapes there."""
+    for code, char in (("\\040", " "), ("\\011", "\t"), ("\\012", "\n"), ("\\134", "\\")):
+        field = field.replace(code, char)
+    return field
 
 
 class CgroupHost:
     """Where one daemon makes its jobs' groups: ``v2`` (tracking and killing, and the limits
-    where its controllers are enabled) and ``v1`` (controller -> directory) for the limits
-    that v2 cannot give here."""
+    of the controllers enabled there) and ``v1`` (controller -> directory) for the limits
+    that v2 does not give here; ``notes`` says, per controller this host does not give, why."""
 
-    def __init__(self, v2: Path | None, v1: dict[str, Path], v2_controllers: set[str]) -> None:
+    def __init__(self, v2: Path | None, v1: dict[str, Path], v2_controllers: set[str],
+                 notes: dict[str, str] | None = None, fs: CgroupFs | None = None) -> None:
         self.v2 = v2
         self.v1 = v1
         self.v2_controllers = v2_controllers
+        self.notes = notes or {}
+        self.fs = fs or CgroupFs()
 
     @classmethod
-    def detect(cls, name: str) -> "CgroupHost":
-        """Make this daemon's directories; raise CgroupError with the reason if this host
-        gives no per-job groups (not root, no cgroup filesystem, nothing delegated)."""
-        own = _own_paths()
-        if (CGROUP_FS / "cgroup.controllers").exists():
-            v2_root = CGROUP_FS                         # unified (v2 only)
-        elif (CGROUP_FS / "unified" / "cgroup.controllers").exists():
-            v2_root = CGROUP_FS / "unified"             # hybrid
-        else:
-            v2_root = None
-        v2 = v2_controllers = None
-        if v2_root is not None and "" in own:
-            v2, v2_controllers = _prepare_v2(v2_root, own[""], name)
-        v1 = {}
-        for controller, mount in _v1_mounts().items():
-            if controller in (v2_controllers or set()):
-                continue
-            base = mount / own.get(controller, "/").lstrip("/") / name
+    def detect(cls, name: str, fs: CgroupFs | None = None) -> "CgroupHost":
+        """Make this daemon's directories (``name`` below its own cgroup in each hierarchy it
+        uses) with every controller it can have, each on its own: one that is not delegated
+        or is refused is noted (``notes``) and the others kept. Raise CgroupError with the
+        reason if this host gives no per-job group at all (not root, no cgroup filesystem,
+        nothing writable)."""
+        fs = fs or CgroupFs()
+        own = fs.own_paths()
+        v2_mount, v1_mounts = fs.mounts()
+        notes: dict[str, str] = {}
+        v2, enabled, why_not = None, set(), ""
+        if v2_mount is not None and "" in own:
             try:
-                base.mkdir(exist_ok=True)
-            except OSError as exc:
-                raise CgroupError(f"cannot make {base} ({exc.strerror})") from exc
+                v2, enabled = _prepare_v2(fs, v2_mount.dir(own[""]), name, notes)
+            except CgroupError as exc:
+                why_not = str(exc)
+                log.info("no cgroup v2 job groups: %s", exc)
+        v1 = {}
+        for controller in CONTROLLERS:
+            mount = v1_mounts.get(controller)
+            if controller in enabled:
+                continue
+            if mount is None:
+                if v1_mounts and controller in notes:       # a hybrid host without it
+                    notes[controller] += "; no v1 hierarchy of it mounted"
+                continue
+            base = mount.dir(own.get(controller, "/")) / name
+            try:
+                fs.mkdir(base)
+            except CgroupError as exc:
+                notes[controller] = f"{notes[controller]}; v1: {exc}" \
+                    if controller in notes else str(exc)
+                continue
+            notes.pop(controller, None)
             v1[controller] = base
         if v2 is None and not v1:
-            raise CgroupError("no cgroup filesystem to make job groups in")
-        missing = [c for c in CONTROLLERS if c not in v1 and c not in (v2_controllers or ())]
-        if "memory" in missing or "pids" in missing:
-            raise CgroupError(f"no {' and no '.join(missing)} controller for job groups")
-        return cls(v2, v1, v2_controllers or set())
+            raise CgroupError(why_not or "no cgroup filesystem to make job groups in")
+        for c in CONTROLLERS:
+            if c not in enabled and c not in v1:
+                notes.setdefault(c, why_not or "no cgroup hierarchy here has it")
+        return cls(v2, v1, enabled, notes, fs)
+
+    @property
+    def holds(self) -> dict[str, str]:
+        """The limits a job's group holds, and how: controller -> "cgroup v2" or "cgroup v1"."""
+        return {c: V2 if c in self.v2_controllers else V1 for c in CONTROLLERS
+                if c in self.v2_controllers or c in self.v1}
 
     def describe(self) -> str:
+        held = self.holds
         parts = []
         if self.v2 is not None:
-            parts.append("cgroup v2" + (f" ({', '.join(sorted(self.v2_controllers))})"
-                                        if self.v2_controllers else " (kill, tracking)"))
+            mine = [c for c in CONTROLLERS if held.get(c) == V2]
+            parts.append(f"cgroup v2 ({', '.join(mine + ['kill'])})")
         if self.v1:
-            parts.append(f"v1 {', '.join(sorted(self.v1))}")
-        return " + ".join(parts)
+            parts.append(f"v1 {', '.join(c for c in CONTROLLERS if c in self.v1)}")
+        missing = [c for c in CONTROLLERS if c not in held]
+        return " + ".join(parts) + (f"; no {', '.join(missing)} controller" if missing else "")
 
     def job(self, key: str) -> "JobCgroup":
         """The group of the job ``key`` (a work directory's name), made if absent."""
@@ -126,17 +217,14 @@ class CgroupHost:
             dirs.append(self.v2 / key)
         dirs += [base / key for base in self.v1.values()]
         for d in dirs:
-            try:
-                d.mkdir(exist_ok=True)
-            except OSError as exc:
-                raise CgroupError(f"cannot make {d} ({exc.strerror})") from exc
+            self.fs.mkdir(d)
         return JobCgroup(self, key, dirs)
 
     def remove(self) -> None:
         """Remove this daemon's (empty) directories."""
         for d in ([self.v2] if self.v2 is not None else []) + list(self.v1.values()):
             try:
-                d.rmdir()
+                self.fs.rmdir(d)
             except OSError as exc:
                 log.warning("cannot remove cgroup %s (%s)", d, exc.strerror)
 
@@ -146,37 +234,50 @@ class CgroupHost:
         return {d.name for b in bases if b.is_dir() for d in b.iterdir() if d.is_dir()}
 
 
-def _prepare_v2(root: Path, own: str, name: str) -> tuple[Path, set[str]]:
-    """This daemon's v2 directory, with the controllers it can enable for its jobs. In a
-    delegated subtree the daemon moves itself into a leaf first (a group with enabled
-    controllers may hold no processes but in its leaves)."""
-    here = root / own.lstrip("/")
-    available = set((root / "cgroup.controllers").read_text().split()) & set(CONTROLLERS)
-    base = here / name
-    enabled: set[str] = set()
-    if available:
-        if own != "/" and (here / "cgroup.procs").read_text().strip():
-            leaf = here / "daemon"
-            leaf.mkdir(exist_ok=True)
-            for pid in (here / "cgroup.procs").read_text().split():
-                try:
-                    _write(leaf / "cgroup.procs", pid)
-                except CgroupError:
-                    pass    # gone meanwhile
-        wanted = " ".join(f"+{c}" for c in sorted(available))
+def _prepare_v2(fs: CgroupFs, own: Path, name: str,
+                notes: dict[str, str]) -> tuple[Path, set[str]]:
+    """This daemon's v2 directory and the controllers enabled in it for its jobs: those its
+    own cgroup (P) was delegated, each enabled on its own. A group with enabled controllers
+    may hold processes only in its leaves, so P's processes move into ``P/daemon`` first; a
+    daemon already there (restarted, or a second one) uses P as it is."""
+    here = own.parent if own.name == LEAF else own
+    delegated = fs.words(here / "cgroup.controllers")
+    for c in CONTROLLERS:
+        if c not in delegated:
+            notes[c] = f"not delegated: not in {here / 'cgroup.controllers'}"
+    on = fs.words(here / "cgroup.subtree_control")
+    todo = [c for c in CONTROLLERS if c in delegated and c not in on]
+    # The root group (no cgroup.type) may hold processes beside enabled controllers.
+    if todo and (here / "cgroup.type").exists() and fs.read(here / "cgroup.procs").split():
+        _into_leaf(fs, here)
+    for c in todo:
         try:
-            _write(here / "cgroup.subtree_control", wanted)
-            base.mkdir(exist_ok=True)
-            _write(base / "cgroup.subtree_control", wanted)
-            enabled = available
-        except (CgroupError, OSError) as exc:
-            log.info("cgroup v2 controllers not enabled under %s (%s); using v1 where there",
-                     here, exc)
-    try:
-        base.mkdir(exist_ok=True)
-    except OSError as exc:
-        raise CgroupError(f"cannot make {base} ({exc.strerror})") from exc
+            fs.write(here / "cgroup.subtree_control", f"+{c}")
+        except CgroupError as exc:
+            notes[c] = str(exc)
+    base = here / name
+    fs.mkdir(base)
+    usable = fs.words(base / "cgroup.controllers")
+    for c in CONTROLLERS:
+        if c in usable and c not in fs.words(base / "cgroup.subtree_control"):
+            try:
+                fs.write(base / "cgroup.subtree_control", f"+{c}")
+            except CgroupError as exc:
+                notes[c] = str(exc)
+    enabled = fs.words(base / "cgroup.subtree_control") & set(CONTROLLERS)
+    if enabled:
+        log.info("cgroup v2 controllers for jobs under %s: %s", base, ", ".join(sorted(enabled)))
     return base, enabled
+
+
+def _into_leaf(fs: CgroupFs, here: Path) -> None:
+    leaf = here / LEAF
+    fs.mkdir(leaf)
+    for pid in fs.read(here / "cgroup.procs").split():
+        try:
+            fs.write(leaf / "cgroup.procs", pid)
+        except CgroupError as exc:
+            log.info("process %s stays in %s: %s", pid, here, exc)   # gone, or not ours
 
 
 class JobCgroup:
@@ -192,31 +293,37 @@ class JobCgroup:
         base = self.host.v1.get(controller)
         return base / self.key if base is not None else None
 
+    def holds(self, controller: str) -> bool:
+        """Whether this group limits ``controller`` ("memory", "pids", "cpu")."""
+        return self._dir(controller) is not None
+
     def limit(self, limits: Limits) -> None:
-        """Set the job's limits (memory without swap, processes, CPU time)."""
+        """Set the job's limits that this host's controllers hold (memory without swap,
+        processes, CPU time); the others are left to the sandbox (sandbox.for_job)."""
         self.limits = limits
+        write = self.host.fs.write
         v2 = self.host.v2_controllers
         mem = self._dir("memory")
         if mem is not None and limits.memory_bytes:
             if "memory" in v2:
-                _write(mem / "memory.max", str(limits.memory_bytes))
+                write(mem / "memory.max", str(limits.memory_bytes))
                 if (mem / "memory.swap.max").exists():
-                    _write(mem / "memory.swap.max", "0")
+                    write(mem / "memory.swap.max", "0")
             else:
-                _write(mem / "memory.limit_in_bytes", str(limits.memory_bytes))
+                write(mem / "memory.limit_in_bytes", str(limits.memory_bytes))
                 if (mem / "memory.memsw.limit_in_bytes").exists():
-                    _write(mem / "memory.memsw.limit_in_bytes", str(limits.memory_bytes))
+                    write(mem / "memory.memsw.limit_in_bytes", str(limits.memory_bytes))
         pids = self._dir("pids")
         if pids is not None and limits.pids:
-            _write(pids / "pids.max", str(limits.pids))
+            write(pids / "pids.max", str(limits.pids))
         cpu = self._dir("cpu")
         if cpu is not None and limits.cpus > 0:
             quota = int(limits.cpus * CPU_PERIOD_US)
             if "cpu" in v2:
-                _write(cpu / "cpu.max", f"{quota} {CPU_PERIOD_US}")
+                write(cpu / "cpu.max", f"{quota} {CPU_PERIOD_US}")
             else:
-                _write(cpu / "cpu.cfs_period_us", str(CPU_PERIOD_US))
-                _write(cpu / "cpu.cfs_quota_us", str(quota))
+                write(cpu / "cpu.cfs_period_us", str(CPU_PERIOD_US))
+                write(cpu / "cpu.cfs_quota_us", str(quota))
 
     @property
     def procs_files(self) -> list[str]:
@@ -241,7 +348,7 @@ class JobCgroup:
         deadline = time.monotonic() + timeout_s
         while True:
             if kill_file is not None and kill_file.exists():
-                _write(kill_file, "1")
+                self.host.fs.write(kill_file, "1")
             else:
                 for pid in self.pids():
                     try:
@@ -274,7 +381,7 @@ class JobCgroup:
         for d in self.dirs:
             for _ in range(50):
                 try:
-                    d.rmdir()
+                    self.host.fs.rmdir(d)
                     break
                 except FileNotFoundError:
                     break
@@ -282,6 +389,54 @@ class JobCgroup:
                     time.sleep(0.02)
             else:
                 log.warning("cannot remove cgroup %s", d)
+
+
+# -- what each of a job's limits rests on, from what sandbox.probe() found -----------------
+
+def job_limits(features: dict, cuda: bool) -> dict[str, str]:
+    """How ``sandbox.for_job`` limits a job's memory, processes and CPU on this host
+    (``sandbox.probe()``'s features): {"memory", "pids", "cpu"} -> "cgroup v2", "cgroup v1",
+    "rlimit" or "none". Memory by RLIMIT_AS is per process and on CPU jobs only (CUDA
+    reserves far more address space than it uses); GPU jobs never get a CPU cap."""
+    group = features.get("job_cgroup", {})
+    held = group.get("holds", {}) if group.get("available") else {}
+    own_uid = bool(features.get("unprivileged_user", {}).get("available"))
+    return {"memory": held.get("memory") or ("none" if cuda else "rlimit"),
+            "pids": held.get("pids") or ("rlimit" if own_uid else "none"),
+            "cpu": "none" if cuda else held.get("cpu", "none")}
+
+
+def limit_features(features: dict) -> dict[str, dict]:
+    """Each of a job's limits as a feature of this host (``memory_limit``, ``process_limit``,
+    ``cpu_limit``): whether it holds, how (``job_limits``), or what stands in for it and why."""
+    group = features.get("job_cgroup", {})
+    notes = group.get("notes", {}) if group.get("available") else {}
+    why = {c: notes.get(c) or group.get("detail") or "no job cgroup" for c in CONTROLLERS}
+    how = job_limits(features, cuda=False)
+    if how["memory"].startswith("cgroup"):
+        memory = f"{how['memory']}: all of a job's processes together, no swap beyond it"
+    else:
+        memory = (f"no memory controller ({why['memory']}): a CPU job's processes get an"
+                  " address-space limit each (RLIMIT_AS), a GPU job none")
+    if how["pids"].startswith("cgroup"):
+        pids = f"{how['pids']}: {PROCESSES:,} processes per job"
+    elif how["pids"] == "rlimit":
+        pids = (f"RLIMIT_NPROC: {PROCESSES:,} processes of the job's own uid (no pids"
+                f" controller: {why['pids']})")
+    else:
+        pids = f"no pids controller ({why['pids']}) and jobs share the daemon's uid"
+    if how["cpu"].startswith("cgroup"):
+        cpu = f"{how['cpu']}: a CPU job gets its devices' cores (GPU jobs are never capped)"
+    else:
+        cpu = (f"no cpu controller ({why['cpu']}): CPU jobs share the cores by the kernel's"
+               " scheduler (GPU jobs are never capped)")
+    return {
+        "memory_limit": {"available": how["memory"].startswith("cgroup"),
+                         "how": how["memory"], "detail": memory},
+        "process_limit": {"available": how["pids"] != "none", "how": how["pids"],
+                          "detail": pids},
+        "cpu_limit": {"available": how["cpu"] != "none", "how": how["cpu"], "detail": cpu},
+    }
 
 
 def join(procs_files: list[str]) -> None:

@@ -497,8 +497,10 @@ def _print_status(r: dict) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def doctor(data_dir: Path, models_dir: Path | None, as_json: bool) -> None:
     """Say which job isolation this host gives (each protection tried for real, the job uid
-    by running what a job's runner imports, as that uid), what a missing one turns off, and
-    whether the data directory keeps the provider's key to itself. Exit 1 if it does not."""
+    by running what a job's runner imports, as that uid), how each limit on a job's memory,
+    processes and CPU holds (cgroup v2, cgroup v1, an rlimit, or not at all, and why), what
+    a missing one turns off, and whether the data directory keeps the provider's key to
+    itself. Exit 1 if it does not."""
     from rich.console import Console
     from rich.table import Table
 
@@ -510,7 +512,8 @@ def doctor(data_dir: Path, models_dir: Path | None, as_json: bool) -> None:
     missing = sandbox.missing_for_code(checks)
     checks["jobs_own_code"] = {
         "available": not missing,
-        "detail": "jobs that run code of their own (a model's remote code) are isolated fully"
+        "detail": "jobs that run code of their own (script jobs, a model's remote code) are"
+        " isolated fully"
         if not missing else f"refused (no {', '.join(missing)}), unless the provider config"
         " says unisolated_code = true"}
     checks["clean_environment"] = {"available": True, "detail": "jobs get PATH, LANG, TZ and"

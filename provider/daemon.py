@@ -60,7 +60,8 @@ class ProviderDaemon:
     def offer(self) -> pb.Envelope:
         return build_offer(self.config, self.identity, self.devices, self.benchmarks,
                            self.offered_kinds(), self.engines,
-                           self.isolation.runs_code(self.config))
+                           self.isolation.runs_code(self.config),
+                           self.isolation.job_limits(self.devices))
 
     def offered_kinds(self) -> set[int]:
         """The kinds it runs, less those running the client's own code where the host

@@ -9,7 +9,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpumarket.provider import sandbox
-from gpumarket.provider.cgroups import CgroupError, CgroupHost, JobCgroup, Limits
+from gpumarket.provider.cgroups import (
+    PROCESSES,
+    CgroupError,
+    CgroupHost,
+    JobCgroup,
+    Limits,
+    job_limits,
+)
 from gpumarket.provider.config import ProviderConfig
 from gpumarket.provider.inventory import DeviceInfo
 from gpumarket.provider.job_uids import UidRange, UidRangeError, claim
@@ -22,6 +29,7 @@ class Isolation:
     features: dict = field(default_factory=dict)   # sandbox.probe(): what this host gives
     uids: UidRange | None = None                   # this daemon's job uids
     cgroups: CgroupHost | None = None              # this daemon's job groups
+    isolate: bool = False                          # config.isolate: jobs get a sandbox
 
     def has(self, feature: str) -> bool:
         return bool(self.features.get(feature, {}).get("available"))
@@ -30,7 +38,7 @@ class Isolation:
     def prepare(cls, config: ProviderConfig, owner: str) -> "Isolation":
         """Claim this daemon's job uids and control-group directory (as root), then try
         every protection for real; log what is missing, and what that turns off."""
-        iso = cls()
+        iso = cls(isolate=config.isolate)
         if not config.isolate:
             return iso
         if os.geteuid() == 0:
@@ -45,6 +53,9 @@ class Isolation:
         iso.features = sandbox.prepare_host(config.data_dir, config.jobs_dir, iso.uids,
                                             iso.cgroups)
         log.info("job isolation: %s", sandbox.summary(iso.features))
+        if iso.cgroups is not None:
+            for controller, why in iso.cgroups.notes.items():
+                log.warning("job cgroups: no %s controller (%s)", controller, why)
         missing = sandbox.missing_for_code(iso.features)
         if config.policy.allow_remote_code and missing:
             if config.unisolated_code:
@@ -66,6 +77,13 @@ class Isolation:
         """Whether a job's own code may run here: the host isolates it fully, or the
         operator opted in to weaker isolation."""
         return config.unisolated_code or not sandbox.missing_for_code(self.features)
+
+    def job_limits(self, devices: list[DeviceInfo]) -> dict[str, str]:
+        """How jobs on these devices have their memory, processes and CPU limited here
+        (cgroups.job_limits; all "none" where isolation is off)."""
+        if not self.isolate:
+            return dict.fromkeys(("memory", "pids", "cpu"), "none")
+        return job_limits(self.features, any(d.is_cuda for d in devices))
 
     def job_uid(self, device_indices: set[int]) -> int:
         """The uid a job on these devices runs as (its files are its, and only those are
@@ -100,6 +118,7 @@ def limits(devices: list[DeviceInfo], host_devices: list[DeviceInfo]) -> Limits:
     if any(d.is_cuda for d in devices):
         gpus = [d for d in host_devices if d.is_cuda]
         host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        return Limits(memory_bytes=host * len(devices) // max(len(gpus), 1), pids=4096)
-    return Limits(memory_bytes=sum(d.memory_bytes for d in devices), pids=4096,
+        return Limits(memory_bytes=host * len(devices) // max(len(gpus), 1),
+                      pids=PROCESSES)
+    return Limits(memory_bytes=sum(d.memory_bytes for d in devices), pids=PROCESSES,
                   cpus=float(sum(d.cpu_cores for d in devices)))

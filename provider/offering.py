@@ -15,6 +15,8 @@ from gpumarket.provider.config import ProviderConfig
 from gpumarket.provider.inventory import DeviceInfo, local_models
 
 CACHED_LISTED = 256
+LIMIT_METHODS = {"none": pb.LIMIT_METHOD_NONE, "cgroup v2": pb.LIMIT_METHOD_CGROUP_V2,
+                 "cgroup v1": pb.LIMIT_METHOD_CGROUP_V1, "rlimit": pb.LIMIT_METHOD_RLIMIT}
 
 
 def runnable_kinds(config: ProviderConfig, engines: frozenset[str]) -> set[int]:
@@ -28,9 +30,11 @@ def runnable_kinds(config: ProviderConfig, engines: frozenset[str]) -> set[int]:
 
 def build_offer(config: ProviderConfig, identity: Identity, devices: list[DeviceInfo],
                 benchmarks: dict[int, pb.Benchmark], kinds: set[int],
-                engines: frozenset[str], runs_code: bool | None = None) -> pb.Envelope:
+                engines: frozenset[str], runs_code: bool | None = None,
+                limits: dict[str, str] | None = None) -> pb.Envelope:
     """The signed offer. ``runs_code`` (default: the policy's allow_remote_code) says
-    whether jobs' own code is accepted here: off where the host cannot isolate it."""
+    whether jobs' own code is accepted here: off where the host cannot isolate it;
+    ``limits`` (Isolation.job_limits) how its jobs' memory, processes and CPU are limited."""
     messages = []
     for d in devices:
         m = d.message(benchmarks.get(d.index))
@@ -50,7 +54,15 @@ def build_offer(config: ProviderConfig, identity: Identity, devices: list[Device
     )
     if runs_code is not None:
         offer.policy.allow_remote_code = runs_code and config.policy.allow_remote_code
+    if limits is not None:
+        offer.job_limits.CopyFrom(limits_message(limits))
     return seal(identity, offer)
+
+
+def limits_message(limits: dict[str, str]) -> pb.JobLimits:
+    """{"memory", "pids", "cpu"} -> how (cgroups.job_limits) as the offer says it."""
+    return pb.JobLimits(**{resource: LIMIT_METHODS[limits.get(resource, "none")]
+                           for resource in ("memory", "pids", "cpu")})
 
 
 def cached_artifacts(cache_dir: Path, limit: int = CACHED_LISTED) -> list[str]:

@@ -43,8 +43,13 @@ SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 0x1
 LIMITS = ("NOFILE", "NPROC", "FSIZE", "CORE", "AS")
 JOB_UMASK = 0o077
 PROBE_RUNNER = "gpumarket.provider.runners.training"   # what a job imports first: torch
-# What a job that runs code of its own (a model's remote code) must not run without.
-CODE_NEEDS = ("unprivileged_user", "no_network", "private_tmp", "job_cgroup")
+# What a job that runs code of its own (a script, a model's remote code) must not run
+# without: its own uid, no network, private scratch, its own group (every process of it
+# killed at once) and a memory limit on all of it together. Not the pids or cpu controller:
+# its processes are bounded by RLIMIT_NPROC of its own uid all the same, and CPU time is
+# shared, not a way out; so a host that delegates `memory` alone runs such jobs
+# (docs/security.md).
+CODE_NEEDS = ("unprivileged_user", "no_network", "private_tmp", "job_cgroup", "memory_limit")
 
 
 @dataclass(frozen=True)
@@ -191,6 +196,7 @@ def probe(jobs_dir: str | None = None, uids: UidRange | None = None,
                             "open files, processes, file size, core dumps"},
     }
     features["job_cgroup"] = _probe_cgroup(cgroup_host)
+    features.update(cgroups.limit_features(features))
     return features
 
 
@@ -244,8 +250,9 @@ def _probe_cgroup(host: cgroups.CgroupHost | None) -> dict:
     finally:
         if made is not None:
             made.remove()
-    return {"available": ok, "detail": why or "memory, processes and CPU per job; every"
-            f" process of a job killed at once ({host.describe()})"}
+    return {"available": ok, "detail": why or "every process of a job in a group of its"
+            f" own, killed at once ({host.describe()})", "holds": host.holds,
+            "notes": host.notes}
 
 
 def for_job(features: dict, uids: UidRange | None, device_indices: list[int],
@@ -254,17 +261,18 @@ def for_job(features: dict, uids: UidRange | None, device_indices: list[int],
     """The sandbox of one job, from what this host gives (``probe()``): its own uid (from
     this daemon's range, by its lowest device: jobs on other devices never share one), its
     control group, no network, private scratch directories of its disk quota, at most 64 Ki
-    open files, 4 Ki processes, no file larger than its disk quota, no core dumps. Without a
-    control group, a CPU job's memory is bounded per process instead (address space of its
-    devices' memory + 8 GiB; CUDA reserves far more address space than it uses, so GPU
-    jobs go without that limit)."""
+    open files, 4 Ki processes of its uid (with or without the pids controller), no file
+    larger than its disk quota, no core dumps. Where its group does not hold its memory, a
+    CPU job's memory is bounded per process instead (address space of its devices' memory +
+    8 GiB; CUDA reserves far more address space than it uses, so GPU jobs go without that
+    limit). ``cgroups.job_limits`` says the same per resource."""
     limits = {"NOFILE": 65536, "CORE": 0, "FSIZE": disk_quota_bytes}
     have = lambda name: bool(features.get(name, {}).get("available"))
     uid = None
     if have("unprivileged_user") and uids is not None:
         uid = uids.uid(min(device_indices or [0]))
-        limits["NPROC"] = 4096      # counted per uid: meaningless for a job that stays root
-    if cgroup is None and not cuda:
+        limits["NPROC"] = cgroups.PROCESSES   # per uid: meaningless for a job that stays root
+    if not cuda and (cgroup is None or not cgroup.holds("memory")):
         limits["AS"] = memory_bytes + 8 * 2**30
     return Sandbox(uid=uid, gid=uid, network=not have("no_network"), limits=limits,
                    cgroups=tuple(cgroup.procs_files) if cgroup is not None else (),

@@ -179,7 +179,8 @@ def test_what_this_host_gives_is_reported(tmp_path):
     assert r.returncode == 0, r.stderr
     features = json.loads(r.stdout)
     assert set(features) == {"unprivileged_user", "no_network", "resource_limits",
-                             "private_tmp", "job_cgroup"}
+                             "private_tmp", "job_cgroup", "memory_limit", "process_limit",
+                             "cpu_limit"}
     assert features["resource_limits"]["available"]
 
 

@@ -49,6 +49,14 @@ class Objective(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     OBJECTIVE_FASTEST: _ClassVar[Objective]
     OBJECTIVE_RELIABLE: _ClassVar[Objective]
     OBJECTIVE_DEADLINE: _ClassVar[Objective]
+
+class LimitMethod(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    LIMIT_METHOD_UNSPECIFIED: _ClassVar[LimitMethod]
+    LIMIT_METHOD_NONE: _ClassVar[LimitMethod]
+    LIMIT_METHOD_CGROUP_V2: _ClassVar[LimitMethod]
+    LIMIT_METHOD_CGROUP_V1: _ClassVar[LimitMethod]
+    LIMIT_METHOD_RLIMIT: _ClassVar[LimitMethod]
 JOB_KIND_UNSPECIFIED: JobKind
 JOB_KIND_TRAINING: JobKind
 JOB_KIND_GENERATE: JobKind
@@ -77,6 +85,11 @@ OBJECTIVE_CHEAPEST: Objective
 OBJECTIVE_FASTEST: Objective
 OBJECTIVE_RELIABLE: Objective
 OBJECTIVE_DEADLINE: Objective
+LIMIT_METHOD_UNSPECIFIED: LimitMethod
+LIMIT_METHOD_NONE: LimitMethod
+LIMIT_METHOD_CGROUP_V2: LimitMethod
+LIMIT_METHOD_CGROUP_V1: LimitMethod
+LIMIT_METHOD_RLIMIT: LimitMethod
 
 class Envelope(_message.Message):
     __slots__ = ("payload_type", "payload", "signer_public_key", "signature")
@@ -380,7 +393,7 @@ class Policy(_message.Message):
     def __init__(self, allowed_clients: _Optional[_Iterable[str]] = ..., denied_clients: _Optional[_Iterable[str]] = ..., max_job_seconds: _Optional[int] = ..., windows: _Optional[_Iterable[_Union[AvailabilityWindow, _Mapping]]] = ..., allow_remote_code: _Optional[bool] = ...) -> None: ...
 
 class Offer(_message.Message):
-    __slots__ = ("provider_id", "devices", "price_per_gpu_hour", "kinds", "software_version", "created_at_ms", "policy", "engines", "models", "cached")
+    __slots__ = ("provider_id", "devices", "price_per_gpu_hour", "kinds", "software_version", "created_at_ms", "policy", "engines", "models", "cached", "job_limits")
     PROVIDER_ID_FIELD_NUMBER: _ClassVar[int]
     DEVICES_FIELD_NUMBER: _ClassVar[int]
     PRICE_PER_GPU_HOUR_FIELD_NUMBER: _ClassVar[int]
@@ -391,6 +404,7 @@ class Offer(_message.Message):
     ENGINES_FIELD_NUMBER: _ClassVar[int]
     MODELS_FIELD_NUMBER: _ClassVar[int]
     CACHED_FIELD_NUMBER: _ClassVar[int]
+    JOB_LIMITS_FIELD_NUMBER: _ClassVar[int]
     provider_id: str
     devices: _containers.RepeatedCompositeFieldContainer[Device]
     price_per_gpu_hour: float
@@ -401,7 +415,18 @@ class Offer(_message.Message):
     engines: _containers.RepeatedScalarFieldContainer[str]
     models: _containers.RepeatedScalarFieldContainer[str]
     cached: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, provider_id: _Optional[str] = ..., devices: _Optional[_Iterable[_Union[Device, _Mapping]]] = ..., price_per_gpu_hour: _Optional[float] = ..., kinds: _Optional[_Iterable[_Union[JobKind, str]]] = ..., software_version: _Optional[str] = ..., created_at_ms: _Optional[int] = ..., policy: _Optional[_Union[Policy, _Mapping]] = ..., engines: _Optional[_Iterable[str]] = ..., models: _Optional[_Iterable[str]] = ..., cached: _Optional[_Iterable[str]] = ...) -> None: ...
+    job_limits: JobLimits
+    def __init__(self, provider_id: _Optional[str] = ..., devices: _Optional[_Iterable[_Union[Device, _Mapping]]] = ..., price_per_gpu_hour: _Optional[float] = ..., kinds: _Optional[_Iterable[_Union[JobKind, str]]] = ..., software_version: _Optional[str] = ..., created_at_ms: _Optional[int] = ..., policy: _Optional[_Union[Policy, _Mapping]] = ..., engines: _Optional[_Iterable[str]] = ..., models: _Optional[_Iterable[str]] = ..., cached: _Optional[_Iterable[str]] = ..., job_limits: _Optional[_Union[JobLimits, _Mapping]] = ...) -> None: ...
+
+class JobLimits(_message.Message):
+    __slots__ = ("memory", "pids", "cpu")
+    MEMORY_FIELD_NUMBER: _ClassVar[int]
+    PIDS_FIELD_NUMBER: _ClassVar[int]
+    CPU_FIELD_NUMBER: _ClassVar[int]
+    memory: LimitMethod
+    pids: LimitMethod
+    cpu: LimitMethod
+    def __init__(self, memory: _Optional[_Union[LimitMethod, str]] = ..., pids: _Optional[_Union[LimitMethod, str]] = ..., cpu: _Optional[_Union[LimitMethod, str]] = ...) -> None: ...
 
 class Lease(_message.Message):
     __slots__ = ("lease_id", "job_id", "attempt", "epoch", "provider_id", "client_id", "price_per_gpu_hour", "checkpoint_every", "resume_from", "device_indices", "issued_at_ms", "expires_at_ms", "job_spec", "provider_mtbf_s", "checkpoint_interval_s", "part", "parts", "check", "tasks")
