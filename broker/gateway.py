@@ -157,7 +157,8 @@ class ProviderGatewayServicer(gateway_pb2_grpc.ProviderGatewayServicer):
         if abs(now_ms() - proof.at_ms) > PROOF_MAX_AGE_MS:
             raise BadSignature("session proof is dated more than 5 minutes off (check clocks)")
         banned = await self.state.store.write(providers.online, provider_id,
-                                              bytes(first.hello.public_key), now_ms())
+                                              bytes(first.hello.public_key), now_ms(),
+                                              first.hello.reconnect_within_ms)
         if banned:
             raise PermissionDenied(f"provider {provider_id} is banned from this broker")
         return provider_id

@@ -5,7 +5,8 @@ heartbeats that is 2,000 writes a second fewer in front of the one writer, where
 calls' nonces, handshakes and job updates wait.
 
 None of it needs to survive the broker: after a restart every provider is offline until it
-reconnects, and every active lease gets a full lease timeout from the restart
+reconnects, and every active lease waits for its provider from the restart as long as that
+provider said it takes to reconnect, plus a margin, and at least a lease timeout
 (``providers.renew_all_leases``). The expiry of leases reads the database only after what
 was noted here is written (``scheduler.expire``)."""
 

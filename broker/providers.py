@@ -10,17 +10,32 @@ from gpumarket.broker import jobs
 from gpumarket.proto.errors import NotFound
 from gpumarket.proto.v1 import types_pb2 as pb
 
+# After a restart the broker keeps each active lease for its provider to come back: as long
+# as that provider said it takes to reconnect (its hello's reconnect_within_ms, at most
+# MAX_RECONNECT_MS; RECONNECT_UNSAID_MS where it said nothing: the 30 s backoff and 20 %
+# jitter providers have by default), plus RESTART_MARGIN_MS for the broker's own start (the
+# wait counts from before it listens), the handshake and the first heartbeat; and never
+# less than the lease timeout.
+MAX_RECONNECT_MS = 5 * 60 * 1000
+RECONNECT_UNSAID_MS = 36_000
+RESTART_MARGIN_MS = 10_000
 
-def online(db: Database, provider_id: str, public_key: bytes, now: int) -> bool:
-    """Upsert the provider as online; return True if it is banned."""
+
+def online(db: Database, provider_id: str, public_key: bytes, now: int,
+           reconnect_within_ms: int = 0) -> bool:
+    """Upsert the provider as online, with how long it says it takes to reconnect (bounded
+    here: it is the provider's word); return True if it is banned."""
+    reconnect = min(max(int(reconnect_within_ms), 0), MAX_RECONNECT_MS)
     row = db.execute("SELECT banned FROM providers WHERE id = ?", [provider_id]).fetchone()
     if row is None:
         db["providers"].insert({"id": provider_id, "public_key": public_key,
-                                "first_seen_ms": now, "last_seen_ms": now, "online": 1})
+                                "first_seen_ms": now, "last_seen_ms": now, "online": 1,
+                                "reconnect_within_ms": reconnect})
         return False
     if row[0]:
         return True
-    db.execute("UPDATE providers SET online = 1, last_seen_ms = ? WHERE id = ?", [now, provider_id])
+    db.execute("UPDATE providers SET online = 1, last_seen_ms = ?, reconnect_within_ms = ?"
+               " WHERE id = ?", [now, reconnect, provider_id])
     return False
 
 
@@ -131,8 +146,24 @@ def renew_leases(
     return stale
 
 
-def renew_all_leases(db: Database, now: int) -> int:
-    """After a broker restart: every active lease gets a full lease timeout from ``now`` for
-    its provider to reconnect; return how many there are."""
-    return db.execute(
-        "UPDATE leases SET renewed_at_ms = ? WHERE state = 'active'", [now]).rowcount
+def restart_wait_ms(reconnect_within_ms: int, lease_timeout_ms: int) -> int:
+    """How long after a restart a lease waits for its provider, who said it reconnects
+    within ``reconnect_within_ms`` (0: said nothing)."""
+    said = min(reconnect_within_ms, MAX_RECONNECT_MS) if reconnect_within_ms > 0 \
+        else RECONNECT_UNSAID_MS
+    return max(lease_timeout_ms, said + RESTART_MARGIN_MS)
+
+
+def renew_all_leases(db: Database, now: int, lease_timeout_ms: int) -> int:
+    """After a broker restart: every active lease waits ``restart_wait_ms`` from ``now`` for
+    its provider to reconnect (a lease is lost a lease timeout after ``renewed_at_ms``, so
+    that may lie in the future until the provider's first heartbeat); return how many
+    there are."""
+    leases = db.execute(
+        "SELECT l.id, coalesce(p.reconnect_within_ms, 0) FROM leases l"
+        " LEFT JOIN providers p ON p.id = l.provider_id WHERE l.state = 'active'").fetchall()
+    db.conn.executemany(
+        "UPDATE leases SET renewed_at_ms = ? WHERE id = ?",
+        [(now + restart_wait_ms(said, lease_timeout_ms) - lease_timeout_ms, lease_id)
+         for lease_id, said in leases])
+    return len(leases)

@@ -499,3 +499,10 @@ def m015_array_lanes_and_task_receipts(db: Database) -> None:
     task's own receipt (a signed Envelope) where its outputs went up as it ended."""
     db.execute("ALTER TABLE jobs ADD COLUMN lanes INTEGER NOT NULL DEFAULT 0")
     db.execute("ALTER TABLE array_tasks ADD COLUMN receipt BLOB")
+
+
+@migrations()
+def m016_provider_reconnect(db: Database) -> None:
+    """How long each provider said it takes to reconnect (its hello's reconnect_within_ms,
+    bounded; 0 = not said): a restarted broker keeps its leases that long (providers.py)."""
+    db.execute("ALTER TABLE providers ADD COLUMN reconnect_within_ms INTEGER NOT NULL DEFAULT 0")

@@ -63,7 +63,8 @@ class BrokerServer:
         store = Store(cfg.db_path)
         store.open()
         await store.write(providers.after_restart)
-        kept = await store.write(providers.renew_all_leases, now_ms())
+        kept = await store.write(providers.renew_all_leases, now_ms(),
+                                 int(cfg.lease_timeout_s * 1000))
         if kept:
             log.info("%d leases were active at the last stop; waiting for their providers", kept)
         artifacts = ArtifactStore(cfg.data_dir / "artifacts", cfg.max_artifact_bytes)

@@ -8,12 +8,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ProviderHello(_message.Message):
-    __slots__ = ("public_key", "software_version")
+    __slots__ = ("public_key", "software_version", "reconnect_within_ms")
     PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
     SOFTWARE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    RECONNECT_WITHIN_MS_FIELD_NUMBER: _ClassVar[int]
     public_key: bytes
     software_version: str
-    def __init__(self, public_key: _Optional[bytes] = ..., software_version: _Optional[str] = ...) -> None: ...
+    reconnect_within_ms: int
+    def __init__(self, public_key: _Optional[bytes] = ..., software_version: _Optional[str] = ..., reconnect_within_ms: _Optional[int] = ...) -> None: ...
 
 class SessionChallenge(_message.Message):
     __slots__ = ("nonce", "broker_public_key")
