@@ -29,15 +29,17 @@ class GatewaySession:
         self.broker_public_key = broker_public_key
 
     @classmethod
-    async def open(cls, channel: grpc.aio.Channel, identity: Identity,
-                   address: str) -> "GatewaySession":
-        """Open a session and prove this provider's key; raise Unavailable (or the broker's
-        refusal) if the handshake does not complete."""
+    async def open(cls, channel: grpc.aio.Channel, identity: Identity, address: str,
+                   reconnect_within_ms: int = 0) -> "GatewaySession":
+        """Open a session and prove this provider's key, telling the broker how long this
+        provider takes to come back after an outage (``reconnect_within_ms``); raise
+        Unavailable (or the broker's refusal) if the handshake does not complete."""
         call = gateway_pb2_grpc.ProviderGatewayStub(channel).Session()
         session = cls(call, address, gw.SessionWelcome(), b"")
         try:
             await session.send(gw.ProviderMessage(hello=gw.ProviderHello(
-                public_key=identity.public_key, software_version=__version__)))
+                public_key=identity.public_key, software_version=__version__,
+                reconnect_within_ms=reconnect_within_ms)))
             challenge = await session.receive()
             if challenge is None or challenge.WhichOneof("msg") != "challenge":
                 raise Unavailable("broker closed the session during the handshake")

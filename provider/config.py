@@ -62,7 +62,9 @@ class ProviderConfig:
     drain_timeout_s: float = 120.0       # longest a drain waits for jobs to checkpoint and stop
     progress_interval_s: float = 0.25    # at most this often a progress update goes up
     rpc_timeout_s: float = 30.0          # deadline on each unary call to the broker
-    backoff_max_s: float = 30.0          # longest wait between reconnects
+    backoff_max_s: float = 30.0          # longest wait between session tries (before jitter)
+    probe_max_s: float = 2.0             # while the broker is unreachable, see at least this
+                                         # often whether it listens again (a TCP connect)
     cpu_only: bool = False               # advertise the CPU even where GPUs are present
     cpu_devices: int = 1                 # offer the CPU as this many devices (equal shares)
     models_path: Path | None = None      # local model directory; default data_dir/models
