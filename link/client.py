@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +38,9 @@ class Broker:
 
 
 JOB_ID_CHARS = 16      # a job id: the first 16 hex of its signed spec's sha256
+# A watch (or a followed log) waits this long for a broker that went away: a restarted
+# broker keeps running leases, so the job goes on meanwhile (docs/recovery.md, Outages).
+OUTAGE_WAIT_S = 600.0
 
 
 class BrokerClient:
@@ -198,24 +202,29 @@ class BrokerClient:
                         cursor: int = 0, on_retry: Callable[[str], None] | None = None
                         ) -> AsyncIterator[Any]:
         """Yield the items (each with a ``seq``) of the server stream ``open_stream(cursor)``;
-        where it breaks with UNAVAILABLE, reopen it after the last item yielded (backing off,
-        up to 20 times in a row)."""
-        retries = 0
+        where it breaks with UNAVAILABLE, reopen it after the last item yielded (backing off
+        to every 5 s, for up to OUTAGE_WAIT_S without an answer; ``on_retry`` is told once
+        an outage)."""
+        retries, lost_since = 0, None
         while True:
             stream = open_stream(cursor)
             try:
                 async for resp in stream:
-                    retries = 0
+                    retries, lost_since = 0, None
                     for item in items(resp):
                         cursor = item.seq
                         yield item
                 return
             except grpc.aio.AioRpcError as exc:
-                if exc.code() != grpc.StatusCode.UNAVAILABLE or retries >= 20:
+                if exc.code() != grpc.StatusCode.UNAVAILABLE or (
+                        lost_since is not None
+                        and time.monotonic() - lost_since > OUTAGE_WAIT_S):
                     raise self._error(exc) from exc
+                if lost_since is None:
+                    lost_since = time.monotonic()
+                    if on_retry is not None:
+                        on_retry(f"lost the broker at {self.address}; reconnecting")
                 retries += 1
-                if on_retry is not None:
-                    on_retry(f"lost the broker at {self.address}; reconnecting")
                 await asyncio.sleep(min(0.5 * 2 ** retries, 5))
             finally:
                 stream.cancel()
