@@ -188,6 +188,60 @@ def test_a_channel_that_lost_its_broker_is_replaced(tmp_path):
     assert kept and after is None
 
 
+def test_a_watch_resumes_after_an_outage_and_gives_up_only_after_a_long_one(monkeypatch):
+    """A watched stream that breaks with UNAVAILABLE is reopened after the last event shown,
+    the watcher told once an outage; only an outage longer than OUTAGE_WAIT_S ends it."""
+    import grpc
+
+    from gpumarket.link import client as link_client
+
+    def unavailable():
+        return grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(),
+                                    grpc.aio.Metadata(), "Connection refused")
+
+    class Event:
+        def __init__(self, seq):
+            self.seq = seq
+
+    def stream_of(script):
+        """open_stream: each call opens the next stream of ``script``: events, then an
+        outage (raise) or the end."""
+        opened = []
+
+        def open_stream(cursor):
+            opened.append(cursor)
+            events, breaks = script[min(len(opened), len(script)) - 1]
+
+            class Stream:
+                async def __aiter__(self):
+                    for seq in events:
+                        if seq > cursor:
+                            yield Event(seq)
+                    if breaks:
+                        raise unavailable()
+
+                def cancel(self):
+                    pass
+            return Stream()
+        return open_stream, opened
+
+    async def watch(open_stream, told):
+        broker = link_client.BrokerClient("127.0.0.1:1")
+        return [e.seq async for e in broker._resuming(open_stream, lambda e: (e,), 0,
+                                                      told.append)]
+
+    open_stream, opened = stream_of([([1, 2], True), ([], True), ([1, 2, 3], False)])
+    told: list[str] = []
+    assert asyncio.run(watch(open_stream, told)) == [1, 2, 3]
+    assert opened == [0, 2, 2] and len(told) == 1 and "reconnecting" in told[0]
+
+    monkeypatch.setattr(link_client, "OUTAGE_WAIT_S", 0.5)
+    open_stream, opened = stream_of([([1], True), ([], True)])
+    with pytest.raises(Unavailable, match="cannot reach the broker"):
+        asyncio.run(watch(open_stream, []))
+    assert opened == [0, 1]          # the second try came 1 s into the outage: past 0.5 s
+
+
 # -- the broker's wait after a restart ---------------------------------------------------------
 
 
