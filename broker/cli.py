@@ -77,6 +77,18 @@ def cli() -> None:
 @click.option("--queue-wait", type=float,
               help="Seconds an endpoint request waits for a free replica before a 429 "
               "[default: 30].")
+@click.option("--max-held-mib", type=float,
+              help="MiB of endpoint requests' bodies the broker holds, shared fairly between "
+              "clients and their endpoints [default: 64].")
+@click.option("--max-connections-per-peer", type=int,
+              help="Connections one address (IPv6: its /64) may hold open to --api and to "
+              "--http each; 0 = no cap [default: 256].")
+@click.option("--idle-timeout", type=float,
+              help="Seconds an --api/--http connection may stay without a whole request's "
+              "headers, after connecting or after its last answer [default: 15].")
+@click.option("--fd-reserve", type=int,
+              help="File descriptors kept from all listeners for the database and blobs; "
+              "0 = an eighth of the open-file limit, at least 256 [default: 0].")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
 def serve(config_file: Path | None, listen: str | None, data_dir: Path | None,
@@ -85,9 +97,12 @@ def serve(config_file: Path | None, listen: str | None, data_dir: Path | None,
           plaintext: bool | None, rate_limit: float | None, max_queued_jobs: int | None,
           billing: bool | None, market_fee: float | None, verify: bool | None,
           check_wait: float | None, api: str | None, cold_start: float | None,
-          queue_wait: float | None, log_level: str) -> None:
+          queue_wait: float | None, max_held_mib: float | None,
+          max_connections_per_peer: int | None, idle_timeout: float | None,
+          fd_reserve: int | None, log_level: str) -> None:
     """Serve the broker's gRPC API (and HTTP side) until SIGTERM."""
     from gpumarket.broker import config as broker_config
+    from gpumarket.broker.listeners import raise_open_files
 
     _log_setup(log_level)
     try:
@@ -103,7 +118,11 @@ def serve(config_file: Path | None, listen: str | None, data_dir: Path | None,
                        ("rate_limit_per_s", rate_limit), ("max_queued_jobs", max_queued_jobs),
                        ("billing", billing), ("market_fee", market_fee),
                        ("verify", verify), ("check_wait_s", check_wait), ("api", api),
-                       ("cold_start_s", cold_start), ("queue_wait_s", queue_wait)):
+                       ("cold_start_s", cold_start), ("queue_wait_s", queue_wait),
+                       ("max_held_bytes", None if max_held_mib is None
+                        else int(max_held_mib * 2**20)),
+                       ("max_connections_per_peer", max_connections_per_peer),
+                       ("idle_timeout_s", idle_timeout), ("fd_reserve", fd_reserve)):
         if value is not None:
             settings[key] = value
     if "data_dir" not in settings:
@@ -126,6 +145,9 @@ def serve(config_file: Path | None, listen: str | None, data_dir: Path | None,
     # young generation is collected every 50,000 allocations, the older ones less often.
     gc.freeze()
     gc.set_threshold(50_000, 20, 100)
+    # Descriptors are what a flood of idle connections takes: as many as the host allows,
+    # shared between the listeners with a reserve (broker/listeners.py).
+    raise_open_files()
     try:
         asyncio.run(serve_main(config))
     except GpumarketError as exc:

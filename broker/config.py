@@ -38,6 +38,17 @@ class BrokerConfig:
     queue_wait_s: float = 30.0             # an endpoint request waits this long for a free slot
     cold_start_s: float = 300.0            # ... or this long for a first replica (from zero)
     request_timeout_s: float = 300.0       # a replica silent this long on a request: 504
+    max_held_bytes: int = 64 << 20         # request bodies the endpoints' router holds, shared
+                                           # fairly between clients (docs/serving.md)
+    max_connections_per_peer: int = 256    # connections one address (IPv6: /64) may hold
+                                           # open to `api` and to `http`; 0 = no cap
+    idle_timeout_s: float = 15.0           # `api`/`http` connection without a whole request's
+                                           # headers this long (after connecting or after its
+                                           # last answer) is closed
+    body_timeout_s: float = 60.0           # a request body must arrive, and a streamed answer's
+                                           # piece be taken, within this
+    fd_reserve: int = 0                    # descriptors kept from the listeners for the
+                                           # database and blobs; 0 = an eighth of the limit
 
     @property
     def fee_ppm(self) -> int:
@@ -62,6 +73,12 @@ class BrokerConfig:
                                   f" {self.listen} (TLS is on by default)")
         if not 0 <= self.market_fee <= 0.5:
             raise InvalidArgument(f"market_fee must be between 0 and 0.5, not {self.market_fee}")
+        if not self.max_held_bytes >= 1 << 20:
+            raise InvalidArgument("max_held_mib must be at least 1")
+        if self.max_connections_per_peer < 0 or self.fd_reserve < 0:
+            raise InvalidArgument("max_connections_per_peer and fd_reserve must not be negative")
+        if not (self.idle_timeout_s > 0 and self.body_timeout_s > 0):
+            raise InvalidArgument("idle_timeout and body_timeout must be more than 0 seconds")
         http_host = self.http.rpartition(":")[0]
         if self.http and not is_loopback(http_host) and not self.http_public:
             raise InvalidArgument(
@@ -105,6 +122,17 @@ public_url = ""                    # e.g. https://api.example.com (what `endpoin
 queue_wait = 30                    # seconds a request waits for a free replica before a 429
 cold_start = 300                   # seconds a request waits for a first replica before a 503
 request_timeout = 300              # seconds a replica may stay silent on a request (then 504)
+max_held_mib = 64                  # MiB of request bodies held for endpoints, shared fairly
+                                   # between clients and their endpoints (docs/serving.md)
+# Listeners (docs/security.md): the open-file limit is raised to its hard limit at start and
+# shared between gRPC, `api` and `http`, less a reserve for the database and blobs.
+max_connections_per_peer = 256     # connections one address (IPv6: its /64) may hold open to
+                                   # `api` and `http` each; 0 = no cap (behind a proxy that caps)
+idle_timeout = 15                  # seconds an `api`/`http` connection may stay without a whole
+                                   # request's headers (after connecting or its last answer)
+body_timeout = 60                  # seconds a request body may take to arrive, and a streamed
+                                   # answer's piece to be taken by the client
+fd_reserve = 0                     # descriptors kept from all listeners; 0 = limit / 8, >= 256
 """
 
 # config key -> (BrokerConfig field, type, scale)
@@ -131,6 +159,11 @@ KEYS = {
     "api": ("api", str, None), "public_url": ("public_url", str, None),
     "queue_wait": ("queue_wait_s", float, None), "cold_start": ("cold_start_s", float, None),
     "request_timeout": ("request_timeout_s", float, None),
+    "max_held_mib": ("max_held_bytes", int, 2**20),
+    "max_connections_per_peer": ("max_connections_per_peer", int, None),
+    "idle_timeout": ("idle_timeout_s", float, None),
+    "body_timeout": ("body_timeout_s", float, None),
+    "fd_reserve": ("fd_reserve", int, None),
 }
 
 

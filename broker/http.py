@@ -13,6 +13,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gpumarket.broker import endpoints, ledger, standing, views
+from gpumarket.broker.listeners import ConnectionGuard, GuardedSite
 from gpumarket.broker.serving import percentile
 from gpumarket.broker.state import BrokerState
 from gpumarket.proto.jobspec import ACCELERATOR_NAMES, STATE_NAMES, kind_name, now_ms
@@ -97,15 +98,20 @@ class BrokerHttp:
                 status=421)
         return await handler(request)
 
-    async def start(self, listen: str) -> str:
+    async def start(self, listen: str, guard: ConnectionGuard) -> str:
+        """Listen on ``listen`` (HOST:PORT), its connections capped by ``guard``; returns the
+        address bound (port 0 picks one)."""
         host, _, port = listen.rpartition(":")
         self.hosts.add(host_name(host or "localhost"))
-        self.runner = web.AppRunner(self.app, access_log=None)
+        cfg = self.state.config
+        # A connection without a whole request's headers for idle_timeout (from its start or
+        # its last answer) is closed; a handler whose caller went away is cancelled.
+        self.runner = web.AppRunner(self.app, access_log=None, handler_cancellation=True,
+                                    keepalive_timeout=cfg.idle_timeout_s)
         await self.runner.setup()
-        site = web.TCPSite(self.runner, host, int(port))
+        site = GuardedSite(self.runner, host, int(port), guard)
         await site.start()
-        bound = site._server.sockets[0].getsockname()[1]  # port 0 picks one
-        self.address = f"{host}:{bound}"
+        self.address = f"{host}:{site.port}"
         self._sampler = asyncio.create_task(self._sample_loop())
         return self.address
 

@@ -71,5 +71,15 @@ class BrokerMetrics:
         self.endpoint_replicas = Gauge("gpumarket_endpoint_replicas",
                                        "Ready replicas per serving endpoint", ["endpoint"],
                                        registry=r)
+        self.endpoint_held_bytes = Gauge(
+            "gpumarket_endpoint_held_bytes", "Bytes of endpoint requests' bodies the broker"
+            " holds (waiting for a replica, or sent and not answered yet)", registry=r)
+        self.connections = Gauge("gpumarket_connections",
+                                 "Open connections to an HTTP listener (api, http)",
+                                 ["listener"], registry=r)
+        self.connections_refused = Counter(
+            "gpumarket_connections_refused", "Connections an HTTP listener reset or failed to"
+            " accept, by reason: per_peer, full, out_of_descriptors, accept_error",
+            ["listener", "reason"], registry=r)
         for state in STATE_NAMES.values():
             self.jobs.labels(state=state)

@@ -10,6 +10,7 @@ checks, and its refusal comes back the same way."""
 from __future__ import annotations
 
 import array
+import asyncio
 import base64
 import json
 import logging
@@ -31,9 +32,11 @@ MAX_INPUTS = 2048               # texts in one embeddings request
 MAX_TEXT = 1 << 20              # characters of one prompt, message or input
 DEFAULT_LIMIT = 4096            # max_tokens allowed when neither endpoint nor replica says
 KEY_CACHE_S = 2.0               # a key's lookup is reused this long (revoking clears it)
+BODY_TIMEOUT_S = 60.0           # a body must arrive, a streamed piece be taken, within this
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-         404: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error"}
+         404: "invalid_request_error", 408: "invalid_request_error",
+         413: "invalid_request_error", 429: "rate_limit_error"}
 ENGINE_STATUSES = (400, 413, 429, 500, 502, 503, 504)
 
 
@@ -135,9 +138,13 @@ def completion_request(body: dict, chat: bool, limit: int) -> dict:
 
 
 class OpenAIApi:
-    def __init__(self, state: BrokerState, serving: Serving) -> None:
+    def __init__(self, state: BrokerState, serving: Serving,
+                 body_timeout_s: float = BODY_TIMEOUT_S) -> None:
         self.state = state
         self.serving = serving
+        # A caller that trickles its body, or stops reading a stream, holds a connection
+        # (and a replica's slot) no longer than this.
+        self.body_timeout_s = body_timeout_s
 
     def routes(self) -> list[web.RouteDef]:
         return [web.post("/v1/chat/completions", self.chat),
@@ -185,9 +192,13 @@ class OpenAIApi:
 
     async def _body(self, request: web.Request, ep: Endpoint) -> dict:
         try:
-            raw = await request.read()
+            async with asyncio.timeout(self.body_timeout_s):
+                raw = await request.read()
         except web.HTTPRequestEntityTooLarge as exc:
             raise ApiError(413, f"the request is larger than {MAX_BODY:,} bytes") from exc
+        except TimeoutError as exc:
+            raise ApiError(408, f"the request's body did not arrive within"
+                           f" {self.body_timeout_s:.0f} s") from exc
         try:
             body = json.loads(raw)
         except (ValueError, RecursionError) as exc:
@@ -276,28 +287,38 @@ class OpenAIApi:
                                                "Cache-Control": "no-cache"})
         await response.prepare(request)
         status = 200
+        wait = self.body_timeout_s
+
+        async def event(data: dict | None) -> None:
+            # A client that takes nothing of its stream for body_timeout counts as gone.
+            async with asyncio.timeout(wait):
+                await response.write(b"data: " + json.dumps(data).encode() + b"\n\n"
+                                     if data is not None else b"data: [DONE]\n\n")
+
         try:
-            await _event(response, shape.chunk(None, role=True))
+            await event(shape.chunk(None, role=True))
             message = first
             while not message.get("done"):
                 piece = _piece(message)
                 if piece:
-                    await _event(response, shape.chunk(piece))
+                    await event(shape.chunk(piece))
                 message = await answer.__anext__()
             if "error" in message:
                 # Tokens were streamed already: the stream ends in an error the client sees.
                 exc = _engine_error(message)
                 status = exc.status
-                await _event(response, {"error": {"message": exc.message,
-                                                  "type": TYPES.get(exc.status, "server_error"),
-                                                  "param": None, "code": exc.code}})
+                await event({"error": {"message": exc.message,
+                                       "type": TYPES.get(exc.status, "server_error"),
+                                       "param": None, "code": exc.code}})
             else:
-                await _event(response, shape.chunk(None, finish=message))
+                await event(shape.chunk(None, finish=message))
                 if usage:
-                    await _event(response, shape.usage_chunk(message))
-            await response.write(b"data: [DONE]\n\n")
-        except (ConnectionResetError, RuntimeError):
+                    await event(shape.usage_chunk(message))
+            await event(None)
+        except (ConnectionResetError, RuntimeError, TimeoutError):
             status = 499        # the client went away: answer.aclose() cancels the request
+            if request.transport is not None:
+                request.transport.abort()   # what it did not read is dropped, not flushed
         finally:
             await answer.aclose()
             self._count(ep, status)
@@ -402,6 +423,3 @@ def _engine_error(message: dict) -> ApiError:
     return ApiError(status, str(message.get("error") or "the replica failed")[:1000],
                     retry_after=1 if status in (429, 503) else 0)
 
-
-async def _event(response: web.StreamResponse, data: dict) -> None:
-    await response.write(b"data: " + json.dumps(data).encode() + b"\n\n")

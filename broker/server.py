@@ -6,6 +6,7 @@ import asyncio
 import json
 import logging
 import os
+import resource
 import signal
 
 import grpc
@@ -22,6 +23,9 @@ from gpumarket.broker.artifacts import ArtifactsServicer
 from gpumarket.broker.config import BrokerConfig
 from gpumarket.broker.gateway import ProviderGatewayServicer
 from gpumarket.broker.http import BrokerHttp
+from gpumarket.broker.listeners import (
+    ConnectionGuard, GuardedSite, plan, throttle_accept_errors,
+)
 from gpumarket.broker.marketplace import MarketplaceServicer
 from gpumarket.broker.openai_api import OpenAIApi
 from gpumarket.broker.serving import Serving
@@ -58,6 +62,10 @@ class BrokerServer:
 
     async def start(self) -> str:
         cfg = self.config
+        limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        fds = plan(limit if limit > 0 else 1 << 20, cfg.fd_reserve, api=bool(cfg.api),
+                   http=bool(cfg.http))
+        throttle_accept_errors(asyncio.get_running_loop())
         cfg.data_dir.mkdir(parents=True, exist_ok=True)
         identity = Identity.load_or_create(cfg.key_path)
         store = Store(cfg.db_path)
@@ -70,10 +78,13 @@ class BrokerServer:
         artifacts = ArtifactStore(cfg.data_dir / "artifacts", cfg.max_artifact_bytes)
         self.state = BrokerState(cfg, identity, store, artifacts)
         self.state.revoked = set(await store.read(providers.revoked))
+        log.info("open files: limit %d, %d kept for the database and blobs; connections:"
+                 " gRPC %d, API %s, HTTP %s (per-peer cap %s)", fds.limit, fds.reserve, fds.grpc,
+                 fds.api or "off", fds.http or "off", cfg.max_connections_per_peer or "off")
 
         server = grpc.aio.server(
             interceptors=[Authenticator(self.state, identity.id, cfg.plaintext)],
-            options=SERVER_OPTIONS)
+            options=(*SERVER_OPTIONS, ("grpc.max_allowed_incoming_connections", fds.grpc)))
         self.gateway = ProviderGatewayServicer(self.state)
         gateway_pb2_grpc.add_ProviderGatewayServicer_to_server(self.gateway, server)
         marketplace_pb2_grpc.add_MarketplaceServicer_to_server(
@@ -100,22 +111,28 @@ class BrokerServer:
         self.address = f"{PLAINTEXT if cfg.plaintext else ''}{host}:{bound}"
         info = {"address": self.address, "pid": os.getpid(), "broker_id": identity.id,
                 "tls": not cfg.plaintext}
-        serving = self.state.serving = Serving(self.state.sessions, self.state.metrics,
+        metrics = self.state.metrics
+        serving = self.state.serving = Serving(self.state.sessions, metrics,
                                                cfg.queue_wait_s, cfg.cold_start_s,
-                                               cfg.request_timeout_s)
-        api = OpenAIApi(self.state, serving)
+                                               cfg.request_timeout_s, cfg.max_held_bytes)
+        metrics.endpoint_held_bytes.set_function(lambda: serving.shares.held)
+        api = OpenAIApi(self.state, serving, cfg.body_timeout_s)
         if cfg.http:
             self.http = BrokerHttp(self.state, lambda: self.server is not None)
             self.http.app.add_routes(api.routes())
-            info["http"] = await self.http.start(cfg.http)
+            info["http"] = await self.http.start(cfg.http, self._guard("http", fds.http))
             log.info("HTTP (health, metrics) on %s", info["http"])
         if cfg.api:
-            self.api_runner = web.AppRunner(api.app(), access_log=None)
+            # Its caller gone, a request's handler is cancelled (and its held bytes and
+            # replica slot freed); a connection idle or without headers is closed.
+            self.api_runner = web.AppRunner(api.app(), access_log=None,
+                                            handler_cancellation=True,
+                                            keepalive_timeout=cfg.idle_timeout_s)
             await self.api_runner.setup()
             host, _, port = cfg.api.rpartition(":")
-            site = web.TCPSite(self.api_runner, host, int(port))
+            site = GuardedSite(self.api_runner, host, int(port), self._guard("api", fds.api))
             await site.start()
-            info["api"] = f"{host}:{site._server.sockets[0].getsockname()[1]}"
+            info["api"] = f"{host}:{site.port}"
             log.info("endpoints' API on %s", info["api"])
         if info.get("api") or info.get("http"):
             self.state.api_base = f"http://{info.get('api') or info['http']}"
@@ -125,6 +142,13 @@ class BrokerServer:
         log.info("broker %s listening on %s (%s)", identity.id, self.address,
                  "plaintext, loopback only" if cfg.plaintext else "TLS")
         return self.address
+
+    def _guard(self, name: str, max_connections: int) -> ConnectionGuard:
+        metrics = self.state.metrics
+        guard = ConnectionGuard(name, max_connections, self.config.max_connections_per_peer,
+                                metrics.connections_refused)
+        metrics.connections.labels(listener=name).set_function(lambda: guard.open)
+        return guard
 
     async def stop(self) -> None:
         if self.http is not None:

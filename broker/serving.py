@@ -20,6 +20,7 @@ from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from gpumarket.broker.request_shares import Hold, NoRoom, RequestShares
 from gpumarket.proto.v1 import gateway_pb2 as gw
 from gpumarket.proto.v1 import types_pb2 as pb
 
@@ -30,7 +31,7 @@ MAX_ANSWER = 64 << 20       # all of one answer's bytes
 STATS_KEPT = 1000           # latest TTFT/TPOT samples per endpoint for `endpoint show`
 RETRIES = 2                 # another replica for a request nothing was streamed for yet
 MAX_REQUEST = (4 << 20) - (64 << 10)   # an InferenceRequest's body: under gRPC's 4 MiB
-MAX_HELD_BYTES = 64 << 20   # request bodies waiting or in flight, over all endpoints
+MAX_HELD_BYTES = 64 << 20   # request bodies held, over all endpoints (broker/request_shares.py)
 DEADLINE_TIMEOUTS = 4       # a request ends after this many request_timeouts in all
 BENCH_AFTER = 3             # server errors in a row after which a replica is chosen last ...
 BENCH_S = 30.0              # ... for this long
@@ -142,7 +143,7 @@ class Pending:
 
 class Serving:
     def __init__(self, sessions, metrics, queue_wait_s: float, cold_start_s: float,
-                 request_timeout_s: float) -> None:
+                 request_timeout_s: float, max_held_bytes: int = MAX_HELD_BYTES) -> None:
         self.sessions = sessions
         self.metrics = metrics
         self.queue_wait_s = queue_wait_s
@@ -156,7 +157,9 @@ class Serving:
         # know yet.
         self.announced: dict[tuple[str, int], tuple[str, gw.ReplicaReady]] = {}
         self.leftover: list[tuple] = []      # usage of replicas dropped since the last take
-        self.held_bytes = 0                  # request bodies waiting or in flight
+        # Request bodies held until their answer begins, shared fairly between clients
+        # and their endpoints; what is over its share gives way when others need room.
+        self.shares = RequestShares(max_held_bytes, self._evicted)
         self.kick = asyncio.Event()
         self.keys: dict[str, tuple[str | None, float]] = {}   # openai_api's key lookups
         self.keys_generation = 0             # bumped by forget_keys
@@ -313,9 +316,12 @@ class Serving:
 
     # -- requests ----------------------------------------------------------------------------
 
-    async def _acquire(self, ep: Endpoint, tried: set[str] = frozenset()) -> Replica:
+    async def _acquire(self, ep: Endpoint, hold: Hold, tried: set[str] = frozenset()) -> Replica:
         began = time.monotonic()
         while True:
+            if hold.evicted:
+                ep.wake()        # a slot it was woken for goes to the next waiter
+                raise self._eviction(ep)
             if self.endpoints.get(ep.id) is not ep:
                 raise Refused(503, f"endpoint {ep.name} stopped serving")
             replica = ep.best(tried)
@@ -340,13 +346,40 @@ class Serving:
                 self.kick.set()
             fut = asyncio.get_running_loop().create_future()
             ep.waiting.append(fut)
+            hold.waiter = fut
             try:
                 await asyncio.wait_for(fut, left)
             except TimeoutError:
                 pass
+            except BaseException:
+                # Woken for a free slot but leaving (its caller went away): the slot goes
+                # to the next waiter rather than waiting for a timeout to be noticed.
+                if fut.done() and not fut.cancelled() and fut.exception() is None:
+                    ep.wake()
+                raise
             finally:
+                hold.waiter = None
                 if not fut.done():
                     fut.cancel()
+
+    @staticmethod
+    def _eviction(ep: Endpoint) -> Refused:
+        return Refused(429, f"endpoint {ep.name} holds more than its share of the broker's"
+                       " request memory while other clients need some; retry later",
+                       retry_after=1)
+
+    def _evicted(self, hold: Hold) -> None:
+        """RequestShares took this request's bytes back for another endpoint's request: it
+        ends now in a 429, whether it waits for a slot or a replica has it."""
+        ep = self.endpoints.get(hold.endpoint_id)
+        refusal = self._eviction(ep) if ep is not None else Refused(
+            503, "the endpoint stopped serving")
+        if hold.waiter is not None and not hold.waiter.done():
+            hold.waiter.set_exception(refusal)
+        p = hold.pending
+        if p is not None and not p.done:
+            self._finish(p, {"error": refusal.message, "status": 429, "done": True})
+            self.cancel_on_provider(p)
 
     def _release(self, ep: Endpoint, replica: Replica) -> None:
         replica.in_flight = max(0, replica.in_flight - 1)
@@ -356,36 +389,41 @@ class Serving:
     async def run(self, ep: Endpoint, body: dict) -> AsyncIterator[dict]:
         """Serve one request: the engine's messages as they come ({"text": ...} pieces, then
         one final message with "done"). A request nothing was streamed for yet is tried again
-        on another replica when its replica goes away."""
+        on another replica when its replica goes away. Its body is held (within its
+        endpoint's share, broker/request_shares.py) until its answer begins; a request
+        evicted meanwhile ends in a 429."""
         began = ep.last_request = time.monotonic()
         ep.requests += 1
         data = json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
         if len(data) > MAX_REQUEST:
             raise Refused(413, f"the request is {len(data):,} bytes as the replica would get it,"
                           f" more than {MAX_REQUEST:,}")
-        if self.held_bytes + len(data) > MAX_HELD_BYTES:
-            raise Refused(429, "the broker holds too many requests' bytes now; retry later",
-                          retry_after=1)
-        self.held_bytes += len(data)
+        try:
+            hold = self.shares.take(ep.id, ep.client_id, len(data), data)
+        except NoRoom as exc:
+            raise Refused(429, f"endpoint {ep.name}: {exc.message}; retry later",
+                          retry_after=1) from exc
         limits = Limits(len(data), int(body.get("max_tokens") or 0))
+        del data, body                  # the hold has it, until the answer begins
         deadline = began + DEADLINE_TIMEOUTS * self.request_timeout_s
-        attempts = self._attempts(ep, data, limits, deadline, set(), began)
+        attempts = self._attempts(ep, hold, limits, deadline, set(), began)
         try:
             async for message in attempts:
                 yield message
         finally:
             await attempts.aclose()     # its cleanup now, not when it is collected
-            self.held_bytes -= len(data)
+            self.shares.release(hold)
 
-    async def _attempts(self, ep: Endpoint, data: bytes, limits: "Limits", deadline: float,
+    async def _attempts(self, ep: Endpoint, hold: Hold, limits: "Limits", deadline: float,
                         tried: set[str], began: float) -> AsyncIterator[dict]:
         first: float | None = None
         for attempt in range(RETRIES + 1):
-            replica = await self._acquire(ep, tried)
+            replica = await self._acquire(ep, hold, tried)
             tried.add(replica.job_id)
             p = Pending(f"{self._prefix}-{next(self._ids)}", ep, replica,
                         max_pieces=limits.max_tokens + 1)
             self.pending[p.id] = p
+            hold.pending = p
             streamed = False
             try:
                 session = self.sessions.get(replica.provider_id)
@@ -394,7 +432,7 @@ class Serving:
                 else:
                     session.send(gw.BrokerMessage(infer=gw.InferenceRequest(
                         request_id=p.id, job_id=replica.job_id, epoch=replica.epoch,
-                        body=data)))
+                        body=hold.data)))
                 while True:
                     wait = min(self.request_timeout_s, deadline - time.monotonic())
                     try:
@@ -411,18 +449,20 @@ class Serving:
                     if not last and first is None:
                         first = time.monotonic()
                     retry = (last and not streamed and attempt < RETRIES
-                             and message.get("status") == 503)
+                             and message.get("status") == 503 and not hold.evicted)
                     if retry:
                         replica.failed()
                         break
-                    if not last:
+                    if not last and not streamed:
                         streamed = True
+                        self.shares.release(hold)   # no retry from here: the body is done
                     if last:
                         self._account(ep, replica, message, began, first, limits)
                     yield message
                     if last:
                         return
             finally:
+                hold.pending = None
                 self.pending.pop(p.id, None)
                 if not p.done:         # the caller went away: the engine stops on it
                     p.done = True

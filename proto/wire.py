@@ -28,9 +28,18 @@ CLIENT_OPTIONS = (
 # at random up to 3,000 and all beyond) core refuses them as RESOURCE_EXHAUSTED before the
 # broker sees them, so the backlog is sized for the storm.
 MAX_PENDING_CALLS = 20_000
+# A connection that has not finished its TLS and HTTP/2 handshake within 30 s (gRPC's default
+# is 120 s) is closed, and one without a call for 5 minutes is sent GOAWAY (clients reconnect
+# on their next call; a provider's session is a call): what a stranger who only connects
+# holds, and for how long. The broker adds grpc.max_allowed_incoming_connections, gRPC's
+# share of its file descriptors (broker/listeners.py).
+HANDSHAKE_TIMEOUT_MS = 30_000
+MAX_CONNECTION_IDLE_MS = 300_000
 SERVER_OPTIONS = (
     ("grpc.server.max_pending_requests", MAX_PENDING_CALLS),
     ("grpc.server.max_pending_requests_hard_limit", 2 * MAX_PENDING_CALLS),
+    ("grpc.server_handshake_timeout_ms", HANDSHAKE_TIMEOUT_MS),
+    ("grpc.max_connection_idle_ms", MAX_CONNECTION_IDLE_MS),
     ("grpc.keepalive_time_ms", 60_000),
     ("grpc.keepalive_timeout_ms", 20_000),
     ("grpc.keepalive_permit_without_calls", 1),
