@@ -120,6 +120,80 @@ def test_a_guard_caps_each_peer_and_the_listener():
     asyncio.run(main())
 
 
+def test_asyncios_accept_errors_become_one_line(caplog):
+    """asyncio's own server logs "socket.accept() out of system resource" with a traceback
+    per failed accept; with the broker's handler installed it is one line per 10 s."""
+    from gpumarket.broker.listeners import throttle_accept_errors
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        throttle_accept_errors(loop)
+        for _ in range(1000):
+            loop.call_exception_handler({"message": "socket.accept() out of system resource",
+                                         "exception": OSError(24, "Too many open files")})
+    with caplog.at_level("WARNING"):
+        asyncio.run(main())
+    assert len(caplog.records) == 1 and "Traceback" not in caplog.text, caplog.text
+
+
+OUT_OF_DESCRIPTORS = """
+import asyncio, logging, resource, sys
+from aiohttp import web
+from gpumarket.broker.listeners import ConnectionGuard, GuardedSite
+
+logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+resource.setrlimit(resource.RLIMIT_NOFILE, (200, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+
+async def main():
+    app = web.Application()
+    app.router.add_get("/healthz", lambda request: web.Response(text="ok"))
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = GuardedSite(runner, "127.0.0.1", 0, ConnectionGuard("api", 100_000, 0))
+    await site.start()
+    print(site.port, flush=True)
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+    await runner.cleanup()
+
+asyncio.run(main())
+"""
+
+
+def test_a_listener_out_of_descriptors_pauses_and_logs_one_line(tmp_path):
+    """Where the process has no descriptor left (here: a limit of 200 and caps that do not
+    bind), the listener pauses accepting for a second instead of spinning, logs a line with
+    a count instead of a traceback per failed accept, and serves again once connections
+    close."""
+    import subprocess
+    import sys
+
+    log = tmp_path / "listener.log"
+    child = subprocess.Popen([sys.executable, "-c", OUT_OF_DESCRIPTORS], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=open(log, "w"), text=True)
+    try:
+        port = int(child.stdout.readline())
+        flood = []
+        for _ in range(400):
+            try:
+                flood.append(connect(port, send=b"GET / HT"))
+            except OSError:
+                break                                  # its backlog is full: enough
+        wait_until(lambda: any(words in log.read_text() for words in (
+            "out of file descriptors", "out of system resource")),
+            "the listener to run out of descriptors", 30)
+        time.sleep(2)                                  # it keeps failing for a while
+        for s in flood:
+            s.close()
+        assert wait_until(lambda: get(port) == 200, "the listener to serve again", 30)
+        child.stdin.write("\n")
+        child.stdin.flush()
+        child.wait(30)
+    finally:
+        child.kill()
+    text = log.read_text()
+    assert "Traceback" not in text and len(text.splitlines()) <= 4, text
+
+
 # -- real processes -------------------------------------------------------------------------------
 
 def broker_info(market: Marketplace) -> dict:
@@ -138,6 +212,7 @@ def metric(market: Marketplace, name: str) -> float:
 def connect(port: int, source: str = "127.0.0.1", send: bytes = b"") -> socket.socket:
     s = socket.socket()
     s.bind((source, 0))
+    s.settimeout(10)
     s.connect(("127.0.0.1", port))
     if send:
         s.sendall(send)
