@@ -21,7 +21,7 @@ from gpumarket.proto.artifacts import sha256_file
 from gpumarket.proto.envelope import seal
 from gpumarket.proto.errors import GpumarketError
 from gpumarket.proto.identity import Identity
-from gpumarket.proto.jobspec import LOG_LINE_CHARS, LOG_LINES_PER_UPDATE, now_ms
+from gpumarket.proto.jobspec import now_ms
 from gpumarket.proto.v1 import gateway_pb2 as gw
 from gpumarket.proto.v1 import types_pb2 as pb
 from gpumarket.provider import checkpoints, jobfiles
@@ -32,6 +32,8 @@ from gpumarket.provider.inventory import DeviceInfo, local_models
 from gpumarket.provider.isolation import Isolation
 from gpumarket.provider.leases import Assignment, runner_config
 from gpumarket.provider.replica import EngineLink
+from gpumarket.provider.reports import Checkpoint, Done, Log, Progress, Report, TaskEnded
+from gpumarket.provider.sandbox import kill_uid
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +116,7 @@ class Attempt:
 
     async def run(self) -> None:
         job_id = self.key[0]
+        final = None
         try:
             resumed_from = await self.prepare()
             if self.cancelled:
@@ -137,6 +140,14 @@ class Attempt:
         except Exception:
             log.exception("job %s failed in the provider", job_id)
             final = self.update(failed=gw.JobFailed(error="provider error while running"))
+        finally:
+            # However it ended (the daemon's own code failing after the start included),
+            # nothing of the job runs on once its device is told free.
+            if self.process is not None:
+                try:
+                    await self.process.end()
+                except Exception:   # the next job on its devices ends what is left first
+                    log.exception("job %s: not all of it could be ended", job_id)
         if final is not None and not self.cancelled:
             await self.host.finished(self, final)
 
@@ -227,47 +238,35 @@ class Attempt:
 
     # -- what the job reports --------------------------------------------------------------
 
-    async def on_report(self, report: dict) -> None:
-        event = report.get("event")
-        if event == "progress":
+    async def on_report(self, report: Report) -> None:
+        """Pass on what the job reported (checked by provider/reports.py: in range, and a
+        checkpoint's path a plain path inside its work directory)."""
+        if isinstance(report, Progress):
             now = time.monotonic()
-            step, total = int(report.get("step", 0)), int(report.get("total", 0))
-            if now - self.last_progress < self.host.config.progress_interval_s and step < total:
+            if (now - self.last_progress < self.host.config.progress_interval_s
+                    and report.step < report.total):
                 return
             self.last_progress = now
-            metrics = {k: float(v) for k, v in (report.get("metrics") or {}).items()
-                       if isinstance(v, (int, float))}
-            self.host.send(self.update(progress=pb.Progress(step=step, total=total,
-                                                            metrics=metrics)))
-        elif event == "log" and isinstance(report.get("lines"), list):
-            lines = [str(line)[:LOG_LINE_CHARS]
-                     for line in report["lines"][:LOG_LINES_PER_UPDATE]]
-            self.host.send(self.update(log=gw.JobLog(lines=lines)))
-        elif event == "task":
+            self.host.send(self.update(progress=pb.Progress(
+                step=report.step, total=report.total, metrics=report.metrics)))
+        elif isinstance(report, Log):
+            self.host.send(self.update(log=gw.JobLog(lines=report.lines)))
+        elif isinstance(report, TaskEnded):
             self.task_ended(report)
-        elif event == "checkpoint":
-            path = PurePosixPath(str(report.get("path", "")))
-            if path.is_absolute():
-                if not path.is_relative_to(self.workdir):
-                    log.warning("job %s reported a checkpoint outside its work dir", self.key[0])
-                    return
-                path = path.relative_to(self.workdir)
-            self.pending_checkpoint = (int(report.get("step", 0)), str(path),
-                                       float(report.get("write_seconds", 0.0)))
+        elif isinstance(report, Checkpoint):
+            self.pending_checkpoint = (report.step, report.path, report.write_seconds)
             if self.uploader is None or self.uploader.done():
                 self.uploader = asyncio.create_task(self.upload_checkpoints())
 
-    def task_ended(self, report: dict) -> None:
+    def task_ended(self, report: TaskEnded) -> None:
         """A task of a job array's lease ended: pass it on with the others that end within
         TASK_FLUSH_S (one update for many short tasks)."""
-        task = report.get("task")
-        if not isinstance(task, int) or task not in self.tasks_open:
+        task = report.task
+        if task not in self.tasks_open:
             return          # not a task of this lease, or told already
         self.tasks_open.discard(task)
-        seconds = report.get("seconds")
-        result = gw.TaskResult(
-            task=task, ok=report.get("ok") is True, error=str(report.get("error") or "")[:1000],
-            seconds=float(seconds) if isinstance(seconds, (int, float)) else 0.0)
+        result = gw.TaskResult(task=task, ok=report.ok, error=report.error,
+                               seconds=report.seconds)
         if result.ok and os.path.lexists(self.workdir / task_outputs(task)):
             self.to_upload.append(result)
             if self.task_uploader is None or self.task_uploader.done():
@@ -346,7 +345,7 @@ class Attempt:
             try:
                 await asyncio.to_thread(self.pack, path, tar)
                 ref = await self.host.upload(tar, "checkpoint.tar")
-            except GpumarketError as exc:
+            except (GpumarketError, OSError) as exc:    # the job's files: anything goes
                 log.warning("job %s: checkpoint at step %d not uploaded: %s", self.key[0],
                             step, exc)
                 continue
@@ -405,7 +404,7 @@ class Attempt:
         return [pb.ArtifactRef(name=name, sha256=sent[d].sha256, size_bytes=sent[d].size_bytes)
                 for (_, name), d in zip(files, digests)]
 
-    async def receipt(self, done: dict, wall_seconds: float) -> pb.Envelope:
+    async def receipt(self, done: Done, wall_seconds: float) -> pb.Envelope:
         """Upload the job's outputs (an array lease's: of its tasks that sent none with their
         own receipt) and sign the receipt for them."""
         a = self.assignment
@@ -416,9 +415,7 @@ class Attempt:
                     if task not in self.receipted]
             dirs = [(rel, task) for rel, task in dirs   # not a task that wrote no outputs
                     if os.path.lexists(self.workdir / rel)]
-        metrics = {k: float(v) for k, v in (done.get("metrics") or {}).items()
-                   if isinstance(v, (int, float))}
-        return self.sign(await self.upload_outputs(dirs), wall_seconds, metrics)
+        return self.sign(await self.upload_outputs(dirs), wall_seconds, done.metrics)
 
     async def upload_outputs(self, dirs: list[tuple[str, int | None]]) -> list[pb.ArtifactRef]:
         """Upload the files of ``dirs`` (in the work dir; a task's named by its task). The job
@@ -486,34 +483,37 @@ class Attempt:
         self.task = asyncio.create_task(self._reattached())
         return self.task
 
-    def tasks_meanwhile(self, reports: list[dict]) -> None:
+    def tasks_meanwhile(self, tasks: list[TaskEnded]) -> None:
         """Pass on the tasks of a job array's lease that ended while no daemon watched."""
-        for report in reports:
-            if report.get("event") == "task":
-                self.task_ended(report)
+        for report in tasks:
+            self.task_ended(report)
 
     async def _reattached(self) -> None:
-        reports = read_reports(self.workdir, self.job_uid)
-        self.tasks_meanwhile(reports)
-        ckpts = [r for r in reports if r.get("event") == "checkpoint"]
-        if ckpts:
-            await self.on_report(ckpts[-1])
+        meanwhile = await asyncio.to_thread(read_reports, self.workdir, self.job_uid,
+                                            self.tasks_open)
+        self.tasks_meanwhile(meanwhile.tasks)
+        if meanwhile.checkpoint is not None:
+            await self.on_report(meanwhile.checkpoint)
         final = await self.follow()
         if final is not None and not self.cancelled:
             await self.host.finished(self, final)
 
-    def done_meanwhile(self) -> dict | None:
+    def done_meanwhile(self) -> Done | None:
         """The job's "done" report, if it finished while no daemon watched it."""
-        done = [r for r in read_reports(self.workdir, self.job_uid) if r.get("event") == "done"]
-        return done[-1] if done else None
+        return read_reports(self.workdir, self.job_uid).done
 
-    def finish_meanwhile(self, done: dict) -> asyncio.Task:
+    def finish_meanwhile(self, done: Done) -> asyncio.Task:
         """Sign the receipt of a job that finished while no daemon watched it."""
         async def finish() -> None:
-            self.tasks_meanwhile(read_reports(self.workdir, self.job_uid))
+            if self.host.isolation.uids is not None and self.job_uid != os.geteuid():
+                # Whatever it left running goes before its outputs are read.
+                await asyncio.to_thread(kill_uid, self.job_uid)
+            meanwhile = await asyncio.to_thread(read_reports, self.workdir, self.job_uid,
+                                                self.tasks_open)
+            self.tasks_meanwhile(meanwhile.tasks)
             await self.settle_tasks()
             try:
-                seconds = float((done.get("metrics") or {}).get("train_seconds", 0.0))
+                seconds = done.metrics.get("train_seconds", 0.0)
                 final = self.update(receipt=await self.receipt(done, seconds))
             except GpumarketError as exc:
                 final = self.update(failed=gw.JobFailed(error=str(exc)))

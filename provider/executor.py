@@ -11,7 +11,6 @@ outlived the daemon before it (``JobProcess.attach``). A job of a kind with a fo
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import signal
@@ -23,10 +22,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gpumarket.proto.jobspec import LOG_LINES_PER_UPDATE
-from gpumarket.provider import jobfiles
+from gpumarket.provider import jobfiles, keyrings, reports
 from gpumarket.provider.cgroups import CgroupError, JobCgroup
+from gpumarket.provider.reports import (
+    Checkpoint,
+    Done,
+    Drained,
+    Report,
+    ReportReader,
+    TaskEnded,
+)
 from gpumarket.provider.sandbox import ENV as SANDBOX_ENV
-from gpumarket.provider.sandbox import Sandbox, kill_uid
+from gpumarket.provider.sandbox import Sandbox, kill_uid, reclaim_uid
 
 if TYPE_CHECKING:
     from gpumarket.provider.forkservers import ForkServers
@@ -34,7 +41,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 LOG_READ_BYTES = 1 << 20       # read at most this much of job.log per poll
-REPORTS_READ_BYTES = 1 << 20   # ... and of the reports
+REPORTS_READ_BYTES = reports.MAX_LINE   # ... and of the reports
 
 REPORTS = "reports.jsonl"
 POLL_S = 0.05
@@ -47,7 +54,7 @@ PASSTHROUGH_ENV = ("PATH", "LANG", "LC_ALL", "TZ", "VIRTUAL_ENV")
 @dataclass
 class Outcome:
     exit_code: int | None      # None for a re-attached job (not our child)
-    done: dict | None          # the runner's final "done" report, if it got that far
+    done: Done | None          # the runner's final "done" report, if it got that far
     drained: bool              # the runner checkpointed and stopped on request
     error: str                 # for a failure: what happened, with the log's last line
     wall_seconds: float
@@ -90,24 +97,47 @@ def job_owner(box: Sandbox | None) -> int:
     return box.uid if box is not None and box.uid is not None else os.geteuid()
 
 
-def read_reports(workdir: Path, owner: int) -> list[dict]:
-    """Every complete report line the job wrote so far."""
+@dataclass
+class Meanwhile:
+    """What a job reported while no daemon followed it (``read_reports``)."""
+    tasks: list[TaskEnded]          # of the tasks asked about, each one's first report
+    checkpoint: Checkpoint | None   # its last checkpoint report
+    done: Done | None               # its "done" report, if it finished
+
+
+def read_reports(workdir: Path, owner: int, tasks: frozenset[int] | set[int] = frozenset()
+                 ) -> Meanwhile:
+    """What the job's reports file holds so far, read a chunk at a time (however much the
+    job wrote, only the reports kept take memory). A reports file that is not the job's own
+    plain file holds nothing."""
+    out = Meanwhile([], None, None)
     try:
         fd = jobfiles.open_under(workdir, REPORTS, owner=owner)
     except (OSError, jobfiles.JobFileError):
-        return []
+        return out
+    reader, offset, told = ReportReader(workdir), 0, set()
     try:
-        data = os.pread(fd, os.fstat(fd).st_size, 0)
+        while data := os.pread(fd, REPORTS_READ_BYTES, offset):
+            end = data.rfind(b"\n")
+            if end < 0:
+                if len(data) < REPORTS_READ_BYTES:
+                    break                   # a last line the job has not ended yet
+                offset += len(data)         # a line longer than any report: skipped
+                continue
+            offset += end + 1
+            for report in reader.lines(data[:end]):
+                if isinstance(report, TaskEnded):
+                    if report.task in tasks and report.task not in told:
+                        told.add(report.task)
+                        out.tasks.append(report)
+                elif isinstance(report, Checkpoint):
+                    out.checkpoint = report
+                elif isinstance(report, Done):
+                    out.done = report
+    except OSError:
+        pass
     finally:
         os.close(fd)
-    out = []
-    for line in data.split(b"\n")[:-1]:
-        try:
-            item = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(item, dict):
-            out.append(item)
     return out
 
 
@@ -158,11 +188,15 @@ class ForkedChild:
         return self.returncode
 
 
+_NOT_ENDED = object()
+
+
 class JobProcess:
-    """One job process; ``run()`` follows it to the end, ``stop()`` ends it."""
+    """One job process; ``run()`` follows it to the end, ``stop()`` ends it. However either
+    ends (an exception of the daemon's own included), nothing of the job outlives it."""
 
     def __init__(self, module: str, workdir: Path, env: dict[str, str],
-                 on_report: Callable[[dict], Awaitable[None]], max_runtime_s: float,
+                 on_report: Callable[[Report], Awaitable[None]], max_runtime_s: float,
                  grace_s: float, forks: ForkServers | None = None,
                  sandbox: Sandbox | None = None, disk_quota_bytes: int = 0,
                  cgroup: JobCgroup | None = None, stdin: int | None = None) -> None:
@@ -186,6 +220,8 @@ class JobProcess:
         self._log_offset = 0
         self._killed = False
         self._stop_reason = ""
+        self._reader = ReportReader(workdir)
+        self._ended_for: object = _NOT_ENDED    # the pid end_all() last ended everything of
         # The daemon reads the job's log and reports through descriptors it opened itself:
         # whatever the job later puts under those names is never read.
         self._log_fd = self._reports_fd = -1
@@ -211,6 +247,13 @@ class JobProcess:
         (self.workdir / "tmp").mkdir(exist_ok=True)
         self._create_files()
         if self.sandbox is not None:
+            if self.sandbox.uid is not None:
+                # Its uid is the device's: nothing of an earlier job may still run as it
+                # when the work directory becomes that uid's.
+                killed = await asyncio.to_thread(reclaim_uid, self.sandbox.uid)
+                if killed:
+                    log.warning("job in %s: killed %d processes left of an earlier job of"
+                                " uid %d", self.workdir.name, killed, self.sandbox.uid)
             hand_over(self.workdir, self.sandbox)
         forks, self.forks = self.forks, None
         if forks is not None and self.stdin is None:
@@ -259,6 +302,14 @@ class JobProcess:
         return self.pid is not None and pid_runs_in(self.pid, self.workdir)
 
     async def run(self) -> Outcome:
+        """Follow the job to its end; its outcome. Every way this ends (a result, a stop,
+        an exception, a cancel) it ends all of the job first."""
+        try:
+            return await self._run()
+        finally:
+            await self.end()
+
+    async def _run(self) -> Outcome:
         if self.pid is None:
             await self.start()
         started = time.monotonic()
@@ -271,7 +322,8 @@ class JobProcess:
             await self._drain_reports(state)
         code = await self.proc.wait() if self.proc is not None else None
         wall = time.monotonic() - started
-        await asyncio.to_thread(self.end_all)
+        if not self._all_ended():
+            await asyncio.to_thread(self.end_all)
         done = state["done"] if code in (0, None) else None
         error = ""
         if done is None and not state["drained"]:
@@ -290,15 +342,15 @@ class JobProcess:
             if tail and not self._killed:
                 error += ": " + tail.splitlines()[-1][:500]
         self.close()
-        if self.cgroup is not None:
-            await asyncio.to_thread(self.cgroup.remove)
         return Outcome(code, done, state["drained"] and done is None, error, wall, self._killed)
 
     def end_all(self) -> None:
         """Nothing of the job outlives it: every process of its control group (however it
-        forked or detached), of its process group, and of its uid."""
-        if self.pid is not None:
-            signal_group(self.pid, signal.SIGKILL)
+        forked or detached), of its process group, and of its uid; then its uid's keyrings
+        are emptied."""
+        pid = self.pid
+        if pid is not None:
+            signal_group(pid, signal.SIGKILL)
         if self.cgroup is not None:
             try:
                 self.cgroup.kill()
@@ -306,6 +358,23 @@ class JobProcess:
                 log.error("job in %s: %s", self.workdir, exc)
         if self.sandbox is not None and self.sandbox.uid is not None:
             kill_uid(self.sandbox.uid)
+            if self.sandbox.keyring and not keyrings.clear_as(self.sandbox.uid):
+                log.warning("job in %s: the keyrings of uid %d were not emptied (the next"
+                            " job of that uid empties them first)", self.workdir.name,
+                            self.sandbox.uid)
+        self._ended_for = pid
+
+    def _all_ended(self) -> bool:
+        """Whether end_all() ran since the job's process started."""
+        return self._ended_for is not _NOT_ENDED and self._ended_for == self.pid
+
+    async def end(self) -> None:
+        """End all of the job (unless that was done since it started) and remove its
+        control group. Safe to call any number of times."""
+        if not self._all_ended():
+            await asyncio.to_thread(self.end_all)
+        if self.cgroup is not None:
+            await asyncio.to_thread(self.cgroup.remove)
 
     async def _follow(self, state: dict) -> None:
         while True:
@@ -337,8 +406,7 @@ class JobProcess:
             self._log_offset += end
             lines = data[:end].decode("utf-8", "replace").splitlines()
             for i in range(0, len(lines), LOG_LINES_PER_UPDATE):
-                await self.on_report({"event": "log",
-                                      "lines": lines[i:i + LOG_LINES_PER_UPDATE]})
+                await self.on_report(reports.log_report(lines[i:i + LOG_LINES_PER_UPDATE]))
             if not (final and len(data) == LOG_READ_BYTES):
                 return
 
@@ -355,25 +423,13 @@ class JobProcess:
             await self._handle_reports(data[:end], state)
 
     async def _handle_reports(self, data: bytes, state: dict) -> None:
-        unreadable = 0
-        for line in data.split(b"\n"):
-            try:
-                report = json.loads(line)
-            except ValueError:
-                unreadable += 1
-                continue
-            if not isinstance(report, dict):
-                continue
-            event = report.get("event")
-            if event == "done":
+        for report in self._reader.lines(data):
+            if isinstance(report, Done):
                 state["done"] = report
-            elif event == "drained":
+            elif isinstance(report, Drained):
                 state["drained"] = True
             else:
                 await self.on_report(report)
-        if unreadable:
-            log.warning("job in %s wrote %d unreadable report lines", self.workdir.name,
-                        unreadable)
 
     async def _over_quota(self) -> bool:
         now = time.monotonic()
@@ -408,9 +464,7 @@ class JobProcess:
                 while self.alive():
                     await asyncio.sleep(POLL_S)
         # A stopped job's follower (run) may be cancelled next: end everything here.
-        await asyncio.to_thread(self.end_all)
-        if self.cgroup is not None:
-            await asyncio.to_thread(self.cgroup.remove)
+        await self.end()
 
 
 def disk_usage(root: Path) -> int:

@@ -7,9 +7,15 @@ In a new mount namespace (root only), before the job drops to its uid:
   covered by a fresh tmpfs of bounded size, so nothing a job leaves there outlives it or is
   seen by the next job, and it cannot fill the host's disk through them;
 - a directory on the way to something the job needs (the interpreter, its packages, the work
-  directory, the models) that its uid may not pass through (a Python under ``/root``, a data
-  directory under a closed home) is covered by an empty tmpfs that shows only those paths,
-  bind-mounted back: the job reaches what it needs and sees nothing else there.
+  directory, the models) that its uid may not pass through or may not list (a Python under
+  ``/root``, a data directory under a closed home, the provider's data and jobs directories)
+  is covered by an empty tmpfs that shows only those paths, bind-mounted back: the job
+  reaches what it needs and sees nothing else there, not even the names (another job's work
+  directory is not there to find);
+- the control-group directory that holds the job's group beside the other jobs' groups
+  (named by their work directories) shows it only its own (``hide_beside``);
+- in a job's own PID namespace, ``/proc`` is a new procfs of that namespace: the job sees
+  its own processes and no others (``mount_proc``).
 
 Mount events do not propagate back to the host (the new namespace is made private first).
 No torch here: this runs in the job process before anything of the job.
@@ -23,7 +29,7 @@ import stat
 from pathlib import PurePosixPath
 
 CLONE_NEWNS, CLONE_NEWIPC = 0x00020000, 0x08000000
-MS_NOSUID, MS_NODEV, MS_BIND, MS_REC, MS_PRIVATE = 2, 4, 4096, 16384, 1 << 18
+MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND, MS_REC, MS_PRIVATE = 2, 4, 8, 4096, 16384, 1 << 18
 SCRATCH_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")
 COVER_BYTES = 1 << 20        # a tmpfs that only holds the mount points of what it shows
 MAX_COVERS = 64
@@ -52,14 +58,17 @@ def unshare_mounts() -> None:
     _mount(None, "/", None, MS_REC | MS_PRIVATE)
 
 
-def passable(path: str, uid: int, gid: int) -> bool:
-    """Whether ``uid``/``gid`` (with no other groups) may pass through directory ``path``."""
+def passable(path: str, uid: int, gid: int, *, listable: bool = False) -> bool:
+    """Whether ``uid``/``gid`` (with no other groups) may pass through directory ``path``
+    (and, with ``listable``, also read its names)."""
     st = os.stat(path)
     if st.st_uid == uid:
-        return bool(st.st_mode & stat.S_IXUSR)
-    if st.st_gid == gid:
-        return bool(st.st_mode & stat.S_IXGRP)
-    return bool(st.st_mode & stat.S_IXOTH)
+        bits = stat.S_IXUSR | (stat.S_IRUSR if listable else 0)
+    elif st.st_gid == gid:
+        bits = stat.S_IXGRP | (stat.S_IRGRP if listable else 0)
+    else:
+        bits = stat.S_IXOTH | (stat.S_IROTH if listable else 0)
+    return st.st_mode & bits == bits
 
 
 def _ancestors(path: str) -> list[str]:
@@ -103,7 +112,8 @@ def private_view(needed: list[str], uid: int, gid: int, scratch_bytes: int) -> l
     covered = []
     for _ in range(MAX_COVERS):
         closed = next((a for p in needed for a in _ancestors(p)[:-1]
-                       if not passable(a, uid, gid)), None)
+                       if a not in covered and not passable(a, uid, gid, listable=True)),
+                      None)
         if closed is None:
             break
         _cover(closed, needed, f"size={COVER_BYTES},mode=711")
@@ -113,3 +123,17 @@ def private_view(needed: list[str], uid: int, gid: int, scratch_bytes: int) -> l
     shown = ", ".join(done) or "none"
     return [f"private {shown}"] + ([f"only the job's paths in {', '.join(covered)}"]
                                    if covered else [])
+
+
+def mount_proc() -> None:
+    """A procfs of this process's PID namespace on /proc (in its own mount namespace, as
+    the first process of a new PID namespace): the job's processes, and only those."""
+    _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+
+
+def hide_beside(paths: list[str]) -> None:
+    """Cover the directory holding each of ``paths`` so that it shows that path alone (a
+    job's own control group, not the groups of the jobs beside it). In the job's own mount
+    namespace (``private_view``); raises MountError."""
+    for path in paths:
+        _cover(os.path.dirname(path), [path], f"size={COVER_BYTES},mode=755")

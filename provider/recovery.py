@@ -37,8 +37,29 @@ def assignment_of(entry: Entry) -> Assignment | None:
     return Assignment(lease, spec, client_id, payload_sha256(lease.job_spec))
 
 
+def _parent(pid: int) -> int:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def _descends_from(pid: int, keep: set[int]) -> bool:
+    """Whether ``pid`` is a process forked by one in ``keep`` (a re-attached job's own
+    processes, such as the init and job process of its PID namespace, share its command
+    line)."""
+    for _ in range(64):
+        pid = _parent(pid)
+        if pid <= 1:
+            return False
+        if pid in keep:
+            return True
+    return False
+
+
 def kill_orphans(jobs_dir: Path, keep: set[int]) -> list[int]:
-    """SIGKILL job processes started for ``jobs_dir`` that are not in ``keep``; return them."""
+    """SIGKILL job processes started for ``jobs_dir`` that are not in ``keep`` nor forked by
+    one in it; return them."""
     marker = str(jobs_dir).encode()
     killed = []
     for entry in Path("/proc").iterdir():
@@ -48,7 +69,8 @@ def kill_orphans(jobs_dir: Path, keep: set[int]) -> list[int]:
             cmd = (entry / "cmdline").read_bytes()
         except OSError:
             continue
-        if marker in cmd and b"gpumarket.provider.runners" in cmd:
+        if (marker in cmd and b"gpumarket.provider.runners" in cmd
+                and not _descends_from(int(entry.name), keep)):
             pid = int(entry.name)
             log.warning("killing orphaned job process %d", pid)
             signal_group(pid, signal.SIGKILL)

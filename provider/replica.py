@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 from gpumarket.proto.ratelimit import RateLimiter
 from gpumarket.proto.v1 import gateway_pb2 as gw
+from gpumarket.provider import reports
 
 log = logging.getLogger(__name__)
 
@@ -68,25 +69,20 @@ class EngineLink:
 
     def _handle(self, line: bytes) -> None:
         try:
-            message = json.loads(line)
-        except (ValueError, RecursionError):
+            message = reports.engine_line(line)
+        except reports.Malformed:
             return
-        if not isinstance(message, dict):
+        if isinstance(message, reports.EngineReady):
+            if self.ready is None:
+                self.ready = gw.ReplicaReady(
+                    engine=message.engine, task=message.task,
+                    max_concurrency=message.max_concurrency, max_seq_len=message.max_seq_len)
+                self.on_ready(self.ready)
             return
-        if message.get("event") == "ready" and self.ready is None:
-            def count(key: str) -> int:
-                value = message.get(key)
-                return value if type(value) is int and 0 < value < 2**31 else 0
-            self.ready = gw.ReplicaReady(
-                engine=str(message.get("engine", ""))[:200],
-                task=str(message.get("task", ""))[:20],
-                max_concurrency=count("max_concurrency"), max_seq_len=count("max_seq_len"))
-            self.on_ready(self.ready)
+        request_id = message.request_id
+        if request_id not in self.open:
             return
-        request_id = message.get("id")
-        if not isinstance(request_id, str) or request_id not in self.open:
-            return
-        last = bool(message.get("done"))
+        last = message.last
         self.open[request_id] += len(line)
         if self.open[request_id] > MAX_ANSWER and not last:
             self.cancel(request_id)

@@ -4,9 +4,11 @@ A ``Sandbox`` says how far, and ``apply`` does it in the job's own process, in t
 join the job's control group (provider/cgroups.py: memory, processes and CPU of the whole
 job, and one kill for all of it), a network namespace with only loopback, a mount namespace
 with private scratch directories and a way to only the paths the job needs
-(provider/mounts.py), resource limits, a private umask, and last the job's own unprivileged
-uid (from the daemon's own range, provider/job_uids.py). The first steps need root; the uid
-switch ends it. The daemon starts a cold job as ``python -m gpumarket.provider.sandbox MODULE
+(provider/mounts.py), a PID namespace of its own with its own /proc (provider/pidns.py),
+resource limits, a private umask, the job's own unprivileged uid (from the daemon's own
+range, provider/job_uids.py), and last a fresh session keyring with the uid's own keyrings
+emptied (provider/keyrings.py). The first steps need root; the uid switch ends it. The
+daemon starts a cold job as ``python -m gpumarket.provider.sandbox MODULE
 WORKDIR`` with the sandbox in ``$GPUMARKET_SANDBOX``; a job forked by its kind's
 forkserver (runners/forkserver.py) applies the one in its order before it runs anything of
 the job. The work directory's disk quota is watched by the executor
@@ -34,7 +36,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from gpumarket.provider import cgroups, mounts
+from gpumarket.provider import cgroups, keyrings, mounts, pidns
 from gpumarket.provider.job_uids import UidRange, UidRangeError, claim
 
 ENV = "GPUMARKET_SANDBOX"
@@ -50,6 +52,12 @@ PROBE_RUNNER = "gpumarket.provider.runners.training"   # what a job imports firs
 # shared, not a way out; so a host that delegates `memory` alone runs such jobs
 # (docs/security.md).
 CODE_NEEDS = ("unprivileged_user", "no_network", "private_tmp", "job_cgroup", "memory_limit")
+# How the probe tells a PID namespace (the job is pid 2 beside its init, and its /proc shows
+# those two only) and a fresh session keyring (not the one the probe has).
+PID_CHECK = ("import os; p = sorted(int(x) for x in os.listdir('/proc') if x.isdigit());"
+             " assert os.getpid() == 2 and p == [1, 2], f'/proc shows {len(p)} processes'")
+KEYRING_CHECK = ("from gpumarket.provider import keyrings as k; assert k.session_id() not in"
+                 " (0, {session}), 'the session keyring is not a fresh one'")
 
 
 @dataclass(frozen=True)
@@ -61,6 +69,9 @@ class Sandbox:
     cgroups: tuple[str, ...] = ()      # cgroup.procs files of the job's group, to join
     scratch_bytes: int = 0             # > 0: own mount namespace, private scratch of this size
     expose: tuple[str, ...] = ()       # paths the job needs besides the interpreter's
+    pid_namespace: bool = False        # its own PID namespace and /proc
+    keyring: bool = False              # a fresh session keyring (and, with a uid, its
+                                       # uid's own keyrings emptied)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -73,7 +84,9 @@ class Sandbox:
                            if k in LIMITS},
                    cgroups=tuple(raw.get("cgroups") or ()),
                    scratch_bytes=int(raw.get("scratch_bytes") or 0),
-                   expose=tuple(raw.get("expose") or ()))
+                   expose=tuple(raw.get("expose") or ()),
+                   pid_namespace=bool(raw.get("pid_namespace")),
+                   keyring=bool(raw.get("keyring")))
 
 
 class SandboxError(Exception):
@@ -109,8 +122,11 @@ def interpreter_paths() -> list[str]:
 
 def apply(box: Sandbox) -> list[str]:
     """Give up what ``box`` says, for good; return notes for the job's log. Raises
-    SandboxError if any of it fails (the job must not run half-isolated)."""
+    SandboxError if any of it fails (the job must not run half-isolated). With a PID
+    namespace, the process that calls this stays outside it and never returns (it ends as
+    the job does, provider/pidns.py); this returns in the job's process inside it."""
     notes = []
+    status_w = None
     try:
         if box.cgroups:
             cgroups.join(list(box.cgroups))
@@ -122,8 +138,17 @@ def apply(box: Sandbox) -> list[str]:
             gid = box.gid if box.gid is not None else uid
             notes += mounts.private_view([*interpreter_paths(), *box.expose], uid, gid,
                                          box.scratch_bytes)
+            mounts.hide_beside([os.path.dirname(f) for f in box.cgroups])
+        if box.pid_namespace:
+            if not box.scratch_bytes:
+                mounts.unshare_mounts()      # its /proc must not be the host's
+            status_w = pidns.enter(box.uid, box.gid)
+            mounts.mount_proc()
+            notes.append("own PID namespace and /proc")
     except (cgroups.CgroupError, mounts.MountError) as exc:
         raise SandboxError(str(exc)) from exc
+    except OSError as exc:
+        raise SandboxError(exc.strerror or str(exc)) from exc
     for name, value in box.limits.items():
         which = getattr(resource, f"RLIMIT_{name}")
         hard = resource.getrlimit(which)[1]
@@ -141,6 +166,17 @@ def apply(box: Sandbox) -> list[str]:
             os.setuid(box.uid)
         except OSError as exc:
             raise SandboxError(f"cannot run as uid {box.uid} ({exc.strerror})") from exc
+    if box.keyring:
+        try:
+            keyrings.fresh(clear=box.uid is not None)
+        except keyrings.KeyringError as exc:
+            raise SandboxError(f"no fresh keyrings ({exc})") from exc
+        notes.append("fresh keyrings")
+    if status_w is not None:
+        try:
+            pidns.start_job(status_w)
+        except OSError as exc:
+            raise SandboxError(f"cannot start the job in its PID namespace ({exc})") from exc
     return notes
 
 
@@ -169,6 +205,10 @@ def probe(jobs_dir: str | None = None, uids: UidRange | None = None,
     """What this host gives: each feature tried for real in a child process, the job uid
     one by importing what a job's runner imports, as that uid, in the sandbox a job gets
     (a job uid is only usable if it can run the runner and reach ``jobs_dir``)."""
+    try:
+        session = keyrings.session_id()
+    except keyrings.KeyringError:
+        session = -1
     first = _attempts({
         "no_network": (Sandbox(network=False), "import socket; socket.create_connection("
                        "('192.0.2.1', 9), timeout=2)"),
@@ -176,9 +216,14 @@ def probe(jobs_dir: str | None = None, uids: UidRange | None = None,
         "private_tmp": (Sandbox(scratch_bytes=1 << 20), "import os; st = os.statvfs('/tmp');"
                         " assert st.f_blocks * st.f_frsize <= 2 << 20, 'tmp is shared'"),
         "resource_limits": (Sandbox(limits={"NOFILE": 256, "CORE": 0}), "pass"),
+        "pid_namespace": (Sandbox(scratch_bytes=1 << 20, pid_namespace=True), PID_CHECK),
+        "keyrings": (Sandbox(keyring=True), KEYRING_CHECK.format(session=session)),
     })
     tmp_ok, tmp_why = first["private_tmp"]
-    user = _probe_uid(jobs_dir, uids, tmp_ok, tmp_why)
+    pid_ok, pid_why = first["pid_namespace"]
+    pid_ok = pid_ok and tmp_ok
+    keys_ok, keys_why = first["keyrings"]
+    user = _probe_uid(jobs_dir, uids, tmp_ok, tmp_why, pid_ok, keys_ok)
     net_ok, net_why = first["no_network"]
     # connecting to an outside address must fail inside the namespace: success means leaky
     no_net = not net_ok and "unreachable" in net_why.lower()
@@ -190,10 +235,17 @@ def probe(jobs_dir: str | None = None, uids: UidRange | None = None,
                        else (ns_why or net_why)},
         "private_tmp": {"available": tmp_ok, "detail": tmp_why or "/tmp, /var/tmp, /dev/shm"
                         " of the job's own (tmpfs, counted in its memory), and only its paths"
-                        " inside closed directories"},
+                        " inside closed directories (of the provider's data and jobs"
+                        " directories, only its own work directory)"},
         "resource_limits": {"available": first["resource_limits"][0],
                             "detail": first["resource_limits"][1] or
                             "open files, processes, file size, core dumps"},
+        "pid_namespace": {"available": pid_ok, "detail": (
+            "a PID namespace of its own with its own /proc: a job sees only its own"
+            " processes, and all of them end with it") if pid_ok else pid_why or tmp_why},
+        "keyrings": {"available": keys_ok, "detail": keys_why or "a fresh session keyring"
+                     " per job; the job uid's user, user session and persistent keyrings"
+                     " emptied before its job runs and after it ends"},
     }
     features["job_cgroup"] = _probe_cgroup(cgroup_host)
     features.update(cgroups.limit_features(features))
@@ -201,7 +253,8 @@ def probe(jobs_dir: str | None = None, uids: UidRange | None = None,
 
 
 def _probe_uid(jobs_dir: str | None, uids: UidRange | None, private: bool,
-               private_why: str) -> tuple[bool, str]:
+               private_why: str, pid_namespace: bool = False,
+               keyring: bool = False) -> tuple[bool, str]:
     """Whether a job uid (this daemon's first, or a range claimed for the probe) can run
     what a job runs — the runner's imports — and reach ``jobs_dir``, in the sandbox a job
     gets (with the private view where this host gives it); and why."""
@@ -217,7 +270,8 @@ def _probe_uid(jobs_dir: str | None, uids: UidRange | None, private: bool,
         uid = uids.first
         reach = f"; import os; os.stat({str(jobs_dir)!r})" if jobs_dir else ""
         box = Sandbox(uid=uid, gid=uid, scratch_bytes=(1 << 20) if private else 0,
-                      expose=(jobs_dir,) if jobs_dir else ())
+                      expose=(jobs_dir,) if jobs_dir else (), pid_namespace=pid_namespace,
+                      keyring=keyring)
         ok, why = _attempts({"u": (box, f"import {PROBE_RUNNER}{reach}")})["u"]
     finally:
         if claimed is not None:
@@ -260,12 +314,13 @@ def for_job(features: dict, uids: UidRange | None, device_indices: list[int],
             cgroup: cgroups.JobCgroup | None = None, expose: tuple[str, ...] = ()) -> Sandbox:
     """The sandbox of one job, from what this host gives (``probe()``): its own uid (from
     this daemon's range, by its lowest device: jobs on other devices never share one), its
-    control group, no network, private scratch directories of its disk quota, at most 64 Ki
-    open files, 4 Ki processes of its uid (with or without the pids controller), no file
-    larger than its disk quota, no core dumps. Where its group does not hold its memory, a
-    CPU job's memory is bounded per process instead (address space of its devices' memory +
-    8 GiB; CUDA reserves far more address space than it uses, so GPU jobs go without that
-    limit). ``cgroups.job_limits`` says the same per resource."""
+    control group, no network, private scratch directories of its disk quota, its own PID
+    namespace, fresh keyrings, at most 64 Ki open files, 4 Ki processes of its uid (with or
+    without the pids controller), no file larger than its disk quota, no core dumps. Where
+    its group does not hold its memory, a CPU job's memory is bounded per process instead
+    (address space of its devices' memory + 8 GiB; CUDA reserves far more address space than
+    it uses, so GPU jobs go without that limit). ``cgroups.job_limits`` says the same per
+    resource."""
     limits = {"NOFILE": 65536, "CORE": 0, "FSIZE": disk_quota_bytes}
     have = lambda name: bool(features.get(name, {}).get("available"))
     uid = None
@@ -277,7 +332,9 @@ def for_job(features: dict, uids: UidRange | None, device_indices: list[int],
     return Sandbox(uid=uid, gid=uid, network=not have("no_network"), limits=limits,
                    cgroups=tuple(cgroup.procs_files) if cgroup is not None else (),
                    scratch_bytes=disk_quota_bytes if have("private_tmp") else 0,
-                   expose=expose)
+                   expose=expose,
+                   pid_namespace=have("pid_namespace") and have("private_tmp"),
+                   keyring=have("keyrings"))
 
 
 def missing_for_code(features: dict) -> list[str]:
@@ -325,6 +382,14 @@ def _await_reaped(uid: int, timeout_s: float = 5.0) -> None:
         time.sleep(0.02)
 
 
+def reclaim_uid(uid: int) -> int:
+    """Make ``uid`` ready for a new job: whatever still runs as it (left by an earlier job
+    of that uid, the device's last) is killed first. Returns how many processes were seen."""
+    if not processes_of({uid}, zombies=True):
+        return 0
+    return kill_uid(uid)
+
+
 def processes_of(uids: set[int], zombies: bool = False) -> dict[int, list[int]]:
     """Processes whose real, effective or saved uid is one of ``uids``, by uid (live ones
     only, unless ``zombies``)."""
@@ -344,13 +409,14 @@ def processes_of(uids: set[int], zombies: bool = False) -> dict[int, list[int]]:
     return out
 
 
-def open_traversal(*dirs) -> None:
-    """Let job uids pass through these directories (x for all, never r): a job reaches its
-    own work directory and nothing else there that is not world-readable."""
-    for d in dirs:
-        mode = os.stat(d).st_mode & 0o7777
-        if mode & 0o111 != 0o111:
-            os.chmod(d, mode | 0o111)
+def close_dirs(data_dir: Path, jobs_dir: Path, traversable: bool) -> None:
+    """Close the provider's data and jobs directories to job uids: they may not list them
+    (a job sees only its own work directory there: its mount namespace shows it alone, and
+    this host gives one unless ``traversable``), and may pass through them only where they
+    must reach their work directories without a mount namespace (``traversable``)."""
+    mode = os.stat(data_dir).st_mode & 0o7777 & ~0o006
+    os.chmod(data_dir, (mode | 0o001) if traversable else mode)
+    os.chmod(jobs_dir, 0o711 if traversable else 0o700)
 
 
 def describe(box: Sandbox, notes: list[str] = ()) -> str:
@@ -374,9 +440,11 @@ def enter(text: str) -> bool:
 
 def prepare_host(data_dir: Path, jobs_dir: Path, uids: UidRange | None,
                  cgroup_host: cgroups.CgroupHost | None) -> dict[str, dict]:
-    """Open the way to the jobs' work directories for job uids, then probe."""
+    """Make the jobs directory and close it and the data directory to job uids
+    (``close_dirs``), then probe."""
     jobs_dir.mkdir(parents=True, exist_ok=True)
-    open_traversal(data_dir, jobs_dir)
+    private = _attempts({"p": (Sandbox(scratch_bytes=1 << 20), "pass")})["p"][0]
+    close_dirs(data_dir, jobs_dir, traversable=not private)
     return probe(str(jobs_dir), uids, cgroup_host)
 
 

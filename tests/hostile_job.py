@@ -7,11 +7,51 @@ Prints one line per attempt, "<attack>: <what happened>", and exits 0 unless not
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
+import platform
 import socket
 import sys
 import time
+
+# keyctl(2) and add_key(2), by hand: what any job can call (x86_64, aarch64).
+SYS_ADD_KEY, SYS_KEYCTL = {"x86_64": (248, 250), "aarch64": (217, 219)}.get(
+    platform.machine(), (-1, -1))
+KEY_SPEC = {"@s": -3, "@u": -4, "@us": -5}
+KEYCTL_GET_KEYRING_ID, KEYCTL_SEARCH, KEYCTL_READ, KEYCTL_GET_PERSISTENT = 0, 10, 11, 22
+
+
+def _syscall(number: int, *args) -> int:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    wire = [ctypes.c_char_p(a) if isinstance(a, bytes) else ctypes.c_long(a) for a in args]
+    result = libc.syscall(ctypes.c_long(number), *wire)
+    if result < 0:
+        raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
+    return result
+
+
+def _keyrings() -> dict[str, int]:
+    """The keyrings a job can name: its session keyring, its uid's user, user session and
+    persistent keyrings (by id)."""
+    out = {name: _syscall(SYS_KEYCTL, KEYCTL_GET_KEYRING_ID, spec, 1)
+           for name, spec in KEY_SPEC.items()}
+    out["persistent"] = _syscall(SYS_KEYCTL, KEYCTL_GET_PERSISTENT, -1, KEY_SPEC["@s"])
+    return out
+
+
+def _find_key(keyring: int, description: bytes) -> bytes | None:
+    try:
+        key = _syscall(SYS_KEYCTL, KEYCTL_SEARCH, keyring, b"user", description, 0)
+    except OSError:
+        return None
+    buf = ctypes.create_string_buffer(4096)
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    n = libc.syscall(ctypes.c_long(SYS_KEYCTL), ctypes.c_long(KEYCTL_READ), ctypes.c_long(key),
+                     buf, ctypes.c_long(len(buf)))
+    return buf.raw[:n] if n >= 0 else b"?"
 
 
 def main() -> int:
@@ -90,6 +130,49 @@ def main() -> int:
     elif attack == "look_scratch":
         for d in job["dirs"]:
             print(f"look_scratch: {d} holds {sorted(os.listdir(d))}")
+    elif attack == "keys_plant":
+        # Leave a secret in every keyring the job can name, for the next job of its uid.
+        for name, keyring in _keyrings().items():
+            payload = f"{job['secret']} in {name}".encode()
+            _syscall(SYS_ADD_KEY, b"user", job["description"].encode(), payload, len(payload),
+                     keyring)
+            print(f"keys_plant: planted in {name}")
+    elif attack == "keys_look":
+        # Look for what an earlier job, or the daemon, left in any keyring this one can name.
+        for description in job["descriptions"]:
+            for name, keyring in _keyrings().items():
+                found = _find_key(keyring, description.encode())
+                print(f"keys_look: {description} in {name}: "
+                      + (f"FOUND {found.decode(errors='replace')}" if found else "none"))
+    elif attack == "look_around":
+        # What a job can see of the host: its processes, the provider's data and jobs
+        # directories, and another job's work directory by its name.
+        pids = sorted(int(p) for p in os.listdir("/proc") if p.isdigit())
+        print(f"look_around: /proc shows {len(pids)} processes: {pids[:20]}")
+        for pid in job.get("host_pids", []):
+            print(f"look_around: host pid {pid} " + ("SEEN" if os.path.exists(f"/proc/{pid}")
+                                                     else "not seen"))
+        for what, path in job["dirs"].items():
+            try:
+                print(f"look_around: {what} LISTED {sorted(os.listdir(path))}")
+            except OSError as exc:
+                print(f"look_around: {what} not listed ({exc.strerror})")
+        for path in job["others"]:
+            print(f"look_around: other job's {path} " + ("FOUND" if os.path.lexists(path)
+                                                         else "not there"))
+        # Its control groups: what the directory holding its own shows (the groups beside
+        # it are named by their jobs' work directories).
+        with open("/proc/self/cgroup") as f:
+            for line in f.read().splitlines():
+                controllers, path = line.split(":", 2)[1:]
+                roots = [f"/sys/fs/cgroup/{c}" for c in controllers.split(",") if c] \
+                    or ["/sys/fs/cgroup/unified", "/sys/fs/cgroup"]
+                for root in roots:
+                    where = os.path.dirname(root + path)
+                    if path.strip("/") and os.path.isfile(root + path + "/cgroup.procs"):
+                        print(f"look_around: beside its group {os.path.basename(path)}:"
+                              f" {sorted(os.listdir(where))}")
+                        break
     elif attack == "memory":
         # Several processes, each under any per-process limit, together over the job's.
         children = []

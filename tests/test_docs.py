@@ -57,7 +57,8 @@ def test_systemd_units_verify(tmp_path):
     # The isolated provider runs as root with a delegated cgroup (the job sandbox needs it);
     # the others run unprivileged and hardened.
     settings = {"gpumarket-provider-isolated.service": ("User=root", "Delegate=yes",
-                                                        "Restart=on-failure", "UMask=0077")}
+                                                        "Restart=on-failure", "UMask=0077",
+                                                        "StateDirectoryMode=0700")}
     for unit in units:
         text = unit.read_text().replace("/opt/gpumarket/venv/bin", str(Path(sys.executable).parent))
         (tmp_path / unit.name).write_text(text)

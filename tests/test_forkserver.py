@@ -306,7 +306,10 @@ def test_two_clients_jobs_never_share_a_process(base):  # noqa: F811
         assert line.split()[1:] == [str(uid)] * 4, line
     for d, other, uid in zip(dirs, reversed(pids), uids):
         log = (d / "job.log").read_text()
-        assert f"uid {uid} " in log and f"peer: {other} PermissionError" in log, log
+        # In a PID namespace of its own, the other job's pid is not there to signal.
+        seen = "ProcessLookupError" if FEATURES["pid_namespace"]["available"] \
+            else "PermissionError"
+        assert f"uid {uid} " in log and f"peer: {other} {seen}" in log, log
         assert "SIGNALLED" not in log
     assert [o.exit_code for o in outcomes] == [0, 0]
 
@@ -427,3 +430,36 @@ def test_an_isolation_attack_from_a_forked_job(attack, forked, request):
     fixtures = {name: request.getfixturevalue(name)
                 for name in test.__code__.co_varnames[:test.__code__.co_argcount]}
     test(**fixtures)
+
+
+@needs_root
+def test_a_restarted_daemon_keeps_every_process_of_a_job_it_reattaches_to(base):  # noqa: F811
+    """In its own PID namespace a forked job is three processes with the forkserver's
+    command line (the one the daemon knows, the namespace's init, the job): a restarted
+    daemon that re-attaches to it ends none of them as an orphan."""
+    from gpumarket.provider.recovery import kill_orphans
+    from tests.helpers import job_processes
+
+    jobs = base / "jobs"
+    workdir = write_job(jobs / "j.1", do="sleep", seconds=60)
+
+    async def go():
+        forks = ForkServers(jobs, True)
+        await forks.start(RUNNER, (str(ROOT),))
+        proc = run_forked(workdir, box(), forks)
+        pid = await proc.start()
+        follower = asyncio.create_task(proc.run())
+        while not (workdir / "running").exists():
+            assert not follower.done(), (workdir / "job.log").read_text()
+            await asyncio.sleep(0.02)
+        await forks.close()        # as when its daemon died: the job runs on
+        mine = job_processes(str(workdir))
+        killed = kill_orphans(jobs, {pid})
+        alive = proc.alive()
+        await proc.stop("the test is over")
+        await asyncio.gather(follower, return_exceptions=True)
+        return pid, mine, killed, alive
+
+    pid, mine, killed, alive = asyncio.run(go())
+    assert pid in mine and (len(mine) == 3 or not FEATURES["pid_namespace"]["available"]), mine
+    assert killed == [] and alive

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import signal
+from pathlib import Path
 
 import pytest
 
@@ -75,3 +78,98 @@ def test_a_job_cannot_hand_the_providers_key_to_its_owner(market, tmp_path):
     out = tmp_path / "out"
     market.cli("results", job_id, "-o", str(out))
     assert not (out / "provider.key").exists()
+
+
+# -- a script job (the client's own Python) against the next job on its device -------------
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="the job sandbox (a job uid of its"
+                                " own, namespaces, a job cgroup) needs root")
+
+BAD_REPORTS_AND_A_SURVIVOR = r'''
+import json, os, sys
+from gpumarket.provider.runners import task
+
+# Reports the daemon once took on trust: a step that is no number, and one below zero.
+with open(os.environ["GPUMARKET_REPORT_FILE"], "a") as reports:
+    for step in ("abc", -5):
+        reports.write(json.dumps({"event": "progress", "step": step, "total": 10}) + "\n")
+# A survivor, detached: it finds the work directories of the jobs beside it by the names in
+# /proc/*/cgroup and plants a file in their outputs, until something ends it.
+LOOP = (r'while :; do for f in /proc/[0-9]*/cgroup; do for n in $(grep -o "[^/]*$" "$f");'
+        r' do [ -d "$2/$n/outputs" ] && echo planted > "$2/$n/outputs/planted.txt";'
+        r' done; done 2>/dev/null; sleep 0.1; done')
+if os.fork() == 0:
+    os.setsid()
+    if os.fork() == 0:
+        os.execv("/bin/sh", ["/bin/sh", "-c", LOOP, "sh", sys.argv[1],
+                             os.path.dirname(os.environ["HOME"])])
+    os._exit(0)
+task.progress(1, 1)
+(task.output_dir() / "a.txt").write_text("a")
+'''
+
+VICTIM = r'''
+import time
+from gpumarket.provider.runners import task
+
+out = task.output_dir()
+time.sleep(3)           # long enough for anything left on this device to find it
+(out / "b.txt").write_text("b")
+'''
+
+
+def script_job(path: Path, code: Path, *args: str) -> Path:
+    path.write_text(f'''
+name = "{path.stem}"
+kind = "script"
+max_price = 2.0
+
+[script]
+code = "{code}"
+args = {json.dumps(list(args))}
+''')
+    return path
+
+
+def processes_named(marker: str) -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and marker.encode() in (entry / "cmdline").read_bytes():
+                pids.append(int(entry.name))
+        except OSError:
+            continue
+    return pids
+
+
+@needs_root
+def test_bad_reports_and_a_survivor_do_not_reach_the_next_job(market, tmp_path):
+    """Job A writes reports that once failed the daemon's own code (the job was marked
+    FAILED and its device handed on while its processes ran on) and forks a detached
+    survivor that plants a file in any job's outputs it can find. A's bad reports are
+    dropped, A succeeds, nothing of it outlives it, and job B on the same device (the same
+    uid) gets back only what it wrote."""
+    market.start_provider("p1", 1.0, "--kinds", "script")
+    market.wait_for_offers(1)
+    marker = f"gpumarket-survivor-{os.urandom(6).hex()}"
+    (tmp_path / "a.py").write_text(BAD_REPORTS_AND_A_SURVIVOR)
+    (tmp_path / "b.py").write_text(VICTIM)
+    try:
+        r = market.cli("submit", str(script_job(tmp_path / "a.toml", tmp_path / "a.py", marker)))
+        assert r.returncode == 0, r.stderr
+        a = market.wait_state(r.stdout.split()[0], "SUCCEEDED", "FAILED")
+        assert a["state"] == "SUCCEEDED", a
+        assert not processes_named(marker), "a process of job A outlived it"
+        assert "report lines dropped" in market.providers["p1"].text()
+        r = market.cli("submit", str(script_job(tmp_path / "b.toml", tmp_path / "b.py")))
+        assert r.returncode == 0, r.stderr
+        b_id = r.stdout.split()[0]
+        b = market.wait_state(b_id, "SUCCEEDED", "FAILED")
+        assert b["state"] == "SUCCEEDED", b
+        out = tmp_path / "out"
+        r = market.cli("results", b_id, "-o", str(out))
+        assert r.returncode == 0, r.stderr
+        assert sorted(p.name for p in out.iterdir()) == ["b.txt", "receipt.json"]
+    finally:
+        for pid in processes_named(marker):
+            os.kill(pid, signal.SIGKILL)

@@ -28,6 +28,7 @@ from gpumarket.provider.cache import ArtifactCache
 from gpumarket.provider.inventory import cpu_devices
 from gpumarket.provider.isolation import Isolation
 from gpumarket.provider.leases import Assignment
+from gpumarket.provider.reports import Done
 from gpumarket.provider.session import BrokerSession
 from tests.kind_checksum import digest
 
@@ -153,7 +154,7 @@ def test_a_receipt_of_many_tasks_keeps_few_files_open_and_sends_each_content_onc
     before = len(os.listdir("/proc/self/fd"))
     attempt_module.FILES_AT_ONCE, kept = 100, attempt_module.FILES_AT_ONCE
     try:
-        receipt, _ = open_envelope(asyncio.run(job.receipt({}, 1.0)), pb.Receipt)
+        receipt, _ = open_envelope(asyncio.run(job.receipt(Done(), 1.0)), pb.Receipt)
     finally:
         attempt_module.FILES_AT_ONCE = kept
     assert len(receipt.outputs) == 40 * 31

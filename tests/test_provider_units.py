@@ -21,6 +21,7 @@ from gpumarket.proto.v1 import types_pb2 as pb
 from gpumarket.provider.executor import JobProcess, job_env
 from gpumarket.provider.inventory import detect
 from gpumarket.provider.leases import check_lease
+from gpumarket.provider.reports import Log, Progress
 from tests.helpers import EXAMPLES, ROOT
 from tests.test_protocol import spec as make_spec
 
@@ -124,9 +125,8 @@ raise RuntimeError("the model exploded")
 """)
     assert outcome.exit_code == 1 and outcome.done is None
     assert "RuntimeError: the model exploded" in outcome.error
-    assert [r for r in reports if r["event"] != "log"] == [
-        {"event": "progress", "step": 1, "total": 2}]
-    logged = [line for r in reports if r["event"] == "log" for line in r["lines"]]
+    assert [r for r in reports if not isinstance(r, Log)] == [Progress(step=1, total=2)]
+    logged = [line for r in reports if isinstance(r, Log) for line in r.lines]
     assert logged[-1] == "RuntimeError: the model exploded"  # its stderr, shipped as log lines
 
 
@@ -136,13 +136,16 @@ def test_executor_env_is_clean(tmp_path):
         outcome, reports, workdir = _run_module(tmp_path, """
 import json, os
 out = open(os.environ["GPUMARKET_REPORT_FILE"], "a")
-out.write(json.dumps({"event": "done", "metrics": {"n": len(os.environ)}, "env": sorted(os.environ)}) + "\\n")
+print("env", json.dumps(sorted(os.environ)))
+out.write(json.dumps({"event": "done", "metrics": {"n": len(os.environ)}}) + "\\n")
 """)
     finally:
         del os.environ["GPUMARKET_SECRET_FOR_TEST"]
-    assert outcome.exit_code == 0
-    assert "GPUMARKET_SECRET_FOR_TEST" not in outcome.done["env"]
-    assert "CUDA_VISIBLE_DEVICES" in outcome.done["env"]
+    assert outcome.exit_code == 0 and outcome.done is not None
+    line = next(x for r in reports if isinstance(r, Log) for x in r.lines if x.startswith("env "))
+    env = json.loads(line[4:])
+    assert "GPUMARKET_SECRET_FOR_TEST" not in env
+    assert "CUDA_VISIBLE_DEVICES" in env
 
 
 def test_executor_kills_a_job_that_ignores_sigterm(tmp_path):

@@ -14,7 +14,7 @@ Its stdin is the daemon's end of a Unix SOCK_SEQPACKET socket, one message each 
 
 A child leads a process group of its own, takes on the job's work directory, environment and
 log, and enters the job's sandbox (provider/sandbox.py: cgroup, namespaces, limits, the job's
-uid) before it runs anything of the job; then it runs ``RUNNER_MODULE.main()`` as if started
+uid, keyrings) before it runs anything of the job; then it runs ``RUNNER_MODULE.main()`` as if started
 as ``python -m RUNNER_MODULE WORKDIR``. Two jobs never share a process: each is its own child.
 
 EOF on the socket (the daemon stopped or died) ends the server but none of its children: a job
