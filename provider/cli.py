@@ -516,8 +516,9 @@ def doctor(data_dir: Path, models_dir: Path | None, as_json: bool) -> None:
         " isolated fully"
         if not missing else f"refused (no {', '.join(missing)}), unless the provider config"
         " says unisolated_code = true"}
-    checks["clean_environment"] = {"available": True, "detail": "jobs get PATH, LANG, TZ and"
-                                   " their own HOME and TMPDIR; never the daemon's variables"}
+    checks["clean_environment"] = {"available": True, "detail": "jobs get PATH, LANG, TZ, a"
+                                   " user name, and their own HOME, TMPDIR and caches; never"
+                                   " the daemon's variables"}
     checks["own_gpus_only"] = {"available": True, "detail": "CUDA_VISIBLE_DEVICES names only"
                                " the leased GPUs"}
     checks["disk_quota"] = {"available": True, "detail": "work directory measured every 2 s"

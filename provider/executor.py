@@ -49,6 +49,28 @@ DISK_CHECK_S = 2.0             # how often a job's work directory is measured ag
 
 # Only what a job needs from the daemon's environment; never the daemon's secrets.
 PASSTHROUGH_ENV = ("PATH", "LANG", "LC_ALL", "TZ", "VIRTUAL_ENV")
+# Job uids have no passwd entry: getpass.getuser() (imported by torch._dynamo and
+# torch._inductor, transformers' masking utilities) reads the name from LOGNAME or USER.
+JOB_USER = "job"
+# Where the libraries a job uses keep their caches and settings, inside its own directory
+# (relative to it): never the daemon's, never shared with the next job — a compiled-kernel
+# cache one tenant writes is code the next one would run.
+JOB_CACHES = {
+    "XDG_CACHE_HOME": ".cache",
+    "XDG_CONFIG_HOME": ".config",
+    "XDG_DATA_HOME": ".local/share",
+    "XDG_STATE_HOME": ".local/state",
+    "HF_HOME": ".cache/huggingface",
+    "TORCH_HOME": ".cache/torch",
+    "TORCHINDUCTOR_CACHE_DIR": ".cache/torchinductor",
+    "TORCH_EXTENSIONS_DIR": ".cache/torch_extensions",
+    "TRITON_CACHE_DIR": ".cache/triton",
+    "CUDA_CACHE_PATH": ".cache/nv/ComputeCache",
+    "MPLCONFIGDIR": ".cache/matplotlib",
+    "VLLM_CACHE_ROOT": ".cache/vllm",
+    "NUMBA_CACHE_DIR": ".cache/numba",
+    "CUPY_CACHE_DIR": ".cache/cupy",
+}
 
 
 @dataclass
@@ -66,9 +88,15 @@ class Outcome:
 
 
 def job_env(workdir: Path, visible_devices: str, threads: int | None) -> dict[str, str]:
+    """The whole environment of the job in ``workdir``: a few of the daemon's variables
+    (PASSTHROUGH_ENV), its user's name, and a home, temporary directory and caches inside
+    its own directory."""
     env = {k: os.environ[k] for k in PASSTHROUGH_ENV if k in os.environ}
+    env.update({name: str(workdir / rel) for name, rel in JOB_CACHES.items()})
     env.update({
         "HOME": str(workdir),
+        "USER": JOB_USER,
+        "LOGNAME": JOB_USER,
         "TMPDIR": str(workdir / "tmp"),
         "CUDA_VISIBLE_DEVICES": visible_devices,
         "PYTHONUNBUFFERED": "1",

@@ -227,6 +227,36 @@ def test_twenty_forked_children_start_fast(tmp_path):
         assert "hello: argv" in (jobs / f"j.{i}" / "job.log").read_text()
 
 
+def test_a_forked_job_keeps_its_caches_in_its_own_directory(tmp_path):
+    """What the forkserver's imports made of its own environment (Hugging Face's cache
+    paths, taken at import) is the job's own in a forked job, as in a cold one."""
+    (tmp_path / "hf_runner.py").write_text(
+        "import os\n"
+        "def warm_up():\n"
+        "    import huggingface_hub.constants\n"
+        "def main():\n"
+        "    import huggingface_hub.constants as c\n"
+        "    print('paths', c.HF_HOME, c.HF_HUB_CACHE, os.environ['HF_HOME'], flush=True)\n"
+        "    return 0\n")
+    jobs = tmp_path / "jobs"
+
+    async def go():
+        forks = ForkServers(jobs, True)
+        await forks.start("hf_runner", (str(ROOT), str(tmp_path)))
+        workdir = write_job(jobs / "j.1")
+        child = await forks.spawn("hf_runner", workdir, env_of(workdir), "", open_log(workdir))
+        assert isinstance(child, ForkedChild) and await child.wait() == 0
+        await forks.close()
+        return workdir
+
+    workdir = asyncio.run(go())
+    line = next(x for x in (workdir / "job.log").read_text().splitlines()
+                if x.startswith("paths "))
+    hf_home, hub_cache, env_home = line.split()[1:]
+    assert hf_home == env_home == f"{workdir}/.cache/huggingface", line
+    assert hub_cache == f"{workdir}/.cache/huggingface/hub", line
+
+
 def test_without_forkservers_or_with_a_dead_one_a_job_starts_cold_or_on_a_new_one(tmp_path):
     jobs = tmp_path / "jobs"
 

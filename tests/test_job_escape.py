@@ -173,3 +173,54 @@ def test_bad_reports_and_a_survivor_do_not_reach_the_next_job(market, tmp_path):
     finally:
         for pid in processes_named(marker):
             os.kill(pid, signal.SIGKILL)
+
+
+JOB_ENVIRONMENT = r'''
+import getpass, json, os, pwd
+from gpumarket.provider.runners import task
+
+try:
+    pwd.getpwuid(os.getuid())
+    passwd = True
+except KeyError:
+    passwd = False
+user = getpass.getuser()
+import torch._dynamo, torch._inductor            # both ask getpass.getuser() on some versions
+from torch._inductor.runtime.cache_dir_utils import cache_dir
+import huggingface_hub.constants as hf
+
+names = ["HOME", "USER", "LOGNAME", "TMPDIR", "XDG_CACHE_HOME", "HF_HOME", "TORCH_HOME",
+         "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "CUDA_CACHE_PATH", "MPLCONFIGDIR"]
+(task.output_dir() / "env.json").write_text(json.dumps({
+    "uid": os.getuid(), "passwd": passwd, "user": user, "cwd": os.getcwd(),
+    "env": {k: os.environ.get(k) for k in names}, "hf_home": hf.HF_HOME,
+    "inductor_cache": cache_dir()}))
+'''
+
+
+@needs_root
+def test_a_job_uid_without_a_passwd_entry_runs_torchs_compilers(market, tmp_path):
+    """What every CUDA job of a real H100 failed on (issue 31): a job uid has no passwd
+    entry, and getpass.getuser() — called by torch._dynamo and torch._inductor — needs one
+    or $USER / $LOGNAME. A job gets both, and its home and every cache inside its own
+    directory."""
+    market.start_provider("p1", 1.0, "--kinds", "script")
+    market.wait_for_offers(1)
+    (tmp_path / "env.py").write_text(JOB_ENVIRONMENT)
+    r = market.cli("submit", str(script_job(tmp_path / "env.toml", tmp_path / "env.py")))
+    assert r.returncode == 0, r.stderr
+    job_id = r.stdout.split()[0]
+    job = market.wait_state(job_id, "SUCCEEDED", "FAILED", timeout=300)
+    assert job["state"] == "SUCCEEDED", (job, market.cli("logs", job_id).stdout)
+    out = tmp_path / "out"
+    r = market.cli("results", job_id, "-o", str(out))
+    assert r.returncode == 0, r.stderr
+    seen = json.loads((out / "env.json").read_text())
+    assert seen["uid"] != 0 and not seen["passwd"], seen
+    assert seen["user"] == "job" and seen["env"]["USER"] == seen["env"]["LOGNAME"] == "job"
+    home = seen["env"]["HOME"]
+    assert home == seen["cwd"] and Path(home).parent.name == "jobs", seen
+    for name, value in seen["env"].items():
+        if name not in ("HOME", "USER", "LOGNAME"):
+            assert value and value.startswith(home + "/"), (name, value)
+    assert seen["hf_home"].startswith(home + "/") and seen["inductor_cache"].startswith(home + "/")

@@ -12,9 +12,11 @@ Its stdin is the daemon's end of a Unix SOCK_SEQPACKET socket, one message each 
                       {"id": n, "pid": p} | {"id": n, "error": why}   an answer to an order
                       {"pid": p, "exit": code}             a child ended (negative: a signal)
 
-A child leads a process group of its own, takes on the job's work directory, environment and
-log, and enters the job's sandbox (provider/sandbox.py: cgroup, namespaces, limits, the job's
-uid, keyrings) before it runs anything of the job; then it runs ``RUNNER_MODULE.main()`` as if started
+A child leads a process group of its own, takes on the job's work directory, environment
+(with the paths its imports kept from the server's own, e.g. Hugging Face's cache, moved to
+the job's own: ``IMPORT_TIME_PATHS``) and log, and enters the job's sandbox
+(provider/sandbox.py: cgroup, namespaces, limits, the job's uid, keyrings) before it runs
+anything of the job; then it runs ``RUNNER_MODULE.main()`` as if started
 as ``python -m RUNNER_MODULE WORKDIR``. Two jobs never share a process: each is its own child.
 
 EOF on the socket (the daemon stopped or died) ends the server but none of its children: a job
@@ -45,6 +47,11 @@ from typing import NoReturn
 from gpumarket.provider import sandbox
 
 MAX_ORDER = 1 << 20        # bytes of one order; a longer one is refused
+# Modules that keep paths made from the server's $HOME and cache variables at import (its
+# environment is a job's, made for the jobs directory: provider/executor.py job_env): in a
+# child, each such path is moved to the same place under the job's own $HOME.
+IMPORT_TIME_PATHS = ("huggingface_hub.constants", "transformers.utils.hub",
+                     "transformers.utils", "transformers.dynamic_module_utils")
 USAGE = "usage: python -m gpumarket.provider.runners.forkserver RUNNER_MODULE JOBS_DIR"
 
 
@@ -74,6 +81,7 @@ class Server:
         self.module = module
         self.jobs_dir = os.path.abspath(jobs_dir)
         self.cwd = os.getcwd()       # sys.path[0] of ``python -m``: a cold job has its own
+        self.home = os.environ.get("HOME", "")
         self.wake_r, self.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         # What the server changes and a child puts back: a child ignoring SIGUSR1 would miss
         # the daemon's drain request (the runner's own handler, set at import, is restored).
@@ -202,6 +210,7 @@ class Server:
         os.chdir(workdir)
         os.environ.clear()
         os.environ.update(order["env"])
+        move_home(self.home, os.environ.get("HOME", ""))
         os.dup2(log_fd, 1)
         os.dup2(log_fd, 2)
         os.close(log_fd)
@@ -240,6 +249,22 @@ class Server:
         threading._shutdown()
         atexit._run_exitfuncs()
         return code & 0xFF
+
+
+def move_home(old: str, new: str) -> None:
+    """Point the paths under ``old`` that the modules of IMPORT_TIME_PATHS took at import
+    to the same places under ``new`` (only those modules' own globals are read: reading
+    every module's would copy much of the server's memory into each child)."""
+    if not old or not new or old == new:
+        return
+    prefix = old.rstrip("/") + "/"
+    for name in IMPORT_TIME_PATHS:
+        module = sys.modules.get(name)
+        if module is None:
+            continue
+        for key, value in list(vars(module).items()):
+            if isinstance(value, str) and (value == old or value.startswith(prefix)):
+                setattr(module, key, new.rstrip("/") + value[len(old.rstrip("/")):])
 
 
 def close_other_fds() -> None:
