@@ -138,7 +138,10 @@ def apply(box: Sandbox) -> list[str]:
             gid = box.gid if box.gid is not None else uid
             notes += mounts.private_view([*interpreter_paths(), *box.expose], uid, gid,
                                          box.scratch_bytes)
-            mounts.hide_beside([os.path.dirname(f) for f in box.cgroups])
+            try:    # the names of the jobs beside it: not worth failing the job for
+                mounts.hide_beside([os.path.dirname(f) for f in box.cgroups])
+            except mounts.MountError as exc:
+                notes.append(f"other jobs' control groups shown ({exc})")
         if box.pid_namespace:
             if not box.scratch_bytes:
                 mounts.unshare_mounts()      # its /proc must not be the host's

@@ -113,6 +113,11 @@ def main() -> int:
                     continue
                 os.write(marker, b"x")
         print("survivor: detached", flush=True)
+        deadline = time.monotonic() + 30
+        while job.get("until_running") and not os.path.exists(job["marker"]):
+            if time.monotonic() > deadline:      # it is running once it wrote its marker
+                break
+            time.sleep(0.01)
         if job.get("stay"):
             time.sleep(120)      # the job runs on until it is cancelled
     elif attack == "fill_scratch":

@@ -445,6 +445,7 @@ ATTACKS = ["test_a_job_runs_as_its_own_uid_with_a_clean_environment",
            "test_a_job_that_fills_its_disk_is_stopped",
            "test_a_reforking_survivor_dies_with_its_job_group",
            "test_a_reforking_survivor_dies_with_its_uid_without_a_group",
+           "test_a_reforking_survivor_dies_with_its_pid_namespace",
            "test_scratch_directories_are_private_bounded_and_gone_after_the_job",
            "test_memory_is_limited_per_job_not_per_process",
            "test_a_cancelled_job_leaves_no_process_behind"]

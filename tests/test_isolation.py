@@ -214,13 +214,19 @@ def _still_growing(marker: Path, wait_s: float = 1.0) -> bool:
     return (marker.stat().st_size if marker.exists() else 0) != before
 
 
+# Each way a job's leftovers end, on its own: its group, its uid, its PID namespace (the
+# survivor, detached into a session of its own, escapes its process group).
+SURVIVOR_WAITS = {"until_running": True}     # the job ends once its survivor has run
+
+
 @needs_cgroup
 def test_a_reforking_survivor_dies_with_its_job_group(base, groups):
     marker = base / "jobs" / "j.1" / "generations"
     group = groups.job("survivor")
     group.limit(cgroups.Limits(memory_bytes=512 << 20, pids=256))
-    log, outcome = run_hostile(base, {"attack": "survivor", "marker": str(marker)},
-                               box(uid=None, gid=None), group=group)
+    log, outcome = run_hostile(base, {"attack": "survivor", "marker": str(marker),
+                                      **SURVIVOR_WAITS},
+                               box(uid=None, gid=None, pid_namespace=False), group=group)
     assert "survivor: detached" in log
     assert marker.exists(), "the survivor never ran"
     assert not _still_growing(marker), "a process of the job outlived it"
@@ -231,11 +237,24 @@ def test_a_reforking_survivor_dies_with_its_job_group(base, groups):
 def test_a_reforking_survivor_dies_with_its_uid_without_a_group(base):
     marker = base / "jobs" / "j.1" / "generations"
     uid = JOB_UID + 2    # its uid's process count takes a while to drop: the others' own
-    log, outcome = run_hostile(base, {"attack": "survivor", "marker": str(marker)},
-                               box(uid=uid, gid=uid))
+    log, outcome = run_hostile(base, {"attack": "survivor", "marker": str(marker),
+                                      **SURVIVOR_WAITS},
+                               box(uid=uid, gid=uid, pid_namespace=False))
     assert "survivor: detached" in log
+    assert marker.exists(), "the survivor never ran"
     assert not _still_growing(marker), "a process of the job outlived it"
     assert not sandbox.processes_of({uid})
+
+
+@needs_pid_namespace
+def test_a_reforking_survivor_dies_with_its_pid_namespace(base):
+    """No group, no uid of its own: its PID namespace alone ends it with the job."""
+    marker = base / "jobs" / "j.1" / "generations"
+    log, outcome = run_hostile(base, {"attack": "survivor", "marker": str(marker),
+                                      **SURVIVOR_WAITS}, box(uid=None, gid=None))
+    assert "survivor: detached" in log and "own PID namespace" in log, log
+    assert marker.exists(), "the survivor never ran"
+    assert not _still_growing(marker), "a process of the job outlived it"
 
 
 @needs_private_tmp
@@ -388,7 +407,8 @@ def test_a_job_is_ended_however_its_daemon_side_fails(base):
     env = {**job_env(workdir, "", None), "PYTHONPATH": str(ROOT)}
 
     async def broken(report):
-        raise RuntimeError("the daemon's own code failed")
+        if "survivor: detached" in str(report):     # once the survivor is out
+            raise RuntimeError("the daemon's own code failed")
 
     async def go():
         proc = JobProcess("tests.hostile_job", workdir, env, broken, 120, 2.0, None, box_)
