@@ -1,6 +1,6 @@
 # Two commands do all the set-up on a fresh machine:
 #   make demo   a local marketplace (broker + provider processes, SQLite) runs a real training job
-#   make test   the test suite
+#   make test   the test suite (make test-fast: without the real-process tests)
 # Both create .venv on first run: torch==2.13.0 first (the CPU build these machines carry on
 # disk; any other torch requirement would pull a multi-GB CUDA build), then the project.
 
@@ -9,7 +9,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo test proto proto-check bench screenshot clean gpu-check
+.PHONY: demo test test-fast proto proto-check bench screenshot clean gpu-check
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,9 +25,20 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(PY) examples/demo.py
 
+# The suite on TEST_WORKERS pytest-xdist workers (most real-process tests wait on their
+# processes, so more workers than cores pays); tests of a module that share an expensive
+# fixture stay on one worker (pytest.mark.xdist_group). TEST_WORKERS=0 runs it in this one
+# process. `make test-fast` is the edit loop's lane: units and in-process tests, no e2e.
+TEST_WORKERS ?= 4
+TEST_ARGS ?=
+XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup)
+
 test: $(STAMP)
 	$(PY) scripts/gen_proto.py --check
-	$(PY) -m pytest -q -ra
+	$(PY) -m pytest -q -ra $(XDIST) --durations=25 $(TEST_ARGS)
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -ra -m "not e2e" $(XDIST) --durations=10 $(TEST_ARGS)
 
 # The dashboard, in headless Chromium (apt-get install chromium), with a job running.
 screenshot: $(STAMP)

