@@ -10,7 +10,6 @@ import pytest
 from tests import helpers
 from tests.helpers import LEASE_ARGS, Marketplace
 
-
 # grpcio logs this when the server stops while it is still finishing a stream whose client
 # has just gone: a CancelledError inside grpc's own cython scheduler, not in gpumarket code.
 GRPC_SHUTDOWN_NOISE = re.compile(

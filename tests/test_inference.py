@@ -141,18 +141,21 @@ def test_generate_killed_mid_run_resumes_with_complete_identical_output(market, 
     prompts = write_prompts(tmp_path / "prompts.jsonl", 60)
     params = dict(max_tokens=16, batch_size=2, temperature=0.8, top_p=0.9, seed=11,
                   checkpoint_every=4)
+    # Both providers offer before the job starts: the job must still run when its provider
+    # is killed (with the second started after it, at load 16 the job ended before the
+    # second provider offered).
     market.start_provider("p1")
-    market.wait_for_offers(1)
-    job_id = submit(market, generate_job(tmp_path / "job.toml", model, prompts, **params))
-    market.wait_state(job_id, "RUNNING")
     market.start_provider("p2")
     market.wait_for_offers(2)
+    job_id = submit(market, generate_job(tmp_path / "job.toml", model, prompts, **params))
+    holder = market.wait_state(job_id, "RUNNING")["provider_id"]
     wait_until(lambda: int(market.job(job_id).get("checkpoint_step", 0)) >= 8,
                "a checkpoint after 8 prompts", timeout=180, interval=0.2)
     import signal
 
-    market.providers["p1"].stop(signal.SIGKILL)
-    for pid in job_processes(str(market.root / "p1" / "jobs")):
+    name = next(n for n in ("p1", "p2") if market.provider_id(n) == holder)
+    market.providers[name].stop(signal.SIGKILL)
+    for pid in job_processes(str(market.root / name / "jobs")):
         os.kill(pid, signal.SIGKILL)
     job = market.wait_state(job_id, "SUCCEEDED", timeout=300)
     assert [a["outcome"] for a in job["attempts"]] == ["lost", "succeeded"]
