@@ -26,12 +26,14 @@ demo: $(STAMP)
 	$(PY) examples/demo.py
 
 # The suite on TEST_WORKERS pytest-xdist workers (most real-process tests wait on their
-# processes, so more workers than cores pays); tests of a module that share an expensive
-# fixture stay on one worker (pytest.mark.xdist_group). TEST_WORKERS=0 runs it in this one
-# process. `make test-fast` is the edit loop's lane: units and in-process tests, no e2e.
+# processes, so more workers than cores pays), each test sent to the next free worker and
+# an idle worker taking queued tests from a busy one (worksteal; loadgroup and its
+# xdist_group marks do not group under pytest 9.2: xdist 3.8 renames a nodeid it no longer
+# reads). TEST_WORKERS=0 runs it in this one process. `make test-fast` is the edit loop's
+# lane: units and in-process tests, no e2e.
 TEST_WORKERS ?= 4
 TEST_ARGS ?=
-XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup)
+XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist worksteal)
 
 test: $(STAMP)
 	$(PY) scripts/gen_proto.py --check

@@ -18,8 +18,7 @@ import pytest
 
 from tests.helpers import ROOT, wait_until
 
-# one worker builds the module's environments once (make test runs xdist --dist loadgroup)
-pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("install")]
+pytestmark = pytest.mark.e2e
 
 TORCH = "torch==2.13.0"     # the CPU build these machines hold (see the Makefile)
 

@@ -40,7 +40,11 @@ def test_admin_ban_backup_vacuum_and_logs(tmp_path):
         (row,) = json.loads(r.stdout)
         assert row["provider_id"] == p1 and row["online"] and not row.get("banned")
 
-        job_file = training_job(tmp_path / "job.toml", steps=400, checkpoint_every=50)
+        # A second, dearer provider offers before the job starts (p1, the cheaper, takes it):
+        # started while the job ran, it was still starting when the job ended (load 25).
+        market.start_provider("p2", 1.0)
+        market.wait_for_offers(2)
+        job_file = training_job(tmp_path / "job.toml", steps=1500, checkpoint_every=50)
         r = market.cli("submit", str(job_file))
         assert r.returncode == 0, r.stderr
         job_id = r.stdout.split()[0]
@@ -67,9 +71,8 @@ def test_admin_ban_backup_vacuum_and_logs(tmp_path):
         r = admin(market, "backup", str(tmp_path / "copy.db"))
         assert r.returncode == 1 and "exists" in r.stderr
 
-        # A second provider comes; banning the first moves the job there.
-        market.start_provider("p2", 1.0)
-        market.wait_for_offers(2)
+        # Banning the first provider moves the job to the second.
+        assert market.job(job_id)["provider_id"] == p1
         r = admin(market, "ban", p1, "--reason", "test")
         assert r.returncode == 0, r.stderr
         assert "1 running job(s) queued again" in r.stdout

@@ -253,7 +253,9 @@ def test_daemon_restart_reattaches_to_its_running_job(tmp_path):
 
     market = Marketplace(tmp_path)
     try:
-        market.start_broker("--lease-timeout", "20", "--heartbeat-interval", "0.5")
+        # the restarted daemon must be back within the lease timeout: at load 25 it took
+        # 26 s (imports, benchmark, isolation probes), past the 20 s this test once gave it
+        market.start_broker("--lease-timeout", "90", "--heartbeat-interval", "0.5")
         assert market.cli("keys", "init").returncode == 0
         p1 = market.start_provider("p1")
         market.wait_for_offers(1)

@@ -104,16 +104,18 @@ def test_render_killed_mid_run_renders_only_missing_frames(market, tmp_path):
     scene = make_scene(tmp_path / "scene.blend", 12, marker)
     params = dict(frame_start=1, frame_end=12, resolution_x=160, resolution_y=120, samples=32,
                   checkpoint_every=2)
+    # Both providers offer before the job starts (one started once the job ran could still
+    # be starting when the job ended), and the one that holds it is killed.
     market.start_provider("p1")
-    market.wait_for_offers(1)
-    job_id = submit(market, render_job(tmp_path / "job.toml", scene, **params))
-    market.wait_state(job_id, "RUNNING")
     market.start_provider("p2")
     market.wait_for_offers(2)
+    job_id = submit(market, render_job(tmp_path / "job.toml", scene, **params))
+    held = market.wait_state(job_id, "RUNNING")["provider_id"]
+    holder = "p1" if market.provider_id("p1") == held else "p2"
     wait_until(lambda: int(market.job(job_id).get("checkpoint_step", 0)) >= 4,
                "a checkpoint after 4 frames", timeout=240, interval=0.2)
-    market.providers["p1"].stop(signal.SIGKILL)
-    for pid in job_processes(str(market.root / "p1" / "jobs")):
+    market.providers[holder].stop(signal.SIGKILL)
+    for pid in job_processes(str(market.root / holder / "jobs")):
         os.kill(pid, signal.SIGKILL)
     job = market.wait_state(job_id, "SUCCEEDED", timeout=300)
     assert [a["outcome"] for a in job["attempts"]] == ["lost", "succeeded"]
