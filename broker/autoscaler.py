@@ -101,7 +101,11 @@ def decide(ep: Endpoint, rows: list[dict], watch: Watch, now: float, wanted: boo
     else:
         watch.over_since = None
     idle = now - max(ep.last_request, watch.last_change)
-    if len(live) > s["min_replicas"] and idle >= s["idle_s"] and ep.in_flight == 0:
+    # Not idle while a request waits for a replica (one still starting, say): retiring it
+    # then started another for the same request, idle_s later retired again, and so on
+    # wherever a replica took longer than idle_s to start (seen at load 25 with idle_s 6).
+    if len(live) > s["min_replicas"] and idle >= s["idle_s"] and ep.in_flight == 0 \
+            and not ep.waiting and not wanted:
         # One still starting goes before one serving; then the newest.
         victim = sorted(live, key=lambda r: (r["id"] in serving_ids, r["part"]))[0]
         watch.last_change = now

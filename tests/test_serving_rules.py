@@ -250,6 +250,22 @@ def test_scale_in_after_idle_takes_a_starting_replica_first():
     assert decide(ep, rows(RUNNING, RUNNING), Watch(), now=1000.0, wanted=False).retire == ()
 
 
+def test_a_starting_replica_a_request_waits_for_is_not_retired_as_idle():
+    """Scale from zero, then a replica slower to start than idle_s: the request waiting for
+    it keeps it (it was retired and another started, over and over)."""
+    ep = endpoint(min_replicas=0, idle_s=6)
+    ep.last_request = 0.0
+    watch = Watch(last_change=0.0)
+    ep.waiting.append(object())     # a request waiting for a free replica
+    for wanted in (True, False):
+        assert decide(ep, rows(pb.JOB_STATE_QUEUED), watch, now=60.0,
+                      wanted=wanted).retire == ()
+    ep.waiting.clear()
+    assert decide(ep, rows(pb.JOB_STATE_QUEUED), watch, now=60.0, wanted=True).retire == ()
+    assert decide(ep, rows(pb.JOB_STATE_QUEUED), watch, now=60.0,
+                  wanted=False).retire != ()
+
+
 def test_a_draining_replica_is_replaced_before_it_is_retired():
     ep = endpoint(min_replicas=1)
     serving_replicas(ep, "r1", in_flight=1)
