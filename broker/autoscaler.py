@@ -9,7 +9,9 @@ and their replicas, brings the router (broker/serving.py) in step, and decides p
   useful: one still starting before one serving), then wait ``idle_s`` again;
 - a replica on a draining provider: start its replacement; once that serves, retire it (the
   new one is ready before the old one stops taking requests);
-- replicas that keep failing before they ever serve: the endpoint fails.
+- replicas that keep failing before they ever serve, on at least two providers: the endpoint
+  fails (endpoints.crash_loop; a provider failing its replicas is avoided for them, then left
+  out: endpoints.steer).
 
 Every decision is an event on the endpoint. Replica leases are paid every SETTLE_EVERY_S
 (they have no checkpoints to settle at), and the tokens they served are written every pass.

@@ -24,7 +24,9 @@ KIND = pb.JOB_KIND_ENDPOINT
 LIVE = (pb.JOB_STATE_QUEUED, pb.JOB_STATE_LEASED, pb.JOB_STATE_RUNNING, pb.JOB_STATE_PAUSED)
 FAR_FUTURE_MS = 100 * 365 * 86_400_000   # replicas are made when needed, never expire queued
 KEY_PREFIX = "gm-"
-CRASH_LOOP = 3      # replicas in a row that failed before they were ever ready: it fails
+CRASH_LOOP = 3      # replica failures in a row before serving, on at least ...
+CRASH_PROVIDERS = 2     # ... this many providers: the endpoint fails
+STEER_WINDOW_S = 3600   # how long a provider's failures of an endpoint's replicas steer them
 
 
 def settings_of(spec_envelope: bytes) -> dict:
@@ -116,23 +118,49 @@ def fail(db: Database, endpoint_id: str, error: str, now: int) -> list[jobs.Ende
     return ended
 
 
+def failures(db: Database, endpoint_id: str) -> list[tuple[str, str]]:
+    """(provider, error) of each replica lease of the endpoint that its provider reported
+    failed before it was ready, since a replica last became ready (oldest first): who has
+    been failing it lately."""
+    since = db.execute("SELECT coalesce(max(e.at_ms), -1) FROM jobs j JOIN events e"
+                       " ON e.job_id = j.id WHERE j.parent_id = ? AND e.type = 'ready'",
+                       [endpoint_id]).fetchone()[0]
+    return [tuple(r) for r in db.execute(
+        "SELECT l.provider_id, l.reason FROM jobs j JOIN leases l ON l.job_id = j.id"
+        " WHERE j.parent_id = ? AND l.state IN ('failed', 'crashed') AND l.ended_at_ms > ?"
+        " AND NOT EXISTS (SELECT 1 FROM events e WHERE e.job_id = l.job_id"
+        "  AND e.attempt = l.attempt AND e.type = 'ready')"
+        " ORDER BY l.ended_at_ms, l.id", [endpoint_id, since]).fetchall()]
+
+
 def crash_loop(db: Database, endpoint_id: str) -> str:
-    """The error of the last replicas if each failed before it was ever ready
-    (``progress_step`` is 1 once a replica was): CRASH_LOOP of them on at least two
-    providers, or twice as many on any (one provider alone cannot fail an endpoint that
-    others could serve); "" otherwise."""
-    rows = db.execute("SELECT state, progress_step, error, provider_id FROM jobs"
-                      " WHERE parent_id = ? ORDER BY part DESC LIMIT ?",
-                      [endpoint_id, 2 * CRASH_LOOP]).fetchall()
-    failed = 0
-    for state, ready, _, _ in rows:
-        if state != pb.JOB_STATE_FAILED or ready:
-            break
-        failed += 1
-    providers = {r[3] for r in rows[:failed]}
-    if failed >= 2 * CRASH_LOOP or (failed >= CRASH_LOOP and len(providers) >= 2):
-        return f"{failed} replicas in a row failed before serving; the last: {rows[0][2]}"
-    return ""
+    """The endpoint's error if its replicas keep failing before they serve: CRASH_LOOP
+    failures in a row (since a replica was last ready) reported by at least CRASH_PROVIDERS
+    distinct providers, each provider's error named; "" otherwise. However often one
+    provider fails its replicas, that provider alone never fails the endpoint (``steer``
+    keeps its replicas away from it)."""
+    found = failures(db, endpoint_id)
+    latest = dict(found)        # each provider's last error
+    if len(found) < CRASH_LOOP or len(latest) < CRASH_PROVIDERS:
+        return ""
+    return (f"replicas failed {len(found)} times in a row before serving, on {len(latest)}"
+            f" providers: " + jobs.each_error(latest))
+
+
+def steer(db: Database, endpoint_id: str, now: int) -> tuple[frozenset[str], frozenset[str]]:
+    """(providers a new lease of one of the endpoint's replicas goes to only if nothing else
+    fits, providers it does not go to): those that reported one of its replicas failed in
+    the last STEER_WINDOW_S, and those that did CRASH_LOOP times. So one provider that fails
+    every replica it gets can neither churn through them nor, alone, fail the endpoint; it
+    gets another chance after the window."""
+    count: dict[str, int] = {}
+    for (provider_id,) in db.execute(
+            "SELECT l.provider_id FROM jobs j JOIN leases l ON l.job_id = j.id"
+            " WHERE j.parent_id = ? AND l.state IN ('failed', 'crashed') AND l.ended_at_ms > ?",
+            [endpoint_id, now - STEER_WINDOW_S * 1000]).fetchall():
+        count[provider_id] = count.get(provider_id, 0) + 1
+    return (frozenset(count),
+            frozenset(p for p, n in count.items() if n >= CRASH_LOOP))
 
 
 def mark_ready(db: Database, job_id: str, epoch: int, provider_id: str, engine: str,

@@ -8,6 +8,7 @@ settlements flow down through the session's outbox.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import random
@@ -37,6 +38,13 @@ DRAW = random.SystemRandom()  # which segments are checked: nothing a provider c
 MAX_EPOCH = 2**63 - 1       # SQLite's INTEGER
 MAX_RUNNING = 1024          # leases one heartbeat may list (a provider runs one per device)
 MAX_DEVICES = 256
+MAX_ERROR = 2000            # characters of a failure's error kept
+TAIL_CHARS = 300            # characters kept of each line of a failed job's log tail
+
+
+def printable(text: str) -> str:
+    """``text`` with control characters (a terminal's escapes among them) replaced."""
+    return "".join(c if c.isprintable() else "?" for c in text)
 
 
 def check_offer(offer: pb.Offer, signer: str) -> None:
@@ -248,8 +256,9 @@ class ProviderGatewayServicer(gateway_pb2_grpc.ProviderGatewayServicer):
                 await store.write(jobs.release, update.job_id, update.epoch, pid,
                                   update.released.reason[:500] or "released by provider", now)
             elif which == "failed":
-                await store.write(jobs.fail, update.job_id, update.epoch, pid,
-                                  update.failed.error[:2000] or "job failed", now)
+                ran, error, tail = await self._failure(pid, update)
+                await store.write(functools.partial(jobs.fail, job_ran=ran, log_tail=tail),
+                                  update.job_id, update.epoch, pid, error, now)
             elif which == "rejected":
                 # Not the job's fault as far as the broker knows: it goes to another provider
                 # (and fails once it has used up its attempts).
@@ -295,6 +304,27 @@ class ProviderGatewayServicer(gateway_pb2_grpc.ProviderGatewayServicer):
             self.state.placement.notify()
         self.state.events.notify()
 
+    async def _failure(self, provider_id: str, update: gw.JobUpdate
+                       ) -> tuple[bool, str, tuple[str, ...]]:
+        """What a failed update says: (whether the job's own process ran, the error, the last
+        lines of its log), from the provider's signed FailureReport, checked (its key, this
+        job, epoch and spec; BadSignature otherwise). An update with the error alone says
+        that the job ran and failed."""
+        failed = update.failed
+        if not failed.HasField("report"):
+            return True, printable(failed.error[:MAX_ERROR]) or "job failed", ()
+        report, signer = open_envelope(failed.report, gw.FailureReport)
+        if signer != provider_id or report.provider_id != provider_id:
+            raise BadSignature("failure report is not signed by the lease's provider")
+        if report.job_id != update.job_id or report.epoch != update.epoch:
+            raise BadSignature("failure report names another job or epoch than its update")
+        job = await self.state.store.read(jobs.job_row, update.job_id)
+        if report.spec_sha256 != payload_sha256(pb.Envelope.FromString(job["spec"])):
+            raise BadSignature("failure report is for another job spec")
+        error = printable(report.error[:MAX_ERROR] or failed.error[:MAX_ERROR]) or "job failed"
+        tail = tuple(printable(line)[:TAIL_CHARS] for line in report.log_tail[-jobs.TAIL_LINES:])
+        return report.job_ran, error, tail
+
     async def _receipt(self, provider_id: str, update: gw.JobUpdate, now: int) -> None:
         store = self.state.store
         try:
@@ -310,9 +340,10 @@ class ProviderGatewayServicer(gateway_pb2_grpc.ProviderGatewayServicer):
                 raise BadSignature("receipt is for another job spec")
             await store.read(holdings.check_outputs, provider_id, list(receipt.outputs))
         except (BadSignature, FailedPrecondition, InvalidArgument) as exc:
-            # A bad receipt fails the job rather than leaving it running forever.
-            await store.write(jobs.fail, update.job_id, update.epoch, provider_id,
-                              f"receipt rejected: {exc.message}", now)
+            # A bad receipt ends the lease rather than leaving it running forever: the
+            # provider's failure, not the job's (it goes to another provider, unpaid).
+            await store.write(functools.partial(jobs.fail, job_ran=False), update.job_id,
+                              update.epoch, provider_id, f"receipt rejected: {exc.message}", now)
             raise
         await store.write(jobs.succeed, update.job_id, update.epoch, provider_id,
                           update.receipt.SerializeToString(), now,

@@ -30,6 +30,8 @@ CANCELLED = pb.JOB_STATE_CANCELLED
 PAUSED = pb.JOB_STATE_PAUSED
 VERIFYING = pb.JOB_STATE_VERIFYING
 ACTIVE_STATES = (LEASED, RUNNING)
+FAIL_QUORUM = 2     # distinct providers whose reports that a job ran and failed fail it
+TAIL_LINES = 5      # lines of a failed job's log shown with its provider's report
 
 
 @dataclass(frozen=True)
@@ -406,9 +408,9 @@ def lease_row(db: Database, lease_id: str) -> dict:
 
 
 def stop_lease(db: Database, job: dict, state: str, reason: str, now: int) -> None:
-    """End the job's active lease for a reason that is not its provider's fault (the job
-    failed, its client cancelled it, a sibling part failed): its work since the last
-    settlement is paid up to now, as far as the hold goes."""
+    """End the job's active lease for a reason that is not its provider's fault (its client
+    cancelled it, a sibling part failed, it was retired): its work since the last settlement
+    is paid up to now, as far as the hold goes. (A failed attempt is not: ``fail``.)"""
     lease = lease_row(db, job["lease_id"])
     ledger.settle(db, job, lease, job["settled_step"], now, tag="end")
     end_lease(db, lease["id"], state, reason, now)
@@ -525,15 +527,84 @@ def finished(db: Database, job: dict, now: int, message: str) -> None:
                  provider_id=job["provider_id"] or "", message=message)
 
 
-def fail(db: Database, job_id: str, epoch: int, provider_id: str, error: str, now: int) -> None:
-    job, _ = _current(db, job_id, epoch, provider_id)
-    stop_lease(db, job, "failed", error, now)
-    set_job(db, job_id, now, state=FAILED, error=error)
-    _drop_checkpoints(db, job_id)
-    append_event(db, job_id, "failed", FAILED, job["attempt"], now,
-                 provider_id=provider_id, message=error)
+def fail(db: Database, job_id: str, epoch: int, provider_id: str, error: str, now: int, *,
+         job_ran: bool = True, log_tail: tuple[str, ...] = ()) -> None:
+    """The provider reports the job failed: its word, not the client's. The lease ends
+    ``failed`` (``lost`` if the job never ran there: the provider failed, not the job) and its
+    work since its last settlement is neither paid nor charged; the job is queued again
+    (attempt + 1), for another provider first, from its latest checkpoint. It fails only once
+    FAIL_QUORUM distinct providers report that it ran and failed (those leases then end
+    ``crashed``: the job's own failure, no longer counted against them), or when it has used
+    up its attempts. ``log_tail``: the last lines of the job's log, as the provider's signed
+    report gave them (shown with its error). A check job fails at once, as a replay that
+    could not run (disputes.could_not_run)."""
+    job, lease = _current(db, job_id, epoch, provider_id)
+    end_lease(db, lease["id"], "failed" if job_ran else "lost", error, now)
     if job["check_of"]:
-        disputes.could_not_run(db, job_id, error, now)
+        _give_up(db, job, provider_id, error, now)
+        return
+    said = (f"{provider_id} reports it failed: {error}" if job_ran
+            else f"{provider_id} failed before the job ran: {error}")
+    tail = "".join(f"\n    | {line}" for line in log_tail[-TAIL_LINES:])
+    reports = provider_failures(db, job_id)
+    if len(reports) >= FAIL_QUORUM:
+        db.execute("UPDATE leases SET state = 'crashed' WHERE job_id = ? AND state = 'failed'",
+                   [job_id])
+        _give_up(db, job, provider_id, f"failed on {len(reports)} providers: "
+                 + each_error(reports), now, tail)
+    elif job["attempt"] >= job["max_attempts"]:
+        _give_up(db, job, provider_id, f"gave up after {job['attempt']} attempts; last: {said}",
+                 now, tail)
+    else:
+        _requeue(db, job, provider_id, said, now, tail)
+
+
+def provider_failures(db: Database, job_id: str) -> dict[str, str]:
+    """The providers that reported that the job ran and failed (leases ``failed``), each with
+    its latest error, oldest first."""
+    out: dict[str, str] = {}
+    for provider_id, reason in db.execute(
+            "SELECT provider_id, reason FROM leases WHERE job_id = ? AND state = 'failed'"
+            " ORDER BY epoch", [job_id]).fetchall():
+        out.pop(provider_id, None)
+        out[provider_id] = reason
+    return out
+
+
+def each_error(reports: dict[str, str], limit: int = 2000) -> str:
+    """Each provider's reported error, in one line of at most ``limit`` characters."""
+    text = "; ".join(f"{p}: {e}" for p, e in reports.items())
+    return text if len(text) <= limit else text[:limit - 1] + "…"
+
+
+def _give_up(db: Database, job: dict, provider_id: str, error: str, now: int,
+             tail: str = "") -> None:
+    """The job fails for good (its failed event says ``error``, then ``tail``)."""
+    set_job(db, job["id"], now, state=FAILED, error=error)
+    _drop_checkpoints(db, job["id"])
+    append_event(db, job["id"], "failed", FAILED, job["attempt"], now,
+                 provider_id=provider_id, message=error + tail)
+    if job["check_of"]:
+        disputes.could_not_run(db, job["id"], error, now)
+
+
+def _requeue(db: Database, job: dict, provider_id: str, why: str, now: int,
+             tail: str = "") -> None:
+    """Queue the job again after a lease of it ended without its result: attempt + 1, from
+    its latest checkpoint, for another provider first (scheduler.place_queued); its event
+    says ``why``, then ``tail``."""
+    attempt = job["attempt"] + 1
+    set_job(db, job["id"], now, state=QUEUED, attempt=attempt, provider_id=None, lease_id=None)
+    if job["kind"] == pb.JOB_KIND_ENDPOINT and job["parent_id"]:
+        # A replica is ready again only once its next lease's engine says so (the autoscaler
+        # gives up on a lease that is not ready within cold_start).
+        set_job(db, job["id"], now, progress_step=0)
+    if job["check_of"]:
+        verification.requeued(db, job["id"])
+    resume = (f"resumes from step {job['checkpoint_step']}" if job["resume_from"]
+              else "starts over (no checkpoint yet)")
+    append_event(db, job["id"], "requeued", QUEUED, attempt, now, provider_id=provider_id,
+                 message=f"{why}; attempt {attempt} {resume}{tail}")
 
 
 def cancel(db: Database, job_id: str, client_id: str, now: int
@@ -581,23 +652,11 @@ def lose_lease(db: Database, lease_id: str, reason: str, now: int, *,
     if job["epoch"] != epoch or job["state"] not in ACTIVE_STATES:
         return True
     if job["attempt"] >= job["max_attempts"]:
-        error = f"gave up after {job['attempt']} attempts; last: {reason}"
-        set_job(db, job_id, now, state=FAILED, error=error)
-        _drop_checkpoints(db, job_id)
-        append_event(db, job_id, "failed", FAILED, job["attempt"], now,
-                     provider_id=provider_id, message=error)
-        if job["check_of"]:
-            disputes.could_not_run(db, job_id, error, now)
+        _give_up(db, job, provider_id, f"gave up after {job['attempt']} attempts; last:"
+                 f" {reason}", now)
         return True
-    attempt = job["attempt"] + 1
-    set_job(db, job_id, now, state=QUEUED, attempt=attempt, provider_id=None, lease_id=None)
-    if job["check_of"]:
-        verification.requeued(db, job_id)
-    resume = (f"resumes from step {job['checkpoint_step']}" if job["resume_from"]
-              else "starts over (no checkpoint yet)")
     what = outcome if outcome in ("released", "rejected") else "lost"
-    append_event(db, job_id, "requeued", QUEUED, attempt, now, provider_id=provider_id,
-                 message=f"lease {what} ({reason}); attempt {attempt} {resume}")
+    _requeue(db, job, provider_id, f"lease {what} ({reason})", now)
     return True
 
 

@@ -292,7 +292,7 @@ class MarketplaceServicer(marketplace_pb2_grpc.MarketplaceServicer):
             out.append(mp.OfferListing(
                 offer=env, online=True, free_devices=free,
                 reliability=reliability.score(h), mtbf_s=reliability.mtbf_s(h),
-                leases_completed=h.leases_completed, leases_lost=h.leases_lost,
+                leases_completed=h.leases_completed, leases_lost=reliability.failures(h),
                 achieved_flops=done,
                 uptime_7d=h.uptime_window_s / h.window_s if h.window_s else 0.0,
                 figures=judged.status, figures_detail=judged.detail,

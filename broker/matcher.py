@@ -59,7 +59,8 @@ REASON_TEXT = {
     "reliability": "are less reliable than asked",
     "stake": "have staked less than min_provider_stake",
     "deadline": "are not expected to finish before the deadline",
-    "independent": "are the provider whose work this check replays (or found wrong on it)",
+    "independent": "may not run it (the provider a check replays or found wrong on it, or"
+                   " one that kept failing it)",
     "busy": "are busy with other jobs",
 }
 

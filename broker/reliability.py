@@ -2,7 +2,9 @@
 
 MTBF (mean time between failures) = (observed online time + PRIOR_UPTIME_S) /
 (leases lost + PRIOR_FAILURES): a new provider is assumed to fail about once an hour and earns
-a longer MTBF by staying up.
+a longer MTBF by staying up. A lease its provider reported ``failed`` weighs like a lost one
+until a second provider reports the same job failing too (jobs.fail: the job's own failure,
+``crashed``): a provider's word alone that a job failed is its own failure.
 
 Score in [0, 1] (docs/matching.md):
     completion = (completed + 1) / (completed + LOSS_WEIGHT x lost + 2)
@@ -40,15 +42,21 @@ class ProviderHistory:
     uptime_window_s: float = 0.0   # seconds online within the last WINDOW_S
     window_s: float = 0.0          # length of that window the provider has existed for
     age_s: float = 0.0             # time since first seen
+    leases_failed: int = 0         # leases it reported failed that no other provider confirmed
 
 
 def mtbf_s(h: ProviderHistory) -> float:
     """Estimated mean time between failures, in seconds."""
-    return (h.uptime_s + PRIOR_UPTIME_S) / (h.leases_lost + PRIOR_FAILURES)
+    return (h.uptime_s + PRIOR_UPTIME_S) / (failures(h) + PRIOR_FAILURES)
+
+
+def failures(h: ProviderHistory) -> int:
+    """Leases it lost, and leases it reported failed alone: both count as its failures."""
+    return h.leases_lost + h.leases_failed
 
 
 def score(h: ProviderHistory) -> float:
-    completion = (h.leases_completed + 1) / (h.leases_completed + LOSS_WEIGHT * h.leases_lost + 2)
+    completion = (h.leases_completed + 1) / (h.leases_completed + LOSS_WEIGHT * failures(h) + 2)
     uptime = (h.uptime_window_s + 0.5 * PRIOR_WINDOW_S) / (h.window_s + PRIOR_WINDOW_S)
     tenure = 1 - math.exp(-h.age_s / TENURE_S)
     return completion * math.sqrt(min(1.0, uptime)) * (0.6 + 0.4 * tenure)

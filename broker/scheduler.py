@@ -8,8 +8,8 @@ import time
 from collections import defaultdict, deque
 
 from gpumarket.broker import (
-    auth, holdings, holds, jobs, matcher, providers, reliability, verdicts, verification,
-    views,
+    auth, endpoints, holdings, holds, jobs, matcher, providers, reliability, verdicts,
+    verification, views,
 )
 from gpumarket.broker.admission import Needs
 from gpumarket.broker.offers import claim_efficiency, offer_view
@@ -95,7 +95,8 @@ async def place_queued(state: BrokerState) -> int:
     for row in fair_order(queued, running):
         avoid: frozenset[str] = frozenset()
         if row["attempt"] > 1:
-            # A job that was lost goes elsewhere first; its old provider only if nothing else fits.
+            # A job that was lost or failed goes elsewhere first; its old provider only if
+            # nothing else fits.
             avoid = frozenset(await store.read(views.previous_providers, row["id"]))
         if row["parent_id"]:
             # The parts of a split job go to different providers, where there are enough.
@@ -105,6 +106,10 @@ async def place_queued(state: BrokerState) -> int:
         exclude = await store.read(verification.excluded, row["id"]) \
             if row["check_of"] or row["attempt"] > 1 else frozenset()
         stored = Needs.from_json(row["needs"])
+        if row["parent_id"] and stored.kind == pb.JOB_KIND_ENDPOINT:
+            # An endpoint's replicas keep away from the providers failing its replicas.
+            failing, left_out = await store.read(endpoints.steer, row["parent_id"], now_ms())
+            avoid, exclude = avoid | failing, exclude | left_out
         placement, excluded = book.place(needs_of(row, avoid, stored, exclude))
         if placement is None:
             reason = matcher.explain(excluded, len(book))

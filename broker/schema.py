@@ -506,3 +506,11 @@ def m016_provider_reconnect(db: Database) -> None:
     """How long each provider said it takes to reconnect (its hello's reconnect_within_ms,
     bounded; 0 = not said): a restarted broker keeps its leases that long (providers.py)."""
     db.execute("ALTER TABLE providers ADD COLUMN reconnect_within_ms INTEGER NOT NULL DEFAULT 0")
+
+
+@migrations()
+def m017_failed_leases_confirmed(db: Database) -> None:
+    """A lease its provider reported ``failed`` now weighs like a lost one until a second
+    provider confirms the job's own failure (``crashed``: broker/jobs.py fail). Before, one
+    report failed the job: those leases keep the meaning they had, the job's own failure."""
+    db.execute("UPDATE leases SET state = 'crashed' WHERE state = 'failed'")

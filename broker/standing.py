@@ -31,7 +31,7 @@ def standings(db: Database, provider_ids: list[str] | None, now: int) -> list[pb
         standing = pb.ProviderStanding(
             provider_id=row["id"], online=bool(row["online"]), banned=bool(row["banned"]),
             reliability=reliability.score(h), leases_completed=h.leases_completed,
-            leases_lost=h.leases_lost, running=running.get(row["id"], 0),
+            leases_lost=reliability.failures(h), running=running.get(row["id"], 0),
             earned=balances.get(ledger.provider(row["id"]), 0) / ledger.UNIT,
             stake=balances.get(ledger.stake(row["id"]), 0), last_seen_ms=row["last_seen_ms"],
             first_seen_ms=row["first_seen_ms"])

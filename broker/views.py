@@ -185,7 +185,7 @@ def offers(db: Database) -> list[dict]:
 
 def provider_history(db: Database, provider_id: str, now: int) -> ProviderHistory:
     """What the broker saw of a provider: online time (all and in the last 7 days), leases
-    completed and lost, and its age."""
+    completed, lost and failed (by its word alone), and its age."""
     return histories(db, [provider_id], now)[provider_id]
 
 
@@ -214,7 +214,8 @@ def histories(db: Database, provider_ids: list[str], now: int) -> dict[str, Prov
         age_ms = max(0, now - first[provider_id]) if provider_id in first else 0
         out[provider_id] = ProviderHistory(
             uptime_s=uptime_ms / 1000, leases_lost=seen.get("lost", 0),
-            leases_completed=seen.get("succeeded", 0), uptime_window_s=window_ms / 1000,
+            leases_completed=seen.get("succeeded", 0), leases_failed=seen.get("failed", 0),
+            uptime_window_s=window_ms / 1000,
             window_s=min(age_ms, WINDOW_S * 1000) / 1000, age_s=age_ms / 1000)
     return out
 
@@ -260,8 +261,8 @@ def leases_over_hold(db: Database, now: int) -> list[str]:
 
 
 def previous_providers(db: Database, job_id: str) -> set[str]:
-    """Providers that lost or released this job before."""
+    """Providers that lost, released, refused or failed this job before."""
     return {r[0] for r in db.execute(
         "SELECT provider_id FROM leases WHERE job_id = ?"
-        " AND state IN ('lost', 'released', 'rejected')",
+        " AND state IN ('lost', 'released', 'rejected', 'failed')",
         [job_id]).fetchall()}

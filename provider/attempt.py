@@ -24,7 +24,7 @@ from gpumarket.proto.identity import Identity
 from gpumarket.proto.jobspec import now_ms
 from gpumarket.proto.v1 import gateway_pb2 as gw
 from gpumarket.proto.v1 import types_pb2 as pb
-from gpumarket.provider import checkpoints, jobfiles
+from gpumarket.provider import checkpoints, failures, jobfiles
 from gpumarket.provider.config import ProviderConfig
 from gpumarket.provider.executor import JobProcess, job_env, read_reports
 from gpumarket.provider.forkservers import ForkServers
@@ -135,11 +135,11 @@ class Attempt:
         except asyncio.CancelledError:
             raise
         except GpumarketError as exc:
-            final = self.update(failed=gw.JobFailed(error=str(exc)))
+            final = self.update(failed=self.failure(str(exc)))
             log.warning("job %s failed: %s", job_id, exc)
         except Exception:
             log.exception("job %s failed in the provider", job_id)
-            final = self.update(failed=gw.JobFailed(error="provider error while running"))
+            final = self.update(failed=self.failure("provider error while running"))
         finally:
             # However it ended (the daemon's own code failing after the start included),
             # nothing of the job runs on once its device is told free.
@@ -234,7 +234,15 @@ class Attempt:
         if self.uploader is not None:
             self.uploader.cancel()
         log.warning("job %s failed: %s", job_id, outcome.error)
-        return self.update(failed=gw.JobFailed(error=outcome.error))
+        return self.update(failed=self.failure(outcome.error, outcome.exit_code, ran=True))
+
+    def failure(self, error: str, exit_code: int | None = None,
+                ran: bool | None = None) -> gw.JobFailed:
+        """The failed update, with this provider's signed report (provider/failures.py);
+        ``ran``: the job's own process ran (default: it was started)."""
+        ran = self.process is not None and self.process.pid is not None if ran is None else ran
+        return failures.failed(self.host.identity, self.assignment, error, ran=ran,
+                               exit_code=exit_code, workdir=self.workdir, owner=self.job_uid)
 
     # -- what the job reports --------------------------------------------------------------
 
@@ -516,7 +524,7 @@ class Attempt:
                 seconds = done.metrics.get("train_seconds", 0.0)
                 final = self.update(receipt=await self.receipt(done, seconds))
             except GpumarketError as exc:
-                final = self.update(failed=gw.JobFailed(error=str(exc)))
+                final = self.update(failed=self.failure(str(exc), ran=True))
             await self.host.finished(self, final)
 
         self.task = asyncio.create_task(finish())

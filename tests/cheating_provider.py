@@ -5,12 +5,16 @@ real provider daemon whose uploads are doctored at a chosen rate before they lea
 
 CHEAT_MODE: ``weights`` flips one bit of the weights in the checkpoints and final weights it
 uploads (the state still loads and trains on, as a lazy or sloppy provider's would);
-``text`` replaces its completions with another model's text; ``blank`` uploads black frames.
+``text`` replaces its completions with another model's text; ``blank`` uploads black frames;
+``fail`` reports every job it runs as failed by the job's own code (exit status 1, its real
+log, and the error CHEAT_FAILURE), once the job ends or after CHEAT_FAIL_AFTER seconds (an
+endpoint's replica never ends), signed like an honest provider's report.
 CHEAT_RATE: the share of such uploads it doctors (default 1).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import random
@@ -19,7 +23,7 @@ import tempfile
 import zlib
 from pathlib import Path
 
-from gpumarket.provider import daemon
+from gpumarket.provider import daemon, executor
 from gpumarket.provider.cli import main
 
 MODE = os.environ.get("CHEAT_MODE", "weights")
@@ -88,6 +92,25 @@ async def cheating_upload(self, source, name, digest=None):
 
 
 daemon.ProviderDaemon.upload = cheating_upload
+
+FAILURE = os.environ.get("CHEAT_FAILURE", "CUDA error: an illegal memory access was encountered")
+FAIL_AFTER = float(os.environ.get("CHEAT_FAIL_AFTER", "-1"))    # < 0: when the job ends
+real_run = executor.JobProcess.run
+
+
+async def failing_run(self):
+    running = asyncio.ensure_future(real_run(self))
+    if FAIL_AFTER >= 0:
+        done, _ = await asyncio.wait({running}, timeout=FAIL_AFTER)
+        if not done:
+            await self.stop()
+    outcome = await running
+    return executor.Outcome(1, None, False, f"job exited with code 1: {FAILURE}",
+                            outcome.wall_seconds, False)
+
+
+if MODE == "fail":
+    executor.JobProcess.run = failing_run
 
 if __name__ == "__main__":
     main()

@@ -201,9 +201,15 @@ def test_a_split_job_follows_its_parts(store):
         assert await store.read(views.busy_siblings, "j1") == {"p1"}
         await w(jobs.create_lease, "j1-2", "p2", [0], 1.0, 5, 60_000, 10, sign)
         await w(jobs.fail, "j1-2", 1, "p2", "scene: Blender cannot open it", 6)
+        job = await store.read(views.get_job, "j1")    # one provider's word: tried again
+        assert job.state == pb.JOB_STATE_RUNNING
+        assert (job.parts[1].state, job.parts[1].attempt) == (pb.JOB_STATE_QUEUED, 2)
+        await w(jobs.create_lease, "j1-2", "p3", [0], 1.0, 6, 60_000, 10, sign)
+        await w(jobs.fail, "j1-2", 2, "p3", "scene: Blender cannot open it", 6)
         job = await store.read(views.get_job, "j1")
         assert job.state == pb.JOB_STATE_FAILED
-        assert job.error == "part 2/2 failed: scene: Blender cannot open it"
+        assert job.error == ("part 2/2 failed: failed on 2 providers: p2: scene: Blender"
+                             " cannot open it; p3: scene: Blender cannot open it")
         assert job.parts[0].state == pb.JOB_STATE_CANCELLED
         # p1 learns at its next heartbeat that part 1 is no longer its to run
         assert await w(providers.renew_leases, "p1", [("j1-1", 1)], 7) == [("j1-1", 1)]

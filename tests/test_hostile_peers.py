@@ -104,7 +104,11 @@ def test_a_provider_cannot_make_the_broker_hand_out_a_blob_it_never_held(market,
     assert not stat.complete                       # the provider must upload every byte
     assert job.checkpoint_step == 0, "a checkpoint the provider never uploaded was recorded"
     assert not settled.accepted and "not uploaded intact by this provider" in settled.reason
-    assert job.state == pb.JOB_STATE_FAILED and "receipt rejected" in job.error, job.error
+    # The provider's failure, not the job's: its lease ends, unpaid, and the job is queued
+    # for another provider.
+    assert job.state == pb.JOB_STATE_QUEUED and job.attempt == 2, job
+    assert [(a.outcome, a.provider_id) for a in job.attempts] == [("lost", provider.id)]
+    assert "receipt rejected" in job.attempts[0].reason, job.attempts
     assert "is not yours" in str(refused), refused
     assert not (tmp_path / "stolen.bin").exists()
 

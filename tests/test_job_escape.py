@@ -63,6 +63,8 @@ def test_a_job_cannot_hand_the_providers_key_to_its_owner(market, tmp_path):
     job = generate_job(tmp_path / "job.toml", evil_model(tmp_path / "model"),
                        write_prompts(tmp_path / "prompts.jsonl", 2), max_tokens=4,
                        trust_remote_code=True)
+    # One attempt: a failure is otherwise tried again (elsewhere first) before it counts.
+    job.write_text(job.read_text().replace("max_price = 2.0", "max_price = 2.0\nmax_attempts = 1"))
     r = market.cli("submit", str(job), "--watch")
     job_id = r.stdout.split()[0]
     state = market.wait_state(job_id, "FAILED", "SUCCEEDED")

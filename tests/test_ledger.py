@@ -398,22 +398,38 @@ def test_a_running_lease_stops_where_its_hold_ends_and_a_token_top_up_does_not_r
     assert ledger.audit(w.db) == []
 
 
-def test_a_failed_or_cancelled_job_pays_its_running_lease_and_nothing_before_it_started(
-        tmp_path):
+def test_a_cancelled_job_pays_its_running_lease_and_nothing_before_it_started(tmp_path):
     w = World(tmp_path / "b.db")
     w.write(ledger.credit, "ca", 10**7, "client", "", "op", "k1", 1)
-    for job_id, end in (("f", "fail"), ("c", "cancel")):
-        w.write(jobs.submit, new_job(job_id, "ca", 2_000_000, True), 2)
-        w.write(jobs.create_lease, job_id, "pa", [0], 1.0, 10, 60_000, EVERY, sign)
-        w.write(jobs.mark_started, job_id, 1, "pa", 3_600_010)   # an hour after the lease
-        if end == "fail":
-            w.write(jobs.fail, job_id, 1, "pa", "its code crashed", 5_400_010)
-        else:
-            w.write(jobs.cancel, job_id, "ca", 5_400_010)
-        # Half an hour of running at 1 credit/h is paid; the hour before "started" is not.
-        assert ledger.job_money(w.db, job_id) == {"hold": 2_000_000, "charged": 500_000,
-                                                  "remaining": 0, "disputed": 0}
-    assert ledger.balance(w.db, ledger.provider("pa")) == 2 * 475_000
+    w.write(jobs.submit, new_job("c", "ca", 2_000_000, True), 2)
+    w.write(jobs.create_lease, "c", "pa", [0], 1.0, 10, 60_000, EVERY, sign)
+    w.write(jobs.mark_started, "c", 1, "pa", 3_600_010)   # an hour after the lease
+    w.write(jobs.cancel, "c", "ca", 5_400_010)
+    # Half an hour of running at 1 credit/h is paid; the hour before "started" is not.
+    assert ledger.job_money(w.db, "c") == {"hold": 2_000_000, "charged": 500_000,
+                                           "remaining": 0, "disputed": 0}
+    assert ledger.balance(w.db, ledger.provider("pa")) == 475_000
+    assert ledger.audit(w.db) == []
+
+
+def test_a_failed_attempt_is_not_paid_past_its_last_checkpoint(tmp_path):
+    """A provider's report that the job failed ends its lease unpaid since the last
+    settlement (the client is not charged for it); what its checkpoint settled stays
+    settled, and the next lease resumes from there."""
+    w = World(tmp_path / "b.db")
+    w.write(ledger.credit, "ca", 10**7, "client", "", "op", "k1", 1)
+    w.write(jobs.submit, new_job("f", "ca", 2_000_000, True), 2)
+    w.write(jobs.create_lease, "f", "pa", [0], 1.0, 10, 60_000, EVERY, sign)
+    w.write(jobs.mark_started, "f", 1, "pa", 3_600_010)
+    w.write(jobs.record_progress, "f", 1, "pa", pb.Progress(step=10, total=STEPS), 5_400_010)
+    w.write(jobs.record_checkpoint, "f", 1, "pa", 10, w.write(artifact, "pa", 10, 5_400_010),
+            0.1, 5_400_010)
+    w.write(jobs.fail, "f", 1, "pa", "CUDA error: an illegal memory access", 7_200_010)
+    job = w.job("f")
+    assert (job["state"], job["attempt"], job["checkpoint_step"]) == (jobs.QUEUED, 2, 10)
+    assert ledger.job_money(w.db, "f")["charged"] == 500_000     # the checkpointed half hour
+    assert ledger.balance(w.db, ledger.provider("pa")) == 475_000
+    assert w.db.execute("SELECT state FROM leases WHERE id = 'f.1'").fetchone()[0] == "failed"
     assert ledger.audit(w.db) == []
 
 

@@ -217,6 +217,11 @@ def test_failing_the_job_does_not_escape_a_pending_check(w):
     checkpoint(w, "j", "liar", 10, CHECK)
     checkpoint(w, "j", "liar", 20, CHECK)
     w.write(jobs.fail, "j", w.job("j")["epoch"], "liar", "out of memory", w.now)
+    assert w.job("j")["state"] == jobs.QUEUED          # its word alone: tried elsewhere
+    assert "cancelled" not in {c["state"] for c in checks(w, "j").values()}
+    start(w, "j", "h2")
+    w.write(jobs.fail, "j", w.job("j")["epoch"], "h2", "out of memory", w.now)
+    assert w.job("j")["state"] == jobs.FAILED         # two providers agree
     assert {c["state"] for c in checks(w, "j").values()} == {"cancelled"}
     # The work under check is not paid; the client has its hold back.
     assert ledger.balance(w.db, ledger.provider("liar")) == 0

@@ -70,10 +70,34 @@ class JobStarted(_message.Message):
     def __init__(self, resumed_from_step: _Optional[int] = ...) -> None: ...
 
 class JobFailed(_message.Message):
-    __slots__ = ("error",)
+    __slots__ = ("error", "report")
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    REPORT_FIELD_NUMBER: _ClassVar[int]
     error: str
-    def __init__(self, error: _Optional[str] = ...) -> None: ...
+    report: _types_pb2.Envelope
+    def __init__(self, error: _Optional[str] = ..., report: _Optional[_Union[_types_pb2.Envelope, _Mapping]] = ...) -> None: ...
+
+class FailureReport(_message.Message):
+    __slots__ = ("job_id", "epoch", "provider_id", "spec_sha256", "job_ran", "exit_code", "error", "log_tail", "at_ms")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    PROVIDER_ID_FIELD_NUMBER: _ClassVar[int]
+    SPEC_SHA256_FIELD_NUMBER: _ClassVar[int]
+    JOB_RAN_FIELD_NUMBER: _ClassVar[int]
+    EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    LOG_TAIL_FIELD_NUMBER: _ClassVar[int]
+    AT_MS_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    epoch: int
+    provider_id: str
+    spec_sha256: str
+    job_ran: bool
+    exit_code: int
+    error: str
+    log_tail: _containers.RepeatedScalarFieldContainer[str]
+    at_ms: int
+    def __init__(self, job_id: _Optional[str] = ..., epoch: _Optional[int] = ..., provider_id: _Optional[str] = ..., spec_sha256: _Optional[str] = ..., job_ran: _Optional[bool] = ..., exit_code: _Optional[int] = ..., error: _Optional[str] = ..., log_tail: _Optional[_Iterable[str]] = ..., at_ms: _Optional[int] = ...) -> None: ...
 
 class JobRejected(_message.Message):
     __slots__ = ("reason",)
