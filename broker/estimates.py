@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpumarket.broker import model_size
-from gpumarket.kinds import Kind
+from gpumarket.kinds import Kind, ParamError
 from gpumarket.proto.errors import InvalidArgument
 from gpumarket.proto.v1 import types_pb2 as pb
 
@@ -70,11 +70,16 @@ def estimate(kind: Kind, values: dict, spec: pb.JobSpec,
     name, archive = found
     field = next(p.name for p in kind.params if values.get(p.name) == name)
     try:
-        shape = model_size.shape(_config_from_blob(blob_path(ref.sha256), archive))
+        config = _config_from_blob(blob_path(ref.sha256), archive)
+        shape = model_size.shape(config)
     except (OSError, ValueError, tarfile.TarError) as exc:
         raise InvalidArgument(f"{kind.name}.{field}: cannot read a model config ({exc})") from exc
     except InvalidArgument as exc:
         raise InvalidArgument(f"{kind.name}.{field}: {exc.message}") from exc
+    try:
+        kind.check_config(values, config)
+    except ParamError as exc:
+        raise InvalidArgument(str(exc)) from exc
     return rule(shape, values)
 
 

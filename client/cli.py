@@ -29,7 +29,9 @@ from gpumarket.proto.artifacts import write_atomically
 from gpumarket.proto.envelope import open_envelope, seal
 from gpumarket.proto.money import fmt
 from gpumarket.proto.present import job_dict, short
-from gpumarket.proto.errors import BadSignature, FailedPrecondition, GpumarketError
+from gpumarket.proto.errors import (
+    BadSignature, FailedPrecondition, GpumarketError, InsufficientFunds,
+)
 from gpumarket.proto.identity import Identity, home_dir
 from gpumarket.proto.jobspec import (
     ACCELERATOR_NAMES, NONCE_BYTES, STATES_BY_NAME,
@@ -107,6 +109,21 @@ async def upload_inputs(broker: BrokerClient, job: jobfile.JobFile) -> list[pb.A
     return refs
 
 
+async def check_funds(broker: BrokerClient, job: jobfile.JobFile) -> None:
+    """Refuse, before anything is uploaded, a job the caller's available balance cannot
+    hold: the least the broker would hold for it (jobfile.least_hold) against the balance,
+    where the broker enforces funds; the broker checks the exact hold at submit. Raises
+    InsufficientFunds."""
+    account = await broker.account(limit=1)
+    least, basis = jobfile.least_hold(job)
+    if account.billing and account.available < least:
+        raise InsufficientFunds(
+            f"insufficient funds: this job holds at least {fmt(least)} credits ({basis}); your"
+            f" available balance is {fmt(account.available)}, {fmt(least - account.available)}"
+            " short (ask the broker's operator for credit, or set a smaller budget in the job"
+            " file); nothing was uploaded")
+
+
 def build_spec(job: jobfile.JobFile, refs: list[pb.ArtifactRef], created_ms: int) -> pb.JobSpec:
     spec = pb.JobSpec(
         name=job.name, kind=job.kind,
@@ -135,10 +152,12 @@ def build_spec(job: jobfile.JobFile, refs: list[pb.ArtifactRef], created_ms: int
 @click.pass_obj
 @command
 async def submit(market: Broker, job_file: Path, watch_: bool, as_json: bool) -> None:
-    """Upload JOB_FILE's inputs, sign the job, submit it, and print its id."""
+    """Upload JOB_FILE's inputs, sign the job, submit it, and print its id (a job your
+    available balance cannot hold is refused before anything is uploaded)."""
     job = jobfile.load(job_file)
     identity = load_identity()
     async with market.client(identity) as broker:
+        await check_funds(broker, job)
         refs = await upload_inputs(broker, job)
         spec = build_spec(job, refs, now_ms())
         resp = await broker.submit(seal(identity, spec))

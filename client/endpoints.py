@@ -44,7 +44,7 @@ def endpoint() -> None:
 @command
 async def create(market: Broker, job_file: Path, as_json: bool) -> None:
     """Create the endpoint JOB_FILE describes (kind = "endpoint"); print its name and API."""
-    from gpumarket.client.cli import build_spec, upload_inputs
+    from gpumarket.client.cli import build_spec, check_funds, upload_inputs
 
     job = jobfile.load(job_file)
     if job.kind != KINDS_BY_NAME["endpoint"]:
@@ -52,6 +52,7 @@ async def create(market: Broker, job_file: Path, as_json: bool) -> None:
                               " other jobs)")
     identity = load_identity()
     async with market.client(identity) as broker:
+        await check_funds(broker, job)
         refs = await upload_inputs(broker, job)
         resp = await broker.submit(seal(identity, build_spec(job, refs, now_ms())))
         ep = await broker.endpoint(resp.job_id, events=0)

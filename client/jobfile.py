@@ -6,6 +6,7 @@ Every problem is one JobFileError naming the file and the field.
 from __future__ import annotations
 
 import io
+import json
 import os
 import re
 import tarfile
@@ -21,6 +22,7 @@ from gpumarket.kinds.schema import TYPE_WORDS, UINT32, UINT64
 from gpumarket.proto.jobspec import (
     ACCELERATORS_BY_NAME, MAX_CREDITS, MAX_PRICE, OBJECTIVES_BY_NAME,
 )
+from gpumarket.proto.money import units
 
 DEFAULT_EXPIRY_S = 24 * 3600
 # The top-level numbers' ranges: what the spec's fields hold and the broker accepts.
@@ -307,10 +309,63 @@ def read_params(kind: kinds.Kind, table: dict, base: Path, file: str
     full = {p.name: values.get(p.name, p.zero()) for p in kind.params}
     try:
         kind.check(full, {i.name for i in inputs})
+        config = local_config(kind, full, inputs)
+        if config is not None:      # the broker checks it too, where it reads the config
+            kind.check_config(full, config)
     except kinds.ParamError as exc:
         field = f"field '{exc.field}'" if "." in exc.field else f"[{exc.field}]"
         raise JobFileError(f"{file}: {field} {exc.problem}") from exc
     return values, inputs
+
+
+MAX_CONFIG_BYTES = 1 << 20      # as the broker reads at most
+# The broker's hold times (broker/holds.py, docs/ledger.md): at least MIN_HOLD_S where it can
+# estimate the job's work (the training sizing rule, from its model's config), else its
+# max_runtime or DEFAULT_HOLD_S.
+MIN_HOLD_S = 300
+DEFAULT_HOLD_S = 3600
+
+
+def least_hold(job: JobFile) -> tuple[int, str]:
+    """(the least the broker can hold for ``job``, in units; what that rests on): its budget,
+    else max_price x its devices (of every part, replica or task) x the shortest hold time
+    its kind allows. Never more than the broker's own figure, so a job refused on it would
+    be refused at submit too, after its inputs went up."""
+    if job.budget:
+        return units(job.budget), "its budget"
+    kind = kinds.get(job.kind)
+    values = {p.name: job.params.get(p.name, p.zero()) for p in kind.params}
+    parts = job.array_count or (values["max_replicas"] if kind.name == "endpoint"
+                                else kind.parts(values))
+    devices = job.gpus * max(1, parts)
+    if kind.sizing == "training" and kind.config_input(values) is not None:   # work estimated
+        seconds = min(MIN_HOLD_S, job.max_runtime_s or MIN_HOLD_S)
+    else:
+        seconds = job.max_runtime_s or DEFAULT_HOLD_S
+    amount = max(1, units(job.max_price) * devices * seconds // 3600)
+    return amount, (f"{seconds} s at max_price {job.max_price:g}/device-hour x {devices}"
+                    f" device{'s' if devices > 1 else ''}")
+
+
+def local_config(kind: kinds.Kind, values: dict[str, Any], inputs: list[LocalInput]
+                 ) -> dict | None:
+    """The model's config.json the job sends, read from the local file or directory (not
+    from an archive: the broker reads that one); None where there is none to read."""
+    found = kind.config_input(values)
+    path = next((i.path for i in inputs if found and i.name == found[0]), None)
+    if path is None:
+        return None
+    if path.is_dir():
+        path = path / "config.json"
+    elif found[1]:
+        return None
+    try:
+        if path.stat().st_size > MAX_CONFIG_BYTES:
+            return None
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return config if isinstance(config, dict) else None
 
 
 def pack_directory(directory: Path) -> bytes:

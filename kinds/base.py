@@ -110,6 +110,11 @@ class Kind:
         it is inside an archive; None if the kind has none."""
         return None
 
+    def check_config(self, values: dict[str, Any], config: dict) -> None:
+        """Rules between the job's parameters and its model's config.json (the one
+        ``config_input`` names): the client checks them where it holds the config, the
+        broker where it reads it, before the job is queued. Raises ParamError."""
+
     def parts(self, values: dict[str, Any]) -> int:
         """How many parts the job runs as, each leased on its own (1: it is not split)."""
         return 1

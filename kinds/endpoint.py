@@ -32,9 +32,30 @@ class Endpoint(Kind):
     def config_input(self, values: dict[str, Any]) -> tuple[str, bool] | None:
         return (values["model"], True) if values["model"] else None
 
+    def check_config(self, values: dict[str, Any], config: dict) -> None:
+        # A replica asked for more positions than the model has fails as it loads, on every
+        # provider: refused here instead.
+        positions = model_positions(config)
+        for field in ("max_seq_len", "max_tokens"):
+            if positions and values[field] > positions:
+                raise ParamError(f"{self.name}.{field}", f"{values[field]} is over the model's"
+                                 f" max_position_embeddings {positions} (its config.json)")
+
     def engine(self, values: dict[str, Any]) -> str:
         # Only vLLM is an engine a provider must advertise; the others are transformers.
         return "vllm" if values.get("engine") == "vllm" else ""
+
+
+def model_positions(config: dict) -> int:
+    """The longest sequence a transformers config says its model takes (its text model's,
+    for a multimodal one); 0 if it does not say."""
+    text = config.get("text_config")
+    for cfg in (config, text if isinstance(text, dict) else {}):
+        for key in ("max_position_embeddings", "n_positions"):
+            value = cfg.get(key)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+    return 0
 
 
 def settings(values: dict[str, Any]) -> dict[str, Any]:

@@ -23,11 +23,13 @@ def test_credit_hold_pause_top_up_and_statements(tmp_path):
         me = market.identity().id
         job = training_job(tmp_path / "job.toml", steps=200, checkpoint_every=40)
 
-        # No funds: a clear error naming the amount short, and nothing queued.
+        # No funds: a clear error naming the amount short (at least what the least hold the
+        # job can have needs: the broker's own is 2.00), nothing uploaded, nothing queued.
         r = market.cli("submit", str(job))
-        (error,) = [x for x in r.stderr.splitlines() if not x.startswith("uploading")]
+        (error,) = r.stderr.splitlines()
         assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
-        assert error.startswith("error: insufficient funds") and "2.00 short" in error
+        assert error.startswith("error: insufficient funds: this job holds at least 0.166666"
+                                " credits") and "0.166666 short" in error, error
         assert json.loads(market.cli("list", "--json").stdout) == []
 
         # The operator's door: bad amounts and strangers' keys are refused.
