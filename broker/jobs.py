@@ -561,7 +561,7 @@ def fail(db: Database, job_id: str, epoch: int, provider_id: str, error: str, no
 
 def provider_failures(db: Database, job_id: str) -> dict[str, str]:
     """The providers that reported that the job ran and failed (leases ``failed``), each with
-    its latest error, oldest first."""
+    its latest error, in the order of those reports."""
     out: dict[str, str] = {}
     for provider_id, reason in db.execute(
             "SELECT provider_id, reason FROM leases WHERE job_id = ? AND state = 'failed'"
