@@ -269,3 +269,24 @@ def test_the_broker_takes_a_failure_report_only_as_signed_for_this_lease(gateway
             check(failed_update(body, epoch))
     # Without a report: the error alone, as a report that the job ran.
     assert check(failed_update(gw.JobFailed(error="e"))) == (True, "e", ())
+
+
+def test_leases_failed_before_the_upgrade_keep_their_meaning(tmp_path):
+    """A lease ``failed`` under the old rule (one report failed the job: its own failure)
+    becomes ``crashed``, so an upgrade does not count old failures against providers."""
+    from sqlite_utils import Database
+
+    from gpumarket.broker.schema import migrations
+
+    db = Database(tmp_path / "old.db")
+    migrations.apply(db, stop_before="m017_failed_leases_confirmed")
+    for i, state in enumerate(("failed", "lost", "succeeded")):
+        db["leases"].insert({"id": f"j.{i}", "job_id": "j", "attempt": 1, "epoch": i,
+                             "provider_id": "p1", "device_indices": "[0]",
+                             "price_per_gpu_hour": 1.0, "state": state, "issued_at_ms": 1,
+                             "renewed_at_ms": 1, "envelope": b""})
+    migrations.apply(db)
+    assert [r[0] for r in db.execute("SELECT state FROM leases ORDER BY epoch")] == [
+        "crashed", "lost", "succeeded"]
+    h = views.provider_history(db, "p1", 10)
+    assert (h.leases_failed, h.leases_lost, h.leases_completed) == (0, 1, 1)
