@@ -11,8 +11,10 @@ import os
 from types import SimpleNamespace
 
 import pytest
+from sqlite_utils import Database
 from gpumarket.broker import endpoints, jobs, ledger, reliability, views
 from gpumarket.broker.gateway import ProviderGatewayServicer
+from gpumarket.broker.schema import migrations
 from gpumarket.broker.store import Store
 from gpumarket.proto.envelope import open_envelope, payload_sha256, seal
 from gpumarket.proto.errors import BadSignature
@@ -274,10 +276,6 @@ def test_the_broker_takes_a_failure_report_only_as_signed_for_this_lease(gateway
 def test_leases_failed_before_the_upgrade_keep_their_meaning(tmp_path):
     """A lease ``failed`` under the old rule (one report failed the job: its own failure)
     becomes ``crashed``, so an upgrade does not count old failures against providers."""
-    from sqlite_utils import Database
-
-    from gpumarket.broker.schema import migrations
-
     db = Database(tmp_path / "old.db")
     migrations.apply(db, stop_before="m017_failed_leases_confirmed")
     for i, state in enumerate(("failed", "lost", "succeeded")):
