@@ -11,7 +11,6 @@ import os
 from types import SimpleNamespace
 
 import pytest
-from sqlite_utils import Database
 from gpumarket.broker import endpoints, jobs, ledger, reliability, views
 from gpumarket.broker.gateway import ProviderGatewayServicer
 from gpumarket.broker.schema import migrations
@@ -23,6 +22,7 @@ from gpumarket.proto.v1 import gateway_pb2 as gw
 from gpumarket.proto.v1 import types_pb2 as pb
 from gpumarket.provider import failures
 from gpumarket.provider.leases import Assignment
+from sqlite_utils import Database
 
 from tests.test_ledger import World, new_job, sign
 from tests.test_serving_hostile_scaling import endpoint_job
