@@ -137,3 +137,4 @@ max_tokens = 32
     assert [(x["provider_id"], x.get("ready")) for x in e["replicas"]] == [(honest, True)]
     lies = [ev for ev in e["events"] if ev["type"] == "replica" and LIE in ev["message"]]
     assert len(lies) == 1 and lies[0].get("provider_id") == cheat, e["events"]
+    assert market.cli("endpoint", "delete", "tiny").returncode == 0   # (a quick teardown)
