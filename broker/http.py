@@ -126,7 +126,7 @@ class BrokerHttp:
         while True:
             try:
                 queued = await self.state.store.read(views.count_in_state, pb.JOB_STATE_QUEUED)
-                busy = await self.state.store.read(views.busy_devices)
+                busy = await self.state.busy_devices()
                 offers = self.state.sessions.offers()
                 self.samples.append({
                     "at_ms": now_ms(), "queued": queued,
@@ -191,7 +191,7 @@ class BrokerHttp:
     async def providers(self, request: web.Request) -> web.Response:
         now = now_ms()
         offers = {o.provider_id: o for o in self.state.sessions.offers()}
-        busy = await self.state.store.read(views.busy_devices)
+        busy = await self.state.busy_devices()
         rows = await self.state.store.read(standing.standings, None, now)
         out = []
         for p in rows:

@@ -278,7 +278,7 @@ class MarketplaceServicer(marketplace_pb2_grpc.MarketplaceServicer):
                 if _matches(offer, request)][:limit]
         if not page:
             return mp.SearchOffersResponse()
-        busy = await store.read(views.busy_devices)
+        busy = await self.state.busy_devices()
         achieved = await store.read(views.achieved_flops)
         hist = await store.read(views.histories, [o.provider_id for o, _ in page], now_ms())
         checked = await store.read(verification.standings)

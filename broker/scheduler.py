@@ -67,7 +67,7 @@ async def offer_book(state: BrokerState) -> matcher.Book:
     store = state.store
     offers = state.sessions.offers()
     now = now_ms()
-    busy = await store.read(views.busy_devices)
+    busy = await state.busy_devices()
     loads = await store.read(views.active_lease_counts)
     hist = await store.read(views.histories, [o.provider_id for o in offers], now)
     achieved = {p: f for (p, kind), f in (await store.read(views.achieved_flops)).items()
@@ -187,6 +187,7 @@ async def write_heartbeats(state: BrokerState) -> None:
         session.log(log, logging.INFO, "provider %s still runs %d leases that are no longer"
                     " its (job %s, ...); told to stop", provider_id, len(pairs), pairs[0][0])
         for job_id, epoch in pairs:
+            state.liveness.ended(provider_id, job_id, epoch, now_ms())
             session.send(gw.BrokerMessage(cancel=gw.CancelLease(
                 job_id=job_id, epoch=epoch, reason="this lease is no longer yours")))
 
@@ -200,10 +201,15 @@ async def expire(state: BrokerState) -> None:
         views.overdue_leases, now - int(state.config.lease_timeout_s * 1000))
     changed = False
     for lease_id in overdue:
+        row = await state.store.read(views.lease_holder, lease_id)
         if await state.store.write(jobs.lose_lease, lease_id, "missed heartbeats", now):
             log.warning("lease %s lost: missed heartbeats", lease_id)
             state.metrics.lease_expiries.inc()
             changed = True
+            # A provider that is late, not gone, may still run it: it is told to stop, and
+            # the devices wait for it to say it has (not refused leases meanwhile).
+            state.liveness.ended(row[2], row[0], row[1], now)
+            stop(state, *row, "lease lost: missed heartbeats")
     if await state.store.write(jobs.expire_queued, now):
         changed = True
     for lease_id, limit in await state.store.read(views.leases_past_runtime, now,
@@ -213,6 +219,7 @@ async def expire(state: BrokerState) -> None:
                                    f"ran past the job's max_runtime of {limit}s", now):
             log.warning("lease %s taken back: it ran past its job's max_runtime", lease_id)
             changed = True
+            state.liveness.ended(row[2], row[0], row[1], now)
             stop(state, *row, f"ran past the job's max_runtime of {limit}s")
     for lease_id in await state.store.read(views.leases_over_hold, now):
         ended = await state.store.write(jobs.exhaust, lease_id, now)

@@ -6,6 +6,7 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpumarket.broker import views
 from gpumarket.broker.artifact_store import ArtifactStore
 from gpumarket.broker.config import BrokerConfig
 from gpumarket.broker.liveness import Liveness
@@ -13,6 +14,7 @@ from gpumarket.broker.metrics import BrokerMetrics
 from gpumarket.broker.sessions import Sessions
 from gpumarket.broker.store import Store
 from gpumarket.proto.identity import Identity
+from gpumarket.proto.jobspec import now_ms
 
 
 class Changes:
@@ -57,6 +59,16 @@ class BrokerState:
     liveness: Liveness = field(default_factory=Liveness)  # heartbeats not yet written
     serving: Any = None                                   # broker/serving.py's Serving
     api_base: str = ""                                    # where the endpoints' API listens
+
+    async def busy_devices(self) -> dict[str, set[int]]:
+        """By provider, the devices not free to lease: those of active leases, and those of
+        ended leases the provider may still run (its heartbeats still list them)."""
+        busy = await self.store.read(views.busy_devices)
+        if pending := self.liveness.still_running(now_ms()):
+            for provider_id, devices in (await self.store.read(views.held_devices,
+                                                                pending)).items():
+                busy.setdefault(provider_id, set()).update(devices)
+        return busy
 
     @property
     def operators(self) -> set[str]:

@@ -139,6 +139,19 @@ def overdue_leases(db: Database, renewed_before_ms: int) -> list[str]:
     ).fetchall()]
 
 
+def held_devices(db: Database, pairs: dict[str, list[tuple[str, int]]]) -> dict[str, set[int]]:
+    """The devices of ended leases that their providers may still run (``pairs``, by
+    provider: broker/liveness.py): not free to lease again yet."""
+    held: dict[str, set[int]] = {}
+    for provider_id, listed in pairs.items():
+        for job_id, epoch in listed:
+            row = db.execute("SELECT device_indices FROM leases WHERE job_id = ? AND epoch = ?"
+                             " AND provider_id = ?", [job_id, epoch, provider_id]).fetchone()
+            if row is not None:
+                held.setdefault(provider_id, set()).update(json.loads(row[0]))
+    return held
+
+
 def lease_holder(db: Database, lease_id: str) -> tuple[str, int, str]:
     """(job id, epoch, provider id) of a lease."""
     return tuple(db.execute("SELECT job_id, epoch, provider_id FROM leases WHERE id = ?",

@@ -311,6 +311,55 @@ def test_heartbeats_are_noted_in_memory_and_written_before_leases_expire(store, 
     asyncio.run(scenario())
 
 
+def test_a_lost_lease_holds_its_devices_until_its_provider_stops_it(store, tmp_path):
+    """Found in CI under load: a provider late with its heartbeats lost its lease, the job
+    was leased again at once to the same provider on the same device, which refused it (the
+    old job was still on it), and every refusal used up an attempt: the job failed within
+    a second. Now the provider is told to stop the lost lease, and its devices are not
+    leased again until a heartbeat of that provider no longer lists it."""
+    from gpumarket.broker import scheduler
+    from gpumarket.broker.config import BrokerConfig
+    from gpumarket.broker.state import BrokerState
+    from gpumarket.proto.jobspec import now_ms
+
+    broker, client = Identity.generate(), Identity.generate()
+    state = BrokerState(BrokerConfig(data_dir=tmp_path, lease_timeout_s=4.0), broker, store,
+                        ArtifactStore(tmp_path / "artifacts", 1 << 20))
+    told: list = []
+
+    class Session:
+        def send(self, message):
+            told.append((message.cancel.job_id, message.cancel.epoch, message.cancel.reason))
+
+        def log(self, *args):
+            pass
+
+    state.sessions.get = lambda provider_id: Session() if provider_id == "p1" else None
+
+    async def scenario():
+        w = store.write
+        await w(providers.online, "p1", b"key", 1)
+        await w(jobs.submit, new_job(client, max_attempts=5), 1)
+        await w(jobs.create_lease, "j1", "p1", [0], 1.0, 2, 60_000, 10,
+                lambda lease: seal(broker, lease))
+        state.liveness.heard("p1", [("j1", 1)], now_ms() - 60_000)
+        await w(lambda db: db.execute("UPDATE leases SET renewed_at_ms = ?",
+                                      [now_ms() - 60_000]))
+        await scheduler.expire(state)           # late: the lease is lost, p1 told to stop
+        assert [t[:2] for t in told] == [("j1", 1)] and "missed heartbeats" in told[0][2]
+        assert (await store.read(jobs.job_row, "j1"))["state"] == pb.JOB_STATE_QUEUED
+        assert await state.busy_devices() == {"p1": {0}}
+        state.liveness.heard("p1", [("j1", 1)], now_ms())     # still running it
+        assert await state.busy_devices() == {"p1": {0}}
+        state.liveness.heard("p1", [], now_ms())              # stopped
+        assert await state.busy_devices() == {}
+        # another provider cannot hold p1's devices by listing p1's lease
+        state.liveness.ended("p2", "j1", 1, now_ms())
+        assert await state.busy_devices() == {}
+
+    asyncio.run(scenario())
+
+
 def test_provider_histories_are_read_in_bulk_each_providers_own(store):
     """views.histories reads many providers' histories in three queries; each provider gets
     its own sessions and leases, and one never seen gets nothing."""
