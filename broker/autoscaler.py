@@ -64,8 +64,11 @@ def decide(ep: Endpoint, rows: list[dict], watch: Watch, now: float, wanted: boo
     serving_ids = {r.job_id for r in ready}
     replacing = watch.replacing if watch.replacing is not None else {}
     watch.replacing = replacing
-    for old in list(replacing):
-        if old not in {r["id"] for r in live}:
+    live_ids = {r["id"] for r in live}
+    for old, new in list(replacing.items()):
+        if old not in live_ids:
+            del replacing[old]
+        elif new not in live_ids:       # the replacement failed: the next pass starts another
             del replacing[old]
     # A draining replica's replacement serves: the old one goes.
     busy = {r.job_id for r in ready if r.in_flight}
@@ -106,8 +109,10 @@ def decide(ep: Endpoint, rows: list[dict], watch: Watch, now: float, wanted: boo
     # Not idle while a request waits for a replica (one still starting, say): retiring it
     # then started another for the same request, idle_s later retired again, and so on
     # wherever a replica took longer than idle_s to start (seen at load 25 with idle_s 6).
+    # Nor while a draining replica's replacement starts (one slower to start than idle_s was
+    # retired as "one still starting", and the draining one was then never moved).
     if len(live) > s["min_replicas"] and idle >= s["idle_s"] and ep.in_flight == 0 \
-            and not ep.waiting and not wanted:
+            and not ep.waiting and not wanted and not replacing:
         # One still starting goes before one serving; then the newest.
         victim = sorted(live, key=lambda r: (r["id"] in serving_ids, r["part"]))[0]
         watch.last_change = now

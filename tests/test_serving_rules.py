@@ -285,6 +285,27 @@ def test_a_draining_replica_is_replaced_before_it_is_retired():
     assert d.retire == ("r1",) and "draining provider" in d.retire_why
 
 
+def test_a_replacement_slower_to_start_than_idle_s_is_not_scaled_in():
+    """Found in CI under load: a draining replica's replacement took longer to start than
+    idle_s, scale-in retired it as "one still starting", and the draining replica was never
+    moved. Idle does not count while a replacement starts; a replacement that failed is
+    started again."""
+    ep = endpoint(min_replicas=0, idle_s=6)
+    ep.last_request = 0.0
+    serving_replicas(ep, "r1")
+    ep.replicas["r1"].draining = True
+    watch = Watch(last_change=0.0)
+    d = decide(ep, rows(RUNNING), watch, now=1.0, wanted=False)
+    assert d.add == 1 and d.retire == ("r1",) and not d.retire_why
+    watch.replacing["r1"] = "r2"
+    for now in (10.0, 60.0, 600.0):         # r2 still starting, long past idle_s
+        d = decide(ep, rows(RUNNING, pb.JOB_STATE_LEASED), watch, now=now, wanted=False)
+        assert d.retire == () and d.add == 0, (now, d)
+    # r2 failed for good (gone from the endpoint's replicas): another replacement starts.
+    d = decide(ep, rows(RUNNING), watch, now=601.0, wanted=False)
+    assert d.add == 1 and d.retire == ("r1",) and not d.retire_why
+
+
 # -- the provider's link to its engine (provider/replica.py) -----------------------------
 
 def test_engine_link_takes_only_answers_to_open_requests_and_bounds_them():
