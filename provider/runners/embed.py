@@ -16,12 +16,33 @@ import time
 from pathlib import Path
 
 from gpumarket.provider.runners.inference import (
-    Results, percentiles, read_items, run_main, torch_device, torch_dtype, unpack_model,
+    Results, attention_words, batch_for_memory, bucket, choose_attention, free_memory,
+    percentiles, read_items, run_main, torch_device, torch_dtype, unpack_model,
 )
 from gpumarket.provider.runners.report import Reporter
 from gpumarket.provider.runners.base import JobError, read_job
 
-DEFAULT_BATCH = 32
+DEFAULT_BATCH = 32  # texts a batch on the CPU, and where the job gives none
+MAX_BATCH = 1024  # texts a batch on CUDA, chosen from free memory
+
+
+def choose_batch(params: dict, model, device, max_len: int) -> int:
+    """The job's batch_size, else on CUDA as many texts of ``max_len`` tokens as MEMORY_SHARE
+    of the free memory holds one layer's activations of (hidden states, the MLP's
+    intermediate, attention scores where a kernel makes them), at most MAX_BATCH; on the
+    CPU, DEFAULT_BATCH."""
+    if params.get("batch_size"):
+        return int(params["batch_size"])
+    free = free_memory(device)
+    if free is None:
+        return DEFAULT_BATCH
+    cfg = model.config
+    hidden = getattr(cfg, "hidden_size", 1024)
+    inner = getattr(cfg, "intermediate_size", 4 * hidden)
+    heads = getattr(cfg, "num_attention_heads", 16)
+    size = next(model.parameters()).element_size()
+    per_text = max_len * (6 * hidden + 2 * inner) * size + heads * max_len * max_len * size
+    return batch_for_memory(free, per_text, MAX_BATCH)
 
 
 def pool(hidden, mask, normalize: bool):
@@ -62,15 +83,24 @@ def embed(workdir: Path, report: Reporter) -> None:
     model = model.to(device).eval()
     normalize = not p.get("keep_scale", False)
     max_len = min(int(getattr(tokenizer, "model_max_length", 512) or 512), 8192)
-    results = Results(workdir, job, len(texts), int(p.get("batch_size") or DEFAULT_BATCH),
+    longest = max(len(ids) for ids in tokenizer(texts, truncation=True, max_length=max_len)[
+        "input_ids"]) if device.type == "cuda" and not p.get("batch_size") else 0
+    step = bucket(device)
+    step = step if step and max_len % step == 0 else None  # never past the model's positions
+    results = Results(workdir, job, len(texts), choose_batch(p, model, device, longest),
                       report)
+    attention = choose_attention(model, device, results.batch_size)
+    results.figures.update(attention, bucket_tokens=float(step or 0))
     print(f"embedding {len(texts)} texts with {type(model).__name__} on {device},"
-          f" batch {results.batch_size}", flush=True)
+          f" batch {results.batch_size}"
+          f"{' (from free memory)' if device.type == 'cuda' and not p.get('batch_size') else ''},"
+          f" attention {attention_words(model, attention)}", flush=True)
     began, tokens, latencies = time.perf_counter(), 0, []
     for indices in results.batches():
         start = time.perf_counter()
         enc = tokenizer([texts[i] for i in indices], return_tensors="pt", padding=True,
-                        truncation=True, max_length=max_len).to(device)
+                        truncation=True, max_length=max_len,
+                        pad_to_multiple_of=step).to(device)
         with torch.inference_mode():
             hidden = model(**enc).last_hidden_state
         vectors = pool(hidden, enc["attention_mask"], normalize).float().cpu().numpy()
@@ -99,7 +129,7 @@ def embed(workdir: Path, report: Reporter) -> None:
                "texts_per_s": done_now / elapsed if elapsed > 0 else 0.0,
                "tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0,
                "embed_seconds": elapsed, "batch_size": float(results.batch_size),
-               "resumed_from_step": float(results.resumed_from),
+               "resumed_from_step": float(results.resumed_from), **results.figures,
                **percentiles(latencies, "batch_s")}
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
     print(f"done: {len(texts)} texts, {metrics['texts_per_s']:,.1f} texts/s", flush=True)

@@ -17,13 +17,18 @@ import time
 from pathlib import Path
 
 from gpumarket.provider.runners.inference import (
-    Results, percentiles, read_items, run_main, torch_device, torch_dtype, unpack_model,
+    Results, attention_words, batch_for_memory, bucket, choose_attention, free_memory,
+    kv_bytes_per_token, percentiles, read_items, run_main, torch_device, torch_dtype,
+    unpack_model,
 )
 from gpumarket.provider.runners.report import Reporter
 from gpumarket.provider.runners.base import JobError, read_job
 
 CPU_BATCH = 8
-MAX_BATCH = 128
+MAX_BATCH = 256
+COMPILE = True  # the switch for compile_pays: off, a job never compiles
+COMPILE_S = 32.0  # seconds to compile the 953M Llama's static-cache forward on an H100
+COMPILED_STEP_SHARE = 0.27  # a compiled decode step's time over an eager one's, same card
 
 
 def load(model_dir: Path, device, dtype, remote_code: bool = False):
@@ -48,22 +53,29 @@ def load(model_dir: Path, device, dtype, remote_code: bool = False):
 
 
 def choose_batch(params: dict, model, device, longest_tokens: int) -> int:
-    """The job's batch_size, else from free memory: what the KV cache of one sequence of the
-    longest prompt plus max_tokens takes, into half the free memory."""
-    import torch
-
+    """The job's batch_size, else on CUDA from free memory: as many sequences of the longest
+    prompt (padded to its bucket) plus max_tokens as MEMORY_SHARE of the free memory holds
+    the KV cache of, at most MAX_BATCH; on the CPU, CPU_BATCH (measured: docs/provider.md)."""
     if params.get("batch_size"):
         return int(params["batch_size"])
-    if device.type != "cuda":
+    free = free_memory(device)
+    if free is None:
         return CPU_BATCH
-    cfg = model.config
-    layers = getattr(cfg, "num_hidden_layers", 32)
-    kv_heads = getattr(cfg, "num_key_value_heads", None) or getattr(cfg, "num_attention_heads", 32)
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    per_token = 2 * layers * kv_heads * head_dim * model.dtype.itemsize
-    per_seq = per_token * (longest_tokens + int(params.get("max_tokens") or 64))
-    free, _ = torch.cuda.mem_get_info(device)
-    return max(1, min(MAX_BATCH, int(free * 0.5 // max(per_seq, 1))))
+    step = bucket(device) or 1
+    tokens = -(-longest_tokens // step) * step + int(params.get("max_tokens") or 64)
+    return batch_for_memory(free, kv_bytes_per_token(model.config, model.dtype) * tokens,
+                            MAX_BATCH)
+
+
+def compile_pays(device, steps_left: int, step_s: float) -> bool:
+    """Whether the static cache and the compiled forward pay for the rest of a job: on CUDA
+    only, when the decode steps still to run, at ``step_s`` each, would save more than twice
+    the compile's cost at the compiled step's share of the time (COMPILE_S and
+    COMPILED_STEP_SHARE as measured on an H100, issue 31: 32 s to compile, 3.4 ms a step
+    against 12.5 ms)."""
+    if device.type != "cuda" or not COMPILE:
+        return False
+    return steps_left * step_s * (1 - COMPILED_STEP_SHARE) > 2 * COMPILE_S
 
 
 class StepClock:
@@ -102,7 +114,7 @@ def generate(workdir: Path, report: Reporter) -> None:
                "output_tokens": float(sum(r["output_tokens"] for r in ordered)),
                "tokens_per_s": new_tokens / elapsed if elapsed > 0 else 0.0,
                "generate_seconds": elapsed, "batch_size": float(results.batch_size),
-               "resumed_from_step": float(results.resumed_from),
+               "resumed_from_step": float(results.resumed_from), **results.figures,
                **percentiles([r["ttft_s"] for r in ordered if r["ttft_s"] is not None],
                              "ttft_s"),
                **percentiles([r["tpot_s"] for r in ordered
@@ -117,10 +129,10 @@ def generate(workdir: Path, report: Reporter) -> None:
 def with_transformers(job: dict, prompts: list[str], model_dir: Path, workdir: Path,
                       report: Reporter) -> tuple[Results, int, float, str]:
     """Generate every prompt not done yet; return (results, new tokens, seconds generating,
-    what ran it)."""
-    import torch
-    from transformers import StoppingCriteriaList
-
+    what ran it). On CUDA, prompts are padded to a bucket of lengths, SDPA's cuDNN kernel is
+    on only if it measured faster, and once a batch has run, the rest of a long job runs with
+    the static cache and the compiled forward where that pays (compile_pays); the choices
+    are in the log and in ``results.figures``."""
     p = job["params"]
     device = torch_device(job)
     tokenizer, model = load(model_dir, device, torch_dtype(p.get("dtype", ""), device),
@@ -129,56 +141,97 @@ def with_transformers(job: dict, prompts: list[str], model_dir: Path, workdir: P
     batch = choose_batch(p, model, device, max(lengths))
     results = Results(workdir, job, len(prompts), batch, report)
     max_tokens = int(p.get("max_tokens") or 64)
-    temperature = float(p.get("temperature") or 0.0)
-    top_p = float(p.get("top_p") or 1.0)
-    stops = list(p.get("stop") or [])
-    seed = int(p.get("seed") or 0)
+    step = bucket(device)
+    attention = choose_attention(model, device, results.batch_size)
+    results.figures.update(attention, bucket_tokens=float(step or 0), compiled=0.0)
     print(f"generating for {len(prompts)} prompts with {type(model).__name__} on {device}"
-          f" ({model.dtype}), batch {results.batch_size}, max_tokens {max_tokens}", flush=True)
-    began, new_tokens = time.perf_counter(), 0
-    for indices in results.batches():
-        enc = tokenizer([prompts[i] for i in indices], return_tensors="pt", padding=True)
-        enc = {k: v.to(device) for k, v in enc.items()}
-        torch.manual_seed(seed * 1_000_003 + indices[0])  # the batch's own draw: resumable
-        clock = StepClock()
-        start = time.perf_counter()
-        with torch.inference_mode():
-            out = model.generate(
-                **enc, max_new_tokens=max_tokens, do_sample=temperature > 0,
-                temperature=temperature if temperature > 0 else None,
-                top_p=top_p if temperature > 0 else None, top_k=None,
-                pad_token_id=tokenizer.pad_token_id,
-                stopping_criteria=StoppingCriteriaList([clock]),
-                stop_strings=stops or None, tokenizer=tokenizer if stops else None)
-        generated = out[:, enc["input_ids"].shape[1]:].cpu()
-        records = []
-        for row, i in enumerate(indices):
-            ids = generated[row].tolist()
-            n = len(ids)
-            eos = tokenizer.eos_token_id
-            while n and ids[n - 1] == tokenizer.pad_token_id and ids[n - 1] != eos:
-                n -= 1
-            finish = "length" if n >= max_tokens else "stop"
-            if eos is not None and eos in ids[:n]:
-                n = ids.index(eos) + 1
-                finish = "stop"
-            text = tokenizer.decode(ids[:n], skip_special_tokens=True)
-            for s in stops:
-                if s in text:
-                    text, finish = text[:text.index(s)], "stop"
-            first = clock.times[0] - start if clock.times else 0.0
-            last = clock.times[min(n, len(clock.times)) - 1] - start if n and clock.times else first
-            records.append({
-                "index": i, "completion": text, "finish_reason": finish,
-                "prompt_tokens": lengths[i], "output_tokens": n, "ttft_s": first,
-                "tpot_s": (last - first) / (n - 1) if n > 1 else 0.0,
-            })
-            new_tokens += n
-        elapsed = time.perf_counter() - began
-        results.add(records, tokens_per_s=new_tokens / max(elapsed, 1e-9))
-        results.say(f"prompts {len(results.done)}/{len(prompts)}  tokens/s"
-                    f" {new_tokens / max(elapsed, 1e-9):,.1f}")
+          f" ({model.dtype}), batch {results.batch_size}"
+          f"{' (from free memory)' if device.type == 'cuda' and not p.get('batch_size') else ''},"
+          f" max_tokens {max_tokens}, attention {attention_words(model, attention)},"
+          f" prompts padded to {f'a multiple of {step}' if step else 'the batch longest'}"
+          " tokens", flush=True)
+    # with the static cache every batch has one shape: the longest prompt's bucket, full rows
+    width = -(-max(lengths) // (step or 1)) * (step or 1)
+    todo = list(results.batches())
+    began, new_tokens, static = time.perf_counter(), 0, False
+    for n, indices in enumerate(todo):
+        rows = [prompts[i] for i in indices]
+        if static:
+            rows += [rows[0]] * (results.batch_size - len(rows))
+            enc = tokenizer(rows, return_tensors="pt", padding="max_length", max_length=width)
+        else:
+            enc = tokenizer(rows, return_tensors="pt", padding=True, pad_to_multiple_of=step)
+        clock = _generate(model, tokenizer, {k: v.to(device) for k, v in enc.items()}, p,
+                          indices[0], static)
+        new_tokens += _record(results, tokenizer, indices, enc, clock, lengths, p,
+                              time.perf_counter() - began, new_tokens)
+        steps_left = (len(todo) - n - 1) * max_tokens
+        if not static and n == 0 and len(clock.times) > 2 and compile_pays(
+                device, steps_left, (clock.times[-1] - clock.times[0]) / (len(clock.times) - 1)):
+            static = True
+            results.figures["compiled"] = 1.0
+            print(f"the remaining {steps_left:,} decode steps run with the static cache and"
+                  " the compiled forward (it pays at this length)", flush=True)
     return results, new_tokens, time.perf_counter() - began, f"transformers on {device}"
+
+
+def _generate(model, tokenizer, enc: dict, p: dict, first_index: int, static: bool):
+    """One batch through ``model.generate``; returns its StepClock and leaves the output on
+    the clock (``clock.out``)."""
+    import torch
+    from transformers import StoppingCriteriaList
+
+    temperature = float(p.get("temperature") or 0.0)
+    stops = list(p.get("stop") or [])
+    torch.manual_seed(int(p.get("seed") or 0) * 1_000_003 + first_index)  # resumable draw
+    clock = StepClock()
+    clock.start = time.perf_counter()
+    extra = {"cache_implementation": "static"} if static else {}
+    with torch.inference_mode():
+        clock.out = model.generate(
+            **enc, max_new_tokens=int(p.get("max_tokens") or 64), do_sample=temperature > 0,
+            temperature=temperature if temperature > 0 else None,
+            top_p=float(p.get("top_p") or 1.0) if temperature > 0 else None, top_k=None,
+            pad_token_id=tokenizer.pad_token_id,
+            stopping_criteria=StoppingCriteriaList([clock]),
+            stop_strings=stops or None, tokenizer=tokenizer if stops else None, **extra)
+    return clock
+
+
+def _record(results: Results, tokenizer, indices: list[int], enc, clock, lengths: list[int],
+            p: dict, elapsed: float, done_tokens: int) -> int:
+    """Add one batch's completions to the results; returns its new tokens."""
+    max_tokens = int(p.get("max_tokens") or 64)
+    stops = list(p.get("stop") or [])
+    generated = clock.out[:, enc["input_ids"].shape[1]:].cpu()
+    records, new_tokens = [], 0
+    for row, i in enumerate(indices):
+        ids = generated[row].tolist()
+        n = len(ids)
+        eos = tokenizer.eos_token_id
+        while n and ids[n - 1] == tokenizer.pad_token_id and ids[n - 1] != eos:
+            n -= 1
+        finish = "length" if n >= max_tokens else "stop"
+        if eos is not None and eos in ids[:n]:
+            n = ids.index(eos) + 1
+            finish = "stop"
+        text = tokenizer.decode(ids[:n], skip_special_tokens=True)
+        for s in stops:
+            if s in text:
+                text, finish = text[:text.index(s)], "stop"
+        first = clock.times[0] - clock.start if clock.times else 0.0
+        last = clock.times[min(n, len(clock.times)) - 1] - clock.start \
+            if n and clock.times else first
+        records.append({
+            "index": i, "completion": text, "finish_reason": finish,
+            "prompt_tokens": lengths[i], "output_tokens": n, "ttft_s": first,
+            "tpot_s": (last - first) / (n - 1) if n > 1 else 0.0,
+        })
+        new_tokens += n
+    rate = (done_tokens + new_tokens) / max(elapsed, 1e-9)
+    results.add(records, tokens_per_s=rate)
+    results.say(f"prompts {len(results.done)}/{results.total}  tokens/s {rate:,.1f}")
+    return new_tokens
 
 
 def warm_up() -> None:

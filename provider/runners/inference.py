@@ -91,6 +91,7 @@ class Results:
         self.workdir, self.total, self.report = workdir, total, report
         self.path = workdir / RESULTS
         self.done: dict[int, dict] = {}
+        self.figures: dict[str, float] = {}  # what the engine chose, for the job's metrics
         # A check redoes one batch of rows, as the checked provider batched them: the batch
         # at ``check_position`` among those from row ``check_from_row`` on.
         self.batch_size = int(job.get("check_batch_size") or batch_size)
@@ -193,3 +194,115 @@ def torch_dtype(name: str, device):
     if name not in table:
         raise JobError(f"dtype {name!r} is not one of auto, {', '.join(table)}")
     return table[name]
+
+
+# -- what the engines choose on the device they run on ------------------------------------
+#
+# On CUDA the choices below are made at run time, by measurement where one is cheap, and
+# recorded in the job's log and metrics; on the CPU each keeps the path measured there
+# (docs/provider.md, "Engines on a GPU": what was measured on which device, and what is
+# still to be measured on a GPU).
+
+CUDA_BUCKET = 64  # tokens: prompts padded to a multiple of this on CUDA (fewer new shapes)
+MEMORY_SHARE = 0.5  # of the device's free memory, for the KV cache of a batch
+ATTENTION_PROBES = 3  # sequence lengths never seen, timed per SDPA setting
+
+
+def bucket(device) -> int | None:
+    """The multiple prompt lengths are padded to: CUDA_BUCKET on CUDA (each new shape costs
+    the first call of every kernel that is tuned or planned per shape: 70-95 ms a decode step
+    with cuDNN's attention on an H100, issue 31); None on the CPU, where it adds work and no
+    per-shape cost was measured."""
+    return CUDA_BUCKET if device.type == "cuda" else None
+
+
+def kv_bytes_per_token(config, dtype) -> int:
+    """Bytes one token's keys and values take over every layer of a decoder of ``config``
+    (its text config for a multimodal one) in ``dtype``."""
+    import torch
+
+    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    layers = getattr(cfg, "num_hidden_layers", None) or 32
+    heads = getattr(cfg, "num_attention_heads", None) or 32
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    return 2 * layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def free_memory(device) -> int | None:
+    """Bytes free on a CUDA ``device`` now; None on the CPU (its batch sizes are measured
+    defaults, not derived from memory)."""
+    if device.type != "cuda":
+        return None
+    import torch
+
+    free, _ = torch.cuda.mem_get_info(device)
+    return int(free)
+
+
+def batch_for_memory(free_bytes: int, per_sequence_bytes: int, cap: int) -> int:
+    """How many sequences of ``per_sequence_bytes`` fit in MEMORY_SHARE of ``free_bytes``:
+    at least 1, at most ``cap``."""
+    fits = int(free_bytes * MEMORY_SHARE) // max(1, per_sequence_bytes)
+    return max(1, min(cap, fits))
+
+
+def choose_attention(model, device, batch: int) -> dict[str, float]:
+    """On CUDA, choose by measurement whether SDPA may use cuDNN's kernel: time one decode
+    step's attention (this model's heads and head size, ``batch`` rows, a padding mask as
+    transformers passes one) on ATTENTION_PROBES sequence lengths never seen before, each
+    setting on lengths of its own, first call included; cuDNN stays off unless it measured
+    faster (flash and memory-efficient kernels have no per-shape plan). Sets torch's global
+    switch for this process and returns the figures for the job's metrics:
+    ``cudnn_sdpa`` (1 on, 0 off) and each setting's milliseconds per new length. Returns
+    {} on the CPU or where this torch has no such switch."""
+    import torch
+
+    if device.type != "cuda" or not hasattr(torch.backends.cuda, "enable_cudnn_sdp"):
+        return {}
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") \
+        else model.config
+    heads = getattr(cfg, "num_attention_heads", None) or 16
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    dtype = next(model.parameters()).dtype
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    rows = max(1, min(batch, 256))
+
+    def per_new_length(first_length: int) -> float:
+        total = 0.0
+        for i in range(ATTENTION_PROBES):
+            length = first_length + 7 * i
+            q = torch.randn(rows, heads, 1, head_dim, device=device, dtype=dtype)
+            k = torch.randn(rows, heads, length, head_dim, device=device, dtype=dtype)
+            mask = torch.ones(rows, 1, 1, length, device=device, dtype=torch.bool)
+            mask[0, :, :, 0] = False                       # left padding in one row
+            torch.cuda.synchronize(device)
+            began = time.perf_counter()
+            sdpa(q, k, k, attn_mask=mask)
+            torch.cuda.synchronize(device)
+            total += time.perf_counter() - began
+        return total / ATTENTION_PROBES * 1000
+
+    def setting(cudnn: bool, first_length: int) -> float:
+        torch.backends.cuda.enable_cudnn_sdp(cudnn)
+        q = torch.randn(rows, heads, 1, head_dim, device=device, dtype=dtype)
+        k = torch.randn(rows, heads, 64, head_dim, device=device, dtype=dtype)
+        sdpa(q, k, k, attn_mask=torch.ones(rows, 1, 1, 64, device=device, dtype=torch.bool))
+        return per_new_length(first_length)  # after the setting's one-time start-up
+
+    with_cudnn = setting(True, 101)
+    without = setting(False, 211)
+    use_cudnn = with_cudnn < without
+    torch.backends.cuda.enable_cudnn_sdp(use_cudnn)
+    return {"cudnn_sdpa": float(use_cudnn), "attention_probe_cudnn_ms": with_cudnn,
+            "attention_probe_no_cudnn_ms": without}
+
+
+def attention_words(model, choice: dict[str, float]) -> str:
+    """The attention an engine runs, in words for its log."""
+    name = getattr(model.config, "_attn_implementation", None) or "default"
+    if not choice:
+        return name
+    return (f"{name}, cuDNN SDPA {'on' if choice['cudnn_sdpa'] else 'off'} (a new sequence"
+            f" length cost {choice['attention_probe_cudnn_ms']:.1f} ms with it,"
+            f" {choice['attention_probe_no_cudnn_ms']:.1f} ms without)")
