@@ -250,3 +250,150 @@ def test_embeddings_match_the_embed_job(replica, tmp_path):
         expected = pool(model(**enc).last_hidden_state, enc["attention_mask"], True)
     assert torch.allclose(vectors, expected, atol=1e-5)
     assert r.close() == 0
+
+
+def test_later_requests_join_a_running_batch_between_decode_steps(tiny):
+    """Issue 32: on the CPU batch engine, requests that arrive while a long one decodes get
+    their first token within a few decode steps (they join its batch), not once it ends.
+    With the former path (one ``generate`` call at a time; ``stepwise=False``) every later
+    request waits for the long one: its first token comes after the long one's last."""
+    import asyncio
+
+    from gpumarket.provider.runners.engine import load_engine
+
+    job = {"params": {**PARAMS, "model_name": "tiny", "engine": "batch",
+                      "max_concurrency": 16}, "inputs": {}, "model_dir": str(tiny),
+           "device": "cpu"}
+
+    async def run() -> tuple[dict, dict]:
+        engine = load_engine(job, tiny)
+        assert "step-wise" in engine.description, engine.description
+        first, ended = {}, {}
+
+        async def one(i: int, max_tokens: int) -> None:
+            async for event in engine.complete({"id": f"r{i}", "prompt": PROMPTS[i % 8],
+                                                "max_tokens": max_tokens}):
+                first.setdefault(i, time.perf_counter())
+                if event.get("done"):
+                    assert "error" not in event, event
+                    ended[i] = (time.perf_counter(), event)
+        try:
+            long = asyncio.ensure_future(one(0, 240))
+            await asyncio.wait_for(_until(lambda: 0 in first), 60)
+            later = [asyncio.ensure_future(one(i, 4)) for i in range(1, 16)]
+            await asyncio.wait_for(asyncio.gather(long, *later), 300)
+        finally:
+            await engine.close()
+        return first, ended
+
+    first, ended = asyncio.run(run())
+    long_done, long_final = ended[0]
+    assert long_final["output_tokens"] == 240, long_final    # it ran the whole time
+    long_span = long_done - first[0]
+    waits = [ended[i][1]["ttft_s"] for i in range(1, 16)]
+    # every later request had its first token while the long one was still decoding ...
+    assert all(first[i] < long_done for i in range(1, 16)), (waits, long_span)
+    # ... and soon: a few steps (each of these took a step of 16 rows at most), not its span
+    assert max(waits) < 0.5 * long_span, (waits, long_span)
+
+
+async def _until(check) -> None:
+    import asyncio
+
+    while not check():
+        await asyncio.sleep(0.005)
+
+
+def test_rows_joined_between_steps_decode_as_each_prompt_alone(tiny):
+    """Rows: prompts admitted at different steps into one left-padded cache (and rows
+    leaving it) give each prompt the greedy tokens plain ``generate`` gives it alone."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from gpumarket.provider.runners.batching import Rows
+    from gpumarket.provider.runners.engine import Sampling
+
+    tok = AutoTokenizer.from_pretrained(tiny)
+    model = AutoModelForCausalLM.from_pretrained(tiny).eval()
+    prompts = [tok(p)["input_ids"] for p in PROMPTS[:5]]
+    limits = [20, 6, 20, 9, 12]
+
+    class Collect:
+        def __init__(self, ids, limit):
+            self.prompt_ids, self.limit, self.got = ids, limit, []
+            self.sampling = Sampling(limit, 0.0, 1.0, (), None)
+
+        def advance(self, ids):
+            self.got = list(ids)
+            return len(ids) >= self.limit
+
+    streams = [Collect(p, n) for p, n in zip(prompts, limits)]
+    with torch.inference_mode():
+        rows = Rows(model, tok.pad_token_id)
+        assert rows.check() == ""
+        rows.admit(streams[:2])
+        for step in range(25):
+            if step == 3:
+                rows.admit(streams[2:4])      # join while the others decode
+            if step == 8:
+                rows.admit(streams[4:])       # after row 1 left
+            if len(rows):
+                rows.step()
+        assert len(rows) == 0 and rows.cache is None
+        for stream, ids in zip(streams, prompts):
+            alone = model.generate(torch.tensor([ids]), max_new_tokens=stream.limit,
+                                   do_sample=False, pad_token_id=tok.pad_token_id)
+            assert stream.got == alone[0, len(ids):].tolist()
+
+
+def test_a_model_that_cannot_step_keeps_the_generate_call_path(tiny, monkeypatch):
+    import asyncio
+
+    from gpumarket.provider.runners import batching
+    from gpumarket.provider.runners.engine import load_engine
+
+    monkeypatch.setattr(batching.Rows, "check", lambda self: "its cache is sliding")
+    job = {"params": {**PARAMS, "model_name": "tiny", "engine": "batch"}, "inputs": {},
+           "model_dir": str(tiny), "device": "cpu"}
+
+    async def run() -> list[dict]:
+        engine = load_engine(job, tiny)
+        assert "generate call at a time: its cache is sliding" in engine.description
+        try:
+            return [e async for e in engine.complete({"id": "a", "prompt": PROMPTS[0],
+                                                      "max_tokens": 5})]
+        finally:
+            await engine.close()
+
+    events = asyncio.run(run())
+    assert events[-1]["done"] and "".join(e.get("text", "") for e in events) == \
+        greedy(tiny, PROMPTS[0], 5)
+
+
+def test_engine_choices_on_the_cpu_and_their_rules(tiny):
+    """What the engines choose: on the CPU the measured defaults (no bucket, no compile,
+    no attention probe); the rules that decide on CUDA, as arithmetic."""
+    import torch
+    from transformers import AutoConfig
+
+    from gpumarket.provider.runners import batching, embed, generate, inference
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert inference.bucket(cpu) is None and inference.bucket(cuda) == inference.CUDA_BUCKET
+    assert inference.choose_attention(None, cpu, 8) == {}
+    config = AutoConfig.from_pretrained(tiny)       # 2 layers, 2 KV heads of 16
+    assert inference.kv_bytes_per_token(config, torch.float32) == 2 * 2 * 2 * 16 * 4
+    assert inference.kv_bytes_per_token(config, torch.bfloat16) == 2 * 2 * 2 * 16 * 2
+    assert inference.batch_for_memory(80 << 30, 1 << 30, 256) == 40
+    assert inference.batch_for_memory(80 << 30, 1 << 20, 256) == 256
+    assert inference.batch_for_memory(1 << 20, 1 << 30, 256) == 1
+    assert generate.choose_batch({}, None, cpu, 30) == generate.CPU_BATCH
+    assert generate.choose_batch({"batch_size": 5}, None, cuda, 30) == 5
+    assert embed.choose_batch({}, None, cpu, 30) == embed.DEFAULT_BATCH
+    # the issue's H100 figures: 12.5 ms a step eager; a compile of 32 s pays only when long
+    assert not generate.compile_pays(cpu, 10**6, 0.0125)
+    assert not generate.compile_pays(cuda, 2 * 128, 0.0125)       # 64 prompts, batch 32
+    assert generate.compile_pays(cuda, 100 * 128, 0.0125)
+    assert generate.COMPILE
+    fields = batching.cb_config(per_request_processors=True, no_such_field=1)
+    assert fields.per_request_processors and not hasattr(fields, "no_such_field")

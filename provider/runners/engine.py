@@ -1,7 +1,14 @@
 """The engines behind an inference endpoint's replica, under one interface (``Engine``): a
-dynamic batcher over ``model.generate`` and transformers continuous batching (batching.py),
-vLLM's AsyncLLM (batching.py, untested here), and a sentence encoder (below). serve.py drives
-one over the daemon's socket, or in process as a benchmark.
+batcher that decodes every request in flight step by step, new ones joining between steps
+(batching.py; before issue 32, one ``model.generate`` call at a time, still its fallback),
+transformers continuous batching (batching.py), vLLM's AsyncLLM (batching.py, untested
+here), and a sentence encoder (below). serve.py drives one over the daemon's socket, or in
+process as a benchmark.
+
+The figures below were measured before the batcher decoded step by step (its former path
+is ``serve --bench MODEL batch-calls``); docs/provider.md ("Engines on a GPU") has the
+step-wise batcher's, and bench/serving.py's case 4 the time to first token of requests that
+arrive while another decodes.
 
 Measured on this repository's shared CPU host (2 cores, torch 2.13 CPU, transformers 5.23),
 the 2-layer Llama of tests/models.py, 16 concurrent greedy requests x 16 new tokens,
@@ -23,10 +30,10 @@ CPU "auto" picks the batcher, whose greedy text also equals plain ``generate``'s
 picks continuous batching (requests join and leave between steps instead of waiting for a
 batch's slowest row). Continuous batching works on CPU when asked for.
 
-Seeds: the batcher runs greedy and sampled requests in separate ``generate`` calls, batches
-sampled requests only with the same temperature, top_p and seed, and seeds torch with that
-seed before the call: a seeded request repeats when its batch does (alone, or the same
-requests again). vLLM takes each request's seed; transformers continuous batching has one
+Seeds: the batcher draws each sampled request's tokens from a generator of its own, seeded
+with the request's seed: a seeded request repeats whatever else is in flight (up to the
+rounding of a batch's arithmetic; in its former path, a seeded request repeated only when
+its batch did). vLLM takes each request's seed; transformers continuous batching has one
 generator for all requests and ignores it.
 """
 
@@ -304,9 +311,22 @@ class EmbedEngine:
     task = "embed"
 
     def __init__(self, tokenizer, model, settings: Settings, max_seq_len: int) -> None:
+        from gpumarket.provider.runners.embed import choose_batch
+        from gpumarket.provider.runners.inference import (
+            attention_words, bucket, choose_attention,
+        )
+
         self.tokenizer, self.model, self.max_seq_len = tokenizer, model, max_seq_len
         self.max_concurrency = settings.max_concurrency
         self.description = f"embed (transformers {type(model).__name__}) on {model.device.type}"
+        # on CUDA: texts padded to a bucket, batches from free memory, attention measured
+        step = bucket(model.device)
+        self.bucket = step if step and max_seq_len % step == 0 else None
+        self.batch = choose_batch({}, model, model.device, max_seq_len) \
+            if model.device.type == "cuda" else EMBED_BATCH
+        attention = choose_attention(model, model.device, self.batch)
+        if attention:
+            self.description += f" (attention {attention_words(model, attention)})"
         self.thread = ThreadPoolExecutor(1, thread_name_prefix="embed")  # one owns the model
 
     async def complete(self, request: dict) -> AsyncIterator[dict]:
@@ -330,9 +350,10 @@ class EmbedEngine:
         from gpumarket.provider.runners.embed import pool
 
         out = []
-        for start in range(0, len(texts), EMBED_BATCH):
-            enc = self.tokenizer(texts[start:start + EMBED_BATCH], return_tensors="pt",
-                                 padding=True).to(self.model.device)
+        for start in range(0, len(texts), self.batch):
+            enc = self.tokenizer(texts[start:start + self.batch], return_tensors="pt",
+                                 padding=True, pad_to_multiple_of=self.bucket
+                                 ).to(self.model.device)
             with torch.inference_mode():
                 hidden = self.model(**enc).last_hidden_state
             out += pool(hidden, enc["attention_mask"], True).float().cpu().tolist()
@@ -393,5 +414,12 @@ def load_engine(job: dict, workdir: Path) -> Engine:
 
     tokenizer, model = load(model_dir, device, dtype, remote)
     seq = model_seq_len(settings, model.config)
-    engine = BatchEngine if choice == "batch" else ContinuousEngine
-    return engine(tokenizer, model, settings, seq)
+    if choice == "batch":
+        from gpumarket.provider.runners.inference import attention_words, choose_attention
+
+        attention = choose_attention(model, device, settings.max_concurrency)
+        engine = BatchEngine(tokenizer, model, settings, seq)
+        if attention:
+            engine.description += f" (attention {attention_words(model, attention)})"
+        return engine
+    return ContinuousEngine(tokenizer, model, settings, seq)

@@ -6,7 +6,9 @@ job's log.
     python -m gpumarket.provider.runners.serve --bench MODEL_DIR [ENGINE [REQUESTS [TOKENS]]]
 
 The second form runs REQUESTS concurrent completions of TOKENS tokens in process through the
-same Engine interface and prints the wall time and tokens/s (engine.py has the figures).
+same Engine interface and prints the wall time and tokens/s (engine.py has the figures);
+ENGINE "batch-calls" is the batcher's former path (one ``generate`` call at a time), kept
+for that comparison.
 
 The socket carries one JSON object a line each way. The daemon sends
 ``{"id", "op": "complete", "prompt" | "messages", "max_tokens", "temperature", "top_p",
@@ -170,9 +172,19 @@ async def bench(model_dir: Path, engine_name: str, requests: int, tokens: int) -
     warm-up request; returns a line of figures (the median round's wall time)."""
     import torch
 
-    job = {"params": {"model_name": model_dir.name, "engine": engine_name}, "inputs": {},
-           "model_dir": str(model_dir), "device": "cuda" if torch.cuda.is_available() else "cpu"}
+    calls = engine_name == "batch-calls"
+    job = {"params": {"model_name": model_dir.name, "engine": "batch" if calls else engine_name},
+           "inputs": {}, "model_dir": str(model_dir),
+           "device": "cuda" if torch.cuda.is_available() else "cpu"}
     engine = load_engine(job, model_dir)
+    if calls:
+        from gpumarket.provider.runners.batching import BatchEngine
+        from gpumarket.provider.runners.engine import Settings
+
+        loaded = engine
+        engine = BatchEngine(loaded.tokenizer, loaded.model, Settings.from_params(job["params"]),
+                             loaded.max_seq_len, stepwise=False)
+        await loaded.close()
 
     async def one(i: int) -> dict:
         request = {"id": f"bench-{i}", "prompt": BENCH_PROMPTS[i % len(BENCH_PROMPTS)],
