@@ -199,34 +199,67 @@ def check_functions() -> dict:
 
 
 def reason(exc: BaseException) -> str:
+    """A failure's one line: a CheckError's own reason, else the exception's type and its
+    message's first line."""
+    from gpu_market import CheckError
+
     text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}"[:400]
+    first = text[0] if text else ""
+    return (first if isinstance(exc, CheckError) else f"{type(exc).__name__}: {first}")[:400]
 
 
 def line(name: str, status: str, detail: str) -> str:
     return f"{status:<7}  {name:<15}  {detail}"
 
 
-def run_checks(ctx: Context, names: list[str], records: list[dict], save) -> None:
-    """Run the checks ``names`` in order, appending a record for each to ``records`` and
-    calling ``save()`` after each (a run cut short still leaves its results). On Ctrl-C
-    (or SIGTERM) the checks not ended are recorded SKIPPED and KeyboardInterrupt goes on."""
-    from gpu_checks import Outcome
-    from gpu_market import CheckError
+class DeadlineAlarm(BaseException):
+    """SIGALRM's, BACKSTOP_S after a check's deadline: the check did not notice it (a wait
+    not cut to it). A BaseException, so that no ``except Exception`` of the check or of a
+    library swallows it."""
 
+
+BACKSTOP_S = 30.0
+
+
+def run_checks(ctx: Context, names: list[str], records: list[dict], save,
+               deadline_s: float = 0.0) -> None:
+    """Run the checks ``names`` in order, appending a record for each to ``records`` and
+    calling ``save()`` after each (a run cut short still leaves its results). Each has
+    ``deadline_s`` (default CHECK_DEADLINE_S): its waits end there as FAIL "deadline", and
+    SIGALRM ends it BACKSTOP_S later if one did not. On Ctrl-C (or SIGTERM) the checks not
+    ended are recorded SKIPPED and KeyboardInterrupt goes on."""
+    from gpu_checks import Outcome
+    from gpu_market import CHECK_DEADLINE_S, DEADLINE, CheckError
+
+    deadline_s = deadline_s or CHECK_DEADLINE_S
     functions = check_functions()
+
+    def alarm(signum, frame):
+        raise DeadlineAlarm
+
+    previous = signal.signal(signal.SIGALRM, alarm)
     try:
         for name in names:
             began = time.perf_counter()
             print(f"   .. {name}", file=sys.stderr, flush=True)
+            DEADLINE.start(deadline_s)
+            signal.setitimer(signal.ITIMER_REAL, deadline_s + BACKSTOP_S)
             try:
                 outcome = functions[name](ctx)
+            except DeadlineAlarm:
+                outcome = Outcome("FAIL", f"deadline: the check's {deadline_s:g} s (and"
+                                          f" {BACKSTOP_S:g} s more) passed in a wait"
+                                          " that did not watch it", {
+                                              "deadline_s": deadline_s})
             except Exception as exc:  # noqa: BLE001 (one check's failure must not stop the others)
-                outcome = Outcome("FAIL", reason(exc))
+                outcome = Outcome("FAIL", reason(exc), dict(getattr(exc, "figures", {})))
                 if not isinstance(exc, CheckError):     # ours or the code's: where it broke
                     trace = traceback.format_exc()
                     print(trace, file=sys.stderr, flush=True)
                     outcome.figures["traceback"] = trace.strip().splitlines()[-12:]
+            finally:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+                DEADLINE.stop()
             seconds = round(time.perf_counter() - began, 2)
             print(line(name, outcome.status, outcome.detail), flush=True)
             records.append({"name": name, "status": outcome.status, "detail": outcome.detail,
@@ -240,6 +273,9 @@ def run_checks(ctx: Context, names: list[str], records: list[dict], save) -> Non
                                 "detail": "interrupted (Ctrl-C) before it ended"})
                 print(line(name, "SKIPPED", "interrupted"), flush=True)
         raise
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def software() -> dict:
@@ -261,20 +297,23 @@ def software() -> dict:
     return out
 
 
-def summary_table(records: list[dict], title: str) -> None:
+def summary_table(records: list[dict], title: str, file=None) -> None:
+    """The checks as a table on stdout (or ``file``); what they say is text, never rich
+    markup (a detail such as "pip install 'gpumarket[vllm]'" is shown as it is)."""
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
-    table = Table(title=title)
+    table = Table(title=escape(title))
     table.add_column("check")
     table.add_column("status")
     table.add_column("seconds", justify="right")
     table.add_column("detail", overflow="fold")
     colour = {"PASS": "green", "FAIL": "red", "SKIPPED": "yellow"}
     for r in records:
-        table.add_row(r["name"], f"[{colour[r['status']]}]{r['status']}[/]",
-                      f"{r['seconds']:.1f}" if "seconds" in r else "", r["detail"])
-    Console(width=160).print(table)
+        table.add_row(escape(r["name"]), f"[{colour[r['status']]}]{r['status']}[/]",
+                      f"{r['seconds']:.1f}" if "seconds" in r else "", escape(r["detail"]))
+    Console(width=160, file=file).print(table)
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -297,7 +336,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
                              " ends as one file")
     parser.add_argument("--keep", action="store_true",
                         help="keep the temporary directory (models, work dirs) and say where")
+    parser.add_argument("--deadline", type=float, metavar="SECONDS",
+                        help="each check's deadline: it ends there as FAIL \"deadline\","
+                             " naming what it waited for (default 280)")
     args = parser.parse_args(argv)
+    if args.deadline is not None and not 10 <= args.deadline <= 3600:
+        raise Usage(f"--deadline {args.deadline:g}: give 10 to 3600 seconds")
     only = [n for n in args.only.split(",") if n]
     unknown = [n for n in only if n not in CHECK_NAMES]
     if unknown:
@@ -309,16 +353,42 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 
 def earlier_checks(path: Path | None, gpu: str | None, mode: str) -> dict[str, dict]:
-    """The checks that ran (not SKIPPED) in the results file at ``path``, by name, if it is
-    of the same GPU and mode, each marked ``earlier_run``; {} otherwise."""
+    """Every check in the results file at ``path``, by name, if it is of the same GPU and
+    mode, each marked ``earlier_run``; {} otherwise. SKIPPED ones are kept with their
+    reasons (vLLM not installed is worth keeping), except those the earlier run itself only
+    left out ("not asked for", "not run yet")."""
     try:
         old = json.loads(path.read_text()) if path is not None else {}
     except (OSError, ValueError):
         return {}
-    if old.get("gpu") != gpu or old.get("mode") != mode:
+    if not isinstance(old, dict) or old.get("gpu") != gpu or old.get("mode") != mode:
         return {}
     return {c["name"]: {**c, "earlier_run": True} for c in old.get("checks", [])
-            if c.get("name") in CHECK_NAMES and c.get("status") != "SKIPPED"}
+            if isinstance(c, dict) and c.get("name") in CHECK_NAMES
+            and not (c.get("status") == "SKIPPED" and c.get("detail", "").startswith(
+                (NOT_ASKED, NOT_RUN_YET)))}
+
+
+NOT_ASKED = "not asked for (--only)"
+NOT_RUN_YET = "not run yet (the run was cut short)"
+
+
+def merged_checks(records: list[dict], earlier: dict[str, dict], asked: list[str]
+                  ) -> list[dict]:
+    """Every check once, in CHECK_NAMES' order: those run now (``records``), then, for the
+    ones not asked for now, an earlier run's (``earlier``), else SKIPPED "not asked for";
+    a check asked for that has no record yet is SKIPPED "not run yet"."""
+    run = {r["name"]: r for r in records}
+    out = []
+    for name in CHECK_NAMES:
+        if name in run:
+            out.append(run[name])
+        elif name not in asked and name in earlier:
+            out.append(earlier[name])
+        else:
+            out.append({"name": name, "status": "SKIPPED",
+                        "detail": NOT_ASKED if name not in asked else NOT_RUN_YET})
+    return out
 
 
 def write_json(path: Path, report: dict) -> None:
@@ -369,15 +439,7 @@ def main(argv: list[str] | None = None) -> int:
     earlier = earlier_checks(path, gpu, mode) if args.merge else {}
 
     def report(complete: bool) -> dict:
-        names_run = {r["name"] for r in records}
-        kept = [earlier[n] for n in CHECK_NAMES if n not in names_run and n in earlier
-                and n not in args.names]
-        names_run |= {r["name"] for r in kept}
-        checks = records + kept + [{"name": n, "status": "SKIPPED",
-                             "detail": "not asked for (--only)" if n not in args.names
-                             else "not run yet (the run was cut short)"}
-                            for n in CHECK_NAMES if n not in names_run]
-        checks.sort(key=lambda r: CHECK_NAMES.index(r["name"]))
+        checks = merged_checks(records, earlier, args.names)
         return {"gpu": gpu, "date": date, "mode": mode, "complete": complete,
                 "devices": [dataclasses.asdict(d) for d in devices],
                 "software": software(), "seconds": round(time.perf_counter() - began, 1),
@@ -392,7 +454,7 @@ def main(argv: list[str] | None = None) -> int:
 
     interrupted = False
     try:
-        run_checks(ctx, args.names, records, save)
+        run_checks(ctx, args.names, records, save, args.deadline or 0.0)
     except KeyboardInterrupt:
         interrupted = True
     finally:

@@ -20,7 +20,10 @@ from pathlib import Path
 from gpu_market import (
     ROOT,
     CheckError,
+    failed_job,
     finish,
+    job,
+    job_failure,
     job_file,
     job_log,
     kill_machine,
@@ -252,8 +255,15 @@ TRAIN_CUDA = {"model_type": "llama", "vocab_size": 256, "hidden_size": 512,
               "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2}
 
 
-def _checkpoint_step(market, job_id: str) -> int:
-    return int(market.job(job_id).get("checkpoint_step", 0))
+def checkpoint_at(market, job_id: str, step: int) -> dict | None:
+    """The job once its latest checkpoint is at ``step`` or later, or once it ended; None
+    before. CheckError, with its last log lines, as soon as it failed (job_failure)."""
+    found = job(market, job_id)
+    if why := job_failure(found):
+        raise failed_job(market, job_id, why)
+    if found["state"] == "SUCCEEDED" or int(found.get("checkpoint_step", 0)) >= step:
+        return found
+    return None
 
 
 def _compare_weights(a: Path, b: Path) -> dict:
@@ -293,18 +303,17 @@ def training_resume(ctx) -> Outcome:
                                      accelerator=accel))
     kill_at = 2 * every      # resumed from a checkpoint that is not the first
     say(f"training {job_id}: killing {first} once a checkpoint at step >= {kill_at} is in")
-    wait_for(lambda: _checkpoint_step(market, job_id) >= kill_at, f"a checkpoint >= {kill_at}",
-             timeout=600, interval=0.3)
-    job = market.job(job_id)
-    if job["state"] != "RUNNING":
-        raise CheckError(f"job {job_id} was {job['state']} before the kill: too few steps")
-    killed_after = _checkpoint_step(market, job_id)
+    seen = wait_for(lambda: checkpoint_at(market, job_id, kill_at),
+                    f"job {job_id}'s checkpoint at step >= {kill_at}", timeout=600, interval=0.3)
+    if seen["state"] != "RUNNING":
+        raise CheckError(f"job {job_id} was {seen['state']} before the kill: too few steps")
+    killed_after = int(seen.get("checkpoint_step", 0))
     kill_machine(market, first)
     second = ctx.next_provider()
     start_provider(market, second, not ctx.cuda, ctx.models_dir)
     say(f"{first} killed after checkpoint {killed_after}; {second} started to resume it")
-    job = finish(market, job_id, timeout=900)
-    outcomes = [a.get("outcome") for a in job.get("attempts", [])]
+    ended = finish(market, job_id, timeout=900)
+    outcomes = [a.get("outcome") for a in ended.get("attempts", [])]
     if "lost" not in outcomes:
         raise CheckError(f"the kill did not lose the lease (attempts: {outcomes})")
     ctx.provider = second

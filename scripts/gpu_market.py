@@ -11,13 +11,15 @@ import os
 import random
 import shutil
 import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.helpers import Marketplace, job_processes, wait_until
+from tests.helpers import Marketplace, job_processes
 
 # Short leases: a killed provider's job moves after 4 s.
 LEASE_ARGS = ("--lease-timeout", "4", "--heartbeat-interval", "0.5")
@@ -33,8 +35,53 @@ LLAMA_TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 
               "max_position_embeddings": 256}
 
 
+LOG_TAIL = 12  # of a failed job's log lines, kept in its check's figures
+CHECK_DEADLINE_S = 280.0  # a check's default deadline (--deadline), under 5 minutes
+
+
 class CheckError(Exception):
-    """A check's failure, with its one-line reason."""
+    """A check's failure, with its one-line reason and figures for the results file (a
+    failed job's last log lines, what a deadline interrupted)."""
+
+    def __init__(self, message: str, **figures) -> None:
+        super().__init__(message)
+        self.figures = figures
+
+
+class Deadline:
+    """The time the running check must end by: every wait of a check is cut to it and, once
+    it has passed, ends the check as FAIL "deadline" naming what it was waiting for. One per
+    process (``DEADLINE``), set by the runner before each check."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.at: float | None = None
+        self.waiting = ""       # what the check's current wait_for waits for
+
+    def start(self, seconds: float) -> None:
+        self.seconds, self.at = seconds, time.monotonic() + seconds
+
+    def stop(self) -> None:
+        self.at, self.waiting = None, ""
+
+    def left(self, wanted: float, what: str) -> float:
+        """``wanted`` seconds, or what is left before the deadline if less; CheckError if
+        nothing is left (``what``: what the check was about to wait for)."""
+        if self.at is None:
+            return wanted
+        left = self.at - time.monotonic()
+        if left <= 0:
+            raise self.passed(what)
+        return min(wanted, left)
+
+    def passed(self, what: str) -> CheckError:
+        if self.waiting and self.waiting != what:
+            what = f"{self.waiting} (in {what})"
+        return CheckError(f"deadline: the check's {self.seconds:g} s passed while waiting"
+                          f" for {what}", deadline_s=self.seconds, waiting_for=what)
+
+
+DEADLINE = Deadline()
 
 
 def corpus(n_words: int, lines: int, seed: int = 0) -> list[str]:
@@ -97,7 +144,8 @@ def start_market(root: Path, cpu: bool, models_dir: Path) -> Marketplace:
     if r.returncode != 0:
         raise CheckError(f"client key: {r.stderr.strip()}")
     start_provider(market, "p1", cpu, models_dir)
-    market.wait_for_offers(1, timeout=600)   # a GPU provider benchmarks first (a minute)
+    wait_for(lambda: offers(market), "the provider's offer (it benchmarks its devices first)",
+             timeout=600, interval=1.0)
     return market
 
 
@@ -112,8 +160,19 @@ def start_provider(market: Marketplace, name: str, cpu: bool, models_dir: Path):
                                  *(("--cpu-only",) if cpu else ()))
 
 
+def cli(market: Marketplace, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """``gpumarket ARGS`` against the check's broker, within the check's deadline."""
+    what = f"gpumarket {' '.join(args[:2])}"
+    try:
+        return market.cli(*args, timeout=DEADLINE.left(timeout, what))
+    except subprocess.TimeoutExpired as exc:
+        if DEADLINE.at is not None and time.monotonic() >= DEADLINE.at:
+            raise DEADLINE.passed(what) from exc
+        raise CheckError(f"{what} took over {timeout:.0f} s") from exc
+
+
 def offers(market: Marketplace) -> list[dict]:
-    r = market.cli("offers", "--json", timeout=60)
+    r = cli(market, "offers", "--json", timeout=60)
     if r.returncode != 0:
         raise CheckError(f"gpumarket offers: {last_line(r.stderr)}")
     return json.loads(r.stdout)
@@ -128,29 +187,67 @@ def offer_of(market: Marketplace, name: str) -> dict:
 
 
 def submit(market: Marketplace, job_file: Path) -> str:
-    r = market.cli("submit", str(job_file), timeout=600)
+    r = cli(market, "submit", str(job_file), timeout=600)
     if r.returncode != 0:
         raise CheckError(f"submit {job_file.name}: {last_line(r.stderr)}")
     return r.stdout.split()[0]
 
 
+def job(market: Marketplace, job_id: str) -> dict:
+    """``gpumarket status JOB --json``."""
+    r = cli(market, "status", job_id, "--json", timeout=60)
+    if r.returncode != 0:
+        raise CheckError(f"status of {job_id}: {last_line(r.stderr)}")
+    return json.loads(r.stdout)
+
+
+def job_failure(job: dict) -> str:
+    """Why a job the check waits on has failed ("" if it has not): FAILED or CANCELLED, or
+    an attempt of it that failed (its code crashed: the broker may retry it, the check does
+    not wait for that). A lost attempt (a provider killed) is no failure."""
+    jid = job.get("job_id", "?")
+    if job.get("state") in ("FAILED", "CANCELLED"):
+        return f"job {jid} {job['state']}: {job.get('error', '')}".strip().rstrip(":")
+    for attempt in job.get("attempts", []):
+        if attempt.get("outcome") == "failed":
+            return (f"job {jid}'s attempt {attempt.get('attempt', '?')} failed:"
+                    f" {attempt.get('reason', '')}").strip().rstrip(":")
+    return ""
+
+
+def failed_job(market: Marketplace, job_id: str, why: str) -> CheckError:
+    """The CheckError of a failed job: ``why`` and the last lines of its log (in the
+    detail, and LOG_TAIL of them in the figures)."""
+    tail = last_lines(job_log(market, job_id), LOG_TAIL)
+    shown = " | ".join(tail[-3:])
+    return CheckError(f"{why}; its log ends: {shown}" if shown else f"{why} (no log)",
+                      failed_job=job_id, log_tail=tail)
+
+
 def finish(market: Marketplace, job_id: str, timeout: float) -> dict:
-    """The job once it ended; CheckError unless it SUCCEEDED."""
-    job = market.wait_state(job_id, "SUCCEEDED", "FAILED", "CANCELLED", timeout=timeout)
-    if job["state"] != "SUCCEEDED":
-        raise CheckError(f"job {job_id} {job['state']}: {job.get('error', '')}"[:300])
-    return job
+    """The job once it SUCCEEDED; CheckError with its last log lines as soon as it failed
+    (job_failure), or at the timeout or deadline."""
+    def ended() -> dict | None:
+        found = job(market, job_id)
+        if why := job_failure(found):
+            raise failed_job(market, job_id, why)
+        return found if found["state"] == "SUCCEEDED" else None
+
+    return wait_for(ended, f"job {job_id} to end", timeout, interval=0.5)
 
 
 def results(market: Marketplace, job_id: str, out: Path) -> Path:
-    r = market.cli("results", job_id, "-o", str(out), timeout=600)
+    r = cli(market, "results", job_id, "-o", str(out), timeout=600)
     if r.returncode != 0:
         raise CheckError(f"results of {job_id}: {last_line(r.stderr)}")
     return out
 
 
 def job_log(market: Marketplace, job_id: str) -> str:
-    r = market.cli("logs", job_id, timeout=120)
+    try:
+        r = market.cli("logs", job_id, timeout=60)   # also after the deadline: for the FAIL
+    except subprocess.TimeoutExpired:
+        return ""
     return r.stdout if r.returncode == 0 else ""
 
 
@@ -187,6 +284,11 @@ def last_line(text: str) -> str:
     return lines[-1][:300] if lines else "(no output)"
 
 
+def last_lines(text: str, n: int) -> list[str]:
+    """The last ``n`` non-blank lines of ``text``, each at most 300 characters."""
+    return [ln[:300] for ln in (text or "").splitlines() if ln.strip()][-n:]
+
+
 def toml_value(value) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
@@ -207,9 +309,22 @@ def job_file(path: Path, kind: str, params: dict, *, accelerator: str,
     return path
 
 
-def wait_for(check, what: str, timeout: float, interval: float = 0.5):
-    """``check()``'s first true value; CheckError after ``timeout`` seconds."""
+def wait_for(check, what: str, timeout: float, interval: float = 0.5, failed=None):
+    """``check()``'s first true value. CheckError at once when ``failed()`` returns one (a
+    job or replica waited on has failed: there is nothing left to wait for), after
+    ``timeout`` seconds, or when the check's deadline passes (naming ``what``)."""
+    end = time.monotonic() + timeout
+    outer, DEADLINE.waiting = DEADLINE.waiting, what
     try:
-        return wait_until(check, what, timeout, interval)
-    except AssertionError as exc:
-        raise CheckError(str(exc)) from exc
+        while True:
+            if failed is not None and (error := failed()) is not None:
+                raise error
+            value = check()
+            if value:
+                return value
+            if time.monotonic() >= end:
+                raise CheckError(f"timed out after {timeout:.0f} s waiting for {what}")
+            time.sleep(min(interval, DEADLINE.left(interval, what)))
+            DEADLINE.left(interval, what)
+    finally:
+        DEADLINE.waiting = outer
