@@ -12,12 +12,18 @@ takes from its throughput, and how fast it scales.
    to a second replica serving.
 3. Scale from zero: an endpoint with min_replicas 0 whose model the provider already holds
    in its cache: the time from the first request to its first token.
+4. Joining (issue 32): 16 streams, in process, the first one alone and the other 15
+   arriving --join-gap-ms apart while it decodes, max_concurrency 16, on the CPU batch engine
+   as it is (step-wise: requests join between decode steps), as it was (one ``generate``
+   call at a time, ``BatchEngine(stepwise=False)``) and on continuous batching: TTFT p50
+   and p99 of the 16, and tokens/s.
 
     .venv/bin/python bench/serving.py [--rates 2,4,8] [--duration 20] [--tokens 32]
+    .venv/bin/python bench/serving.py --join-only [--join-rounds 3]
 
 The model is the tiny 2-layer Llama of tests/models.py on the CPU. Prints its figures; the
 last line is one JSON object with throughput_ratio and ttft_p50_added_ms (at the highest
-rate), scale_up_s and scale_from_zero_s.
+rate), scale_up_s, scale_from_zero_s and ``join`` (case 4; with --join-only, only it).
 """
 
 from __future__ import annotations
@@ -145,6 +151,73 @@ async def market_side(base: str, key: str, model_name: str, rates: list[float],
     return out
 
 
+JOIN_ENGINES = ("step-wise", "generate calls", "continuous")
+
+
+async def join_case(model: Path, engine_name: str, streams: int, tokens: int,
+                    gap_s: float) -> dict:
+    """Case 4 on one engine: one stream of ``tokens`` tokens, then ``streams`` - 1 more
+    arriving ``gap_s`` apart once its first token is out; their TTFTs and the tokens/s."""
+    from gpumarket.provider.runners.batching import BatchEngine
+    from gpumarket.provider.runners.engine import Settings, load_engine
+
+    params = {"model_name": model.name, "max_concurrency": streams, "max_seq_len": 256,
+              "engine": "continuous" if engine_name == "continuous" else "batch"}
+    engine = load_engine({"params": params, "inputs": {}, "model_dir": str(model),
+                          "device": "cpu"}, model)
+    if engine_name == "generate calls":
+        loaded = engine
+        engine = BatchEngine(loaded.tokenizer, loaded.model, Settings.from_params(params),
+                             loaded.max_seq_len, stepwise=False)
+        await loaded.close()
+    first_token = asyncio.Event()
+
+    async def one(i: int) -> dict:
+        start, pieces, final = time.perf_counter(), [], {}
+        request = {"id": f"j{i}", "max_tokens": tokens, "temperature": 0,
+                   "prompt": PROMPTS[i % len(PROMPTS)]}
+        async for event in engine.complete(request):
+            if event.get("done"):
+                final = event
+            elif event.get("text"):
+                pieces.append(time.perf_counter())
+                first_token.set()
+        if "error" in final:
+            return {"error": final["error"], "ttft": 0, "tpot": 0, "tokens": 0}
+        return timing(start, pieces, int(final.get("output_tokens", 0)))
+
+    async def later(i: int) -> dict:
+        await first_token.wait()
+        await asyncio.sleep(gap_s * i)
+        return await one(i)
+
+    await one(-1)       # warm-up
+    began = time.perf_counter()
+    samples = await asyncio.gather(one(0), *(later(i) for i in range(1, streams)))
+    window = time.perf_counter() - began
+    await engine.close()
+    out = summary(samples, window)
+    out["engine"] = engine.description
+    return out
+
+
+def join_cases(model: Path, rounds: int, streams: int, tokens: int, gap_s: float) -> dict:
+    """Case 4 on each of JOIN_ENGINES, ``rounds`` times in turn; each engine's round with
+    the median TTFT p99."""
+    runs: dict[str, list[dict]] = {name: [] for name in JOIN_ENGINES}
+    for _ in range(rounds):
+        for name in JOIN_ENGINES:
+            runs[name].append(asyncio.run(join_case(model, name, streams, tokens, gap_s)))
+    out = {}
+    for name, results in runs.items():
+        mid = sorted(results, key=lambda r: r["ttft_p99_ms"])[len(results) // 2]
+        out[name] = {k: round(v, 2) if isinstance(v, float) else v for k, v in mid.items()}
+        print(f"join, {name}: TTFT p50 {mid['ttft_p50_ms']:.0f} ms, p99"
+              f" {mid['ttft_p99_ms']:.0f} ms, {mid['tokens_per_s']:.0f} tokens/s"
+              f" (median of {rounds} rounds by p99; {mid['engine']})", flush=True)
+    return out
+
+
 def endpoint_file(path: Path, name: str, **params) -> str:
     lines = "\n".join(f"{k} = {json.dumps(v)}" for k, v in params.items())
     path.write_text(f'kind = "endpoint"\nname = "{name}"\nmax_price = 5.0\n\n[endpoint]\n'
@@ -196,6 +269,13 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=20.0, help="seconds per rate")
     parser.add_argument("--tokens", type=int, default=32, help="max_tokens per request")
     parser.add_argument("--concurrency", type=int, default=8, help="max_concurrency")
+    parser.add_argument("--join-only", action="store_true",
+                        help="run only case 4 (requests joining a running batch)")
+    parser.add_argument("--join-rounds", type=int, default=3, help="rounds of case 4")
+    parser.add_argument("--join-tokens", type=int, default=64,
+                        help="max_tokens of each stream in case 4")
+    parser.add_argument("--join-gap-ms", type=float, default=20.0,
+                        help="between the later arrivals of case 4")
     args = parser.parse_args()
     rates = [float(r) for r in args.rates.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
@@ -204,6 +284,13 @@ def main() -> None:
         root.chmod(0o755)
         for path in (root / "models", model, *model.iterdir()):
             path.chmod(0o755 if path.is_dir() else 0o644)   # readable by the jobs' own uids
+        print(f"case 4: 16 streams of {args.join_tokens} tokens, the later 15"
+              f" {args.join_gap_ms:g} ms apart, max_concurrency 16", flush=True)
+        join = join_cases(model, args.join_rounds, 16, args.join_tokens,
+                          args.join_gap_ms / 1000)
+        if args.join_only:
+            print(json.dumps({"join": join}))
+            return
         print(f"model: 2-layer Llama (tests/models.py); {args.tokens} tokens per request,"
               f" max_concurrency {args.concurrency}, {args.duration:.0f} s per rate", flush=True)
         direct = asyncio.run(direct_side(model, rates, args.duration, args.tokens,
@@ -280,7 +367,7 @@ def main() -> None:
     print(json.dumps({"throughput_ratio": round(top["throughput_ratio"], 4),
                       "ttft_p50_added_ms": round(top["ttft_p50_added_ms"], 2),
                       "scale_up_s": round(scale_up_s, 2),
-                      "scale_from_zero_s": round(scale_from_zero_s, 2),
+                      "scale_from_zero_s": round(scale_from_zero_s, 2), "join": join,
                       "rates": {str(r): {"throughput_ratio": round(v["throughput_ratio"], 4),
                                          "ttft_p50_added_ms": round(v["ttft_p50_added_ms"], 2),
                                          "direct": v["direct"], "market": v["market"]}
