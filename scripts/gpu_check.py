@@ -229,7 +229,7 @@ def run_checks(ctx: Context, names: list[str], records: list[dict], save,
     SIGALRM ends it BACKSTOP_S later if one did not. On Ctrl-C (or SIGTERM) the checks not
     ended are recorded SKIPPED and KeyboardInterrupt goes on."""
     from gpu_checks import Outcome
-    from gpu_market import CHECK_DEADLINE_S, DEADLINE, CheckError
+    from gpu_market import CHECK_DEADLINE_S, DEADLINE, CheckError, cancel_unfinished
 
     deadline_s = deadline_s or CHECK_DEADLINE_S
     functions = check_functions()
@@ -260,6 +260,11 @@ def run_checks(ctx: Context, names: list[str], records: list[dict], save,
             finally:
                 signal.setitimer(signal.ITIMER_REAL, 0)
                 DEADLINE.stop()
+            # a failed check's jobs still running would hold the device the next one needs
+            left = cancel_unfinished(getattr(ctx, "_market", None)
+                                     if outcome.status == "FAIL" else None)
+            if left:
+                outcome.figures["cancelled_jobs"] = left
             seconds = round(time.perf_counter() - began, 2)
             print(line(name, outcome.status, outcome.detail), flush=True)
             records.append({"name": name, "status": outcome.status, "detail": outcome.detail,
@@ -338,7 +343,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
                         help="keep the temporary directory (models, work dirs) and say where")
     parser.add_argument("--deadline", type=float, metavar="SECONDS",
                         help="each check's deadline: it ends there as FAIL \"deadline\","
-                             " naming what it waited for (default 280)")
+                             " naming what it waited for (default 280; 900 in the CPU"
+                             " rehearsal)")
     args = parser.parse_args(argv)
     if args.deadline is not None and not 10 <= args.deadline <= 3600:
         raise Usage(f"--deadline {args.deadline:g}: give 10 to 3600 seconds")
@@ -454,7 +460,10 @@ def main(argv: list[str] | None = None) -> int:
 
     interrupted = False
     try:
-        run_checks(ctx, args.names, records, save, args.deadline or 0.0)
+        from gpu_market import CHECK_DEADLINE_S, REHEARSAL_DEADLINE_S
+
+        run_checks(ctx, args.names, records, save, args.deadline
+                   or (CHECK_DEADLINE_S if cuda else REHEARSAL_DEADLINE_S))
     except KeyboardInterrupt:
         interrupted = True
     finally:

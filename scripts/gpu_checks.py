@@ -310,13 +310,13 @@ def training_resume(ctx) -> Outcome:
     killed_after = int(seen.get("checkpoint_step", 0))
     kill_machine(market, first)
     second = ctx.next_provider()
+    ctx.provider = second     # the provider of the checks after this one, pass or fail
     start_provider(market, second, not ctx.cuda, ctx.models_dir)
     say(f"{first} killed after checkpoint {killed_after}; {second} started to resume it")
     ended = finish(market, job_id, timeout=900)
     outcomes = [a.get("outcome") for a in ended.get("attempts", [])]
     if "lost" not in outcomes:
         raise CheckError(f"the kill did not lose the lease (attempts: {outcomes})")
-    ctx.provider = second
     say("the same job again, never interrupted")
     clean_id = submit(market, job_file(work / "clean.toml", "training", params,
                                        accelerator=accel))

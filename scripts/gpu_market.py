@@ -37,6 +37,9 @@ LLAMA_TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 
 
 LOG_TAIL = 12  # of a failed job's log lines, kept in its check's figures
 CHECK_DEADLINE_S = 280.0  # a check's default deadline (--deadline), under 5 minutes
+# ... and in the CPU rehearsal, on a host shared with other work (a loaded 2-core host ran
+# its training check's 600 tiny steps at 71 tokens/s)
+REHEARSAL_DEADLINE_S = 900.0
 
 
 class CheckError(Exception):
@@ -186,11 +189,33 @@ def offer_of(market: Marketplace, name: str) -> dict:
     raise CheckError(f"provider {name} has no offer on the broker")
 
 
+SUBMITTED: list[str] = []  # the jobs the running check submitted (cancel_unfinished)
+
+
 def submit(market: Marketplace, job_file: Path) -> str:
     r = cli(market, "submit", str(job_file), timeout=600)
     if r.returncode != 0:
         raise CheckError(f"submit {job_file.name}: {last_line(r.stderr)}")
-    return r.stdout.split()[0]
+    SUBMITTED.append(r.stdout.split()[0])
+    return SUBMITTED[-1]
+
+
+def cancel_unfinished(market: Marketplace | None) -> list[str]:
+    """Cancel the jobs the check that just ended submitted and that have not ended (one
+    that failed or ran out of time must not hold the device the next check needs);
+    returns their ids. Forgets them either way."""
+    ids, SUBMITTED[:] = list(SUBMITTED), []
+    cancelled = []
+    for job_id in ids if market is not None else ():
+        try:
+            r = market.cli("status", job_id, "--json", timeout=60)
+            state = json.loads(r.stdout).get("state") if r.returncode == 0 else ""
+            if state in ("QUEUED", "LEASED", "RUNNING", "VERIFYING"):
+                market.cli("cancel", job_id, timeout=60)
+                cancelled.append(job_id)
+        except (subprocess.TimeoutExpired, ValueError):
+            continue
+    return cancelled
 
 
 def job(market: Marketplace, job_id: str) -> dict:

@@ -297,3 +297,37 @@ def test_a_deadline_inside_a_wait_names_the_wait():
     finally:
         gpu_market.DEADLINE.stop()
     assert "while waiting for job j1 to end" in str(caught.value), caught.value
+
+
+def test_a_failed_checks_jobs_are_cancelled_for_the_next_check(monkeypatch):
+    """A check that ran out of time left its training job running on the provider's one
+    device, and the next check's job queued behind it past its own deadline."""
+    gpu_check, gpu_market, _ = _scripts()
+
+    class Market(FakeMarket):
+        def cli(self, *args, timeout=300):
+            if args[0] in ("cancel", "submit"):
+                self.calls.append(args)
+                out = "j9 submitted" if args[0] == "submit" else ""
+                return subprocess.CompletedProcess(args, 0, out, "")
+            return super().cli(*args, timeout=timeout)
+
+    market = Market({"j9": {"job_id": "j9", "state": "RUNNING"}}, {})
+
+    def submits_and_fails(ctx):
+        gpu_market.submit(market, Path("job.toml"))
+        raise gpu_market.CheckError("it broke")
+
+    def submits_and_passes(ctx):
+        from gpu_checks import passed
+        gpu_market.submit(market, Path("job.toml"))
+        return passed("fine")
+
+    ctx = type("Ctx", (), {"_market": market})()
+    monkeypatch.setattr(gpu_check, "check_functions", lambda: {
+        "generate": submits_and_passes, "embed": submits_and_fails})
+    records = []
+    gpu_check.run_checks(ctx, ["generate", "embed"], records, lambda: None, deadline_s=60)
+    assert [r["status"] for r in records] == ["PASS", "FAIL"]
+    assert records[1]["cancelled_jobs"] == ["j9"] and "cancelled_jobs" not in records[0]
+    assert market.calls.count(("cancel", "j9")) == 1      # the passing check's: left alone
