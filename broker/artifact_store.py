@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 from gpumarket.proto.artifacts import CHUNK_BYTES
 from gpumarket.proto.errors import FailedPrecondition, InvalidArgument, NotFound
 from gpumarket.proto.jobspec import check_sha256
+
+SYNC_THREADS = 16       # small blobs synced at once
+_staged = itertools.count()
 
 
 @dataclass(frozen=True)
@@ -26,6 +31,7 @@ class ArtifactStore:
         self.root = root
         self.max_blob_bytes = max_blob_bytes
         self.active: set[tuple[str, str]] = set()   # (sha256, uploader) being streamed now
+        self._syncs = ThreadPoolExecutor(SYNC_THREADS, thread_name_prefix="blob-sync")
         (root / "blobs").mkdir(parents=True, exist_ok=True)
         (root / "partial").mkdir(parents=True, exist_ok=True)
 
@@ -77,6 +83,61 @@ class ArtifactStore:
             raise FailedPrecondition(f"an upload of {sha256[:12]} by this key is in progress")
         return Upload(self, sha256, size_bytes, offset, self._partial_path(sha256, uploader),
                       uploader)
+
+    def stage_blobs(self, blobs: list[tuple[str, bytes]]) -> list[tuple[Path, Path]]:
+        """Write whole small blobs (sha256, bytes; each hash-checked by the caller) that are
+        not stored yet, each to a temporary file of its own, synced; return (temporary,
+        final) paths for publish_blobs or discard_blobs. The files are synced at once: one
+        fsync after another costs a journal commit each (several ms here), at once they
+        share one."""
+        staged: list[tuple[int, Path, Path]] = []
+        try:
+            for sha, data in dict(blobs).items():
+                target = self.blob_path(sha)
+                if target.exists():
+                    continue
+                tmp = self.root / "partial" / f"{sha}.{os.getpid()}.{next(_staged)}.blob"
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+                staged.append((fd, tmp, target))
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view):]
+            list(self._syncs.map(os.fsync, [fd for fd, _, _ in staged]))
+        except BaseException:
+            self.discard_blobs([(tmp, target) for _, tmp, target in staged])
+            raise
+        finally:
+            for fd, _, _ in staged:
+                os.close(fd)
+        return [(tmp, target) for _, tmp, target in staged]
+
+    def publish_blobs(self, staged: list[tuple[Path, Path]]) -> None:
+        """Move staged blobs into place (each one atomically), their directories synced."""
+        dirs: set[Path] = set()
+        for tmp, target in staged:
+            if target.parent not in dirs:
+                target.parent.mkdir(exist_ok=True)
+                dirs.add(target.parent)
+            os.replace(tmp, target)
+        list(self._syncs.map(_sync_dir, dirs))    # at once, as the files were
+
+    @staticmethod
+    def discard_blobs(staged: list[tuple[Path, Path]]) -> None:
+        for tmp, _ in staged:
+            tmp.unlink(missing_ok=True)
+
+    def read_blob(self, sha256: str, limit: int) -> bytes:
+        """The bytes of a stored blob of at most ``limit`` bytes (NotFound; InvalidArgument
+        for a larger one)."""
+        try:
+            with open(self.blob_path(sha256), "rb") as f:
+                data = f.read(limit + 1)
+        except FileNotFoundError as exc:
+            raise NotFound(f"no artifact {sha256}") from exc
+        if len(data) > limit:
+            raise InvalidArgument(f"artifact {sha256[:12]}… is over {limit:,} bytes: download"
+                                  " it on its own")
+        return data
 
     def drop_partial(self, sha256: str, uploader: str) -> bool:
         """Delete an abandoned partial upload (not one being streamed now)."""
@@ -146,3 +207,11 @@ class Upload:
         target.parent.mkdir(exist_ok=True)
         os.replace(self.path, target)
         return self.size_bytes
+
+
+def _sync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

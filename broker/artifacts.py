@@ -1,8 +1,11 @@
-"""Artifacts: chunked, content-addressed upload and download."""
+"""Artifacts: chunked, content-addressed upload and download; many small blobs in one call
+each way (UploadBlobs, DownloadBlobs)."""
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+from pathlib import Path
 
 from gpumarket.broker import holdings, views
 from gpumarket.broker.auth import caller
@@ -13,6 +16,16 @@ from gpumarket.proto.errors import InvalidArgument, PermissionDenied
 from gpumarket.proto.jobspec import check_sha256, now_ms
 from gpumarket.proto.v1 import artifacts_pb2 as ap
 from gpumarket.proto.v1 import artifacts_pb2_grpc
+
+MAX_BLOBS = 1000            # blobs in one UploadBlobs or DownloadBlobs call ...
+MAX_BLOBS_BYTES = 32 << 20  # ... and their bytes (each blob at most CHUNK_BYTES)
+WRITE_BYTES = 4 << 20       # an upload's blobs are checked and written this many at a time
+MESSAGE_BYTES = 3 << 20     # blobs sent in one message (under gRPC's 4 MiB a message)
+
+
+def _unreadable(db, key: str, shas: list[str]) -> list[str]:
+    """Those of ``shas`` that ``key`` may not read (views.may_read)."""
+    return [sha for sha in shas if not views.may_read(db, key, sha)]
 
 
 class ArtifactsServicer(artifacts_pb2_grpc.ArtifactsServicer):
@@ -90,3 +103,105 @@ class ArtifactsServicer(artifacts_pb2_grpc.ArtifactsServicer):
                 yield ap.DownloadResponse(data=chunk)
         finally:
             f.close()
+
+    @unary
+    async def UploadBlobs(self, request_iterator, context) -> ap.UploadBlobsResponse:
+        """Whole small blobs, each hash-checked and stored, then held by the caller all at
+        once (one transaction), in the order sent. One call for the outputs of many tasks:
+        what the per-key call rate protects is calls, not files."""
+        key, store, artifacts = caller(), self.state.store, self.state.artifacts
+        limit = self.state.config.max_key_artifact_bytes
+        held = await store.read(holdings.uploaded_bytes, key)
+        sizes: dict[str, int] = {}
+        order: list[str] = []
+        pending: list[tuple[str, bytes]] = []
+        staged: list[tuple[Path, Path]] = []
+        pending_bytes = total = 0
+        try:
+            async for blob in _each_blob(request_iterator):
+                where = f"blobs[{len(order)}]"
+                if len(order) >= MAX_BLOBS:
+                    raise InvalidArgument(f"at most {MAX_BLOBS:,} blobs in one call")
+                check_sha256(blob.sha256, f"{where}.sha256")
+                if len(blob.data) > CHUNK_BYTES:
+                    raise InvalidArgument(f"{where}: a blob sent whole is at most"
+                                          f" {CHUNK_BYTES:,} bytes (upload a larger one on"
+                                          " its own)")
+                artifacts.check_size(len(blob.data))
+                order.append(blob.sha256)
+                if blob.sha256 in sizes:
+                    continue
+                sizes[blob.sha256] = len(blob.data)
+                total += len(blob.data)
+                if total > MAX_BLOBS_BYTES:
+                    raise InvalidArgument(f"at most {MAX_BLOBS_BYTES >> 20} MiB of blobs in"
+                                          " one call")
+                holdings.check_quota(held, total, limit)    # (again, exactly, when recorded)
+                pending.append((blob.sha256, blob.data))
+                pending_bytes += len(blob.data)
+                if pending_bytes >= WRITE_BYTES:
+                    staged += await asyncio.to_thread(_stage, artifacts, pending)
+                    pending, pending_bytes = [], 0
+            if pending:
+                staged += await asyncio.to_thread(_stage, artifacts, pending)
+            # A blob stored with another size is not what this call sent (a sha256
+            # collision): refused, as a single upload's is.
+            stored = await store.read(holdings.stored_sizes, list(sizes))
+            for sha, size in sizes.items():
+                if stored.get(sha, size) != size:
+                    raise InvalidArgument(f"artifact {sha[:12]}… is {stored[sha]:,} bytes,"
+                                          f" not {size:,}")
+            await asyncio.to_thread(artifacts.publish_blobs, staged)
+            staged = []
+        finally:
+            if staged:      # refused: nothing of it stays
+                await asyncio.to_thread(artifacts.discard_blobs, staged)
+        await store.write(holdings.record_many, list(sizes.items()), key, limit, now_ms())
+        return ap.UploadBlobsResponse(blobs=[
+            ap.UploadResponse(sha256=sha, size_bytes=sizes[sha], already_present=sha in stored)
+            for sha in order])
+
+    @streaming
+    async def DownloadBlobs(self, request: ap.DownloadBlobsRequest, context):
+        """Whole small blobs the caller may read, in the order asked."""
+        shas = list(request.sha256)
+        if len(shas) > MAX_BLOBS:
+            raise InvalidArgument(f"at most {MAX_BLOBS:,} blobs in one call")
+        for i, sha in enumerate(shas):
+            check_sha256(sha, f"sha256[{i}]")
+        refused = await self.state.store.read(_unreadable, caller(), sorted(set(shas)))
+        if refused:
+            raise PermissionDenied(f"artifact {refused[0][:12]}… is not yours: you neither"
+                                   " uploaded it nor is it part of your jobs or of a job leased"
+                                   " to you")
+        message, size = ap.Blobs(), 0
+        for start in range(0, len(shas), 64):
+            batch = shas[start:start + 64]
+            found = await asyncio.to_thread(_read_blobs, self.state.artifacts, batch)
+            for sha, data in zip(batch, found):
+                if message.blobs and size + len(data) > MESSAGE_BYTES:
+                    yield message
+                    message, size = ap.Blobs(), 0
+                message.blobs.add(sha256=sha, data=data)
+                size += len(data)
+        if message.blobs:
+            yield message
+
+
+def _read_blobs(artifacts, shas: list[str]) -> list[bytes]:
+    return [artifacts.read_blob(sha, CHUNK_BYTES) for sha in shas]
+
+
+async def _each_blob(messages):
+    async for message in messages:
+        for blob in message.blobs:
+            yield blob
+
+
+def _stage(artifacts, blobs: list[tuple[str, bytes]]) -> list[tuple[Path, Path]]:
+    """Stage blobs whose bytes hash to their sha256 (InvalidArgument for the first that
+    does not: nothing of this batch is staged then)."""
+    for sha, data in blobs:
+        if hashlib.sha256(data).hexdigest() != sha:
+            raise InvalidArgument(f"blob {sha[:12]}…: its bytes hash to something else")
+    return artifacts.stage_blobs(blobs)

@@ -34,6 +34,7 @@ CLOCK_SKEW_MS = 30_000
 MAX_TOKEN_LIFETIME_MS = 5 * 60_000
 PUBLIC_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 PUBLIC_METHODS = frozenset({"/gpumarket.v1.Marketplace/SearchOffers"})
+ARTIFACTS = "/gpumarket.v1.Artifacts/"
 
 _caller: contextvars.ContextVar[str] = contextvars.ContextVar("caller", default="")
 
@@ -120,15 +121,40 @@ class Authenticator(grpc.aio.ServerInterceptor):
             raise Expired("call token has expired (check your clock)", reason="expired")
         if len(token.nonce) != 16:
             raise BadSignature("call token nonce must be 16 bytes", reason="bad_signature")
-        if not self.limiter.allow(key_id):
+        if not self._allow(key_id, method):
             raise ResourceExhausted(f"more than {self.state.config.rate_limit_per_s:g} calls a"
-                                    f" second from key {key_id}; slow down",
-                                    reason="rate_limited")
+                                    f" second from key {key_id}{self._per_device(key_id, method)}"
+                                    "; slow down", reason="rate_limited")
         fresh = await self.state.store.write(
             _use_nonce, key_id, token.nonce.hex(), token.expires_at_ms + CLOCK_SKEW_MS)
         if not fresh:
             raise Replay("call token was used before (replayed call)", reason="replay")
         return key_id
+
+
+    def _devices(self, key_id: str, method: str) -> int:
+        """The devices a connected provider offers, for its artifact calls (0: not such a
+        call, or not a provider's)."""
+        if not method.startswith(ARTIFACTS):
+            return 0
+        session = self.state.sessions.get(key_id)
+        offer = session.offer if session is not None else None
+        return len(offer.devices) if offer is not None else 0
+
+    def _allow(self, key_id: str, method: str) -> bool:
+        """Whether the key may make this call now. A connected provider's artifact calls
+        (its jobs' outputs and checkpoints, its inputs) have a budget of their own for each
+        device it offers, that is for each lease it may hold at once: a provider running
+        many leases is not held to one client's call rate, nor do its uploads use up the
+        calls of its session."""
+        devices = self._devices(key_id, method)
+        if devices:
+            return self.limiter.allow(f"artifacts {key_id}", 1 / devices)
+        return self.limiter.allow(key_id)
+
+    def _per_device(self, key_id: str, method: str) -> str:
+        devices = self._devices(key_id, method)
+        return f" for each of its {devices} devices" if devices else ""
 
 
 def _use_nonce(db, key_id: str, nonce: str, keep_until_ms: int) -> bool:

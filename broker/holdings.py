@@ -5,6 +5,8 @@ SQL, no grpc."""
 
 from __future__ import annotations
 
+import json
+
 from sqlite_utils import Database
 
 from gpumarket.proto.errors import FailedPrecondition, ResourceExhausted
@@ -65,6 +67,35 @@ def record(db, sha256: str, size: int, owner: str, now: int) -> None:
                                   "created_at_ms": now}, pk=("sha256", "owner_id"))
     db.execute("DELETE FROM artifact_uploads WHERE sha256 = ? AND uploader_id = ?",
                [sha256, owner])
+
+
+def record_many(db, blobs: list[tuple[str, int]], owner: str, limit: int, now: int) -> None:
+    """``owner`` uploaded every byte of each blob (sha256, size), hash-checked, in one call:
+    it holds them all, or none if those it did not hold already take it over ``limit``
+    bytes (ResourceExhausted)."""
+    shas = json.dumps(sorted({sha for sha, _ in blobs}))
+    held = {r[0] for r in db.execute(
+        "SELECT sha256 FROM artifact_owners WHERE owner_id = ? AND sha256 IN"
+        " (SELECT value FROM json_each(?))", [owner, shas])}
+    new = dict((sha, size) for sha, size in blobs if sha not in held)
+    if new:
+        check_quota(uploaded_bytes(db, owner), sum(new.values()), limit)
+    rows = list(dict(blobs).items())
+    db.conn.executemany(
+        "INSERT INTO artifacts (sha256, size_bytes, created_at_ms) VALUES (?, ?, ?)"
+        " ON CONFLICT (sha256) DO UPDATE SET created_at_ms = excluded.created_at_ms",
+        [(sha, size, now) for sha, size in rows])
+    db.conn.executemany(
+        "INSERT INTO artifact_owners (sha256, owner_id, size_bytes, created_at_ms)"
+        " VALUES (?, ?, ?, ?) ON CONFLICT (sha256, owner_id) DO UPDATE SET"
+        " size_bytes = excluded.size_bytes, created_at_ms = excluded.created_at_ms",
+        [(sha, owner, size, now) for sha, size in rows])
+
+
+def stored_sizes(db, shas: list[str]) -> dict[str, int]:
+    """The recorded size of each of these blobs that is stored."""
+    return dict(db.execute("SELECT sha256, size_bytes FROM artifacts WHERE sha256 IN"
+                           " (SELECT value FROM json_each(?))", [json.dumps(shas)]).fetchall())
 
 
 def reserve(db, sha256: str, key: str, size: int, limit: int, now: int) -> None:

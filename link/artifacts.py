@@ -4,6 +4,8 @@ both hash-checked, for clients and providers alike."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -19,6 +21,7 @@ from gpumarket.proto.v1 import artifacts_pb2_grpc
 from gpumarket.proto.v1 import types_pb2 as pb
 
 BYTES_PER_S = 1e6       # the slowest transfer the deadlines allow for
+MESSAGE_BYTES = 3 << 20  # small blobs sent in one message (under gRPC's 4 MiB a message)
 
 
 class ArtifactsClient:
@@ -65,6 +68,44 @@ class ArtifactsClient:
         except grpc.aio.AioRpcError as exc:
             raise error_of(exc, self.address) from exc
 
+    async def upload_blobs(self, blobs: list[tuple[str, bytes]]) -> list[ap.UploadResponse]:
+        """Upload whole small blobs (sha256, bytes; each at most CHUNK_BYTES) in one call:
+        the broker checks each against its sha256 and holds them for this key together.
+        Returns the broker's answer for each, in order."""
+        size = sum(len(data) for _, data in blobs)
+        messages, message, held = [], ap.Blobs(), 0
+        for sha, data in blobs:
+            if message.blobs and held + len(data) > MESSAGE_BYTES:
+                messages.append(message)
+                message, held = ap.Blobs(), 0
+            message.blobs.add(sha256=sha, data=data)
+            held += len(data)
+        messages.append(message)
+        try:
+            answer = await self.stub.UploadBlobs(iter(messages),
+                                                 timeout=self.timeout_s + size / BYTES_PER_S)
+        except grpc.aio.AioRpcError as exc:
+            raise error_of(exc, self.address) from exc
+        return list(answer.blobs)
+
+    async def download_blobs(self, refs: list[tuple[pb.ArtifactRef, Path]]) -> None:
+        """Download small blobs (each at most CHUNK_BYTES) in one call, each to its target
+        (written atomically, not synced). A file appears only once its sha256 and size
+        check out (else InvalidArgument, and the rest are not written)."""
+        wanted = list(dict.fromkeys(ref.sha256 for ref, _ in refs))
+        size = sum(ref.size_bytes for ref, _ in refs)
+        found: dict[str, bytes] = {}
+        try:
+            stream = self.stub.DownloadBlobs(ap.DownloadBlobsRequest(sha256=wanted),
+                                             timeout=self.timeout_s + size / BYTES_PER_S)
+            async for message in stream:
+                for blob in message.blobs:
+                    if blob.sha256 in wanted and blob.sha256 not in found:
+                        found[blob.sha256] = blob.data
+        except grpc.aio.AioRpcError as exc:
+            raise error_of(exc, self.address) from exc
+        await asyncio.to_thread(write_blobs, refs, found)
+
     async def download(self, ref: pb.ArtifactRef, target: Path) -> None:
         """Download a blob to ``target``; what arrived of a broken download is kept next to
         it and continued. The file appears only once its sha256 and size check out (else
@@ -83,3 +124,16 @@ class ArtifactsClient:
         if not await asyncio.to_thread(publish_verified, partial, target, ref.sha256,
                                        ref.size_bytes):
             raise InvalidArgument(f"{ref.name}: downloaded bytes do not match its sha256")
+
+
+def write_blobs(refs: list[tuple[pb.ArtifactRef, Path]], found: dict[str, bytes]) -> None:
+    """Write each blob to its target once its bytes match the reference (InvalidArgument
+    for the first that does not)."""
+    for ref, target in refs:
+        data = found.get(ref.sha256)
+        if data is None or len(data) != ref.size_bytes or \
+                hashlib.sha256(data).hexdigest() != ref.sha256:
+            raise InvalidArgument(f"{ref.name}: downloaded bytes do not match its sha256")
+        tmp = target.with_name(f".{target.name}.partial")
+        tmp.write_bytes(data)
+        os.replace(tmp, target)

@@ -13,7 +13,9 @@ class RateLimiter:
         self.rate, self.burst = rate, burst
         self._buckets: dict[str, tuple[float, float]] = {}
 
-    def allow(self, key: str) -> bool:
+    def allow(self, key: str, cost: float = 1.0) -> bool:
+        """Take ``cost`` tokens (a call's share of the bucket) from ``key``'s bucket, if it
+        has them."""
         if self.rate <= 0:
             return True
         now = time.monotonic()
@@ -22,8 +24,8 @@ class RateLimiter:
         if len(self._buckets) > 100_000:   # forget full buckets: they would start full anyway
             self._buckets = {k: v for k, v in self._buckets.items()
                              if v[0] + (now - v[1]) * self.rate < self.burst}
-        if tokens < 1:
+        if tokens < cost:
             self._buckets[key] = (tokens, now)
             return False
-        self._buckets[key] = (tokens - 1, now)
+        self._buckets[key] = (tokens - cost, now)
         return True

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"gpumarket/proto/v1/artifacts.proto\x12\x0cgpumarket.v1\"9\n\x13StatArtifactRequest\x12\x0e\n\x06sha256\x18\x01 \x01(\t\x12\x12\n\nsize_bytes\x18\x02 \x01(\x04\"T\n\x14StatArtifactResponse\x12\x10\n\x08\x63omplete\x18\x01 \x01(\x08\x12\x12\n\nsize_bytes\x18\x02 \x01(\x04\x12\x16\n\x0ereceived_bytes\x18\x03 \x01(\x04\"B\n\x0cUploadHeader\x12\x0e\n\x06sha256\x18\x01 \x01(\t\x12\x12\n\nsize_bytes\x18\x02 \x01(\x04\x12\x0e\n\x06offset\x18\x03 \x01(\x04\"U\n\rUploadRequest\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1a.gpumarket.v1.UploadHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part\"M\n\x0eUploadResponse\x12\x0e\n\x06sha256\x18\x01 \x01(\t\x12\x12\n\nsize_bytes\x18\x02 \x01(\x04\x12\x17\n\x0f\x61lready_present\x18\x03 \x01(\x08\"1\n\x0f\x44ownloadRequest\x12\x0e\n\x06sha256\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\" \n\x10\x44ownloadResponse\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x32\xf6\x01\n\tArtifacts\x12U\n\x0cStatArtifact\x12!.gpumarket.v1.StatArtifactRequest\x1a\".gpumarket.v1.StatArtifactResponse\x12\x45\n\x06Upload\x12\x1b.gpumarket.v1.UploadRequest\x1a\x1c.gpumarket.v1.UploadResponse(\x01\x12K\n\x08\x44ownload\x12\x1d.gpumarket.v1.DownloadRequest\x1a\x1e.gpumarket.v1.DownloadResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"gpumarket/proto/v1/artifacts.proto\x12\x0cgpumarket.v1\"9\n\x13StatArtifactRequest\x12\x0e\n\x06sha256\x18\x01 \x01(\t\x12\x12\n\nsize_bytes\x18\x02 \x01(\x04\"T\n\x14StatArtifactResponse\x12\x10\n\x08\x63omplete\x18\x01 \x01(\x08\x12\x12\n\nsize_bytes\x18\x02 \x01(\x04\x12\x16\n\x0ereceived_bytes\x18\x03 \x01(\x04\"B\n\x0cUploadHeader\x12\x0e\n\x06sha256\x18\x01 \x01(\t\x12\x12\n\nsize_bytes\x18\x02 \x01(\x04\x12\x0e\n\x06offset\x18\x03 \x01(\x04\"U\n\rUploadRequest\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1a.gpumarket.v1.UploadHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part\"M\n\x0eUploadResponse\x12\x0e\n\x06sha256\x18\x01 \x01(\t\x12\x12\n\nsize_bytes\x18\x02 \x01(\x04\x12\x17\n\x0f\x61lready_present\x18\x03 \x01(\x08\"1\n\x0f\x44ownloadRequest\x12\x0e\n\x06sha256\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\" \n\x10\x44ownloadResponse\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\"$\n\x04\x42lob\x12\x0e\n\x06sha256\x18\x01 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"*\n\x05\x42lobs\x12!\n\x05\x62lobs\x18\x01 \x03(\x0b\x32\x12.gpumarket.v1.Blob\"B\n\x13UploadBlobsResponse\x12+\n\x05\x62lobs\x18\x01 \x03(\x0b\x32\x1c.gpumarket.v1.UploadResponse\"&\n\x14\x44ownloadBlobsRequest\x12\x0e\n\x06sha256\x18\x01 \x03(\t2\x8b\x03\n\tArtifacts\x12U\n\x0cStatArtifact\x12!.gpumarket.v1.StatArtifactRequest\x1a\".gpumarket.v1.StatArtifactResponse\x12\x45\n\x06Upload\x12\x1b.gpumarket.v1.UploadRequest\x1a\x1c.gpumarket.v1.UploadResponse(\x01\x12K\n\x08\x44ownload\x12\x1d.gpumarket.v1.DownloadRequest\x1a\x1e.gpumarket.v1.DownloadResponse0\x01\x12G\n\x0bUploadBlobs\x12\x13.gpumarket.v1.Blobs\x1a!.gpumarket.v1.UploadBlobsResponse(\x01\x12J\n\rDownloadBlobs\x12\".gpumarket.v1.DownloadBlobsRequest\x1a\x13.gpumarket.v1.Blobs0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -45,6 +45,14 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DOWNLOADREQUEST']._serialized_end=480
   _globals['_DOWNLOADRESPONSE']._serialized_start=482
   _globals['_DOWNLOADRESPONSE']._serialized_end=514
-  _globals['_ARTIFACTS']._serialized_start=517
-  _globals['_ARTIFACTS']._serialized_end=763
+  _globals['_BLOB']._serialized_start=516
+  _globals['_BLOB']._serialized_end=552
+  _globals['_BLOBS']._serialized_start=554
+  _globals['_BLOBS']._serialized_end=596
+  _globals['_UPLOADBLOBSRESPONSE']._serialized_start=598
+  _globals['_UPLOADBLOBSRESPONSE']._serialized_end=664
+  _globals['_DOWNLOADBLOBSREQUEST']._serialized_start=666
+  _globals['_DOWNLOADBLOBSREQUEST']._serialized_end=704
+  _globals['_ARTIFACTS']._serialized_start=707
+  _globals['_ARTIFACTS']._serialized_end=1102
 # @@protoc_insertion_point(module_scope)

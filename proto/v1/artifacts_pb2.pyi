@@ -1,6 +1,7 @@
+from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Mapping as _Mapping
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
@@ -64,3 +65,29 @@ class DownloadResponse(_message.Message):
     DATA_FIELD_NUMBER: _ClassVar[int]
     data: bytes
     def __init__(self, data: _Optional[bytes] = ...) -> None: ...
+
+class Blob(_message.Message):
+    __slots__ = ("sha256", "data")
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    sha256: str
+    data: bytes
+    def __init__(self, sha256: _Optional[str] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class Blobs(_message.Message):
+    __slots__ = ("blobs",)
+    BLOBS_FIELD_NUMBER: _ClassVar[int]
+    blobs: _containers.RepeatedCompositeFieldContainer[Blob]
+    def __init__(self, blobs: _Optional[_Iterable[_Union[Blob, _Mapping]]] = ...) -> None: ...
+
+class UploadBlobsResponse(_message.Message):
+    __slots__ = ("blobs",)
+    BLOBS_FIELD_NUMBER: _ClassVar[int]
+    blobs: _containers.RepeatedCompositeFieldContainer[UploadResponse]
+    def __init__(self, blobs: _Optional[_Iterable[_Union[UploadResponse, _Mapping]]] = ...) -> None: ...
+
+class DownloadBlobsRequest(_message.Message):
+    __slots__ = ("sha256",)
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    sha256: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, sha256: _Optional[_Iterable[str]] = ...) -> None: ...

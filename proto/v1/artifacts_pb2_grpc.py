@@ -49,6 +49,16 @@ class ArtifactsStub:
                 request_serializer=gpumarket_dot_proto_dot_v1_dot_artifacts__pb2.DownloadRequest.SerializeToString,
                 response_deserializer=gpumarket_dot_proto_dot_v1_dot_artifacts__pb2.DownloadResponse.FromString,
                 _registered_method=True)
+        self.UploadBlobs = channel.stream_unary(
+                '/gpumarket.v1.Artifacts/UploadBlobs',
+                request_serializer=gpumarket_dot_proto_dot_v1_dot_artifacts__pb2.Blobs.SerializeToString,
+                response_deserializer=gpumarket_dot_proto_dot_v1_dot_artifacts__pb2.UploadBlobsResponse.FromString,
+                _registered_method=True)
+        self.DownloadBlobs = channel.unary_stream(
+                '/gpumarket.v1.Artifacts/DownloadBlobs',
+                request_serializer=gpumarket_dot_proto_dot_v1_dot_artifacts__pb2.DownloadBlobsRequest.SerializeToString,
+                response_deserializer=gpumarket_dot_proto_dot_v1_dot_artifacts__pb2.Blobs.FromString,
+                _registered_method=True)
 
 
 class ArtifactsServicer:
@@ -72,6 +82,21 @@ class ArtifactsServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def UploadBlobs(self, request_iterator, context):
+        """Many small blobs in one call each way (a job array's task outputs: one call for the
+        files of many tasks, not one a file): whole blobs of at most 1 MiB each, several to a
+        message of at most 3 MiB.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DownloadBlobs(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ArtifactsServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -89,6 +114,16 @@ def add_ArtifactsServicer_to_server(servicer, server):
                     servicer.Download,
                     request_deserializer=gpumarket_dot_proto_dot_v1_dot_artifacts__pb2.DownloadRequest.FromString,
                     response_serializer=gpumarket_dot_proto_dot_v1_dot_artifacts__pb2.DownloadResponse.SerializeToString,
+            ),
+            'UploadBlobs': grpc.stream_unary_rpc_method_handler(
+                    servicer.UploadBlobs,
+                    request_deserializer=gpumarket_dot_proto_dot_v1_dot_artifacts__pb2.Blobs.FromString,
+                    response_serializer=gpumarket_dot_proto_dot_v1_dot_artifacts__pb2.UploadBlobsResponse.SerializeToString,
+            ),
+            'DownloadBlobs': grpc.unary_stream_rpc_method_handler(
+                    servicer.DownloadBlobs,
+                    request_deserializer=gpumarket_dot_proto_dot_v1_dot_artifacts__pb2.DownloadBlobsRequest.FromString,
+                    response_serializer=gpumarket_dot_proto_dot_v1_dot_artifacts__pb2.Blobs.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -172,6 +207,60 @@ class Artifacts:
             '/gpumarket.v1.Artifacts/Download',
             gpumarket_dot_proto_dot_v1_dot_artifacts__pb2.DownloadRequest.SerializeToString,
             gpumarket_dot_proto_dot_v1_dot_artifacts__pb2.DownloadResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UploadBlobs(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/gpumarket.v1.Artifacts/UploadBlobs',
+            gpumarket_dot_proto_dot_v1_dot_artifacts__pb2.Blobs.SerializeToString,
+            gpumarket_dot_proto_dot_v1_dot_artifacts__pb2.UploadBlobsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DownloadBlobs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/gpumarket.v1.Artifacts/DownloadBlobs',
+            gpumarket_dot_proto_dot_v1_dot_artifacts__pb2.DownloadBlobsRequest.SerializeToString,
+            gpumarket_dot_proto_dot_v1_dot_artifacts__pb2.Blobs.FromString,
             options,
             channel_credentials,
             insecure,
