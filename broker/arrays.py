@@ -41,11 +41,12 @@ def submit(db: Database, job: NewJob, now: int, lanes: int = 0) -> None:
     does not say how many tasks a lease runs (0: the default)."""
     spec = spec_of(job.spec)
     jobs.submit(db, job, now)
-    count = spec.array.count
+    tasks = arrays.task_indices(spec)
+    count = len(tasks)
     db.execute("UPDATE jobs SET tasks = ?, parts = 0, progress_total = ?, lanes = ?"
                " WHERE id = ?", [count, count, max(0, min(lanes, count)), job.id])
     db.conn.executemany("INSERT INTO array_tasks (array_id, task, state, updated_at_ms)"
-                   " VALUES (?, ?, ?, ?)", [(job.id, t, QUEUED, now) for t in range(count)])
+                   " VALUES (?, ?, ?, ?)", [(job.id, t, QUEUED, now) for t in tasks])
     add_batches(db, job.id, now)
 
 
@@ -106,9 +107,9 @@ def _task_outputs(db: Database, batch: dict, epoch: int, provider_id: str, task:
     if receipt.job_id != batch["id"] or receipt.epoch != epoch or \
             receipt.spec_sha256 != batch["spec_sha256"]:
         raise BadSignature(f"task {task}: its receipt names another lease or spec")
-    if len(receipt.outputs) > arrays.TASK_RECEIPT_OUTPUTS:
+    if len(receipt.outputs) > arrays.TASK_OUTPUTS:
         raise InvalidArgument(f"task {task}: a task's receipt names at most"
-                              f" {arrays.TASK_RECEIPT_OUTPUTS} outputs")
+                              f" {arrays.TASK_OUTPUTS:,} outputs")
     for ref in receipt.outputs:
         named = arrays.output_task(ref.name)
         if named is None or named[0] != task:
@@ -144,7 +145,7 @@ def record_results(db: Database, batch_id: str, epoch: int, provider_id: str,
                     holdings.refer(db, ref["sha256"], batch_id, "output")
                 outputs, envelope = json.dumps(refs), r.receipt.SerializeToString()
             db.execute("UPDATE array_tasks SET state = ?, provider_id = ?, error = '',"
-                       " seconds = ?, updated_at_ms = ?, outputs = ?, receipt = ?"
+                       " seconds = ?, updated_at_ms = ?, outputs = ?, receipt = ?, yielded = 0"
                        " WHERE array_id = ? AND task = ?",
                        [SUCCEEDED, provider_id, seconds, now, outputs, envelope, array_id,
                         r.task])
@@ -159,10 +160,45 @@ def _task_failed(db: Database, array_id: str, task: int, attempts: int, max_atte
     attempts += 1
     state = FAILED if attempts >= max_attempts else QUEUED
     db.execute("UPDATE array_tasks SET state = ?, attempts = ?, error = ?, provider_id = ?,"
-               " seconds = ?, updated_at_ms = ?, batch_id = CASE WHEN ? = ? THEN NULL"
-               " ELSE batch_id END WHERE array_id = ? AND task = ?",
+               " seconds = ?, updated_at_ms = ?, yielded = 0, batch_id = CASE WHEN ? = ?"
+               " THEN NULL ELSE batch_id END WHERE array_id = ? AND task = ?",
                [state, attempts, error, provider_id, seconds, now, state, QUEUED,
                 array_id, task])
+
+
+def yield_lease(db: Database, batch_id: str, epoch: int, now: int) -> int:
+    """The broker asks the batch's running lease (of ``epoch``) to yield its device after
+    its current task: its tasks not reported yet are marked to go back to the queue when it
+    ends, without counting an attempt (a task that still reports meanwhile is recorded as
+    usual). Returns how many were marked (0: the lease is not running, or asked already)."""
+    batch = jobs.job_row(db, batch_id)
+    if batch["epoch"] != epoch or batch["state"] != RUNNING or not batch["parent_id"]:
+        return 0
+    marked = db.execute("UPDATE array_tasks SET yielded = 1, updated_at_ms = ? WHERE"
+                        " batch_id = ? AND state = ? AND yielded = 0 AND NOT EXISTS (SELECT 1"
+                        " FROM array_tasks y WHERE y.batch_id = ? AND y.yielded = 1)",
+                        [now, batch_id, RUNNING, batch_id]).rowcount
+    if marked:
+        jobs.append_event(db, batch_id, "yielding", RUNNING, batch["attempt"], now,
+                          mirror=False, message=f"asked to stop after its current task:"
+                          f" another client waits; {marked} tasks go back to the queue")
+    return marked
+
+
+def running_leases(db: Database) -> list[dict]:
+    """The running leases of job arrays' batches, for the scheduler's fair share: each
+    with its client, provider, epoch, devices, tasks not reported yet, and whether it was
+    asked to yield already."""
+    rows = db.execute(
+        "SELECT j.id, j.epoch, j.client_id, j.provider_id, l.device_indices, j.updated_at_ms,"
+        " count(t.task), coalesce(max(t.yielded), 0) FROM jobs j"
+        " JOIN leases l ON l.id = j.lease_id"
+        " LEFT JOIN array_tasks t ON t.batch_id = j.id AND t.state = ?"
+        " WHERE j.state = ? AND j.tasks > 0 AND j.parent_id IS NOT NULL GROUP BY j.id",
+        [RUNNING, RUNNING]).fetchall()
+    return [{"id": r[0], "epoch": r[1], "client_id": r[2], "provider_id": r[3],
+             "devices": len(json.loads(r[4])), "updated_at_ms": r[5], "open": r[6],
+             "yielding": bool(r[7])} for r in rows]
 
 
 def follow_batch(db: Database, array_id: str, batch_id: str, type_: str, now: int) -> None:
@@ -174,8 +210,10 @@ def follow_batch(db: Database, array_id: str, batch_id: str, type_: str, now: in
                    " WHERE batch_id = ? AND state = ?",
                    [RUNNING, batch["provider_id"] or "", now, batch_id, QUEUED])
     elif state == QUEUED and type_ == "requeued":
-        db.execute("UPDATE array_tasks SET state = ?, updated_at_ms = ? WHERE batch_id = ?"
-                   " AND state = ?", [QUEUED, now, batch_id, RUNNING])
+        # Its lease was lost (or given back): the batch runs its open tasks again, a yield
+        # asked of that lease forgotten.
+        db.execute("UPDATE array_tasks SET state = ?, yielded = 0, updated_at_ms = ? WHERE"
+                   " batch_id = ? AND state = ?", [QUEUED, now, batch_id, RUNNING])
         if not lease_tasks(db, batch_id):     # every task told before the lease was lost
             jobs.set_job(db, batch_id, now, state=SUCCEEDED)
             jobs.append_event(db, batch_id, "succeeded", SUCCEEDED, batch["attempt"], now,
@@ -203,18 +241,23 @@ def _batch_ended(db: Database, array_id: str, batch: dict, now: int) -> None:
                             " array_id = ? AND task = ? AND batch_id = ?",
                             [(json.dumps(refs), array_id, task, batch["id"])
                              for task, refs in by_task.items()])
-    open_tasks = db.execute("SELECT task, attempts FROM array_tasks WHERE batch_id = ? AND"
-                            " state IN (?, ?)", [batch["id"], *OPEN]).fetchall()
+    open_tasks = db.execute("SELECT task, attempts, yielded FROM array_tasks WHERE"
+                            " batch_id = ? AND state IN (?, ?)", [batch["id"], *OPEN]).fetchall()
     top = db.execute("SELECT state FROM jobs WHERE id = ?", [array_id]).fetchone()
     if batch["state"] == CANCELLED or top[0] in TERMINAL_STATES:
         db.execute("UPDATE array_tasks SET state = ?, error = ?, updated_at_ms = ? WHERE"
                    " batch_id = ? AND state IN (?, ?)",
                    [CANCELLED, batch["error"] or "cancelled", now, batch["id"], *OPEN])
         return
+    # Tasks its lease yielded before running them go back to the queue as they were.
+    db.execute("UPDATE array_tasks SET state = ?, batch_id = NULL, yielded = 0,"
+               " updated_at_ms = ? WHERE batch_id = ? AND state IN (?, ?) AND yielded = 1",
+               [QUEUED, now, batch["id"], *OPEN])
     error = (batch["error"] or "its lease ended without a result for it")[:1000]
-    for task, attempts in open_tasks:
-        _task_failed(db, array_id, task, attempts, batch["max_attempts"], error,
-                     batch["provider_id"] or "", now)
+    for task, attempts, yielded in open_tasks:
+        if not yielded:
+            _task_failed(db, array_id, task, attempts, batch["max_attempts"], error,
+                         batch["provider_id"] or "", now)
     add_batches(db, array_id, now)
 
 

@@ -64,7 +64,7 @@ class MarketplaceServicer(marketplace_pb2_grpc.MarketplaceServicer):
         book = None
         if task_arrays.is_array(spec):      # ... for every task
             await asyncio.to_thread(self._check_tasks, spec, values)
-            parts = spec.array.count
+            parts = task_arrays.task_count(spec)
             lanes = 0
             if not spec.array.per_lease:    # spread over the devices that fit it
                 book = await scheduler.offer_book(self.state)

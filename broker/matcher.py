@@ -363,6 +363,15 @@ class Book:
         static, _ = self._static_masks(job)
         return int((self.count[static] // max(1, job.gpus)).sum())
 
+    def fitting(self, job: JobNeeds) -> set[str]:
+        """The providers whose offers could run ``job`` if enough of their devices were
+        free (every constraint but free devices and the deadline)."""
+        static, _ = self._static_masks(job)
+        mask = static & (self.count >= max(1, job.gpus))
+        if job.exclude:
+            mask &= self._excluded(job)
+        return {self.offers[i].provider_id for i in np.flatnonzero(mask)}
+
     def exclusions(self, job: JobNeeds) -> Counter:
         """How many offers each constraint excludes (first failing constraint counted)."""
         _, masks = self._static_masks(job)

@@ -11,6 +11,7 @@ from gpumarket.broker import (
     auth, endpoints, holdings, holds, jobs, matcher, providers, reliability, verdicts,
     verification, views,
 )
+from gpumarket.broker import arrays
 from gpumarket.broker.admission import Needs
 from gpumarket.broker.offers import claim_efficiency, offer_view
 from gpumarket.broker.state import BrokerState
@@ -91,6 +92,7 @@ async def place_queued(state: BrokerState) -> int:
     book = await offer_book(state)
     running = await store.read(views.running_by_client)
     reasons: dict[str, str] = {}
+    blocked: list[tuple[dict, matcher.JobNeeds]] = []   # waiting for a device that fits
     made = 0
     for row in fair_order(queued, running):
         avoid: frozenset[str] = frozenset()
@@ -110,11 +112,14 @@ async def place_queued(state: BrokerState) -> int:
             # An endpoint's replicas keep away from the providers failing its replicas.
             failing, left_out = await store.read(endpoints.steer, row["parent_id"], now_ms())
             avoid, exclude = avoid | failing, exclude | left_out
-        placement, excluded = book.place(needs_of(row, avoid, stored, exclude))
+        needs = needs_of(row, avoid, stored, exclude)
+        placement, excluded = book.place(needs)
         if placement is None:
             reason = matcher.explain(excluded, len(book))
             if reason != row["queue_reason"]:
                 reasons[row["id"]] = reason
+            if "busy" in excluded:
+                blocked.append((row, needs))
             continue
         session = state.sessions.get(placement.provider_id)
         if session is None:
@@ -156,9 +161,69 @@ async def place_queued(state: BrokerState) -> int:
                  placement.estimate.expected_cost)
     if reasons:
         await store.write(jobs.set_queue_reasons, reasons, now_ms())
+    if blocked:
+        await ask_to_yield(state, book, blocked, running)
     if made:
         state.events.notify()
     return made
+
+
+def fair_share(devices: int, clients: int) -> int:
+    """The devices each client with work may hold while others wait (at least one)."""
+    return max(1, devices // max(1, clients))
+
+
+async def ask_to_yield(state: BrokerState, book: matcher.Book,
+                       blocked: list[tuple[dict, matcher.JobNeeds]],
+                       running: dict[str, int]) -> int:
+    """Jobs of clients holding less than their fair share of the devices wait for a busy
+    one: ask leases of job arrays of clients holding more than theirs, on providers that fit
+    a waiting job, to yield after their current task (broker/arrays.py yield_lease; the
+    rest of their tasks go back to the queue), as many as the waiting need, less those
+    asked already. Returns how many were asked."""
+    devices = sum(len(o.devices) for o in state.sessions.offers())
+    clients = set(running) | {row["client_id"] for row, _ in blocked}
+    share = fair_share(devices, len(clients))
+    held = dict(running)
+    waiting: dict[str, list[matcher.JobNeeds]] = defaultdict(list)
+    for row, needs in blocked:
+        if held.get(row["client_id"], 0) < share:
+            waiting[row["client_id"]].append(needs)
+    if not waiting or max(held.values(), default=0) <= share:
+        return 0
+    leases = await state.store.read(arrays.running_leases)
+    wanted = sum(min(len(w), share - held.get(c, 0)) for c, w in waiting.items())
+    wanted -= sum(lease["devices"] for lease in leases if lease["yielding"])
+    candidates = [lease for lease in leases if not lease["yielding"] and lease["open"] > 1]
+    asked = 0
+    for client in sorted(waiting, key=lambda c: held.get(c, 0)):
+        for needs in waiting[client][:share - held.get(client, 0)]:
+            if wanted <= 0:
+                return asked
+            fits = book.fitting(needs)
+            found = [lease for lease in candidates if lease["provider_id"] in fits
+                     and lease["client_id"] != client
+                     and held.get(lease["client_id"], 0) > share]
+            if not found:
+                continue
+            # From the client furthest over its share, the lease with the most left to run.
+            lease = max(found, key=lambda x: (held[x["client_id"]], x["open"]))
+            candidates.remove(lease)
+            if not await state.store.write(arrays.yield_lease, lease["id"], lease["epoch"],
+                                           now_ms()):
+                continue
+            held[lease["client_id"]] -= 1
+            wanted -= lease["devices"]
+            asked += 1
+            session = state.sessions.get(lease["provider_id"])
+            if session is not None:
+                session.send(gw.BrokerMessage(yield_lease=gw.YieldLease(
+                    job_id=lease["id"], epoch=lease["epoch"],
+                    reason=f"a job of another client waits for a device (fair share:"
+                           f" {share} devices a client)")))
+            log.info("lease %s.%d of client %s asked to yield for client %s", lease["id"],
+                     lease["epoch"], lease["client_id"], client)
+    return asked
 
 
 def stop(state: BrokerState, job_id: str, epoch: int, provider_id: str, reason: str) -> None:

@@ -514,3 +514,11 @@ def m017_failed_leases_confirmed(db: Database) -> None:
     provider confirms the job's own failure (``crashed``: broker/jobs.py fail). Before, one
     report failed the job: those leases keep the meaning they had, the job's own failure."""
     db.execute("UPDATE leases SET state = 'crashed' WHERE state = 'failed'")
+
+
+@migrations()
+def m018_array_task_yields(db: Database) -> None:
+    """An array task whose lease was asked to yield its device before the task ended
+    (broker/arrays.py yield_lease): when that lease ends it goes back to the queue without
+    counting an attempt."""
+    db.execute("ALTER TABLE array_tasks ADD COLUMN yielded INTEGER NOT NULL DEFAULT 0")

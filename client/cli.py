@@ -591,6 +591,7 @@ for _command in money.COMMANDS:
     cli.add_command(_command)
 cli.add_command(endpoints.endpoint)
 cli.add_command(tasks.tasks_command)
+cli.add_command(tasks.resubmit_command)
 
 
 def main() -> None:

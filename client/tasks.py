@@ -5,21 +5,28 @@ fetches each succeeded task's outputs into its own directory as tasks complete
 from __future__ import annotations
 
 import json
+import os
+import sys
 from pathlib import Path
 
 import click
 from rich.table import Table
 
-from gpumarket.client.console import command, dump, load_identity, out
+from gpumarket.client.console import command, dump, err, load_identity, out
 from gpumarket.kinds import arrays
 from gpumarket.link.client import Broker, BrokerClient
-from gpumarket.proto.envelope import open_envelope, payload_sha256
+from gpumarket.proto.artifacts import CHUNK_BYTES
+from gpumarket.proto.envelope import open_envelope, payload_sha256, seal
 from gpumarket.proto.errors import BadSignature, FailedPrecondition
-from gpumarket.proto.jobspec import STATES_BY_NAME, check_artifact_name, state_name
+from gpumarket.proto.jobspec import (
+    NONCE_BYTES, STATES_BY_NAME, check_artifact_name, now_ms, state_name,
+)
 from gpumarket.proto.present import short
 from gpumarket.proto.v1 import types_pb2 as pb
 
 PAGE = 10_000
+BLOBS_PER_CALL = 1000       # small output files downloaded in one call ...
+BLOB_CALL_BYTES = 16 << 20  # ... and their bytes
 
 
 def summary(progress: pb.ArrayProgress) -> str:
@@ -51,15 +58,27 @@ async def all_tasks(broker: BrokerClient, job_id: str, states: list[int] | None 
               help="First task to show (0-based).")
 @click.option("--limit", type=click.IntRange(1), default=100, show_default=True,
               help="Most tasks to show.")
+@click.option("--failed", "failed", is_flag=True,
+              help="Print only the failed tasks' indices, on one line as `resubmit --tasks`"
+                   " takes them (3,17,40-45).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @click.pass_obj
 @command
 async def tasks_command(market: Broker, job_id: str, states: tuple[str, ...], from_task: int,
-                        limit: int, as_json: bool) -> None:
+                        limit: int, failed: bool, as_json: bool) -> None:
     """List a job array's tasks: state, attempts, provider, time and error of each."""
     wanted = [STATES_BY_NAME[s.upper()] for s in states]
     async with market.client(load_identity()) as broker:
         job_id = await broker.job_id(job_id)
+        if failed:
+            indices = [t.task for t in await all_tasks(broker, job_id, [pb.JOB_STATE_FAILED])]
+            if as_json:
+                dump({"job_id": job_id, "failed": indices})
+            elif indices:
+                click.echo(arrays.format_indices(indices))
+            else:
+                err.print(f"no task of {job_id} failed")
+            return
         page = await broker.list_tasks(job_id, from_task, 1, wanted)
         found = await all_tasks(broker, job_id, wanted, from_task, limit)
     if as_json:
@@ -136,7 +155,8 @@ async def fetch_results(broker: BrokerClient, job: pb.Job, client_id: str, outpu
     if only is not None and (not found or found[0].task != only):
         raise FailedPrecondition(f"job {job.job_id} has no task {only}")
     output_dir.mkdir(parents=True, exist_ok=True)
-    files = 0
+    small: list[tuple[pb.ArtifactRef, Path]] = []
+    large: list[tuple[pb.ArtifactRef, Path]] = []
     for t in found:
         own = task_receipt(job, t) if t.receipt.payload else None
         for ref in t.outputs:
@@ -145,11 +165,89 @@ async def fetch_results(broker: BrokerClient, job: pb.Job, client_id: str, outpu
             if named is None or named[0] != t.task or receipt is None or not any(
                     o.sha256 == ref.sha256 for o in receipt.outputs if o.name == ref.name):
                 raise BadSignature(f"task {t.task}: output {ref.name} is in no signed receipt")
+            check_artifact_name(named[1], f"task {t.task}: output")
             target = output_dir / f"task-{t.task:06d}"
             target.mkdir(exist_ok=True)
-            await broker.download(ref, target / named[1])
-            files += 1
+            (small if ref.size_bytes <= CHUNK_BYTES else large).append((ref, target / named[1]))
+    # Small files many to a call (a sweep's thousands of result files are not thousands of
+    # calls against the broker's per-key rate), large ones each on its own (resumable).
+    group: list[tuple[pb.ArtifactRef, Path]] = []
+    size = 0
+    for ref, target in small:
+        if group and (len(group) == BLOBS_PER_CALL or size + ref.size_bytes > BLOB_CALL_BYTES):
+            await broker.artifacts.download_blobs(group)
+            group, size = [], 0
+        group.append((ref, target))
+        size += ref.size_bytes
+    if group:
+        await broker.artifacts.download_blobs(group)
+    for ref, target in large:
+        await broker.download(ref, target)
+    files = len(small) + len(large)
     result = {"job_id": job.job_id, "progress": progress_dict(job.array), "files": files,
               "receipt_signature": "valid", "tasks": [task_dict(t) for t in found]}
     (output_dir / "tasks.json").write_text(json.dumps(result, indent=2))
     return result
+
+
+@click.command("resubmit")
+@click.argument("job_id")
+@click.option("--failed", "failed", is_flag=True,
+              help="Run again the tasks of the array that failed.")
+@click.option("--tasks", "indices", metavar="LIST",
+              help="Run again these tasks of the array: indices and ranges, 3,17,40-45.")
+@click.option("--watch", "watch_", is_flag=True, help="Follow the new array until it ends.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.pass_obj
+@command
+async def resubmit_command(market: Broker, job_id: str, failed: bool, indices: str | None,
+                           watch_: bool, as_json: bool) -> None:
+    """Submit a job array again for some of its tasks only (its failed ones, or those named):
+    a new array, signed anew, whose tasks keep their indices, so each does the same work
+    with the same inputs; print its id."""
+    from gpumarket.client.watch import EXIT_BY_STATE, follow
+
+    if failed == (indices is not None):
+        raise click.UsageError("give either --failed or --tasks LIST")
+    identity = load_identity()
+    async with market.client(identity) as broker:
+        job_id = await broker.job_id(job_id)
+        job = await broker.get_job(job_id)
+        spec, signer = open_envelope(job.spec, pb.JobSpec)
+        if signer != identity.id:
+            raise BadSignature(f"job {job_id} was not signed by your key")
+        if not arrays.is_array(spec):
+            raise FailedPrecondition(f"job {job_id} is not a job array: it has no tasks")
+        if failed:
+            chosen = [t.task for t in await all_tasks(broker, job_id, [pb.JOB_STATE_FAILED])]
+            if not chosen:
+                raise FailedPrecondition(f"no task of {job_id} failed: nothing to resubmit")
+        else:
+            try:
+                chosen = arrays.parse_indices(indices, spec.array.count)
+            except ValueError as exc:
+                raise click.BadParameter(str(exc), param_hint="--tasks") from exc
+        resubmitted = again(spec, chosen, now_ms())
+        resp = await broker.submit(seal(identity, resubmitted))
+        if as_json:
+            dump({"job_id": resp.job_id, "state": state_name(resp.state), "of": job_id,
+                  "tasks": chosen})
+        else:
+            click.echo(resp.job_id)
+            err.print(f"{len(chosen):,} tasks of {job_id} ({arrays.format_indices(chosen)})")
+        if watch_:
+            state = await follow(broker, resp.job_id, as_json, out)
+            sys.exit(EXIT_BY_STATE.get(state, 1))
+
+
+def again(spec: pb.JobSpec, tasks: list[int], created_ms: int) -> pb.JobSpec:
+    """The array ``spec`` for ``tasks`` alone (each keeps its index, its line of the same
+    tasks input), new (nonce, times) so that it is a submission of its own."""
+    out = pb.JobSpec()
+    out.CopyFrom(spec)
+    out.nonce = os.urandom(NONCE_BYTES)
+    out.created_at_ms = created_ms
+    out.expires_at_ms = created_ms + max(spec.expires_at_ms - spec.created_at_ms, 0)
+    del out.array.only[:]
+    out.array.only.extend(tasks)
+    return out

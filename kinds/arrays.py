@@ -17,7 +17,7 @@ MAX_TASKS = 100_000
 MAX_TASKS_BYTES = 32 << 20       # the tasks input
 MAX_LINE_BYTES = 64 << 10        # one task's parameters
 MAX_PER_LEASE = 1_000
-TASK_RECEIPT_OUTPUTS = 64        # a task's own receipt names at most this many outputs
+TASK_OUTPUTS = 1_000             # files a task may leave (its own receipt names them)
 # What a task may not change: what the broker matched and sized the whole array on.
 FIXED = frozenset({"model", "model_name", "engine", "trust_remote_code", "dtype", "split"})
 
@@ -37,6 +37,21 @@ def check_array(spec: pb.JobSpec, kind: Kind) -> None:
         raise ParamError("array.tasks", f"names no input ({a.tasks_input!r})")
     if a.per_lease > MAX_PER_LEASE:
         raise ParamError("array.per_lease", f"must be at most {MAX_PER_LEASE:,}")
+    if a.only:
+        if any(b <= a_ for a_, b in zip(a.only, a.only[1:])):
+            raise ParamError("array.only", "must name tasks in ascending order, each once")
+        if a.only[-1] >= a.count:
+            raise ParamError("array.only", f"names task {a.only[-1]}, past the"
+                                           f" {a.count:,} of the tasks input")
+
+
+def task_indices(spec: pb.JobSpec) -> list[int]:
+    """The tasks the array runs: those ``only`` names, else every line of its input."""
+    return list(spec.array.only) or list(range(spec.array.count))
+
+
+def task_count(spec: pb.JobSpec) -> int:
+    return len(spec.array.only) or spec.array.count
 
 
 def per_lease(spec: pb.JobSpec, lanes: int = 0) -> int:
@@ -46,8 +61,8 @@ def per_lease(spec: pb.JobSpec, lanes: int = 0) -> int:
     (matching, a fork, its outputs and receipt), a no-op task in it under a millisecond: one
     lease per device pays that once per device and ends together, where more leases than
     devices run in waves (docs/jobs.md has the figures)."""
-    a = spec.array
-    return a.per_lease or max(1, min(MAX_PER_LEASE, math.ceil(a.count / (lanes or 8))))
+    return spec.array.per_lease or max(1, min(MAX_PER_LEASE,
+                                              math.ceil(task_count(spec) / (lanes or 8))))
 
 
 def read_tasks(data: bytes, count: int) -> list[dict[str, Any]]:
@@ -108,6 +123,36 @@ def check_tasks(kind: Kind, base: dict[str, Any], data: bytes, count: int,
 def output_name(task: int, name: str) -> str:
     """A task's output as its lease's receipt names it (a plain name: ``task000042.NAME``)."""
     return f"task{task:06d}.{name}"
+
+
+def parse_indices(text: str, count: int | None = None) -> list[int]:
+    """Task indices written as a list of numbers and ranges ("3,17,40-45"), ascending and
+    each once; ValueError naming what is wrong (one past ``count``, where given)."""
+    found: set[int] = set()
+    for part in text.split(","):
+        part = part.strip()
+        first, dash, last = part.partition("-")
+        if not first.isdigit() or (dash and not last.isdigit()):
+            raise ValueError(f"{part!r} is not a task index or a range of them (3 or 40-45)")
+        low, high = int(first), int(last) if dash else int(first)
+        if high < low:
+            raise ValueError(f"{part!r}: a range goes up")
+        if high >= (count if count is not None else MAX_TASKS):
+            raise ValueError(f"task {high} is past the array's"
+                             f" {count if count is not None else MAX_TASKS:,} tasks")
+        found.update(range(low, high + 1))
+    return sorted(found)
+
+
+def format_indices(indices: list[int]) -> str:
+    """Ascending task indices as parse_indices reads them: "3,17,40-45"."""
+    parts: list[str] = []
+    for i in sorted(indices):
+        if parts and i == int(parts[-1].rpartition("-")[2]) + 1:
+            parts[-1] = f"{parts[-1].partition('-')[0]}-{i}"
+        else:
+            parts.append(str(i))
+    return ",".join(parts)
 
 
 def output_task(name: str) -> tuple[int, str] | None:

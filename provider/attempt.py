@@ -7,21 +7,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import logging
 import os
+import random
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Protocol
 
 from gpumarket import kinds
 from gpumarket.kinds import arrays
-from gpumarket.proto.artifacts import sha256_file
+from gpumarket.proto.artifacts import CHUNK_BYTES, sha256_file
 from gpumarket.proto.envelope import seal
 from gpumarket.proto.errors import GpumarketError
 from gpumarket.proto.identity import Identity
-from gpumarket.proto.jobspec import now_ms
+from gpumarket.proto.jobspec import check_artifact_name, now_ms
 from gpumarket.proto.v1 import gateway_pb2 as gw
 from gpumarket.proto.v1 import types_pb2 as pb
 from gpumarket.provider import checkpoints, failures, jobfiles
@@ -39,9 +42,26 @@ log = logging.getLogger(__name__)
 
 UPLOADS_AT_ONCE = 8        # a lease's output files in flight at once
 FILES_AT_ONCE = 256        # a lease's output files open at once (beyond one directory's)
-TASK_FLUSH_S = 0.2         # a job array's task results are sent at most this often ...
+TASK_FLUSH_S = 0.2         # a job array's task results (and outputs) go at most this often ...
 TASKS_PER_UPDATE = 1000    # ... this many to an update ...
 UPDATE_BYTES = 1 << 20     # ... and this many bytes (receipts included)
+FLUSH_TASKS = 1000         # tasks whose outputs go up together (one call for the small files)
+FLUSH_BYTES = 32 << 20     # small files' bytes read with their hash for one flush (beyond:
+                           # read again when sent, as a large file is)
+BLOBS_PER_CALL = 1000      # small files in one UploadBlobs call ...
+BLOB_CALL_BYTES = 16 << 20  # ... and their bytes
+UPLOAD_TRIES = 5           # a flush's outputs are tried this often, waiting UPLOAD_BACKOFF_S,
+UPLOAD_BACKOFF_S = 0.5     # doubling, between tries; then its tasks are reported failed
+
+
+@dataclass(frozen=True)
+class TaskOutput:
+    """One file a task of a job array left in its outputs directory."""
+    task: int
+    name: str
+    sha256: str
+    size: int
+    data: bytes | None          # a small file's bytes, read with its hash; None: read when sent
 
 
 class Host(Protocol):
@@ -58,6 +78,7 @@ class Host(Protocol):
     async def fetch(self, ref: pb.ArtifactRef, target: Path) -> None: ...
     async def upload(self, source: Path | int, name: str,
                      digest: tuple[str, int] | None = None) -> pb.ArtifactRef: ...
+    async def upload_blobs(self, blobs: list[tuple[str, bytes]]) -> list: ...
     async def started(self, attempt: "Attempt", pid: int) -> None: ...
     async def finished(self, attempt: "Attempt", final: gw.ProviderMessage) -> None: ...
 
@@ -87,7 +108,10 @@ class Attempt:
         self.task_flush: asyncio.TimerHandle | None = None
         self.to_upload: list[gw.TaskResult] = []    # tasks succeeded, their outputs to go up
         self.task_uploader: asyncio.Task | None = None
-        self.receipted: set[int] = set()    # tasks whose outputs went up with their own receipt
+        self.flushed_at = 0.0               # when the last task outputs went up (monotonic)
+        self.ending = asyncio.Event()       # the job's process ended: what is left goes now
+        self.yield_asked = False            # the broker asked the lease to yield ...
+        self.yield_sent = False             # ... and the runner was told
 
     @property
     def key(self) -> tuple[str, int]:
@@ -268,11 +292,14 @@ class Attempt:
 
     def task_ended(self, report: TaskEnded) -> None:
         """A task of a job array's lease ended: pass it on with the others that end within
-        TASK_FLUSH_S (one update for many short tasks)."""
+        TASK_FLUSH_S (one update for many short tasks); one that succeeded and left outputs
+        once they are stored at the broker (upload_tasks)."""
         task = report.task
         if task not in self.tasks_open:
             return          # not a task of this lease, or told already
         self.tasks_open.discard(task)
+        if self.yield_asked and not self.yield_sent:
+            self.tell_yield()       # the runner, which has reported, now listens for it
         result = gw.TaskResult(task=task, ok=report.ok, error=report.error,
                                seconds=report.seconds)
         if result.ok and os.path.lexists(self.workdir / task_outputs(task)):
@@ -289,39 +316,157 @@ class Attempt:
                                                                     self.flush_tasks)
 
     async def upload_tasks(self) -> None:
-        """Upload the outputs of the tasks that succeeded, those ended meanwhile together, and
-        pass each task on with a receipt for its outputs alone: an array's results can be
-        fetched as its tasks end, not only when their lease does. Where that fails, its
-        outputs go with the lease's receipt."""
+        """Store the outputs of the tasks that succeeded at the broker, those of the tasks
+        that end within TASK_FLUSH_S of each other together (their small files in one call),
+        then pass each task on with a receipt for its outputs alone: an array's results can
+        be fetched as its tasks end, not only when their lease does. A task is reported
+        succeeded only once its outputs are stored; where they cannot be (UPLOAD_TRIES
+        tries, backing off), or the task left what is no output (a link, too many files),
+        it is reported failed and the broker runs it again."""
         while self.to_upload:
-            batch, self.to_upload = self.to_upload, []
+            wait = self.flushed_at + TASK_FLUSH_S - time.monotonic()
+            if wait > 0 and not self.ending.is_set():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.ending.wait(), wait)
+            batch, self.to_upload = self.to_upload[:FLUSH_TASKS], self.to_upload[FLUSH_TASKS:]
+            self.flushed_at = time.monotonic()
+            await self.send_task_outputs(batch)
+
+    async def send_task_outputs(self, batch: list[gw.TaskResult]) -> None:
+        found = await asyncio.to_thread(self.read_task_outputs, [r.task for r in batch])
+        outputs = [o for r in batch if not isinstance(found[r.task], str)
+                   for o in found[r.task]]
+        error = ""
+        for tried in range(1, UPLOAD_TRIES + 1):
             try:
-                outputs = await self.upload_outputs([(task_outputs(r.task), r.task)
-                                                     for r in batch])
-            except Exception as exc:  # noqa: BLE001 (they go with the lease's receipt)
-                log.warning("job %s: outputs of %d tasks not sent as they ended: %s",
-                            self.key[0], len(batch), exc)
-                for result in batch:
-                    self.queue_result(result)
-                continue
-            by_task: dict[int, list[pb.ArtifactRef]] = {}
-            for ref in outputs:
-                by_task.setdefault(arrays.output_task(ref.name)[0], []).append(ref)
-            for result in batch:
-                refs = by_task.get(result.task, [])
-                if len(refs) <= arrays.TASK_RECEIPT_OUTPUTS:    # else: the lease's receipt
-                    result.receipt.CopyFrom(self.sign(refs, result.seconds))
-                    self.receipted.add(result.task)
-                self.queue_result(result)
+                refs = await self.store_outputs(outputs)
+                error = ""
+                break
+            except (GpumarketError, OSError) as exc:
+                error = str(exc) or type(exc).__name__
+                log.warning("job %s: outputs of %d tasks not stored (try %d of %d): %s",
+                            self.key[0], len(batch), tried, UPLOAD_TRIES, error)
+                if tried < UPLOAD_TRIES:
+                    await asyncio.sleep(UPLOAD_BACKOFF_S * 2 ** (tried - 1)
+                                        * random.uniform(0.8, 1.2))
+        for result in batch:
+            got = found[result.task]
+            if isinstance(got, str) or error:
+                result.ok = False
+                result.error = (got if isinstance(got, str) else
+                                f"its outputs could not be stored at the broker: {error}")[:1000]
+            else:
+                result.receipt.CopyFrom(self.sign([refs[(o.task, o.name)] for o in got],
+                                                  result.seconds))
+            self.queue_result(result)
+
+    def read_task_outputs(self, tasks: list[int]) -> dict[int, list[TaskOutput] | str]:
+        """Each task's output files (the job's own plain files, read through descriptors
+        opened without following links), hashed, small ones read whole while FLUSH_BYTES
+        last; or what is wrong with them (the task fails of it, its siblings do not)."""
+        budget = FLUSH_BYTES
+        found: dict[int, list[TaskOutput] | str] = {}
+        root = jobfiles.open_dir(self.workdir)
+        try:
+            for task in tasks:
+                outputs: list[TaskOutput] = []
+                try:
+                    sub = jobfiles.open_beneath(root, task_outputs(task), directory=True)
+                    try:
+                        names = sorted(os.listdir(sub))
+                        if len(names) > arrays.TASK_OUTPUTS:
+                            raise jobfiles.JobFileError(
+                                f"{len(names):,} files, more than the {arrays.TASK_OUTPUTS:,}"
+                                " a task may leave (pack them into fewer)")
+                        for name in names:
+                            check_artifact_name(arrays.output_name(task, name), "output")
+                            fd = jobfiles.open_beneath(sub, name, owner=self.job_uid)
+                            try:
+                                size = os.fstat(fd).st_size
+                                data = None
+                                if size <= min(CHUNK_BYTES, budget):
+                                    data = os.pread(fd, CHUNK_BYTES + 1, 0)
+                                if data is not None and len(data) <= CHUNK_BYTES:
+                                    budget -= len(data)
+                                    outputs.append(TaskOutput(
+                                        task, name, hashlib.sha256(data).hexdigest(),
+                                        len(data), data))
+                                else:
+                                    sha, size = sha256_file(fd)
+                                    outputs.append(TaskOutput(task, name, sha, size, None))
+                            finally:
+                                os.close(fd)
+                    finally:
+                        os.close(sub)
+                    found[task] = outputs
+                except (GpumarketError, OSError) as exc:
+                    found[task] = f"its outputs: {getattr(exc, 'message', None) or exc}"
+        finally:
+            os.close(root)
+        return found
+
+    async def store_outputs(self, outputs: list[TaskOutput]) -> dict[tuple[int, str],
+                                                                      pb.ArtifactRef]:
+        """Upload task outputs, each content once: the small files read whole in few
+        UploadBlobs calls, the rest one by one (UPLOADS_AT_ONCE at a time, each opened
+        again as read_task_outputs did). Their references, by (task, name)."""
+        small = {o.sha256: o.data for o in outputs if o.data is not None}
+        large = {o.sha256: o for o in outputs if o.data is None and o.sha256 not in small}
+        group: list[tuple[str, bytes]] = []
+        size = 0
+        for sha, data in small.items():
+            if group and (len(group) == BLOBS_PER_CALL or size + len(data) > BLOB_CALL_BYTES):
+                await self.host.upload_blobs(group)
+                group, size = [], 0
+            group.append((sha, data))
+            size += len(data)
+        if group:
+            await self.host.upload_blobs(group)
+        gate = asyncio.Semaphore(UPLOADS_AT_ONCE)
+
+        async def send(o: TaskOutput) -> None:
+            async with gate:
+                fd = await asyncio.to_thread(jobfiles.open_under, self.workdir,
+                                             f"{task_outputs(o.task)}/{o.name}",
+                                             owner=self.job_uid)
+                try:
+                    await self.host.upload(fd, arrays.output_name(o.task, o.name),
+                                           (o.sha256, o.size))
+                finally:
+                    os.close(fd)
+
+        ended = await asyncio.gather(*map(send, large.values()), return_exceptions=True)
+        for result in ended:
+            if isinstance(result, BaseException):
+                raise result
+        return {(o.task, o.name): pb.ArtifactRef(name=arrays.output_name(o.task, o.name),
+                                                 sha256=o.sha256, size_bytes=o.size)
+                for o in outputs}
 
     async def settle_tasks(self) -> None:
-        """The job ended: its tasks' uploads end (or are cancelled with the lease), then
-        every task result not sent yet goes."""
+        """The job ended: its tasks' outputs go up at once (or are dropped with a cancelled
+        lease), then every task result not sent yet goes."""
+        self.ending.set()
         if self.task_uploader is not None:
             if self.cancelled:
                 self.task_uploader.cancel()
             await asyncio.gather(self.task_uploader, return_exceptions=True)
         self.flush_tasks()
+
+    def request_yield(self) -> None:
+        """The broker asks this job array's lease to stop after the task it runs now (another
+        client waits for its device): it ends with its receipt for the tasks it ran. The
+        runner is told once it has reported a task: before that it may not be listening."""
+        if not self.assignment.lease.tasks or self.yield_asked:
+            return
+        self.yield_asked = True
+        if len(self.tasks_open) < len(self.assignment.lease.tasks):
+            self.tell_yield()
+
+    def tell_yield(self) -> None:
+        if self.process is not None:
+            self.yield_sent = True
+            self.process.request_yield()
 
     def flush_tasks(self) -> None:
         if self.task_flush is not None:
@@ -413,17 +558,12 @@ class Attempt:
                 for (_, name), d in zip(files, digests)]
 
     async def receipt(self, done: Done, wall_seconds: float) -> pb.Envelope:
-        """Upload the job's outputs (an array lease's: of its tasks that sent none with their
-        own receipt) and sign the receipt for them."""
-        a = self.assignment
-        if not a.lease.tasks:
-            dirs: list[tuple[str, int | None]] = [("outputs", None)]
-        else:              # a job array's lease: each task's, named by its task
-            dirs = [(task_outputs(task), task) for task in a.lease.tasks
-                    if task not in self.receipted]
-            dirs = [(rel, task) for rel, task in dirs   # not a task that wrote no outputs
-                    if os.path.lexists(self.workdir / rel)]
-        return self.sign(await self.upload_outputs(dirs), wall_seconds, done.metrics)
+        """Upload the job's outputs and sign the receipt for them. A job array's lease names
+        none: each task's went up with its own receipt (settle_tasks)."""
+        if self.assignment.lease.tasks:
+            return self.sign([], wall_seconds, done.metrics)
+        return self.sign(await self.upload_outputs([("outputs", None)]), wall_seconds,
+                         done.metrics)
 
     async def upload_outputs(self, dirs: list[tuple[str, int | None]]) -> list[pb.ArtifactRef]:
         """Upload the files of ``dirs`` (in the work dir; a task's named by its task). The job

@@ -127,6 +127,13 @@ class ProviderDaemon:
         await job.stop(cancel.reason)
         await self._forget(job)
 
+    def on_yield(self, request: gw.YieldLease) -> None:
+        job = self.jobs.get(request.job_id)
+        if job is not None and job.key[1] == request.epoch:
+            log.info("job %s yields after its current task: %s", request.job_id,
+                     request.reason)
+            job.request_yield()
+
     async def on_settled(self, settled: gw.UpdateSettled) -> None:
         key = (settled.job_id, settled.epoch)
         self.unsettled.pop(key, None)
@@ -160,6 +167,9 @@ class ProviderDaemon:
     async def upload(self, source: Path | int, name: str,
                      digest: tuple[str, int] | None = None) -> pb.ArtifactRef:
         return await self._with_broker(lambda a: a.upload(source, name, digest=digest))
+
+    async def upload_blobs(self, blobs: list[tuple[str, bytes]]) -> list:
+        return await self._with_broker(lambda a: a.upload_blobs(blobs))
 
     async def _with_broker(self, call):
         return await self.session.with_broker(call, self.stopping)

@@ -474,6 +474,14 @@ class JobProcess:
             except ProcessLookupError:
                 pass
 
+    def request_yield(self) -> None:
+        """Ask a job array's runner to stop after its current task (base.run_tasks)."""
+        if self.pid is not None and self.alive():
+            try:
+                os.kill(self.pid, signal.SIGUSR2)
+            except ProcessLookupError:
+                pass
+
     async def stop(self, reason: str = "") -> None:
         """SIGTERM the job's process group, SIGKILL after the grace period; then whatever
         is left of the job anywhere (its control group, its uid), however it detached."""

@@ -89,6 +89,8 @@ def check_lease(
                               " lease may)")
     if len(lease.tasks) > arrays.MAX_PER_LEASE:
         raise InvalidArgument(f"a lease runs at most {arrays.MAX_PER_LEASE:,} tasks")
+    if spec.array.only and not set(lease.tasks) <= set(spec.array.only):
+        raise InvalidArgument("lease names a task the client's array does not run")
     model = kind.model_name(values)
     if model and model not in models:
         raise InvalidArgument(f"this provider holds no model named {model!r}")

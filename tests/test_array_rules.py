@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from gpumarket import kinds
 from gpumarket.client import jobfile
 from gpumarket.kinds import arrays
@@ -81,3 +80,121 @@ def test_output_names_round_trip_and_refuse_lookalikes():
     assert arrays.output_task(arrays.output_name(42, "a.json")) == (42, "a.json")
     for name in ("task42.a", "taskxxxxxx.a", "task000042.", "other.json"):
         assert arrays.output_task(name) is None
+
+
+def array_job(client, job_id: str, count: int, per_lease: int, only=(), max_attempts: int = 1):
+    from gpumarket.broker.admission import Needs, NewJob
+    from gpumarket.proto.envelope import seal
+    from gpumarket.proto.v1 import types_pb2 as pb
+
+    spec = pb.JobSpec(name="sweep", kind=pb.JOB_KIND_SCRIPT, array=pb.JobArray(
+        count=count, tasks_input="tasks.jsonl", per_lease=per_lease, only=list(only)))
+    needs = Needs(kind=pb.JOB_KIND_SCRIPT, gpus=1, min_memory_bytes=0,
+                  accelerator=pb.ACCELERATOR_UNSPECIFIED, max_price_per_gpu_hour=1.0)
+    return NewJob(id=job_id, client_id=client.id, name="sweep",
+                  spec=seal(client, spec).SerializeToString(), spec_sha256="0" * 64,
+                  needs=needs, expires_at_ms=10**13, max_attempts=max_attempts,
+                  nonce=job_id.encode().hex().ljust(32, "0"))
+
+
+@pytest.fixture
+def store(tmp_path):
+    from gpumarket.broker.store import Store
+
+    s = Store(tmp_path / "broker.db")
+    s.open()
+    yield s
+    s.close()
+
+
+def test_a_yielded_lease_gives_back_the_tasks_it_did_not_run_without_an_attempt(store):
+    """The broker asks a running lease to yield: its tasks not reported yet are marked; one
+    that still reports is recorded; when the lease ends the rest go back to the queue in a
+    new lease, their attempts untouched (one attempt each here: a counted one would fail
+    them). A lease lost meanwhile forgets the yield: its batch runs them all again."""
+    import asyncio
+
+    from gpumarket.broker import arrays as broker_arrays
+    from gpumarket.broker import jobs
+    from gpumarket.proto.envelope import seal
+    from gpumarket.proto.identity import Identity
+    from gpumarket.proto.v1 import gateway_pb2 as gw
+    from gpumarket.proto.v1 import types_pb2 as pb
+
+    broker, client, provider = Identity.generate(), Identity.generate(), Identity.generate()
+    sign = lambda lease: seal(broker, lease)
+    w, r = store.write, store.read
+
+    def states(db):
+        return dict(db.execute("SELECT task, state || ':' || attempts || ':' ||"
+                               " coalesce(batch_id, '-') FROM array_tasks").fetchall())
+
+    async def scenario():
+        await w(broker_arrays.submit, array_job(client, "a1", 6, 6), 1)
+        await w(jobs.create_lease, "a1-1", "p1", [0], 1.0, 2, 60_000, 0, sign)
+        await w(jobs.mark_started, "a1-1", 1, "p1", 3)
+        ok = [gw.TaskResult(task=t, ok=True) for t in (0, 1)]
+        await w(broker_arrays.record_results, "a1-1", 1, "p1", ok, 4)
+        assert await w(broker_arrays.yield_lease, "a1-1", 1, 5) == 4
+        assert await w(broker_arrays.yield_lease, "a1-1", 1, 5) == 0      # asked already
+        [lease] = await r(broker_arrays.running_leases)
+        assert (lease["id"], lease["open"], lease["yielding"]) == ("a1-1", 4, True)
+        await w(broker_arrays.record_results, "a1-1", 1, "p1",
+                [gw.TaskResult(task=2, ok=True)], 6)    # the task it ran when asked
+        receipt = seal(provider, pb.Receipt(job_id="a1-1", epoch=1, provider_id="p1"))
+        await w(jobs.succeed, "a1-1", 1, "p1", receipt.SerializeToString(), 7)
+        S, Q = pb.JOB_STATE_SUCCEEDED, pb.JOB_STATE_QUEUED
+        assert await r(states) == {0: f"{S}:0:a1-1", 1: f"{S}:0:a1-1", 2: f"{S}:0:a1-1",
+                                   3: f"{Q}:0:a1-2", 4: f"{Q}:0:a1-2", 5: f"{Q}:0:a1-2"}
+        # The new lease runs them; asked to yield, then lost (its batch's one attempt):
+        # the tasks it did not report go back once more, still without an attempt.
+        await w(jobs.create_lease, "a1-2", "p2", [0], 1.0, 8, 60_000, 0, sign)
+        await w(jobs.mark_started, "a1-2", 1, "p2", 9)
+        assert await w(broker_arrays.yield_lease, "a1-2", 1, 10) == 3
+        assert await w(jobs.lose_lease, "a1-2.1", "missed heartbeats", 11)
+        assert (await r(jobs.job_row, "a1-2"))["state"] == pb.JOB_STATE_FAILED
+        assert [v for t, v in sorted((await r(states)).items()) if t >= 3] == \
+            [f"{Q}:0:a1-3"] * 3
+        assert (await r(jobs.job_row, "a1"))["state"] != pb.JOB_STATE_FAILED
+
+    asyncio.run(scenario())
+
+
+def test_an_array_of_some_lines_runs_those_tasks_each_by_its_own_index(store):
+    """A resubmission names tasks of the tasks input (``only``): the array has those tasks,
+    with their indices, in leases of them alone; a spec naming them out of order, twice or
+    past the input is refused."""
+    import asyncio
+
+    from gpumarket.broker import arrays as broker_arrays
+    from gpumarket.broker import jobs
+    from gpumarket.proto.identity import Identity
+    from gpumarket.proto.v1 import types_pb2 as pb
+
+    client = Identity.generate()
+
+    async def scenario():
+        await store.write(broker_arrays.submit, array_job(client, "a2", 50, 0, [3, 17, 40]), 1)
+        top = await store.read(jobs.job_row, "a2")
+        assert (top["tasks"], top["progress_total"]) == (3, 3)
+        leased = [await store.read(broker_arrays.lease_tasks, f"a2-{i}") for i in (1, 2, 3)]
+        assert leased == [[3], [17], [40]]      # eight lanes by default: one task each
+
+    asyncio.run(scenario())
+    kind = kinds.get("script")
+    for only, words in (([4, 3], "ascending"), ([3, 3], "ascending"), ([50], "past the 50")):
+        spec = pb.JobSpec(array=pb.JobArray(count=50, tasks_input="t.jsonl", only=only),
+                          inputs=[pb.ArtifactRef(name="t.jsonl")])
+        with pytest.raises(kinds.ParamError, match=words):
+            arrays.check_array(spec, kind)
+
+
+def test_task_lists_read_as_a_user_writes_them():
+    assert arrays.parse_indices("3,17,40-42", 50) == [3, 17, 40, 41, 42]
+    assert arrays.parse_indices(" 5 , 1,1 ") == [1, 5]
+    assert arrays.format_indices([3, 17, 40, 41, 42, 44]) == "3,17,40-42,44"
+    for text, words in (("", "not a task index"), ("4-2", "a range goes up"),
+                        ("1-", "not a task index"), ("50", "past the array's 50 tasks"),
+                        ("-3", "not a task index")):
+        with pytest.raises(ValueError, match=words):
+            arrays.parse_indices(text, 50)

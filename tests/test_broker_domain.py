@@ -461,5 +461,5 @@ def test_a_tasks_own_receipt_is_taken_only_for_its_own_uploaded_outputs(store):
         outputs(receipt(sha=hashlib.sha256(b"never sent").hexdigest()))
     with pytest.raises(FailedPrecondition, match="not uploaded intact"):
         outputs(receipt(size=8))
-    with pytest.raises(InvalidArgument, match="at most 64 outputs"):
-        outputs(receipt(names=[output_name(3, f"f{i}") for i in range(65)]))
+    with pytest.raises(InvalidArgument, match="at most 1,000 outputs"):
+        outputs(receipt(names=[output_name(3, f"f{i}") for i in range(1001)]))

@@ -28,7 +28,6 @@ from gpumarket.provider.cache import ArtifactCache
 from gpumarket.provider.inventory import cpu_devices
 from gpumarket.provider.isolation import Isolation
 from gpumarket.provider.leases import Assignment
-from gpumarket.provider.reports import Done
 from gpumarket.provider.session import BrokerSession
 from tests.kind_checksum import digest
 
@@ -75,6 +74,7 @@ class FakeHost:
         self.sent: list[gw.ProviderMessage] = []
         self.final: gw.ProviderMessage | None = None
         self.pid = 0
+        self.blob_calls: list[int] = []
 
     def send(self, message):
         self.sent.append(message)
@@ -89,6 +89,13 @@ class FakeHost:
         sha = hashlib.sha256(data).hexdigest()
         self.blobs[sha] = data
         return pb.ArtifactRef(name=name, sha256=sha, size_bytes=len(data))
+
+    async def upload_blobs(self, blobs):
+        self.blob_calls.append(len(blobs))
+        for sha, data in blobs:
+            assert hashlib.sha256(data).hexdigest() == sha
+            self.blobs[sha] = data
+        return []
 
     async def started(self, attempt, pid):
         self.pid = pid
@@ -125,46 +132,116 @@ def test_an_attempt_whose_input_cannot_be_had_fails_with_the_reason(tmp_path):
     assert "no artifact" in host.final.job_update.failed.error
 
 
-def test_a_receipt_of_many_tasks_keeps_few_files_open_and_sends_each_content_once(tmp_path):
-    """An array lease's tasks may each leave many files: the receipt names every one (by
-    task), sends content alike once per batch of open files, and never holds more than
-    FILES_AT_ONCE of them open beyond one directory's."""
-    from gpumarket.provider import attempt as attempt_module
-
+def array_attempt(tmp_path: Path, tasks: int) -> tuple[FakeHost, Attempt]:
     host = FakeHost(tmp_path, {})
     assignment = checksum_assignment(b"x")
-    assignment.lease.tasks.extend(range(40))
-    job = Attempt(assignment, tmp_path / "jobs" / "j.1", host)
-    for task in range(40):
+    assignment.lease.tasks.extend(range(tasks))
+    return host, Attempt(assignment, tmp_path / "jobs" / "j.1", host)
+
+
+def task_results(host: FakeHost) -> dict[int, gw.TaskResult]:
+    return {r.task: r for m in host.sent if m.job_update.WhichOneof("update") == "tasks"
+            for r in m.job_update.tasks.results}
+
+
+def test_task_outputs_go_up_in_few_calls_each_content_once_before_their_tasks_are_told(
+        tmp_path):
+    """An array lease's tasks each leave many files: the small ones of tasks that end
+    together go up in few calls (not one a file), content alike once, a large one on its
+    own; each task is then passed on with its own receipt naming its files. A task that
+    left a link fails alone."""
+    from gpumarket.kinds.arrays import output_name
+    from gpumarket.proto.artifacts import CHUNK_BYTES
+    from gpumarket.provider.reports import TaskEnded
+
+    host, job = array_attempt(tmp_path, 42)
+    for task in range(42):
         out = job.workdir / "tasks" / f"{task:06d}" / "outputs"
         out.mkdir(parents=True)
         (out / "config.json").write_text("{}")               # alike in every task
         for i in range(30):
             (out / f"part-{i:02d}.txt").write_text(f"{task} {i}")
-    uploads, most_open = [], 0
+    big = os.urandom(CHUNK_BYTES + 1)
+    (job.workdir / "tasks" / "000040" / "outputs" / "big.bin").write_bytes(big)
+    (job.workdir / "tasks" / "000041" / "outputs" / "key").symlink_to("/etc/hostname")
+    uploads: list[str] = []
     real_upload = host.upload
 
     async def upload(source, name, digest=None):
-        nonlocal most_open
-        most_open = max(most_open, len(os.listdir("/proc/self/fd")))
         uploads.append(name)
         return await real_upload(source, name, digest)
 
     host.upload = upload
     before = len(os.listdir("/proc/self/fd"))
-    attempt_module.FILES_AT_ONCE, kept = 100, attempt_module.FILES_AT_ONCE
-    try:
-        receipt, _ = open_envelope(asyncio.run(job.receipt(Done(), 1.0)), pb.Receipt)
-    finally:
-        attempt_module.FILES_AT_ONCE = kept
-    assert len(receipt.outputs) == 40 * 31
-    assert receipt.outputs[0].name == "task000000.config.json"
-    assert {o.sha256 for o in receipt.outputs if o.name.endswith("config.json")} \
-        == {hashlib.sha256(b"{}").hexdigest()}
-    # config.json once per batch of files open at once (four tasks' 124), not once a task
-    assert sum(n.endswith("config.json") for n in uploads) == 10
-    assert len(uploads) == 40 * 30 + 10
-    assert most_open - before < 100 + 31 + 16, (before, most_open)
+
+    async def scenario():
+        for task in range(42):
+            job.task_ended(TaskEnded(task, True, "", 0.01))
+        await job.settle_tasks()
+
+    asyncio.run(scenario())
+    assert len(os.listdir("/proc/self/fd")) == before
+    results = task_results(host)
+    assert sorted(results) == list(range(42))
+    assert not results[41].ok and "a link" in results[41].error, results[41]
+    assert uploads == [output_name(40, "big.bin")]
+    assert host.blob_calls == [1000, 41 * 30 + 1 - 1000]    # every small content once
+    for task in range(41):
+        r = results[task]
+        assert r.ok, r
+        receipt, signer = open_envelope(r.receipt, pb.Receipt)
+        assert signer == PROVIDER.id and receipt.job_id == "j" and receipt.epoch == 1
+        names = {o.name: o for o in receipt.outputs}
+        assert len(names) == 31 + (task == 40)
+        assert host.blobs[names[output_name(task, "part-07.txt")].sha256] \
+            == f"{task} 7".encode()
+        assert names[output_name(task, "config.json")].sha256 == hashlib.sha256(b"{}").hexdigest()
+    assert host.blobs[hashlib.sha256(big).hexdigest()] == big
+
+
+@pytest.mark.parametrize("never", [False, True], ids=["stored-on-the-third-try", "never"])
+def test_outputs_that_cannot_be_stored_are_tried_again_then_their_tasks_fail(tmp_path,
+                                                                           monkeypatch, never):
+    """A task is passed on as succeeded only once its outputs are stored: uploads that fail
+    are tried again, backing off; where they never go up the task is reported failed (the
+    broker runs it again), never as a success without them."""
+    from gpumarket.proto.errors import ResourceExhausted
+    from gpumarket.provider import attempt as attempt_module
+    from gpumarket.provider.reports import TaskEnded
+
+    monkeypatch.setattr(attempt_module, "UPLOAD_BACKOFF_S", 0.01)
+    failures = attempt_module.UPLOAD_TRIES if never else 2
+    host, job = array_attempt(tmp_path, 3)
+    for task in range(3):
+        out = job.workdir / "tasks" / f"{task:06d}" / "outputs"
+        out.mkdir(parents=True)
+        (out / "result.json").write_text(f'{{"task": {task}}}')
+    real, tries = host.upload_blobs, []
+
+    async def throttled(blobs):
+        tries.append(len(blobs))
+        if len(tries) <= failures:
+            raise ResourceExhausted("more than 50 calls a second from key k; slow down")
+        return await real(blobs)
+
+    host.upload_blobs = throttled
+
+    async def scenario():
+        for task in range(3):
+            job.task_ended(TaskEnded(task, True, "", 0.01))
+        job.task_ended(TaskEnded(3, True, "", 0.01))     # not a task of this lease
+        await job.settle_tasks()
+
+    asyncio.run(scenario())
+    results = task_results(host)
+    assert sorted(results) == [0, 1, 2]
+    assert len(tries) == min(failures + 1, attempt_module.UPLOAD_TRIES), tries
+    for r in results.values():
+        assert r.ok == (not never), r
+        assert bool(r.receipt.payload) == (not never)
+        if never:
+            assert "could not be stored at the broker" in r.error
+            assert "slow down" in r.error
 
 
 def test_the_cache_downloads_an_artifact_once_for_leases_that_want_it_at_once(tmp_path):

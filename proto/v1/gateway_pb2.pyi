@@ -223,6 +223,16 @@ class CancelLease(_message.Message):
     reason: str
     def __init__(self, job_id: _Optional[str] = ..., epoch: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
+class YieldLease(_message.Message):
+    __slots__ = ("job_id", "epoch", "reason")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    epoch: int
+    reason: str
+    def __init__(self, job_id: _Optional[str] = ..., epoch: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
 class UpdateSettled(_message.Message):
     __slots__ = ("job_id", "epoch", "accepted", "reason")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
@@ -258,7 +268,7 @@ class InferenceCancel(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., job_id: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class BrokerMessage(_message.Message):
-    __slots__ = ("challenge", "welcome", "lease", "cancel", "settled", "infer", "infer_cancel")
+    __slots__ = ("challenge", "welcome", "lease", "cancel", "settled", "infer", "infer_cancel", "yield_lease")
     CHALLENGE_FIELD_NUMBER: _ClassVar[int]
     WELCOME_FIELD_NUMBER: _ClassVar[int]
     LEASE_FIELD_NUMBER: _ClassVar[int]
@@ -266,6 +276,7 @@ class BrokerMessage(_message.Message):
     SETTLED_FIELD_NUMBER: _ClassVar[int]
     INFER_FIELD_NUMBER: _ClassVar[int]
     INFER_CANCEL_FIELD_NUMBER: _ClassVar[int]
+    YIELD_LEASE_FIELD_NUMBER: _ClassVar[int]
     challenge: SessionChallenge
     welcome: SessionWelcome
     lease: _types_pb2.Envelope
@@ -273,4 +284,5 @@ class BrokerMessage(_message.Message):
     settled: UpdateSettled
     infer: InferenceRequest
     infer_cancel: InferenceCancel
-    def __init__(self, challenge: _Optional[_Union[SessionChallenge, _Mapping]] = ..., welcome: _Optional[_Union[SessionWelcome, _Mapping]] = ..., lease: _Optional[_Union[_types_pb2.Envelope, _Mapping]] = ..., cancel: _Optional[_Union[CancelLease, _Mapping]] = ..., settled: _Optional[_Union[UpdateSettled, _Mapping]] = ..., infer: _Optional[_Union[InferenceRequest, _Mapping]] = ..., infer_cancel: _Optional[_Union[InferenceCancel, _Mapping]] = ...) -> None: ...
+    yield_lease: YieldLease
+    def __init__(self, challenge: _Optional[_Union[SessionChallenge, _Mapping]] = ..., welcome: _Optional[_Union[SessionWelcome, _Mapping]] = ..., lease: _Optional[_Union[_types_pb2.Envelope, _Mapping]] = ..., cancel: _Optional[_Union[CancelLease, _Mapping]] = ..., settled: _Optional[_Union[UpdateSettled, _Mapping]] = ..., infer: _Optional[_Union[InferenceRequest, _Mapping]] = ..., infer_cancel: _Optional[_Union[InferenceCancel, _Mapping]] = ..., yield_lease: _Optional[_Union[YieldLease, _Mapping]] = ...) -> None: ...

@@ -304,14 +304,16 @@ class JobSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[JobKind, str]] = ..., resources: _Optional[_Union[Resources, _Mapping]] = ..., max_price_per_gpu_hour: _Optional[float] = ..., inputs: _Optional[_Iterable[_Union[ArtifactRef, _Mapping]]] = ..., max_runtime_s: _Optional[int] = ..., max_attempts: _Optional[int] = ..., objective: _Optional[_Union[Objective, str]] = ..., deadline_s: _Optional[int] = ..., min_reliability: _Optional[float] = ..., training: _Optional[_Union[TrainingParams, _Mapping]] = ..., generate: _Optional[_Union[GenerateParams, _Mapping]] = ..., embed: _Optional[_Union[EmbedParams, _Mapping]] = ..., render: _Optional[_Union[RenderParams, _Mapping]] = ..., custom: _Optional[_Union[KindParams, _Mapping]] = ..., budget: _Optional[float] = ..., min_provider_stake: _Optional[float] = ..., verify_rate: _Optional[float] = ..., nonce: _Optional[bytes] = ..., created_at_ms: _Optional[int] = ..., expires_at_ms: _Optional[int] = ..., array: _Optional[_Union[JobArray, _Mapping]] = ...) -> None: ...
 
 class JobArray(_message.Message):
-    __slots__ = ("count", "tasks_input", "per_lease")
+    __slots__ = ("count", "tasks_input", "per_lease", "only")
     COUNT_FIELD_NUMBER: _ClassVar[int]
     TASKS_INPUT_FIELD_NUMBER: _ClassVar[int]
     PER_LEASE_FIELD_NUMBER: _ClassVar[int]
+    ONLY_FIELD_NUMBER: _ClassVar[int]
     count: int
     tasks_input: str
     per_lease: int
-    def __init__(self, count: _Optional[int] = ..., tasks_input: _Optional[str] = ..., per_lease: _Optional[int] = ...) -> None: ...
+    only: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, count: _Optional[int] = ..., tasks_input: _Optional[str] = ..., per_lease: _Optional[int] = ..., only: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Benchmark(_message.Message):
     __slots__ = ("matmul_flops", "matmul_dtype", "memory_bandwidth_bytes_per_s", "measured_at_ms", "matmul_flops_by_dtype", "host_to_device_bytes_per_s", "sm_count", "interconnect")

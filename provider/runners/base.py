@@ -16,6 +16,7 @@ from pathlib import Path
 MARKER = "COMPLETE"
 PROGRESS_S = 0.25      # an array lease's progress (tasks done) is reported at most this often
 _drain = False
+_yield = False         # run_tasks: the broker asked the lease to stop after its current task
 _task: tuple[Path, dict] | None = None     # run_tasks: the task running now, and its job
 
 
@@ -43,6 +44,16 @@ def listen_for_drain() -> None:
 
 def drain_requested() -> bool:
     return _drain
+
+
+def listen_for_yield() -> None:
+    """Note SIGUSR2 (the broker asks a job array's lease to yield its device: stop after
+    the current task; the daemon sends it only once a task has reported, so after this)."""
+    def note(signum, frame) -> None:
+        global _yield
+        _yield = True
+
+    signal.signal(signal.SIGUSR2, note)
 
 
 class Cadence:
@@ -155,11 +166,13 @@ def run_tasks(fn: Callable, workdir: Path, job: dict, reporter) -> None:
     """A job array's lease: its tasks one after another in this process (one client's, of
     one array), each in ``tasks/NNNNNN/`` (its outputs in ``outputs/`` there), each reported
     as it ends (``task`` reports) while a failed task does not stop the others. On a drain
-    request it stops between tasks: the rest run elsewhere."""
+    request it stops between tasks: the rest run elsewhere. Asked to yield, it ends after
+    the current task as if its list ended there (the broker queues the rest again)."""
     import traceback
 
     global _task
     listen_for_drain()
+    listen_for_yield()
     tasks = job["tasks"]
     ok_count = 0
     home = os.getcwd()
@@ -202,5 +215,10 @@ def run_tasks(fn: Callable, workdir: Path, job: dict, reporter) -> None:
             reported = ended
         if drain_requested() and i + 1 < len(tasks):
             reporter.drained(i + 1)
+            return
+        if _yield and i + 1 < len(tasks):
+            reporter.progress(i + 1, len(tasks))
+            reporter.done(tasks_ok=ok_count, tasks_failed=i + 1 - ok_count,
+                          tasks_yielded=len(tasks) - i - 1)
             return
     reporter.done(tasks_ok=ok_count, tasks_failed=len(tasks) - ok_count)
