@@ -1,19 +1,33 @@
-"""Many small jobs: a job array of no-op ``script`` tasks through a real local broker and two
-real providers (TLS, signed calls and leases, every task transition committed to SQLite),
-beside Ray running as many no-op tasks on the same machine in the same run; and a training
-sweep as one array against the same trainings submitted as separate jobs.
+"""Many small jobs: job arrays of ``script`` tasks through a real local broker and two real
+providers (TLS, signed calls and leases, every task transition committed to SQLite), each
+beside Ray running the same tasks on the same machine in the same run; a small array of
+another client submitted while a big one runs; and a training sweep as one array against the
+same trainings submitted as separate jobs.
 
-    .venv/bin/python bench/throughput.py [--tasks 10000] [--sweep 100] [--separate 6]
+    .venv/bin/python bench/throughput.py [--tasks 10000] [--outputs 2000] [--heavy 1000]
+                                         [--sweep 100] [--separate 6]
+
+The cases: no-op tasks (``--tasks``); tasks that each do a little hashing (about 1 ms) and
+write one small ``result.json`` through ``task.output_dir()`` (``--outputs``), every one then
+fetched with ``gpumarket results`` and checked (a succeeded task without its right result is
+a lost output); tasks of about 35 ms of hashing each that write the same (``--heavy``). Ray's
+tasks do the same work and return the same result as a small dict (what a client fetches).
+While a big array of client A runs on every device, client B submits an array of 20 tasks:
+``small_array_wait_s`` is the broker's time from B's submission to B's first lease (the
+larger of a light and a heavy run).
 
 Ray runs in the interpreter that $RAY_PYTHON names (Ray pins its own dependencies: keep it
 in a virtual environment of its own), or in this one if it can import ray; without either
 its figures are null. The last line is one JSON object: tasks_per_s, ray_tasks_per_s,
-ratio_vs_ray, array_speedup and the latencies.
+ratio_vs_ray, the same for the outputs and heavy cases, lost_outputs, small_array_wait_s,
+array_speedup and the latencies.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import hashlib
 import json
 import os
 import re
@@ -27,27 +41,49 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tests.helpers import Marketplace, training_job, wait_until  # noqa: E402
 
+LIGHT_ROUNDS = 3_000        # sha256 rounds of an outputs task: about 1 ms here
+HEAVY_ROUNDS = 100_000      # ... of a heavy task: about 35 ms here
+SMALL_TASKS = 20            # client B's array
+
 NOOP = "pass\n"
+# A task of the outputs and heavy cases: hash its index ROUNDS times, write the result.
+HASHING = """
+import hashlib, json, sys
+from gpumarket.provider.runners import task
+i, rounds = task.index(), int(sys.argv[1])
+h = str(i).encode()
+for _ in range(rounds):
+    h = hashlib.sha256(h).digest()
+(task.output_dir() / "result.json").write_text(json.dumps({"task": i, "digest": h.hex()}))
+"""
 RAY_SCRIPT = r"""
-import json, sys, time
+import hashlib, json, sys, time
 import ray
-n = int(sys.argv[1])
+n, rounds = int(sys.argv[1]), int(sys.argv[2])
 ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
 @ray.remote
 def noop(i):
     return i
-ray.get([noop.remote(i) for i in range(100)])        # workers started
+@ray.remote
+def work(i, rounds):
+    h = str(i).encode()
+    for _ in range(rounds):
+        h = hashlib.sha256(h).digest()
+    return {"task": i, "digest": h.hex()}
+run = (lambda i: noop.remote(i)) if rounds < 0 else (lambda i: work.remote(i, rounds))
+ray.get([run(i) for i in range(100)])        # workers started
 began = time.perf_counter()
-pending = {noop.remote(i): time.perf_counter() for i in range(n)}
-done = []
+pending = {run(i): time.perf_counter() for i in range(n)}
+done, results = [], 0
 while pending:
     ready, _ = ray.wait(list(pending), num_returns=min(len(pending), 256), timeout=10)
     now = time.perf_counter()
     done += [now - pending.pop(r) for r in ready]
+    results += sum(1 for value in ray.get(ready) if rounds < 0 or "digest" in value)
 wall = time.perf_counter() - began
 done.sort()
 print(json.dumps({"wall_s": wall, "p50_ms": done[len(done) // 2] * 1000,
-                  "p99_ms": done[int(len(done) * 0.99) - 1] * 1000}))
+                  "p99_ms": done[int(len(done) * 0.99) - 1] * 1000, "results": results}))
 """
 
 
@@ -81,22 +117,33 @@ def all_tasks(market: Marketplace, job_id: str, count: int) -> list[dict]:
     return json.loads(r.stdout)["tasks"]
 
 
-def noop_array(market: Marketplace, root: Path, tasks: int) -> dict:
-    (root / "noop.py").write_text(NOOP)
-    (root / "noop.jsonl").write_text("{}\n" * tasks)
-    path = root / "noop.toml"
+def array_file(root: Path, name: str, tasks: int, rounds: int | None) -> Path:
+    """A script array of ``tasks`` tasks: no-ops (``rounds`` None) or hashing ones."""
+    code = root / f"{name}.py"
+    code.write_text(NOOP if rounds is None else HASHING)
+    (root / f"{name}.jsonl").write_text("{}\n" * tasks)
+    path = root / f"{name}.toml"
+    args = "" if rounds is None else f'args = ["{rounds}"]'
     path.write_text(f"""
-name = "noop-array"
+name = "{name}"
 kind = "script"
 max_price = 2.0
 budget = 100
 
 [script]
-code = "{root / 'noop.py'}"
+code = "{code}"
+{args}
 
 [array]
-tasks = "{root / 'noop.jsonl'}"
+tasks = "{root / f'{name}.jsonl'}"
 """)
+    return path
+
+
+def run_array(market: Marketplace, root: Path, name: str, tasks: int,
+              rounds: int | None) -> dict:
+    """Submit and follow an array to its end: its rate and latencies."""
+    path = array_file(root, name, tasks, rounds)
     began_ms = time.time() * 1000
     began = time.perf_counter()
     job = submit_and_watch(market, path)
@@ -104,13 +151,41 @@ tasks = "{root / 'noop.jsonl'}"
     job_id = job["job_id"]
     job = market.job(job_id)
     if job["state"] != "SUCCEEDED":
-        raise SystemExit(f"the no-op array ended {job['state']}: {job.get('error')}")
+        raise SystemExit(f"the {name} array ended {job['state']}: {job.get('error')}")
     lat = [(t["updated_at_ms"] - began_ms) / 1000 for t in all_tasks(market, job_id, tasks)]
-    return {"wall_s": wall, "tasks_per_s": tasks / wall, "p50_ms": pct(lat, 0.5) * 1000,
-            "p99_ms": pct(lat, 0.99) * 1000, "batches": len(job.get("parts", []))}
+    return {"job_id": job_id, "wall_s": wall, "tasks_per_s": tasks / wall,
+            "p50_ms": pct(lat, 0.5) * 1000, "p99_ms": pct(lat, 0.99) * 1000,
+            "batches": len(job.get("parts", []))}
 
 
-def ray_noop(tasks: int) -> dict | None:
+def lost_outputs(market: Marketplace, root: Path, job_id: str, tasks: int,
+                 rounds: int, check_digest: bool) -> int:
+    """Fetch every succeeded task's outputs; count those without their right result."""
+    out = root / f"results-{job_id}"
+    r = market.cli("results", job_id, "-o", str(out), "--json", timeout=3600)
+    if r.returncode != 0:
+        raise SystemExit(f"results failed: {r.stderr.strip()}")
+    succeeded = [t["task"] for t in json.loads(r.stdout)["tasks"] if t["state"] == "SUCCEEDED"]
+    lost = tasks - len(succeeded)
+    for i in succeeded:
+        f = out / f"task-{i:06d}" / "result.json"
+        try:
+            got = json.loads(f.read_text())
+        except (OSError, ValueError):
+            lost += 1
+            continue
+        if got.get("task") != i or not check_digest:
+            lost += got.get("task") != i
+            continue
+        h = str(i).encode()
+        for _ in range(rounds):
+            h = hashlib.sha256(h).digest()
+        lost += got.get("digest") != h.hex()
+    return lost
+
+
+def ray_run(tasks: int, rounds: int) -> dict | None:
+    """Ray on ``tasks`` tasks (``rounds`` < 0: no-ops); None where Ray is not there."""
     python = os.environ.get("RAY_PYTHON")
     if not python:
         try:
@@ -118,12 +193,64 @@ def ray_noop(tasks: int) -> dict | None:
             python = sys.executable
         except ImportError:
             return None
-    r = subprocess.run([python, "-c", RAY_SCRIPT, str(tasks)], capture_output=True, text=True,
-                       timeout=3600)
+    r = subprocess.run([python, "-c", RAY_SCRIPT, str(tasks), str(rounds)],
+                       capture_output=True, text=True, timeout=3600)
     if r.returncode != 0:
         print(f"ray failed: {r.stderr.strip().splitlines()[-1:]}")
         return None
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    got["tasks_per_s"] = tasks / got["wall_s"]
+    return got
+
+
+def compare(label: str, tasks: int, ours: dict, ray: dict | None) -> float | None:
+    print(f"{label}, {tasks:,} tasks on 2 providers: {ours['wall_s']:.1f}s,"
+          f" {ours['tasks_per_s']:,.0f} tasks/s, submit->done p50 {ours['p50_ms']:,.0f} ms"
+          f" p99 {ours['p99_ms']:,.0f} ms, {ours['batches']} leases")
+    if ray is None:
+        print(f"ray, {label}: skipped (set RAY_PYTHON to a Python that imports ray)")
+        return None
+    print(f"ray, {label}, {tasks:,} tasks: {ray['wall_s']:.1f}s, {ray['tasks_per_s']:,.0f}"
+          f" tasks/s, p50 {ray['p50_ms']:,.0f} ms p99 {ray['p99_ms']:,.0f} ms")
+    return ours["tasks_per_s"] / ray["tasks_per_s"]
+
+
+def other_client(market: Marketplace, root: Path) -> Marketplace:
+    """Client B: the same broker, a key of its own, credited."""
+    b = copy.copy(market)
+    b.home = root / "client-b"
+    r = b.cli("keys", "init")
+    if r.returncode != 0:
+        raise SystemExit(f"keys init failed: {r.stderr.strip()}")
+    b.credit(b.identity().id, 1000)
+    return b
+
+
+def events(market: Marketplace, job_id: str) -> list[dict]:
+    r = market.cli("watch", job_id, "--json", timeout=3600)
+    return [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+
+
+def small_array_wait(market: Marketplace, b: Marketplace, root: Path, name: str, tasks: int,
+                     rounds: int) -> float:
+    """A's array of ``tasks`` runs on every device; B submits 20 tasks of the same work:
+    seconds from B's submission to its first lease, as the broker recorded them."""
+    a_id = submit(market, array_file(root, f"{name}-a", tasks, rounds))
+    wait_until(lambda: market.job(a_id).get("array", {}).get("succeeded", 0) >= 8,
+               "A's array under way", timeout=600)
+    b_id = submit(b, array_file(root, f"{name}-b", SMALL_TASKS, rounds))
+    b_events = events(b, b_id)      # to B's end
+    if b_events[-1]["state"] != "SUCCEEDED":
+        raise SystemExit(f"B's array ended {b_events[-1]['state']}")
+    submitted = int(b_events[0]["at_ms"])
+    first = min(int(e["at_ms"]) for e in b_events if e["state"] == "RUNNING")
+    a_state = market.job(a_id)["state"]
+    a_events = events(market, a_id)
+    if a_events[-1]["state"] != "SUCCEEDED":
+        raise SystemExit(f"A's array ended {a_events[-1]['state']}")
+    if a_state not in ("RUNNING", "QUEUED"):
+        print(f"  (A's array had ended, {a_state}, when B's did: the wait is not under load)")
+    return (first - submitted) / 1000
 
 
 def training_sweep(market: Marketplace, root: Path, tasks: int, separate: int) -> dict:
@@ -149,9 +276,17 @@ def training_sweep(market: Marketplace, root: Path, tasks: int, separate: int) -
             "array_s": array_s, "separate_s": separate_s}
 
 
+def rounded(value: float | None, digits: int) -> float | None:
+    return None if value is None else round(value, digits)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tasks", type=int, default=10_000, help="no-op tasks in the array")
+    ap.add_argument("--outputs", type=int, default=2_000,
+                    help="tasks that each hash a little and write one result.json")
+    ap.add_argument("--heavy", type=int, default=1_000,
+                    help="tasks of about 35 ms of hashing that each write one result.json")
     ap.add_argument("--sweep", type=int, default=100, help="one-step trainings in the array")
     ap.add_argument("--separate", type=int, default=6,
                     help="one-step trainings submitted as separate jobs (the baseline)")
@@ -174,18 +309,29 @@ def main() -> None:
                                in p.text() for p in market.providers.values()
                                for kind in ("script", "training")),
                    "the providers' forkservers", timeout=300)
-        noop_array(market, root, 100)     # warm-up, as Ray's run has (workers started)
-        ours = noop_array(market, root, args.tasks)
-        print(f"array of {args.tasks:,} no-op script tasks on 2 providers: {ours['wall_s']:.1f}s,"
-              f" {ours['tasks_per_s']:,.0f} tasks/s, submit->done p50 {ours['p50_ms']:,.0f} ms"
-              f" p99 {ours['p99_ms']:,.0f} ms, {ours['batches']} leases")
-        ray = ray_noop(args.tasks)
-        if ray is None:
-            print("ray: skipped (set RAY_PYTHON to a Python that imports ray)")
-        else:
-            print(f"ray, {args.tasks:,} no-op tasks: {ray['wall_s']:.1f}s,"
-                  f" {args.tasks / ray['wall_s']:,.0f} tasks/s, p50 {ray['p50_ms']:,.0f} ms"
-                  f" p99 {ray['p99_ms']:,.0f} ms")
+        run_array(market, root, "warm-up", 100, None)    # as Ray's run has (workers started)
+        noop = run_array(market, root, "noop", args.tasks, None)
+        ray_noop = ray_run(args.tasks, -1)
+        ratio = compare("no-op", args.tasks, noop, ray_noop)
+
+        light = run_array(market, root, "outputs", args.outputs, LIGHT_ROUNDS)
+        ray_light = ray_run(args.outputs, LIGHT_ROUNDS)
+        ratio_outputs = compare("one result.json each", args.outputs, light, ray_light)
+        lost = lost_outputs(market, root, light["job_id"], args.outputs, LIGHT_ROUNDS, True)
+
+        heavy = run_array(market, root, "heavy", args.heavy, HEAVY_ROUNDS)
+        ray_heavy = ray_run(args.heavy, HEAVY_ROUNDS)
+        ratio_heavy = compare("35 ms and one result.json each", args.heavy, heavy, ray_heavy)
+        lost += lost_outputs(market, root, heavy["job_id"], args.heavy, HEAVY_ROUNDS, False)
+        print(f"outputs lost (succeeded without their right result.json): {lost}")
+
+        b = other_client(market, root)
+        waits = [small_array_wait(market, b, root, "fair-light", args.outputs, LIGHT_ROUNDS),
+                 small_array_wait(market, b, root, "fair-heavy", max(200, args.heavy // 4),
+                                  HEAVY_ROUNDS)]
+        print(f"client B's {SMALL_TASKS}-task array, first lease after its submission while"
+              f" A's array runs: {waits[0]:.2f}s (light tasks), {waits[1]:.2f}s (heavy)")
+
         sweep = training_sweep(market, root, args.sweep, args.separate)
         speedup = sweep["array_jobs_per_s"] / sweep["separate_jobs_per_s"]
         print(f"one-step trainings: {args.sweep} as one array {sweep['array_jobs_per_s']:.2f}"
@@ -193,15 +339,24 @@ def main() -> None:
               f" {speedup:.1f}x")
     finally:
         market.close()
-    ray_rate = args.tasks / ray["wall_s"] if ray else None
     print(json.dumps({
-        "tasks": args.tasks, "tasks_per_s": round(ours["tasks_per_s"], 1),
-        "submit_to_done_p50_ms": round(ours["p50_ms"], 1),
-        "submit_to_done_p99_ms": round(ours["p99_ms"], 1),
-        "ray_tasks_per_s": round(ray_rate, 1) if ray_rate else None,
-        "ray_p50_ms": round(ray["p50_ms"], 1) if ray else None,
-        "ray_p99_ms": round(ray["p99_ms"], 1) if ray else None,
-        "ratio_vs_ray": round(ours["tasks_per_s"] / ray_rate, 3) if ray_rate else None,
+        "tasks": args.tasks, "tasks_per_s": round(noop["tasks_per_s"], 1),
+        "submit_to_done_p50_ms": round(noop["p50_ms"], 1),
+        "submit_to_done_p99_ms": round(noop["p99_ms"], 1),
+        "ray_tasks_per_s": rounded(ray_noop and ray_noop["tasks_per_s"], 1),
+        "ray_p50_ms": rounded(ray_noop and ray_noop["p50_ms"], 1),
+        "ray_p99_ms": rounded(ray_noop and ray_noop["p99_ms"], 1),
+        "ratio_vs_ray": rounded(ratio, 3),
+        "outputs_tasks": args.outputs, "outputs_tasks_per_s": round(light["tasks_per_s"], 1),
+        "ray_outputs_tasks_per_s": rounded(ray_light and ray_light["tasks_per_s"], 1),
+        "ratio_vs_ray_outputs": rounded(ratio_outputs, 3),
+        "heavy_tasks": args.heavy, "heavy_tasks_per_s": round(heavy["tasks_per_s"], 2),
+        "ray_heavy_tasks_per_s": rounded(ray_heavy and ray_heavy["tasks_per_s"], 2),
+        "ratio_vs_ray_heavy": rounded(ratio_heavy, 3),
+        "lost_outputs": lost,
+        "small_array_wait_s": round(max(waits), 3),
+        "small_array_wait_light_s": round(waits[0], 3),
+        "small_array_wait_heavy_s": round(waits[1], 3),
         "array_jobs_per_s": round(sweep["array_jobs_per_s"], 3),
         "separate_jobs_per_s": round(sweep["separate_jobs_per_s"], 4),
         "array_speedup": round(speedup, 1),
