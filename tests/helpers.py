@@ -276,8 +276,19 @@ class Marketplace:
         marketplace's directory (a provider killed mid-job leaves its jobs running: on a
         shared machine they would slow every test after this one)."""
         draining = [p for p in self.providers.values() if p.signal(signal.SIGTERM)]
+        deadline = time.monotonic() + 20
         for p in draining:
-            p.wait(60)
+            try:
+                p.proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        # A drain still waiting after that is an endpoint replica with nowhere to move (every
+        # provider drains at once; it would serve on for drain_timeout_s): a second SIGTERM
+        # stops a provider at once.
+        for p in draining:
+            p.signal(signal.SIGTERM)
+        for p in draining:
+            p.wait(30)
         if self.broker is not None:
             self.broker.stop(timeout=60)
         for pid in job_processes(str(self.root)):
