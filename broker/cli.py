@@ -89,6 +89,9 @@ def cli() -> None:
 @click.option("--fd-reserve", type=int,
               help="File descriptors kept from all listeners for the database and blobs; "
               "0 = an eighth of the open-file limit, at least 256 [default: 0].")
+@click.option("--provider-messages-per-s", type=float,
+              help="Messages a provider session may send a second, sustained (bursts of 10 s "
+              "worth); more ends its session [default: 200].")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
 def serve(config_file: Path | None, listen: str | None, data_dir: Path | None,
@@ -99,7 +102,8 @@ def serve(config_file: Path | None, listen: str | None, data_dir: Path | None,
           check_wait: float | None, api: str | None, cold_start: float | None,
           queue_wait: float | None, max_held_mib: float | None,
           max_connections_per_peer: int | None, idle_timeout: float | None,
-          fd_reserve: int | None, log_level: str) -> None:
+          fd_reserve: int | None, provider_messages_per_s: float | None,
+          log_level: str) -> None:
     """Serve the broker's gRPC API (and HTTP side) until SIGTERM."""
     from gpumarket.broker import config as broker_config
     from gpumarket.broker.listeners import raise_open_files
@@ -122,7 +126,8 @@ def serve(config_file: Path | None, listen: str | None, data_dir: Path | None,
                        ("max_held_bytes", None if max_held_mib is None
                         else int(max_held_mib * 2**20)),
                        ("max_connections_per_peer", max_connections_per_peer),
-                       ("idle_timeout_s", idle_timeout), ("fd_reserve", fd_reserve)):
+                       ("idle_timeout_s", idle_timeout), ("fd_reserve", fd_reserve),
+                       ("provider_messages_per_s", provider_messages_per_s)):
         if value is not None:
             settings[key] = value
     if "data_dir" not in settings:

@@ -47,6 +47,8 @@ class BrokerConfig:
                                            # last answer) is closed
     body_timeout_s: float = 60.0           # a request body must arrive, and a streamed answer's
                                            # piece be taken, within this
+    provider_messages_per_s: float = 200.0 # what a provider session may send, sustained
+                                           # (bursts of 10 s worth); more ends the session
     fd_reserve: int = 0                    # descriptors kept from the listeners for the
                                            # database and blobs; 0 = an eighth of the limit
 
@@ -75,6 +77,8 @@ class BrokerConfig:
             raise InvalidArgument(f"market_fee must be between 0 and 0.5, not {self.market_fee}")
         if not self.max_held_bytes >= 1 << 20:
             raise InvalidArgument("max_held_mib must be at least 1")
+        if self.provider_messages_per_s <= 0:
+            raise InvalidArgument("provider_messages_per_s must be more than 0")
         if self.max_connections_per_peer < 0 or self.fd_reserve < 0:
             raise InvalidArgument("max_connections_per_peer and fd_reserve must not be negative")
         if not (self.idle_timeout_s > 0 and self.body_timeout_s > 0):
@@ -133,6 +137,8 @@ idle_timeout = 15                  # seconds an `api`/`http` connection may stay
 body_timeout = 60                  # seconds a request body may take to arrive, and a streamed
                                    # answer's piece to be taken by the client
 fd_reserve = 0                     # descriptors kept from all listeners; 0 = limit / 8, >= 256
+provider_messages_per_s = 200      # messages a provider session may send a second, sustained
+                                   # (bursts of 10 s worth); more ends its session
 """
 
 # config key -> (BrokerConfig field, type, scale)
@@ -164,6 +170,7 @@ KEYS = {
     "idle_timeout": ("idle_timeout_s", float, None),
     "body_timeout": ("body_timeout_s", float, None),
     "fd_reserve": ("fd_reserve", int, None),
+    "provider_messages_per_s": ("provider_messages_per_s", float, None),
 }
 
 

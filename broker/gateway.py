@@ -18,7 +18,7 @@ import grpc
 from gpumarket.broker import arrays, endpoints, holdings, jobs, logs, providers, verdicts
 from gpumarket.broker.auth import caller
 from gpumarket.broker.rpc import STATUS
-from gpumarket.broker.sessions import CHUNKS_PER_S, MESSAGES_PER_S, ProviderSession
+from gpumarket.broker.sessions import CHUNKS_PER_S, ProviderSession
 from gpumarket.broker.state import BrokerState
 from gpumarket.proto.envelope import open_envelope, payload_sha256
 from gpumarket.proto.errors import (
@@ -84,7 +84,7 @@ class ProviderGatewayServicer(gateway_pb2_grpc.ProviderGatewayServicer):
         except TimeoutError:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "handshake took too long")
             return
-        session = self.state.sessions.open(provider_id)
+        session = self.state.sessions.open(provider_id, self.state.config.provider_messages_per_s)
         session.row_id = await self.state.store.write(providers.session_started, provider_id, now_ms())
         log.info("provider %s connected", provider_id)
         cfg = self.state.config
@@ -117,7 +117,9 @@ class ProviderGatewayServicer(gateway_pb2_grpc.ProviderGatewayServicer):
                         self.state.serving.chunk(provider_id, message.chunk)
                     continue
                 if not session.messages.allow(""):
-                    session.end(f"it sent more than {MESSAGES_PER_S:.0f} messages a second")
+                    session.end(f"it sent more than"
+                                f" {self.state.config.provider_messages_per_s:.0f} messages"
+                                " a second")
                     break
                 await self._handle(session, message)
             if session.ended_why:

@@ -69,12 +69,13 @@ class Sessions:
     def __init__(self) -> None:
         self._by_provider: dict[str, ProviderSession] = {}
 
-    def open(self, provider_id: str) -> ProviderSession:
+    def open(self, provider_id: str, messages_per_s: float = MESSAGES_PER_S) -> ProviderSession:
         """Register a new session; an older one of the same provider is closed."""
         old = self._by_provider.get(provider_id)
         if old is not None:
             old.end()
-        session = ProviderSession(provider_id)
+        session = ProviderSession(provider_id, messages=RateLimiter(messages_per_s,
+                                                                    messages_per_s * 10))
         self._by_provider[provider_id] = session
         return session
 

@@ -112,7 +112,9 @@ def test_a_small_array_of_another_client_starts_while_a_big_one_runs(market, tmp
     market.start_provider("p1", 1.0, "--kinds", "script")
     market.start_provider("p2", 1.0, "--kinds", "script")
     market.wait_for_offers(2)
-    a_id = submit(market, array_file(tmp_path, "big", 120, 0.1, max_attempts=1))
+    # 0.5 s a task, about 30 s a device: B's key, credit and submission (CLI calls, slow on
+    # a loaded machine) come well before A could end without yielding (at 0.1 s it could).
+    a_id = submit(market, array_file(tmp_path, "big", 120, 0.5, max_attempts=1))
     wait_until(lambda: market.job(a_id).get("array", {}).get("succeeded", 0) >= 4,
                "A's array under way", timeout=120)
     b = Marketplace(tmp_path)
@@ -124,7 +126,7 @@ def test_a_small_array_of_another_client_starts_while_a_big_one_runs(market, tmp
     b_job = b.wait_state(b_id, "SUCCEEDED", timeout=120)
     a_job = market.job(a_id)
     # B ran while A's array still had most of its tasks to run (two leases of 60 tasks of
-    # 0.1 s each: without a yield, B would wait for one of them to end).
+    # 0.5 s each: without a yield, B would wait for one of them to end).
     assert a_job["state"] == "RUNNING", a_job
     assert a_job["array"].get("succeeded", 0) < 100, a_job["array"]
     assert b_job["array"] == {"tasks": 4, "succeeded": 4}, b_job

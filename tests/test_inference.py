@@ -138,7 +138,9 @@ output_format = "npy"
 
 def test_generate_killed_mid_run_resumes_with_complete_identical_output(market, tmp_path):
     model = tiny_causal_lm(tmp_path / "tiny")
-    prompts = write_prompts(tmp_path / "prompts.jsonl", 60)
+    # 100 prompts, killed after the first checkpoint (4): at 60 prompts, killed after 8, a
+    # loaded CI machine saw the job end before the kill reached it.
+    prompts = write_prompts(tmp_path / "prompts.jsonl", 100)
     params = dict(max_tokens=16, batch_size=2, temperature=0.8, top_p=0.9, seed=11,
                   checkpoint_every=4)
     # Both providers offer before the job starts: the job must still run when its provider
@@ -149,8 +151,8 @@ def test_generate_killed_mid_run_resumes_with_complete_identical_output(market, 
     market.wait_for_offers(2)
     job_id = submit(market, generate_job(tmp_path / "job.toml", model, prompts, **params))
     holder = market.wait_state(job_id, "RUNNING")["provider_id"]
-    wait_until(lambda: int(market.job(job_id).get("checkpoint_step", 0)) >= 8,
-               "a checkpoint after 8 prompts", timeout=180, interval=0.2)
+    wait_until(lambda: int(market.job(job_id).get("checkpoint_step", 0)) >= 4,
+               "a checkpoint after 4 prompts", timeout=180, interval=0.2)
     import signal
 
     name = next(n for n in ("p1", "p2") if market.provider_id(n) == holder)
@@ -160,9 +162,9 @@ def test_generate_killed_mid_run_resumes_with_complete_identical_output(market, 
     job = market.wait_state(job_id, "SUCCEEDED", timeout=300)
     assert [a["outcome"] for a in job["attempts"]] == ["lost", "succeeded"]
     got = completions(market, job_id, tmp_path / "out")
-    assert [c["index"] for c in got] == list(range(60))  # none missing, none twice, in order
+    assert [c["index"] for c in got] == list(range(100))  # none missing, none twice, in order
     metrics = json.loads((tmp_path / "out" / "metrics.json").read_text())
-    assert metrics["resumed_from_step"] >= 8
+    assert metrics["resumed_from_step"] >= 4
 
     # The same job run directly by the runner, uninterrupted: the same completions.
     work = tmp_path / "direct"
