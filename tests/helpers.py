@@ -267,8 +267,13 @@ class Marketplace:
         return json.loads(r.stdout)
 
     def wait_state(self, job_id: str, *states: str, timeout: float = 240) -> dict:
-        return wait_until(lambda: (j := self.job(job_id))["state"] in states and j,
-                          f"job {job_id} to reach {states}", timeout, interval=0.3)
+        try:
+            return wait_until(lambda: (j := self.job(job_id))["state"] in states and j,
+                              f"job {job_id} to reach {states}", timeout, interval=0.3)
+        except AssertionError as exc:     # say where it stood: its status and events
+            status = self.cli("status", job_id)
+            raise AssertionError(f"{exc}\n{status.stdout[-4000:]}{status.stderr[-1000:]}") \
+                from None
 
     def close(self) -> None:
         """Stop every provider (all draining at once, the broker still up to take their
