@@ -20,9 +20,11 @@ class Liveness:
     def __init__(self) -> None:
         self.seen: dict[str, int] = {}                          # provider -> when, ms
         self.running: dict[str, list[tuple[str, int]]] = {}     # provider -> (job, epoch)
-        # Leases the broker ended (lost, taken back, no longer the provider's) that their
-        # provider may still run: their devices are not leased again until a heartbeat of
-        # that provider no longer lists them. provider -> {(job, epoch): since, ms}
+        # Leases the broker ended itself (lost to missed heartbeats, run past their
+        # max_runtime) that their provider may still run: their devices are not leased
+        # again until a heartbeat of that provider no longer lists them (only such leases:
+        # what a heartbeat lists that is not the provider's costs the broker nothing here).
+        # provider -> {(job, epoch): since, ms}
         self.unconfirmed: dict[str, dict[tuple[str, int], int]] = {}
 
     def heard(self, provider_id: str, running: list[tuple[str, int]], now: int) -> None:

@@ -252,7 +252,6 @@ async def write_heartbeats(state: BrokerState) -> None:
         session.log(log, logging.INFO, "provider %s still runs %d leases that are no longer"
                     " its (job %s, ...); told to stop", provider_id, len(pairs), pairs[0][0])
         for job_id, epoch in pairs:
-            state.liveness.ended(provider_id, job_id, epoch, now_ms())
             session.send(gw.BrokerMessage(cancel=gw.CancelLease(
                 job_id=job_id, epoch=epoch, reason="this lease is no longer yours")))
 
