@@ -81,3 +81,14 @@ def market(tmp_path):
         assert "Traceback" not in text, f"{name} logged a traceback:\n{text}"
     if m.broker is not None:
         assert not own_tracebacks(m.broker.text()), m.broker.text()
+
+
+@pytest.fixture
+def store(tmp_path):
+    """A broker's SQLite store, opened on a fresh file (the domain tests' database)."""
+    from gpumarket.broker.store import Store
+
+    s = Store(tmp_path / "broker.db")
+    s.open()
+    yield s
+    s.close()

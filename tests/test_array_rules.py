@@ -97,16 +97,6 @@ def array_job(client, job_id: str, count: int, per_lease: int, only=(), max_atte
                   nonce=job_id.encode().hex().ljust(32, "0"))
 
 
-@pytest.fixture
-def store(tmp_path):
-    from gpumarket.broker.store import Store
-
-    s = Store(tmp_path / "broker.db")
-    s.open()
-    yield s
-    s.close()
-
-
 def test_a_yielded_lease_gives_back_the_tasks_it_did_not_run_without_an_attempt(store):
     """The broker asks a running lease to yield: its tasks not reported yet are marked; one
     that still reports is recorded; when the lease ends the rest go back to the queue in a

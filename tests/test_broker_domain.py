@@ -11,7 +11,6 @@ import pytest
 from gpumarket.broker import jobs, providers, views
 from gpumarket.broker.admission import Needs, NewJob
 from gpumarket.broker.artifact_store import ArtifactStore
-from gpumarket.broker.store import Store
 from gpumarket.proto.envelope import seal
 from gpumarket.proto.errors import (
     FailedPrecondition, InvalidArgument, NotFound, Replay,
@@ -30,14 +29,6 @@ def new_job(client: Identity, job_id="j1", nonce="00" * 16, max_attempts=2):
     return NewJob(id=job_id, client_id=client.id, name="x", spec=env.SerializeToString(),
                   spec_sha256="0" * 64, needs=needs, expires_at_ms=10**13,
                   max_attempts=max_attempts, nonce=nonce)
-
-
-@pytest.fixture
-def store(tmp_path):
-    s = Store(tmp_path / "broker.db")
-    s.open()
-    yield s
-    s.close()
 
 
 def test_lifecycle_and_epochs(store):

@@ -18,7 +18,6 @@ from datetime import datetime
 import pytest
 
 from gpumarket.broker import jobs, providers, views
-from gpumarket.broker.store import Store
 from gpumarket.proto.envelope import seal
 from gpumarket.proto.errors import Unavailable
 from gpumarket.proto.identity import Identity
@@ -243,14 +242,6 @@ def test_a_watch_resumes_after_an_outage_and_gives_up_only_after_a_long_one(monk
 
 
 # -- the broker's wait after a restart ---------------------------------------------------------
-
-
-@pytest.fixture
-def store(tmp_path):
-    s = Store(tmp_path / "broker.db")
-    s.open()
-    yield s
-    s.close()
 
 
 def test_a_restarted_broker_waits_for_each_provider_as_long_as_it_said(store):

@@ -20,7 +20,6 @@ from gpumarket.broker.autoscaler import Autoscaler, Decision, Watch, decide
 from gpumarket.broker.metrics import BrokerMetrics
 from gpumarket.broker.serving import Endpoint, Refused, Serving
 from gpumarket.broker.sessions import CHUNKS_PER_S, ProviderSession
-from gpumarket.broker.store import Store
 from gpumarket.proto.envelope import seal
 from gpumarket.proto.errors import FailedPrecondition, InvalidArgument
 from gpumarket.proto.identity import Identity
@@ -126,14 +125,6 @@ def test_scale_out_never_passes_max_replicas():
 
 BROKER = Identity.generate()
 CLIENT = Identity.generate()
-
-
-@pytest.fixture
-def store(tmp_path):
-    s = Store(tmp_path / "broker.db")
-    s.open()
-    yield s
-    s.close()
 
 
 def endpoint_job(min_replicas: int, max_replicas: int, hold: int = 0,
