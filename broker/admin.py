@@ -21,7 +21,6 @@ from gpumarket.proto.errors import BadSignature, InvalidArgument, PermissionDeni
 from gpumarket.proto.jobspec import MAX_CREDITS, now_ms
 from gpumarket.proto.v1 import admin_pb2 as ad
 from gpumarket.proto.v1 import admin_pb2_grpc
-from gpumarket.proto.v1 import gateway_pb2 as gw
 
 log = logging.getLogger(__name__)
 
@@ -49,11 +48,9 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
     def _cut_off(self, provider_id: str, ended: list[tuple[str, int]], reason: str) -> None:
         """After providers.take_leases: tell a connected provider its leases are gone, end its
         session, and let watchers and the scheduler see the change."""
-        session = self.state.sessions.get(provider_id)
-        if session is not None:
-            for job_id, epoch in ended:
-                session.send(gw.BrokerMessage(cancel=gw.CancelLease(
-                    job_id=job_id, epoch=epoch, reason=reason)))
+        for job_id, epoch in ended:
+            self.state.stop_lease(job_id, epoch, provider_id, reason)
+        if self.state.sessions.get(provider_id) is not None:
             self.state.sessions.end(provider_id)
         self.state.events.notify()
         self.state.placement.notify()

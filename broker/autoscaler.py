@@ -25,7 +25,7 @@ import logging
 import time
 from dataclasses import dataclass
 
-from gpumarket.broker import endpoints, jobs, scheduler
+from gpumarket.broker import endpoints, jobs
 from gpumarket.broker.serving import Endpoint, Serving
 from gpumarket.broker.state import BrokerState
 from gpumarket.proto.errors import FailedPrecondition
@@ -186,7 +186,7 @@ class Autoscaler:
                 why = f"not ready within {self.state.config.cold_start_s:.0f} s of its lease"
                 if await self.state.store.write(jobs.lose_lease, r["lease_id"], why, now_ms()):
                     log.warning("endpoint %s: replica %s %s", ep.name, r["id"], why)
-                    scheduler.stop(self.state, r["id"], r["epoch"], r["provider_id"], why)
+                    self.state.stop_lease(r["id"], r["epoch"], r["provider_id"], why)
                     late = True
         return late
 
@@ -221,4 +221,4 @@ class Autoscaler:
 
     def _stop(self, ended, why: str) -> None:
         for lease in ended:
-            scheduler.stop(self.state, lease.job_id, lease.epoch, lease.provider_id, why)
+            self.state.stop_lease(lease.job_id, lease.epoch, lease.provider_id, why)

@@ -251,9 +251,9 @@ class ProviderGatewayServicer(gateway_pb2_grpc.ProviderGatewayServicer):
                                            verdicts.policy(self.state, pid, DRAW.random()))
                 if stored == "paused":
                     # Its hold ran out: the checkpoint just settled is where it resumes.
-                    session.send(gw.BrokerMessage(cancel=gw.CancelLease(
-                        job_id=update.job_id, epoch=update.epoch,
-                        reason="paused: the job's hold is spent (its client can top it up)")))
+                    self.state.stop_lease(
+                        update.job_id, update.epoch, pid,
+                        "paused: the job's hold is spent (its client can top it up)")
             elif which == "released":
                 await store.write(jobs.release, update.job_id, update.epoch, pid,
                                   update.released.reason[:500] or "released by provider", now)
@@ -296,8 +296,7 @@ class ProviderGatewayServicer(gateway_pb2_grpc.ProviderGatewayServicer):
                 session.send(gw.BrokerMessage(settled=gw.UpdateSettled(
                     job_id=update.job_id, epoch=update.epoch, accepted=False, reason=exc.message)))
             elif isinstance(exc, FailedPrecondition):
-                session.send(gw.BrokerMessage(cancel=gw.CancelLease(
-                    job_id=update.job_id, epoch=update.epoch, reason=exc.message)))
+                self.state.stop_lease(update.job_id, update.epoch, pid, exc.message)
             self.state.events.notify()
             return
         if final:

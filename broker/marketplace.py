@@ -23,7 +23,6 @@ from gpumarket.proto.errors import (
     ResourceExhausted,
 )
 from gpumarket.proto.jobspec import MAX_CREDITS, TERMINAL_STATES, check_fresh, now_ms
-from gpumarket.proto.v1 import gateway_pb2 as gw
 from gpumarket.proto.v1 import marketplace_pb2 as mp
 from gpumarket.proto.v1 import marketplace_pb2_grpc
 from gpumarket.proto.v1 import types_pb2 as pb
@@ -259,10 +258,8 @@ class MarketplaceServicer(marketplace_pb2_grpc.MarketplaceServicer):
             self.state.serving.forget_keys()
             self.state.serving.sync(await self.state.store.read(endpoints.live))
         for lease in ended:
-            session = self.state.sessions.get(lease.provider_id)
-            if session is not None:
-                session.send(gw.BrokerMessage(cancel=gw.CancelLease(
-                    job_id=lease.job_id, epoch=lease.epoch, reason="cancelled by client")))
+            self.state.stop_lease(lease.job_id, lease.epoch, lease.provider_id,
+                                  "cancelled by client")
         if ended:
             self.state.placement.notify()
         self.state.events.notify()

@@ -226,14 +226,6 @@ async def ask_to_yield(state: BrokerState, book: matcher.Book,
     return asked
 
 
-def stop(state: BrokerState, job_id: str, epoch: int, provider_id: str, reason: str) -> None:
-    """Tell a connected provider that a lease the broker ended is no longer its to run."""
-    session = state.sessions.get(provider_id)
-    if session is not None:
-        session.send(gw.BrokerMessage(cancel=gw.CancelLease(job_id=job_id, epoch=epoch,
-                                                            reason=reason)))
-
-
 async def write_heartbeats(state: BrokerState) -> None:
     """Write the heartbeats heard since the last pass, in one transaction, and tell each
     provider to stop the leases it said it runs that are no longer its."""
@@ -252,8 +244,7 @@ async def write_heartbeats(state: BrokerState) -> None:
         session.log(log, logging.INFO, "provider %s still runs %d leases that are no longer"
                     " its (job %s, ...); told to stop", provider_id, len(pairs), pairs[0][0])
         for job_id, epoch in pairs:
-            session.send(gw.BrokerMessage(cancel=gw.CancelLease(
-                job_id=job_id, epoch=epoch, reason="this lease is no longer yours")))
+            state.stop_lease(job_id, epoch, provider_id, "this lease is no longer yours")
 
 
 async def expire(state: BrokerState) -> None:
@@ -272,8 +263,7 @@ async def expire(state: BrokerState) -> None:
             changed = True
             # A provider that is late, not gone, may still run it: it is told to stop, and
             # the devices wait for it to say it has (not refused leases meanwhile).
-            state.liveness.ended(row[2], row[0], row[1], now)
-            stop(state, *row, "lease lost: missed heartbeats")
+            state.stop_lease(*row, "lease lost: missed heartbeats")
     if await state.store.write(jobs.expire_queued, now):
         changed = True
     for lease_id, limit in await state.store.read(views.leases_past_runtime, now,
@@ -283,16 +273,15 @@ async def expire(state: BrokerState) -> None:
                                    f"ran past the job's max_runtime of {limit}s", now):
             log.warning("lease %s taken back: it ran past its job's max_runtime", lease_id)
             changed = True
-            state.liveness.ended(row[2], row[0], row[1], now)
-            stop(state, *row, f"ran past the job's max_runtime of {limit}s")
+            state.stop_lease(*row, f"ran past the job's max_runtime of {limit}s")
     for lease_id in await state.store.read(views.leases_over_hold, now):
         ended = await state.store.write(jobs.exhaust, lease_id, now)
         if ended is None:
             continue
         log.info("job %s paused: its hold is spent", ended.job_id)
         changed = True
-        stop(state, ended.job_id, ended.epoch, ended.provider_id,
-             "paused: the job's hold is spent (its client can top it up)")
+        state.stop_lease(ended.job_id, ended.epoch, ended.provider_id,
+                         "paused: the job's hold is spent (its client can top it up)")
     if changed:
         state.events.notify()
         state.placement.notify()

@@ -15,6 +15,7 @@ from gpumarket.broker.sessions import Sessions
 from gpumarket.broker.store import Store
 from gpumarket.proto.identity import Identity
 from gpumarket.proto.jobspec import now_ms
+from gpumarket.proto.v1 import gateway_pb2 as gw
 
 
 class Changes:
@@ -69,6 +70,17 @@ class BrokerState:
                                                                 pending)).items():
                 busy.setdefault(provider_id, set()).update(devices)
         return busy
+
+    def stop_lease(self, job_id: str, epoch: int, provider_id: str, reason: str) -> None:
+        """A lease the broker ended (cancelled, paused, lost, taken back, not the provider's):
+        tell its provider, if connected, to stop it. Its devices are not leased again until
+        a heartbeat of that provider no longer lists it (stopping a job takes its grace
+        period; a lease sent meanwhile would be refused, or read late and lost)."""
+        self.liveness.ended(provider_id, job_id, epoch, now_ms())
+        session = self.sessions.get(provider_id)
+        if session is not None:
+            session.send(gw.BrokerMessage(cancel=gw.CancelLease(job_id=job_id, epoch=epoch,
+                                                                reason=reason)))
 
     @property
     def operators(self) -> set[str]:

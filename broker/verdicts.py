@@ -11,7 +11,6 @@ from gpumarket import kinds
 from gpumarket.broker import disputes, verification
 from gpumarket.broker.state import BrokerState
 from gpumarket.proto.jobspec import now_ms
-from gpumarket.proto.v1 import gateway_pb2 as gw
 
 log = logging.getLogger(__name__)
 
@@ -95,10 +94,7 @@ async def decide(state: BrokerState) -> int:
 
 def _tell(state: BrokerState, outcome: disputes.Outcome) -> None:
     for job_id, epoch, provider_id in outcome.stop:
-        session = state.sessions.get(provider_id)
-        if session is not None:
-            session.send(gw.BrokerMessage(cancel=gw.CancelLease(
-                job_id=job_id, epoch=epoch, reason="a spot check ended this work")))
+        state.stop_lease(job_id, epoch, provider_id, "a spot check ended this work")
     for provider_id in outcome.banned:
         log.warning("provider %s banned: spot checks found its results wrong", provider_id)
         if state.sessions.get(provider_id) is not None:

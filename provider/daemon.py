@@ -43,6 +43,7 @@ class ProviderDaemon:
         self.engines = inference_engines(any(d.is_cuda for d in devices))
         self.kinds = runnable_kinds(config, self.engines)
         self.jobs: dict[str, Attempt] = {}
+        self.stopping_jobs: set[tuple[str, int]] = set()  # told to stop, not stopped yet
         self.unsettled: dict[tuple[str, int], gw.ProviderMessage] = {}
         self.stopping = asyncio.Event()
         self.draining = False
@@ -120,12 +121,22 @@ class ProviderDaemon:
 
     async def on_cancel(self, cancel: gw.CancelLease) -> None:
         job = self.jobs.get(cancel.job_id)
-        if job is None or job.key[1] != cancel.epoch:
+        if job is None or job.key[1] != cancel.epoch or job.key in self.stopping_jobs:
             return
         log.info("job %s stopped by the broker: %s", cancel.job_id, cancel.reason)
         self.unsettled.pop(job.key, None)
-        await job.stop(cancel.reason)
-        await self._forget(job)
+        # Stopping takes the job's grace period and more: the session reads on meanwhile
+        # (a lease read seconds late is lost to missed heartbeats). Until it has stopped the
+        # job is listed in heartbeats and its devices stay taken.
+        self.stopping_jobs.add(job.key)
+        self._spawn(self._stop(job, cancel.reason))
+
+    async def _stop(self, job: Attempt, reason: str) -> None:
+        try:
+            await job.stop(reason)
+        finally:
+            self.stopping_jobs.discard(job.key)
+            await self._forget(job)
 
     def on_yield(self, request: gw.YieldLease) -> None:
         job = self.jobs.get(request.job_id)

@@ -122,6 +122,39 @@ def test_cancel_running_job(market, tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
 
 
+STUBBORN = """
+import signal, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)     # stopped only by the SIGKILL after the grace
+print("started", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_job_slow_to_stop_costs_the_next_job_nothing(market, tmp_path):
+    """Stopping a cancelled job takes its grace period (10 s here, longer than the 4 s lease
+    timeout): meanwhile its device is not leased again, and the provider reads on (a lease
+    it read only after the stop was lost to missed heartbeats, and the next one too: CI saw
+    a job fail after 5 attempts that way)."""
+    market.start_provider("p1", 1.0, "--kinds", "script,training")
+    market.wait_for_offers(1)
+    (tmp_path / "main.py").write_text(STUBBORN)
+    stubborn = tmp_path / "stubborn.toml"
+    stubborn.write_text('name = "stubborn"\nkind = "script"\nmax_price = 2.0\n\n'
+                        '[script]\ncode = "main.py"\n')
+    r, job_id = submit(market, stubborn)
+    assert r.returncode == 0, r.stderr
+    market.wait_state(job_id, "RUNNING", timeout=120)
+    workdir = str(market.root / "p1" / "jobs" / f"{job_id}.1")
+    wait_until(lambda: job_processes(workdir), "the job's process", timeout=60)
+
+    r, next_id = submit(market, training_job(tmp_path / "next.toml", steps=5))
+    assert r.returncode == 0, r.stderr
+    assert market.cli("cancel", job_id).returncode == 0
+    done = market.wait_state(next_id, "SUCCEEDED", "FAILED", timeout=300)
+    assert [a["outcome"] for a in done["attempts"]] == ["succeeded"], done["attempts"]
+    assert not job_processes(workdir)
+
+
 def test_fine_tune_a_model_directory(market, tmp_path):
     """A base_model directory is packed by the client, unpacked by the provider, loaded with
     safetensors, and trained further."""
