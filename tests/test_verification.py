@@ -31,10 +31,13 @@ def audit(market: Marketplace, root) -> dict:
 
 
 def cheat_among_honest(market: Marketplace, mode: str) -> tuple[str, str, str]:
-    """A broker with checks on, a cheat ("cheat", the cheapest: jobs go to it first) and
-    two honest providers ("h1", "h2"); their ids."""
+    """A broker with checks on, a cheat ("cheat", by far the cheapest: jobs go to it first)
+    and two honest providers ("h1", "h2"); their ids. The matcher ranks by price x expected
+    time: at 0.5 against 1.0 an honest provider whose benchmark ran on a less loaded moment
+    could win the job, and the cheat was then caught only as its checker; at 0.1 it would
+    need to measure ten times faster."""
     market.start_broker(*LEASE_ARGS, verify=True)
-    market.start_provider("cheat", 0.5, cheat=mode)
+    market.start_provider("cheat", 0.1, cheat=mode)
     market.start_provider("h1", 1.0)
     market.start_provider("h2", 1.5)
     market.wait_for_offers(3)
