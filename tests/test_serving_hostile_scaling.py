@@ -63,8 +63,10 @@ def test_a_replica_that_never_becomes_ready_is_never_replaced():
             return True
 
     store = Written()
+    stopped = []
     state = SimpleNamespace(store=store, metrics=BrokerMetrics(), sessions={},
-                            config=SimpleNamespace(cold_start_s=300.0))
+                            config=SimpleNamespace(cold_start_s=300.0),
+                            stop_lease=lambda *lease: stopped.append(lease))
     ep = Endpoint("ep", "c1", "tiny", {**SETTINGS, "min_replicas": 1, "max_replicas": 3})
     scaler = Autoscaler(state, Serving({}, BrokerMetrics(), 1, 1, 1))
     fresh = {**replica_row(1, ready_=False), "lease_id": "r1.1", "issued_at_ms": now_ms()}
@@ -73,6 +75,7 @@ def test_a_replica_that_never_becomes_ready_is_never_replaced():
     served = {**replica_row(3), "lease_id": "r3.1", "issued_at_ms": now_ms() - 10**9}
     assert asyncio.run(scaler._late(ep, [fresh, stale, served]))
     assert [(fn.__name__, args[0]) for fn, args in store.calls] == [("lose_lease", "r2.1")]
+    assert [lease[:2] for lease in stopped] == [("r2", 1)]     # its provider is told to stop it
 
 
 def test_scale_in_races_a_request_routed_to_the_victim_meanwhile():
