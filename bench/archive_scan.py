@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from gpumarket.broker import estimates  # noqa: E402
+from gpumarket.broker.market import estimates
 from gpumarket.proto.errors import InvalidArgument  # noqa: E402
 
 

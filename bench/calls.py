@@ -91,10 +91,10 @@ async def verify_cost(tmp: Path, n: int) -> float:
     import hashlib
     from types import SimpleNamespace
 
-    from gpumarket.broker.auth import Authenticator
+    from gpumarket.broker.api.auth import Authenticator
     from gpumarket.broker.config import BrokerConfig
     from gpumarket.broker.metrics import BrokerMetrics
-    from gpumarket.broker.store import Store
+    from gpumarket.broker.store.store import Store
     from gpumarket.link.channel import call_token
     from gpumarket.proto.identity import Identity
 

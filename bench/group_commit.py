@@ -1,4 +1,4 @@
-"""Group commit (broker/store.py): the broker's single SQLite writer with synchronous=FULL,
+"""Group commit (broker/store/store.py): the broker's single SQLite writer with synchronous=FULL,
 under many concurrent writers (heartbeats, signed calls' nonces, handshakes all write), with
 writes committed one transaction each (MAX_GROUP = 1, the old writer) and grouped (the
 default), in the same run, on the same disk.
@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from gpumarket.broker import store as store_module  # noqa: E402
+from gpumarket.broker.store import store as store_module
 
 
 def setup(db, writers: int) -> None:

@@ -9,7 +9,7 @@ calibrated runtime estimates under the holds are.
    record_checkpoint through Store.write) with its settlement, over the same without it
    (ledger.settle replaced by a no-op), interleaved in the same run. Target <= 1.2.
    checkpoint_overhead_ratio: the same for the whole checkpoint as the broker's writer sees
-   it: the upload of the checkpoint blob finishing (holdings.record, its own transaction)
+   it: the upload of the checkpoint blob finishing (blob_holdings.record, its own transaction)
    and then the report (record_checkpoint).
 3. quote_error_median: a real local marketplace (broker, one provider, real processes); the
    example training job (examples/data tiny-llama, steps cycling 60/120/240) is quoted with
@@ -34,9 +34,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from gpumarket.broker import holdings, jobs, ledger  # noqa: E402
-from gpumarket.broker.admission import Needs, NewJob  # noqa: E402
-from gpumarket.broker.store import Store  # noqa: E402
+from gpumarket.broker.jobs import transitions as jobs
+from gpumarket.broker.market.admission import Needs, NewJob  # noqa: E402
+from gpumarket.broker.money import ledger
+from gpumarket.broker.store import blob_holdings
+from gpumarket.broker.store.store import Store  # noqa: E402
 from gpumarket.proto.v1 import types_pb2 as pb  # noqa: E402
 from tests.helpers import Marketplace, training_job  # noqa: E402
 
@@ -76,7 +78,7 @@ async def store_figures(n: int) -> dict:
             for job_id in ("with", "without") if step % 2 else ("without", "with"):
                 sha = f"{job_id}{step:010d}".ljust(64, "0")[:64]
                 t0 = time.perf_counter()
-                await store.write(holdings.record, sha, 10, "p", step)
+                await store.write(blob_holdings.record, sha, 10, "p", step)
                 ref = pb.ArtifactRef(name="ckpt.tar", sha256=sha, size_bytes=10)
                 ledger.settle = real_settle if job_id == "with" else (lambda *a, **k: idle)
                 try:

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np  # noqa: E402
 
-from gpumarket.broker.matcher import OBJECTIVES, Book, JobNeeds, OfferView  # noqa: E402
+from gpumarket.broker.market.matcher import OBJECTIVES, Book, JobNeeds, OfferView  # noqa: E402
 from gpumarket.proto.policy import Policy, Window  # noqa: E402
 from gpumarket.proto.v1 import types_pb2 as pb  # noqa: E402
 

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from gpumarket.broker import verification
+from gpumarket.broker.checks import verification
 from gpumarket.kinds import training
 from gpumarket.provider.checkpoints import pack
 

@@ -106,7 +106,7 @@ def serve(config_file: Path | None, listen: str | None, data_dir: Path | None,
           log_level: str) -> None:
     """Serve the broker's gRPC API (and HTTP side) until SIGTERM."""
     from gpumarket.broker import config as broker_config
-    from gpumarket.broker.listeners import raise_open_files
+    from gpumarket.broker.api.listeners import raise_open_files
 
     _log_setup(log_level)
     try:
@@ -151,7 +151,7 @@ def serve(config_file: Path | None, listen: str | None, data_dir: Path | None,
     gc.freeze()
     gc.set_threshold(50_000, 20, 100)
     # Descriptors are what a flood of idle connections takes: as many as the host allows,
-    # shared between the listeners with a reserve (broker/listeners.py).
+    # shared between the listeners with a reserve (broker/api/listeners.py).
     raise_open_files()
     try:
         asyncio.run(serve_main(config))

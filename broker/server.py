@@ -14,23 +14,24 @@ from aiohttp import web
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from gpumarket.broker import providers, scheduler
-from gpumarket.broker.admin import AdminServicer
-from gpumarket.broker.auth import Authenticator
-from gpumarket.broker.autoscaler import Autoscaler
-from gpumarket.broker.artifact_store import ArtifactStore
-from gpumarket.broker.artifacts import ArtifactsServicer
+from gpumarket.broker.api.admin import AdminServicer
+from gpumarket.broker.api.artifacts import ArtifactsServicer
+from gpumarket.broker.api.auth import Authenticator
+from gpumarket.broker.api.gateway import ProviderGatewayServicer
+from gpumarket.broker.api.http import BrokerHttp
 from gpumarket.broker.config import BrokerConfig
-from gpumarket.broker.gateway import ProviderGatewayServicer
-from gpumarket.broker.http import BrokerHttp
-from gpumarket.broker.listeners import (
+from gpumarket.broker.market import providers
+from gpumarket.broker.market import scheduler
+from gpumarket.broker.serving.autoscaler import Autoscaler
+from gpumarket.broker.store.artifact_store import ArtifactStore
+from gpumarket.broker.api.listeners import (
     ConnectionGuard, GuardedSite, plan, throttle_accept_errors,
 )
-from gpumarket.broker.marketplace import MarketplaceServicer
-from gpumarket.broker.openai_api import OpenAIApi
-from gpumarket.broker.serving import Serving
+from gpumarket.broker.api.marketplace import MarketplaceServicer
+from gpumarket.broker.serving.openai_api import OpenAIApi
+from gpumarket.broker.serving.router import Serving
 from gpumarket.broker.state import BrokerState
-from gpumarket.broker.store import Store
+from gpumarket.broker.store.store import Store
 from gpumarket.proto.tls import tls_material
 from gpumarket.proto.wire import PLAINTEXT, SERVER_OPTIONS
 from gpumarket.proto.identity import Identity

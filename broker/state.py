@@ -6,13 +6,13 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpumarket.broker import views
-from gpumarket.broker.artifact_store import ArtifactStore
+from gpumarket.broker.api.sessions import Sessions
 from gpumarket.broker.config import BrokerConfig
-from gpumarket.broker.liveness import Liveness
+from gpumarket.broker.jobs import views
+from gpumarket.broker.market.liveness import Liveness
 from gpumarket.broker.metrics import BrokerMetrics
-from gpumarket.broker.sessions import Sessions
-from gpumarket.broker.store import Store
+from gpumarket.broker.store.artifact_store import ArtifactStore
+from gpumarket.broker.store.store import Store
 from gpumarket.proto.identity import Identity
 from gpumarket.proto.jobspec import now_ms
 from gpumarket.proto.v1 import gateway_pb2 as gw
@@ -58,7 +58,7 @@ class BrokerState:
     metrics: BrokerMetrics = field(default_factory=BrokerMetrics)
     revoked: set[str] = field(default_factory=set)        # key ids refused everywhere
     liveness: Liveness = field(default_factory=Liveness)  # heartbeats not yet written
-    serving: Any = None                                   # broker/serving.py's Serving
+    serving: Any = None                                   # broker/serving/router.py's Serving
     api_base: str = ""                                    # where the endpoints' API listens
 
     async def busy_devices(self) -> dict[str, set[int]]:

@@ -1,4 +1,4 @@
-"""The provider's side of the broker session protocol (broker/gateway.py is the other):
+"""The provider's side of the broker session protocol (broker/api/gateway.py is the other):
 connect over the pinned TLS channel, open the gateway session (hello, challenge, proof,
 welcome), send the offer and what is still unsettled, heartbeat the leases it runs, and
 hand leases, cancels and settlements to the daemon. The session is reopened with backoff

@@ -86,7 +86,7 @@ def market(tmp_path):
 @pytest.fixture
 def store(tmp_path):
     """A broker's SQLite store, opened on a fresh file (the domain tests' database)."""
-    from gpumarket.broker.store import Store
+    from gpumarket.broker.store.store import Store
 
     s = Store(tmp_path / "broker.db")
     s.open()

@@ -9,7 +9,7 @@ import json
 
 
 from gpumarket.broker.metrics import BrokerMetrics
-from gpumarket.broker.serving import Endpoint, Serving
+from gpumarket.broker.serving.router import Endpoint, Serving
 from gpumarket.proto.v1 import gateway_pb2 as gw
 from gpumarket.proto.v1 import types_pb2 as pb
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 ROLES = ("broker", "provider", "client")
-SERVICERS = {"broker/admin.py", "broker/artifacts.py", "broker/gateway.py",
-             "broker/marketplace.py", "broker/server.py"}
+SERVICERS = {"broker/api/admin.py", "broker/api/artifacts.py", "broker/api/gateway.py",
+             "broker/api/marketplace.py", "broker/server.py"}
 
 
 def imports(path: Path) -> set[str]:
@@ -51,3 +51,19 @@ def test_the_shared_layers_import_no_grpc_and_no_role():
             bad = {i for i in imports(path) if i == "grpc" or i.startswith("grpc.")
                    or any(i.startswith(f"gpumarket.{r}") for r in ROLES + ("link",))}
             assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}"
+
+
+BROKER_ROOMS = {"api", "jobs", "market", "money", "checks", "serving", "store"}
+BROKER_PROCESS = {"__init__.py", "cli.py", "admin_cli.py", "config.py", "server.py", "state.py",
+                  "metrics.py"}
+
+
+def test_the_broker_is_in_rooms():
+    """Each subsystem of the broker is a package named for it (docs/architecture.md, The
+    broker's rooms); only the process itself (its CLI, config, wiring, shared state and
+    metrics) sits at the top."""
+    top = {p.name for p in (ROOT / "broker").glob("*.py")}
+    assert top <= BROKER_PROCESS, f"broker/ modules outside a room: {sorted(top - BROKER_PROCESS)}"
+    rooms = {p.name for p in (ROOT / "broker").iterdir()
+             if p.is_dir() and (p / "__init__.py").exists()}
+    assert rooms == BROKER_ROOMS, sorted(rooms ^ BROKER_ROOMS)

@@ -83,7 +83,7 @@ def test_output_names_round_trip_and_refuse_lookalikes():
 
 
 def array_job(client, job_id: str, count: int, per_lease: int, only=(), max_attempts: int = 1):
-    from gpumarket.broker.admission import Needs, NewJob
+    from gpumarket.broker.market.admission import Needs, NewJob
     from gpumarket.proto.envelope import seal
     from gpumarket.proto.v1 import types_pb2 as pb
 
@@ -104,8 +104,8 @@ def test_a_yielded_lease_gives_back_the_tasks_it_did_not_run_without_an_attempt(
     them). A lease lost meanwhile forgets the yield: its batch runs them all again."""
     import asyncio
 
-    from gpumarket.broker import arrays as broker_arrays
-    from gpumarket.broker import jobs
+    from gpumarket.broker.jobs import arrays as broker_arrays
+    from gpumarket.broker.jobs import transitions as jobs
     from gpumarket.proto.envelope import seal
     from gpumarket.proto.identity import Identity
     from gpumarket.proto.v1 import gateway_pb2 as gw
@@ -156,8 +156,8 @@ def test_an_array_of_some_lines_runs_those_tasks_each_by_its_own_index(store):
     past the input is refused."""
     import asyncio
 
-    from gpumarket.broker import arrays as broker_arrays
-    from gpumarket.broker import jobs
+    from gpumarket.broker.jobs import arrays as broker_arrays
+    from gpumarket.broker.jobs import transitions as jobs
     from gpumarket.proto.identity import Identity
     from gpumarket.proto.v1 import types_pb2 as pb
 

@@ -11,12 +11,13 @@ import os
 
 import grpc
 import pytest
-from gpumarket.broker import auth, holdings
-from gpumarket.broker.artifact_store import ArtifactStore
-from gpumarket.broker.artifacts import MAX_BLOBS, ArtifactsServicer
+from gpumarket.broker.api import auth
+from gpumarket.broker.api.artifacts import MAX_BLOBS, ArtifactsServicer
 from gpumarket.broker.config import BrokerConfig
 from gpumarket.broker.state import BrokerState
-from gpumarket.broker.store import Store
+from gpumarket.broker.store import blob_holdings
+from gpumarket.broker.store.artifact_store import ArtifactStore
+from gpumarket.broker.store.store import Store
 from gpumarket.proto.artifacts import CHUNK_BYTES
 from gpumarket.proto.identity import Identity
 from gpumarket.proto.v1 import artifacts_pb2 as ap
@@ -74,7 +75,7 @@ def download(servicer, key: str, shas: list[str]) -> list[ap.Blob]:
 
 def stored(servicer, sha: str) -> bool:
     on_disk = servicer.state.artifacts.blob_path(sha).exists()
-    held = asyncio.run(servicer.state.store.read(holdings.stored_sizes, [sha]))
+    held = asyncio.run(servicer.state.store.read(blob_holdings.stored_sizes, [sha]))
     assert on_disk == bool(held), sha      # a blob is on disk exactly when it is recorded
     return on_disk
 
@@ -96,7 +97,7 @@ def test_small_blobs_go_up_and_come_back_many_to_a_call(servicer):
     assert not any(r.already_present for r in answer.blobs)
     for data in (a, b, b""):
         assert servicer.state.artifacts.blob_path(blob(data).sha256).read_bytes() == data
-        assert asyncio.run(servicer.state.store.read(holdings.holds, "k1", blob(data).sha256))
+        assert asyncio.run(servicer.state.store.read(blob_holdings.holds, "k1", blob(data).sha256))
     # Several to a message each way; read back whole, in one call or on their own.
     assert [g.data for g in download(servicer, "k1", [blob(b).sha256, blob(a).sha256])] \
         == [b, a]

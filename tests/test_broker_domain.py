@@ -8,9 +8,11 @@ import json
 
 import pytest
 
-from gpumarket.broker import jobs, providers, views
-from gpumarket.broker.admission import Needs, NewJob
-from gpumarket.broker.artifact_store import ArtifactStore
+from gpumarket.broker.jobs import transitions as jobs
+from gpumarket.broker.jobs import views
+from gpumarket.broker.market import providers
+from gpumarket.broker.market.admission import Needs, NewJob
+from gpumarket.broker.store.artifact_store import ArtifactStore
 from gpumarket.proto.envelope import seal
 from gpumarket.proto.errors import (
     FailedPrecondition, InvalidArgument, NotFound, Replay,
@@ -224,8 +226,8 @@ def test_a_database_from_before_job_needs_keeps_its_jobs(tmp_path):
     an older broker is matched afterwards exactly as before."""
     from sqlite_utils import Database
 
-    from gpumarket.broker.schema import migrations
-    from gpumarket.broker.scheduler import needs_of
+    from gpumarket.broker.market.scheduler import needs_of
+    from gpumarket.broker.store.schema import migrations
 
     db = Database(tmp_path / "old.db")
     migrations.apply(db, stop_before="m010_job_needs")
@@ -249,14 +251,14 @@ def test_a_database_from_before_job_needs_keeps_its_jobs(tmp_path):
 
 
 def test_heartbeats_are_noted_in_memory_and_written_before_leases_expire(store, tmp_path):
-    """A heartbeat costs no write of its own: broker/liveness.py notes it, and the scheduler
+    """A heartbeat costs no write of its own: broker/market/liveness.py notes it, and the scheduler
     writes all that were heard in one transaction, before it looks for overdue leases (a
     lease renewed only in memory is not lost) and telling a provider to stop a lease that
     is no longer its."""
-    from gpumarket.broker import scheduler
-    from gpumarket.broker.artifact_store import ArtifactStore
     from gpumarket.broker.config import BrokerConfig
+    from gpumarket.broker.market import scheduler
     from gpumarket.broker.state import BrokerState
+    from gpumarket.broker.store.artifact_store import ArtifactStore
     from gpumarket.proto.jobspec import now_ms
 
     broker, client = Identity.generate(), Identity.generate()
@@ -308,8 +310,8 @@ def test_a_lost_lease_holds_its_devices_until_its_provider_stops_it(store, tmp_p
     old job was still on it), and every refusal used up an attempt: the job failed within
     a second. Now the provider is told to stop the lost lease, and its devices are not
     leased again until a heartbeat of that provider no longer lists it."""
-    from gpumarket.broker import scheduler
     from gpumarket.broker.config import BrokerConfig
+    from gpumarket.broker.market import scheduler
     from gpumarket.broker.state import BrokerState
     from gpumarket.proto.jobspec import now_ms
 
@@ -354,7 +356,7 @@ def test_a_lost_lease_holds_its_devices_until_its_provider_stops_it(store, tmp_p
 def test_provider_histories_are_read_in_bulk_each_providers_own(store):
     """views.histories reads many providers' histories in three queries; each provider gets
     its own sessions and leases, and one never seen gets nothing."""
-    from gpumarket.broker.reliability import ProviderHistory
+    from gpumarket.broker.market.reliability import ProviderHistory
 
     client, now = Identity.generate(), 10_000_000
 
@@ -412,7 +414,8 @@ def test_a_tasks_own_receipt_is_taken_only_for_its_own_uploaded_outputs(store):
     """A provider's receipt for one array task's outputs (sent as the task ended): signed by
     the lease's provider, for that lease, epoch and spec, naming only that task's outputs,
     each a blob that provider uploaded intact; anything else is refused."""
-    from gpumarket.broker import arrays, holdings
+    from gpumarket.broker.jobs import arrays
+    from gpumarket.broker.store import blob_holdings
     from gpumarket.kinds.arrays import output_name
     from gpumarket.proto.v1 import gateway_pb2 as gw
 
@@ -434,7 +437,7 @@ def test_a_tasks_own_receipt_is_taken_only_for_its_own_uploaded_outputs(store):
                                       taken))
 
     async def scenario():
-        await store.write(holdings.record, good, 7, provider.id, 1)
+        await store.write(blob_holdings.record, good, 7, provider.id, 1)
 
     asyncio.run(scenario())
     with pytest.raises(Exception, match="not signed by the lease's provider"):

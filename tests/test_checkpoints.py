@@ -12,8 +12,10 @@ import tarfile
 import pytest
 import torch
 
-from gpumarket.broker import holdings, jobs, reliability
-from gpumarket.broker.store import Store
+from gpumarket.broker.jobs import transitions as jobs
+from gpumarket.broker.market import reliability
+from gpumarket.broker.store import blob_holdings
+from gpumarket.broker.store.store import Store
 from gpumarket.proto.envelope import seal
 from gpumarket.proto.errors import InvalidArgument
 from gpumarket.proto.identity import Identity
@@ -121,7 +123,7 @@ def test_broker_records_only_checkpoints_uploaded_intact(tmp_path):
             "UPDATE artifacts SET size_bytes = ? WHERE sha256 = ?", [len(data), sha]))
         with pytest.raises(InvalidArgument, match="not uploaded intact by this provider"):
             await store.write(jobs.record_checkpoint, "j1", 1, "p1", 10, ref, 0.1, 3)
-        await store.write(holdings.record, sha, len(data), "p1", 3)    # p1 uploaded it
+        await store.write(blob_holdings.record, sha, len(data), "p1", 3)    # p1 uploaded it
         assert await store.write(jobs.record_checkpoint, "j1", 1, "p1", 10, ref, 0.1, 3)
         assert not await store.write(jobs.record_checkpoint, "j1", 1, "p1", 5, ref, 0.1, 4)
         await store.write(jobs.lose_lease, "j1.1", "missed heartbeats", 5)

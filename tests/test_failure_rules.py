@@ -11,10 +11,14 @@ import os
 from types import SimpleNamespace
 
 import pytest
-from gpumarket.broker import endpoints, jobs, ledger, reliability, views
-from gpumarket.broker.gateway import ProviderGatewayServicer
-from gpumarket.broker.schema import migrations
-from gpumarket.broker.store import Store
+from gpumarket.broker.api.gateway import ProviderGatewayServicer
+from gpumarket.broker.jobs import transitions as jobs
+from gpumarket.broker.jobs import views
+from gpumarket.broker.market import reliability
+from gpumarket.broker.money import ledger
+from gpumarket.broker.serving import endpoints
+from gpumarket.broker.store.schema import migrations
+from gpumarket.broker.store.store import Store
 from gpumarket.proto.envelope import open_envelope, payload_sha256, seal
 from gpumarket.proto.errors import BadSignature
 from gpumarket.proto.identity import Identity

@@ -208,7 +208,7 @@ def test_a_provider_session_is_bounded(market):
 def test_a_provider_that_reads_nothing_loses_its_session_not_the_brokers_memory():
     """The broker keeps at most OUTBOX_MAX messages for a provider: one more ends its
     session, and nothing more is queued for it."""
-    from gpumarket.broker.sessions import OUTBOX_MAX, ProviderSession
+    from gpumarket.broker.api.sessions import OUTBOX_MAX, ProviderSession
 
     async def scenario():
         session = ProviderSession("p1")

@@ -10,10 +10,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gpumarket.broker import jobs, ledger
-from gpumarket.broker.admission import Needs, NewJob
-from gpumarket.broker.schema import migrations
-from gpumarket.broker.store import connect
+from gpumarket.broker.jobs import transitions as jobs
+from gpumarket.broker.market.admission import Needs, NewJob
+from gpumarket.broker.money import ledger
+from gpumarket.broker.store.schema import migrations
+from gpumarket.broker.store.store import connect
 from gpumarket.proto.errors import GpumarketError, InsufficientFunds
 from gpumarket.proto.v1 import types_pb2 as pb
 
@@ -357,7 +358,7 @@ def test_a_failed_check_returns_the_pay_to_the_job(tmp_path):
 
 def test_a_job_asking_for_a_stake_goes_only_to_staked_providers_and_a_slash_pays_the_client(
         tmp_path):
-    from gpumarket.broker.matcher import Book, JobNeeds, OfferView, explain
+    from gpumarket.broker.market.matcher import Book, JobNeeds, OfferView, explain
 
     cpu, train = pb.ACCELERATOR_CPU, pb.JOB_KIND_TRAINING
     staked = OfferView("staked", 1.0, frozenset({train}), (0,), cpu, 2**30, stake=5_000_000)
@@ -434,21 +435,21 @@ def test_a_failed_attempt_is_not_paid_past_its_last_checkpoint(tmp_path):
 
 
 def test_an_offer_with_absurd_figures_cannot_inflate_holds():
-    from gpumarket.broker import holds
-    from gpumarket.broker.calibration import Model
-    from gpumarket.broker.matcher import Estimate, OfferView
+    from gpumarket.broker.market.calibration import Model
+    from gpumarket.broker.market.matcher import Estimate, OfferView
+    from gpumarket.broker.money import credit_holds
 
     needs = Needs(kind=pb.JOB_KIND_TRAINING, gpus=1, min_memory_bytes=0,
                   accelerator=pb.ACCELERATOR_UNSPECIFIED, max_price_per_gpu_hour=2.0,
                   work_flops=1e13)
     liar = OfferView("liar", 0.0, frozenset({pb.JOB_KIND_TRAINING}), (0,), pb.ACCELERATOR_CPU,
                      2**30, claimed_flops=1e-6)
-    raw = holds.raw_seconds(needs.work_flops, liar, 1)
+    raw = credit_holds.raw_seconds(needs.work_flops, liar, 1)
     assert raw == 1e4            # counted at 1 GFLOP/s, not at the 1e-6 it claims
     slow = Model(10**9, 10**9, 3, "its own stalling")
-    timed = [holds.Timed(Estimate("liar", 0.0, 1, 1, 0, 1, 1), raw, slow.seconds(raw),
+    timed = [credit_holds.Timed(Estimate("liar", 0.0, 1, 1, 0, 1, 1), raw, slow.seconds(raw),
                          slow.basis)]
-    held, basis = holds.amount(needs, 1, timed, 0.0)
+    held, basis = credit_holds.amount(needs, 1, timed, 0.0)
     assert held == ledger.units(2.0 * 7 * 24)       # capped at seven days of max_price
     assert "at most 7 days" in basis
 
@@ -457,7 +458,7 @@ def test_a_lease_running_past_its_max_runtime_is_taken_back_unpaid_since_its_che
         tmp_path):
     """A provider that stalls past the job's max_runtime is not waited for: the broker takes
     the lease back (lost), and its time since its last checkpoint is never paid."""
-    from gpumarket.broker import views
+    from gpumarket.broker.jobs import views
 
     w = World(tmp_path / "b.db")
     job = new_job("j", "ca", 5_000_000, True)
@@ -473,7 +474,7 @@ def test_a_lease_running_past_its_max_runtime_is_taken_back_unpaid_since_its_che
 
 
 def test_the_parts_of_a_split_job_draw_on_one_hold(tmp_path):
-    from gpumarket.broker import views
+    from gpumarket.broker.jobs import views
 
     w = World(tmp_path / "b.db")
     w.write(ledger.credit, "ca", 10**6, "client", "", "op", "k1", 1)
@@ -510,20 +511,20 @@ def test_fractions_of_a_unit_carry_to_the_next_settlement_and_a_restart_keeps_th
 
 
 def test_budgets_too_small_to_pay_for_anything_are_refused_and_never_leased(tmp_path):
-    from gpumarket.broker import holds
+    from gpumarket.broker.money import credit_holds
     from gpumarket.proto.errors import InvalidArgument
 
     needs = Needs(kind=pb.JOB_KIND_TRAINING, gpus=2, min_memory_bytes=0,
                   accelerator=pb.ACCELERATOR_UNSPECIFIED, max_price_per_gpu_hour=1.8)
     with pytest.raises(InvalidArgument, match=r"budget: at least 0\.01 credits \(10 s of"
                        r" max_price x 2 devices\)"):
-        holds.amount(needs, 1, [], 0.0000004)
-    assert holds.amount(needs, 1, [], 0.01) == (10_000, "the job's budget")
+        credit_holds.amount(needs, 1, [], 0.0000004)
+    assert credit_holds.amount(needs, 1, [], 0.01) == (10_000, "the job's budget")
     w = World(tmp_path / "b.db")
     w.write(ledger.credit, "ca", 10**6, "client", "", "op", "k1", 1)
     w.write(jobs.submit, new_job("j", "ca", 2_777, True), 2)
-    assert not holds.covers_lease(w.db, "j", 1.0, 1)      # 10 s at 1 credit/h is 2,778
-    assert holds.covers_lease(w.db, "j", 0.9, 1)
+    assert not credit_holds.covers_lease(w.db, "j", 1.0, 1)      # 10 s at 1 credit/h is 2,778
+    assert credit_holds.covers_lease(w.db, "j", 0.9, 1)
 
 
 def test_a_paused_job_whose_spec_expired_fails_and_gives_its_hold_back(tmp_path):

@@ -2,7 +2,7 @@
 items 5 and 6; docs/security.md, Listeners; docs/serving.md, Admission).
 
 - Endpoint admission: requests' bodies the broker holds are shared fairly between clients
-  and their endpoints (broker/request_shares.py), what is over its share gives way when
+  and their endpoints (broker/serving/request_shares.py), what is over its share gives way when
   another client needs room, and a request's bytes go when its caller goes away.
 - The HTTP listeners: a per-peer and a total connection cap (a connection over either is
   reset at once), an idle timeout for connections without a whole request's headers, a
@@ -22,8 +22,8 @@ import urllib.request
 
 import pytest
 
-from gpumarket.broker.listeners import ConnectionGuard, peer_key, plan
-from gpumarket.broker.request_shares import NoRoom, RequestShares
+from gpumarket.broker.api.listeners import ConnectionGuard, peer_key, plan
+from gpumarket.broker.serving.request_shares import NoRoom, RequestShares
 from gpumarket.proto.errors import InvalidArgument
 from tests.helpers import BIN, LEASE_ARGS, Marketplace, Process, wait_until
 
@@ -123,7 +123,7 @@ def test_a_guard_caps_each_peer_and_the_listener():
 def test_asyncios_accept_errors_become_one_line(caplog):
     """asyncio's own server logs "socket.accept() out of system resource" with a traceback
     per failed accept; with the broker's handler installed it is one line per 10 s."""
-    from gpumarket.broker.listeners import throttle_accept_errors
+    from gpumarket.broker.api.listeners import throttle_accept_errors
 
     async def main():
         loop = asyncio.get_running_loop()
@@ -139,7 +139,7 @@ def test_asyncios_accept_errors_become_one_line(caplog):
 OUT_OF_DESCRIPTORS = """
 import asyncio, logging, resource, sys
 from aiohttp import web
-from gpumarket.broker.listeners import ConnectionGuard, GuardedSite
+from gpumarket.broker.api.listeners import ConnectionGuard, GuardedSite
 
 logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 resource.setrlimit(resource.RLIMIT_NOFILE, (200, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))

@@ -17,7 +17,9 @@ from datetime import datetime
 
 import pytest
 
-from gpumarket.broker import jobs, providers, views
+from gpumarket.broker.jobs import transitions as jobs
+from gpumarket.broker.jobs import views
+from gpumarket.broker.market import providers
 from gpumarket.proto.envelope import seal
 from gpumarket.proto.errors import Unavailable
 from gpumarket.proto.identity import Identity

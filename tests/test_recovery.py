@@ -44,8 +44,8 @@ def kill_machine(market, name, job_id, epoch):
 def settled(db_path, job_id) -> list[tuple]:
     """The job's settlements in the broker's ledger: (provider, step_from, step_to, paid by
     the job), in order; and a check that the whole ledger balances."""
-    from gpumarket.broker import ledger
-    from gpumarket.broker.store import connect
+    from gpumarket.broker.money import ledger
+    from gpumarket.broker.store.store import connect
 
     db = connect(db_path, readonly=True)
     try:

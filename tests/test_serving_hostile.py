@@ -1,6 +1,6 @@
 """An attacker's pass over endpoints (docs/serving.md), part 1: what a hostile API caller
-or provider can make the broker's router (broker/serving.py) and its OpenAI-compatible API
-(broker/openai_api.py) do; test_serving_hostile_api.py has the API's own tests and
+or provider can make the broker's router (broker/serving/router.py) and its OpenAI-compatible API
+(broker/serving/openai_api.py) do; test_serving_hostile_api.py has the API's own tests and
 test_serving_hostile_scaling.py the autoscaler's, the endpoints' database code's and the
 provider's engine link's.
 
@@ -17,8 +17,8 @@ import time
 
 import pytest
 
-from gpumarket.broker.serving import Refused
-from gpumarket.broker.sessions import CHUNKS_PER_S
+from gpumarket.broker.api.sessions import CHUNKS_PER_S
+from gpumarket.broker.serving.router import Refused
 from gpumarket.proto.v1 import gateway_pb2 as gw
 
 
@@ -36,7 +36,7 @@ def test_a_fast_failing_replica_draws_every_request_and_its_retries():
     a broken one whose daemon answers "no such replica on this provider") always has 0 in
     flight and TPOT 0.0 (never measured), so it wins every pick, the request's two retries
     included: the request fails on "3 replicas" that were all the same one, while a healthy
-    replica sits idle. One bad replica black-holes the endpoint (broker/serving.py:94 best(),
+    replica sits idle. One bad replica black-holes the endpoint (broker/serving/router.py:94 best(),
     :313 _acquire on retry)."""
     async def main():
         bad = AnsweringSession("p1", lambda r: [{"error": "no such replica on this provider",
@@ -59,7 +59,7 @@ def test_a_fast_failing_replica_draws_every_request_and_its_retries():
 
 def test_tiny_chunks_after_a_long_partial_line_stall_the_brokers_event_loop():
     """Fixed hole: Serving.chunk appends each chunk to the request's buffer and then splits the
-    whole buffer and copies its rest (broker/serving.py:228-235), on the event loop. A
+    whole buffer and copies its rest (broker/serving/router.py:228-235), on the event loop. A
     provider sends a line just under MAX_BUFFER (4 MiB) without its newline, then one-byte
     chunks: each costs two 4 MiB copies and a scan, ~10 ms here, and the gateway allows
     20,000 chunks a second (bursts of 200,000) per provider. ~100 chunks a second from one
@@ -89,7 +89,7 @@ def test_tiny_chunks_after_a_long_partial_line_stall_the_brokers_event_loop():
 
 def test_reported_token_counts_are_not_bounded_by_the_request():
     """Fixed hole: docs/serving.md says output tokens are counted "as the engine reports them
-    (bounded by the request's max_tokens)", but broker/serving.py:373 (_count) takes any int
+    (bounded by the request's max_tokens)", but broker/serving/router.py:373 (_count) takes any int
     below 2**31. A provider reports 2**31 - 1 output tokens for a max_tokens=4 request: that is
     what goes to the endpoint_usage table (the unit a per-token price would bill), to the
     client's ``usage``, to /metrics, and it drives the replica's TPOT to ~0, which wins it the
@@ -111,7 +111,7 @@ def test_reported_token_counts_are_not_bounded_by_the_request():
 def test_a_replica_may_stream_without_bound_past_max_tokens():
     """Fixed hole: nothing bounds how many pieces one answer has but MAX_ANSWER (64 MiB of lines):
     for a max_tokens=4 request a provider sends 100,000 pieces (1.3 MB) and every one is
-    parsed and queued (broker/serving.py:249, an unbounded asyncio.Queue). Each tiny line
+    parsed and queued (broker/serving/router.py:249, an unbounded asyncio.Queue). Each tiny line
     becomes a dict of ~200+ bytes: 64 MiB of ``{}`` lines is ~22 million queued dicts, several
     GB for one request while its HTTP client reads slowly."""
     async def main():
@@ -133,7 +133,7 @@ def test_a_slow_drip_replica_holds_a_request_open_past_request_timeout():
     """Fixed hole: request_timeout bounds the silence between two messages, not the request: a
     replica that sends one piece just inside each timeout keeps the request (and its slot,
     and the caller) forever; "Nothing waits forever" (docs/serving.md) does not hold
-    (broker/serving.py:327). Here request_timeout is 0.3 s and the request is still open
+    (broker/serving/router.py:327). Here request_timeout is 0.3 s and the request is still open
     after 2 s (ten timeouts)."""
     async def main():
         serving, ep = router({"p1": AnsweringSession("p1", answer=None)},
@@ -156,7 +156,7 @@ def test_a_slow_drip_replica_holds_a_request_open_past_request_timeout():
 
 def test_a_deleted_endpoints_request_is_sent_again_to_its_stopped_replica():
     """Fixed hole (low): when an endpoint stops serving, sync() pops it from ``endpoints`` before it
-    drops its replicas, so drop() (broker/serving.py:213) no longer finds the endpoint and
+    drops its replicas, so drop() (broker/serving/router.py:213) no longer finds the endpoint and
     leaves the replicas in the old Endpoint object. The in-flight request fails with the
     retryable 503 and run() retries it on the same old object: the request is sent again to
     the stopped replica (of a deleted endpoint), and its usage is counted on a replica no

@@ -1,6 +1,6 @@
 """An attacker's pass over endpoints (docs/serving.md), the API part: what a hostile caller
 (with a key, another client's key, or none) or a provider's answers can make the broker's
-OpenAI-compatible API (broker/openai_api.py) do, on aiohttp's test server. Docstrings that
+OpenAI-compatible API (broker/serving/openai_api.py) do, on aiohttp's test server. Docstrings that
 start with "Fixed hole" describe a weakness the review found, now mended."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import grpc
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from gpumarket.broker import endpoints
 from gpumarket.broker.metrics import BrokerMetrics
-from gpumarket.broker.openai_api import OpenAIApi
+from gpumarket.broker.serving import endpoints
+from gpumarket.broker.serving.openai_api import OpenAIApi
 from gpumarket.proto.v1 import gateway_pb2 as gw
 from gpumarket.proto.v1 import gateway_pb2_grpc
 from gpumarket.proto.wire import CLIENT_OPTIONS, MAX_MESSAGE_BYTES, SERVER_OPTIONS
@@ -90,7 +90,7 @@ def is_openai_error(body) -> bool:
 def test_one_replica_clamps_max_tokens_for_the_whole_endpoint():
     """Fixed hole: with the endpoint's max_tokens and max_seq_len left at 0 (the defaults), the
     largest max_tokens a request may ask is the *smallest* max_seq_len any ready replica
-    announced (broker/openai_api.py:197 _limit). One hostile replica announcing max_seq_len 1
+    announced (broker/serving/openai_api.py:197 _limit). One hostile replica announcing max_seq_len 1
     makes every request with max_tokens > 1 a 400 (and the default max_tokens 1), even those
     the healthy replica would have served."""
     async def main():
@@ -107,7 +107,7 @@ def test_stream_options_that_is_not_an_object_is_a_500():
     """Fixed hole: ``"stream_options": "yes"`` (or a list, or a number) with ``"stream": true``
     passes
     completion_request() and the request is run on a replica; then
-    ``(body.get("stream_options") or {}).get(...)`` (broker/openai_api.py:236), outside the
+    ``(body.get("stream_options") or {}).get(...)`` (broker/serving/openai_api.py:236), outside the
     try, raises AttributeError: a 500 in aiohttp's text format with a traceback in the
     broker's log, instead of OpenAI's 400. The replica did the work, and its slot is only
     freed when the abandoned answer generator is garbage collected."""
@@ -123,7 +123,7 @@ def test_stream_options_that_is_not_an_object_is_a_500():
 
 def test_a_deeply_nested_body_is_a_500():
     """Fixed hole: a 200 kB body of ``[[[[...`` makes json.loads raise RecursionError, which
-    broker/openai_api.py:183-184 does not catch (only ValueError): a 500 with a traceback in the
+    broker/serving/openai_api.py:183-184 does not catch (only ValueError): a 500 with a traceback in the
     log, for any caller with a key, instead of OpenAI's 400 "the request body is not JSON"."""
     async def main():
         api, serving, _ = api_for({"p1": AnsweringSession("p1")})
@@ -173,7 +173,7 @@ def test_one_api_call_can_cut_the_providers_session():
     """Fixed hole: the API takes a 4 MiB body, but the broker re-encodes it with json.dumps, which
     escapes every non-ASCII character (``é``, 2 bytes, becomes ``\\u00e9``, 6 bytes): a valid
     3.8 MB chat request becomes an 11.4 MB InferenceRequest, nearly three times the gRPC
-    limit both ends use (proto/wire.py MAX_MESSAGE_BYTES, 4 MiB), and broker/serving.py:322
+    limit both ends use (proto/wire.py MAX_MESSAGE_BYTES, 4 MiB), and broker/serving/router.py:322
     sends it. Written on a real gRPC stream with those options, gRPC refuses it on the
     broker's side ("Sent message larger than max") and ends the whole stream with
     RESOURCE_EXHAUSTED: the provider's session, with every replica and lease it carries for
@@ -213,7 +213,7 @@ def test_requests_waiting_for_a_replica_pin_unbounded_broker_memory():
     measured here. An endpoint queues up to 1,024 of them (queue_limit) for up to cold_start
     (300 s) when no replica ever becomes ready (min_replicas 0, a max_price no offer meets),
     which costs its owner nothing per request; one client may have any number of endpoints,
-    and nothing caps waiting bytes broker-wide (broker/serving.py:311, :84). One client with a
+    and nothing caps waiting bytes broker-wide (broker/serving/router.py:311, :84). One client with a
     key to its own endpoint pins ~17 GB of the broker that every client and provider needs."""
     async def main():
         import gc
@@ -244,7 +244,7 @@ def test_requests_waiting_for_a_replica_pin_unbounded_broker_memory():
             for call in calls:
                 call.cancel()
             await asyncio.gather(*calls, return_exceptions=True)
-        from gpumarket.broker.serving import MAX_HELD_BYTES
+        from gpumarket.broker.serving.router import MAX_HELD_BYTES
 
         fit = min(ep.queue_limit, MAX_HELD_BYTES // len(raw) + 1)
         pinned = each * fit
@@ -255,7 +255,7 @@ def test_requests_waiting_for_a_replica_pin_unbounded_broker_memory():
 
 
 def test_a_replicas_nan_embeddings_make_the_api_answer_invalid_json():
-    """Fixed hole (low): the embeddings check (broker/openai_api.py:320) takes any int or float,
+    """Fixed hole (low): the embeddings check (broker/serving/openai_api.py:320) takes any int or float,
     NaN, Infinity and booleans included (json.loads accepts NaN): the broker then answers the
     caller ``NaN`` in its body, which is not JSON (RFC 8259) and which strict clients (a
     browser's JSON.parse) refuse."""
@@ -282,9 +282,9 @@ def test_a_replicas_nan_embeddings_make_the_api_answer_invalid_json():
 
 def test_a_lookup_in_flight_recaches_a_key_revoked_meanwhile():
     """Fixed (a generation counter on the cache). Was: revoking clears the key cache
-    (broker/marketplace.py RevokeEndpointKey), but
+    (broker/api/marketplace.py RevokeEndpointKey), but
     a lookup that began before the revocation and ends after it writes its stale answer back
-    into the cache (broker/openai_api.py:165-166): the revoked key then works for another
+    into the cache (broker/serving/openai_api.py:165-166): the revoked key then works for another
     KEY_CACHE_S (2 s). docs/serving.md: "it stops working at once"."""
     async def main():
         api, serving, store = api_for({"p1": AnsweringSession("p1")})
@@ -389,7 +389,7 @@ def test_roles_the_api_accepts_are_roles_the_engine_takes():
     """Fixed: the broker sends the engine only roles it takes (developer as system) and
     refuses the others itself. Was: the API accepted developer and tool, which the engine
     refused after a replica had taken the request."""
-    from gpumarket.broker.openai_api import ApiError, completion_request
+    from gpumarket.broker.serving.openai_api import ApiError, completion_request
 
     with pytest.raises(RequestError):
         chat_prompt(object(), [{"role": "system", "content": "x"}, {"role": "wizard",

@@ -1,5 +1,5 @@
 """An attacker's pass over endpoints (docs/serving.md), part 2: the autoscaler
-(broker/autoscaler.py), the endpoints' database rules (broker/endpoints.py: ready, money,
+(broker/serving/autoscaler.py), the endpoints' database rules (broker/serving/endpoints.py: ready, money,
 crash loops) on a real SQLite store, and the provider's link to its engine child
 (provider/replica.py) over a real socket pair. Docstrings that start with "Fixed hole"
 describe a weakness the review found, now mended."""
@@ -14,12 +14,15 @@ import socket
 import pytest
 
 from gpumarket import kinds
-from gpumarket.broker import endpoints, jobs, ledger, views
-from gpumarket.broker.admission import Needs, NewJob
-from gpumarket.broker.autoscaler import Autoscaler, Decision, Watch, decide
+from gpumarket.broker.api.sessions import CHUNKS_PER_S, ProviderSession
+from gpumarket.broker.jobs import transitions as jobs
+from gpumarket.broker.jobs import views
+from gpumarket.broker.market.admission import Needs, NewJob
 from gpumarket.broker.metrics import BrokerMetrics
-from gpumarket.broker.serving import Endpoint, Refused, Serving
-from gpumarket.broker.sessions import CHUNKS_PER_S, ProviderSession
+from gpumarket.broker.money import ledger
+from gpumarket.broker.serving import endpoints
+from gpumarket.broker.serving.autoscaler import Autoscaler, Decision, Watch, decide
+from gpumarket.broker.serving.router import Endpoint, Refused, Serving
 from gpumarket.proto.envelope import seal
 from gpumarket.proto.errors import FailedPrecondition, InvalidArgument
 from gpumarket.proto.identity import Identity
@@ -46,7 +49,7 @@ def test_a_replica_that_never_becomes_ready_is_never_replaced():
     and leased again elsewhere. Was: a replica whose provider reports it started but never ready (a
     hostile provider,
     or an engine stuck loading) counts as live for min_replicas, blocks scale-out as "still
-    starting" (broker/autoscaler.py:93) and, while requests keep arriving, is never idle
+    starting" (broker/serving/autoscaler.py:93) and, while requests keep arriving, is never idle
     enough to retire; nothing gives up on it: there is no deadline for ``ready``. Requests wait
     cold_start each and get 503s for as long as the lease lasts (an endpoint has no
     max_runtime), and settle_running pays it every minute."""
@@ -81,7 +84,7 @@ def test_a_replica_that_never_becomes_ready_is_never_replaced():
 def test_scale_in_races_a_request_routed_to_the_victim_meanwhile():
     """Fixed hole (low): decide() picks a victim while nothing is in flight, but apply() awaits the
     database (endpoints.retire) before it drops the replica from the router
-    (broker/autoscaler.py:172-178). A request that arrives in between is routed to the victim,
+    (broker/serving/autoscaler.py:172-178). A request that arrives in between is routed to the victim,
     then fails with the retire; with no other replica it waits for a cold start and gets a
     503. The router should stop routing to the victim before the awaited write."""
     class SlowStore:
@@ -205,7 +208,7 @@ def test_a_retired_replica_is_paid_once_and_never_again(store):
 
 def test_a_top_up_after_the_hold_ran_out_resumes_past_max_replicas(store):
     """Fixed hole: when the hold runs out, the replicas are paused (jobs.exhaust); decide() does not
-    count PAUSED replicas as live (broker/autoscaler.py:58), so it adds min_replicas new ones;
+    count PAUSED replicas as live (broker/serving/autoscaler.py:58), so it adds min_replicas new ones;
     a top-up then resumes every paused replica as well (jobs.top_up walks all of the
     endpoint's "parts"): an endpoint with max_replicas 2 has 4 live replicas, and each
     exhaustion and top-up adds min_replicas more. The hold was sized for max_replicas."""
@@ -233,7 +236,7 @@ def test_a_top_up_after_the_hold_ran_out_resumes_past_max_replicas(store):
 
 
 def test_one_provider_failing_three_new_replicas_fails_a_serving_endpoint(store):
-    """Fixed hole: crash_loop (broker/endpoints.py:116) fails the whole endpoint once its three
+    """Fixed hole: crash_loop (broker/serving/endpoints.py:116) fails the whole endpoint once its three
     newest replicas failed before they were ready, whoever failed them and even while another
     replica serves. One provider that takes the replicas the autoscaler adds (each is a new
     job, so "previous providers" never steers them away) and reports ``failed`` before
@@ -326,7 +329,7 @@ def test_engines_can_flood_past_the_brokers_chunk_limit_and_end_the_providers_se
     InferenceChunk (provider/replica.py:77-80; a 1 MiB line is 16), onto the provider's
     unbounded outbox (provider/session.py:61), and the broker ends a provider's whole
     session past CHUNKS_PER_S per session (20,000 a second, bursts of 200,000:
-    broker/gateway.py:104). At 9686dab the daemon has no limit at all; the working tree adds
+    broker/api/gateway.py:104). At 9686dab the daemon has no limit at all; the working tree adds
     one per engine link at the same 20,000 lines a second, which does not help once two
     replicas share a provider (or lines are over 64 KiB): here two engines each stay within
     their own limit and together get the provider's session ended, with every replica it

@@ -1,5 +1,5 @@
-"""The endpoints' router and autoscaler rules, without processes (broker/serving.py,
-broker/autoscaler.py): least-loaded routing, the bounded queue (429) and the cold-start
+"""The endpoints' router and autoscaler rules, without processes (broker/serving/router.py,
+broker/serving/autoscaler.py): least-loaded routing, the bounded queue (429) and the cold-start
 limit (503), fail-over of a request nothing was streamed for, bounds on what a provider
 sends, and each scaling decision."""
 
@@ -10,9 +10,9 @@ import json
 
 import pytest
 
-from gpumarket.broker.autoscaler import Watch, decide
 from gpumarket.broker.metrics import BrokerMetrics
-from gpumarket.broker.serving import MAX_BUFFER, Endpoint, Refused, Serving
+from gpumarket.broker.serving.autoscaler import Watch, decide
+from gpumarket.broker.serving.router import MAX_BUFFER, Endpoint, Refused, Serving
 from gpumarket.proto.v1 import gateway_pb2 as gw
 from gpumarket.proto.v1 import types_pb2 as pb
 
@@ -195,7 +195,7 @@ def rows(*states: int) -> list[dict]:
 
 
 def serving_replicas(ep: Endpoint, *ids: str, in_flight: int = 0) -> None:
-    from gpumarket.broker.serving import Replica
+    from gpumarket.broker.serving.router import Replica
 
     for i in ids:
         ep.replicas[i] = Replica(i, 1, f"p{i[1:]}", ep.id, max_concurrency=2,

@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from gpumarket.broker.store import Store
+from gpumarket.broker.store.store import Store
 
 
 def insert(db, n: int, fail: bool = False) -> int:

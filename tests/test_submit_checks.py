@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from gpumarket import kinds
-from gpumarket.broker import estimates, holds
+from gpumarket.broker.market import estimates
+from gpumarket.broker.money import credit_holds
 from gpumarket.client import jobfile
 from gpumarket.proto.errors import InvalidArgument, JobFileError
 from gpumarket.proto.money import units
@@ -74,8 +75,8 @@ def test_the_broker_checks_the_limits_against_the_config_in_the_archive(tmp_path
 
 
 def test_the_least_hold_is_never_more_than_the_brokers(tmp_path):
-    assert (jobfile.MIN_HOLD_S, jobfile.DEFAULT_HOLD_S) == (holds.MIN_HOLD_S,
-                                                          holds.DEFAULT_HOLD_S)
+    assert (jobfile.MIN_HOLD_S, jobfile.DEFAULT_HOLD_S) == (credit_holds.MIN_HOLD_S,
+                                                          credit_holds.DEFAULT_HOLD_S)
     # Only the training rule estimates work; with it unknown the hold is max_runtime or 1 h.
     assert set(estimates.SIZING) == {"training", "inference"}
     ep = jobfile.load(endpoint_file(tmp_path, max_replicas=3))

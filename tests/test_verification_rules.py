@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from gpumarket.broker import disputes, jobs, ledger, verification
+from gpumarket.broker.checks import disputes
+from gpumarket.broker.checks import verification
+from gpumarket.broker.jobs import transitions as jobs
+from gpumarket.broker.money import ledger
 from gpumarket.proto.v1 import types_pb2 as pb
 from tests.test_ledger import World, artifact, new_job, sign
 

@@ -1,0 +1,111 @@
+"""Live provider sessions, in memory: who is connected and how to reach them."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+
+from gpumarket.broker.api.auth import RateLimiter
+
+from gpumarket.proto.v1 import gateway_pb2 as gw
+from gpumarket.proto.v1 import types_pb2 as pb
+
+
+OUTBOX_MAX = 1000            # messages waiting for a provider that does not read them
+MESSAGES_PER_S = 200.0       # what a provider may send, sustained (bursts of 10 s worth)
+CHUNKS_PER_S = 20_000.0      # inference chunks (endpoint answers) a provider may send
+LOG_LINES_PER_S = 1.0        # broker log lines about one session (bursts of 20)
+
+
+@dataclass(eq=False)
+class ProviderSession:
+    provider_id: str
+    outbox: asyncio.Queue = field(default_factory=lambda: asyncio.Queue(OUTBOX_MAX))
+    offer: pb.Offer | None = None                     # None until offered, or while draining
+    offer_envelope: pb.Envelope | None = None         # the signed offer, as it came
+    closed: bool = False
+    row_id: int = 0                                   # provider_sessions row
+    ended_why: str = ""                               # why the broker ended it, if it did
+    messages: RateLimiter = field(
+        default_factory=lambda: RateLimiter(MESSAGES_PER_S, MESSAGES_PER_S * 10))
+    chunks: RateLimiter = field(
+        default_factory=lambda: RateLimiter(CHUNKS_PER_S, CHUNKS_PER_S * 10))
+    log_lines: RateLimiter = field(default_factory=lambda: RateLimiter(LOG_LINES_PER_S, 20))
+    unlogged: int = 0
+
+    def send(self, message: gw.BrokerMessage) -> None:
+        """Queue a message for the provider; a provider that leaves a full outbox unread
+        loses its session (the broker keeps no unbounded backlog for anyone)."""
+        if self.closed:
+            return
+        try:
+            self.outbox.put_nowait(message)
+        except asyncio.QueueFull:
+            self.end(f"the provider left {OUTBOX_MAX} messages unread")
+
+    def end(self, why: str = "") -> None:
+        self.ended_why = self.ended_why or why
+        self.offer = None
+        self.closed = True
+        try:
+            self.outbox.put_nowait(None)  # wakes its writer, which then ends
+        except asyncio.QueueFull:
+            pass                          # the handler sees ``closed`` and cancels it
+
+    def log(self, logger: logging.Logger, level: int, msg: str, *args) -> None:
+        """Log about this session at most LOG_LINES_PER_S (what a provider sends must not
+        flood the broker's log); the lines left out are counted in the next one."""
+        if not self.log_lines.allow(""):
+            self.unlogged += 1
+            return
+        if self.unlogged:
+            msg += f" ({self.unlogged} similar lines left out)"
+            self.unlogged = 0
+        logger.log(level, msg, *args)
+
+
+class Sessions:
+    def __init__(self) -> None:
+        self._by_provider: dict[str, ProviderSession] = {}
+
+    def open(self, provider_id: str, messages_per_s: float = MESSAGES_PER_S) -> ProviderSession:
+        """Register a new session; an older one of the same provider is closed."""
+        old = self._by_provider.get(provider_id)
+        if old is not None:
+            old.end()
+        session = ProviderSession(provider_id, messages=RateLimiter(messages_per_s,
+                                                                    messages_per_s * 10))
+        self._by_provider[provider_id] = session
+        return session
+
+    def close(self, session: ProviderSession) -> bool:
+        """Forget ``session``; return True if it was the provider's current one."""
+        session.closed = True
+        if self._by_provider.get(session.provider_id) is session:
+            del self._by_provider[session.provider_id]
+            return True
+        return False
+
+    def end(self, provider_id: str) -> None:
+        """End the provider's session (its handler then cleans up as after a disconnect)."""
+        session = self._by_provider.get(provider_id)
+        if session is not None:
+            session.end()
+
+    def get(self, provider_id: str) -> ProviderSession | None:
+        return self._by_provider.get(provider_id)
+
+    def offers(self) -> list[pb.Offer]:
+        return [s.offer for s in self._by_provider.values() if s.offer is not None]
+
+    def listings(self) -> list[tuple[pb.Offer, pb.Envelope]]:
+        """The current offers with their signed envelopes, cheapest first (then by provider
+        id): what SearchOffers pages through, from memory."""
+        found = [(s.offer, s.offer_envelope) for s in self._by_provider.values()
+                 if s.offer is not None and s.offer_envelope is not None]
+        found.sort(key=lambda x: (x[0].price_per_gpu_hour, x[0].provider_id))
+        return found
+
+    def __len__(self) -> int:
+        return len(self._by_provider)

@@ -1,0 +1,335 @@
+"""Spot checks: the broker replays part of a provider's work on another provider and compares
+(docs/verification.md). No grpc here; every function runs inside one write transaction.
+
+A check is a job row of its own (``check_of`` = the job it checks, ``pays_from`` = the job
+whose hold pays its checker) that the scheduler leases like any job, to a provider that is
+neither the checked one nor, for a tie-break, the first checker. Its lease carries a
+CheckScope: a training segment (resume from the checkpoint at ``step_from``, stop at
+``step_to``), some rows of an inference job, or some frames of a render. What it returns is
+compared with what the checked provider returned (``expect``) in the scheduler's loop
+(broker/checks/verdicts.py reads the blobs), and broker/checks/disputes.py applies the verdict.
+
+How often (BOINC's adaptive replication): a provider with ``streak`` checks passed since its
+last failure has each segment checked with probability ``rate(streak)``: 1 for a new one
+until it has passed WARMUP, then falling to FLOOR; a failure sets the streak back to 0. A
+job's ``verify_rate`` raises it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from sqlite_utils import Database
+
+from gpumarket import kinds
+from gpumarket.broker.money import ledger
+from gpumarket.broker.store import blob_holdings
+from gpumarket.proto.v1 import types_pb2 as pb
+
+FLOOR = 0.05          # the rate of a provider with a long clean record
+WARMUP = 20           # checks a provider must pass in a row before its rate falls below 1
+BAN_AFTER = 2         # failed checks (since its last ban was lifted) that ban a provider
+OPEN = ("queued", "running", "returned", "disagreed")
+
+QUEUED = pb.JOB_STATE_QUEUED
+VERIFYING = pb.JOB_STATE_VERIFYING
+
+
+@dataclass(frozen=True)
+class Policy:
+    """What the caller knows that the transaction cannot: whether checks are on, the device
+    classes (Accelerator) of the other providers online (a check runs on the same class as the
+    work it checks), and a uniform draw in [0, 1) (from a source the providers cannot
+    predict) that decides whether this segment is checked."""
+
+    enabled: bool = False
+    others_online: frozenset[int] = frozenset()
+    draw: float = 1.0
+    ban_after: int = BAN_AFTER
+
+    def can_check(self, accelerator: int) -> bool:
+        """Whether a provider that could replay work done on this device class is online
+        (a lease of no recorded class: any other provider)."""
+        return accelerator in self.others_online or (not accelerator and bool(
+            self.others_online))
+
+
+OFF = Policy()
+
+
+def rate(streak: int) -> float:
+    """The share of a provider's segments to check after ``streak`` passed checks in a row:
+    every one until WARMUP have passed, then WARMUP / (streak + 1), down to FLOOR (reached at
+    400). bench/verification.py measures what this catches and costs."""
+    return 1.0 if streak < WARMUP else max(FLOOR, WARMUP / (streak + 1))
+
+
+def record(db: Database, provider_id: str) -> tuple[int, int, int]:
+    """(checks passed since its last failure, checks passed in all, failures) of a provider's
+    work."""
+    last_fail = db.execute("SELECT max(ended_at_ms) FROM checks WHERE liar = ?",
+                           [provider_id]).fetchone()[0]
+    passed = dict(db.execute(
+        "SELECT ended_at_ms > ?, count(*) FROM checks WHERE provider_id = ? AND state = 'passed'"
+        " AND role = 'check'"
+        " GROUP BY 1", [last_fail or -1, provider_id]).fetchall())
+    fails = db.execute("SELECT count(*) FROM checks WHERE liar = ?", [provider_id]).fetchone()[0]
+    return passed.get(1, 0), sum(passed.values()), fails
+
+
+def provider_rate(db: Database, provider_id: str) -> float:
+    return rate(record(db, provider_id)[0])
+
+
+def _job_rate(db: Database, job: dict, provider_id: str) -> float:
+    asked = json.loads(job["needs"]).get("verify_rate", 0.0)
+    return max(float(asked), provider_rate(db, provider_id))
+
+
+def _new_id(db: Database, job_id: str) -> str:
+    n = db.execute("SELECT count(*) FROM checks WHERE job_id = ?", [job_id]).fetchone()[0]
+    return f"{job_id}~c{n + 1}"
+
+
+def _ref(ref: dict | None) -> str | None:
+    return json.dumps(ref) if ref else None
+
+
+def choose(db: Database, policy: Policy, job: dict, lease: dict, step_from: int, step_to: int,
+           start: dict | None, expect: dict[str, dict], scope: dict, now: int) -> str | None:
+    """Decide whether to check the segment (step_from, step_to] of ``lease``'s work on
+    ``job`` (its result: ``expect``, {name: ArtifactRef as a dict}); if so, hold its
+    settlement and queue the check. Returns the check's id, or None."""
+    if not policy.enabled or job["check_of"] or not expect:
+        return None
+    if json.loads(job["needs"]).get("remote_code"):
+        return None     # its model's own code runs: a replay need not behave the same
+    if policy.draw >= _job_rate(db, job, lease["provider_id"]):
+        return None
+    if not policy.can_check(lease["accelerator"]):
+        note(db, job, f"{what(step_from, step_to, scope)} left unchecked: no other provider"
+               " of its device class online to replay it", now)
+        return None
+    seq = ledger.posted(db, f"settle:{lease['id']}:{step_to}") or ledger.posted(
+        db, f"settle:{lease['id']}:final")
+    if seq is not None and ledger.posted(db, f"dispute:{seq}") is None:
+        ledger.dispute(db, seq, now)
+    return queue(db, job, lease["provider_id"], lease["id"], seq, step_from, step_to, start,
+                  expect, scope, "check", None, now)
+
+
+def choose_segment(db: Database, policy: Policy, job: dict, lease: dict, step: int,
+                   ref: dict, now: int) -> str | None:
+    """At a checkpoint: perhaps check a training segment (since the previous checkpoint,
+    replayed from it on another provider). Called before the job's row records ``ref``."""
+    if kinds.get(job["kind"]).verify != "replay":
+        return None
+    return _replay(db, policy, job, lease, step, {"checkpoint.tar": ref}, now)
+
+
+def _replay(db: Database, policy: Policy, job: dict, lease: dict, step_to: int,
+            expect: dict, now: int) -> str | None:
+    """Perhaps check the training segment from the job's latest checkpoint to ``step_to``."""
+    return choose(db, policy, job, lease, job["checkpoint_step"], step_to,
+                  json.loads(job["resume_from"]) if job["resume_from"] else None, expect, {},
+                  now)
+
+
+def choose_final(db: Database, policy: Policy, job: dict, lease: dict, total: int,
+                 outputs: dict, receipt: pb.Receipt, now: int) -> str | None:
+    """At the receipt: perhaps check the work of the lease since its last checkpoint
+    (training), or some rows or frames of what it returned (the kind picks them)."""
+    kind = kinds.get(job["kind"])
+    names = kind.evidence(set(outputs))
+    if kind.verify == "replay":
+        return _replay(db, policy, job, lease, total, {n: outputs[n] for n in names}, now)
+    if not kind.verify or not names:
+        return None
+    spec = pb.Envelope.FromString(job["spec"])
+    values = kind.values_of(pb.JobSpec.FromString(spec.payload))
+    # Only this lease's own work: rows or frames done before it resumed were another's.
+    scope = kind.check_scope(values, job["part"], job["parts"], dict(receipt.metrics),
+                             lease["start_step"])
+    if not scope:
+        return None
+    return choose(db, policy, job, lease, lease["start_step"], total, None,
+                  {n: outputs[n] for n in names}, scope, now)
+
+
+def queue(db: Database, job: dict, provider_id: str, lease_id: str, seq: int | None,
+           step_from: int, step_to: int, start: dict | None, expect: dict, scope: dict,
+           role: str, first: str | None, now: int) -> str:
+    from gpumarket.broker.jobs import transitions as jobs
+
+    check_id = _new_id(db, job["id"])
+    top = job["parent_id"] or job["id"]
+    db["checks"].insert({
+        "id": check_id, "job_id": job["id"], "top_id": top, "provider_id": provider_id,
+        "lease_id": lease_id, "settle_seq": seq, "step_from": step_from, "step_to": step_to,
+        "scope": json.dumps(scope), "start": _ref(start), "expect": json.dumps(expect),
+        "role": role, "first_check": first, "state": "queued", "created_at_ms": now})
+    row = {k: job[k] for k in ("client_id", "kind", "spec", "spec_sha256", "needs",
+                               "expires_at_ms", "fee_ppm", "enforce_funds", "part", "parts")}
+    needs = json.loads(job["needs"])
+    accel = db.execute("SELECT accelerator FROM leases WHERE id = ?", [lease_id]).fetchone()
+    if accel and accel[0]:
+        needs["accelerator"] = accel[0]     # replayed on the same device class: compared exactly
+    db["jobs"].insert({
+        **row, "id": check_id,
+        "name": f"{role} of {job['name']} ({what(step_from, step_to, scope)})",
+        "state": QUEUED, "needs": json.dumps(needs, sort_keys=True), "attempt": 1,
+        "max_attempts": 3, "epoch": 0, "created_at_ms": now, "updated_at_ms": now,
+        "hold_basis": "", "resume_from": _ref(start), "checkpoint_step": step_from,
+        "progress_step": step_from, "progress_total": step_to, "check_of": job["id"],
+        "pays_from": top})
+    # The checker may read the job's inputs and the checkpoint it starts from; the result it
+    # is compared with is kept for the job as evidence, which no provider may read (it must
+    # not copy it; views.may_read).
+    for sha in {r[0] for r in db.execute("SELECT sha256 FROM artifact_refs WHERE job_id = ?"
+                                         " AND role = 'input'", [top]).fetchall()}:
+        blob_holdings.refer(db, sha, check_id, "input")
+    if start:
+        blob_holdings.refer(db, start["sha256"], check_id, "checkpoint")
+    for ref in expect.values():
+        blob_holdings.refer(db, ref["sha256"], top, "evidence")
+    jobs.append_event(db, check_id, "submitted", QUEUED, 1, now,
+                      message=f"{role} of {provider_id}'s {what(step_from, step_to, scope)}")
+    note(db, job, f"{role} {check_id} queued: {what(step_from, step_to, scope)} of"
+           f" {provider_id}'s work will be replayed on another provider", now)
+    return check_id
+
+
+def what(step_from: int, step_to: int, scope: dict) -> str:
+    if scope.get("batch_size"):
+        return f"a batch of {scope['batch_size']} rows from row {step_from} on"
+    if scope.get("frames"):
+        frames = scope["frames"]
+        return "frame " + ", ".join(str(f) for f in frames)
+    return f"steps {step_from}-{step_to}"
+
+
+def note(db: Database, job: dict, message: str, now: int) -> None:
+    from gpumarket.broker.jobs import transitions as jobs
+
+    state = db.execute("SELECT state, attempt FROM jobs WHERE id = ?", [job["id"]]).fetchone()
+    jobs.append_event(db, job["id"], "check", state[0], state[1], now, message=message,
+                      mirror=False)
+
+
+def check_row(db: Database, check_id: str) -> dict | None:
+    cur = db.execute("SELECT * FROM checks WHERE id = ?", [check_id])
+    row = cur.fetchone()
+    return dict(zip([d[0] for d in cur.description], row)) if row else None
+
+
+def scope_of(db: Database, check_id: str) -> pb.CheckScope | None:
+    """The CheckScope a lease of this check's job row carries (None: not a check)."""
+    c = check_row(db, check_id)
+    if c is None:
+        return None
+    scope = json.loads(c["scope"])
+    return pb.CheckScope(checked_job_id=c["job_id"], step_from=c["step_from"],
+                         step_to=c["step_to"], frames=scope.get("frames", []),
+                         position=scope.get("position", 0.0),
+                         batch_size=scope.get("batch_size", 0))
+
+
+def excluded(db: Database, job_id: str) -> frozenset[str]:
+    """Providers that must not run this job row: for a check, the provider it checks (and,
+    for a tie-break, the checker that disagreed); for any job, providers a check found wrong
+    on it."""
+    out = {r[0] for r in db.execute("SELECT liar FROM checks WHERE job_id = ? AND liar IS NOT"
+                                    " NULL", [job_id]).fetchall()}
+    c = check_row(db, job_id)
+    if c is not None:
+        out.add(c["provider_id"])
+        # Whoever resumed the job from the checked result could copy it instead of replaying.
+        out |= {r[0] for r in db.execute("SELECT provider_id FROM leases WHERE job_id = ? AND"
+                                         " start_step >= ?", [c["job_id"], c["step_to"]])}
+        if c["first_check"]:
+            first = check_row(db, c["first_check"])
+            if first and first["checker_id"]:
+                out.add(first["checker_id"])
+    return frozenset(out)
+
+
+def leased(db: Database, check_id: str, provider_id: str, now: int) -> None:
+    db.execute("UPDATE checks SET checker_id = ?, state = 'running' WHERE id = ? AND state IN"
+               " ('queued', 'running')", [provider_id, check_id])
+
+
+def requeued(db: Database, check_id: str) -> None:
+    db.execute("UPDATE checks SET state = 'queued' WHERE id = ? AND state = 'running'",
+               [check_id])
+
+
+def returned(db: Database, check_id: str, outputs: dict[str, dict], now: int) -> None:
+    """The checker's receipt came: keep what it returned for the verdict (the scheduler's
+    loop compares it, see ``to_compare``)."""
+    db.execute("UPDATE checks SET outputs = ?, state = 'returned' WHERE id = ?",
+               [json.dumps(outputs), check_id])
+    top = db.execute("SELECT top_id FROM checks WHERE id = ?", [check_id]).fetchone()[0]
+    for ref in outputs.values():
+        blob_holdings.refer(db, ref["sha256"], top, "evidence")
+
+
+def open_checks(db: Database, job_id: str) -> int:
+    return db.execute(f"SELECT count(*) FROM checks WHERE job_id = ? AND state IN"
+                      f" ({', '.join('?' * len(OPEN))})", [job_id, *OPEN]).fetchone()[0]
+
+
+def remember(db: Database, job: dict, lease: dict, step: int, ref: dict) -> None:
+    """Keep a checkpoint (and its blob) in the job's history until the job ends."""
+    db["checkpoint_history"].insert({
+        "job_id": job["id"], "step": step, "ref": json.dumps(ref), "lease_id": lease["id"],
+        "provider_id": lease["provider_id"], "start_step": lease["start_step"]})
+    blob_holdings.refer(db, ref["sha256"], job["id"], "history")
+
+
+# -- reading --------------------------------------------------------------------------------
+
+STATUS_WORDS = ("unverified", "checking", "verified", "disputed -> re-run", "inconclusive")
+
+
+def summary(db: Database, job_id: str) -> str:
+    """One word for a client: how the job's work (all its parts) was checked."""
+    states = [r[0] for r in db.execute(
+        "SELECT state FROM checks WHERE top_id = ? OR job_id = ?", [job_id, job_id]).fetchall()]
+    if "failed" in states:
+        return "disputed -> re-run"
+    if any(s in OPEN for s in states):
+        return "checking"
+    if "passed" in states:
+        return "verified"
+    if "inconclusive" in states:
+        return "inconclusive"
+    return "unverified"
+
+
+def view(db: Database, job_id: str) -> pb.JobVerification:
+    out = pb.JobVerification(status=summary(db, job_id))
+    job = db.execute("SELECT provider_id, needs FROM jobs WHERE id = ?", [job_id]).fetchone()
+    if job is not None and job[0]:
+        asked = json.loads(job[1]).get("verify_rate", 0.0)
+        out.rate = max(float(asked), provider_rate(db, job[0]))
+    for c in [check_row(db, r[0]) for r in db.execute(
+            "SELECT id FROM checks WHERE top_id = ? OR job_id = ? ORDER BY created_at_ms, id",
+            [job_id, job_id]).fetchall()]:
+        state = "tie-break" if c["state"] == "disagreed" else c["state"]
+        out.checks.append(pb.Check(
+            check_id=c["id"], job_id=c["job_id"], provider_id=c["provider_id"],
+            checker_id=c["checker_id"] or "", state=state, detail=c["detail"],
+            what=what(c["step_from"], c["step_to"], json.loads(c["scope"])),
+            created_at_ms=c["created_at_ms"], ended_at_ms=c["ended_at_ms"] or 0))
+    return out
+
+
+def standings(db: Database) -> dict[str, tuple[float, int, int]]:
+    """Per provider with a record: (check rate now, passed since its last failure, failures)."""
+    out = {}
+    for (pid,) in db.execute("SELECT DISTINCT provider_id FROM checks UNION"
+                             " SELECT DISTINCT liar FROM checks WHERE liar IS NOT NULL"):
+        streak, _, fails = record(db, pid)
+        out[pid] = (rate(streak), streak, fails)
+    return out

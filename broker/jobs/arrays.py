@@ -1,0 +1,326 @@
+"""Job arrays (docs/jobs.md): one signed spec, many tasks. The array is a job row; its
+tasks are rows of ``array_tasks``; they run in batches, each batch a job row under the array
+(``parent_id``) that is matched, leased, lost, requeued and paid like any job, its lease
+naming the tasks it runs. A task that fails runs again in a later batch until it has used
+the job's attempts, without failing its siblings; the array ends when every task has.
+Each function runs inside one write transaction (see Store.write). No grpc here."""
+
+from __future__ import annotations
+
+import json
+
+from sqlite_utils import Database
+
+from gpumarket.broker.jobs import transitions as jobs
+from gpumarket.broker.market.admission import NewJob
+from gpumarket.broker.store import blob_holdings
+from gpumarket.kinds import arrays
+from gpumarket.proto.envelope import open_envelope
+from gpumarket.proto.errors import BadSignature, InvalidArgument
+from gpumarket.proto.jobspec import TERMINAL_STATES
+from gpumarket.proto.v1 import gateway_pb2 as gw
+from gpumarket.proto.v1 import types_pb2 as pb
+
+QUEUED, RUNNING = pb.JOB_STATE_QUEUED, pb.JOB_STATE_RUNNING
+SUCCEEDED, FAILED, CANCELLED = pb.JOB_STATE_SUCCEEDED, pb.JOB_STATE_FAILED, pb.JOB_STATE_CANCELLED
+OPEN = (QUEUED, RUNNING)            # a task's states before it ends
+STATE_FIELDS = {QUEUED: "queued", RUNNING: "running", SUCCEEDED: "succeeded",
+                FAILED: "failed", CANCELLED: "cancelled"}
+
+
+def spec_of(envelope: bytes) -> pb.JobSpec:
+    env = pb.Envelope()
+    env.ParseFromString(envelope)
+    spec = pb.JobSpec()
+    spec.ParseFromString(env.payload)
+    return spec
+
+
+def submit(db: Database, job: NewJob, now: int, lanes: int = 0) -> None:
+    """Store a new array: its row (as any job's: nonce, hold, events), a row per task, and
+    its first batches; ``lanes``: how many leases the broker spreads it over where its spec
+    does not say how many tasks a lease runs (0: the default)."""
+    spec = spec_of(job.spec)
+    jobs.submit(db, job, now)
+    tasks = arrays.task_indices(spec)
+    count = len(tasks)
+    db.execute("UPDATE jobs SET tasks = ?, parts = 0, progress_total = ?, lanes = ?"
+               " WHERE id = ?", [count, count, max(0, min(lanes, count)), job.id])
+    db.conn.executemany("INSERT INTO array_tasks (array_id, task, state, updated_at_ms)"
+                   " VALUES (?, ?, ?, ?)", [(job.id, t, QUEUED, now) for t in tasks])
+    add_batches(db, job.id, now)
+
+
+def add_batches(db: Database, array_id: str, now: int) -> int:
+    """Put the array's tasks that no batch runs into new batches; return how many."""
+    waiting = [r[0] for r in db.execute(
+        "SELECT task FROM array_tasks WHERE array_id = ? AND state = ? AND batch_id IS NULL"
+        " ORDER BY task", [array_id, QUEUED])]
+    if not waiting:
+        return 0
+    top = jobs.job_row(db, array_id)
+    size = arrays.per_lease(spec_of(top["spec"]), top["lanes"])
+    keep = ("client_id", "kind", "spec", "spec_sha256", "needs", "expires_at_ms",
+            "max_attempts", "fee_ppm", "enforce_funds", "hold_basis")
+    made = top["parts"] or 0
+    for batch in arrays.batches(waiting, size):
+        made += 1
+        batch_id = f"{array_id}-{made}"
+        db["jobs"].insert({**{k: top[k] for k in keep}, "id": batch_id, "state": QUEUED,
+                           "name": f"{top['name']} tasks {batch[0]}-{batch[-1]}",
+                           "parent_id": array_id, "part": made, "tasks": len(batch),
+                           "attempt": 1, "epoch": 0, "progress_total": len(batch),
+                           "created_at_ms": now, "updated_at_ms": now})
+        db.conn.executemany("UPDATE array_tasks SET batch_id = ?, updated_at_ms = ?"
+                       " WHERE array_id = ? AND task = ?",
+                       [(batch_id, now, array_id, t) for t in batch])
+        jobs.append_event(db, batch_id, "submitted", QUEUED, 1, now, mirror=False,
+                          message=f"{len(batch)} tasks of array {array_id}")
+    db.execute("UPDATE jobs SET parts = ? WHERE id = ?", [made, array_id])
+    return made - (top["parts"] or 0)
+
+
+def lease_tasks(db: Database, batch_id: str) -> list[int]:
+    """The tasks a new lease of the batch runs: those of its tasks not ended yet."""
+    return [r[0] for r in db.execute(
+        "SELECT task FROM array_tasks WHERE batch_id = ? AND state IN (?, ?) ORDER BY task",
+        [batch_id, *OPEN])]
+
+
+def task_receipts(results: list[gw.TaskResult], provider_id: str) -> dict[int, pb.Receipt]:
+    """The receipts that came with task results (for their outputs alone), by task, each
+    signed by the lease's provider (BadSignature if one is not). No database here: the
+    signatures are checked before the write."""
+    out: dict[int, pb.Receipt] = {}
+    for r in results:
+        if r.receipt.payload:
+            receipt, signer = open_envelope(r.receipt, pb.Receipt)
+            if signer != provider_id or receipt.provider_id != provider_id:
+                raise BadSignature(f"task {r.task}: its receipt is not signed by the lease's"
+                                   " provider")
+            out[r.task] = receipt
+    return out
+
+
+def _task_outputs(db: Database, batch: dict, epoch: int, provider_id: str, task: int,
+                  receipt: pb.Receipt) -> list[dict]:
+    """A task's outputs as its own receipt names them, each one the provider uploaded."""
+    if receipt.job_id != batch["id"] or receipt.epoch != epoch or \
+            receipt.spec_sha256 != batch["spec_sha256"]:
+        raise BadSignature(f"task {task}: its receipt names another lease or spec")
+    if len(receipt.outputs) > arrays.TASK_OUTPUTS:
+        raise InvalidArgument(f"task {task}: a task's receipt names at most"
+                              f" {arrays.TASK_OUTPUTS:,} outputs")
+    for ref in receipt.outputs:
+        named = arrays.output_task(ref.name)
+        if named is None or named[0] != task:
+            raise InvalidArgument(f"task {task}: its receipt names {ref.name}, not its own")
+    blob_holdings.check_outputs(db, provider_id, receipt.outputs, f"task {task}: ")
+    return [{"name": ref.name, "sha256": ref.sha256, "size_bytes": ref.size_bytes}
+            for ref in receipt.outputs]
+
+
+def record_results(db: Database, batch_id: str, epoch: int, provider_id: str,
+                   results: list[gw.TaskResult], now: int,
+                   receipts: dict[int, pb.Receipt] | None = None) -> None:
+    """Tasks of the provider's current lease of the batch ended (``gw.TaskResult``s): each
+    succeeded, or failed and runs again later while it has attempts left. A succeeded task
+    with its own receipt (``task_receipts``, checked) has its outputs from it at once."""
+    batch, _ = jobs._current(db, batch_id, epoch, provider_id)
+    if len(results) > arrays.MAX_PER_LEASE:
+        raise InvalidArgument(f"at most {arrays.MAX_PER_LEASE:,} task results at once")
+    array_id = batch["parent_id"]
+    for r in results:
+        row = db.execute("SELECT state, attempts FROM array_tasks WHERE array_id = ?"
+                         " AND task = ? AND batch_id = ?", [array_id, r.task, batch_id]
+                         ).fetchone()
+        if row is None or row[0] not in OPEN:
+            continue            # not a task of this batch, or told already
+        seconds = max(0.0, min(float(r.seconds), 1e9)) if r.seconds == r.seconds else 0.0
+        if r.ok:
+            receipt = (receipts or {}).get(r.task)
+            outputs = envelope = None
+            if receipt is not None:
+                refs = _task_outputs(db, batch, epoch, provider_id, r.task, receipt)
+                for ref in refs:        # the client's to read, kept from garbage collection
+                    blob_holdings.refer(db, ref["sha256"], batch_id, "output")
+                outputs, envelope = json.dumps(refs), r.receipt.SerializeToString()
+            db.execute("UPDATE array_tasks SET state = ?, provider_id = ?, error = '',"
+                       " seconds = ?, updated_at_ms = ?, outputs = ?, receipt = ?, yielded = 0"
+                       " WHERE array_id = ? AND task = ?",
+                       [SUCCEEDED, provider_id, seconds, now, outputs, envelope, array_id,
+                        r.task])
+        else:
+            _task_failed(db, array_id, r.task, row[1], batch["max_attempts"],
+                         r.error[:1000] or "failed", provider_id, now, seconds)
+    _follow(db, array_id, now)
+
+
+def _task_failed(db: Database, array_id: str, task: int, attempts: int, max_attempts: int,
+                 error: str, provider_id: str, now: int, seconds: float = 0.0) -> None:
+    attempts += 1
+    state = FAILED if attempts >= max_attempts else QUEUED
+    db.execute("UPDATE array_tasks SET state = ?, attempts = ?, error = ?, provider_id = ?,"
+               " seconds = ?, updated_at_ms = ?, yielded = 0, batch_id = CASE WHEN ? = ?"
+               " THEN NULL ELSE batch_id END WHERE array_id = ? AND task = ?",
+               [state, attempts, error, provider_id, seconds, now, state, QUEUED,
+                array_id, task])
+
+
+def yield_lease(db: Database, batch_id: str, epoch: int, now: int) -> int:
+    """The broker asks the batch's running lease (of ``epoch``) to yield its device after
+    its current task: its tasks not reported yet are marked to go back to the queue when it
+    ends, without counting an attempt (a task that still reports meanwhile is recorded as
+    usual). Returns how many were marked (0: the lease is not running, or asked already)."""
+    batch = jobs.job_row(db, batch_id)
+    if batch["epoch"] != epoch or batch["state"] != RUNNING or not batch["parent_id"]:
+        return 0
+    marked = db.execute("UPDATE array_tasks SET yielded = 1, updated_at_ms = ? WHERE"
+                        " batch_id = ? AND state = ? AND yielded = 0 AND NOT EXISTS (SELECT 1"
+                        " FROM array_tasks y WHERE y.batch_id = ? AND y.yielded = 1)",
+                        [now, batch_id, RUNNING, batch_id]).rowcount
+    if marked:
+        jobs.append_event(db, batch_id, "yielding", RUNNING, batch["attempt"], now,
+                          mirror=False, message=f"asked to stop after its current task:"
+                          f" another client waits; {marked} tasks go back to the queue")
+    return marked
+
+
+def running_leases(db: Database) -> list[dict]:
+    """The running leases of job arrays' batches, for the scheduler's fair share: each
+    with its client, provider, epoch, devices, tasks not reported yet, and whether it was
+    asked to yield already."""
+    rows = db.execute(
+        "SELECT j.id, j.epoch, j.client_id, j.provider_id, l.device_indices, j.updated_at_ms,"
+        " count(t.task), coalesce(max(t.yielded), 0) FROM jobs j"
+        " JOIN leases l ON l.id = j.lease_id"
+        " LEFT JOIN array_tasks t ON t.batch_id = j.id AND t.state = ?"
+        " WHERE j.state = ? AND j.tasks > 0 AND j.parent_id IS NOT NULL GROUP BY j.id",
+        [RUNNING, RUNNING]).fetchall()
+    return [{"id": r[0], "epoch": r[1], "client_id": r[2], "provider_id": r[3],
+             "devices": len(json.loads(r[4])), "updated_at_ms": r[5], "open": r[6],
+             "yielding": bool(r[7])} for r in rows]
+
+
+def follow_batch(db: Database, array_id: str, batch_id: str, type_: str, now: int) -> None:
+    """A batch moved (``type_``, its event): its tasks follow, and the array follows them."""
+    batch = jobs.job_row(db, batch_id)
+    state = batch["state"]
+    if type_ in ("leased", "started"):
+        db.execute("UPDATE array_tasks SET state = ?, provider_id = ?, updated_at_ms = ?"
+                   " WHERE batch_id = ? AND state = ?",
+                   [RUNNING, batch["provider_id"] or "", now, batch_id, QUEUED])
+    elif state == QUEUED and type_ == "requeued":
+        # Its lease was lost (or given back): the batch runs its open tasks again, a yield
+        # asked of that lease forgotten.
+        db.execute("UPDATE array_tasks SET state = ?, yielded = 0, updated_at_ms = ? WHERE"
+                   " batch_id = ? AND state = ?", [QUEUED, now, batch_id, RUNNING])
+        if not lease_tasks(db, batch_id):     # every task told before the lease was lost
+            jobs.set_job(db, batch_id, now, state=SUCCEEDED)
+            jobs.append_event(db, batch_id, "succeeded", SUCCEEDED, batch["attempt"], now,
+                              mirror=False, message="every task had ended")
+    elif state in TERMINAL_STATES:
+        _batch_ended(db, array_id, batch, now)
+    _follow(db, array_id, now)
+
+
+def _batch_ended(db: Database, array_id: str, batch: dict, now: int) -> None:
+    """The batch ended: its receipt's outputs go to their tasks; tasks it did not report
+    failed this run (or are cancelled with it); those left to run get new batches."""
+    if batch["receipt"]:
+        env = pb.Envelope()
+        env.ParseFromString(batch["receipt"])
+        receipt = pb.Receipt()
+        receipt.ParseFromString(env.payload)
+        by_task: dict[int, list[dict]] = {}
+        for out in receipt.outputs:
+            named = arrays.output_task(out.name)
+            if named is not None:
+                by_task.setdefault(named[0], []).append(
+                    {"name": out.name, "sha256": out.sha256, "size_bytes": out.size_bytes})
+        db.conn.executemany("UPDATE array_tasks SET outputs = ?, receipt = NULL WHERE"
+                            " array_id = ? AND task = ? AND batch_id = ?",
+                            [(json.dumps(refs), array_id, task, batch["id"])
+                             for task, refs in by_task.items()])
+    open_tasks = db.execute("SELECT task, attempts, yielded FROM array_tasks WHERE"
+                            " batch_id = ? AND state IN (?, ?)", [batch["id"], *OPEN]).fetchall()
+    top = db.execute("SELECT state FROM jobs WHERE id = ?", [array_id]).fetchone()
+    if batch["state"] == CANCELLED or top[0] in TERMINAL_STATES:
+        db.execute("UPDATE array_tasks SET state = ?, error = ?, updated_at_ms = ? WHERE"
+                   " batch_id = ? AND state IN (?, ?)",
+                   [CANCELLED, batch["error"] or "cancelled", now, batch["id"], *OPEN])
+        return
+    # Tasks its lease yielded before running them go back to the queue as they were.
+    db.execute("UPDATE array_tasks SET state = ?, batch_id = NULL, yielded = 0,"
+               " updated_at_ms = ? WHERE batch_id = ? AND state IN (?, ?) AND yielded = 1",
+               [QUEUED, now, batch["id"], *OPEN])
+    error = (batch["error"] or "its lease ended without a result for it")[:1000]
+    for task, attempts, yielded in open_tasks:
+        if not yielded:
+            _task_failed(db, array_id, task, attempts, batch["max_attempts"], error,
+                         batch["provider_id"] or "", now)
+    add_batches(db, array_id, now)
+
+
+def counts(db: Database, array_id: str) -> dict[str, int]:
+    """The array's tasks by state: queued, running, succeeded, failed, cancelled."""
+    out = dict.fromkeys(STATE_FIELDS.values(), 0)
+    for state, n in db.execute("SELECT state, count(*) FROM array_tasks WHERE array_id = ?"
+                               " GROUP BY state", [array_id]):
+        out[STATE_FIELDS.get(state, "queued")] += n
+    return out
+
+
+def _follow(db: Database, array_id: str, now: int) -> None:
+    """Set the array's state and progress from its tasks'."""
+    top = jobs.job_row(db, array_id)
+    if top["state"] in TERMINAL_STATES:
+        return
+    c = counts(db, array_id)
+    ended = c["succeeded"] + c["failed"] + c["cancelled"]
+    batches_open = db.execute(
+        f"SELECT count(*) FROM jobs WHERE parent_id = ? AND state NOT IN"
+        f" ({', '.join(str(s) for s in TERMINAL_STATES)})", [array_id]).fetchone()[0]
+    if ended == top["tasks"] and not batches_open:   # (a batch's receipt may be on its way)
+        state = SUCCEEDED if ended == c["succeeded"] else FAILED if c["failed"] else CANCELLED
+    else:
+        state = RUNNING if c["running"] else QUEUED
+    error = (f"{c['failed']:,} of {top['tasks']:,} tasks failed" if state == FAILED else "")
+    if state == top["state"] and ended == top["progress_step"]:
+        return
+    if state == SUCCEEDED:
+        jobs.set_job(db, array_id, now, progress_step=ended)
+        jobs.finished(db, jobs.job_row(db, array_id), now, f"all {ended:,} tasks succeeded")
+        return
+    jobs.set_job(db, array_id, now, state=state, progress_step=ended, error=error)
+    summary = ", ".join(f"{v:,} {k}" for k, v in c.items() if v)
+    if state != top["state"]:
+        jobs.append_event(db, array_id, jobs.PARENT_EVENT[state], state, top["attempt"], now,
+                          message=f"tasks: {summary}")
+    else:
+        jobs.append_event(db, array_id, "progress", state, top["attempt"], now,
+                          progress={"step": ended, "total": top["tasks"], "metrics": {
+                              k: float(c[k]) for k in ("running", "failed") if c[k]}})
+
+
+def cancelled(db: Database, array_id: str, now: int) -> None:
+    """The array was cancelled: its tasks not ended are too."""
+    db.execute("UPDATE array_tasks SET state = ?, error = 'cancelled by client',"
+               " updated_at_ms = ? WHERE array_id = ? AND state IN (?, ?)",
+               [CANCELLED, now, array_id, *OPEN])
+
+
+def tasks(db: Database, array_id: str, from_task: int, limit: int,
+          states: list[int]) -> tuple[list[dict], int]:
+    """Up to ``limit`` of the array's tasks from ``from_task`` (of ``states``; all if
+    empty); and where the next page starts (0: none)."""
+    where, args = "array_id = ? AND task >= ?", [array_id, from_task]
+    if states:
+        where += f" AND state IN ({', '.join('?' for _ in states)})"
+        args += states
+    cur = db.execute(f"SELECT * FROM array_tasks WHERE {where} ORDER BY task LIMIT ?",
+                     [*args, limit + 1])
+    cols = [d[0] for d in cur.description]
+    rows = [dict(zip(cols, r)) for r in cur.fetchall()]
+    more = len(rows) > limit
+    return rows[:limit], (rows[limit]["task"] if more else 0)

@@ -1,0 +1,695 @@
+"""The job and lease state machine. Each function runs inside one write transaction
+(see Store.write) and appends the events it causes, so a state change and its
+event are never apart. No grpc here.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from sqlite_utils import Database
+
+from gpumarket.broker.checks import disputes
+from gpumarket.broker.checks import verification
+from gpumarket.broker.jobs import arrays
+from gpumarket.broker.market import calibration
+from gpumarket.broker.market.admission import NewJob
+from gpumarket.broker.money import credit_holds
+from gpumarket.broker.money import ledger
+from gpumarket.broker.store import blob_holdings
+from gpumarket.proto.errors import (
+    FailedPrecondition, InvalidArgument, NotFound, Replay,
+)
+from gpumarket.proto.jobspec import TERMINAL_STATES, state_name
+from gpumarket.proto.v1 import types_pb2 as pb
+
+QUEUED = pb.JOB_STATE_QUEUED
+LEASED = pb.JOB_STATE_LEASED
+RUNNING = pb.JOB_STATE_RUNNING
+SUCCEEDED = pb.JOB_STATE_SUCCEEDED
+FAILED = pb.JOB_STATE_FAILED
+CANCELLED = pb.JOB_STATE_CANCELLED
+PAUSED = pb.JOB_STATE_PAUSED
+VERIFYING = pb.JOB_STATE_VERIFYING
+ACTIVE_STATES = (LEASED, RUNNING)
+FAIL_QUORUM = 2     # distinct providers whose reports that a job ran and failed fail it
+TAIL_LINES = 5      # lines of a failed job's log shown with its provider's report
+
+
+@dataclass(frozen=True)
+class EndedLease:
+    """What the caller must tell a provider after a lease ended on the broker's side."""
+
+    job_id: str
+    epoch: int
+    provider_id: str
+
+
+def append_event(
+    db: Database,
+    job_id: str,
+    type_: str,
+    state: int,
+    attempt: int,
+    now: int,
+    *,
+    provider_id: str = "",
+    message: str = "",
+    progress: dict | None = None,
+    mirror: bool = True,
+) -> list[EndedLease]:
+    """Append a job event. An event of a split job's part also updates the parent (its
+    state follows its parts) and is repeated on it; returns the leases of sibling parts
+    that this ended (a part failed or was cancelled), to tell their providers."""
+    db.execute(
+        "INSERT INTO events (job_id, at_ms, type, state, attempt, provider_id, message, progress)"
+        " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+        [job_id, now, type_, state, attempt, provider_id, message,
+         json.dumps(progress) if progress is not None else None],
+    )
+    if not mirror or type_ == "submitted":
+        return []
+    row = db.execute("SELECT parent_id, part, parts, kind, tasks FROM jobs WHERE id = ?",
+                     [job_id]).fetchone()
+    if row is None or row[0] is None:
+        return []
+    if row[4]:      # a batch of a job array: its tasks follow it, and the array them
+        arrays.follow_batch(db, row[0], job_id, type_, now)
+        return []
+    if row[3] == pb.JOB_KIND_ENDPOINT:
+        # An endpoint does not follow its replicas' states: it notes their moves.
+        if type_ not in ("progress", "checkpoint"):
+            top = db.execute("SELECT state, attempt FROM jobs WHERE id = ?", [row[0]]).fetchone()
+            append_event(db, row[0], "replica", top[0], top[1], now, provider_id=provider_id,
+                         message=f"replica {row[1]} {type_}: {message}", mirror=False)
+        return []
+    return _follow_parts(db, row[0], now, f"part {row[1]}/{row[2]}: {message}", type_,
+                         provider_id)
+
+
+# The event type a split job gets when its parts move it into a state.
+PARENT_EVENT = {QUEUED: "requeued", LEASED: "leased", RUNNING: "started",
+                SUCCEEDED: "succeeded", FAILED: "failed", CANCELLED: "cancelled",
+                PAUSED: "paused", VERIFYING: "verifying"}
+
+
+def _parts_of(db: Database, parent_id: str) -> list[dict]:
+    cur = db.execute("SELECT * FROM jobs WHERE parent_id = ? ORDER BY part", [parent_id])
+    cols = [d[0] for d in cur.description]
+    return [dict(zip(cols, r)) for r in cur.fetchall()]
+
+
+def _follow_parts(db: Database, parent_id: str, now: int, message: str, type_: str,
+                  provider_id: str) -> list[EndedLease]:
+    """Set a split job's state from its parts: failed or cancelled if one part is (the
+    others are stopped), succeeded when all are, else running, leased or queued."""
+    parent = job_row(db, parent_id)
+    if parent["state"] in TERMINAL_STATES:
+        return []
+    parts = _parts_of(db, parent_id)
+    states = [p["state"] for p in parts]
+    failed = next((p for p in parts if p["state"] == FAILED), None)
+    ended: list[EndedLease] = []
+    error = ""
+    if failed is not None or CANCELLED in states:
+        state = FAILED if failed is not None else CANCELLED
+        error = (f"part {failed['part']}/{failed['parts']} failed: {failed['error']}"
+                 if failed is not None else "a part was cancelled")
+        for p in parts:
+            if p["state"] in TERMINAL_STATES:
+                continue
+            if p["state"] in ACTIVE_STATES and p["lease_id"]:
+                stop_lease(db, p, "cancelled", error, now)
+                ended.append(EndedLease(p["id"], p["epoch"], p["provider_id"]))
+            set_job(db, p["id"], now, state=CANCELLED, error=error)
+            _drop_checkpoints(db, p["id"])
+            append_event(db, p["id"], "cancelled", CANCELLED, p["attempt"], now,
+                         message=f"stopped: {error}", mirror=False)
+    elif all(s == SUCCEEDED for s in states):
+        state = SUCCEEDED
+    elif all(s in (SUCCEEDED, VERIFYING) for s in states):
+        state = VERIFYING
+    elif RUNNING in states:
+        state = RUNNING
+    elif LEASED in states:
+        state = LEASED
+    elif PAUSED in states:
+        state = PAUSED
+    else:
+        state = QUEUED
+    step = sum(p["progress_step"] for p in parts)
+    reason = next((p["queue_reason"] for p in parts if p["state"] == QUEUED), "")
+    attempt = max(p["attempt"] for p in parts)
+    set_job(db, parent_id, now, state=state, progress_step=step, attempt=attempt,
+             error=error, queue_reason=reason)
+    if type_ == "progress" and state == parent["state"]:
+        append_event(db, parent_id, "progress", state, attempt, now, provider_id=provider_id,
+                     progress={"step": step, "total": parent["progress_total"], "metrics": {}})
+    else:
+        changed = state != parent["state"]
+        append_event(db, parent_id, PARENT_EVENT[state] if changed else "part", state, attempt,
+                     now, provider_id=provider_id, message=message)
+    return ended
+
+
+def no_such_job(job_id: str) -> NotFound:
+    """The one answer for a job that does not exist and for another client's: nobody learns
+    which job ids exist."""
+    return NotFound(f"no job {job_id!r}")
+
+
+def job_row(db: Database, job_id: str) -> dict:
+    """Return the job's row; raise NotFound."""
+    row = db.execute("SELECT * FROM jobs WHERE id = ?", [job_id]).fetchone()
+    if row is None:
+        raise no_such_job(job_id)
+    cols = [d[0] for d in db.execute("SELECT * FROM jobs LIMIT 0").description]
+    return dict(zip(cols, row))
+
+
+def set_job(db: Database, job_id: str, now: int, **values: object) -> None:
+    values["updated_at_ms"] = now
+    sets = ", ".join(f"{k} = ?" for k in values)
+    db.execute(f"UPDATE jobs SET {sets} WHERE id = ?", [*values.values(), job_id])
+    if values.get("state") in TERMINAL_STATES:
+        # A job that ended (a whole job, or a split job once its parts did) gives back
+        # what its hold has left, in the same transaction.
+        row = db.execute("SELECT client_id FROM jobs WHERE id = ? AND parent_id IS NULL"
+                         " AND check_of IS NULL", [job_id]).fetchone()
+        if row is not None:
+            # Its checks end with it (their checkers paid up to now), before the hold goes.
+            disputes.drop(db, job_id, values["state"] == FAILED, now)
+            ledger.release(db, job_id, row[0], now)
+
+
+def submit(db: Database, job: NewJob, now: int) -> None:
+    """Store a new QUEUED job; raise Replay if its nonce was used before."""
+    seen = db.execute(
+        "SELECT job_id FROM nonces WHERE signer_id = ? AND nonce = ?", [job.client_id, job.nonce]
+    ).fetchone()
+    if seen is not None:
+        raise Replay(f"this signed spec was already submitted as job {seen[0]} (nonce reused)")
+    if db.execute("SELECT 1 FROM jobs WHERE id = ?", [job.id]).fetchone():
+        raise Replay(f"job {job.id} already exists")
+    db["nonces"].insert(
+        {"signer_id": job.client_id, "nonce": job.nonce, "expires_at_ms": job.expires_at_ms,
+         "job_id": job.id}
+    )
+    row = {
+        "id": job.id, "client_id": job.client_id, "name": job.name, "kind": job.kind,
+        "state": QUEUED, "spec": job.spec, "spec_sha256": job.spec_sha256,
+        "needs": job.needs.to_json(), "expires_at_ms": job.expires_at_ms, "attempt": 1,
+        "max_attempts": job.max_attempts, "epoch": 0, "created_at_ms": now,
+        "updated_at_ms": now, "fee_ppm": job.fee_ppm, "enforce_funds": int(job.enforce_funds),
+        "hold_basis": job.hold_basis,
+    }
+    if len(job.part_sizes) > 1:
+        row.update(parts=len(job.part_sizes), progress_total=sum(job.part_sizes))
+    db["jobs"].insert(row)
+    for i, size in enumerate(job.part_sizes if len(job.part_sizes) > 1 else (), 1):
+        part_id = f"{job.id}-{i}"
+        db["jobs"].insert({**row, "id": part_id, "name": f"{job.name} part {i}",
+                           "parent_id": job.id, "part": i, "progress_total": size})
+        append_event(db, part_id, "submitted", QUEUED, 1, now,
+                     message=f"part {i}/{len(job.part_sizes)} of job {job.id}")
+    for sha in set(job.inputs):
+        blob_holdings.refer(db, sha, job.id, "input")
+    ledger.hold(db, job.id, job.client_id, job.hold, job.hold_basis, job.enforce_funds, now)
+    append_event(db, job.id, "submitted", QUEUED, 1, now,
+                 message=f"submitted by {job.client_id}; {ledger.fmt(job.hold)} credits held"
+                 f" ({job.hold_basis})")
+
+
+def create_lease(
+    db: Database,
+    job_id: str,
+    provider_id: str,
+    device_indices: list[int],
+    price_per_gpu_hour: float,
+    now: int,
+    accept_within_ms: int,
+    checkpoint_every: int,
+    sign: Callable[[pb.Lease], pb.Envelope],
+    provider_mtbf_s: float = 0.0,
+    checkpoint_interval_s: float = 0.0,
+    raw_runtime_s: float = 0.0,
+    accelerator: int = 0,
+) -> pb.Envelope:
+    """Lease a QUEUED job to a provider; return the signed Lease envelope."""
+    job = job_row(db, job_id)
+    if job["state"] != QUEUED:
+        raise FailedPrecondition(f"job {job_id} is {state_name(job['state'])}, not QUEUED")
+    epoch = job["epoch"] + 1
+    lease = pb.Lease(
+        lease_id=f"{job_id}.{epoch}",
+        job_id=job_id,
+        attempt=job["attempt"],
+        epoch=epoch,
+        provider_id=provider_id,
+        client_id=job["client_id"],
+        price_per_gpu_hour=price_per_gpu_hour,
+        checkpoint_every=checkpoint_every,
+        device_indices=device_indices,
+        issued_at_ms=now,
+        expires_at_ms=now + accept_within_ms,
+        provider_mtbf_s=provider_mtbf_s,
+        checkpoint_interval_s=checkpoint_interval_s,
+        part=0 if job["tasks"] else job["part"],
+        parts=job["parts"] if job["part"] and not job["tasks"] else 0,
+        tasks=arrays.lease_tasks(db, job_id) if job["tasks"] and job["parent_id"] else (),
+    )
+    if job["resume_from"]:
+        lease.resume_from.CopyFrom(pb.ArtifactRef(**json.loads(job["resume_from"])))
+    if job["check_of"]:
+        lease.check.CopyFrom(verification.scope_of(db, job_id))
+        verification.leased(db, job_id, provider_id, now)
+    lease.job_spec.ParseFromString(job["spec"])
+    envelope = sign(lease)
+    db["leases"].insert(
+        {
+            "id": lease.lease_id, "job_id": job_id, "attempt": lease.attempt, "epoch": epoch,
+            "provider_id": provider_id, "device_indices": json.dumps(device_indices),
+            "price_per_gpu_hour": price_per_gpu_hour, "state": "active", "issued_at_ms": now,
+            "renewed_at_ms": now, "envelope": envelope.SerializeToString(),
+            "start_step": job["checkpoint_step"] if job["resume_from"] else 0,
+            "raw_runtime_s": raw_runtime_s, "accelerator": accelerator,
+        }
+    )
+    set_job(db, job_id, now, state=LEASED, epoch=epoch, provider_id=provider_id,
+             lease_id=lease.lease_id, queue_reason="", settled_to_ms=None,
+             settled_step=job["checkpoint_step"] if job["resume_from"] else 0)
+    resume = f", resuming from step {job['checkpoint_step']}" if job["resume_from"] else ""
+    append_event(db, job_id, "leased", LEASED, lease.attempt, now, provider_id=provider_id,
+                 message=f"leased to {provider_id} at {price_per_gpu_hour:g}/GPU-hour"
+                 f" (attempt {lease.attempt}{resume})")
+    return envelope
+
+
+def _current(db: Database, job_id: str, epoch: int, provider_id: str) -> tuple[dict, dict]:
+    """Return (job, lease) if ``provider_id`` holds the job's current active lease."""
+    job = job_row(db, job_id)
+    row = db.execute(
+        "SELECT * FROM leases WHERE job_id = ? AND epoch = ?", [job_id, epoch]
+    ).fetchone()
+    cols = [d[0] for d in db.execute("SELECT * FROM leases LIMIT 0").description]
+    lease = dict(zip(cols, row)) if row else None
+    if lease is None or lease["provider_id"] != provider_id:
+        raise FailedPrecondition(f"job {job_id}: no lease of epoch {epoch} held by this provider")
+    if job["epoch"] != epoch or lease["state"] != "active" or job["state"] not in ACTIVE_STATES:
+        raise FailedPrecondition(
+            f"job {job_id}: lease epoch {epoch} is stale (job is {state_name(job['state'])},"
+            f" current epoch {job['epoch']})"
+        )
+    return job, lease
+
+
+def mark_started(db: Database, job_id: str, epoch: int, provider_id: str, now: int,
+                 resumed_from_step: int = 0) -> None:
+    job, lease = _current(db, job_id, epoch, provider_id)
+    db.execute("UPDATE leases SET started_at_ms = coalesce(started_at_ms, ?), renewed_at_ms = ?"
+               " WHERE id = ?", [now, now, lease["id"]])
+    # Billing starts here (once: a re-attached job reporting again changes nothing).
+    db.execute("UPDATE jobs SET settled_to_ms = coalesce(settled_to_ms, ?) WHERE id = ?",
+               [now, job_id])
+    if job["state"] == LEASED:
+        set_job(db, job_id, now, state=RUNNING)
+        where = f", resumed from step {resumed_from_step}" if resumed_from_step else ""
+        append_event(db, job_id, "started", RUNNING, job["attempt"], now,
+                     provider_id=provider_id, message=f"running on {provider_id}{where}")
+
+
+def record_progress(
+    db: Database, job_id: str, epoch: int, provider_id: str, progress: pb.Progress, now: int
+) -> None:
+    job, _ = _current(db, job_id, epoch, provider_id)
+    metrics = dict(progress.metrics)
+    set_job(db, job_id, now, progress_step=progress.step, progress_total=progress.total,
+             progress_metrics=json.dumps(metrics))
+    append_event(db, job_id, "progress", job["state"], job["attempt"], now,
+                 provider_id=provider_id,
+                 progress={"step": progress.step, "total": progress.total, "metrics": metrics})
+
+
+def record_checkpoint(
+    db: Database, job_id: str, epoch: int, provider_id: str, step: int, artifact: pb.ArtifactRef,
+    write_seconds: float, now: int, policy: verification.Policy = verification.OFF,
+) -> bool | str:
+    """Make a stored, hash-checked checkpoint the job's latest and settle the lease's work up
+    to it; False if it is not newer. A job whose hold would not cover another segment like
+    this one is paused here: then it returns "paused" (the caller tells the provider to stop).
+
+    Raises InvalidArgument unless this provider uploaded the artifact intact (its hash was
+    checked when the upload finished): naming a blob it only saw referenced is not enough.
+    """
+    job, lease = _current(db, job_id, epoch, provider_id)
+    if not blob_holdings.holds_intact(db, provider_id, artifact.sha256, artifact.size_bytes):
+        raise InvalidArgument(f"checkpoint at step {step} was not uploaded intact by this"
+                              " provider")
+    if step <= job["checkpoint_step"]:
+        return False
+    ref = {"name": artifact.name, "sha256": artifact.sha256, "size_bytes": artifact.size_bytes}
+    # The measured cost feeds the next lease's interval; smooth it over checkpoints.
+    cost = job["checkpoint_seconds"]
+    cost = write_seconds if cost <= 0 else 0.7 * cost + 0.3 * write_seconds
+    set_job(db, job_id, now, resume_from=json.dumps(ref), checkpoint_step=step,
+             checkpoint_seconds=cost)
+    db.execute("DELETE FROM artifact_refs WHERE job_id = ? AND role = 'checkpoint'", [job_id])
+    blob_holdings.refer(db, artifact.sha256, job_id, "checkpoint")
+    paid = ledger.settle(db, job, lease, step, now)
+    db.execute("UPDATE jobs SET hold_needed = 0 WHERE id = ?", [job_id])
+    verification.remember(db, job, lease, step, ref)
+    verification.choose_segment(db, policy, job, lease, step, ref, now)
+    append_event(db, job_id, "checkpoint", job["state"], job["attempt"], now,
+                 provider_id=provider_id,
+                 message=f"checkpoint at step {step} stored ({artifact.sha256[:12]}, "
+                 f"{artifact.size_bytes} bytes, written in {write_seconds:.2f}s);"
+                 f" {ledger.fmt(paid.paid)} credits settled")
+    finished = job["progress_total"] and step >= job["progress_total"]
+    if job["enforce_funds"] and not finished and not job["check_of"] and \
+            paid.remaining - _siblings_accrued(db, job, now) < max(paid.amount, 1):
+        _pause(db, job, lease, now, max(paid.amount, _resume_floor(lease)),
+               "another segment like the last")
+        return "paused"
+    return True
+
+
+def _siblings_accrued(db: Database, job: dict, now: int) -> int:
+    """What the other running parts of a split job have cost since their last settlements:
+    they draw on the same hold."""
+    if not job["parent_id"]:
+        return 0
+    total = 0
+    for part in _parts_of(db, job["parent_id"]):
+        if part["id"] != job["id"] and part["state"] in ACTIVE_STATES and part["lease_id"]:
+            total += ledger.accrued(part, lease_row(db, part["lease_id"]), now)
+    return total
+
+
+def _resume_floor(lease: dict) -> int:
+    return credit_holds.floor_units(lease["price_per_gpu_hour"], len(json.loads(lease["device_indices"])))
+
+
+def _pause(db: Database, job: dict, lease: dict, now: int, needed: int, what: str) -> None:
+    """The job's hold would not pay for more work: end the lease where it was settled last and
+    wait for a top-up that brings the hold to ``needed`` units (it resumes from its latest
+    checkpoint)."""
+    end_lease(db, lease["id"], "paused", "hold exhausted", now)
+    top = job["parent_id"] or job["id"]
+    left = ledger.balance(db, ledger.escrow(top))
+    why = (f"paused: its hold has {ledger.fmt(left)} credits left, {ledger.fmt(needed - left)}"
+           f" short of {what} (gpumarket topup {top} AMOUNT)")
+    set_job(db, job["id"], now, state=PAUSED, provider_id=None, lease_id=None,
+             queue_reason=why, hold_needed=needed)
+    append_event(db, job["id"], "paused", PAUSED, job["attempt"], now,
+                 provider_id=lease["provider_id"], message=why)
+
+
+def lease_row(db: Database, lease_id: str) -> dict:
+    cur = db.execute("SELECT * FROM leases WHERE id = ?", [lease_id])
+    return dict(zip([d[0] for d in cur.description], cur.fetchone()))
+
+
+def stop_lease(db: Database, job: dict, state: str, reason: str, now: int) -> None:
+    """End the job's active lease for a reason that is not its provider's fault (its client
+    cancelled it, a sibling part failed, it was retired): its work since the last settlement
+    is paid up to now, as far as the hold goes. (A failed attempt is not: ``fail``.)"""
+    lease = lease_row(db, job["lease_id"])
+    ledger.settle(db, job, lease, job["settled_step"], now, tag="end")
+    end_lease(db, lease["id"], state, reason, now)
+
+
+def exhaust(db: Database, lease_id: str, now: int) -> EndedLease | None:
+    """A running lease has cost what its job's hold has left (no checkpoint came in time):
+    pay it up to the hold and pause the job; its work since its last checkpoint is redone
+    after a top-up. None if the lease is no longer active or still covered."""
+    lease = lease_row(db, lease_id)
+    job = job_row(db, lease["job_id"])
+    if lease["state"] != "active" or job["lease_id"] != lease_id or not job["enforce_funds"]:
+        return None
+    left = ledger.balance(db, ledger.escrow(job["parent_id"] or job["id"]))
+    if ledger.accrued(job, lease, now) + _siblings_accrued(db, job, now) < left:
+        return None
+    ledger.settle(db, job, lease, job["settled_step"], now, tag="end")
+    _pause(db, job, lease, now, _resume_floor(lease), f"{credit_holds.RESUME_FLOOR_S} s of its lease")
+    return EndedLease(job["id"], job["epoch"], lease["provider_id"])
+
+
+def top_up(db: Database, job_id: str, client_id: str, amount: int, now: int,
+           nonce: str = "") -> int:
+    """Add ``amount`` units from the client's available balance to the job's hold (once per
+    ``nonce``); a paused job (or paused parts) is queued again once the hold covers what the
+    pause needs. Returns the job's state."""
+    job = job_row(db, job_id)
+    if job["client_id"] != client_id or job["parent_id"] or job["check_of"]:
+        raise no_such_job(job_id)
+    if job["state"] in TERMINAL_STATES:
+        raise FailedPrecondition(f"job {job_id} is {state_name(job['state'])}: nothing to top up")
+    if job["state"] == PAUSED and job["expires_at_ms"] <= now:
+        raise FailedPrecondition(f"job {job_id}: its signed spec expired; it cannot be"
+                                 " leased again (cancel it to get its hold back)")
+    ledger.top_up(db, job_id, client_id, amount, bool(job["enforce_funds"]), now, nonce)
+    left = ledger.balance(db, ledger.escrow(job_id))
+    # A split job's state follows its parts: resume those the hold covers (together), and it
+    # follows.
+    for row in _parts_of(db, job_id) if job["parts"] else [job]:
+        if row["state"] != PAUSED:
+            continue
+        if left < row["hold_needed"]:
+            why = (f"paused: its hold has {ledger.fmt(left)} credits left,"
+                   f" {ledger.fmt(row['hold_needed'] - left)} short of what it needs to go on"
+                   f" (gpumarket topup {job_id} AMOUNT)")
+            set_job(db, row["id"], now, queue_reason=why)
+            continue
+        left -= row["hold_needed"]
+        set_job(db, row["id"], now, state=QUEUED, queue_reason="", hold_needed=0)
+        append_event(db, row["id"], "resumed", QUEUED, row["attempt"], now,
+                     message=f"hold topped up by {ledger.fmt(amount)} credits; queued to"
+                     f" resume from step {row['checkpoint_step']}")
+    return job_row(db, job_id)["state"]
+
+
+def _drop_checkpoints(db: Database, job_id: str) -> None:
+    db.execute("DELETE FROM artifact_refs WHERE job_id = ? AND role IN ('checkpoint', 'history')",
+               [job_id])
+
+
+def end_lease(db: Database, lease_id: str, state: str, reason: str, now: int) -> None:
+    db.execute("UPDATE leases SET state = ?, ended_at_ms = ?, reason = ? WHERE id = ?",
+               [state, now, reason, lease_id])
+
+
+def succeed(
+    db: Database, job_id: str, epoch: int, provider_id: str, receipt: bytes, now: int,
+    policy: verification.Policy = verification.OFF,
+) -> None:
+    """The lease's receipt: its work is paid to the end; the job succeeds, or waits
+    (VERIFYING) for the checks of its work still running; a check's job hands what its
+    checker returned to the verdict."""
+    job, lease = _current(db, job_id, epoch, provider_id)
+    total = max(job["progress_step"], job["progress_total"])
+    ledger.settle(db, job, lease, total, now, tag="final")
+    end_lease(db, lease["id"], "succeeded", "", now)
+    parsed = pb.Envelope()
+    parsed.ParseFromString(receipt)
+    receipt_msg = pb.Receipt()
+    receipt_msg.ParseFromString(parsed.payload)
+    outputs = {o.name: {"name": o.name, "sha256": o.sha256, "size_bytes": o.size_bytes}
+               for o in receipt_msg.outputs}
+    if job["check_of"]:
+        set_job(db, job_id, now, state=SUCCEEDED, receipt=receipt, progress_step=total)
+        verification.returned(db, job_id, outputs, now)
+        append_event(db, job_id, "succeeded", SUCCEEDED, job["attempt"], now,
+                     provider_id=provider_id, message="replayed; compared next")
+        return
+    calibration.record(db, job, lease, now)
+    for out in receipt_msg.outputs:
+        blob_holdings.refer(db, out.sha256, job_id, "output")
+    calibration.record_throughput(db, job, provider_id, receipt_msg, now)
+    if not job["tasks"]:        # (a job array's tasks are not spot-checked)
+        verification.choose_final(db, policy, job, lease, total, outputs, receipt_msg, now)
+    if verification.open_checks(db, job_id):
+        set_job(db, job_id, now, state=VERIFYING, receipt=receipt, progress_step=total)
+        append_event(db, job_id, "verifying", VERIFYING, job["attempt"], now,
+                     provider_id=provider_id, message="finished; receipt verified; waiting"
+                     " for the checks of its work")
+        return
+    set_job(db, job_id, now, receipt=receipt, progress_step=total)
+    finished(db, job_row(db, job_id), now, "finished; receipt verified"
+             + ("" if not policy.enabled else f"; work {verification.summary(db, job_id)}"))
+
+
+def finished(db: Database, job: dict, now: int, message: str) -> None:
+    """The job succeeded (its checks, if any, done): its hold's rest goes back."""
+    set_job(db, job["id"], now, state=SUCCEEDED)
+    _drop_checkpoints(db, job["id"])
+    if not job["parent_id"]:    # what its checks compared is no longer needed
+        db.execute("DELETE FROM artifact_refs WHERE job_id = ? AND role = 'evidence'",
+                   [job["id"]])
+    append_event(db, job["id"], "succeeded", SUCCEEDED, job["attempt"], now,
+                 provider_id=job["provider_id"] or "", message=message)
+
+
+def fail(db: Database, job_id: str, epoch: int, provider_id: str, error: str, now: int, *,
+         job_ran: bool = True, log_tail: tuple[str, ...] = ()) -> None:
+    """The provider reports the job failed: its word, not the client's. The lease ends
+    ``failed`` (``lost`` if the job never ran there: the provider failed, not the job) and its
+    work since its last settlement is neither paid nor charged; the job is queued again
+    (attempt + 1), for another provider first, from its latest checkpoint. It fails only once
+    FAIL_QUORUM distinct providers report that it ran and failed (those leases then end
+    ``crashed``: the job's own failure, no longer counted against them), or when it has used
+    up its attempts. ``log_tail``: the last lines of the job's log, as the provider's signed
+    report gave them (shown with its error). A check job fails at once, as a replay that
+    could not run (disputes.could_not_run)."""
+    job, lease = _current(db, job_id, epoch, provider_id)
+    end_lease(db, lease["id"], "failed" if job_ran else "lost", error, now)
+    if job["check_of"]:
+        _give_up(db, job, provider_id, error, now)
+        return
+    said = (f"{provider_id} reports it failed: {error}" if job_ran
+            else f"{provider_id} failed before the job ran: {error}")
+    tail = "".join(f"\n    | {line}" for line in log_tail[-TAIL_LINES:])
+    reports = provider_failures(db, job_id)
+    if len(reports) >= FAIL_QUORUM:
+        db.execute("UPDATE leases SET state = 'crashed' WHERE job_id = ? AND state = 'failed'",
+                   [job_id])
+        _give_up(db, job, provider_id, f"failed on {len(reports)} providers: "
+                 + each_error(reports), now, tail)
+    elif job["attempt"] >= job["max_attempts"]:
+        _give_up(db, job, provider_id, f"gave up after {job['attempt']} attempts; last: {said}",
+                 now, tail)
+    else:
+        _requeue(db, job, provider_id, said, now, tail)
+
+
+def provider_failures(db: Database, job_id: str) -> dict[str, str]:
+    """The providers that reported that the job ran and failed (leases ``failed``), each with
+    its latest error, in the order of those reports."""
+    out: dict[str, str] = {}
+    for provider_id, reason in db.execute(
+            "SELECT provider_id, reason FROM leases WHERE job_id = ? AND state = 'failed'"
+            " ORDER BY epoch", [job_id]).fetchall():
+        out.pop(provider_id, None)
+        out[provider_id] = reason
+    return out
+
+
+def each_error(reports: dict[str, str], limit: int = 2000) -> str:
+    """Each provider's reported error, in one line of at most ``limit`` characters."""
+    text = "; ".join(f"{p}: {e}" for p, e in reports.items())
+    return text if len(text) <= limit else text[:limit - 1] + "…"
+
+
+def _give_up(db: Database, job: dict, provider_id: str, error: str, now: int,
+             tail: str = "") -> None:
+    """The job fails for good (its failed event says ``error``, then ``tail``)."""
+    set_job(db, job["id"], now, state=FAILED, error=error)
+    _drop_checkpoints(db, job["id"])
+    append_event(db, job["id"], "failed", FAILED, job["attempt"], now,
+                 provider_id=provider_id, message=error + tail)
+    if job["check_of"]:
+        disputes.could_not_run(db, job["id"], error, now)
+
+
+def _requeue(db: Database, job: dict, provider_id: str, why: str, now: int,
+             tail: str = "") -> None:
+    """Queue the job again after a lease of it ended without its result: attempt + 1, from
+    its latest checkpoint, for another provider first (scheduler.place_queued); its event
+    says ``why``, then ``tail``."""
+    attempt = job["attempt"] + 1
+    set_job(db, job["id"], now, state=QUEUED, attempt=attempt, provider_id=None, lease_id=None)
+    if job["kind"] == pb.JOB_KIND_ENDPOINT and job["parent_id"]:
+        # A replica is ready again only once its next lease's engine says so (the autoscaler
+        # gives up on a lease that is not ready within cold_start).
+        set_job(db, job["id"], now, progress_step=0)
+    if job["check_of"]:
+        verification.requeued(db, job["id"])
+    resume = (f"resumes from step {job['checkpoint_step']}" if job["resume_from"]
+              else "starts over (no checkpoint yet)")
+    append_event(db, job["id"], "requeued", QUEUED, attempt, now, provider_id=provider_id,
+                 message=f"{why}; attempt {attempt} {resume}{tail}")
+
+
+def cancel(db: Database, job_id: str, client_id: str, now: int
+           ) -> tuple[int, list[EndedLease]]:
+    """Cancel the job (all its parts, if split) for its client; return (new state, the
+    leases to revoke)."""
+    job = job_row(db, job_id)
+    if job["client_id"] != client_id or job["check_of"]:
+        raise no_such_job(job_id)   # the same answer as for a job that does not exist
+    if job["state"] in TERMINAL_STATES:
+        return job["state"], []
+    ended: list[EndedLease] = []
+    parts = _parts_of(db, job_id) if job["parts"] and not job["part"] else []
+    if job["tasks"] and not job["parent_id"]:
+        arrays.cancelled(db, job_id, now)
+    for row in [*parts, job]:
+        if row["state"] in TERMINAL_STATES:
+            continue
+        if row["state"] in ACTIVE_STATES and row["lease_id"]:
+            stop_lease(db, row, "cancelled", "cancelled by client", now)
+            ended.append(EndedLease(row["id"], row["epoch"], row["provider_id"]))
+        set_job(db, row["id"], now, state=CANCELLED, error="cancelled by client")
+        _drop_checkpoints(db, row["id"])
+        ended += append_event(db, row["id"], "cancelled", CANCELLED, row["attempt"], now,
+                              message="cancelled by client",
+                              mirror=row is job and bool(job["parent_id"]))
+    return CANCELLED, ended
+
+
+def lose_lease(db: Database, lease_id: str, reason: str, now: int, *,
+               outcome: str = "lost") -> bool:
+    """End an active lease (``lost``, or ``released`` by its provider); requeue its job with
+    attempt + 1 to resume from its latest checkpoint, or fail it past its attempt limit.
+
+    Returns False when the lease was no longer active (nothing changed).
+    """
+    row = db.execute(
+        "SELECT job_id, epoch, provider_id, state FROM leases WHERE id = ?", [lease_id]
+    ).fetchone()
+    if row is None or row[3] != "active":
+        return False
+    job_id, epoch, provider_id, _ = row
+    end_lease(db, lease_id, outcome, reason, now)
+    job = job_row(db, job_id)
+    if job["epoch"] != epoch or job["state"] not in ACTIVE_STATES:
+        return True
+    if job["attempt"] >= job["max_attempts"]:
+        _give_up(db, job, provider_id, f"gave up after {job['attempt']} attempts; last:"
+                 f" {reason}", now)
+        return True
+    what = outcome if outcome in ("released", "rejected") else "lost"
+    _requeue(db, job, provider_id, f"lease {what} ({reason})", now)
+    return True
+
+
+def release(db: Database, job_id: str, epoch: int, provider_id: str, reason: str,
+            now: int, outcome: str = "released") -> None:
+    """The lease holder gives the job back (drain, or refused); it is queued again at once."""
+    _, lease = _current(db, job_id, epoch, provider_id)
+    lose_lease(db, lease["id"], reason, now, outcome=outcome)
+
+
+def expire_queued(db: Database, now: int) -> list[str]:
+    """Fail QUEUED (and PAUSED) jobs whose spec expired before a provider could take them."""
+    rows = db.execute(
+        "SELECT id, attempt, state, check_of FROM jobs WHERE state IN (?, ?)"
+        " AND expires_at_ms <= ?", [QUEUED, PAUSED, now]).fetchall()
+    for job_id, attempt, state, check_of in rows:
+        error = ("job spec expired while the job was paused (its hold spent)" if state == PAUSED
+                 else "job spec expired before a provider could run it")
+        set_job(db, job_id, now, state=FAILED, error=error)
+        _drop_checkpoints(db, job_id)
+        append_event(db, job_id, "failed", FAILED, attempt, now, message=error)
+        if check_of:
+            disputes.could_not_run(db, job_id, error, now)
+    return [r[0] for r in rows]
+
+
+def set_queue_reasons(db: Database, reasons: dict[str, str], now: int) -> None:
+    for job_id, reason in reasons.items():
+        db.execute("UPDATE jobs SET queue_reason = ? WHERE id = ? AND state = ?",
+                   [reason, job_id, QUEUED])
+        db.execute("UPDATE jobs SET queue_reason = ? WHERE state = ? AND id ="
+                   " (SELECT parent_id FROM jobs WHERE id = ?)", [reason, QUEUED, job_id])

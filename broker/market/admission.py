@@ -1,0 +1,114 @@
+"""Admission: a verified, checked spec becomes a job the broker can store and match. What
+the job needs of a provider is worked out here, once, and stored with it (as JSON); the
+matcher and the lease manager read it from there. No grpc here."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+
+from gpumarket import kinds
+from gpumarket.broker.config import BrokerConfig
+from gpumarket.broker.market.estimates import JobEstimate
+from gpumarket.proto.envelope import payload_sha256
+from gpumarket.proto.jobspec import OBJECTIVE_NAMES
+from gpumarket.proto.v1 import types_pb2 as pb
+
+MAX_ATTEMPTS = 100
+
+
+@dataclass(frozen=True)
+class Needs:
+    """What a job needs of a provider, and what it pays."""
+
+    kind: int
+    gpus: int
+    min_memory_bytes: int               # per device
+    accelerator: int                    # ACCELERATOR_UNSPECIFIED = any
+    max_price_per_gpu_hour: float
+    min_compute_capability: float = 0.0
+    gpu_models: tuple[str, ...] = ()    # substrings of GPU names; empty = any
+    min_reliability: float = 0.0
+    work_flops: float = 0.0             # 0 = unknown
+    objective: str = "cheapest"
+    deadline_s: int = 0                 # from submission; 0 = none
+    max_runtime_s: int = 0
+    engine: str = ""                    # inference engine required; "" = any
+    model_name: str = ""                # a model the provider must hold
+    model_sha256: str = ""              # the model archive it sends: holders are preferred
+    remote_code: bool = False           # runs its model's own code
+    checkpoint_every: int = 0           # the job's own checkpoint cadence; 0 = the broker's
+    min_stake: int = 0                  # units its provider must have staked
+    verify_rate: float = 0.0            # share of segments to check at least (verify)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Needs":
+        raw = json.loads(text)
+        raw["gpu_models"] = tuple(raw.get("gpu_models", ()))
+        return cls(**raw)
+
+
+@dataclass(frozen=True)
+class NewJob:
+    """A verified, validated submission, ready to be stored."""
+
+    id: str
+    client_id: str
+    name: str
+    spec: bytes                         # the serialized signed Envelope, as received
+    spec_sha256: str
+    needs: Needs
+    expires_at_ms: int
+    max_attempts: int
+    nonce: str                          # hex
+    inputs: tuple[str, ...] = ()        # sha256 of each input
+    part_sizes: tuple[int, ...] = ()    # a split job: the steps (frames) of each part
+    hold: int = 0                       # units held from the client at submission
+    hold_basis: str = ""                # what the hold rests on
+    fee_ppm: int = 0                    # the market's fee on its settlements
+    enforce_funds: bool = False         # True: a hold is a limit (the broker's default: billing)
+
+    @property
+    def kind(self) -> int:
+        return self.needs.kind
+
+
+def needs(spec: pb.JobSpec, values: dict, estimate: JobEstimate) -> Needs:
+    """What a job of this spec (its kind's parameters ``values``, sized by ``estimate``)
+    needs of a provider."""
+    kind = kinds.get(spec.kind)
+    r = spec.resources
+    model = kind.model_input(values)
+    return Needs(
+        kind=spec.kind, gpus=r.gpus,
+        min_memory_bytes=r.min_memory_bytes or estimate.memory_bytes,
+        accelerator=r.accelerator, max_price_per_gpu_hour=spec.max_price_per_gpu_hour,
+        min_compute_capability=r.min_compute_capability, gpu_models=tuple(r.gpu_models),
+        min_reliability=spec.min_reliability, work_flops=estimate.work_flops,
+        min_stake=round(spec.min_provider_stake * 1_000_000), verify_rate=spec.verify_rate,
+        objective=OBJECTIVE_NAMES[spec.objective], deadline_s=spec.deadline_s,
+        max_runtime_s=spec.max_runtime_s, engine=kind.engine(values),
+        model_name=kind.model_name(values),
+        model_sha256=next((i.sha256 for i in spec.inputs if model and i.name == model), ""),
+        remote_code=kind.remote_code(values), checkpoint_every=kind.checkpoint_every(values))
+
+
+def admit(envelope: pb.Envelope, spec: pb.JobSpec, client_id: str, values: dict,
+          estimate: JobEstimate, config: BrokerConfig) -> NewJob:
+    """The job a checked, signed spec becomes (its id: the first 16 hex of the sha256 of
+    the signed payload)."""
+    kind = kinds.get(spec.kind)
+    digest = payload_sha256(envelope)
+    parts = kind.parts(values)
+    return NewJob(
+        id=digest[:16], client_id=client_id, name=spec.name or kind.name,
+        spec=envelope.SerializeToString(), spec_sha256=digest,
+        needs=needs(spec, values, estimate), expires_at_ms=spec.expires_at_ms,
+        max_attempts=min(spec.max_attempts or config.max_attempts, MAX_ATTEMPTS),
+        nonce=spec.nonce.hex(), inputs=tuple(ref.sha256 for ref in spec.inputs),
+        part_sizes=tuple(len(kind.part_steps(values, i, parts))
+                         for i in range(1, parts + 1)) if parts > 1 else (),
+    )

@@ -1,0 +1,1 @@
+"""Credits: the double-entry ledger and the holds a job's client pays from."""

@@ -1,0 +1,425 @@
+"""The endpoints' OpenAI-compatible API (docs/serving.md), on aiohttp: ``POST
+/v1/chat/completions`` and ``/v1/completions`` (streamed as server-sent events with
+``"stream": true``), ``POST /v1/embeddings`` and ``GET /v1/models``. Every call carries an
+endpoint's bearer key (``gpumarket endpoint key NAME``); the key opens that endpoint and no
+other, and ``model`` must name it. Errors are OpenAI's: a status code and
+``{"error": {"message", "type", "param", "code"}}``. A request is checked here before it
+reaches a replica; what only the model knows (the prompt's length in tokens) the engine
+checks, and its refusal comes back the same way."""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import base64
+import json
+import logging
+import math
+import secrets
+import time
+
+from aiohttp import web
+
+from gpumarket.broker.serving import endpoints
+from gpumarket.broker.serving.router import Endpoint, Refused, Serving
+from gpumarket.broker.state import BrokerState
+
+log = logging.getLogger(__name__)
+
+MAX_BODY = 4 << 20              # bytes of one request
+MAX_MESSAGES = 1024
+MAX_INPUTS = 2048               # texts in one embeddings request
+MAX_TEXT = 1 << 20              # characters of one prompt, message or input
+DEFAULT_LIMIT = 4096            # max_tokens allowed when neither endpoint nor replica says
+KEY_CACHE_S = 2.0               # a key's lookup is reused this long (revoking clears it)
+BODY_TIMEOUT_S = 60.0           # a body must arrive, a streamed piece be taken, within this
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+         404: "invalid_request_error", 408: "invalid_request_error",
+         413: "invalid_request_error", 429: "rate_limit_error"}
+ENGINE_STATUSES = (400, 413, 429, 500, 502, 503, 504)
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 code: str | None = None, retry_after: int = 0) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.retry_after = retry_after
+
+
+def error_response(exc: ApiError) -> web.Response:
+    body = {"error": {"message": exc.message, "type": TYPES.get(exc.status, "server_error"),
+                      "param": exc.param, "code": exc.code}}
+    headers = {"Retry-After": str(exc.retry_after)} if exc.retry_after else None
+    return web.json_response(body, status=exc.status, headers=headers)
+
+
+def _number(body: dict, name: str, low: float, high: float, default: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+        raise ApiError(400, f"{name} must be a number from {low:g} to {high:g}", name)
+    return float(value)
+
+
+def _text(value, name: str) -> str:
+    if isinstance(value, list):     # content parts: the text ones, joined
+        parts = [p.get("text") for p in value if isinstance(p, dict) and p.get("type") == "text"]
+        if len(parts) != len(value) or not all(isinstance(t, str) for t in parts):
+            raise ApiError(400, f"{name}: only text content parts are supported", name)
+        value = "".join(parts)
+    if not isinstance(value, str):
+        raise ApiError(400, f"{name} must be a string", name)
+    if len(value) > MAX_TEXT:
+        raise ApiError(400, f"{name} is longer than {MAX_TEXT:,} characters", name)
+    return value
+
+
+def completion_request(body: dict, chat: bool, limit: int) -> dict:
+    """The engine's request for a checked (chat) completion body; ApiError if it is wrong."""
+    out: dict = {"op": "complete"}
+    if chat:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not 1 <= len(messages) <= MAX_MESSAGES:
+            raise ApiError(400, f"messages must be a list of 1 to {MAX_MESSAGES} messages",
+                           "messages")
+        out["messages"] = []
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or m.get("role") not in ROLES:
+                raise ApiError(400, f"messages[{i}] needs a role ({', '.join(ROLES)})",
+                               f"messages[{i}].role")
+            out["messages"].append({"role": ROLES[m["role"]],
+                                    "content": _text(m.get("content") or "",
+                                                     f"messages[{i}].content")})
+    else:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1:
+            prompt = prompt[0]
+        if not isinstance(prompt, str):
+            raise ApiError(400, "prompt must be a string (one prompt per request)", "prompt")
+        out["prompt"] = _text(prompt, "prompt")
+    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
+        else "max_tokens"
+    wanted = body.get(name)
+    if wanted is None:
+        wanted = min(limit, 256 if chat else 16)
+    if isinstance(wanted, bool) or not isinstance(wanted, int) or wanted < 1:
+        raise ApiError(400, f"{name} must be a positive integer", name)
+    if wanted > limit:
+        raise ApiError(400, f"{name} {wanted} is over this endpoint's limit of {limit}", name,
+                       "max_tokens_exceeded")
+    out["max_tokens"] = wanted
+    out["temperature"] = _number(body, "temperature", 0, 2, 1.0)
+    out["top_p"] = _number(body, "top_p", 0, 1, 1.0)
+    n = body.get("n", 1)
+    if n != 1 or isinstance(n, bool):
+        raise ApiError(400, "n: only one choice per request is supported", "n")
+    stop = body.get("stop")
+    stop = [stop] if isinstance(stop, str) else (stop or [])
+    if not isinstance(stop, list) or len(stop) > 4 or not all(
+            isinstance(s, str) and 0 < len(s) <= 256 for s in stop):
+        raise ApiError(400, "stop must be a string or a list of up to 4 strings", "stop")
+    out["stop"] = stop
+    seed = body.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)
+                             or not 0 <= seed < 2**63):
+        raise ApiError(400, "seed must be a non-negative integer", "seed")
+    out["seed"] = seed
+    if not isinstance(body.get("stream", False), bool):
+        raise ApiError(400, "stream must be true or false", "stream")
+    options = body.get("stream_options")
+    if options is not None and (not isinstance(options, dict) or not isinstance(
+            options.get("include_usage", False), bool)):
+        raise ApiError(400, "stream_options must be an object like {\"include_usage\": true}",
+                       "stream_options")
+    return out
+
+
+class OpenAIApi:
+    def __init__(self, state: BrokerState, serving: Serving,
+                 body_timeout_s: float = BODY_TIMEOUT_S) -> None:
+        self.state = state
+        self.serving = serving
+        # A caller that trickles its body, or stops reading a stream, holds a connection
+        # (and a replica's slot) no longer than this.
+        self.body_timeout_s = body_timeout_s
+
+    def routes(self) -> list[web.RouteDef]:
+        return [web.post("/v1/chat/completions", self.chat),
+                web.post("/v1/completions", self.completions),
+                web.post("/v1/embeddings", self.embeddings),
+                web.get("/v1/models", self.models)]
+
+    def app(self) -> web.Application:
+        """The API alone, for its own listener (broker config ``api``)."""
+        app = web.Application(client_max_size=MAX_BODY)
+        app.add_routes([*self.routes(), web.get("/healthz", self._ok)])
+        return app
+
+    async def _ok(self, request: web.Request) -> web.Response:
+        return web.Response(text="ok\n")
+
+    # -- the caller and its endpoint ---------------------------------------------------------
+
+    async def _endpoint(self, request: web.Request) -> Endpoint:
+        header = request.headers.get("Authorization", "")
+        scheme, _, secret = header.partition(" ")
+        if scheme.lower() != "bearer" or not secret.strip():
+            raise ApiError(401, "no API key: send Authorization: Bearer KEY (gpumarket"
+                           " endpoint key NAME makes one)", code="invalid_api_key")
+        secret = secret.strip()
+        cache = self.serving.keys
+        hit = cache.get(secret)
+        if hit is None or time.monotonic() - hit[1] > KEY_CACHE_S:
+            if len(cache) > 10_000:
+                cache.clear()
+            generation = self.serving.keys_generation
+            endpoint_id = await self.state.store.read(endpoints.key_endpoint, secret)
+            hit = (endpoint_id, time.monotonic())
+            if generation == self.serving.keys_generation:   # no revocation meanwhile
+                cache[secret] = hit
+        ep = self.serving.endpoints.get(hit[0]) if hit[0] else None
+        if ep is None and hit[0]:
+            # Created since the autoscaler's last pass: bring the router up to date now.
+            self.serving.sync(await self.state.store.read(endpoints.live))
+            ep = self.serving.endpoints.get(hit[0])
+        if ep is None:
+            raise ApiError(401, "invalid API key (unknown, revoked, or its endpoint no longer"
+                           " serves)", code="invalid_api_key")
+        return ep
+
+    async def _body(self, request: web.Request, ep: Endpoint) -> dict:
+        try:
+            async with asyncio.timeout(self.body_timeout_s):
+                raw = await request.read()
+        except web.HTTPRequestEntityTooLarge as exc:
+            raise ApiError(413, f"the request is larger than {MAX_BODY:,} bytes") from exc
+        except TimeoutError as exc:
+            raise ApiError(408, f"the request's body did not arrive within"
+                           f" {self.body_timeout_s:.0f} s") from exc
+        try:
+            body = json.loads(raw)
+        except (ValueError, RecursionError) as exc:
+            raise ApiError(400, "the request body is not JSON (or is nested too deeply)") from exc
+        if not isinstance(body, dict):
+            raise ApiError(400, "the request body must be a JSON object")
+        if body.get("model") != ep.name:
+            raise ApiError(404, f"the model {str(body.get('model'))[:100]!r} does not exist or"
+                           f" you do not have access to it (this key serves {ep.name!r})",
+                           "model", "model_not_found")
+        return body
+
+    @staticmethod
+    def _limit(ep: Endpoint) -> int:
+        """The largest max_tokens a request may ask: the endpoint's own settings (what a
+        replica announces is not trusted; its engine refuses what does not fit the model)."""
+        return ep.settings["max_tokens"] or ep.settings["max_seq_len"] or DEFAULT_LIMIT
+
+    def _count(self, ep: Endpoint | None, status: int) -> None:
+        self.state.metrics.endpoint_requests.labels(endpoint=ep.id if ep else "",
+                                                    code=str(status)).inc()
+
+    # -- the calls -----------------------------------------------------------------------------
+
+    async def models(self, request: web.Request) -> web.Response:
+        try:
+            ep = await self._endpoint(request)
+        except ApiError as exc:
+            return error_response(exc)
+        return web.json_response({"object": "list", "data": [
+            {"id": ep.name, "object": "model", "created": ep.created_at_ms // 1000,
+             "owned_by": ep.client_id}]})
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._complete(request, chat=True)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._complete(request, chat=False)
+
+    async def _complete(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        ep = None
+        try:
+            ep = await self._endpoint(request)
+            body = await self._body(request, ep)
+            if ep.settings["task"] != "generate":
+                raise ApiError(400, f"{ep.name} serves embeddings (POST /v1/embeddings)")
+            work = completion_request(body, chat, self._limit(ep))
+            answer = self.serving.run(ep, work)
+            first = await self._first(answer)
+        except ApiError as exc:
+            self._count(ep, exc.status)
+            return error_response(exc)
+        shape = Shape(ep.name, chat)
+        if body.get("stream"):
+            usage = bool((body.get("stream_options") or {}).get("include_usage"))
+            return await self._stream(request, ep, shape, first, answer, usage)
+        text, final = [], first
+        try:
+            while not final.get("done"):
+                text.append(_piece(final))
+                final = await answer.__anext__()
+        finally:
+            await answer.aclose()
+        if "error" in final:
+            exc = _engine_error(final)
+            self._count(ep, exc.status)
+            return error_response(exc)
+        self._count(ep, 200)
+        return web.json_response(shape.whole("".join(text), final))
+
+    async def _first(self, answer) -> dict:
+        """The answer's first message, or its error as an ApiError (so that a request that
+        fails before anything was produced gets an HTTP error, streamed or not)."""
+        try:
+            first = await answer.__anext__()
+        except Refused as exc:
+            raise ApiError(exc.status, exc.message, retry_after=exc.retry_after) from exc
+        if first.get("done") and "error" in first:
+            await answer.aclose()
+            raise _engine_error(first)
+        return first
+
+    async def _stream(self, request, ep: Endpoint, shape: "Shape", first: dict, answer,
+                      usage: bool) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                               "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        status = 200
+        wait = self.body_timeout_s
+
+        async def event(data: dict | None) -> None:
+            # A client that takes nothing of its stream for body_timeout counts as gone.
+            async with asyncio.timeout(wait):
+                await response.write(b"data: " + json.dumps(data).encode() + b"\n\n"
+                                     if data is not None else b"data: [DONE]\n\n")
+
+        try:
+            await event(shape.chunk(None, role=True))
+            message = first
+            while not message.get("done"):
+                piece = _piece(message)
+                if piece:
+                    await event(shape.chunk(piece))
+                message = await answer.__anext__()
+            if "error" in message:
+                # Tokens were streamed already: the stream ends in an error the client sees.
+                exc = _engine_error(message)
+                status = exc.status
+                await event({"error": {"message": exc.message,
+                                       "type": TYPES.get(exc.status, "server_error"),
+                                       "param": None, "code": exc.code}})
+            else:
+                await event(shape.chunk(None, finish=message))
+                if usage:
+                    await event(shape.usage_chunk(message))
+            await event(None)
+        except (ConnectionResetError, RuntimeError, TimeoutError):
+            status = 499        # the client went away: answer.aclose() cancels the request
+            if request.transport is not None:
+                request.transport.abort()   # what it did not read is dropped, not flushed
+        finally:
+            await answer.aclose()
+            self._count(ep, status)
+        return response
+
+    async def embeddings(self, request: web.Request) -> web.Response:
+        ep = None
+        try:
+            ep = await self._endpoint(request)
+            body = await self._body(request, ep)
+            if ep.settings["task"] != "embed":
+                raise ApiError(400, f"{ep.name} serves completions, not embeddings")
+            texts = body.get("input")
+            texts = [texts] if isinstance(texts, str) else texts
+            if not isinstance(texts, list) or not 1 <= len(texts) <= MAX_INPUTS \
+                    or not all(isinstance(t, str) for t in texts):
+                raise ApiError(400, f"input must be a string or a list of 1 to {MAX_INPUTS:,}"
+                               " strings (token arrays are not supported)", "input")
+            texts = [_text(t, f"input[{i}]") for i, t in enumerate(texts)]
+            fmt = body.get("encoding_format") or "float"
+            if fmt not in ("float", "base64"):
+                raise ApiError(400, "encoding_format must be float or base64",
+                               "encoding_format")
+            answer = self.serving.run(ep, {"op": "embed", "input": texts})
+            final = await self._first(answer)
+            await answer.aclose()
+            vectors = final.get("embeddings")
+            if not isinstance(vectors, list) or len(vectors) != len(texts) or not all(
+                    isinstance(v, list) and all(type(x) in (int, float) and math.isfinite(x)
+                                                for x in v) for v in vectors):
+                raise ApiError(502, "the replica's embeddings are malformed")
+        except ApiError as exc:
+            self._count(ep, exc.status)
+            return error_response(exc)
+        self._count(ep, 200)
+        tokens = final.get("prompt_tokens") if type(final.get("prompt_tokens")) is int else 0
+        data = [{"object": "embedding", "index": i,
+                 "embedding": base64.b64encode(array.array("f", v).tobytes()).decode()
+                 if fmt == "base64" else [float(x) for x in v]}
+                for i, v in enumerate(vectors)]
+        return web.json_response({"object": "list", "data": data, "model": ep.name,
+                                  "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+
+
+class Shape:
+    """OpenAI's response objects for one request (chat or text completion)."""
+
+    def __init__(self, model: str, chat: bool) -> None:
+        self.model, self.chat = model, chat
+        self.id = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
+        self.created = int(time.time())
+
+    def _base(self, chunk: bool) -> dict:
+        kind = "chat.completion" if self.chat else "text_completion"
+        return {"id": self.id, "object": kind + (".chunk" if chunk and self.chat else ""),
+                "created": self.created, "model": self.model}
+
+    @staticmethod
+    def usage(final: dict) -> dict:
+        prompt = final.get("prompt_tokens") if type(final.get("prompt_tokens")) is int else 0
+        output = final.get("output_tokens") if type(final.get("output_tokens")) is int else 0
+        return {"prompt_tokens": prompt, "completion_tokens": output,
+                "total_tokens": prompt + output}
+
+    @staticmethod
+    def finish(final: dict) -> str:
+        return final.get("finish_reason") if final.get("finish_reason") in ("stop", "length") \
+            else "stop"
+
+    def whole(self, text: str, final: dict) -> dict:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                      "finish_reason": self.finish(final), "logprobs": None}
+        else:
+            choice = {"index": 0, "text": text, "finish_reason": self.finish(final),
+                      "logprobs": None}
+        return {**self._base(False), "choices": [choice], "usage": self.usage(final)}
+
+    def chunk(self, text: str | None, role: bool = False, finish: dict | None = None) -> dict:
+        reason = self.finish(finish) if finish is not None else None
+        if self.chat:
+            delta = {"role": "assistant", "content": ""} if role else (
+                {"content": text} if text is not None else {})
+            choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
+        else:
+            choice = {"index": 0, "text": text or "", "finish_reason": reason,
+                      "logprobs": None}
+        return {**self._base(True), "choices": [choice]}
+
+    def usage_chunk(self, final: dict) -> dict:
+        return {**self._base(True), "choices": [], "usage": self.usage(final)}
+
+
+def _piece(message: dict) -> str:
+    text = message.get("text")
+    return text if isinstance(text, str) else ""
+
+
+def _engine_error(message: dict) -> ApiError:
+    status = message.get("status")
+    status = status if status in ENGINE_STATUSES else 502
+    return ApiError(status, str(message.get("error") or "the replica failed")[:1000],
+                    retry_after=1 if status in (429, 503) else 0)
+

@@ -1,0 +1,177 @@
+"""SQLite through sqlite-utils: one writer thread, reader connections per thread.
+
+Every write is a function run on the writer thread inside ``BEGIN IMMEDIATE`` …
+``COMMIT``, so a state change and its event land together or not at all
+(the datasette ``execute_write_fn`` pattern). Writes queued while the writer was busy are
+committed together (group commit): each in its own savepoint, one fsync for all, every
+caller answered once its write is durable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import sqlite3
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+from sqlite_utils import Database
+
+from gpumarket.broker.store.schema import migrations
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+_STOP = object()
+MAX_GROUP = 256     # writes committed together at most
+
+
+def connect(path: Path, *, readonly: bool = False) -> Database:
+    """Open the database at ``path`` with the pragmas every connection needs."""
+    conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=30)
+    conn.execute("PRAGMA journal_mode=WAL")
+    # Leases, nonces and events are ledger-like: an acknowledged write survives power loss.
+    conn.execute("PRAGMA synchronous=FULL")
+    conn.execute("PRAGMA foreign_keys=ON")
+    conn.execute("PRAGMA busy_timeout=30000")
+    if readonly:
+        conn.execute("PRAGMA query_only=ON")
+    return Database(conn)
+
+
+class Store:
+    """The broker's database: ``await write(fn, ...)`` and ``await read(fn, ...)``."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._queue: queue.Queue[Any] = queue.Queue()
+        self._writer: threading.Thread | None = None
+        self._local = threading.local()
+        self._readers: list[Database] = []
+        self._readers_lock = threading.Lock()
+        self.groups = 0             # transactions committed, and the writes in them
+        self.grouped = 0
+
+    def open(self) -> None:
+        """Apply migrations and start the writer thread."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        db = connect(self.path)
+        migrations.apply(db)
+        self._writer = threading.Thread(
+            target=self._write_loop, args=(db,), name="store-writer", daemon=True
+        )
+        self._writer.start()
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._queue.put(_STOP)
+            self._writer.join(timeout=30)
+            self._writer = None
+        with self._readers_lock:
+            for db in self._readers:
+                db.conn.close()
+            self._readers.clear()
+
+    def _write_loop(self, db: Database) -> None:
+        """Group commit: the writes queued together run in one transaction, each inside its
+        own savepoint (one that raises is rolled back alone, as if it had its own
+        transaction), in the order they were queued; one COMMIT (one fsync) makes them all
+        durable, and only then is each caller answered."""
+        while True:
+            batch = [self._queue.get()]
+            while len(batch) < MAX_GROUP and batch[-1] is not _STOP and batch[-1][4]:
+                try:
+                    batch.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            group = [item for item in batch if item is not _STOP and item[4]]
+            if group:
+                self._commit_group(db, group)
+            for item in batch:
+                if item is _STOP:
+                    db.conn.close()
+                    return
+                if not item[4]:            # VACUUM cannot run inside a transaction
+                    fn, args, loop, future, _ = item
+                    try:
+                        result = fn(db, *args)
+                    except BaseException as exc:
+                        loop.call_soon_threadsafe(_settle, future, None, exc)
+                    else:
+                        loop.call_soon_threadsafe(_settle, future, result, None)
+
+    def _commit_group(self, db: Database, group: list) -> None:
+        outcomes = []
+        try:
+            db.conn.execute("BEGIN IMMEDIATE")
+            for fn, args, _, _, _ in group:
+                db.conn.execute("SAVEPOINT write")
+                try:
+                    outcomes.append((fn(db, *args), None))
+                except BaseException as exc:
+                    db.conn.execute("ROLLBACK TO write")
+                    outcomes.append((None, exc))
+                db.conn.execute("RELEASE write")
+            db.conn.execute("COMMIT")
+        except BaseException as exc:     # the transaction itself failed: nothing was written
+            if db.conn.in_transaction:
+                db.conn.execute("ROLLBACK")
+            outcomes = [(None, exc)] * len(group)
+        self.groups += 1
+        self.grouped += len(group)
+        for (_, _, loop, future, _), (result, exc) in zip(group, outcomes):
+            loop.call_soon_threadsafe(_settle, future, result, exc)
+
+    async def write(self, fn: Callable[..., T], *args: Any, transaction: bool = True) -> T:
+        """Run ``fn(db, *args)`` in one IMMEDIATE transaction on the writer thread
+        (``transaction=False``: outside one, for VACUUM)."""
+        if self._writer is None:
+            raise RuntimeError("store is not open")
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[T] = loop.create_future()
+        self._queue.put((fn, args, loop, future, transaction))
+        return await future
+
+    def backup_to(self, target: Path) -> None:
+        """Copy the database to ``target`` with SQLite's online backup: a consistent
+        snapshot, taken while writes go on (run it in a worker thread)."""
+        source = sqlite3.connect(self.path, timeout=30)
+        copy = sqlite3.connect(target)
+        try:
+            source.backup(copy)  # one step: a WAL reader never blocks the writer
+        finally:
+            copy.close()
+            source.close()
+
+    def _reader(self) -> Database:
+        db = getattr(self._local, "db", None)
+        if db is None:
+            db = connect(self.path, readonly=True)
+            self._local.db = db
+            with self._readers_lock:
+                self._readers.append(db)
+        return db
+
+    def read_sync(self, fn: Callable[..., T], *args: Any) -> T:
+        db = self._reader()
+        db.conn.execute("BEGIN")
+        try:
+            return fn(db, *args)
+        finally:
+            db.conn.execute("ROLLBACK")
+
+    async def read(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run ``fn(db, *args)`` on a reader connection in a worker thread (one snapshot)."""
+        return await asyncio.to_thread(self.read_sync, fn, *args)
+
+
+def _settle(future: asyncio.Future, result: Any, exc: BaseException | None) -> None:
+    if future.cancelled():
+        return
+    if exc is not None:
+        future.set_exception(exc)
+    else:
+        future.set_result(result)
