@@ -40,6 +40,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from gpumarket.kinds.engine_protocol import Complete, Final, Message  # noqa: E402
 from tests.helpers import LEASE_ARGS, Marketplace, wait_until  # noqa: E402
 from tests.models import tiny_causal_lm  # noqa: E402
 
@@ -100,17 +101,17 @@ async def direct_side(model: Path, rates: list[float], duration: float, tokens: 
     engine = load_engine(job, model)
 
     async def send(i: int) -> dict:
-        start, pieces, final = time.perf_counter(), [], {}
-        request = {"id": f"d{i}", "op": "complete", "max_tokens": tokens, "temperature": 0,
-                   "messages": [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}]}
-        async for event in engine.complete(request):
-            if event.get("done"):
+        start, pieces, final = time.perf_counter(), [], Final()
+        request = Complete(max_tokens=tokens, temperature=0, messages=(
+            Message("user", PROMPTS[i % len(PROMPTS)]),))
+        async for event in engine.complete(f"d{i}", request):
+            if isinstance(event, Final):
                 final = event
-            elif event.get("text") is not None:
+            else:
                 pieces.append(time.perf_counter())
-        if "error" in final:
-            return {"error": final["error"], "ttft": 0, "tpot": 0, "tokens": 0}
-        return timing(start, pieces, int(final.get("output_tokens", 0)))
+        if final.error is not None:
+            return {"error": final.error, "ttft": 0, "tpot": 0, "tokens": 0}
+        return timing(start, pieces, final.output_tokens)
 
     await send(-1)      # warm-up
     out = {}
@@ -174,20 +175,18 @@ async def join_case(model: Path, engine_name: str, streams: int, tokens: int,
     first_token = asyncio.Event()
 
     async def one(i: int) -> dict:
-        start, pieces, final = time.perf_counter(), [], {}
-        request = {"id": f"j{i}", "max_tokens": tokens, "temperature": 0,
-                   "prompt": PROMPTS[i % len(PROMPTS)]}
-        async for event in engine.complete(request):
-            if event.get("done"):
+        start, pieces, final = time.perf_counter(), [], Final()
+        request = Complete(prompt=PROMPTS[i % len(PROMPTS)], max_tokens=tokens, temperature=0)
+        async for event in engine.complete(f"j{i}", request):
+            if isinstance(event, Final):
                 final = event
-            elif event.get("text"):
+            elif event.text:
                 pieces.append(time.perf_counter())
                 if i == 0:
                     first_token.set()       # the later ones come while it decodes
-        if "error" in final:
-            return {"error": final["error"], "ttft": 0, "tpot": 0, "tokens": 0}
-        return {**timing(start, pieces, int(final.get("output_tokens", 0))),
-                "engine_ttft": final.get("ttft_s", 0.0)}
+        if final.error is not None:
+            return {"error": final.error, "ttft": 0, "tpot": 0, "tokens": 0}
+        return {**timing(start, pieces, final.output_tokens), "engine_ttft": final.ttft_s}
 
     async def later(i: int) -> dict:
         await first_token.wait()

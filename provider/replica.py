@@ -1,17 +1,19 @@
 """An endpoint replica's link to its engine (docs/serving.md): the engine child's stdin is one
-end of a Unix socket pair, the daemon holds the other. Requests from the broker go down it
-as JSON lines; what the engine writes back (ready, text pieces, the final answer) goes to the
+end of a Unix socket pair, the daemon holds the other. Requests from the broker are checked
+and go down it as lines of the engine protocol (kinds/engine_protocol.py); what the engine writes back (ready, text pieces, the final answer) goes to the
 broker as InferenceChunks over the provider's own session. The engine is the job's code:
 its lines are bounded, checked for their request id, and never parsed beyond that."""
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import socket
 from collections.abc import Callable
 
+from gpumarket.kinds.engine_protocol import (
+    BadRequest, Final, decode_request, encode_answer, request_line,
+)
 from gpumarket.proto.ratelimit import RateLimiter
 from gpumarket.proto.v1 import gateway_pb2 as gw
 from gpumarket.provider import reports
@@ -124,26 +126,21 @@ class EngineLink:
         if self._writer.transport.get_write_buffer_size() > MAX_UNREAD:
             return "the replica is not reading its requests"
         try:
-            body = json.loads(request.body)
-        except ValueError:
-            return "the request is not JSON"
-        if not isinstance(body, dict):
-            return "the request is not a JSON object"
-        body["id"] = request.request_id
+            body = decode_request(request.body)
+        except BadRequest as exc:
+            return exc.message
         self.open[request.request_id] = 0
-        self._writer.write(json.dumps(body).encode() + b"\n")
+        self._writer.write(request_line(request.request_id, body))
         return ""
 
     def cancel(self, request_id: str) -> None:
         if request_id in self.open and self._writer is not None and not self._writer.is_closing():
             del self.open[request_id]
-            self._writer.write(json.dumps({"id": request_id, "op": "cancel"}).encode() + b"\n")
+            self._writer.write(request_line(request_id, None))
 
     def _fail(self, request_id: str, why: str, status: int) -> None:
         self.send(gw.ProviderMessage(chunk=gw.InferenceChunk(
-            request_id=request_id, last=True,
-            data=json.dumps({"error": why, "status": status, "done": True}).encode()
-            + b"\n")))
+            request_id=request_id, last=True, data=encode_answer(Final.failed(why, status)))))
 
     def close(self) -> None:
         """The engine is gone (or the replica stops): what it still owed ends in an error."""

@@ -299,6 +299,7 @@ async def _direct_engine(ctx, loads: list[tuple[int, int]], tokens: int,
     in flight) of ``loads``, that many streamed requests of ``tokens`` tokens, that many at
     once; their figures."""
     import torch
+    from gpumarket.kinds.engine_protocol import Complete, Final
     from gpumarket.provider.runners.engine import load_engine
 
     job = {"params": {"model_name": ctx.model_name, "max_concurrency": max_concurrency,
@@ -310,17 +311,17 @@ async def _direct_engine(ctx, loads: list[tuple[int, int]], tokens: int,
     held = {"engine": load_engine(job, ctx.model_dir)}
 
     async def send(i: int) -> dict:
-        start, pieces, final = time.perf_counter(), [], {}
-        request = {"id": f"d{i}", "op": "complete", "max_tokens": tokens, "temperature": 0,
-                   "messages": _messages(i)}
-        async for event in held["engine"].complete(request):
-            if event.get("done"):
+        start, pieces, final = time.perf_counter(), [], Final()
+        request = Complete.from_dict({"max_tokens": tokens, "temperature": 0,
+                                      "messages": _messages(i)})
+        async for event in held["engine"].complete(f"d{i}", request):
+            if isinstance(event, Final):
                 final = event
-            elif event.get("text"):
+            elif event.text:
                 pieces.append(time.perf_counter())
-        if "error" in final:
-            return {"error": str(final["error"])[:200]}
-        return _sample(start, pieces, int(final.get("output_tokens", 0)))
+        if final.error is not None:
+            return {"error": final.error[:200]}
+        return _sample(start, pieces, final.output_tokens)
 
     try:
         await send(-1)      # warm-up
@@ -383,10 +384,12 @@ def _chat_texts(ctx, n: int) -> list[str]:
     """The prompts of the endpoint's requests as text, as the engine makes them."""
     from transformers import AutoTokenizer
 
+    from gpumarket.kinds.engine_protocol import Complete
     from gpumarket.provider.runners.engine import chat_prompt
 
     tokenizer = AutoTokenizer.from_pretrained(ctx.model_dir)
-    return [chat_prompt(tokenizer, _messages(i)) for i in range(n)]
+    return [chat_prompt(tokenizer, Complete.from_dict({"messages": _messages(i)}).messages)
+            for i in range(n)]
 
 
 def endpoint(ctx) -> Outcome:

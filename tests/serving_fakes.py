@@ -10,12 +10,14 @@ import json
 
 from gpumarket.broker.metrics import BrokerMetrics
 from gpumarket.broker.serving.router import Endpoint, Serving
+from gpumarket.kinds.engine_protocol import Complete
 from gpumarket.proto.v1 import gateway_pb2 as gw
 from gpumarket.proto.v1 import types_pb2 as pb
 
 SETTINGS = {"task": "generate", "min_replicas": 1, "max_replicas": 3, "max_concurrency": 4,
             "target": 4, "window_s": 5, "idle_s": 60, "max_tokens": 0, "max_seq_len": 0}
 RUNNING = pb.JOB_STATE_RUNNING
+REQ = Complete(prompt="hi")      # a request as the broker's API makes one
 DONE = {"done": True, "finish_reason": "stop", "prompt_tokens": 3, "output_tokens": 1}
 
 

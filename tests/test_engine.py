@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from gpumarket.kinds.engine_protocol import Complete, Final, Piece
 from tests.models import copy_minilm, minilm_dir, tiny_causal_lm
 
 PROMPTS = ["the quick brown fox", "a marketplace for idle gpus", "providers advertise",
@@ -122,7 +123,8 @@ def test_concurrent_completions_stream_and_match_generate(replica, tiny, engine)
     assert r.ready["engine"].startswith(engine) and r.ready["max_concurrency"] == 8
     assert r.ready["max_seq_len"] == 256  # the tiny model's max_position_embeddings
     for i, prompt in enumerate(PROMPTS):
-        r.send({"id": f"r{i}", "op": "complete", "prompt": prompt, "max_tokens": 3 + 2 * i})
+        r.send({"id": f"r{i}", "op": "complete", "prompt": prompt, "max_tokens": 3 + 2 * i,
+                "temperature": 0})
     events = r.until_done(*(f"r{i}" for i in range(len(PROMPTS))))
     for i, prompt in enumerate(PROMPTS):
         *pieces, done = events[f"r{i}"]
@@ -139,7 +141,7 @@ def test_stop_strings_chat_and_sampling(replica, tiny):
     full = greedy(tiny, PROMPTS[0], 12)
     stop = full[len(full) // 2:len(full) // 2 + 2]
     r.send({"id": "stop", "op": "complete", "prompt": PROMPTS[0], "max_tokens": 12,
-            "stop": [stop]})
+            "stop": [stop], "temperature": 0})
     r.send({"id": "chat", "op": "complete", "max_tokens": 4,
             "messages": [{"role": "system", "content": "be brief"},
                          {"role": "user", "content": "the quick brown fox"}]})
@@ -271,11 +273,11 @@ def test_later_requests_join_a_running_batch_between_decode_steps(tiny):
         first, ended = {}, {}
 
         async def one(i: int, max_tokens: int) -> None:
-            async for event in engine.complete({"id": f"r{i}", "prompt": PROMPTS[i % 8],
-                                                "max_tokens": max_tokens}):
+            request = Complete(prompt=PROMPTS[i % 8], max_tokens=max_tokens, temperature=0)
+            async for event in engine.complete(f"r{i}", request):
                 first.setdefault(i, time.perf_counter())
-                if event.get("done"):
-                    assert "error" not in event, event
+                if isinstance(event, Final):
+                    assert event.error is None, event
                     ended[i] = (time.perf_counter(), event)
         try:
             long = asyncio.ensure_future(one(0, 240))
@@ -288,9 +290,9 @@ def test_later_requests_join_a_running_batch_between_decode_steps(tiny):
 
     first, ended = asyncio.run(run())
     long_done, long_final = ended[0]
-    assert long_final["output_tokens"] == 240, long_final    # it ran the whole time
+    assert long_final.output_tokens == 240, long_final    # it ran the whole time
     long_span = long_done - first[0]
-    waits = [ended[i][1]["ttft_s"] for i in range(1, 16)]
+    waits = [ended[i][1].ttft_s for i in range(1, 16)]
     # every later request had its first token while the long one was still decoding ...
     assert all(first[i] < long_done for i in range(1, 16)), (waits, long_span)
     # ... and soon: a few steps (each of these took a step of 16 rows at most), not its span
@@ -360,13 +362,14 @@ def test_a_model_that_cannot_step_keeps_the_generate_call_path(tiny, monkeypatch
         engine = load_engine(job, tiny)
         assert "generate call at a time: its cache is sliding" in engine.description
         try:
-            return [e async for e in engine.complete({"id": "a", "prompt": PROMPTS[0],
-                                                      "max_tokens": 5})]
+            return [e async for e in engine.complete(
+                "a", Complete(prompt=PROMPTS[0], max_tokens=5, temperature=0))]
         finally:
             await engine.close()
 
     events = asyncio.run(run())
-    assert events[-1]["done"] and "".join(e.get("text", "") for e in events) == \
+    assert isinstance(events[-1], Final) and "".join(
+        e.text for e in events if isinstance(e, Piece)) == \
         greedy(tiny, PROMPTS[0], 5)
 
 

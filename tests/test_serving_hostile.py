@@ -19,12 +19,13 @@ import pytest
 
 from gpumarket.broker.api.sessions import CHUNKS_PER_S
 from gpumarket.broker.serving.router import Refused
+from gpumarket.kinds.engine_protocol import Complete, Final
 from gpumarket.proto.v1 import gateway_pb2 as gw
 
 
 
 from tests.serving_fakes import (
-    DONE, AnsweringSession, collect, ready, router,
+    DONE, REQ, AnsweringSession, collect, ready, router,
 )
 
 
@@ -47,13 +48,13 @@ def test_a_fast_failing_replica_draws_every_request_and_its_retries():
         ready(serving, "p2", "r2")
         ep.replicas["r2"].tpot_s = 0.02      # it has served before: its TPOT is measured
         try:
-            messages = await asyncio.wait_for(collect(serving.run(ep, {"op": "complete"})), 5)
+            messages = await asyncio.wait_for(collect(serving.run(ep, REQ)), 5)
         except Refused as exc:
             messages = [{"refused": exc.status, "message": exc.message}]
         assert len(bad.requests()) <= 1, (
             f"the failing replica got the request {len(bad.requests())} times, the healthy one"
             f" {len(good.requests())} times; the caller got {messages[-1]}")
-        assert messages[-1].get("done") and "error" not in messages[-1], messages
+        assert isinstance(messages[-1], Final) and messages[-1].error is None, messages
     asyncio.run(main())
 
 
@@ -68,7 +69,7 @@ def test_tiny_chunks_after_a_long_partial_line_stall_the_brokers_event_loop():
     async def main():
         serving, ep = router({"p1": AnsweringSession("p1", answer=None)})
         ready(serving, "p1", "r1")
-        agen = serving.run(ep, {"op": "complete"})
+        agen = serving.run(ep, REQ)
         first = asyncio.create_task(agen.__anext__())
         await asyncio.sleep(0.05)
         rid = serving.sessions["p1"].requests()[0].request_id
@@ -100,7 +101,7 @@ def test_reported_token_counts_are_not_bounded_by_the_request():
             "output_tokens": 2**31 - 1}])
         serving, ep = router({"p1": liar})
         ready(serving, "p1", "r1")
-        await collect(serving.run(ep, {"op": "complete", "prompt": "hi", "max_tokens": 4}))
+        await collect(serving.run(ep, Complete(prompt="hi", max_tokens=4)))
         (_, _, _, _, requests, _, prompt, output), = serving.take_usage()
         assert requests == 1
         assert output <= 4, f"usage recorded {output:,} output tokens for max_tokens=4"
@@ -117,7 +118,7 @@ def test_a_replica_may_stream_without_bound_past_max_tokens():
     async def main():
         serving, ep = router({"p1": AnsweringSession("p1", answer=None)})
         ready(serving, "p1", "r1")
-        agen = serving.run(ep, {"op": "complete", "prompt": "hi", "max_tokens": 4})
+        agen = serving.run(ep, Complete(prompt="hi", max_tokens=4))
         first = asyncio.create_task(agen.__anext__())
         await asyncio.sleep(0.05)
         rid = serving.sessions["p1"].requests()[0].request_id
@@ -139,8 +140,7 @@ def test_a_slow_drip_replica_holds_a_request_open_past_request_timeout():
         serving, ep = router({"p1": AnsweringSession("p1", answer=None)},
                              request_timeout_s=0.3)
         ready(serving, "p1", "r1")
-        task = asyncio.create_task(collect(serving.run(ep, {"op": "complete",
-                                                              "max_tokens": 4})))
+        task = asyncio.create_task(collect(serving.run(ep, Complete(prompt="hi", max_tokens=4))))
         await asyncio.sleep(0.05)
         rid = serving.sessions["p1"].requests()[0].request_id
         began = time.monotonic()
@@ -165,7 +165,7 @@ def test_a_deleted_endpoints_request_is_sent_again_to_its_stopped_replica():
         p1 = AnsweringSession("p1", answer=None)
         serving, ep = router({"p1": p1})
         ready(serving, "p1", "r1")
-        task = asyncio.create_task(collect(serving.run(ep, {"op": "complete"})))
+        task = asyncio.create_task(collect(serving.run(ep, REQ)))
         await asyncio.sleep(0.05)
         serving.sync([])            # the endpoint was deleted
         await asyncio.sleep(0.1)
@@ -185,8 +185,7 @@ def test_chunks_are_only_taken_from_the_provider_the_request_was_sent_to():
         ready(serving, "p1", "r1")
         ready(serving, "p2", "r2")
         ep.replicas["r2"].in_flight = 1
-        task = asyncio.create_task(collect(serving.run(ep, {"op": "complete",
-                                                             "max_tokens": 4})))
+        task = asyncio.create_task(collect(serving.run(ep, Complete(prompt="hi", max_tokens=4))))
         await asyncio.sleep(0.05)
         rid = serving.sessions["p1"].requests()[0].request_id
         for guess in (rid, rid.replace("-1", "-2")):
@@ -199,7 +198,7 @@ def test_chunks_are_only_taken_from_the_provider_the_request_was_sent_to():
         serving.chunk("p1", gw.InferenceChunk(request_id=rid, last=True,
                                               data=json.dumps(DONE).encode() + b"\n"))
         messages = await task
-        assert messages == [DONE]
+        assert messages == [Final(prompt_tokens=3, output_tokens=1)]
         assert serving.take_usage() == [("r1.1", "ep", "r1", "p1", 1, 0, 3, 1)]
     asyncio.run(main())
 
@@ -219,13 +218,13 @@ def test_a_malformed_or_nested_answer_line_ends_only_that_request():
     async def main():
         serving, ep = router({"p1": AnsweringSession("p1", answer=None)})
         ready(serving, "p1", "r1")
-        agen = serving.run(ep, {"op": "complete"})
+        agen = serving.run(ep, REQ)
         first = asyncio.create_task(agen.__anext__())
         await asyncio.sleep(0.05)
         rid = serving.sessions["p1"].requests()[0].request_id
         serving.chunk("p1", gw.InferenceChunk(request_id=rid, data=b"not json\n"))
         final = await first
-        assert final["status"] == 502 and "malformed" in final["error"]
+        assert final.status == 502 and "malformed" in final.error
         await agen.aclose()
         with pytest.raises(RecursionError):
             json.loads(b"[" * 100_000)

@@ -15,10 +15,11 @@ from aiohttp.test_utils import TestClient, TestServer
 from gpumarket.broker.metrics import BrokerMetrics
 from gpumarket.broker.serving import endpoints
 from gpumarket.broker.serving.openai_api import OpenAIApi
+from gpumarket.kinds.engine_protocol import BadRequest, Complete, read_line, request_line
 from gpumarket.proto.v1 import gateway_pb2 as gw
 from gpumarket.proto.v1 import gateway_pb2_grpc
 from gpumarket.proto.wire import CLIENT_OPTIONS, MAX_MESSAGE_BYTES, SERVER_OPTIONS
-from gpumarket.provider.runners.engine import RequestError, chat_prompt
+from gpumarket.provider.runners.engine import chat_prompt
 
 
 
@@ -391,13 +392,14 @@ def test_roles_the_api_accepts_are_roles_the_engine_takes():
     refused after a replica had taken the request."""
     from gpumarket.broker.serving.openai_api import ApiError, completion_request
 
-    with pytest.raises(RequestError):
-        chat_prompt(object(), [{"role": "system", "content": "x"}, {"role": "wizard",
-                                                                    "content": "x"}])
+    with pytest.raises(BadRequest):     # the engine's decoder refuses the role
+        Complete.from_dict({"messages": [{"role": "system", "content": "x"},
+                                         {"role": "wizard", "content": "x"}]})
     work = completion_request({"messages": [{"role": "developer", "content": "be brief"},
                                             {"role": "user", "content": "hi"}]}, True, 16)
-    chat_prompt(object(), work["messages"])      # the engine takes what the broker sends
-    assert work["messages"][0]["role"] == "system"
+    assert read_line(request_line("r1", work)) == ("r1", work)   # the engine takes it
+    chat_prompt(object(), work.messages)
+    assert work.messages[0].role == "system"
     with pytest.raises(ApiError) as refused:
         completion_request({"messages": [{"role": "tool", "content": "x"}]}, True, 16)
     assert refused.value.status == 400

@@ -23,6 +23,7 @@ from gpumarket.broker.money import ledger
 from gpumarket.broker.serving import endpoints
 from gpumarket.broker.serving.autoscaler import Autoscaler, Decision, Watch, decide
 from gpumarket.broker.serving.router import Endpoint, Refused, Serving
+from gpumarket.kinds.engine_protocol import Final, encode_request
 from gpumarket.proto.envelope import seal
 from gpumarket.proto.errors import FailedPrecondition, InvalidArgument
 from gpumarket.proto.identity import Identity
@@ -33,7 +34,7 @@ from gpumarket.provider.replica import EngineLink
 
 
 from tests.serving_fakes import (
-    RUNNING, SETTINGS, AnsweringSession, collect, ready, router,
+    REQ, RUNNING, SETTINGS, AnsweringSession, collect, ready, router,
 )
 
 
@@ -102,16 +103,16 @@ def test_scale_in_races_a_request_routed_to_the_victim_meanwhile():
         retiring = asyncio.create_task(scaler.apply(ep, Watch(), Decision(
             retire=("r1",), retire_why="scale in: idle")))
         await asyncio.sleep(0.02)
-        request = asyncio.create_task(collect(serving.run(ep, {"op": "complete"})))
+        request = asyncio.create_task(collect(serving.run(ep, REQ)))
         await retiring
         try:
             outcome = (await request)[-1]
         except Refused as exc:
-            outcome = {"refused": exc.status, "error": exc.message}
+            outcome = Final.failed(exc.message, exc.status)
         # Fixed: the victim leaves the router before the awaited write, so the request is not
         # sent to it; it waits for a new replica instead (a 503 here: cold_start is 0.3 s).
         assert not p1.requests(), f"sent to the retiring replica: {outcome}"
-        assert outcome.get("refused") == 503 or "error" not in outcome, outcome
+        assert outcome.status == 503 or outcome.error is None, outcome
     asyncio.run(main())
 
 
@@ -272,7 +273,7 @@ async def engine_link() -> tuple[EngineLink, socket.socket, list[gw.ProviderMess
     return link, engine, sent
 
 
-def infer(request_id: str, body: bytes = b'{"op": "complete"}') -> gw.InferenceRequest:
+def infer(request_id: str, body: bytes = encode_request(REQ)) -> gw.InferenceRequest:
     return gw.InferenceRequest(request_id=request_id, job_id="r1", epoch=1, body=body)
 
 

@@ -13,8 +13,10 @@ import pytest
 from gpumarket.broker.metrics import BrokerMetrics
 from gpumarket.broker.serving.autoscaler import Watch, decide
 from gpumarket.broker.serving.router import MAX_BUFFER, Endpoint, Refused, Serving
+from gpumarket.kinds.engine_protocol import Complete, Final, Piece, encode_request
 from gpumarket.proto.v1 import gateway_pb2 as gw
 from gpumarket.proto.v1 import types_pb2 as pb
+from tests.serving_fakes import REQ
 
 SETTINGS = {"task": "generate", "min_replicas": 1, "max_replicas": 3, "max_concurrency": 2,
             "target": 2, "window_s": 5, "idle_s": 60, "max_tokens": 0, "max_seq_len": 0}
@@ -68,10 +70,10 @@ def test_least_loaded_ready_replica_takes_the_request():
         ready(serving, "p1", "r1")
         ready(serving, "p2", "r2")
         ep = serving.endpoints["ep"]
-        first = serving.run(ep, {"op": "complete"})
+        first = serving.run(ep, REQ)
         task1 = asyncio.create_task(first.__anext__())
         await asyncio.sleep(0.05)
-        second = serving.run(ep, {"op": "complete"})
+        second = serving.run(ep, REQ)
         task2 = asyncio.create_task(second.__anext__())
         await asyncio.sleep(0.05)
         # One request on each replica: the second went to the idle one.
@@ -80,7 +82,7 @@ def test_least_loaded_ready_replica_takes_the_request():
             answer(serving, provider, sent_requests(sessions[provider])[0],
                    {"done": True, "finish_reason": "stop", "prompt_tokens": 3,
                     "output_tokens": 1})
-        assert (await task1)["done"] and (await task2)["done"]
+        assert isinstance(await task1, Final) and isinstance(await task2, Final)
         await first.aclose()
         await second.aclose()
         assert ep.in_flight == 0
@@ -92,14 +94,14 @@ def test_full_queue_is_429_and_no_replica_is_503_after_cold_start():
         serving, sessions = router(max_replicas=1, max_concurrency=1)
         ep = serving.endpoints["ep"]
         with pytest.raises(Refused) as cold:
-            await collect(serving.run(ep, {"op": "complete"}))
+            await collect(serving.run(ep, REQ))
         assert cold.value.status == 503 and cold.value.retry_after
         assert "ep" in serving.want        # the autoscaler was asked for a first replica
         ready(serving, "p1", "r1", concurrency=1)
-        busy = serving.run(ep, {"op": "complete"})
+        busy = serving.run(ep, REQ)
         pending = asyncio.create_task(busy.__anext__())
         await asyncio.sleep(0.05)
-        waiting = [asyncio.create_task(collect(serving.run(ep, {"op": "complete"})))
+        waiting = [asyncio.create_task(collect(serving.run(ep, REQ)))
                    for _ in range(ep.queue_limit + 1)]
         done = await asyncio.gather(*waiting, return_exceptions=True)
         statuses = sorted(e.status for e in done if isinstance(e, Refused))
@@ -118,7 +120,7 @@ def test_a_lost_replica_fails_over_before_streaming_and_errors_after():
         ready(serving, "p2", "r2")
         ep = serving.endpoints["ep"]
         ep.replicas["r2"].in_flight = 1        # so the first goes to r1
-        answer_task = asyncio.create_task(collect(serving.run(ep, {"op": "complete"})))
+        answer_task = asyncio.create_task(collect(serving.run(ep, REQ)))
         await asyncio.sleep(0.05)
         ep.replicas["r2"].in_flight = 0
         serving.provider_gone("p1")            # nothing streamed yet: tried on r2
@@ -128,17 +130,17 @@ def test_a_lost_replica_fails_over_before_streaming_and_errors_after():
         answer(serving, "p2", retried[0], {"text": "hi"},
                {"done": True, "finish_reason": "stop", "prompt_tokens": 1, "output_tokens": 1})
         messages = await answer_task
-        assert messages[0] == {"text": "hi"} and messages[-1]["done"]
+        assert messages[0] == Piece("hi") and isinstance(messages[-1], Final)
         # Streamed, then lost: the request ends in an error.
-        streamed = serving.run(ep, {"op": "complete"})
+        streamed = serving.run(ep, REQ)
         first = asyncio.create_task(streamed.__anext__())
         await asyncio.sleep(0.05)
         rid = sent_requests(sessions["p2"])[-1]
         answer(serving, "p2", rid, {"text": "a"})
-        assert (await first) == {"text": "a"}
+        assert (await first) == Piece("a")
         serving.provider_gone("p2")
         rest = [m async for m in streamed]
-        assert rest[-1]["done"] and rest[-1]["status"] == 503
+        assert isinstance(rest[-1], Final) and rest[-1].status == 503
     asyncio.run(main())
 
 
@@ -147,7 +149,7 @@ def test_chunks_from_another_provider_or_too_large_are_not_taken():
         serving, sessions = router()
         ready(serving, "p1", "r1")
         ep = serving.endpoints["ep"]
-        agen = serving.run(ep, {"op": "complete"})
+        agen = serving.run(ep, REQ)
         task = asyncio.create_task(agen.__anext__())
         await asyncio.sleep(0.05)
         rid = sent_requests(sessions["p1"])[0]
@@ -157,7 +159,7 @@ def test_chunks_from_another_provider_or_too_large_are_not_taken():
         assert not task.done()
         serving.chunk("p1", gw.InferenceChunk(request_id=rid, data=b"x" * (MAX_BUFFER + 1)))
         final = await task
-        assert final["status"] == 502 and "too large" in final["error"]
+        assert final.status == 502 and "too large" in final.error
         await agen.aclose()
         cancels = [m for m in sessions["p1"].sent if m.WhichOneof("msg") == "infer_cancel"]
         assert cancels and cancels[0].infer_cancel.request_id == rid
@@ -169,7 +171,7 @@ def test_usage_counts_are_bounded_and_survive_a_dropped_replica():
         serving, sessions = router()
         ready(serving, "p1", "r1")
         ep = serving.endpoints["ep"]
-        agen = serving.run(ep, {"op": "complete", "max_tokens": 4})
+        agen = serving.run(ep, Complete(prompt="hi", max_tokens=4))
         task = asyncio.create_task(collect(agen))
         await asyncio.sleep(0.05)
         rid = sent_requests(sessions["p1"])[0]
@@ -318,14 +320,15 @@ def test_engine_link_takes_only_answers_to_open_requests_and_bounds_them():
         link = replica.EngineLink(sent.append, readies.append)
         engine = socket.socket(fileno=link.child_fd)
         await link.start()
-        request = gw.InferenceRequest(request_id="q1", job_id="j", epoch=1, body=b"{}")
+        request = gw.InferenceRequest(request_id="q1", job_id="j", epoch=1,
+                                      body=encode_request(REQ))
         assert "not ready" in link.forward(request)
         engine.sendall(b'{"event": "ready", "engine": "e", "task": "generate",'
                        b' "max_concurrency": 4, "max_seq_len": 99}\n')
         await asyncio.sleep(0.05)
         assert readies and readies[0].max_concurrency == 4
         assert link.forward(request) == ""
-        assert json.loads(engine.recv(1000)) == {"id": "q1"}
+        assert json.loads(engine.recv(1000)) == {"id": "q1", **REQ.to_dict()}
         # Answers to requests it was not sent, garbage, and a second "ready" are dropped.
         engine.sendall(b'{"id": "other", "text": "x"}\nnot json\n[1]\n{"event": "ready"}\n'
                        b'{"id": "q1", "text": "hi"}\n')
@@ -342,7 +345,8 @@ def test_engine_link_takes_only_answers_to_open_requests_and_bounds_them():
         assert sent[-1].chunk.last and final["status"] == 502, final
         assert b'"op": "cancel"' in engine.recv(1000)
         # The engine goes away: what it still owed ends in a 503.
-        link.forward(gw.InferenceRequest(request_id="q2", job_id="j", epoch=1, body=b"{}"))
+        link.forward(gw.InferenceRequest(request_id="q2", job_id="j", epoch=1,
+                                         body=encode_request(REQ)))
         engine.close()
         await asyncio.sleep(0.05)
         assert json.loads(sent[-1].chunk.data)["status"] == 503

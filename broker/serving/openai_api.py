@@ -3,9 +3,10 @@
 ``"stream": true``), ``POST /v1/embeddings`` and ``GET /v1/models``. Every call carries an
 endpoint's bearer key (``gpumarket endpoint key NAME``); the key opens that endpoint and no
 other, and ``model`` must name it. Errors are OpenAI's: a status code and
-``{"error": {"message", "type", "param", "code"}}``. A request is checked here before it
-reaches a replica; what only the model knows (the prompt's length in tokens) the engine
-checks, and its refusal comes back the same way."""
+``{"error": {"message", "type", "param", "code"}}``. A request is made here into the
+engine protocol's (kinds/engine_protocol.py), whose rules check it before it reaches a
+replica; what only the model knows (the prompt's length in tokens) the engine checks, and
+its refusal comes back the same way."""
 
 from __future__ import annotations
 
@@ -14,7 +15,6 @@ import asyncio
 import base64
 import json
 import logging
-import math
 import secrets
 import time
 
@@ -23,13 +23,12 @@ from aiohttp import web
 from gpumarket.broker.serving import endpoints
 from gpumarket.broker.serving.router import Endpoint, Refused, Serving
 from gpumarket.broker.state import BrokerState
+from gpumarket.kinds import engine_protocol as protocol
+from gpumarket.kinds.engine_protocol import BadRequest, Complete, Embed, Final, Piece
 
 log = logging.getLogger(__name__)
 
 MAX_BODY = 4 << 20              # bytes of one request
-MAX_MESSAGES = 1024
-MAX_INPUTS = 2048               # texts in one embeddings request
-MAX_TEXT = 1 << 20              # characters of one prompt, message or input
 DEFAULT_LIMIT = 4096            # max_tokens allowed when neither endpoint nor replica says
 KEY_CACHE_S = 2.0               # a key's lookup is reused this long (revoking clears it)
 BODY_TIMEOUT_S = 60.0           # a body must arrive, a streamed piece be taken, within this
@@ -37,7 +36,6 @@ ROLES = {"system": "system", "developer": "system", "user": "user", "assistant":
 TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
          404: "invalid_request_error", 408: "invalid_request_error",
          413: "invalid_request_error", 429: "rate_limit_error"}
-ENGINE_STATUSES = (400, 413, 429, 500, 502, 503, 504)
 
 
 class ApiError(Exception):
@@ -55,78 +53,57 @@ def error_response(exc: ApiError) -> web.Response:
     return web.json_response(body, status=exc.status, headers=headers)
 
 
-def _number(body: dict, name: str, low: float, high: float, default: float) -> float:
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
-        raise ApiError(400, f"{name} must be a number from {low:g} to {high:g}", name)
-    return float(value)
-
-
-def _text(value, name: str) -> str:
-    if isinstance(value, list):     # content parts: the text ones, joined
+def _text(value, name: str):
+    """Content parts (a list) as the text of their text parts, joined; anything else as is
+    (the protocol checks it)."""
+    if isinstance(value, list):
         parts = [p.get("text") for p in value if isinstance(p, dict) and p.get("type") == "text"]
         if len(parts) != len(value) or not all(isinstance(t, str) for t in parts):
             raise ApiError(400, f"{name}: only text content parts are supported", name)
         value = "".join(parts)
-    if not isinstance(value, str):
-        raise ApiError(400, f"{name} must be a string", name)
-    if len(value) > MAX_TEXT:
-        raise ApiError(400, f"{name} is longer than {MAX_TEXT:,} characters", name)
     return value
 
 
-def completion_request(body: dict, chat: bool, limit: int) -> dict:
-    """The engine's request for a checked (chat) completion body; ApiError if it is wrong."""
-    out: dict = {"op": "complete"}
+def _bad(exc: BadRequest, rename: dict | None = None) -> ApiError:
+    """The protocol's refusal as OpenAI's 400 (a field under the name the caller used)."""
+    message, param = exc.message, exc.param
+    if rename and param in rename:
+        message, param = message.replace(param, rename[param], 1), rename[param]
+    return ApiError(400, message, param, exc.code)
+
+
+def completion_request(body: dict, chat: bool, limit: int) -> Complete:
+    """The engine's request for an OpenAI (chat) completion body, checked by the engine
+    protocol's rules; ApiError (400) if it breaks one. OpenAI's spellings are mapped here:
+    the role developer (as system), content parts, a prompt list of one,
+    max_completion_tokens."""
+    fields = {k: body.get(k) for k in ("temperature", "top_p", "n", "stop", "seed")
+              if body.get(k) is not None}
     if chat:
         messages = body.get("messages")
-        if not isinstance(messages, list) or not 1 <= len(messages) <= MAX_MESSAGES:
-            raise ApiError(400, f"messages must be a list of 1 to {MAX_MESSAGES} messages",
-                           "messages")
-        out["messages"] = []
+        if not isinstance(messages, list) or not 1 <= len(messages) <= protocol.MAX_MESSAGES:
+            raise ApiError(400, f"messages must be a list of 1 to {protocol.MAX_MESSAGES}"
+                           " messages", "messages")
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or m.get("role") not in ROLES:
                 raise ApiError(400, f"messages[{i}] needs a role ({', '.join(ROLES)})",
                                f"messages[{i}].role")
-            out["messages"].append({"role": ROLES[m["role"]],
-                                    "content": _text(m.get("content") or "",
-                                                     f"messages[{i}].content")})
+        fields["messages"] = [{"role": ROLES[m["role"]],
+                               "content": _text(m.get("content") or "",
+                                                f"messages[{i}].content")}
+                              for i, m in enumerate(messages)]
     else:
         prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1:
-            prompt = prompt[0]
-        if not isinstance(prompt, str):
-            raise ApiError(400, "prompt must be a string (one prompt per request)", "prompt")
-        out["prompt"] = _text(prompt, "prompt")
+        fields["prompt"] = prompt[0] if isinstance(prompt, list) and len(prompt) == 1 \
+            else prompt
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
         else "max_tokens"
-    wanted = body.get(name)
-    if wanted is None:
-        wanted = min(limit, 256 if chat else 16)
-    if isinstance(wanted, bool) or not isinstance(wanted, int) or wanted < 1:
-        raise ApiError(400, f"{name} must be a positive integer", name)
-    if wanted > limit:
-        raise ApiError(400, f"{name} {wanted} is over this endpoint's limit of {limit}", name,
-                       "max_tokens_exceeded")
-    out["max_tokens"] = wanted
-    out["temperature"] = _number(body, "temperature", 0, 2, 1.0)
-    out["top_p"] = _number(body, "top_p", 0, 1, 1.0)
-    n = body.get("n", 1)
-    if n != 1 or isinstance(n, bool):
-        raise ApiError(400, "n: only one choice per request is supported", "n")
-    stop = body.get("stop")
-    stop = [stop] if isinstance(stop, str) else (stop or [])
-    if not isinstance(stop, list) or len(stop) > 4 or not all(
-            isinstance(s, str) and 0 < len(s) <= 256 for s in stop):
-        raise ApiError(400, "stop must be a string or a list of up to 4 strings", "stop")
-    out["stop"] = stop
-    seed = body.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)
-                             or not 0 <= seed < 2**63):
-        raise ApiError(400, "seed must be a non-negative integer", "seed")
-    out["seed"] = seed
+    if body.get(name) is not None:
+        fields["max_tokens"] = body[name]
+    try:
+        out = Complete.from_dict(fields, limit)
+    except BadRequest as exc:
+        raise _bad(exc, {"max_tokens": name}) from exc
     if not isinstance(body.get("stream", False), bool):
         raise ApiError(400, "stream must be true or false", "stream")
     options = body.get("stream_options")
@@ -257,31 +234,31 @@ class OpenAIApi:
             return await self._stream(request, ep, shape, first, answer, usage)
         text, final = [], first
         try:
-            while not final.get("done"):
-                text.append(_piece(final))
+            while isinstance(final, Piece):
+                text.append(final.text)
                 final = await answer.__anext__()
         finally:
             await answer.aclose()
-        if "error" in final:
+        if final.error is not None:
             exc = _engine_error(final)
             self._count(ep, exc.status)
             return error_response(exc)
         self._count(ep, 200)
         return web.json_response(shape.whole("".join(text), final))
 
-    async def _first(self, answer) -> dict:
+    async def _first(self, answer) -> Piece | Final:
         """The answer's first message, or its error as an ApiError (so that a request that
         fails before anything was produced gets an HTTP error, streamed or not)."""
         try:
             first = await answer.__anext__()
         except Refused as exc:
             raise ApiError(exc.status, exc.message, retry_after=exc.retry_after) from exc
-        if first.get("done") and "error" in first:
+        if isinstance(first, Final) and first.error is not None:
             await answer.aclose()
             raise _engine_error(first)
         return first
 
-    async def _stream(self, request, ep: Endpoint, shape: "Shape", first: dict, answer,
+    async def _stream(self, request, ep: Endpoint, shape: "Shape", first: Piece | Final, answer,
                       usage: bool) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                "Cache-Control": "no-cache"})
@@ -298,12 +275,11 @@ class OpenAIApi:
         try:
             await event(shape.chunk(None, role=True))
             message = first
-            while not message.get("done"):
-                piece = _piece(message)
-                if piece:
-                    await event(shape.chunk(piece))
+            while isinstance(message, Piece):
+                if message.text:
+                    await event(shape.chunk(message.text))
                 message = await answer.__anext__()
-            if "error" in message:
+            if message.error is not None:
                 # Tokens were streamed already: the stream ends in an error the client sees.
                 exc = _engine_error(message)
                 status = exc.status
@@ -331,33 +307,28 @@ class OpenAIApi:
             body = await self._body(request, ep)
             if ep.settings["task"] != "embed":
                 raise ApiError(400, f"{ep.name} serves completions, not embeddings")
-            texts = body.get("input")
-            texts = [texts] if isinstance(texts, str) else texts
-            if not isinstance(texts, list) or not 1 <= len(texts) <= MAX_INPUTS \
-                    or not all(isinstance(t, str) for t in texts):
-                raise ApiError(400, f"input must be a string or a list of 1 to {MAX_INPUTS:,}"
-                               " strings (token arrays are not supported)", "input")
-            texts = [_text(t, f"input[{i}]") for i, t in enumerate(texts)]
+            try:
+                work = Embed.from_dict(body)
+            except BadRequest as exc:
+                raise _bad(exc) from exc
             fmt = body.get("encoding_format") or "float"
             if fmt not in ("float", "base64"):
                 raise ApiError(400, "encoding_format must be float or base64",
                                "encoding_format")
-            answer = self.serving.run(ep, {"op": "embed", "input": texts})
+            answer = self.serving.run(ep, work)
             final = await self._first(answer)
             await answer.aclose()
-            vectors = final.get("embeddings")
-            if not isinstance(vectors, list) or len(vectors) != len(texts) or not all(
-                    isinstance(v, list) and all(type(x) in (int, float) and math.isfinite(x)
-                                                for x in v) for v in vectors):
+            vectors = final.embeddings if isinstance(final, Final) else None
+            if vectors is None or len(vectors) != len(work.input):
                 raise ApiError(502, "the replica's embeddings are malformed")
         except ApiError as exc:
             self._count(ep, exc.status)
             return error_response(exc)
         self._count(ep, 200)
-        tokens = final.get("prompt_tokens") if type(final.get("prompt_tokens")) is int else 0
+        tokens = final.prompt_tokens
         data = [{"object": "embedding", "index": i,
                  "embedding": base64.b64encode(array.array("f", v).tobytes()).decode()
-                 if fmt == "base64" else [float(x) for x in v]}
+                 if fmt == "base64" else v}
                 for i, v in enumerate(vectors)]
         return web.json_response({"object": "list", "data": data, "model": ep.name,
                                   "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
@@ -377,18 +348,15 @@ class Shape:
                 "created": self.created, "model": self.model}
 
     @staticmethod
-    def usage(final: dict) -> dict:
-        prompt = final.get("prompt_tokens") if type(final.get("prompt_tokens")) is int else 0
-        output = final.get("output_tokens") if type(final.get("output_tokens")) is int else 0
-        return {"prompt_tokens": prompt, "completion_tokens": output,
-                "total_tokens": prompt + output}
+    def usage(final: Final) -> dict:
+        return {"prompt_tokens": final.prompt_tokens, "completion_tokens": final.output_tokens,
+                "total_tokens": final.prompt_tokens + final.output_tokens}
 
     @staticmethod
-    def finish(final: dict) -> str:
-        return final.get("finish_reason") if final.get("finish_reason") in ("stop", "length") \
-            else "stop"
+    def finish(final: Final) -> str:
+        return final.finish_reason
 
-    def whole(self, text: str, final: dict) -> dict:
+    def whole(self, text: str, final: Final) -> dict:
         if self.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text},
                       "finish_reason": self.finish(final), "logprobs": None}
@@ -397,7 +365,7 @@ class Shape:
                       "logprobs": None}
         return {**self._base(False), "choices": [choice], "usage": self.usage(final)}
 
-    def chunk(self, text: str | None, role: bool = False, finish: dict | None = None) -> dict:
+    def chunk(self, text: str | None, role: bool = False, finish: Final | None = None) -> dict:
         reason = self.finish(finish) if finish is not None else None
         if self.chat:
             delta = {"role": "assistant", "content": ""} if role else (
@@ -408,18 +376,12 @@ class Shape:
                       "logprobs": None}
         return {**self._base(True), "choices": [choice]}
 
-    def usage_chunk(self, final: dict) -> dict:
+    def usage_chunk(self, final: Final) -> dict:
         return {**self._base(True), "choices": [], "usage": self.usage(final)}
 
 
-def _piece(message: dict) -> str:
-    text = message.get("text")
-    return text if isinstance(text, str) else ""
-
-
-def _engine_error(message: dict) -> ApiError:
-    status = message.get("status")
-    status = status if status in ENGINE_STATUSES else 502
-    return ApiError(status, str(message.get("error") or "the replica failed")[:1000],
-                    retry_after=1 if status in (429, 503) else 0)
+def _engine_error(final: Final) -> ApiError:
+    """An engine's error (its status and message bounded by the protocol's decoder)."""
+    return ApiError(final.status, final.error or "the replica failed",
+                    retry_after=1 if final.status in (429, 503) else 0)
 

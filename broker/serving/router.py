@@ -2,7 +2,7 @@
 how loaded, the requests in flight and those waiting for a free slot. A request goes to the
 least-loaded ready replica (fewest in flight, then the lowest recent time per output token)
 as an InferenceRequest over its provider's own session; the provider's InferenceChunks come
-back as newline-delimited JSON from the engine. A replica that goes away takes its requests
+back as the engine's answer lines, read by the engine protocol (kinds/engine_protocol.py). A replica that goes away takes its requests
 with it: those that had not streamed anything yet are tried on another replica, the rest end
 in an error. What a provider sends is bounded and only counted for requests it was sent.
 
@@ -12,15 +12,17 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import logging
 import secrets
 import time
 from collections import deque
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from gpumarket.broker.serving.request_shares import Hold, NoRoom, RequestShares
+from gpumarket.kinds.engine_protocol import (
+    Answer, Complete, Final, Malformed, Request, decode_answer, encode_request,
+)
 from gpumarket.proto.v1 import gateway_pb2 as gw
 from gpumarket.proto.v1 import types_pb2 as pb
 
@@ -260,7 +262,7 @@ class Serving:
     def _fail_requests(self, replica: Replica, why: str) -> None:
         for p in list(self.pending.values()):
             if p.replica is replica and not p.done:
-                self._finish(p, {"error": why, "status": 503, "lost": True, "done": True})
+                self._finish(p, Final.failed(why, 503))
 
     # -- chunks from providers -------------------------------------------------------------
 
@@ -282,13 +284,11 @@ class Serving:
             lines.append(rest)
         for line in lines:
             try:
-                message = json.loads(line)
-            except (ValueError, RecursionError):
-                message = None
-            if not isinstance(message, dict):
+                message = decode_answer(line)
+            except Malformed:
                 self._refuse(p, "the replica sent a malformed answer")
                 return
-            if message.get("done"):
+            if isinstance(message, Final):
                 self._finish(p, message)
                 return
             p.pieces += 1
@@ -301,10 +301,10 @@ class Serving:
 
     def _refuse(self, p: Pending, why: str) -> None:
         """End a request whose replica broke the protocol: 502, and the engine stops on it."""
-        self._finish(p, {"error": why, "status": 502, "done": True})
+        self._finish(p, Final.failed(why, 502))
         self.cancel_on_provider(p)
 
-    def _finish(self, p: Pending, message: dict) -> None:
+    def _finish(self, p: Pending, message: Final) -> None:
         p.done = True
         p.queue.put_nowait(message)
 
@@ -378,7 +378,7 @@ class Serving:
             hold.waiter.set_exception(refusal)
         p = hold.pending
         if p is not None and not p.done:
-            self._finish(p, {"error": refusal.message, "status": 429, "done": True})
+            self._finish(p, Final.failed(refusal.message, 429))
             self.cancel_on_provider(p)
 
     def _release(self, ep: Endpoint, replica: Replica) -> None:
@@ -386,15 +386,15 @@ class Serving:
         ep.in_flight = max(0, ep.in_flight - 1)
         ep.wake()
 
-    async def run(self, ep: Endpoint, body: dict) -> AsyncIterator[dict]:
-        """Serve one request: the engine's messages as they come ({"text": ...} pieces, then
-        one final message with "done"). A request nothing was streamed for yet is tried again
+    async def run(self, ep: Endpoint, request: Request) -> AsyncIterator[Answer]:
+        """Serve one request: the engine's answer as it comes (Pieces, then one Final). A
+        request nothing was streamed for yet is tried again
         on another replica when its replica goes away. Its body is held (within its
         endpoint's share, broker/serving/request_shares.py) until its answer begins; a request
         evicted meanwhile ends in a 429."""
         began = ep.last_request = time.monotonic()
         ep.requests += 1
-        data = json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+        data = encode_request(request)
         if len(data) > MAX_REQUEST:
             raise Refused(413, f"the request is {len(data):,} bytes as the replica would get it,"
                           f" more than {MAX_REQUEST:,}")
@@ -403,8 +403,8 @@ class Serving:
         except NoRoom as exc:
             raise Refused(429, f"endpoint {ep.name}: {exc.message}; retry later",
                           retry_after=1) from exc
-        limits = Limits(len(data), int(body.get("max_tokens") or 0))
-        del data, body                  # the hold has it, until the answer begins
+        limits = Limits(len(data), request.max_tokens if isinstance(request, Complete) else 0)
+        del data, request               # the hold has it, until the answer begins
         deadline = began + DEADLINE_TIMEOUTS * self.request_timeout_s
         attempts = self._attempts(ep, hold, limits, deadline, set(), began)
         try:
@@ -415,7 +415,7 @@ class Serving:
             self.shares.release(hold)
 
     async def _attempts(self, ep: Endpoint, hold: Hold, limits: "Limits", deadline: float,
-                        tried: set[str], began: float) -> AsyncIterator[dict]:
+                        tried: set[str], began: float) -> AsyncIterator[Answer]:
         first: float | None = None
         for attempt in range(RETRIES + 1):
             replica = await self._acquire(ep, hold, tried)
@@ -440,16 +440,15 @@ class Serving:
                     except TimeoutError:
                         self.cancel_on_provider(p)
                         p.done = True
-                        message = {"error": f"the replica sent nothing for"
-                                   f" {self.request_timeout_s:.0f} s" if wait > 0 else
-                                   f"the request ran past its limit of"
-                                   f" {DEADLINE_TIMEOUTS * self.request_timeout_s:.0f} s",
-                                   "status": 504, "done": True}
-                    last = bool(message.get("done"))
+                        message = Final.failed(
+                            f"the replica sent nothing for {self.request_timeout_s:.0f} s"
+                            if wait > 0 else f"the request ran past its limit of"
+                            f" {DEADLINE_TIMEOUTS * self.request_timeout_s:.0f} s", 504)
+                    last = isinstance(message, Final)
                     if not last and first is None:
                         first = time.monotonic()
                     retry = (last and not streamed and attempt < RETRIES
-                             and message.get("status") == 503 and not hold.evicted)
+                             and message.status == 503 and not hold.evicted)
                     if retry:
                         replica.failed()
                         break
@@ -457,7 +456,7 @@ class Serving:
                         streamed = True
                         self.shares.release(hold)   # no retry from here: the body is done
                     if last:
-                        self._account(ep, replica, message, began, first, limits)
+                        message = self._account(ep, replica, message, began, first, limits)
                     yield message
                     if last:
                         return
@@ -470,33 +469,34 @@ class Serving:
                 self._release(ep, replica)
         raise Refused(503, f"endpoint {ep.name}: the request failed on {RETRIES + 1} replicas")
 
-    def _account(self, ep: Endpoint, replica: Replica, message: dict, began: float,
-                 first: float | None, limits: "Limits") -> None:
+    def _account(self, ep: Endpoint, replica: Replica, message: Final, began: float,
+                 first: float | None, limits: "Limits") -> Final:
         """Count a finished request: its tokens for the replica's lease, its TTFT and TPOT as
-        the broker saw them (from its arrival; between its first and last pieces)."""
+        the broker saw them (from its arrival; between its first and last pieces). Returns
+        the final with its token counts as counted."""
         now = time.monotonic()
-        failed = "error" in message
+        failed = message.error is not None
         replica.requests += 1
         replica.usage[0] += 1
         replica.usage[1] += failed
         if failed:
             ep.errors += 1
-            if message.get("status", 500) >= 500:
+            if message.status >= 500:
                 replica.failed()
         else:
             replica.failures = 0
-            self._tokens(ep, replica, message, began, first, now, limits)
+            message = self._tokens(ep, replica, message, began, first, now, limits)
         if ep.replicas.get(replica.job_id) is not replica:
             self._spill(replica)    # dropped meanwhile: counted all the same
+        return message
 
-    def _tokens(self, ep: Endpoint, replica: Replica, message: dict, began: float,
-                first: float | None, now: float, limits: "Limits") -> None:
+    def _tokens(self, ep: Endpoint, replica: Replica, message: Final, began: float,
+                first: float | None, now: float, limits: "Limits") -> Final:
         # What the provider reports, bounded by what the request allows: no more output
         # tokens than its max_tokens, no more prompt tokens than it has bytes (and a margin
         # for a chat template's own).
-        prompt = min(_count(message.get("prompt_tokens")), limits.request_bytes + 256)
-        output = min(_count(message.get("output_tokens")), limits.max_tokens)
-        message["prompt_tokens"], message["output_tokens"] = prompt, output
+        prompt = min(message.prompt_tokens, limits.request_bytes + 256)
+        output = min(message.output_tokens, limits.max_tokens)
         replica.usage[2] += prompt
         replica.usage[3] += output
         ttft = (first if first is not None else now) - began
@@ -510,6 +510,7 @@ class Serving:
             self.metrics.endpoint_tpot.labels(endpoint=ep.id).observe(tpot)
             replica.tpot_s = tpot if not replica.tpot_s else (
                 (1 - TPOT_WEIGHT) * replica.tpot_s + TPOT_WEIGHT * tpot)
+        return replace(message, prompt_tokens=prompt, output_tokens=output)
 
     def _spill(self, replica: Replica) -> None:
         """Keep the usage of a replica no longer listed for the next take_usage."""
@@ -527,10 +528,6 @@ class Serving:
                     out.append((r.lease_id, ep.id, r.job_id, r.provider_id, *r.usage))
                     r.usage = [0, 0, 0, 0]
         return out
-
-
-def _count(value) -> int:
-    return value if type(value) is int and 0 <= value < 2**31 else 0
 
 
 def percentile(values, q: float) -> float:

@@ -11,10 +11,10 @@ import math
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
+from gpumarket.kinds.engine_protocol import DEFAULT_MAX_TOKENS
 from gpumarket.provider.runners.base import JobError
 from gpumarket.provider.runners.engine import (
-    DEFAULT_MAX_TOKENS, GREEDY_TEMPERATURE, Generating, Sampling, Settings, Stream,
-    model_seq_len,
+    GREEDY_TEMPERATURE, Generating, Sampling, Settings, Stream, model_seq_len,
 )
 
 log = logging.getLogger(__name__)

@@ -48,13 +48,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from gpumarket.kinds.engine_protocol import Complete, Final, Piece
 from gpumarket.provider.runners.base import JobError
 from gpumarket.provider.runners.inference import torch_device, torch_dtype, unpack_model
 
 log = logging.getLogger(__name__)
 
 DEFAULT_CONCURRENCY = 8
-DEFAULT_MAX_TOKENS = 16
 MAX_SEQ_LEN_CAP = 4096  # the default max_seq_len: the model's, at most this
 EMBED_BATCH = 32  # texts per encoder call
 GREEDY_TEMPERATURE = 1e-6  # continuous batching samples every request: greedy is this
@@ -68,10 +68,10 @@ class Engine(Protocol):
     max_concurrency: int
     max_seq_len: int
 
-    def complete(self, request: dict) -> AsyncIterator[dict]:
-        """An async generator: {"text"} pieces, then one {"done": True, ...} or one error."""
+    def complete(self, request_id: str, request: Complete) -> AsyncIterator[Piece | Final]:
+        """An async generator: Pieces, then one Final (figures or an error)."""
 
-    async def embed(self, texts: list) -> dict: ...
+    async def embed(self, texts: tuple[str, ...]) -> Final: ...
     def cancel(self, request_id: str) -> None: ...
     async def close(self) -> None: ...
 
@@ -83,8 +83,8 @@ class RequestError(Exception):
         super().__init__(message)
         self.status = status
 
-    def event(self) -> dict:
-        return {"error": str(self), "status": self.status, "done": True}
+    def event(self) -> Final:
+        return Final.failed(str(self), self.status)
 
 
 @dataclass(frozen=True)
@@ -122,23 +122,10 @@ class Sampling:
     seed: int | None
 
 
-def _number(request: dict, name: str, kind: type, default):
-    value = request.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int):
-        raise RequestError(f"{name}: must be {'a number' if kind is float else 'an integer'}")
-    return kind(value)
-
-
-def chat_prompt(tokenizer, messages) -> str:
-    """The text of a chat: the tokenizer's template, else "role: content" lines."""
-    if not isinstance(messages, list) or not messages or not all(
-            isinstance(m, dict) and m.get("role") in ("system", "user", "assistant")
-            and isinstance(m.get("content"), str) for m in messages):
-        raise RequestError("messages: a non-empty list of {role: system|user|assistant,"
-                           " content: string}")
-    messages = [{"role": m["role"], "content": m["content"]} for m in messages]
+def chat_prompt(tokenizer, messages: tuple) -> str:
+    """The text of a chat (checked Messages): the tokenizer's template, else "role: content"
+    lines."""
+    messages = [{"role": m.role, "content": m.content} for m in messages]
     if getattr(tokenizer, "chat_template", None):
         try:
             return tokenizer.apply_chat_template(messages, tokenize=False,
@@ -149,27 +136,18 @@ def chat_prompt(tokenizer, messages) -> str:
     return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
 
 
-def parse_completion(request: dict, tokenizer, max_seq_len: int) -> tuple[list[int], Sampling]:
-    """The prompt's token ids and the sampling settings of a completion request; raises
-    RequestError (400) for anything malformed or too long."""
-    max_tokens = _number(request, "max_tokens", int, 0) or DEFAULT_MAX_TOKENS
-    temperature = _number(request, "temperature", float, 0.0)
-    top_p = _number(request, "top_p", float, 0.0) or 1.0
-    seed = _number(request, "seed", int, None)
-    stop = request.get("stop") or []
-    stop = [stop] if isinstance(stop, str) else stop
-    if max_tokens < 0 or temperature < 0 or not 0 < top_p <= 1:
-        raise RequestError("max_tokens and temperature must be >= 0, top_p within [0, 1]")
-    if not isinstance(stop, list) or len(stop) > 16 or not all(
-            isinstance(s, str) and s for s in stop):
-        raise RequestError("stop: a list of at most 16 non-empty strings")
-    if request.get("messages") is not None:
-        text = chat_prompt(tokenizer, request["messages"])
+def parse_completion(request: Complete, tokenizer, max_seq_len: int
+                     ) -> tuple[list[int], Sampling]:
+    """The prompt's token ids and the sampling settings of a completion request (checked by
+    the protocol, kinds/engine_protocol.py); raises RequestError (400) for what only the
+    model knows: a prompt with no tokens, or one too long."""
+    max_tokens, temperature = request.max_tokens, request.temperature
+    top_p, stop, seed = request.top_p or 1.0, request.stop, request.seed
+    if request.messages:
+        text = chat_prompt(tokenizer, request.messages)
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    elif isinstance(request.get("prompt"), str):
-        ids = tokenizer(request["prompt"])["input_ids"]
     else:
-        raise RequestError("a completion needs a string prompt or a list of messages")
+        ids = tokenizer(request.prompt)["input_ids"]
     if not ids:
         raise RequestError("the prompt has no tokens")
     if len(ids) + max_tokens > max_seq_len:
@@ -193,7 +171,7 @@ class Stream:
         self.engine_id, self.sent, self.finished, self.cancelled = request_id, "", False, False
         self.arrived, self.first, self.last, self.tokens = time.perf_counter(), 0.0, 0.0, 0
 
-    def _post(self, event: dict | None) -> None:
+    def _post(self, event: Piece | Final | None) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
 
     def advance(self, ids: list[int]) -> bool:
@@ -221,7 +199,7 @@ class Stream:
             text = text[:len(text) - max((k for s in self.sampling.stop for k in range(1, len(s))
                                           if text.endswith(s[:k])), default=0)]
         if len(text) > len(self.sent):
-            self._post({"text": text[len(self.sent):]})
+            self._post(Piece(text[len(self.sent):]))
             self.sent = text
         if finish:
             self.end(finish)
@@ -231,10 +209,9 @@ class Stream:
         if not (self.finished or self.cancelled):
             self.finished = True
             n, first = self.tokens, self.first - self.arrived if self.first else 0.0
-            self._post({"done": True, "finish_reason": finish,
-                        "prompt_tokens": len(self.prompt_ids), "output_tokens": n,
-                        "ttft_s": first,
-                        "tpot_s": (self.last - self.first) / (n - 1) if n > 1 else 0.0})
+            self._post(Final(finish_reason=finish, prompt_tokens=len(self.prompt_ids),
+                             output_tokens=n, ttft_s=first,
+                             tpot_s=(self.last - self.first) / (n - 1) if n > 1 else 0.0))
 
     def fail(self, message: str, status: int = 500) -> None:
         if not (self.finished or self.cancelled):
@@ -245,10 +222,10 @@ class Stream:
         self.cancelled = True
         self._post(None)
 
-    async def events(self) -> AsyncIterator[dict]:
+    async def events(self) -> AsyncIterator[Piece | Final]:
         while (event := await self.queue.get()) is not None:
             yield event
-            if event.get("done"):
+            if isinstance(event, Final):
                 return
 
 
@@ -267,13 +244,14 @@ class Generating:
         self.streams: dict[str, Stream] = {}
         self.serial = 0
 
-    async def complete(self, request: dict) -> AsyncIterator[dict]:
+    async def complete(self, request_id: str, request: Complete
+                       ) -> AsyncIterator[Piece | Final]:
         try:
             ids, sampling = parse_completion(request, self.tokenizer, self.max_seq_len)
         except RequestError as exc:
             yield exc.event()
             return
-        stream = Stream(self.tokenizer, self.eos, str(request.get("id")), ids, sampling)
+        stream = Stream(self.tokenizer, self.eos, request_id, ids, sampling)
         self.serial += 1
         stream.engine_id = f"{stream.request_id}#{self.serial}"  # ids may come again
         self.streams[stream.request_id] = stream
@@ -288,7 +266,7 @@ class Generating:
                 stream.cancelled = True
                 self._abort(stream)
 
-    async def embed(self, texts: list) -> dict:
+    async def embed(self, texts: tuple[str, ...]) -> Final:
         return RequestError("this endpoint serves completions, not embeddings").event()
 
     def cancel(self, request_id: str) -> None:
@@ -329,12 +307,12 @@ class EmbedEngine:
             self.description += f" (attention {attention_words(model, attention)})"
         self.thread = ThreadPoolExecutor(1, thread_name_prefix="embed")  # one owns the model
 
-    async def complete(self, request: dict) -> AsyncIterator[dict]:
+    async def complete(self, request_id: str, request: Complete
+                       ) -> AsyncIterator[Piece | Final]:
         yield RequestError("this endpoint serves embeddings, not completions").event()
 
-    async def embed(self, texts: list) -> dict:
-        if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
-            return RequestError("input: a non-empty list of strings").event()
+    async def embed(self, texts: tuple[str, ...]) -> Final:
+        texts = list(texts)     # checked by the protocol: 1 to MAX_INPUTS strings
         lengths = [len(ids) for ids in self.tokenizer(texts)["input_ids"]]
         if max(lengths) > self.max_seq_len:
             i = lengths.index(max(lengths))
@@ -342,7 +320,7 @@ class EmbedEngine:
                                 f" max_seq_len {self.max_seq_len}").event()
         vectors = await asyncio.get_running_loop().run_in_executor(self.thread, self._vectors,
                                                                     texts)
-        return {"embeddings": vectors, "prompt_tokens": sum(lengths), "done": True}
+        return Final(embeddings=vectors, prompt_tokens=sum(lengths))
 
     def _vectors(self, texts: list[str]) -> list[list[float]]:
         import torch

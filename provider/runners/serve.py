@@ -10,16 +10,13 @@ same Engine interface and prints the wall time and tokens/s (engine.py has the f
 ENGINE "batch-calls" is the batcher's former path (one ``generate`` call at a time), kept
 for that comparison.
 
-The socket carries one JSON object a line each way. The daemon sends
-``{"id", "op": "complete", "prompt" | "messages", "max_tokens", "temperature", "top_p",
-"stop", "seed"}``, ``{"id", "op": "embed", "input": [text, ...]}`` and ``{"id", "op":
-"cancel"}``. The runner answers ``{"event": "ready", "engine", "task", "max_concurrency",
-"max_seq_len", "model"}`` once loaded, then per request ``{"id", "text"}`` pieces and one
-``{"id", "done": true, "finish_reason", "prompt_tokens", "output_tokens", "ttft_s",
-"tpot_s"}``, or ``{"id", "embeddings", "prompt_tokens", "done": true}``, or ``{"id",
-"error", "status", "done": true}`` (400 a bad request, 429 too many in flight, 500 the
-engine failed; "id" is null for a line with no usable id). A cancelled request gets nothing
-more. EOF on the socket ends the runner with status 0.
+The socket carries one JSON object a line each way, in the endpoint's engine protocol
+(kinds/engine_protocol.py, which checks each request again here): the daemon sends requests
+(complete, embed) and cancels, each with its "id". The runner answers its Ready line once
+loaded, then per request its pieces and one final: figures, embeddings, or an error with its
+status (400 a bad request, 429 too many in flight, 500 the engine failed; "id" is null for
+a line with no usable id). A cancelled request gets nothing more. EOF on the socket ends the
+runner with status 0.
 """
 
 from __future__ import annotations
@@ -33,6 +30,9 @@ import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+from gpumarket.kinds.engine_protocol import (
+    Answer, BadRequest, Complete, Embed, Final, Ready, answer_line, read_line,
+)
 from gpumarket.provider.runners.base import JobError
 from gpumarket.provider.runners.engine import Engine, load_engine
 
@@ -45,10 +45,6 @@ BENCH_ROUNDS = 5
 BENCH_PROMPTS = ["the quick brown fox", "a marketplace for idle gpus runs",
                  "providers advertise devices with a price and the broker",
                  "checkpoints let a job resume on another provider after a failure"]
-
-
-def error(request_id, message: str, status: int = 400) -> dict:
-    return {"id": request_id, "error": message, "status": status, "done": True}
 
 
 async def lines(reader: asyncio.StreamReader) -> AsyncIterator[bytes | None]:
@@ -78,18 +74,23 @@ class Server:
 
     def __init__(self, engine: Engine, writer: asyncio.StreamWriter) -> None:
         self.engine, self.writer = engine, writer
-        self.outbox: asyncio.Queue = asyncio.Queue()
+        self.outbox: asyncio.Queue[bytes] = asyncio.Queue()
         self.running: dict[str, asyncio.Task] = {}
         self.limit = IN_FLIGHT_PER_SLOT * engine.max_concurrency
 
-    def send(self, message: dict) -> None:
-        self.outbox.put_nowait(message)
+    def send(self, line: bytes) -> None:
+        self.outbox.put_nowait(line)
+
+    def answer(self, request_id: str | None, message: Answer) -> None:
+        self.send(answer_line(request_id, message))
+
+    def refuse(self, request_id: str | None, why: str, status: int = 400) -> None:
+        self.answer(request_id, Final.failed(why, status))
 
     async def write_all(self) -> None:
         try:
             while True:
-                message = await self.outbox.get()
-                self.writer.write(json.dumps(message).encode() + b"\n")
+                self.writer.write(await self.outbox.get())
                 await self.writer.drain()
         except ConnectionError:
             log.info("the daemon's socket closed while answering")
@@ -97,48 +98,40 @@ class Server:
     def handle(self, line: bytes | None) -> None:
         """Start, cancel or refuse what one line asks; never raises."""
         if line is None:
-            return self.send(error(None, f"a line over {MAX_LINE} bytes"))
+            return self.refuse(None, f"a line over {MAX_LINE} bytes")
         if not line.strip():
             return None
         try:
-            request = json.loads(line)
-        except ValueError:
-            return self.send(error(None, "not a line of JSON"))
-        rid = request.get("id") if isinstance(request, dict) else None
-        if not isinstance(rid, str) or not rid:
-            return self.send(error(None, "a request is a JSON object with a string id"))
-        op = request.get("op")
-        if op == "cancel":
+            rid, request = read_line(line)
+        except BadRequest as exc:
+            return self.refuse(exc.request_id, exc.message)
+        if request is None:     # a cancel
             task = self.running.pop(rid, None)
             self.engine.cancel(rid)
             if task is not None:
                 task.cancel()
             return None
-        if op not in ("complete", "embed"):
-            return self.send(error(rid, f"op {op!r} is not complete, embed or cancel"))
         if rid in self.running:
-            return self.send(error(rid, "a request with this id is already in flight"))
+            return self.refuse(rid, "a request with this id is already in flight")
         if len(self.running) >= self.limit:
-            return self.send(error(rid, f"{len(self.running)} requests in flight, this"
-                                        " replica's limit; retry later", 429))
-        task = asyncio.get_running_loop().create_task(self.serve_one(rid, op, request))
+            return self.refuse(rid, f"{len(self.running)} requests in flight, this"
+                                    " replica's limit; retry later", 429)
+        task = asyncio.get_running_loop().create_task(self.serve_one(rid, request))
         self.running[rid] = task
         task.add_done_callback(lambda t: self.running.pop(rid, None)
                                if self.running.get(rid) is t else None)
         return None
 
-    async def serve_one(self, rid: str, op: str, request: dict) -> None:
+    async def serve_one(self, rid: str, request: Complete | Embed) -> None:
         try:
-            if op == "embed":
-                texts = request.get("input")
-                texts = [texts] if isinstance(texts, str) else texts
-                self.send({"id": rid, **await self.engine.embed(texts)})
+            if isinstance(request, Embed):
+                self.answer(rid, await self.engine.embed(request.input))
             else:
-                async for event in self.engine.complete(request):
-                    self.send({"id": rid, **event})
+                async for event in self.engine.complete(rid, request):
+                    self.answer(rid, event)
         except Exception:
             log.exception("request %s failed", rid)
-            self.send(error(rid, "the engine failed on this request", 500))
+            self.refuse(rid, "the engine failed on this request", 500)
 
     async def stop(self) -> None:
         for task in list(self.running.values()):
@@ -150,9 +143,8 @@ async def serve(engine: Engine, sock: socket.socket, model: str) -> None:
     """Answer the daemon until it closes the socket."""
     reader, writer = await asyncio.open_unix_connection(sock=sock)
     server = Server(engine, writer)
-    server.send({"event": "ready", "engine": engine.description, "task": engine.task,
-                 "max_concurrency": engine.max_concurrency, "max_seq_len": engine.max_seq_len,
-                 "model": model})
+    server.send(Ready(engine.description, engine.task, engine.max_concurrency,
+                      engine.max_seq_len, model).line())
     writing = asyncio.get_running_loop().create_task(server.write_all())
     try:
         async for line in lines(reader):
@@ -186,10 +178,10 @@ async def bench(model_dir: Path, engine_name: str, requests: int, tokens: int) -
                              loaded.max_seq_len, stepwise=False)
         await loaded.close()
 
-    async def one(i: int) -> dict:
-        request = {"id": f"bench-{i}", "prompt": BENCH_PROMPTS[i % len(BENCH_PROMPTS)],
-                   "max_tokens": tokens}
-        return [event async for event in engine.complete(request)][-1]
+    async def one(i: int) -> Final:
+        request = Complete(prompt=BENCH_PROMPTS[i % len(BENCH_PROMPTS)], max_tokens=tokens,
+                           temperature=0.0)
+        return [event async for event in engine.complete(f"bench-{i}", request)][-1]
 
     await one(-1)
     walls, cpus = [], []
@@ -200,8 +192,8 @@ async def bench(model_dir: Path, engine_name: str, requests: int, tokens: int) -
         cpus.append(time.process_time() - cpu)
     await engine.close()
     wall, cpu = sorted(walls)[len(walls) // 2], sorted(cpus)[len(cpus) // 2]
-    produced = sum(f.get("output_tokens", 0) for f in finals)
-    ttft = sorted(f.get("ttft_s", 0.0) for f in finals)[len(finals) // 2]
+    produced = sum(f.output_tokens for f in finals)
+    ttft = sorted(f.ttft_s for f in finals)[len(finals) // 2]
     # CPU time per token: steadier than tokens/s where other work shares the host
     return (f"{engine.description}, max_concurrency {engine.max_concurrency}: {requests} x"
             f" {tokens} tokens in {wall * 1000:.0f} ms wall, {produced} tokens,"
