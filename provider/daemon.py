@@ -7,13 +7,13 @@ SIGTERM drains: every job checkpoints now, uploads, and gives its lease back, th
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import shutil
 import time
 from pathlib import Path
 
 from gpumarket import kinds
+from gpumarket.kinds.engine_protocol import Final, encode_answer
 from gpumarket.proto.errors import GpumarketError, Unavailable
 from gpumarket.proto.identity import Identity
 from gpumarket.proto.v1 import gateway_pb2 as gw
@@ -87,8 +87,7 @@ class ProviderDaemon:
         if why:
             self.send(gw.ProviderMessage(chunk=gw.InferenceChunk(
                 request_id=request.request_id, last=True,
-                data=json.dumps({"error": why, "status": 503, "done": True}).encode()
-                + b"\n")))
+                data=encode_answer(Final.failed(why, 503)))))
 
     def on_infer_cancel(self, cancel: gw.InferenceCancel) -> None:
         job = self.jobs.get(cancel.job_id)

@@ -144,6 +144,29 @@ def test_a_bad_request_gets_the_same_refusal_from_the_broker_and_the_engine(body
     assert answer == {"id": "r1", "error": message, "status": 400, "done": True}
 
 
+@pytest.mark.parametrize("body,message,param", [
+    b for b in BAD if b[2] != "messages[0].role" and "over this endpoint" not in b[1]])
+def test_the_openai_route_refuses_as_the_engine_does(body, message, param):
+    """The same, through the broker's HTTP route (an OpenAI 400 that reaches no replica)."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from tests.serving_fakes import AnsweringSession, ready
+    from tests.test_serving_hostile_api import api_for, post
+
+    async def main():
+        p1 = AnsweringSession("p1")
+        api, serving, _ = api_for({"p1": p1})
+        ready(serving, "p1", "r1")
+        path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+        async with TestClient(TestServer(api.app())) as client:
+            status, answer = await post(client, path, {"model": "tiny", **body})
+        assert p1.requests() == []
+        return status, answer["error"]
+    status, error = asyncio.run(main())
+    assert (status, error["message"], error["param"]) == (400, message, param)
+    assert engine_refusal(body)["error"] == message
+
+
 def test_max_completion_tokens_is_refused_under_its_own_name():
     with pytest.raises(ApiError) as api:
         completion_request({"prompt": "x", "max_completion_tokens": 99}, False, 16)
