@@ -1,10 +1,10 @@
 """The engine protocol of an endpoint (docs/serving.md): what the broker asks a replica's
 engine and what the engine answers, with the rules each request must keep. The broker builds
-its requests here (broker/openai_api.py) and reads the answers here (broker/serving.py); the
-provider's daemon hands requests to the engine through here (provider/replica.py), and the
-engine decodes and checks them here again before it serves them (provider/runners/serve.py,
-engine.py): one rule each, so that a request the broker passes the engine takes, and a bad
-one is refused with the same message by either.
+its requests here (broker/serving/openai_api.py) and its router reads the answers here
+(broker/serving/router.py); the provider's daemon hands requests to the engine through here
+(provider/replica.py), and the engine decodes and checks them here again before it serves
+them (provider/runners/serve.py, engine.py): one rule each, so that a request the broker
+passes the engine takes, and a bad one is refused with the same message by either.
 
 On the wire every message is one JSON object: a request is the body of an InferenceRequest
 and, with its ``"id"`` added, one line on the engine's socket; an answer is one line per

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from gpumarket.broker.openai_api import ApiError, completion_request
+from gpumarket.broker.serving.openai_api import ApiError, completion_request
 from gpumarket.kinds import engine_protocol as protocol
 from gpumarket.kinds.engine_protocol import (
     BadRequest, Complete, Embed, Final, Malformed, Message, Piece, Ready, answer_line,
