@@ -8,7 +8,6 @@ the receipt (receipts), and taking it up again after a daemon restart (reattach)
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import time
@@ -156,9 +155,9 @@ class Attempt:
         cuda = any(d.is_cuda for d in self._devices())
         model = self.kind.model_name(self.kind.values_of(a.spec))
         models_dir = self.host.config.models_dir
-        spec = runner_config(a, paths, resume_dir, cuda,
-                             local_models(models_dir).get(model) if model else None)
-        (self.workdir / "job.json").write_text(json.dumps(spec, indent=2))
+        job = runner_config(a, paths, resume_dir, cuda,
+                            local_models(models_dir).get(model) if model else None)
+        (self.workdir / "job.json").write_text(job.to_json())
         return step
 
     def new_process(self, forks: ForkServers | None = None) -> JobProcess:
