@@ -65,8 +65,8 @@ class Attempt:
         self.last_progress = 0.0
         self.engine: EngineLink | None = None    # an endpoint replica's engine
         self.checkpoints = CheckpointUploads(workdir, self.job_uid, host, self.update)
-        self.tasks = TaskResults(assignment.lease.tasks, workdir, self.job_uid, host,
-                                 self.update, self.sign)   # a job array's, as they end
+        self.task_results = TaskResults(assignment.lease.tasks, workdir, self.job_uid,
+                                        host, self.update, self.sign)   # an array's tasks
         self.yield_asked = False            # the broker asked the lease to yield ...
         self.yield_sent = False             # ... and the runner was told
 
@@ -197,7 +197,7 @@ class Attempt:
         finally:
             if self.engine is not None:
                 self.engine.close()
-            await self.tasks.settle(dropped=self.cancelled)
+            await self.task_results.settle(dropped=self.cancelled)
         if self.cancelled:
             return None
         if outcome.succeeded:
@@ -245,7 +245,7 @@ class Attempt:
     def task_ended(self, report: TaskEnded) -> None:
         """A task of a job array's lease ended: passed on by ``tasks``; a yield the broker
         asked for goes to the runner now that it listens (it has reported)."""
-        if self.tasks.ended(report) and self.yield_asked and not self.yield_sent:
+        if self.task_results.ended(report) and self.yield_asked and not self.yield_sent:
             self.tell_yield()
 
     def request_yield(self) -> None:
@@ -255,7 +255,7 @@ class Attempt:
         if not self.assignment.lease.tasks or self.yield_asked:
             return
         self.yield_asked = True
-        if len(self.tasks.open) < len(self.assignment.lease.tasks):
+        if len(self.task_results.open) < len(self.assignment.lease.tasks):
             self.tell_yield()
 
     def tell_yield(self) -> None:

@@ -29,7 +29,7 @@ def reattach(job: Attempt, pid: int) -> asyncio.Task:
 
 async def _follow(job: Attempt) -> None:
     meanwhile = await asyncio.to_thread(read_reports, job.workdir, job.job_uid,
-                                        job.tasks.open)
+                                        job.task_results.open)
     for report in meanwhile.tasks:
         job.task_ended(report)
     if meanwhile.checkpoint is not None:
@@ -53,10 +53,10 @@ def finish_meanwhile(job: Attempt, done: Done) -> asyncio.Task:
             # Whatever it left running goes before its outputs are read.
             await asyncio.to_thread(kill_uid, job.job_uid)
         meanwhile = await asyncio.to_thread(read_reports, job.workdir, job.job_uid,
-                                            job.tasks.open)
+                                            job.task_results.open)
         for report in meanwhile.tasks:
             job.task_ended(report)
-        await job.tasks.settle(dropped=job.cancelled)
+        await job.task_results.settle(dropped=job.cancelled)
         try:
             seconds = done.metrics.get("train_seconds", 0.0)
             final = job.update(receipt=await job.receipt(done, seconds))

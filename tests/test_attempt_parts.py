@@ -225,7 +225,7 @@ def test_an_array_lease_that_ended_while_no_daemon_watched_is_finished_from_its_
     assert [(r.task, r.ok) for r in results] == [(0, True), (2, False)]
     assert host.final.job_update.WhichOneof("update") == "receipt"
     receipt, _ = open_envelope(host.final.job_update.receipt, pb.Receipt)
-    assert list(receipt.outputs) == [] and job.tasks.open == {1}
+    assert list(receipt.outputs) == [] and job.task_results.open == {1}
 
 
 def test_a_job_without_a_done_report_did_not_finish_meanwhile(tmp_path):
