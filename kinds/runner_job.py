@@ -7,9 +7,10 @@ library at import: runners import this in the job's own process."""
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 from typing import Any
 
@@ -111,8 +112,13 @@ class RunnerJob:
 
     def for_task(self, task: ArrayTask) -> RunnerJob:
         """The job of one task of this array lease: the task's parameters, no tasks of its
-        own, and nothing to resume (a task cut short runs again from its start)."""
-        return replace(self, params=task.params, task=task.task, tasks=None, resume_from=None)
+        own, and nothing to resume (a task cut short runs again from its start). Both are
+        checked already: made without checking again (once a task, in a tight loop)."""
+        job = copy.copy(self)
+        for name, value in (("params", task.params), ("task", task.task), ("tasks", None),
+                            ("resume_from", None)):
+            object.__setattr__(job, name, value)
+        return job
 
     def to_json(self) -> str:
         """job.json as the daemon writes it: every field, a check lease's only if it is one
