@@ -15,7 +15,7 @@ from types import MappingProxyType
 from typing import Any
 
 DEVICES = ("cpu", "cuda")
-MAX_BYTES = 256 << 20      # a job.json larger than this is refused unread (an array's tasks,
+MAX_BYTES = 256 << 20      # a job.json larger than this is refused (an array's tasks,
                            # each with its parameters, fit in far less)
 
 
@@ -151,13 +151,13 @@ class RunnerJob:
         RunnerJobError naming the field if it is not one (a field no runner knows is
         ignored: a newer daemon may add some)."""
         if len(text) > MAX_BYTES:
-            raise RunnerJobError(f"job.json: more than {MAX_BYTES:,} bytes")
+            raise RunnerJobError(f"more than {MAX_BYTES:,} bytes")
         try:
             raw = json.loads(text)
         except (ValueError, UnicodeDecodeError) as exc:
-            raise RunnerJobError(f"job.json: not JSON ({exc})") from exc
+            raise RunnerJobError(f"not JSON ({exc})") from exc
         if not isinstance(raw, dict):
-            raise RunnerJobError("job.json: must be an object")
+            raise RunnerJobError("must be an object")
         known = {f.name for f in fields(cls)}
         given = {k: v for k, v in raw.items() if k in known and v is not None}
         if "tasks" in given:
@@ -167,7 +167,7 @@ class RunnerJob:
         try:
             return cls(**given)
         except TypeError as exc:    # a mapping's keys that are not its own
-            raise RunnerJobError(f"job.json: {exc}") from exc
+            raise RunnerJobError(str(exc)) from exc
 
 
 def _task(raw: Any) -> ArrayTask:
