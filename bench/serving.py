@@ -41,6 +41,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from gpumarket.kinds.engine_protocol import Complete, Final, Message  # noqa: E402
+from gpumarket.kinds.runner_job import RunnerJob  # noqa: E402
 from tests.helpers import LEASE_ARGS, Marketplace, wait_until  # noqa: E402
 from tests.models import tiny_causal_lm  # noqa: E402
 
@@ -95,9 +96,8 @@ async def direct_side(model: Path, rates: list[float], duration: float, tokens: 
                       concurrency: int) -> dict:
     from gpumarket.provider.runners.engine import load_engine
 
-    job = {"params": {"model_name": model.name, "max_concurrency": concurrency,
-                      "max_seq_len": 256}, "inputs": {}, "model_dir": str(model),
-           "device": "cpu"}
+    job = RunnerJob(params={"model_name": model.name, "max_concurrency": concurrency,
+                            "max_seq_len": 256}, model_dir=str(model))
     engine = load_engine(job, model)
 
     async def send(i: int) -> dict:
@@ -165,8 +165,7 @@ async def join_case(model: Path, engine_name: str, streams: int, tokens: int,
 
     params = {"model_name": model.name, "max_concurrency": streams, "max_seq_len": 256,
               "engine": "continuous" if engine_name == "continuous" else "batch"}
-    engine = load_engine({"params": params, "inputs": {}, "model_dir": str(model),
-                          "device": "cpu"}, model)
+    engine = load_engine(RunnerJob(params=params, model_dir=str(model)), model)
     if engine_name == "generate calls":
         loaded = engine
         engine = BatchEngine(loaded.tokenizer, loaded.model, Settings.from_params(params),

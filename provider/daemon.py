@@ -74,7 +74,7 @@ class ProviderDaemon:
         return [job.key for job in self.jobs.values()]
 
     def pending(self) -> list[gw.ProviderMessage]:
-        return [j.checkpoint_report for j in self.jobs.values() if j.checkpoint_report] + [
+        return [j.checkpoints.report for j in self.jobs.values() if j.checkpoints.report] + [
             j.update(ready=j.engine.ready) for j in self.jobs.values()
             if j.engine is not None and j.engine.ready is not None] + [
             *self.unsettled.values()]

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from gpumarket import kinds as job_kinds
 from gpumarket.kinds import arrays
+from gpumarket.kinds.runner_job import ArrayTask, RunnerJob, check_params
 from gpumarket.proto.envelope import open_envelope, payload_sha256
 from gpumarket.proto.errors import (
     BadSignature, Expired, GpumarketError, InvalidArgument, PermissionDenied,
@@ -101,34 +102,39 @@ def check_lease(
 
 
 def runner_config(a: Assignment, inputs: dict[str, str], resume_dir: Path | None,
-                  cuda: bool, model_dir: Path | None = None) -> dict:
-    """The job.json a runner reads: its parameters, input paths, checkpoint cadence, device
-    and the checkpoint to resume from."""
+                  cuda: bool, model_dir: Path | None = None) -> RunnerJob:
+    """The job.json a runner reads: its parameters (checked against its kind's schema once
+    more: InvalidArgument), input paths, checkpoint cadence, device and the checkpoint to
+    resume from."""
     kind = job_kinds.get(a.spec.kind)
     params = kind.values_of(a.spec)      # every parameter, its default where not given
+    try:
+        check_params(kind, params, set(inputs))
+    except job_kinds.ParamError as exc:
+        raise InvalidArgument(str(exc)) from exc
     tasks = array_tasks(a, kind, params, inputs) if a.lease.tasks else None
-    return {
-        "tasks": tasks,
-        "job_id": a.lease.job_id,
-        "attempt": a.lease.attempt,
-        "kind": kind.name,
-        "params": params,
-        "inputs": inputs,
-        "checkpoint_every": kind.checkpoint_every(params) or a.lease.checkpoint_every,
-        "checkpoint_interval_s": a.lease.checkpoint_interval_s,
-        "provider_mtbf_s": a.lease.provider_mtbf_s,
-        "device": "cuda" if cuda else "cpu",
-        "resume_from": str(resume_dir) if resume_dir else None,
-        "world_size": len(a.lease.device_indices),
-        "model_dir": str(model_dir) if model_dir else None,
-        "part": a.lease.part,
-        "parts": a.lease.parts,
+    return RunnerJob(
+        tasks=tasks,
+        job_id=a.lease.job_id,
+        attempt=a.lease.attempt,
+        kind=kind.name,
+        params=params,
+        inputs=inputs,
+        checkpoint_every=kind.checkpoint_every(params) or a.lease.checkpoint_every,
+        checkpoint_interval_s=a.lease.checkpoint_interval_s,
+        provider_mtbf_s=a.lease.provider_mtbf_s,
+        device="cuda" if cuda else "cpu",
+        resume_from=str(resume_dir) if resume_dir else None,
+        world_size=len(a.lease.device_indices),
+        model_dir=str(model_dir) if model_dir else None,
+        part=a.lease.part,
+        parts=a.lease.parts,
         **check_config(a.lease),
-    }
+    )
 
 
 def array_tasks(a: Assignment, kind: job_kinds.Kind, base: dict, inputs: dict[str, str]
-                ) -> list[dict]:
+                ) -> tuple[ArrayTask, ...]:
     """The tasks of a job array's lease with their parameters, read from the signed spec's
     tasks input and checked again here (InvalidArgument)."""
     spec = a.spec
@@ -138,8 +144,8 @@ def array_tasks(a: Assignment, kind: job_kinds.Kind, base: dict, inputs: dict[st
         if any(t >= len(lines) for t in a.lease.tasks):
             raise job_kinds.ParamError("lease.tasks", "a task the array does not have")
         names = {ref.name for ref in spec.inputs}
-        return [{"task": t, "params": arrays.task_values(kind, base, lines[t], names, t)}
-                for t in a.lease.tasks]
+        return tuple(ArrayTask(t, arrays.task_values(kind, base, lines[t], names, t))
+                     for t in a.lease.tasks)
     except (job_kinds.ParamError, KeyError, OSError) as exc:
         raise InvalidArgument(f"job array: {exc}") from exc
 
@@ -147,7 +153,7 @@ def array_tasks(a: Assignment, kind: job_kinds.Kind, base: dict, inputs: dict[st
 def check_config(lease: pb.Lease) -> dict:
     """What a check lease (a replay of another provider's work) tells its runner: train up to
     ``stop_at`` and return the state there; redo only ``rows`` (in batches of
-    ``check_batch_size``); render only ``frames``."""
+    ``check_batch_size``); render only ``frames``. RunnerJob's check fields, by name."""
     c = lease.check
     if not c.checked_job_id:
         return {}
@@ -156,7 +162,7 @@ def check_config(lease: pb.Lease) -> dict:
         out.update(check_position=c.position, check_batch_size=c.batch_size,
                    check_from_row=c.step_from)
     elif c.frames:
-        out["check_frames"] = list(c.frames)
+        out["check_frames"] = tuple(c.frames)
     else:
         out["stop_at"] = c.step_to
     return out

@@ -15,6 +15,7 @@ from gpumarket.proto.envelope import open_envelope, payload_sha256
 from gpumarket.proto.errors import GpumarketError
 from gpumarket.proto.v1 import gateway_pb2 as gw
 from gpumarket.proto.v1 import types_pb2 as pb
+from gpumarket.provider import reattach
 from gpumarket.provider.attempt import Attempt
 from gpumarket.provider.cgroups import CgroupError, CgroupHost
 from gpumarket.provider.executor import pid_runs_in, signal_group
@@ -120,10 +121,10 @@ async def restore(daemon) -> None:
             log.info("job %s: re-sending its final update", e.job_id)
         elif e.pid and pid_runs_in(e.pid, job.workdir):
             attached.add(e.pid)
-            job.reattach(e.pid)
+            reattach.reattach(job, e.pid)
             log.info("job %s: re-attached to its running process %d", e.job_id, e.pid)
-        elif (done := job.done_meanwhile()) is not None:
-            job.finish_meanwhile(done)
+        elif (done := reattach.done_meanwhile(job)) is not None:
+            reattach.finish_meanwhile(job, done)
         else:
             log.warning("job %s: its process ended while the daemon was down", e.job_id)
             await daemon.finished(job, job.update(released=gw.JobReleased(

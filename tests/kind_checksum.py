@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from gpumarket.kinds.base import Kind
+from gpumarket.kinds.runner_job import RunnerJob
 from gpumarket.kinds.schema import Param
 
 KIND = Kind(
@@ -34,9 +35,9 @@ def digest(data: bytes, algorithm: str, rounds: int) -> str:
 
 
 def run(workdir: Path, report) -> None:
-    job = json.loads((workdir / "job.json").read_text())
-    p = job["params"]
-    data = Path(job["inputs"][p["data"]]).read_bytes()
+    job = RunnerJob.from_json((workdir / "job.json").read_bytes())
+    p = job.params
+    data = Path(job.inputs[p["data"]]).read_bytes()
     for r in range(1, p["rounds"] + 1):
         report.progress(r, p["rounds"])
     out = workdir / "outputs"

@@ -67,3 +67,50 @@ def test_the_broker_is_in_rooms():
     rooms = {p.name for p in (ROOT / "broker").iterdir()
              if p.is_dir() and (p / "__init__.py").exists()}
     assert rooms == BROKER_ROOMS, sorted(rooms ^ BROKER_ROOMS)
+
+
+def test_no_provider_module_over_600_lines():
+    for path in sources("provider"):
+        lines = len(path.read_text().splitlines())
+        assert lines <= 600, f"{path.relative_to(ROOT)} has {lines} lines (at most 600)"
+
+
+def _names_job_json(node: ast.AST) -> bool:
+    return any(isinstance(n, ast.Constant) and isinstance(n.value, str)
+               and "job.json" in n.value for n in ast.walk(node))
+
+
+def test_runners_read_job_json_only_through_runner_job():
+    """job.json is what the daemon writes (kinds.runner_job.RunnerJob.to_json): every runner
+    reads it with runners/base.read_job (RunnerJob.from_json), never as a dict of its own."""
+    for path in sources("provider/runners"):
+        rel = str(path.relative_to(ROOT))
+        tree = ast.parse(path.read_text())
+        docstrings = {id(n.body[0].value) for n in ast.walk(tree)
+                      if isinstance(n, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef,
+                                        ast.ClassDef))
+                      and n.body and isinstance(n.body[0], ast.Expr)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                    and node.func.attr in ("load", "loads") and _names_job_json(node):
+                raise AssertionError(f"{rel}:{node.lineno} parses job.json itself")
+            if rel != "provider/runners/base.py" and isinstance(node, ast.Constant) \
+                    and id(node) not in docstrings and isinstance(node.value, str) \
+                    and "job.json" in node.value:
+                raise AssertionError(f"{rel}:{node.lineno} opens job.json (use read_job)")
+
+
+def test_the_runner_job_loads_nothing_but_the_standard_library():
+    """Runners import kinds.runner_job in the job's own process: it brings no grpc, no
+    protobuf, no role."""
+    path = ROOT / "kinds" / "runner_job.py"
+    top = {i for node in ast.parse(path.read_text()).body
+           if isinstance(node, (ast.Import, ast.ImportFrom))
+           for i in imports_of(node)}
+    assert not {i for i in top if i.startswith(("gpumarket", "grpc", "google"))}, top
+
+
+def imports_of(node: ast.Import | ast.ImportFrom) -> set[str]:
+    if isinstance(node, ast.Import):
+        return {a.name for a in node.names}
+    return {node.module or ""}

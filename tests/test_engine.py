@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from gpumarket.kinds.engine_protocol import Complete, Final, Piece
+from gpumarket.kinds.runner_job import RunnerJob
 from tests.models import copy_minilm, minilm_dir, tiny_causal_lm
 
 PROMPTS = ["the quick brown fox", "a marketplace for idle gpus", "providers advertise",
@@ -263,9 +264,8 @@ def test_later_requests_join_a_running_batch_between_decode_steps(tiny):
 
     from gpumarket.provider.runners.engine import load_engine
 
-    job = {"params": {**PARAMS, "model_name": "tiny", "engine": "batch",
-                      "max_concurrency": 16}, "inputs": {}, "model_dir": str(tiny),
-           "device": "cpu"}
+    job = RunnerJob(params={**PARAMS, "model_name": "tiny", "engine": "batch",
+                            "max_concurrency": 16}, model_dir=str(tiny))
 
     async def run() -> tuple[dict, dict]:
         engine = load_engine(job, tiny)
@@ -355,8 +355,8 @@ def test_a_model_that_cannot_step_keeps_the_generate_call_path(tiny, monkeypatch
     from gpumarket.provider.runners.engine import load_engine
 
     monkeypatch.setattr(batching.Rows, "check", lambda self: "its cache is sliding")
-    job = {"params": {**PARAMS, "model_name": "tiny", "engine": "batch"}, "inputs": {},
-           "model_dir": str(tiny), "device": "cpu"}
+    job = RunnerJob(params={**PARAMS, "model_name": "tiny", "engine": "batch"},
+                    model_dir=str(tiny))
 
     async def run() -> list[dict]:
         engine = load_engine(job, tiny)

@@ -177,7 +177,7 @@ def test_task_outputs_go_up_in_few_calls_each_content_once_before_their_tasks_ar
     async def scenario():
         for task in range(42):
             job.task_ended(TaskEnded(task, True, "", 0.01))
-        await job.settle_tasks()
+        await job.task_results.settle()
 
     asyncio.run(scenario())
     assert len(os.listdir("/proc/self/fd")) == before
@@ -206,11 +206,11 @@ def test_outputs_that_cannot_be_stored_are_tried_again_then_their_tasks_fail(tmp
     are tried again, backing off; where they never go up the task is reported failed (the
     broker runs it again), never as a success without them."""
     from gpumarket.proto.errors import ResourceExhausted
-    from gpumarket.provider import attempt as attempt_module
+    from gpumarket.provider import task_results as results_module
     from gpumarket.provider.reports import TaskEnded
 
-    monkeypatch.setattr(attempt_module, "UPLOAD_BACKOFF_S", 0.01)
-    failures = attempt_module.UPLOAD_TRIES if never else 2
+    monkeypatch.setattr(results_module, "UPLOAD_BACKOFF_S", 0.01)
+    failures = results_module.UPLOAD_TRIES if never else 2
     host, job = array_attempt(tmp_path, 3)
     for task in range(3):
         out = job.workdir / "tasks" / f"{task:06d}" / "outputs"
@@ -230,12 +230,12 @@ def test_outputs_that_cannot_be_stored_are_tried_again_then_their_tasks_fail(tmp
         for task in range(3):
             job.task_ended(TaskEnded(task, True, "", 0.01))
         job.task_ended(TaskEnded(3, True, "", 0.01))     # not a task of this lease
-        await job.settle_tasks()
+        await job.task_results.settle()
 
     asyncio.run(scenario())
     results = task_results(host)
     assert sorted(results) == [0, 1, 2]
-    assert len(tries) == min(failures + 1, attempt_module.UPLOAD_TRIES), tries
+    assert len(tries) == min(failures + 1, results_module.UPLOAD_TRIES), tries
     for r in results.values():
         assert r.ok == (not never), r
         assert bool(r.receipt.payload) == (not never)

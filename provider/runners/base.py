@@ -3,7 +3,6 @@ cadence, the drain signal, and the fsync helpers of atomic checkpoint writes."""
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import shutil
@@ -12,20 +11,30 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:   # imported when read: a runner listens for a drain before the rest loads
+    from gpumarket.kinds.runner_job import RunnerJob
 
 MARKER = "COMPLETE"
 PROGRESS_S = 0.25      # an array lease's progress (tasks done) is reported at most this often
 _drain = False
 _yield = False         # run_tasks: the broker asked the lease to stop after its current task
-_task: tuple[Path, dict] | None = None     # run_tasks: the task running now, and its job
+_task: tuple[Path, RunnerJob] | None = None    # run_tasks: the task running now, and its job
 
 
-def read_job(workdir: Path) -> dict:
+def read_job(workdir: Path) -> RunnerJob:
     """The job this process runs in ``workdir``: its job.json, or, for a task of an array's
-    lease, the task's job as run_tasks handed it over (no file written and read per task)."""
+    lease, the task's job as run_tasks handed it over (no file written and read per task).
+    JobError if job.json is no runner job."""
+    from gpumarket.kinds.runner_job import RunnerJob, RunnerJobError
+
     if _task is not None and _task[0] == workdir:
         return _task[1]
-    return json.loads((workdir / "job.json").read_text())
+    try:
+        return RunnerJob.from_json((workdir / "job.json").read_bytes())
+    except (OSError, RunnerJobError) as exc:
+        raise JobError(f"job.json: {exc}") from exc
 
 
 class JobError(Exception):
@@ -69,6 +78,11 @@ class Cadence:
         self.interval_s = min(interval_s, self.FIRST_S) if mtbf_s > 0 else interval_s
         self.mtbf_s = mtbf_s
         self.last = time.monotonic()
+
+    @classmethod
+    def for_job(cls, job: RunnerJob) -> Cadence:
+        """The cadence job.json asks for."""
+        return cls(job.checkpoint_every, job.checkpoint_interval_s, job.provider_mtbf_s)
 
     def due(self, step: int) -> bool:
         if self.every_steps:
@@ -128,8 +142,8 @@ def run_main(module_name: str, fn: Callable) -> int:
         return 2
     workdir = Path(sys.argv[1])
     try:
-        job = json.loads((workdir / "job.json").read_text())
-        if job.get("tasks") is not None:
+        job = read_job(workdir)
+        if job.tasks is not None:
             run_tasks(fn, workdir, job, Reporter())
         else:
             fn(workdir, Reporter())
@@ -162,7 +176,7 @@ class _TaskReporter:
         self.done_metrics = metrics
 
 
-def run_tasks(fn: Callable, workdir: Path, job: dict, reporter) -> None:
+def run_tasks(fn: Callable, workdir: Path, job: RunnerJob, reporter) -> None:
     """A job array's lease: its tasks one after another in this process (one client's, of
     one array), each in ``tasks/NNNNNN/`` (its outputs in ``outputs/`` there), each reported
     as it ends (``task`` reports) while a failed task does not stop the others. On a drain
@@ -173,17 +187,16 @@ def run_tasks(fn: Callable, workdir: Path, job: dict, reporter) -> None:
     global _task
     listen_for_drain()
     listen_for_yield()
-    tasks = job["tasks"]
+    tasks = job.tasks
     ok_count = 0
     home = os.getcwd()
     (workdir / "tasks").mkdir(exist_ok=True)
     reported = 0.0
     for i, item in enumerate(tasks):
-        n = int(item["task"])
+        n = item.task
         tdir = workdir / "tasks" / f"{n:06d}"
         tdir.mkdir(exist_ok=True)
-        _task = (tdir, {**job, "params": item["params"], "task": n, "tasks": None,
-                        "resume_from": None})
+        _task = (tdir, job.for_task(item))
         quiet = _TaskReporter()
         started = time.monotonic()
         error = ""

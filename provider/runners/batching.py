@@ -10,12 +10,16 @@ import logging
 import math
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 from gpumarket.kinds.engine_protocol import DEFAULT_MAX_TOKENS
 from gpumarket.provider.runners.base import JobError
 from gpumarket.provider.runners.engine import (
     GREEDY_TEMPERATURE, Generating, Sampling, Settings, Stream, model_seq_len,
 )
+
+if TYPE_CHECKING:
+    from gpumarket.kinds.runner_job import RunnerJob
 
 log = logging.getLogger(__name__)
 
@@ -513,7 +517,7 @@ class VllmEngine(Generating):
     the Streams only turn its cumulative token ids into text pieces and figures. Untested
     here: written from vLLM's AsyncLLM example, and no host of this repository has vllm."""
 
-    def __init__(self, model_dir, settings: Settings, job: dict) -> None:
+    def __init__(self, model_dir, settings: Settings, job: RunnerJob) -> None:
         try:
             import torch
             from vllm import SamplingParams
@@ -524,7 +528,7 @@ class VllmEngine(Generating):
                            ) from exc
         from transformers import AutoConfig, AutoTokenizer
 
-        if job.get("device") != "cuda" or not torch.cuda.is_available():
+        if job.device != "cuda" or not torch.cuda.is_available():
             raise JobError("engine vllm: needs a CUDA device")
         remote, gpus = settings.trust_remote_code, torch.cuda.device_count()
         try:

@@ -64,8 +64,8 @@ def embed(workdir: Path, report: Reporter) -> None:
     from transformers import AutoModel, AutoTokenizer
 
     job = read_job(workdir)
-    p = job["params"]
-    texts = read_items(job["inputs"][p["texts"]], "text", "texts")
+    p = job.params
+    texts = read_items(job.inputs[p["texts"]], "text", "texts")
     fmt = p.get("output_format") or "jsonl"
     if fmt not in ("jsonl", "npy"):
         raise JobError(f"output_format {fmt!r} is not jsonl or npy")

@@ -46,11 +46,14 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from gpumarket.kinds.engine_protocol import Complete, Final, Piece
 from gpumarket.provider.runners.base import JobError
 from gpumarket.provider.runners.inference import torch_device, torch_dtype, unpack_model
+
+if TYPE_CHECKING:
+    from gpumarket.kinds.runner_job import RunnerJob
 
 log = logging.getLogger(__name__)
 
@@ -359,10 +362,10 @@ def model_seq_len(settings: Settings, config, tokenizer=None) -> int:
     return min(limits)
 
 
-def load_engine(job: dict, workdir: Path) -> Engine:
+def load_engine(job: RunnerJob, workdir: Path) -> Engine:
     """The engine the endpoint's params ask for, with its model loaded (job.json's
     ``params``, ``inputs``, ``model_dir`` and ``device``); raises JobError."""
-    settings = Settings.from_params(job["params"])
+    settings = Settings.from_params(job.params)
     device = torch_device(job)
     dtype = torch_dtype(settings.dtype, device)
     model_dir = unpack_model(job, "model", workdir)

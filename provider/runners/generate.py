@@ -15,6 +15,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from gpumarket.provider.runners.inference import (
     Results, attention_words, batch_for_memory, bucket, choose_attention, free_memory,
@@ -23,6 +24,9 @@ from gpumarket.provider.runners.inference import (
 )
 from gpumarket.provider.runners.report import Reporter
 from gpumarket.provider.runners.base import JobError, read_job
+
+if TYPE_CHECKING:
+    from gpumarket.kinds.runner_job import RunnerJob
 
 CPU_BATCH = 8
 MAX_BATCH = 256
@@ -93,8 +97,8 @@ class StepClock:
 
 def generate(workdir: Path, report: Reporter) -> None:
     job = read_job(workdir)
-    p = job["params"]
-    prompts = read_items(job["inputs"][p["prompts"]], "prompt", "prompts")
+    p = job.params
+    prompts = read_items(job.inputs[p["prompts"]], "prompt", "prompts")
     model_dir = unpack_model(job, "model", workdir)
     if p.get("engine") == "vllm":
         from gpumarket.provider.runners import vllm_engine
@@ -126,14 +130,14 @@ def generate(workdir: Path, report: Reporter) -> None:
     report.done(**metrics)
 
 
-def with_transformers(job: dict, prompts: list[str], model_dir: Path, workdir: Path,
+def with_transformers(job: RunnerJob, prompts: list[str], model_dir: Path, workdir: Path,
                       report: Reporter) -> tuple[Results, int, float, str]:
     """Generate every prompt not done yet; return (results, new tokens, seconds generating,
     what ran it). On CUDA, prompts are padded to a bucket of lengths, SDPA's cuDNN kernel is
     on only if it measured faster, and once a batch has run, the rest of a long job runs with
     the static cache and the compiled forward where that pays (compile_pays); the choices
     are in the log and in ``results.figures``."""
-    p = job["params"]
+    p = job.params
     device = torch_device(job)
     tokenizer, model = load(model_dir, device, torch_dtype(p.get("dtype", ""), device),
                             bool(p.get("trust_remote_code")))

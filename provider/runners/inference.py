@@ -15,27 +15,31 @@ import tarfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from gpumarket.provider.runners.base import (  # noqa: F401 (run_main: the runners' import)
     Cadence, JobError, publish_checkpoint, run_main,
 )
 from gpumarket.provider.runners.report import Reporter
 
+if TYPE_CHECKING:
+    from gpumarket.kinds.runner_job import RunnerJob
+
 RESULTS = "results.jsonl"
 SAY_EVERY_S = 2.0
 
 
-def unpack_model(job: dict, field: str, workdir: Path) -> Path:
+def unpack_model(job: RunnerJob, field: str, workdir: Path) -> Path:
     """Unpack the model archive named by params[field] into the work dir (safe extraction:
     no paths outside it, no links); or, for a job naming a model the provider holds, that
     model's directory."""
-    if job["params"].get(f"{field}_name"):
-        local = Path(job.get("model_dir") or "")
+    if job.params.get(f"{field}_name"):
+        local = Path(job.model_dir or "")
         if not (local / "config.json").is_file():
             raise JobError(f"{field}_name: this provider has no model"
-                           f" {job['params'][f'{field}_name']!r}")
+                           f" {job.params[f'{field}_name']!r}")
         return local
-    archive = job["inputs"].get(job["params"].get(field, ""))
+    archive = job.inputs.get(job.params.get(field, ""))
     if not archive:
         raise JobError(f"{field}: no model archive among the job's inputs")
     target = workdir / "model"
@@ -86,7 +90,7 @@ def percentiles(values: list[float], name: str) -> dict[str, float]:
 class Results:
     """Results by item index, appended per batch to ``results.jsonl`` and checkpointed."""
 
-    def __init__(self, workdir: Path, job: dict, total: int, batch_size: int,
+    def __init__(self, workdir: Path, job: RunnerJob, total: int, batch_size: int,
                  report: Reporter) -> None:
         self.workdir, self.total, self.report = workdir, total, report
         self.path = workdir / RESULTS
@@ -94,15 +98,14 @@ class Results:
         self.figures: dict[str, float] = {}  # what the engine chose, for the job's metrics
         # A check redoes one batch of rows, as the checked provider batched them: the batch
         # at ``check_position`` among those from row ``check_from_row`` on.
-        self.batch_size = int(job.get("check_batch_size") or batch_size)
+        self.batch_size = job.check_batch_size or batch_size
         self.only: set[int] = set()
-        if job.get("check_batch_size"):
+        if job.check_batch_size:
             b = self.batch_size
-            first, count = -(-int(job.get("check_from_row") or 0) // b), -(-total // b)
-            pick = min(count - 1, first + int(float(job.get("check_position") or 0)
-                                              * max(1, count - first)))
+            first, count = -(-job.check_from_row // b), -(-total // b)
+            pick = min(count - 1, first + int(job.check_position * max(1, count - first)))
             self.only = set(range(max(0, pick) * b, min(total, (max(0, pick) + 1) * b)))
-        resume = job.get("resume_from")
+        resume = job.resume_from
         if resume:
             meta = json.loads((Path(resume) / "state.json").read_text())
             self.batch_size = int(meta["batch_size"])
@@ -119,9 +122,7 @@ class Results:
         if self.resumed_from:
             report.send("resumed", step=self.resumed_from)
             print(f"resuming: {self.resumed_from} of {total} items already done", flush=True)
-        self.cadence = Cadence(int(job.get("checkpoint_every") or 0),
-                               float(job.get("checkpoint_interval_s") or 0),
-                               float(job.get("provider_mtbf_s") or 0))
+        self.cadence = Cadence.for_job(job)
 
     def say(self, text: str) -> None:
         """A progress line for the job's log: at most one every SAY_EVERY_S, and the last
@@ -176,10 +177,10 @@ class Results:
         return [self.done[i] for i in wanted]
 
 
-def torch_device(job: dict):
+def torch_device(job: RunnerJob):
     import torch
 
-    return torch.device("cuda" if job.get("device") == "cuda" and torch.cuda.is_available()
+    return torch.device("cuda" if job.device == "cuda" and torch.cuda.is_available()
                         else "cpu")
 
 

@@ -27,6 +27,7 @@ import sys  # noqa: E402
 import tarfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
+from typing import TYPE_CHECKING  # noqa: E402
 
 from gpumarket.proto.errors import InvalidArgument  # noqa: E402
 from gpumarket.kinds.render import part_frames  # noqa: E402
@@ -35,6 +36,9 @@ from gpumarket.provider.runners.base import (  # noqa: E402
 )
 from gpumarket.provider.runners.report import Reporter  # noqa: E402
 
+if TYPE_CHECKING:
+    from gpumarket.kinds.runner_job import RunnerJob
+
 FRAME_RE = re.compile(r"^frame_(\d{6})\.png$")
 
 
@@ -42,21 +46,21 @@ def frame_name(frame: int) -> str:
     return f"frame_{frame:06d}.png"
 
 
-def frames_of(job: dict) -> list[int]:
-    p = job["params"]
-    if job.get("check_frames"):     # a check renders only these frames again
-        return sorted({int(f) for f in job["check_frames"]})
+def frames_of(job: RunnerJob) -> list[int]:
+    p = job.params
+    if job.check_frames:     # a check renders only these frames again
+        return sorted(set(job.check_frames))
     try:
         return list(part_frames(int(p.get("frame_start", 0)), int(p.get("frame_end", 0)),
-                                int(job.get("part") or 0), int(job.get("parts") or 0)))
+                                job.part, job.parts))
     except InvalidArgument as exc:
         raise JobError(str(exc)) from exc
 
 
-def restore(job: dict, out: Path, frames: list[int]) -> set[int]:
+def restore(job: RunnerJob, out: Path, frames: list[int]) -> set[int]:
     """Unpack the resumed checkpoint's frames into ``out``; return the frames it had.
     Only frame PNGs of this part's range are taken; anything else in the tar is refused."""
-    resume = job.get("resume_from")
+    resume = job.resume_from
     if not resume:
         return set()
     wanted = set(frames)
@@ -170,7 +174,7 @@ def quiet():
 
 def render(workdir: Path, report: Reporter) -> None:
     job = read_job(workdir)
-    p = job["params"]
+    p = job.params
     frames = frames_of(job)
     out = workdir / "outputs"
     out.mkdir(exist_ok=True)
@@ -178,7 +182,7 @@ def render(workdir: Path, report: Reporter) -> None:
     if done:
         report.send("resumed", step=len(done))
         print(f"resuming: {len(done)} of {len(frames)} frames already rendered", flush=True)
-    scene_path = job["inputs"].get(p.get("scene", ""))
+    scene_path = job.inputs.get(p.get("scene", ""))
     if not scene_path:
         raise JobError("scene: no .blend among the job's inputs")
     import bpy
@@ -192,14 +196,12 @@ def render(workdir: Path, report: Reporter) -> None:
         scene.cycles.samples = int(p["samples"])
     scene.render.image_settings.file_format = "PNG"
     scene.render.use_file_extension = True
-    device, on_gpu = use_device(scene, p.get("device", ""), job.get("device") == "cuda")
+    device, on_gpu = use_device(scene, p.get("device", ""), job.device == "cuda")
     print(f"rendering frames {frames[0]}-{frames[-1]} of {Path(scene_path).name} at"
           f" {scene.render.resolution_x}x{scene.render.resolution_y},"
           f" {scene.cycles.samples} samples, Blender {bpy.app.version_string}, {device}",
           flush=True)
-    cadence = Cadence(int(job.get("checkpoint_every") or 0),
-                      float(job.get("checkpoint_interval_s") or 0),
-                      float(job.get("provider_mtbf_s") or 0))
+    cadence = Cadence.for_job(job)
     seconds: dict[int, float] = {}
     began = time.perf_counter()
     checkpoint_s = 0.0

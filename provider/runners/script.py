@@ -67,8 +67,8 @@ def run_entry(entry: Path) -> None:
 def run(workdir: Path, reporter: Reporter) -> None:
     listen_for_drain()
     job = read_job(workdir)
-    params = job["params"]
-    key = (job["inputs"][params["code"]], params["entry"])
+    params = job.params
+    key = (job.inputs[params["code"]], params["entry"])
     entry = _unpacked.get(key)
     if entry is None or not entry.is_file():
         entry = _unpacked[key] = unpack(Path(key[0]), workdir / "code", params["entry"])

@@ -22,7 +22,6 @@ runner with status 0.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import socket
 import sys
@@ -33,7 +32,7 @@ from pathlib import Path
 from gpumarket.kinds.engine_protocol import (
     Answer, BadRequest, Complete, Embed, Final, Ready, answer_line, read_line,
 )
-from gpumarket.provider.runners.base import JobError
+from gpumarket.provider.runners.base import JobError, read_job
 from gpumarket.provider.runners.engine import Engine, load_engine
 
 log = logging.getLogger(__name__)
@@ -164,17 +163,20 @@ async def bench(model_dir: Path, engine_name: str, requests: int, tokens: int) -
     warm-up request; returns a line of figures (the median round's wall time)."""
     import torch
 
+    from gpumarket.kinds.runner_job import RunnerJob
+
     calls = engine_name == "batch-calls"
-    job = {"params": {"model_name": model_dir.name, "engine": "batch" if calls else engine_name},
-           "inputs": {}, "model_dir": str(model_dir),
-           "device": "cuda" if torch.cuda.is_available() else "cpu"}
+    job = RunnerJob(params={"model_name": model_dir.name,
+                            "engine": "batch" if calls else engine_name},
+                    model_dir=str(model_dir),
+                    device="cuda" if torch.cuda.is_available() else "cpu")
     engine = load_engine(job, model_dir)
     if calls:
         from gpumarket.provider.runners.batching import BatchEngine
         from gpumarket.provider.runners.engine import Settings
 
         loaded = engine
-        engine = BatchEngine(loaded.tokenizer, loaded.model, Settings.from_params(job["params"]),
+        engine = BatchEngine(loaded.tokenizer, loaded.model, Settings.from_params(job.params),
                              loaded.max_seq_len, stepwise=False)
         await loaded.close()
 
@@ -219,7 +221,7 @@ def main() -> int:
             sock = socket.socket(fileno=0)
         except OSError as exc:
             raise JobError("fd 0 must be the daemon's connected unix socket") from exc
-        job = json.loads((workdir / "job.json").read_text())
+        job = read_job(workdir)
         began = time.perf_counter()
         print("loading the model", flush=True)
         engine = load_engine(job, workdir)
@@ -227,7 +229,7 @@ def main() -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     print(f"ready in {time.perf_counter() - began:.1f} s: {engine.description}", flush=True)
-    params = job["params"]
+    params = job.params
     asyncio.run(serve(engine, sock, params.get("model_name") or params.get("model") or ""))
     return 0
 

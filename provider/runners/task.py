@@ -28,25 +28,23 @@ import os
 import tarfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gpumarket.provider.runners.base import Cadence, drain_requested, publish_checkpoint
 from gpumarket.provider.runners.report import Reporter
 
+if TYPE_CHECKING:
+    from gpumarket.kinds.runner_job import RunnerJob
+
 STATE_TAR = "state.tar"
-_job: dict[str, Any] = {}
 _state: dict[str, Any] = {}
 
 
-def _start(job: dict[str, Any], workdir: Path, reporter: Reporter) -> None:
+def _start(job: RunnerJob, workdir: Path, reporter: Reporter) -> None:
     """Set up for a job (the script runner calls this before the job's code runs)."""
-    _job.clear()
-    _job.update(job)
     _state.clear()
-    _state.update(workdir=workdir, reporter=reporter, metrics={},
-                  cadence=Cadence(int(job.get("checkpoint_every") or 0),
-                                  float(job.get("checkpoint_interval_s") or 0),
-                                  float(job.get("provider_mtbf_s") or 0)))
+    _state.update(job=job, workdir=workdir, reporter=reporter, metrics={},
+                  cadence=Cadence.for_job(job))
 
 
 def _need() -> dict[str, Any]:
@@ -57,14 +55,13 @@ def _need() -> dict[str, Any]:
 
 def params() -> dict[str, Any]:
     """This job's parameters (in an array: the task's, with ``task``, its index)."""
-    _need()
-    return {**_job["params"], "task": _job.get("task")}
+    job = _need()["job"]
+    return {**job.params, "task": job.task}
 
 
 def index() -> int | None:
     """This task's index in its array (0-based); None for a job that is no array."""
-    _need()
-    return _job.get("task")
+    return _need()["job"].task
 
 
 def output_dir() -> Path:
@@ -76,8 +73,9 @@ def output_dir() -> Path:
 
 def progress(step: int, total: int = 0, **metrics: float) -> None:
     """Report progress (steps of ``total``; the broker shows it and bills by it)."""
-    _need()["reporter"].progress(int(step), int(total or _job["params"].get("steps") or 0),
-                                 **{k: float(v) for k, v in metrics.items()})
+    state = _need()
+    state["reporter"].progress(int(step), int(total or state["job"].params.get("steps") or 0),
+                               **{k: float(v) for k, v in metrics.items()})
 
 
 def metrics(**values: float) -> None:
@@ -130,9 +128,9 @@ def resume() -> tuple[int, Path] | None:
     """(step, directory holding the files saved then) of the checkpoint this attempt resumes
     from; None for a fresh start."""
     state = _need()
-    if not _job.get("resume_from"):
+    if not state["job"].resume_from:
         return None
-    source = Path(_job["resume_from"])
+    source = Path(state["job"].resume_from)
     step = int(json.loads((source / "state.json").read_text())["step"])
     target = state["workdir"] / "resumed-state"
     target.mkdir(exist_ok=True)

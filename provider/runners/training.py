@@ -22,6 +22,7 @@ import sys  # noqa: E402
 import tarfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
+from typing import TYPE_CHECKING  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -32,6 +33,9 @@ from gpumarket.provider.runners.base import (  # noqa: E402, F401 (JobError, Cad
 )
 from gpumarket.provider.runners.distributed import World  # noqa: E402
 from gpumarket.provider.runners.report import Reporter  # noqa: E402
+
+if TYPE_CHECKING:
+    from gpumarket.kinds.runner_job import RunnerJob
 
 
 def load_tokens(path: Path, seq_len: int) -> torch.Tensor:
@@ -62,11 +66,11 @@ def batch_for(tokens: torch.Tensor, step: int, seed: int, batch: int, seq_len: i
     return torch.stack([tokens[s: s + seq_len] for s in starts.tolist()])
 
 
-def build_model(job: dict, workdir: Path):
+def build_model(job: RunnerJob, workdir: Path):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    params = job["params"]
-    inputs = job["inputs"]
+    params = job.params
+    inputs = job.inputs
     if params.get("base_model"):
         target = workdir / "base_model"
         target.mkdir(exist_ok=True)
@@ -114,16 +118,14 @@ def deterministic_cuda() -> None:
 
 def train(workdir: Path, report: Reporter) -> None:
     job = read_job(workdir)
-    p = job["params"]
+    p = job.params
     seed, steps, batch, seq_len = int(p["seed"]), int(p["steps"]), int(p["batch_size"]), int(p["seq_len"])
-    cadence = Cadence(int(job.get("checkpoint_every") or 0),
-                      float(job.get("checkpoint_interval_s") or 0),
-                      float(job.get("provider_mtbf_s") or 0))
+    cadence = Cadence.for_job(job)
     torch.manual_seed(seed)
     random.seed(seed)
     np.random.seed(seed % 2**32)
-    world = World(int(job.get("world_size") or 1),
-                  job.get("device") == "cuda" and torch.cuda.is_available())
+    world = World(job.world_size,
+                  job.device == "cuda" and torch.cuda.is_available())
     if world.cuda:
         deterministic_cuda()
     torch.use_deterministic_algorithms(True, warn_only=True)
@@ -131,7 +133,7 @@ def train(workdir: Path, report: Reporter) -> None:
         raise JobError(f"batch_size {batch} does not split evenly over {world.size} devices")
     device = world.device()
     world.start(workdir, "gpumarket.provider.runners.training")
-    tokens = load_tokens(Path(job["inputs"][p["dataset"]]), seq_len)
+    tokens = load_tokens(Path(job.inputs[p["dataset"]]), seq_len)
     model = build_model(job, workdir).to(device)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=float(p["learning_rate"]), weight_decay=0.01)
@@ -139,9 +141,9 @@ def train(workdir: Path, report: Reporter) -> None:
     use_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
     losses: list[list[float]] = []
     start = 0
-    stop_at = int(job.get("stop_at") or 0)
+    stop_at = job.stop_at
     ckpt_root = workdir / "checkpoints"
-    resume = job.get("resume_from")
+    resume = job.resume_from
     if resume:
         meta = checkpoint.load(Path(resume), model, opt, sched)
         start, losses = int(meta["step"]), meta["losses"]

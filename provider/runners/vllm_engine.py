@@ -13,10 +13,14 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from gpumarket.provider.runners.base import JobError
 from gpumarket.provider.runners.inference import Results
 from gpumarket.provider.runners.report import Reporter
+
+if TYPE_CHECKING:
+    from gpumarket.kinds.runner_job import RunnerJob
 
 CHUNK = 256
 
@@ -33,7 +37,7 @@ def _timings(output, n: int) -> tuple[float | None, float | None]:
     return first - arrival, tpot
 
 
-def run(job: dict, prompts: list[str], model_dir: Path, workdir: Path,
+def run(job: RunnerJob, prompts: list[str], model_dir: Path, workdir: Path,
         report: Reporter) -> tuple[Results, int, float, str]:
     """Generate every prompt not done yet; return (results, new tokens, seconds generating,
     what ran it)."""
@@ -42,8 +46,8 @@ def run(job: dict, prompts: list[str], model_dir: Path, workdir: Path,
         from vllm import LLM, SamplingParams
     except ImportError as exc:
         raise JobError("engine vllm: the vllm package is not installed on this provider") from exc
-    p = job["params"]
-    if job.get("device") != "cuda" or not torch.cuda.is_available():
+    p = job.params
+    if job.device != "cuda" or not torch.cuda.is_available():
         raise JobError("engine vllm: needs a CUDA device")
     max_tokens = int(p.get("max_tokens") or 64)
     temperature = float(p.get("temperature") or 0.0)

@@ -1,0 +1,266 @@
+"""The task results of a job array's lease: each task that ends is passed on to the broker,
+those that end together in one update; a task that succeeded and left outputs only once
+they are stored at the broker, with a receipt for them alone (so an array's results can be
+fetched as its tasks end, not only when their lease does)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import os
+import random
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from gpumarket.kinds import arrays
+from gpumarket.proto.artifacts import CHUNK_BYTES, sha256_file
+from gpumarket.proto.errors import GpumarketError
+from gpumarket.proto.jobspec import check_artifact_name
+from gpumarket.proto.v1 import gateway_pb2 as gw
+from gpumarket.proto.v1 import types_pb2 as pb
+from gpumarket.provider import jobfiles
+from gpumarket.provider.receipts import UPLOADS_AT_ONCE
+from gpumarket.provider.reports import TaskEnded
+
+log = logging.getLogger(__name__)
+
+TASK_FLUSH_S = 0.2         # a job array's task results (and outputs) go at most this often ...
+TASKS_PER_UPDATE = 1000    # ... this many to an update ...
+UPDATE_BYTES = 1 << 20     # ... and this many bytes (receipts included)
+FLUSH_TASKS = 1000         # tasks whose outputs go up together (one call for the small files)
+FLUSH_BYTES = 32 << 20     # small files' bytes read with their hash for one flush (beyond:
+                           # read again when sent, as a large file is)
+BLOBS_PER_CALL = 1000      # small files in one UploadBlobs call ...
+BLOB_CALL_BYTES = 16 << 20  # ... and their bytes
+UPLOAD_TRIES = 5           # a flush's outputs are tried this often, waiting UPLOAD_BACKOFF_S,
+UPLOAD_BACKOFF_S = 0.5     # doubling, between tries; then its tasks are reported failed
+
+
+@dataclass(frozen=True)
+class TaskOutput:
+    """One file a task of a job array left in its outputs directory."""
+    task: int
+    name: str
+    sha256: str
+    size: int
+    data: bytes | None          # a small file's bytes, read with its hash; None: read when sent
+
+
+class Store(Protocol):
+    """What task results ask of the daemon: the session to the broker and its artifact
+    store."""
+
+    def send(self, message: gw.ProviderMessage) -> None: ...
+    async def upload(self, source: Path | int, name: str,
+                     digest: tuple[str, int] | None = None) -> pb.ArtifactRef: ...
+    async def upload_blobs(self, blobs: list[tuple[str, bytes]]) -> list: ...
+
+
+def task_outputs(task: int) -> str:
+    """Where an array task's outputs are, in its lease's work dir."""
+    return f"tasks/{task:06d}/outputs"
+
+
+class TaskResults:
+    """One array lease's tasks as they end. ``update`` makes the lease's JobUpdate message
+    of its fields; ``sign`` a receipt for a task's outputs and seconds; ``owner`` is the
+    job's uid (only its files are taken)."""
+
+    def __init__(self, tasks: Iterable[int], workdir: Path, owner: int, host: Store,
+                 update: Callable[..., gw.ProviderMessage],
+                 sign: Callable[[list[pb.ArtifactRef], float], pb.Envelope]) -> None:
+        self.open = set(tasks)              # the lease's tasks not yet reported
+        self.workdir = workdir
+        self.owner = owner
+        self.host = host
+        self.update = update
+        self.sign = sign
+        self.results: list[gw.TaskResult] = []      # told, not yet sent
+        self.flush_timer: asyncio.TimerHandle | None = None
+        self.to_upload: list[gw.TaskResult] = []    # tasks succeeded, their outputs to go up
+        self.uploader: asyncio.Task | None = None
+        self.flushed_at = 0.0               # when the last task outputs went up (monotonic)
+        self.ending = asyncio.Event()       # the job's process ended: what is left goes now
+
+    def ended(self, report: TaskEnded) -> bool:
+        """A task ended: pass it on with the others that end within TASK_FLUSH_S (one update
+        for many short tasks); one that succeeded and left outputs once they are stored at
+        the broker (upload). False if it is no open task of this lease (ignored)."""
+        task = report.task
+        if task not in self.open:
+            return False        # not a task of this lease, or told already
+        self.open.discard(task)
+        result = gw.TaskResult(task=task, ok=report.ok, error=report.error,
+                               seconds=report.seconds)
+        if result.ok and os.path.lexists(self.workdir / task_outputs(task)):
+            self.to_upload.append(result)
+            if self.uploader is None or self.uploader.done():
+                self.uploader = asyncio.create_task(self.upload())
+        else:
+            self.queue(result)
+        return True
+
+    def queue(self, result: gw.TaskResult) -> None:
+        self.results.append(result)
+        if self.flush_timer is None:
+            self.flush_timer = asyncio.get_running_loop().call_later(TASK_FLUSH_S, self.flush)
+
+    async def upload(self) -> None:
+        """Store the outputs of the tasks that succeeded at the broker, those of the tasks
+        that end within TASK_FLUSH_S of each other together (their small files in one call),
+        then pass each task on with a receipt for its outputs alone. A task is reported
+        succeeded only once its outputs are stored; where they cannot be (UPLOAD_TRIES
+        tries, backing off), or the task left what is no output (a link, too many files),
+        it is reported failed and the broker runs it again."""
+        while self.to_upload:
+            wait = self.flushed_at + TASK_FLUSH_S - time.monotonic()
+            if wait > 0 and not self.ending.is_set():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.ending.wait(), wait)
+            batch, self.to_upload = self.to_upload[:FLUSH_TASKS], self.to_upload[FLUSH_TASKS:]
+            self.flushed_at = time.monotonic()
+            await self.send_outputs(batch)
+
+    async def send_outputs(self, batch: list[gw.TaskResult]) -> None:
+        found = await asyncio.to_thread(self.read_outputs, [r.task for r in batch])
+        outputs = [o for r in batch if not isinstance(found[r.task], str)
+                   for o in found[r.task]]
+        error = ""
+        for tried in range(1, UPLOAD_TRIES + 1):
+            try:
+                refs = await self.store(outputs)
+                error = ""
+                break
+            except (GpumarketError, OSError) as exc:
+                error = str(exc) or type(exc).__name__
+                log.warning("lease %s: outputs of %d tasks not stored (try %d of %d): %s",
+                            self.workdir.name, len(batch), tried, UPLOAD_TRIES, error)
+                if tried < UPLOAD_TRIES:
+                    await asyncio.sleep(UPLOAD_BACKOFF_S * 2 ** (tried - 1)
+                                        * random.uniform(0.8, 1.2))
+        for result in batch:
+            got = found[result.task]
+            if isinstance(got, str) or error:
+                result.ok = False
+                result.error = (got if isinstance(got, str) else
+                                f"its outputs could not be stored at the broker: {error}")[:1000]
+            else:
+                result.receipt.CopyFrom(self.sign([refs[(o.task, o.name)] for o in got],
+                                                  result.seconds))
+            self.queue(result)
+
+    def read_outputs(self, tasks: list[int]) -> dict[int, list[TaskOutput] | str]:
+        """Each task's output files (the job's own plain files, read through descriptors
+        opened without following links), hashed, small ones read whole while FLUSH_BYTES
+        last; or what is wrong with them (the task fails of it, its siblings do not)."""
+        budget = FLUSH_BYTES
+        found: dict[int, list[TaskOutput] | str] = {}
+        root = jobfiles.open_dir(self.workdir)
+        try:
+            for task in tasks:
+                outputs: list[TaskOutput] = []
+                try:
+                    sub = jobfiles.open_beneath(root, task_outputs(task), directory=True)
+                    try:
+                        names = sorted(os.listdir(sub))
+                        if len(names) > arrays.TASK_OUTPUTS:
+                            raise jobfiles.JobFileError(
+                                f"{len(names):,} files, more than the {arrays.TASK_OUTPUTS:,}"
+                                " a task may leave (pack them into fewer)")
+                        for name in names:
+                            check_artifact_name(arrays.output_name(task, name), "output")
+                            fd = jobfiles.open_beneath(sub, name, owner=self.owner)
+                            try:
+                                size = os.fstat(fd).st_size
+                                data = None
+                                if size <= min(CHUNK_BYTES, budget):
+                                    data = os.pread(fd, CHUNK_BYTES + 1, 0)
+                                if data is not None and len(data) <= CHUNK_BYTES:
+                                    budget -= len(data)
+                                    outputs.append(TaskOutput(
+                                        task, name, hashlib.sha256(data).hexdigest(),
+                                        len(data), data))
+                                else:
+                                    sha, size = sha256_file(fd)
+                                    outputs.append(TaskOutput(task, name, sha, size, None))
+                            finally:
+                                os.close(fd)
+                    finally:
+                        os.close(sub)
+                    found[task] = outputs
+                except (GpumarketError, OSError) as exc:
+                    found[task] = f"its outputs: {getattr(exc, 'message', None) or exc}"
+        finally:
+            os.close(root)
+        return found
+
+    async def store(self, outputs: list[TaskOutput]) -> dict[tuple[int, str], pb.ArtifactRef]:
+        """Upload task outputs, each content once: the small files read whole in few
+        UploadBlobs calls, the rest one by one (UPLOADS_AT_ONCE at a time, each opened
+        again as read_outputs did). Their references, by (task, name)."""
+        small = {o.sha256: o.data for o in outputs if o.data is not None}
+        large = {o.sha256: o for o in outputs if o.data is None and o.sha256 not in small}
+        group: list[tuple[str, bytes]] = []
+        size = 0
+        for sha, data in small.items():
+            if group and (len(group) == BLOBS_PER_CALL or size + len(data) > BLOB_CALL_BYTES):
+                await self.host.upload_blobs(group)
+                group, size = [], 0
+            group.append((sha, data))
+            size += len(data)
+        if group:
+            await self.host.upload_blobs(group)
+        gate = asyncio.Semaphore(UPLOADS_AT_ONCE)
+
+        async def send(o: TaskOutput) -> None:
+            async with gate:
+                fd = await asyncio.to_thread(jobfiles.open_under, self.workdir,
+                                             f"{task_outputs(o.task)}/{o.name}",
+                                             owner=self.owner)
+                try:
+                    await self.host.upload(fd, arrays.output_name(o.task, o.name),
+                                           (o.sha256, o.size))
+                finally:
+                    os.close(fd)
+
+        ended = await asyncio.gather(*map(send, large.values()), return_exceptions=True)
+        for result in ended:
+            if isinstance(result, BaseException):
+                raise result
+        return {(o.task, o.name): pb.ArtifactRef(name=arrays.output_name(o.task, o.name),
+                                                 sha256=o.sha256, size_bytes=o.size)
+                for o in outputs}
+
+    async def settle(self, dropped: bool = False) -> None:
+        """The job ended: its tasks' outputs go up at once (or are ``dropped``, with a
+        cancelled lease), then every task result not sent yet goes."""
+        self.ending.set()
+        if self.uploader is not None:
+            if dropped:
+                self.uploader.cancel()
+            await asyncio.gather(self.uploader, return_exceptions=True)
+        self.flush()
+
+    def flush(self) -> None:
+        """Send every task result told so far, in updates of at most TASKS_PER_UPDATE
+        results and UPDATE_BYTES."""
+        if self.flush_timer is not None:
+            self.flush_timer.cancel()
+            self.flush_timer = None
+        batch: list[gw.TaskResult] = []
+        size = 0
+        for result in self.results:
+            if batch and (len(batch) == TASKS_PER_UPDATE
+                          or size + result.ByteSize() > UPDATE_BYTES):
+                self.host.send(self.update(tasks=gw.TaskResults(results=batch)))
+                batch, size = [], 0
+            batch.append(result)
+            size += result.ByteSize()
+        if batch:
+            self.host.send(self.update(tasks=gw.TaskResults(results=batch)))
+        self.results = []
