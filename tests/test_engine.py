@@ -211,7 +211,9 @@ def test_eof_mid_generation_ends_the_child_promptly(replica):
     assert "text" in r.read()
     began = time.monotonic()
     assert r.close() == 0
-    assert time.monotonic() - began < 10
+    # Not left serving a closed socket: it ends (at once on a quiet machine; 15 s was seen
+    # at load 13 on two cores, so the bound is generous).
+    assert time.monotonic() - began < 30
 
 
 def test_a_model_that_cannot_load_is_one_line_and_exit_1(tmp_path):
