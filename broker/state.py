@@ -72,7 +72,7 @@ class BrokerState:
         return busy
 
     def stop_lease(self, job_id: str, epoch: int, provider_id: str, reason: str) -> None:
-        """A lease the broker ended (cancelled, paused, lost, taken back, not the provider's):
+        """A lease the broker ended (cancelled, paused, lost, taken back, ended by a check):
         tell its provider, if connected, to stop it. Its devices are not leased again until
         a heartbeat of that provider no longer lists it (stopping a job takes its grace
         period; a lease sent meanwhile would be refused, or read late and lost)."""

@@ -250,8 +250,12 @@ async def write_heartbeats(state: BrokerState) -> None:
             continue
         session.log(log, logging.INFO, "provider %s still runs %d leases that are no longer"
                     " its (job %s, ...); told to stop", provider_id, len(pairs), pairs[0][0])
+        # Told, not held: the broker ended each of its own leases through stop_lease, which
+        # holds its devices already; what else a heartbeat lists (up to 1,024 pairs, any a
+        # hostile provider makes up) must not cost a query each pass.
         for job_id, epoch in pairs:
-            state.stop_lease(job_id, epoch, provider_id, "this lease is no longer yours")
+            session.send(gw.BrokerMessage(cancel=gw.CancelLease(
+                job_id=job_id, epoch=epoch, reason="this lease is no longer yours")))
 
 
 async def expire(state: BrokerState) -> None:
