@@ -158,7 +158,8 @@ def test_stop_strings_chat_and_sampling(replica, tiny):
 @pytest.mark.parametrize("engine", ["batch", "continuous"])
 def test_cancel_stops_a_request_and_frees_its_slot(replica, engine):
     r = replica(max_concurrency=1, engine=engine)
-    r.send({"id": "long", "op": "complete", "prompt": PROMPTS[0], "max_tokens": 240})
+    r.send({"id": "long", "op": "complete", "prompt": PROMPTS[0], "max_tokens": 240,
+            "temperature": 0})
     first = r.read()
     assert first["id"] == "long" and "text" in first
     r.send({"id": "long", "op": "cancel"})
@@ -198,7 +199,8 @@ def test_bad_lines_are_refused_and_the_engine_goes_on(replica):
         assert message["status"] == 400 and words in message["error"], (request, message)
     # four requests in flight per slot, then 429
     for i in range(6):
-        r.send({"id": f"q{i}", "op": "complete", "prompt": PROMPTS[i], "max_tokens": 30})
+        r.send({"id": f"q{i}", "op": "complete", "prompt": PROMPTS[i], "max_tokens": 30,
+                "temperature": 0})
     events = r.until_done(*(f"q{i}" for i in range(6)))
     assert [events[f"q{i}"][-1].get("status") for i in range(6)] == [None] * 4 + [429] * 2
     r.send({"id": "after", "op": "complete", "prompt": PROMPTS[0], "max_tokens": 2})
@@ -207,7 +209,8 @@ def test_bad_lines_are_refused_and_the_engine_goes_on(replica):
 
 def test_eof_mid_generation_ends_the_child_promptly(replica):
     r = replica()
-    r.send({"id": "long", "op": "complete", "prompt": PROMPTS[0], "max_tokens": 240})
+    r.send({"id": "long", "op": "complete", "prompt": PROMPTS[0], "max_tokens": 240,
+            "temperature": 0})
     assert "text" in r.read()
     began = time.monotonic()
     assert r.close() == 0
