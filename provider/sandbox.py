@@ -44,7 +44,28 @@ CLONE_NEWNET = 0x40000000
 SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 0x1
 LIMITS = ("NOFILE", "NPROC", "FSIZE", "CORE", "AS")
 JOB_UMASK = 0o077
-PROBE_RUNNER = "gpumarket.provider.runners.training"   # what a job imports first: torch
+# What the job-uid probe reads, as that uid: the modules a runner imports first (found on
+# the path and opened) and every file of torch's lib/ (opened), then one import of a compiled
+# package. Not `import torch` itself: that is ~2 s of CPU at every daemon start, and what
+# fails for a job uid is reaching and reading files (a closed directory above the Python, a
+# file not readable by others), which this meets the same way.
+PROBE_CHECK = """
+import importlib.util, os
+def opened(name):
+    spec = importlib.util.find_spec(name)
+    if spec is None or spec.origin is None:
+        raise ModuleNotFoundError(f"No module named {name!r}")
+    with open(spec.origin, "rb") as f:
+        f.read(1)
+    return spec.origin
+for entry in os.scandir(os.path.join(os.path.dirname(opened("torch")), "lib")):
+    if entry.is_file():
+        with open(entry.path, "rb") as f:
+            f.read(1)
+for name in ("numpy", "gpumarket.provider.runners.training"):
+    opened(name)
+import numpy
+"""
 # What a job that runs code of its own (a script, a model's remote code) must not run
 # without: its own uid, no network, private scratch, its own group (every process of it
 # killed at once) and a memory limit on all of it together. Not the pids or cpu controller:
@@ -258,9 +279,10 @@ def probe(jobs_dir: str | None = None, uids: UidRange | None = None,
 def _probe_uid(jobs_dir: str | None, uids: UidRange | None, private: bool,
                private_why: str, pid_namespace: bool = False,
                keyring: bool = False) -> tuple[bool, str]:
-    """Whether a job uid (this daemon's first, or a range claimed for the probe) can run
-    what a job runs — the runner's imports — and reach ``jobs_dir``, in the sandbox a job
-    gets (with the private view where this host gives it); and why."""
+    """Whether a job uid (this daemon's first, or a range claimed for the probe) can read
+    what a job runs — the runner's modules and torch's libraries (``PROBE_CHECK``) — and
+    reach ``jobs_dir``, in the sandbox a job gets (with the private view where this host
+    gives it); and why."""
     if os.geteuid() != 0:
         return False, "the daemon is not root, so jobs run as its own user"
     claimed = None
@@ -271,11 +293,11 @@ def _probe_uid(jobs_dir: str | None, uids: UidRange | None, private: bool,
         return False, str(exc)
     try:
         uid = uids.first
-        reach = f"; import os; os.stat({str(jobs_dir)!r})" if jobs_dir else ""
+        reach = f"\nimport os; os.stat({str(jobs_dir)!r})" if jobs_dir else ""
         box = Sandbox(uid=uid, gid=uid, scratch_bytes=(1 << 20) if private else 0,
                       expose=(jobs_dir,) if jobs_dir else (), pid_namespace=pid_namespace,
                       keyring=keyring)
-        ok, why = _attempts({"u": (box, f"import {PROBE_RUNNER}{reach}")})["u"]
+        ok, why = _attempts({"u": (box, f"exec({PROBE_CHECK + reach!r})")})["u"]
     finally:
         if claimed is not None:
             claimed.release()

@@ -69,9 +69,11 @@ def _processes_need_the_e2e_mark(request):
 
 
 @pytest.fixture
-def market(tmp_path):
-    """A running broker and a client key; tests start the providers they need."""
+def market(tmp_path, request):
+    """A running broker and a client key; tests start the providers they need (warm, unless
+    the test's module sets WARM_PROVIDERS = False: see Marketplace.warm)."""
     m = Marketplace(tmp_path)
+    m.warm = getattr(request.module, "WARM_PROVIDERS", True)
     m.start_broker(*LEASE_ARGS)
     m.identity()    # the client's key (what `gpumarket keys init` makes; credit made it too)
     yield m

@@ -136,6 +136,11 @@ class Marketplace:
         self.providers: dict[str, Process] = {}
         self.address = ""
         self.broker_id = ""
+        # Providers keep a warm runner (a forkserver that has imported torch) for the kinds
+        # that ask for one, as they do by default; a test module that runs none of those
+        # kinds sets WARM_PROVIDERS = False (tests/conftest.py): each provider started then
+        # saves the ~3 s of CPU its forkserver would spend importing for nothing.
+        self.warm = True
 
     @property
     def env(self) -> dict[str, str]:
@@ -237,6 +242,8 @@ class Marketplace:
             else [str(BIN / "gpumarket-provider")]
         env = {**self.env, "CHEAT_MODE": cheat, "CHEAT_RATE": str(cheat_rate),
                "PYTHONPATH": str(ROOT)} if cheat else self.env
+        if not self.warm and "--no-warm" not in extra:
+            extra = (*extra, "--no-warm")
         proc = Process([*one_cpu(), *program, "run", "--broker", self.address,
                         "--data-dir", str(self.root / name), "--price", str(price), *extra],
                        self.root / f"{name}.log", env)

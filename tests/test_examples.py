@@ -11,6 +11,9 @@ import pytest
 from tests.models import copy_minilm, minilm_dir
 
 pytestmark = pytest.mark.e2e
+# No job here is of a kind that keeps a warm runner (training): providers start without
+# one (tests/helpers.py, Marketplace.warm).
+WARM_PROVIDERS = False
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 

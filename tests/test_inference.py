@@ -15,6 +15,9 @@ from tests.helpers import job_processes, wait_until
 from tests.models import copy_minilm, minilm_dir, tiny_causal_lm
 
 pytestmark = pytest.mark.e2e
+# No job here is of a kind that keeps a warm runner (training): providers start without
+# one (tests/helpers.py, Marketplace.warm).
+WARM_PROVIDERS = False
 
 WORDS = "the quick brown fox marketplace providers checkpoints resume broker lazy dog".split()
 

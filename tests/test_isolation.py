@@ -11,6 +11,8 @@ import os
 import shutil
 import signal
 import socket
+import subprocess
+import sys
 import tempfile
 import threading
 from pathlib import Path
@@ -180,9 +182,6 @@ def test_a_job_that_fills_its_disk_is_stopped(base):
 
 
 def test_what_this_host_gives_is_reported(tmp_path):
-    import subprocess
-    import sys
-
     r = subprocess.run([sys.executable, "-m", "gpumarket.provider.sandbox", "--probe"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
@@ -570,3 +569,35 @@ def test_a_job_in_its_pid_namespace_ends_as_the_daemon_sees_it(base):
 
     outcome, log = run("drain", drain)
     assert outcome.exit_code == 0 and "drained" in log, (outcome, log)
+
+
+@needs_root
+@pytest.mark.parametrize("closed", ["a torch library", "torch"])
+def test_the_uid_probe_meets_what_a_job_uid_cannot_read(closed):
+    """The probe's check (sandbox.PROBE_CHECK, run as the job uid) fails, saying why, on a
+    torch whose library file only root may read, and on a torch a job uid cannot find."""
+    where = Path(tempfile.mkdtemp(prefix="probe-"))
+    try:
+        where.chmod(0o755)
+        lib = where / "torch" / "lib"
+        lib.mkdir(parents=True)
+        (where / "torch" / "__init__.py").write_text("")
+        (lib / "libtorch_fake.so").write_bytes(b"\x7fELF")
+        if closed == "torch":
+            (where / "torch").chmod(0o700)
+        else:
+            (lib / "libtorch_fake.so").chmod(0o600)
+        # Started as root (the probe's child drops to the job uid once it runs), then as
+        # uid 65534 with only the made-up tree on its path.
+        code = (f"import importlib.util, os, sys; os.setgid(65534); os.setuid(65534);"
+                f" sys.path[:] = [{str(where)!r}]; exec({sandbox.PROBE_CHECK!r})")
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           timeout=60)
+        assert r.returncode != 0
+        last = r.stderr.strip().splitlines()[-1]
+        if closed == "torch":
+            assert "No module named 'torch'" in last, last
+        else:
+            assert "Permission denied" in last and "libtorch_fake.so" in last, last
+    finally:
+        shutil.rmtree(where)

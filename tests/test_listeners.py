@@ -27,6 +27,10 @@ from gpumarket.broker.serving.request_shares import NoRoom, RequestShares
 from gpumarket.proto.errors import InvalidArgument
 from tests.helpers import BIN, LEASE_ARGS, Marketplace, Process, wait_until
 
+# No job here is of a kind that keeps a warm runner (training): providers start without
+# one (tests/helpers.py, Marketplace.warm).
+WARM_PROVIDERS = False
+
 MIB = 1 << 20
 
 

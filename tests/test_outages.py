@@ -28,6 +28,10 @@ from gpumarket.provider.config import ProviderConfig
 from tests.helpers import BIN, Marketplace, free_port, wait_until
 from tests.test_broker_domain import new_job
 
+# No job here is of a kind that keeps a warm runner (training): providers start without
+# one (tests/helpers.py, Marketplace.warm).
+WARM_PROVIDERS = False
+
 # -- the provider's backoff and probe ---------------------------------------------------------
 
 

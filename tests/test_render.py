@@ -18,6 +18,9 @@ from tests.helpers import job_processes, wait_until
 
 pytest.importorskip("bpy", reason="render jobs need Blender's bpy package")
 pytestmark = pytest.mark.e2e
+# No job here is of a kind that keeps a warm runner (training): providers start without
+# one (tests/helpers.py, Marketplace.warm).
+WARM_PROVIDERS = False
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -22,6 +22,9 @@ from tests.helpers import LEASE_ARGS, Marketplace, wait_until
 from tests.models import copy_minilm, minilm_dir, tiny_causal_lm
 
 pytestmark = pytest.mark.e2e
+# No job here is of a kind that keeps a warm runner (training): providers start without
+# one (tests/helpers.py, Marketplace.warm).
+WARM_PROVIDERS = False
 
 
 def http(url: str, body: bytes | dict | None = None, key: str = "") -> tuple[int, dict | str]:
