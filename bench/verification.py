@@ -14,7 +14,8 @@ Two parts:
    function (verification.rate) with its streak and failures, many times over. For a
    provider that doctors a share of its segments: the probability it is caught within its
    first 20 jobs; for an honest one: the checks' compute as a share of its own, at steady
-   state (after a long record) and over its first 1,000 jobs.
+   state (after a long record) and over its first 1,000 jobs; and how often Sybil checkers
+   holding 30 % of the stake convict an honest provider, with and without trusted checkers.
 
     .venv/bin/python bench/verification.py [--trials N] [--segments-per-job S]
 
@@ -137,6 +138,57 @@ def simulate(cheat_share: float, jobs: int, per_job: int, trials: int, seed: int
             "check_compute": float(checks.mean() / (jobs * per_job))}
 
 
+def sybil_framing(share: float, jobs: int, per_job: int, trials: int, seed: int,
+                  referees: bool, keys: int = 20, sybil_keys: int = 6) -> dict:
+    """An honest provider's first ``jobs`` jobs, checked at the real rate, with each check's
+    provider (and each tie-break's) drawn by the broker's real draw (matcher.Book.drawn)
+    among ``keys`` eligible checkers, ``sybil_keys`` of them one person's, holding ``share``
+    of the stake. A Sybil drawn as checker disagrees; if the tie-break is a Sybil too, they
+    return the same made-up bytes and the honest provider is convicted. With ``referees``
+    the tie-break runs on a trusted checker (the operator's; honest). Returns the share of
+    trials convicted at least once, and of disputes a Sybil started."""
+    from datetime import datetime, timezone
+
+    from gpumarket.broker.market.matcher import Book, OfferView, Policy
+
+    honest_stake = (1 - share) / (keys - sybil_keys)
+    stakes = [share / sybil_keys] * sybil_keys + [honest_stake] * (keys - sybil_keys)
+    book = Book([OfferView(f"k{i}", 1.0, frozenset({1}), (0,), 1, 1 << 34, 0.0, "cpu", 1e11,
+                           0.9, 86400.0, Policy(), frozenset(), 0,
+                           stake=int(x * 10**9)) for i, x in enumerate(stakes)],
+                datetime(2026, 11, 23, 12, 0, tzinfo=timezone.utc))
+    everyone = np.ones(keys, dtype=bool)
+    rng = np.random.default_rng(seed)
+    rates = [verification.rate(n) for n in range(jobs * per_job + 1)]
+    convicted = disputes = 0
+    for _ in range(trials):
+        streak = 0
+        eligible = everyone.copy()
+        failed = np.zeros(keys, dtype=np.int64)
+        for _ in range(jobs * per_job):
+            if rng.random() >= rates[streak]:
+                continue
+            first = book.drawn(eligible, rng.random())
+            if first >= sybil_keys:
+                streak += 1                     # an honest replay agrees
+                continue
+            disputes += 1
+            if referees:
+                # The referee agrees with the provider: the Sybil checker is found wrong, and
+                # banned at its BAN_AFTER-th failure.
+                failed[first] += 1
+                eligible[first] = failed[first] < verification.BAN_AFTER
+                streak += 1
+                continue
+            others = eligible.copy()
+            others[first] = False
+            if book.drawn(others, rng.random()) < sybil_keys:
+                convicted += 1
+                break
+            streak += 1
+    return {"framed": convicted / trials, "disputes_per_trial": disputes / trials}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--trials", type=int, default=20_000)
@@ -163,6 +215,14 @@ def main() -> None:
         if share == 0.10:
             figures["detection_p_20_jobs"] = round(r["caught"], 4)
             figures["ban_p_20_jobs"] = round(r["banned"], 4)
+    sybil_trials = min(args.trials, 2000)
+    for referees in (False, True):
+        r = sybil_framing(0.30, 100, s, sybil_trials, 3, referees)
+        name = "sybil_framing_p" + ("" if referees else "_without_trusted_checkers")
+        figures[name] = round(r["framed"], 4)
+        print(f"Sybils with 30% of the checkers' stake frame an honest provider within 100"
+              f" jobs with p = {r['framed']:.4f} ({'with' if referees else 'without'} trusted"
+              f" checkers; {r['disputes_per_trial']:.1f} disputes they started per provider)")
     honest = simulate(0.0, 1000, s, 2000, 2, verification.BAN_AFTER)
     steady = verification.rate(10**9)
     print(f"honest provider: checks cost {honest['check_compute']:.3f} of its work over its"

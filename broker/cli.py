@@ -69,6 +69,9 @@ def cli() -> None:
 @click.option("--check-wait", type=float,
               help="Seconds a check waits for a provider to replay it before it is skipped "
               "[default: 600].")
+@click.option("--trusted-checker", "trusted_checkers", multiple=True,
+              help="Provider id that alone may run tie-breaks of spot checks (repeatable; "
+              "the operator's referees) [default: any provider].")
 @click.option("--api", help="HTTP address HOST:PORT of the endpoints' OpenAI-compatible API"
               " alone (it is also under /v1 of --http) [default: none].")
 @click.option("--cold-start", type=float,
@@ -99,7 +102,8 @@ def serve(config_file: Path | None, listen: str | None, data_dir: Path | None,
           max_attempts: int | None, artifact_grace: float | None, operators: tuple[str, ...],
           plaintext: bool | None, rate_limit: float | None, max_queued_jobs: int | None,
           billing: bool | None, market_fee: float | None, verify: bool | None,
-          check_wait: float | None, api: str | None, cold_start: float | None,
+          check_wait: float | None, trusted_checkers: tuple[str, ...], api: str | None,
+          cold_start: float | None,
           queue_wait: float | None, max_held_mib: float | None,
           max_connections_per_peer: int | None, idle_timeout: float | None,
           fd_reserve: int | None, provider_messages_per_s: float | None,
@@ -121,7 +125,8 @@ def serve(config_file: Path | None, listen: str | None, data_dir: Path | None,
                        ("operators", operators or None), ("plaintext", plaintext),
                        ("rate_limit_per_s", rate_limit), ("max_queued_jobs", max_queued_jobs),
                        ("billing", billing), ("market_fee", market_fee),
-                       ("verify", verify), ("check_wait_s", check_wait), ("api", api),
+                       ("verify", verify), ("check_wait_s", check_wait),
+                       ("trusted_checkers", trusted_checkers or None), ("api", api),
                        ("cold_start_s", cold_start), ("queue_wait_s", queue_wait),
                        ("max_held_bytes", None if max_held_mib is None
                         else int(max_held_mib * 2**20)),

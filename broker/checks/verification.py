@@ -223,6 +223,12 @@ def check_row(db: Database, check_id: str) -> dict | None:
     return dict(zip([d[0] for d in cur.description], row)) if row else None
 
 
+def role(db: Database, check_id: str) -> str | None:
+    """"check" or "tiebreak" for a check's job row; None for any other job."""
+    row = db.execute("SELECT role FROM checks WHERE id = ?", [check_id]).fetchone()
+    return row[0] if row else None
+
+
 def scope_of(db: Database, check_id: str) -> pb.CheckScope | None:
     """The CheckScope a lease of this check's job row carries (None: not a check)."""
     c = check_row(db, check_id)
@@ -289,21 +295,21 @@ def remember(db: Database, job: dict, lease: dict, step: int, ref: dict) -> None
 
 # -- reading --------------------------------------------------------------------------------
 
-STATUS_WORDS = ("unverified", "checking", "verified", "disputed -> re-run", "inconclusive")
+STATUS_WORDS = ("unverified", "checking", "verified", "disputed -> re-run")
 
 
 def summary(db: Database, job_id: str) -> str:
-    """One word for a client: how the job's work (all its parts) was checked."""
+    """One word for a client: how the job's work (all its parts) was checked. A check left
+    inconclusive makes the work "unverified" whatever other checks passed: part of it was
+    disputed and never settled."""
     states = [r[0] for r in db.execute(
         "SELECT state FROM checks WHERE top_id = ? OR job_id = ?", [job_id, job_id]).fetchall()]
     if "failed" in states:
         return "disputed -> re-run"
     if any(s in OPEN for s in states):
         return "checking"
-    if "passed" in states:
+    if "passed" in states and "inconclusive" not in states:
         return "verified"
-    if "inconclusive" in states:
-        return "inconclusive"
     return "unverified"
 
 

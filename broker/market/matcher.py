@@ -119,6 +119,8 @@ class JobNeeds:
     remote_code: bool = False            # runs its model's own code: needs a willing provider
     min_stake: int = 0                   # units its provider must have staked
     exclude: frozenset[str] = frozenset()  # providers that must not run it (verification)
+    draw: float | None = None            # a spot check: its provider is drawn, this uniform
+                                         # in [0, 1) picking among those that fit (``drawn``)
 
 
 @dataclass(frozen=True)
@@ -402,6 +404,8 @@ class Book:
                     preferred[i] = False
             if preferred.any():
                 mask = preferred
+        if job.draw is not None:
+            return self.drawn(mask, job.draw)
         primary, secondary = self._keys(job, factor)
         if job.warm_sha256:
             warm = mask & np.array([job.warm_sha256 in x.cached for x in self.offers],
@@ -420,6 +424,18 @@ class Book:
             order = np.lexsort((secondary[ties], self.load[ties]))
             i = int(ties[order[0]])
         return i
+
+    def drawn(self, mask: np.ndarray, draw: float) -> int:
+        """A checker, drawn among the offers in ``mask`` with a chance in proportion to what
+        its provider has at stake and its record — (stake + 1 unit) × its reliability (at
+        least 0.05) — never to its price: a provider cannot buy its way onto the checks of
+        the work of others by underbidding, and keys with a share of the stake at risk are
+        drawn about that share of the time (docs/verification.md, Who checks)."""
+        idx = np.flatnonzero(mask)
+        weight = (self.stake[idx] + 1).astype(np.float64) * np.maximum(self.rel[idx], 0.05)
+        cumulative = np.cumsum(weight)
+        pick = int(np.searchsorted(cumulative, draw * cumulative[-1], side="right"))
+        return int(idx[min(pick, len(idx) - 1)])
 
     def estimate(self, job: JobNeeds, i: int) -> Estimate:
         o = self.offers[i]

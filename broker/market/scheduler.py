@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import secrets
 import time
 from collections import defaultdict, deque
 
@@ -70,6 +72,21 @@ def needs_of(row: dict, avoid: frozenset[str] = frozenset(),
     )
 
 
+async def check_needs(state: BrokerState, book: matcher.Book, check_id: str,
+                      needs: matcher.JobNeeds) -> matcher.JobNeeds:
+    """A spot check's provider is drawn (by stake and record, from a source no provider can
+    predict: matcher.Book.drawn), not chosen by price; a tie-break goes only to the
+    operator's trusted checkers where there are any (docs/verification.md, Who checks)."""
+    exclude = needs.exclude
+    trusted = frozenset(state.config.trusted_checkers)
+    if trusted and await state.store.read(verification.role, check_id) == "tiebreak":
+        exclude |= {o.provider_id for o in book.offers if o.provider_id not in trusted}
+    return dataclasses.replace(needs, exclude=exclude, draw=_checker_draw.random())
+
+
+_checker_draw = secrets.SystemRandom()
+
+
 async def offer_book(state: BrokerState) -> matcher.Book:
     """The live offers, corrected by what the broker observed, as one Book."""
     store = state.store
@@ -120,6 +137,8 @@ async def place_queued(state: BrokerState) -> int:
             failing, left_out = await store.read(endpoints.steer, row["parent_id"], now_ms())
             avoid, exclude = avoid | failing, exclude | left_out
         needs = needs_of(row, avoid, stored, exclude)
+        if row["check_of"]:
+            needs = await check_needs(state, book, row["id"], needs)
         placement, excluded = book.place(needs)
         if placement is None:
             reason = matcher.explain(excluded, len(book))

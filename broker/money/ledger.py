@@ -300,9 +300,10 @@ def dispute(db: Database, seq: int, now: int) -> None:
          may_go_negative=frozenset({provider(p["provider_id"])}))
 
 
-def resolve(db: Database, seq: int, passed: bool, now: int) -> None:
+def resolve(db: Database, seq: int, passed: bool, now: int, why: str = "") -> None:
     """A check ended: a passed one pays the held settlement on; a failed one returns it to the
-    job's hold (the client does not pay for the segment; its re-run is paid from there)."""
+    job's hold (the client does not pay for the segment; its re-run is paid from there), as
+    does one left unresolved (``why`` says so in the memo)."""
     if posted(db, f"dispute:{seq}") is None:
         raise FailedPrecondition(f"settlement {seq} is not disputed")
     p, entries = _settlement(db, seq)
@@ -316,7 +317,8 @@ def resolve(db: Database, seq: int, passed: bool, now: int) -> None:
     post(db, f"resolve:{seq}", "restore" if passed else "reverse", lines, now,
          job_id=p["job_id"], lease_id=p["lease_id"], provider_id=p["provider_id"],
          step_from=p["step_from"], step_to=p["step_to"],
-         memo=f"check of settlement {seq} {'passed' if passed else 'failed: pay returned'}")
+         memo=f"check of settlement {seq} "
+              f"{why or ('passed' if passed else 'failed: pay returned')}")
     if not passed and ended:
         post(db, f"refund:{seq}", "release", {escrow(top): -(paid + fee),
                                               client(client_id): paid + fee}, now,
