@@ -15,7 +15,7 @@ from gpumarket.link.errors import error_of
 from gpumarket.proto.artifacts import (
     CHUNK_BYTES, publish_verified, receive, sha256_file, upload_requests,
 )
-from gpumarket.proto.errors import FailedPrecondition, InvalidArgument
+from gpumarket.proto.errors import FailedPrecondition, Internal, InvalidArgument
 from gpumarket.proto.v1 import artifacts_pb2 as ap
 from gpumarket.proto.v1 import artifacts_pb2_grpc
 from gpumarket.proto.v1 import types_pb2 as pb
@@ -55,6 +55,11 @@ class ArtifactsClient:
                 return ref
             except FailedPrecondition:
                 pass        # a partial copy of an earlier try is there: continue it
+            except Internal:
+                # The broker refused at the header (over this key's quota, say) while the
+                # data was still being sent: gRPC then reports its own failure to send, not
+                # the broker's answer. Asking about the blob gets the refusal, or continues.
+                pass
         st = await self.stat(sha, size)
         if not st.complete:
             await self._send(source, sha, size, st.received_bytes, on_bytes)

@@ -144,8 +144,7 @@ class Marketplace:
         self.warm = True
         self._asking = threading.Lock()     # ask(): its loop, thread and client, made once
         self._loop = None
-        self._client = None
-        self._client_for: tuple[str, str] = ("", "")
+        self._clients: dict[tuple[str, str, str], object] = {}
 
     @property
     def env(self) -> dict[str, str]:
@@ -266,9 +265,9 @@ class Marketplace:
         """``await call(client)`` on a BrokerClient signed by the client's key, from this
         process: what a CLI command would ask, without starting one (a CLI process costs
         about 0.4 s of CPU, a fresh channel 30 ms; tests poll every 0.1-0.3 s, four of them
-        at once on two cores). One channel, kept on an event loop of its own thread (so a
-        test's running loop is no obstacle), opened again after any error (a broker that
-        restarted: gRPC's own reconnect would back off)."""
+        at once on two cores). One channel per broker and key, kept on an event loop of its
+        own thread (so a test's running loop is no obstacle), opened again after any error
+        (a broker that restarted: gRPC's own reconnect would back off)."""
         import asyncio
 
         from gpumarket.link.client import Broker
@@ -278,26 +277,30 @@ class Marketplace:
                 self._loop = asyncio.new_event_loop()
                 threading.Thread(target=_serve_loop, args=(self._loop,), daemon=True,
                                  name="marketplace-client").start()
-        loop, where = self._loop, (self.address, self.broker_id)
+        loop = self._loop
+        # A client per broker and key: a test may copy this Marketplace for a second client
+        # (its __dict__, this dict included), and a broker may come back on another port.
+        where = (self.address, self.broker_id, str(self.home))
 
         async def go():
-            if self._client is None or self._client_for != where:
-                await self._drop_client()
+            client = self._clients.get(where)
+            if client is None:
                 client = Broker(self.address, self.trust()).client(self.identity(), 60)
                 await client.connect()
-                self._client, self._client_for = client, where
+                self._clients[where] = client
             try:
-                return await call(self._client)
+                return await call(client)
             except BaseException:
-                await self._drop_client()
+                await self._drop_client(where)
                 raise
 
         return asyncio.run_coroutine_threadsafe(go(), loop).result()
 
-    async def _drop_client(self) -> None:
-        client, self._client = self._client, None
-        if client is not None:
-            await client.close()
+    async def _drop_client(self, where=None) -> None:
+        for key in [where] if where is not None else list(self._clients):
+            client = self._clients.pop(key, None)
+            if client is not None:
+                await client.close()
 
     def _stop_asking(self) -> None:
         import asyncio
