@@ -313,8 +313,19 @@ class Marketplace:
         finally:
             loop.call_soon_threadsafe(loop.stop)
 
+    @property
+    def _in_process(self) -> bool:
+        """Whether this process names kinds as the CLI would: not where the CLI loads kinds
+        of its own ($GPUMARKET_KINDS, tests/test_kinds.py), which this process may not
+        have registered (it would print their numbers' names as "unspecified")."""
+        return "GPUMARKET_KINDS" not in self.env
+
     def offers(self) -> list[dict]:
         """What `gpumarket offers --json` prints (signatures checked), asked in-process."""
+        if not self._in_process:
+            r = self.cli("offers", "--json")
+            assert r.returncode == 0, r.stderr
+            return json.loads(r.stdout)
         from google.protobuf.json_format import MessageToDict
 
         from gpumarket.client.cli import offer_row
@@ -341,6 +352,11 @@ class Marketplace:
     def job(self, job_id: str) -> dict:
         """What `gpumarket status JOB --json` prints, asked in-process (see ``ask``)."""
         from gpumarket.proto.present import job_dict
+
+        if not self._in_process:
+            r = self.cli("status", job_id, "--json")
+            assert r.returncode == 0, r.stderr
+            return json.loads(r.stdout)
 
         async def get(b):
             return job_dict(await b.get_job(await b.job_id(job_id)))
