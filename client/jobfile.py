@@ -335,7 +335,7 @@ def least_hold(job: JobFile) -> tuple[int, str]:
         return units(job.budget), "its budget"
     kind = kinds.get(job.kind)
     values = {p.name: job.params.get(p.name, p.zero()) for p in kind.params}
-    parts = job.array_count or (values["max_replicas"] if kind.name == "endpoint"
+    parts = job.array_count or (values["max_replicas"] if kind.serves
                                 else kind.parts(values))
     devices = job.gpus * max(1, parts)
     if kind.sizing == "training" and kind.config_input(values) is not None:   # work estimated

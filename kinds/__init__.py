@@ -82,6 +82,13 @@ def get(key: int | str) -> Kind:
     return kind
 
 
+def serves(number: int) -> bool:
+    """Whether kind ``number`` is a long-lived service whose replicas are child jobs (the
+    endpoint); False for a kind this process does not know (a plugin no longer loaded)."""
+    kind = _BY_NUMBER.get(number)
+    return kind is not None and kind.serves
+
+
 def all_kinds() -> list[Kind]:
     return sorted(_BY_NUMBER.values(), key=lambda k: k.number)
 

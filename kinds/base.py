@@ -30,6 +30,8 @@ class Kind:
     opt_in: bool = False              # a provider runs it only where its operator names it
     verify: str = ""                  # how its work is spot-checked: "replay" (segments between
                                       # checkpoints), "rows", "frames"; "" = not checked
+    serves: bool = False              # a long-lived service: its replicas are child jobs, its
+                                      # engine talks over the runner's stdin (the endpoint)
 
     # -- parameters ---------------------------------------------------------------------
 

@@ -71,7 +71,7 @@ def settings(values: dict[str, Any]) -> dict[str, Any]:
 
 KIND = Endpoint(
     name="endpoint", number=pb.JOB_KIND_ENDPOINT, runner="gpumarket.provider.runners.serve",
-    sizing="inference",
+    sizing="inference", serves=True,
     params=(
         Param("model", "file_or_dir", input_name="model.tar", dir_needs="config.json",
               doc="a model directory (config, safetensors, tokenizer) sent with the endpoint"),

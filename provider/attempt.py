@@ -178,7 +178,7 @@ class Attempt:
         box, group = self.host.isolation.for_job(config, self.workdir, devices,
                                                  self.host.devices)
         stdin = None
-        if self.kind.name == "endpoint":
+        if self.kind.serves:
             self.engine = EngineLink(self.host.send, self.on_ready)
             stdin = self.engine.child_fd
         return JobProcess(self.kind.runner, self.workdir, env, self.on_report, limit,

@@ -5,6 +5,7 @@ only in the link layer and the broker's servicers; proto and kinds import no grp
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -114,3 +115,56 @@ def imports_of(node: ast.Import | ast.ImportFrom) -> set[str]:
     if isinstance(node, ast.Import):
         return {a.name for a in node.names}
     return {node.module or ""}
+
+
+SQL_WORDS = re.compile(r"^\s*(SELECT\s|INSERT\s|UPDATE\s+\w+\s+SET|DELETE\s+FROM|CREATE\s|"
+                       r"DROP\s|ALTER\s|PRAGMA\s|VACUUM\b|WITH\s+\w+\s+AS)")
+
+
+def test_no_sql_in_the_servicers():
+    """broker/api/ decodes, makes one domain call, encodes: it reads and writes the database
+    only through the rooms' functions (jobs/, market/, money/, checks/, serving/, store/),
+    never with SQL of its own or a raw ``execute``."""
+    found = []
+    for path in sorted((ROOT / "broker" / "api").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) \
+                    and SQL_WORDS.match(node.value):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.value[:40]!r}")
+            if isinstance(node, ast.Attribute) and node.attr in ("execute", "executemany",
+                                                                  "executescript"):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}: .{node.attr}")
+    assert not found, "SQL in the servicers:\n" + "\n".join(found)
+
+
+def _kind_test(node: ast.Compare, names: set[str]) -> str:
+    """What a comparison says about a particular kind, if anything: a JobKind constant, or
+    a kind's name against a ``.name``/``kind_name(...)``."""
+    sides = [node.left, *node.comparators]
+    for side in sides:
+        for sub in ast.walk(side):
+            if isinstance(sub, ast.Attribute) and sub.attr.startswith("JOB_KIND_") \
+                    and sub.attr != "JOB_KIND_UNSPECIFIED":
+                return sub.attr
+    named = any(isinstance(s, ast.Attribute) and s.attr == "name" or isinstance(s, ast.Call)
+                and getattr(s.func, "id", getattr(s.func, "attr", "")) == "kind_name"
+                for s in sides)
+    strings = {s.value for s in sides if isinstance(s, ast.Constant)}
+    return next(iter(strings & names), "") if named else ""
+
+
+def test_no_comparison_of_a_kinds_name_outside_kinds():
+    """What differs between kinds is said by the kind (kinds/: its attributes and methods,
+    e.g. ``Kind.serves``), not by a test of which kind a job is elsewhere."""
+    from gpumarket import kinds
+
+    names = {k.name for k in kinds.all_kinds()}
+    found = []
+    for role in ("broker", "provider", "client", "link", "proto"):
+        for path in sources(role):
+            if "_pb2" in path.name:
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Compare) and (what := _kind_test(node, names)):
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {what}")
+    assert not found, "kind tests outside kinds/:\n" + "\n".join(found)

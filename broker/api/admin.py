@@ -18,6 +18,7 @@ from gpumarket.broker.market import providers
 from gpumarket.broker.market import standing
 from gpumarket.broker.money import ledger
 from gpumarket.broker.state import BrokerState
+from gpumarket.broker.store.store import vacuum
 from gpumarket.proto.artifacts import iter_chunks, sha256_file
 from gpumarket.proto.envelope import open_envelope
 from gpumarket.proto.errors import BadSignature, InvalidArgument, PermissionDenied
@@ -135,13 +136,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
     @unary
     async def Audit(self, request, context) -> ad.AuditResponse:
         self._order(request, "Audit")
-
-        def check(db):
-            problems = ledger.audit(db)
-            count = db.execute("SELECT count(*) FROM ledger_postings").fetchone()[0]
-            return problems, count, ledger.totals(db)
-
-        problems, count, totals = await self.state.store.read(check)
+        problems, count, totals = await self.state.store.read(ledger.audit_report)
         return ad.AuditResponse(ok=not problems, problems=problems, postings=count,
                                 totals=totals)
 
@@ -177,7 +172,3 @@ def check_key_id(key_id: str) -> None:
     if not KEY_ID_RE.fullmatch(key_id):
         raise InvalidArgument(f"{key_id!r} is not a key id (26 characters a-z, 2-7)")
 
-
-def vacuum(db) -> None:
-    db.execute("VACUUM")
-    db.execute("PRAGMA wal_checkpoint(TRUNCATE)")

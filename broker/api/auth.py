@@ -19,6 +19,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from gpumarket.broker.api.rpc import STATUS
+from gpumarket.broker.store import call_nonces
 from gpumarket.proto.wire import TOKEN_METADATA
 from gpumarket.proto.envelope import open_envelope
 from gpumarket.proto.ratelimit import RateLimiter
@@ -126,7 +127,7 @@ class Authenticator(grpc.aio.ServerInterceptor):
                                     f" second from key {key_id}{self._per_device(key_id, method)}"
                                     "; slow down", reason="rate_limited")
         fresh = await self.state.store.write(
-            _use_nonce, key_id, token.nonce.hex(), token.expires_at_ms + CLOCK_SKEW_MS)
+            call_nonces.use, key_id, token.nonce.hex(), token.expires_at_ms + CLOCK_SKEW_MS)
         if not fresh:
             raise Replay("call token was used before (replayed call)", reason="replay")
         return key_id
@@ -155,18 +156,6 @@ class Authenticator(grpc.aio.ServerInterceptor):
     def _per_device(self, key_id: str, method: str) -> str:
         devices = self._devices(key_id, method)
         return f" for each of its {devices} devices" if devices else ""
-
-
-def _use_nonce(db, key_id: str, nonce: str, keep_until_ms: int) -> bool:
-    cur = db.execute("INSERT OR IGNORE INTO call_nonces (key_id, nonce, keep_until_ms)"
-                     " VALUES (?, ?, ?)", [key_id, nonce, keep_until_ms])
-    return cur.rowcount == 1
-
-
-def forget_nonces(db, now: int) -> int:
-    """Drop nonces of tokens that have expired (the time check refuses those anyway); run
-    by the broker's garbage collection, not on each call."""
-    return db.execute("DELETE FROM call_nonces WHERE keep_until_ms < ?", [now]).rowcount
 
 
 def _wrap(handler: grpc.RpcMethodHandler, check) -> grpc.RpcMethodHandler:

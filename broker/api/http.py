@@ -19,6 +19,8 @@ from gpumarket.broker.money import ledger
 from gpumarket.broker.serving import endpoints
 from gpumarket.broker.serving.router import percentile
 from gpumarket.broker.state import BrokerState
+from gpumarket.broker.store import blob_holdings
+from gpumarket.broker.store.store import ready_probe
 from gpumarket.proto.jobspec import ACCELERATOR_NAMES, STATE_NAMES, kind_name, now_ms
 from gpumarket.proto.v1 import types_pb2 as pb
 
@@ -30,30 +32,9 @@ SAMPLES_KEPT = 1800         # an hour at SAMPLE_EVERY_S
 
 
 def _db_counts(db) -> tuple[dict[int, int], int, dict[str, int], int, bool]:
-    states = dict(db.execute("SELECT state, count(*) FROM jobs GROUP BY state").fetchall())
-    stored = db.execute("SELECT coalesce(sum(size_bytes), 0) FROM artifacts").fetchone()[0]
-    postings = db.execute("SELECT count(*) FROM ledger_postings").fetchone()[0]
-    totals = ledger.totals(db)
-    # The cheap check at every scrape (the whole audit is /api/ledger and `admin audit`).
-    entries = db.execute("SELECT coalesce(sum(amount), 0) FROM ledger_entries").fetchone()[0]
-    return states, stored, totals, postings, sum(totals.values()) == 0 == entries
-
-
-def _ledger_page(db, limit: int) -> dict:
-    """The operator's view of the ledger: totals, the audit, the latest postings whole."""
-    postings = [dict(zip(("seq", "at_ms", "type", "job_id", "provider_id", "step_from",
-                          "step_to", "seconds", "memo", "actor", "entries"), r))
-                for r in db.execute(
-        "SELECT seq, at_ms, type, job_id, provider_id, step_from, step_to, seconds, memo, actor,"
-        " entries FROM ledger_postings ORDER BY seq DESC LIMIT ?", [limit]).fetchall()]
-    for p in postings:
-        p["entries"] = {a: v / ledger.UNIT for a, v in json.loads(p["entries"]).items()}
-    return {"totals": {k: v / ledger.UNIT for k, v in ledger.totals(db).items()},
-            "problems": ledger.audit(db), "postings": postings}
-
-
-def _probe(db) -> None:
-    db.execute("CREATE TEMP TABLE IF NOT EXISTS _ready (x)")
+    """What a metrics scrape reads, in one read: jobs by state, blob bytes stored, and the
+    ledger's cheap check (the whole audit is /api/ledger and `admin audit`)."""
+    return (views.state_counts(db), blob_holdings.stored_bytes(db), *ledger.health(db))
 
 
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
@@ -154,7 +135,7 @@ class BrokerHttp:
     async def readyz(self, request: web.Request) -> web.Response:
         problems = []
         try:
-            await self.state.store.write(_probe)
+            await self.state.store.write(ready_probe)
         except Exception as exc:  # any failure to write means not ready
             log.warning("readiness: database not writable: %s", exc)
             problems.append("database is not writable")
@@ -189,7 +170,7 @@ class BrokerHttp:
             limit = min(int(request.query.get("limit", "50")), 1000)
         except ValueError:
             return web.json_response({"error": "limit must be a number"}, status=400)
-        return web.json_response(await self.state.store.read(_ledger_page, limit))
+        return web.json_response(await self.state.store.read(ledger.recent_page, limit))
 
     async def providers(self, request: web.Request) -> web.Response:
         now = now_ms()

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from sqlite_utils import Database
 
+from gpumarket import kinds
 from gpumarket.broker.checks import disputes
 from gpumarket.broker.checks import verification
 from gpumarket.broker.jobs import arrays
@@ -78,7 +79,7 @@ def append_event(
     if row[4]:      # a batch of a job array: its tasks follow it, and the array them
         arrays.follow_batch(db, row[0], job_id, type_, now)
         return []
-    if row[3] == pb.JOB_KIND_ENDPOINT:
+    if kinds.serves(row[3]):
         # An endpoint does not follow its replicas' states: it notes their moves.
         if type_ not in ("progress", "checkpoint"):
             top = db.execute("SELECT state, attempt FROM jobs WHERE id = ?", [row[0]]).fetchone()
@@ -599,7 +600,7 @@ def _requeue(db: Database, job: dict, provider_id: str, why: str, now: int,
     says ``why``, then ``tail``."""
     attempt = job["attempt"] + 1
     set_job(db, job["id"], now, state=QUEUED, attempt=attempt, provider_id=None, lease_id=None)
-    if job["kind"] == pb.JOB_KIND_ENDPOINT and job["parent_id"]:
+    if job["parent_id"] and kinds.serves(job["kind"]):
         # A replica is ready again only once its next lease's engine says so (the autoscaler
         # gives up on a lease that is not ready within cold_start).
         set_job(db, job["id"], now, progress_step=0)

@@ -189,6 +189,11 @@ def may_read(db: Database, key_id: str, sha256: str) -> bool:
         " LIMIT 1", {"sha": sha256, "key": key_id}).fetchone() is not None
 
 
+def state_counts(db: Database) -> dict[int, int]:
+    """Jobs (every sort) by state."""
+    return dict(db.execute("SELECT state, count(*) FROM jobs GROUP BY state").fetchall())
+
+
 def artifact_size(db: Database, sha256: str) -> int | None:
     row = db.execute("SELECT size_bytes FROM artifacts WHERE sha256 = ?", [sha256]).fetchone()
     return row[0] if row else None

@@ -9,7 +9,7 @@ import secrets
 import time
 from collections import defaultdict, deque
 
-from gpumarket.broker.api import auth
+from gpumarket import kinds
 from gpumarket.broker.checks import verdicts
 from gpumarket.broker.checks import verification
 from gpumarket.broker.jobs import arrays
@@ -24,6 +24,7 @@ from gpumarket.broker.money import credit_holds
 from gpumarket.broker.serving import endpoints
 from gpumarket.broker.state import BrokerState
 from gpumarket.broker.store import blob_holdings
+from gpumarket.broker.store import call_nonces
 from gpumarket.proto.envelope import seal
 from gpumarket.proto.errors import FailedPrecondition
 from gpumarket.proto.jobspec import now_ms
@@ -95,8 +96,11 @@ async def offer_book(state: BrokerState) -> matcher.Book:
     busy = await state.busy_devices()
     loads = await store.read(views.active_lease_counts)
     hist = await store.read(views.histories, [o.provider_id for o in offers], now)
+    # Speeds achieved are measured on the kinds sized as training (their runners report
+    # tokens a second against the model's size).
+    trained = {k.number for k in kinds.all_kinds() if k.sizing == "training"}
     achieved = {p: f for (p, kind), f in (await store.read(views.achieved_flops)).items()
-                if kind == pb.JOB_KIND_TRAINING}
+                if kind in trained}
     efficiency = claim_efficiency(offers, achieved)
     stakes = await store.read(views.stakes)
     return matcher.Book([
@@ -132,7 +136,7 @@ async def place_queued(state: BrokerState) -> int:
         exclude = await store.read(verification.excluded, row["id"]) \
             if row["check_of"] or row["attempt"] > 1 else frozenset()
         stored = Needs.from_json(row["needs"])
-        if row["parent_id"] and stored.kind == pb.JOB_KIND_ENDPOINT:
+        if row["parent_id"] and kinds.serves(stored.kind):
             # An endpoint's replicas keep away from the providers failing its replicas.
             failing, left_out = await store.read(endpoints.steer, row["parent_id"], now_ms())
             avoid, exclude = avoid | failing, exclude | left_out
@@ -350,7 +354,7 @@ async def run(state: BrokerState) -> None:
             if time.monotonic() - last_gc >= state.config.gc_interval_s:
                 last_gc = time.monotonic()
                 await collect_garbage(state)
-                await state.store.write(auth.forget_nonces, now_ms())
+                await state.store.write(call_nonces.forget, now_ms())
         except asyncio.CancelledError:
             raise
         except Exception:

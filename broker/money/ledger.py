@@ -429,6 +429,34 @@ def summary(db: Database, key_id: str) -> dict[str, int]:
             "stake": balance(db, stake(key_id))}
 
 
+def health(db: Database) -> tuple[dict[str, int], int, bool]:
+    """(totals by account type, postings, whether they balance): the cheap check a metrics
+    scrape makes (the whole check is ``audit``)."""
+    sums = totals(db)
+    postings = db.execute("SELECT count(*) FROM ledger_postings").fetchone()[0]
+    entries = db.execute("SELECT coalesce(sum(amount), 0) FROM ledger_entries").fetchone()[0]
+    return sums, postings, sum(sums.values()) == 0 == entries
+
+
+def audit_report(db: Database) -> tuple[list[str], int, dict[str, int]]:
+    """(the audit's problems, postings, totals): what `admin audit` answers."""
+    return audit(db), health(db)[1], totals(db)
+
+
+def recent_page(db: Database, limit: int) -> dict:
+    """The operator's view of the ledger, in credits: totals, the audit, the latest
+    ``limit`` postings whole."""
+    postings = [dict(zip(("seq", "at_ms", "type", "job_id", "provider_id", "step_from",
+                          "step_to", "seconds", "memo", "actor", "entries"), r))
+                for r in db.execute(
+        "SELECT seq, at_ms, type, job_id, provider_id, step_from, step_to, seconds, memo, actor,"
+        " entries FROM ledger_postings ORDER BY seq DESC LIMIT ?", [limit]).fetchall()]
+    for p in postings:
+        p["entries"] = {a: v / UNIT for a, v in json.loads(p["entries"]).items()}
+    return {"totals": {k: v / UNIT for k, v in totals(db).items()},
+            "problems": audit(db), "postings": postings}
+
+
 def totals(db: Database) -> dict[str, int]:
     """Sum of balances per account type."""
     found = dict(db.execute(f"SELECT type, sum(balance) FROM ({LATEST}) GROUP BY type"

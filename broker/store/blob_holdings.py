@@ -154,3 +154,8 @@ def refer(db, sha256: str, job_id: str, role: str) -> None:
     garbage collection leaves a referenced blob alone."""
     db.execute("INSERT OR IGNORE INTO artifact_refs (sha256, job_id, role) VALUES (?, ?, ?)",
                [sha256, job_id, role])
+
+
+def stored_bytes(db: Database) -> int:
+    """Bytes of all blobs the broker stores."""
+    return db.execute("SELECT coalesce(sum(size_bytes), 0) FROM artifacts").fetchone()[0]

@@ -42,6 +42,18 @@ def connect(path: Path, *, readonly: bool = False) -> Database:
     return Database(conn)
 
 
+def vacuum(db: Database) -> None:
+    """Rewrite the database compactly and empty its write-ahead log (outside a
+    transaction: `admin vacuum`)."""
+    db.execute("VACUUM")
+    db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+
+
+def ready_probe(db: Database) -> None:
+    """A write that touches no table: whether the database takes writes (/readyz)."""
+    db.execute("CREATE TEMP TABLE IF NOT EXISTS _ready (x)")
+
+
 class Store:
     """The broker's database: ``await write(fn, ...)`` and ``await read(fn, ...)``."""
 
