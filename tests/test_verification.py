@@ -111,16 +111,25 @@ def test_honest_providers_work_is_checked_verified_and_paid(tmp_path):
             tmp_path / "job.toml", steps=40, checkpoint_every=20, extra='verify = "always"'))
         v = final["verification"]
         # verify = "always": both segments (0-20 and 20-40) replayed on the other provider.
+        # Which provider ran a segment is the matcher's choice (price x measured speed: on a
+        # loaded machine h2's benchmark can beat h1's by more than its price), so the test
+        # reads it from each check instead of assuming h1.
         assert v["status"] == "verified", v
         assert sorted(c["what"] for c in v["checks"]) == ["steps 0-20", "steps 20-40"], v
-        assert all(c["state"] == "passed" and c["checker_id"] == h2 for c in v["checks"]), v
+        for c in v["checks"]:
+            assert c["state"] == "passed", v
+            assert {c["provider_id"], c["checker_id"]} == {h1, h2}, v
+        ran = {c["provider_id"] for c in v["checks"]}
         assert ledger_balance(tmp_path, f"provider:{h1}") > 0
-        assert ledger_balance(tmp_path, f"provider:{h2}") > 0       # paid for its replays
-        assert ledger_balance(tmp_path, f"disputed:{job_id}:{h1}") == 0
+        assert ledger_balance(tmp_path, f"provider:{h2}") > 0       # paid for work or replays
+        for p in ran:
+            assert ledger_balance(tmp_path, f"disputed:{job_id}:{p}") == 0
         assert audit(market, tmp_path)["ok"]
         r = market.cli("offers", "--json")
         rates = {o["provider"]: o for o in json.loads(r.stdout)}
-        assert rates[h1]["checks_passed"] == 2 and rates[h1]["check_rate"] == 1, rates[h1]
+        for p in ran:
+            mine = sum(c["provider_id"] == p for c in v["checks"])
+            assert rates[p]["checks_passed"] == mine and rates[p]["check_rate"] == 1, rates[p]
     finally:
         market.close()
 
