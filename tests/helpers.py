@@ -36,6 +36,35 @@ def wait_until(check, what: str, timeout: float = 120.0, interval: float = 0.1):
         time.sleep(interval)
 
 
+_measured: dict = {}
+_measuring = threading.Lock()
+
+
+def pin_benchmarks(data_dir: Path, extra: tuple[str, ...]) -> None:
+    """Leave in a new provider's data dir the figures it would measure for its CPU devices,
+    measured once by this process: every provider of a test then offers the same speed, so
+    placement follows price as the tests say (measured each, on a loaded machine two
+    providers' figures differed by more than their prices: CI placed a job on the dearer
+    one), and no provider spends its start measuring. A provider restarted on its data dir
+    keeps what it has; ``--cpu-devices N`` is read from ``extra``."""
+    from gpumarket.provider import benchmark
+    from gpumarket.provider.inventory import cpu_devices
+
+    cache = data_dir / "benchmark.json"
+    if cache.exists():
+        return
+    count = int(extra[extra.index("--cpu-devices") + 1]) if "--cpu-devices" in extra else 1
+    with _measuring:
+        if "figures" not in _measured:      # one CPU's figures, whatever it is cut into
+            _measured["figures"] = benchmark.measure(cpu_devices(1)[0])
+        original, figures = benchmark.measure, _measured["figures"]
+        benchmark.measure = lambda device: figures
+        try:
+            benchmark.cached_benchmarks(cpu_devices(count), cache)
+        finally:
+            benchmark.measure = original
+
+
 def training_job(path: Path, *, steps: int = 30, checkpoint_every: int = 10,
                  config: Path | None = None, extra: str = "", max_price: float = 2.0,
                  accelerator: str = "any") -> Path:
@@ -248,6 +277,7 @@ class Marketplace:
                "PYTHONPATH": str(ROOT)} if cheat else self.env
         if not self.warm and "--no-warm" not in extra:
             extra = (*extra, "--no-warm")
+        pin_benchmarks(self.root / name, extra)
         proc = Process([*one_cpu(), *program, "run", "--broker", self.address,
                         "--data-dir", str(self.root / name), "--price", str(price), *extra],
                        self.root / f"{name}.log", env)
