@@ -30,7 +30,8 @@ demo: $(STAMP)
 # an idle worker taking queued tests from a busy one (worksteal; loadgroup and its
 # xdist_group marks do not group under pytest 9.2: xdist 3.8 renames a nodeid it no longer
 # reads). TEST_WORKERS=0 runs it in this one process. `make test-fast` is the edit loop's
-# lane: units and in-process tests, no e2e.
+# lane: units and in-process tests, no e2e and none marked slow (a model in a child
+# process, a long property search).
 TEST_WORKERS ?= 4
 TEST_ARGS ?=
 XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist worksteal)
@@ -40,7 +41,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q -ra $(XDIST) --durations=25 $(TEST_ARGS)
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -ra -m "not e2e" $(XDIST) --durations=10 $(TEST_ARGS)
+	$(PY) -m pytest -q -ra -m "not e2e and not slow" $(XDIST) --durations=10 $(TEST_ARGS)
 
 # The dashboard, in headless Chromium (apt-get install chromium), with a job running.
 screenshot: $(STAMP)

@@ -53,10 +53,11 @@ def pytest_collection_modifyitems(config, items):
         if PROCESS_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.e2e)
     if hasattr(config, "workerinput"):
-        # Under xdist, the long real-process tests first and the many short ones after, to
-        # fill the workers at the end (every worker sorts alike: a stable sort of the same
-        # collection).
-        items.sort(key=lambda item: item.get_closest_marker("e2e") is None)
+        # Under xdist, the long real-process and slow tests first and the many short ones
+        # after, to fill the workers at the end (every worker sorts alike: a stable sort of
+        # the same collection).
+        items.sort(key=lambda item: item.get_closest_marker("e2e") is None
+                   and item.get_closest_marker("slow") is None)
 
 
 @pytest.fixture(autouse=True)

@@ -12,6 +12,8 @@ import pytest
 
 from tests.helpers import training_job
 
+pytestmark = pytest.mark.slow     # two gloo processes train a model: the full lane's
+
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 

@@ -18,6 +18,8 @@ from gpumarket.kinds.engine_protocol import Complete, Final, Piece
 from gpumarket.kinds.runner_job import RunnerJob
 from tests.models import copy_minilm, minilm_dir, tiny_causal_lm
 
+pytestmark = pytest.mark.slow     # every test here runs a model in an engine child: the full lane's
+
 PROMPTS = ["the quick brown fox", "a marketplace for idle gpus", "providers advertise",
            "checkpoints let a job resume", "the lazy dog", "the broker matches each job",
            "rendering jobs", "a failure"]

@@ -463,6 +463,7 @@ def test_an_isolation_attack_from_a_forked_job(attack, forked, request):
     test(**fixtures)
 
 
+@pytest.mark.slow
 @needs_root
 def test_a_restarted_daemon_keeps_every_process_of_a_job_it_reattaches_to(base):  # noqa: F811
     """In its own PID namespace a forked job is three processes with the forkserver's

@@ -52,6 +52,7 @@ def test_without_a_gpu_one_line_and_exit_0():
     assert results_dir() == before      # the tree stays clean
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("no_gpu")
 def test_without_a_gpu_json_lists_every_check_skipped(tmp_path):
     out = tmp_path / "nested" / "gpu.json"

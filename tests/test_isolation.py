@@ -506,6 +506,7 @@ def test_a_job_sees_only_its_own_processes_and_work_directory(base, groups):
         assert beside and all(x.endswith("j.1: ['j.1']") for x in beside), beside
 
 
+@pytest.mark.slow
 @needs_root
 @needs_pid_namespace
 def test_a_job_in_its_pid_namespace_ends_as_the_daemon_sees_it(base):

@@ -241,6 +241,7 @@ OPS = st.tuples(st.sampled_from(["credit", "submit", "lease", "start", "checkpoi
                 st.integers(0, 5), st.integers(0, 4))
 
 
+@pytest.mark.slow
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(st.tuples(OPS, st.booleans()), min_size=5, max_size=60))
 def test_random_histories_keep_the_books_balanced(tmp_path_factory, history):

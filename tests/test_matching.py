@@ -214,6 +214,7 @@ jobs_st = st.builds(
 )
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None)
 @given(offers_st, jobs_st)
 def test_placements_never_break_a_hard_constraint_and_are_optimal(offers, job):

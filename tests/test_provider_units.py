@@ -177,6 +177,7 @@ def _train(workdir: Path, steps: int, resume: str | None = None) -> None:
     assert r.returncode == 0, r.stderr
 
 
+@pytest.mark.slow
 def test_training_resumes_bitwise_from_a_checkpoint(tmp_path):
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
     _train(whole, 12)

@@ -142,6 +142,7 @@ def as_messages(report) -> None:
         pb.Receipt(metrics=report.metrics) if isinstance(report, Done) else None
 
 
+@pytest.mark.slow
 @settings(max_examples=400, deadline=None)
 @given(REPORTS)
 def test_no_report_a_job_can_write_raises_or_breaks_a_message(raw):
