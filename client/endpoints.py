@@ -28,7 +28,7 @@ def _state(state: int) -> str:
     return STATE_WORDS.get(state, state_name(state).lower())
 
 
-def _as_dict(message) -> dict:
+def as_dict(message) -> dict:
     return MessageToDict(message, preserving_proto_field_name=True)
 
 
@@ -57,7 +57,7 @@ async def create(market: Broker, job_file: Path, as_json: bool) -> None:
         resp = await broker.submit(seal(identity, build_spec(job, refs, now_ms())))
         ep = await broker.endpoint(resp.job_id, events=0)
     if as_json:
-        dump(_as_dict(ep))
+        dump(as_dict(ep))
         return
     click.echo(f"endpoint {ep.name} ({ep.job_id}) created: {ep.min_replicas} to"
                f" {ep.max_replicas} replicas")
@@ -74,7 +74,7 @@ async def list_(market: Broker, as_json: bool) -> None:
     async with market.client(load_identity()) as broker:
         found = await broker.endpoints()
     if as_json:
-        dump([_as_dict(e) for e in found])
+        dump([as_dict(e) for e in found])
         return
     table = Table(box=None)
     for col in ("name", "id", "state", "replicas", "in flight", "requests", "TTFT p50",
@@ -102,7 +102,7 @@ async def show(market: Broker, name: str, events: int, as_json: bool) -> None:
     async with market.client(load_identity()) as broker:
         e = await broker.endpoint(name, events)
     if as_json:
-        dump(_as_dict(e))
+        dump(as_dict(e))
         return
     load = e.load
     out.print(f"[bold]{e.name}[/bold] ({e.job_id})  {_state(e.state)}  task {e.task}"
@@ -150,7 +150,7 @@ async def key(market: Broker, name: str, key_id: str | None, as_json: bool) -> N
         if key_id:
             revoked = await broker.revoke_endpoint_key(name, key_id)
             if as_json:
-                dump(_as_dict(revoked))
+                dump(as_dict(revoked))
             else:
                 click.echo(f"key {revoked.key_id} revoked")
             return

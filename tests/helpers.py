@@ -393,6 +393,20 @@ class Marketplace:
 
         return json.loads(json.dumps(self.ask(get), sort_keys=True))
 
+    def endpoint(self, name: str, events: int = 200) -> dict:
+        """What `gpumarket endpoint show NAME --json --events N` prints, asked in-process."""
+        from gpumarket.client.endpoints import as_dict
+
+        if not self._in_process:
+            r = self.cli("endpoint", "show", name, "--json", "--events", str(events))
+            assert r.returncode == 0, r.stderr
+            return json.loads(r.stdout)
+
+        async def get(b):
+            return as_dict(await b.endpoint(name, events))
+
+        return json.loads(json.dumps(self.ask(get), sort_keys=True))
+
     def wait_state(self, job_id: str, *states: str, timeout: float = 240) -> dict:
         try:
             return wait_until(lambda: (j := self.job(job_id))["state"] in states and j,

@@ -128,8 +128,7 @@ max_tokens = 32
     assert r.returncode == 0, r.stderr
 
     def serving():
-        r = market.cli("endpoint", "show", "tiny", "--json", "--events", "200")
-        e = json.loads(r.stdout)
+        e = market.endpoint("tiny")
         assert e["state"] != "JOB_STATE_FAILED", e.get("error")    # one provider cannot
         return any(x.get("ready") for x in e.get("replicas", [])) and e
 

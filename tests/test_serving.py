@@ -58,9 +58,7 @@ def start(market: Marketplace, *extra: str) -> str:
 
 
 def show(market: Marketplace, name: str) -> dict:
-    r = market.cli("endpoint", "show", name, "--json", "--events", "200")
-    assert r.returncode == 0, r.stderr
-    return json.loads(r.stdout)
+    return market.endpoint(name)
 
 
 def ready_replicas(market: Marketplace, name: str, n: int, timeout: float = 180) -> dict:
