@@ -304,3 +304,57 @@ def test_a_client_cannot_buy_the_interruptible_price_with_standard_protection():
         kinds.check_tier(spec(tier=pb.TIER_INTERRUPTIBLE), kinds.get(pb.JOB_KIND_ENDPOINT))
     with pytest.raises(InvalidArgument, match="tier: unknown"):
         check_common(spec(tier=7))
+
+
+def test_a_job_file_says_its_tier(tmp_path):
+    from gpumarket.client import jobfile
+    from gpumarket.proto.errors import JobFileError
+    from tests.helpers import training_job
+
+    job = jobfile.load(training_job(tmp_path / "a.toml", extra='tier = "interruptible"'))
+    assert (job.tier, job.preemptible) == (pb.TIER_INTERRUPTIBLE, False)
+    assert jobfile.load(training_job(tmp_path / "b.toml")).tier == pb.TIER_UNSPECIFIED
+    for extra, said in (('tier = "spot"', "field 'tier' must be"),
+                        ('tier = "serving"', "field 'tier' must be"),
+                        ("preemptible = true", "'preemptible' is for tier")):
+        with pytest.raises(JobFileError, match=said):
+            jobfile.load(training_job(tmp_path / "c.toml", extra=extra))
+
+
+class Process:
+    def __init__(self):
+        self.asked, self.stopped, self.running = 0, [], True
+
+    def request_drain(self):
+        self.asked += 1
+
+    def alive(self):
+        return self.running
+
+    async def stop(self, reason):
+        self.stopped.append(reason)
+        self.running = False
+
+
+def test_a_preempted_job_is_asked_to_checkpoint_and_stopped_when_its_grace_is_over():
+    """The provider's side: the drain request (the runners' and task.should_stop's), then,
+    if the job has not stopped within the grace period, a stop; released either way."""
+    from gpumarket.provider.attempt import Attempt
+
+    async def scenario(stops: bool):
+        a = SimpleNamespace(preempted="", process=Process(), cancelled=False, _grace=None,
+                            _grace_stop=None, key=("j", 1))
+        a._grace_over = lambda: Attempt._grace_over(a)
+        Attempt.request_preempt(a, 0.2, "preempted by a standard job")
+        Attempt.request_preempt(a, 0.2, "again")          # asked once
+        assert a.process.asked == 1 and a.preempted == "preempted by a standard job"
+        assert Attempt.release_reason.fget(a) == "preempted by a standard job"
+        if stops:
+            a.process.running = False                     # it checkpointed and exited
+        await asyncio.sleep(0.5)
+        if a._grace_stop is not None:
+            await a._grace_stop
+        return a.process.stopped
+
+    assert asyncio.run(scenario(stops=True)) == []
+    assert asyncio.run(scenario(stops=False)) == ["preempted: its grace period is over"]
