@@ -358,3 +358,51 @@ def test_a_preempted_job_is_asked_to_checkpoint_and_stopped_when_its_grace_is_ov
 
     assert asyncio.run(scenario(stops=True)) == []
     assert asyncio.run(scenario(stops=False)) == ["preempted: its grace period is over"]
+
+
+# -- deadlines ---------------------------------------------------------------------------------
+
+def test_a_deadline_promotes_an_interruptible_job_only_once_its_slack_is_short():
+    from gpumarket.broker.market import deadlines
+
+    assert deadlines.remaining_s(1000, 250, 1000) == 750
+    assert deadlines.remaining_s(1000, 0, 0) == 1000        # steps unknown: all of it
+    assert not deadlines.due(2000, 1000)                    # 1000 x 1.5 + 60 < 2000
+    assert deadlines.due(1500, 1000)
+
+
+def test_the_scheduler_promotes_an_interruptible_job_near_its_deadline(tmp_path):
+    from gpumarket.broker.market import deadlines
+
+    store = Store(tmp_path / "broker.db")
+    store.open()
+    state = SimpleNamespace(store=store)
+
+    async def scenario():
+        from gpumarket.proto.jobspec import now_ms
+        await store.write(ledger.credit, "ca", 10**8, "client", "", "op", "k", 1)
+        # Work of 1e12 FLOPs at 1e9 FLOP/s claimed: 1000 s raw, ~3006 s calibrated (the CPU
+        # prior: 6 s + 3x): a day of slack is plenty, ten minutes is not.
+        for job_id, deadline in (("late", 600), ("easy", 86_400), ("none", 0)):
+            job = new_job(job_id, "ca", 20_000_000, True)
+            await store.write(jobs.submit, dataclasses.replace(job, needs=dataclasses.replace(
+                job.needs, tier="interruptible", deadline_s=deadline, work_flops=1e12)),
+                now_ms())
+        await store.write(jobs.create_lease, "late", "p1", [0], 0.4, now_ms(), 60_000, 10,
+                          sign)
+        book = Book([dataclasses.replace(offer("p1"), claimed_flops=1e9, flops=1e9)])
+        assert await deadlines.promote_due(state, book) == 1
+        assert await deadlines.promote_due(state, book) == 0      # once
+        late = await store.read(jobs.job_row, "late")
+        assert '"tier": "standard"' in late["needs"]
+        # Running, it is no longer a lease a standard job may take.
+        assert await store.read(rows.interruptible_leases, now_ms()) == []
+        events = await store.read(views.events_after, "late", 0)
+        assert events[-1].type == "promoted" and "before its deadline" in events[-1].message
+        for job_id in ("easy", "none"):
+            assert '"tier": "interruptible"' in (await store.read(jobs.job_row, job_id))["needs"]
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        store.close()

@@ -128,3 +128,31 @@ def overdue(db: Database, before_ms: int) -> list[tuple[str, str, int, str]]:
     return [tuple(r) for r in db.execute(
         "SELECT id, job_id, epoch, provider_id FROM leases WHERE state = 'active'"
         " AND preempt_for IS NOT NULL AND preempt_at_ms < ?", [before_ms]).fetchall()]
+
+
+def deadline_jobs(db: Database) -> list[dict]:
+    """Interruptible jobs with a deadline that have not ended (queued, leased or running):
+    the ones a deadline may promote."""
+    cur = db.execute(
+        "SELECT * FROM jobs WHERE state IN (?, ?, ?) AND NOT (parts > 0 AND part = 0)"
+        " AND json_extract(needs, '$.tier') = 'interruptible'"
+        " AND json_extract(needs, '$.deadline_s') > 0",
+        [pb.JOB_STATE_QUEUED, pb.JOB_STATE_LEASED, pb.JOB_STATE_RUNNING])
+    cols = [d[0] for d in cur.description]
+    return [dict(zip(cols, r)) for r in cur.fetchall()]
+
+
+def promote(db: Database, job_id: str, why: str, now: int) -> bool:
+    """Move an interruptible job to the standard tier (its deadline is near): from now on
+    its lease is not preempted, and its next lease pays the standard price. False if it is
+    not interruptible (any more)."""
+    job = jobs.job_row(db, job_id)
+    needs = json.loads(job["needs"])
+    if needs.get("tier") != "interruptible":
+        return False
+    needs["tier"] = "standard"
+    db.execute("UPDATE jobs SET needs = ? WHERE id = ?",
+               [json.dumps(needs, sort_keys=True), job_id])
+    jobs.append_event(db, job_id, "promoted", job["state"], job["attempt"], now,
+                      mirror=False, message=f"moved to the standard tier: {why}")
+    return True

@@ -15,6 +15,7 @@ from gpumarket.broker.checks import verification
 from gpumarket.broker.jobs import arrays
 from gpumarket.broker.jobs import transitions as jobs
 from gpumarket.broker.jobs import views
+from gpumarket.broker.market import deadlines
 from gpumarket.broker.market import matcher
 from gpumarket.broker.market import preemption
 from gpumarket.broker.market import providers
@@ -119,6 +120,8 @@ async def place_queued(state: BrokerState) -> int:
     if not queued:
         return 0
     book = await offer_book(state)
+    if await deadlines.promote_due(state, book):
+        queued = await store.read(views.queued_jobs, QUEUE_SCAN)   # their needs changed
     running = await store.read(views.running_by_client)
     reasons: dict[str, str] = {}
     blocked: list[tuple[dict, matcher.JobNeeds]] = []   # waiting for a device that fits
