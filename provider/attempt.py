@@ -110,6 +110,8 @@ class Attempt:
             else:
                 self.process = self.new_process(self.host.forks)
                 pid = await self.process.start()
+                if self.preempted:      # asked while it was starting: ask it now
+                    self.process.request_drain()
                 if self.engine is not None:
                     await self.engine.start()
                 await self.host.started(self, pid)
