@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-from tests.helpers import BIN, events
+from tests.helpers import BIN, events, training_job
 from tests.test_recovery import results, settled, submit, wait_checkpoint
 
 pytestmark = pytest.mark.e2e
@@ -22,9 +22,19 @@ INTERRUPTIBLE = 'tier = "interruptible"'
 def test_an_interruptible_job_yields_to_a_standard_one_and_resumes_exactly(market, tmp_path):
     market.start_provider("p1", 1.0)            # interruptible at 40 %: 0.4
     market.wait_for_offers(1)
-    # max_price 0.5: it can only run at the interruptible price.
-    low = submit(market, tmp_path / "low.toml", steps=STEPS, checkpoint_every=EVERY,
-                 max_price=0.5, extra=INTERRUPTIBLE)
+    r = market.cli("offers", "interruptible_price<=0.4", "--json")
+    assert r.returncode == 0, r.stderr
+    (row,) = json.loads(r.stdout)
+    assert (row["price"], row["interruptible_price"]) == (1.0, 0.4)
+    # max_price 0.5: it can only run at the interruptible price (as its quote says).
+    path = training_job(tmp_path / "low.toml", steps=STEPS, checkpoint_every=EVERY,
+                        max_price=0.5, extra=INTERRUPTIBLE)
+    r = market.cli("quote", str(path), "--json")
+    assert r.returncode == 0, r.stderr
+    (best, *_) = json.loads(r.stdout)["candidates"]
+    assert (best["price_per_gpu_hour"], best["standard_price_per_gpu_hour"]) == (0.4, 1.0)
+    low = submit(market, path, steps=STEPS, checkpoint_every=EVERY, max_price=0.5,
+                 extra=INTERRUPTIBLE)
     market.wait_state(low, "RUNNING")
     wait_checkpoint(market, low, EVERY)
     high = submit(market, tmp_path / "high.toml", steps=20, checkpoint_every=10)
