@@ -10,7 +10,6 @@ import dataclasses
 from types import SimpleNamespace
 
 import pytest
-
 from gpumarket import kinds
 from gpumarket.broker.jobs import preemption as rows
 from gpumarket.broker.jobs import transitions as jobs
@@ -25,6 +24,7 @@ from gpumarket.proto.errors import FailedPrecondition, InvalidArgument
 from gpumarket.proto.jobspec import check_common
 from gpumarket.proto.money import offer_prices
 from gpumarket.proto.v1 import types_pb2 as pb
+
 from tests.test_ledger import World, artifact, new_job, sign
 
 TRAIN = pb.JOB_KIND_TRAINING
@@ -282,8 +282,8 @@ def test_the_scheduler_preempts_for_a_waiting_standard_job_once(tmp_path):
 # -- what a spec may say -----------------------------------------------------------------------
 
 def spec(**fields) -> pb.JobSpec:
-    base = dict(kind=TRAIN, nonce=b"\0" * 16, resources=pb.Resources(gpus=1),
-                max_price_per_gpu_hour=1.0, created_at_ms=1, expires_at_ms=2)
+    base = {"kind": TRAIN, "nonce": b"\0" * 16, "resources": pb.Resources(gpus=1),
+            "max_price_per_gpu_hour": 1.0, "created_at_ms": 1, "expires_at_ms": 2}
     return pb.JobSpec(**{**base, **fields})
 
 
@@ -309,6 +309,7 @@ def test_a_client_cannot_buy_the_interruptible_price_with_standard_protection():
 def test_a_job_file_says_its_tier(tmp_path):
     from gpumarket.client import jobfile
     from gpumarket.proto.errors import JobFileError
+
     from tests.helpers import training_job
 
     job = jobfile.load(training_job(tmp_path / "a.toml", extra='tier = "interruptible"'))

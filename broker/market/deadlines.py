@@ -36,7 +36,7 @@ def due(left_s: float, remaining: float) -> bool:
 
 async def promote_due(state, book: matcher.Book) -> int:
     """Promote the interruptible jobs whose deadline is near (one pass); returns how many."""
-    from gpumarket.broker.market.scheduler import needs_of     # (the scheduler imports this)
+    from gpumarket.broker.market.scheduler import needs_of  # (the scheduler imports this)
 
     promoted = 0
     for row in await state.store.read(rows.deadline_jobs):
