@@ -15,6 +15,8 @@ class BrokerConfig:
     heartbeat_interval_s: float = 3.0      # what providers are told to send
     accept_within_s: float = 60.0          # a provider must accept a lease within this
     max_attempts: int = 5                  # leases a job may lose before it fails
+    preempt_grace_s: float = 60.0          # a preempted lease has this long to checkpoint
+                                           # and stop (then it ends PREEMPTED all the same)
     artifact_grace_s: float = 24 * 3600    # unreferenced blobs older than this are deleted
     gc_interval_s: float = 60.0            # how often to look for them
     max_artifact_bytes: int = 64 << 30     # largest blob accepted
@@ -103,6 +105,7 @@ data_dir = "/var/lib/gpumarket"    # broker.db, broker.key, artifacts/
 lease_timeout = 15.0               # seconds without heartbeats before a lease is lost
 heartbeat_interval = 3.0           # seconds between provider heartbeats
 max_attempts = 5                   # leases a job may lose before it fails
+preempt_grace = 60                 # seconds a preempted interruptible lease has to checkpoint
 artifact_grace = 86400.0           # seconds an unreferenced blob is kept
 max_artifact_gib = 64              # largest blob accepted, GiB
 # Key ids (`gpumarket keys show`) that may run the admin commands (providers, jobs, ban,
@@ -153,6 +156,7 @@ KEYS = {
     "lease_timeout": ("lease_timeout_s", float, None),
     "heartbeat_interval": ("heartbeat_interval_s", float, None),
     "max_attempts": ("max_attempts", int, None),
+    "preempt_grace": ("preempt_grace_s", float, None),
     "artifact_grace": ("artifact_grace_s", float, None),
     "max_artifact_gib": ("max_artifact_bytes", int, 2**30),
     "operators": ("operators", tuple, None),

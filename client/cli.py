@@ -27,14 +27,14 @@ from gpumarket.link.client import Broker, BrokerClient
 from gpumarket.client.watch import EXIT_BY_STATE, follow
 from gpumarket.proto.artifacts import write_atomically
 from gpumarket.proto.envelope import open_envelope, seal
-from gpumarket.proto.money import fmt
+from gpumarket.proto.money import fmt, offer_prices
 from gpumarket.proto.present import job_dict, short
 from gpumarket.proto.errors import (
     BadSignature, FailedPrecondition, GpumarketError, InsufficientFunds,
 )
 from gpumarket.proto.identity import Identity, home_dir
 from gpumarket.proto.jobspec import (
-    ACCELERATOR_NAMES, NONCE_BYTES, STATES_BY_NAME,
+    ACCELERATOR_NAMES, NONCE_BYTES, STATES_BY_NAME, TIER_NAMES,
     kind_name, now_ms, state_name,
 )
 from gpumarket.proto.v1 import marketplace_pb2 as mp
@@ -135,7 +135,7 @@ def build_spec(job: jobfile.JobFile, refs: list[pb.ArtifactRef], created_ms: int
         max_price_per_gpu_hour=job.max_price, inputs=refs, max_runtime_s=job.max_runtime_s,
         max_attempts=job.max_attempts, nonce=os.urandom(NONCE_BYTES),
         budget=job.budget, min_provider_stake=job.min_provider_stake,
-        verify_rate=job.verify_rate,
+        verify_rate=job.verify_rate, tier=job.tier, preemptible=job.preemptible,
         created_at_ms=created_ms, expires_at_ms=created_ms + job.expires_in_s * 1000,
     )
     kinds.get(job.kind).write(spec, job.params)
@@ -451,7 +451,8 @@ def offer_row(listing: mp.OfferListing, offer: pb.Offer) -> dict:
         "tflops": round(min(x.benchmark.matmul_flops for x in devices) / 1e12, 3),
         "bandwidth": round(min(x.benchmark.memory_bandwidth_bytes_per_s
                                for x in devices) / 1e9, 1),
-        "price": max([offer.price_per_gpu_hour, *(x.price_per_hour for x in devices)]),
+        "price": offer_prices(offer)[0],
+        "interruptible_price": round(offer_prices(offer)[1], 6),
         "reliability": round(listing.reliability, 3),
         "mtbf_h": round(listing.mtbf_s / 3600, 2),
         "uptime": round(listing.uptime_7d, 3),
@@ -521,13 +522,15 @@ async def offers(market: Broker, query_text: str, sort_by: str, list_fields: boo
         dump([{**row, "offer": MessageToDict(o, preserving_proto_field_name=True)}
                for row, o in rows])
         return
-    table = Table("devices", "accel", "GiB/dev", "TFLOP/s", "figures", "price/h", "free",
+    table = Table("devices", "accel", "GiB/dev", "TFLOP/s", "figures", "price/h",
+                  "interruptible/h", "free",
                   "reliability", "MTBF h", "checked", "kinds", "limits")
     table.add_column("provider", no_wrap=True)
     for row, _ in rows:
         table.add_row(f"{row['gpus']}× {row['gpu_name']}", row["accelerator"],
                       f"{row['gpu_ram']:g}", f"{row['tflops']:.3g}", row["figures"],
-                      f"{row['price']:g}", str(row["free_gpus"]), f"{row['reliability']:.2f}",
+                      f"{row['price']:g}", f"{row['interruptible_price']:g}",
+                      str(row["free_gpus"]), f"{row['reliability']:.2f}",
                       f"{row['mtbf_h']:.1f}", f"{row['check_rate']:.0%}", ",".join(row["kind"]),
                       row["limits"], short(row["provider"]))
     out.print(table)
@@ -570,11 +573,14 @@ async def quote(market: Broker, job_file: Path, limit: int, as_json: bool) -> No
     if resp.estimated_memory_bytes or resp.work_flops:
         out.print(f"job needs about {resp.estimated_memory_bytes / 2**30:.2f} GiB per device and"
                   f" {resp.work_flops:.3g} FLOPs of work")
-    table = Table("gpu", "price/h", "runtime", "expected", "wall time", "cost",
-                  "P(no interruption)", "reliability", "free")
+    tier = TIER_NAMES.get(spec.tier, "standard")
+    table = Table("gpu", f"price/h ({tier})", "standard/h", "interruptible/h", "runtime",
+                  "expected", "wall time", "cost", "P(no interruption)", "reliability", "free")
     table.add_column("provider", no_wrap=True)
     for c in resp.candidates:
-        table.add_row(c.gpu_name, f"{c.price_per_gpu_hour:g}", _duration(c.runtime_s),
+        table.add_row(c.gpu_name, f"{c.price_per_gpu_hour:g}",
+                      f"{c.standard_price_per_gpu_hour:g}",
+                      f"{c.interruptible_price_per_gpu_hour:g}", _duration(c.runtime_s),
                       _duration(c.expected_s), _duration(c.estimated_s),
                       f"{c.expected_cost:.4g}", f"{c.p_uninterrupted:.1%}",
                       f"{c.reliability:.2f}", str(c.free_devices), short(c.provider_id))

@@ -23,6 +23,7 @@ from gpumarket.proto.jobspec import (
     ACCELERATORS_BY_NAME, MAX_CREDITS, MAX_PRICE, OBJECTIVES_BY_NAME,
 )
 from gpumarket.proto.money import units
+from gpumarket.proto.v1 import types_pb2 as pb
 
 DEFAULT_EXPIRY_S = 24 * 3600
 # The top-level numbers' ranges: what the spec's fields hold and the broker accepts.
@@ -36,7 +37,7 @@ TOP = {
     "objective": (str, False), "deadline": ("duration", False),
     "min_reliability": (float, False), "resources": (dict, False),
     "budget": (float, False), "min_provider_stake": (float, False),
-    "verify": ("verify", False),
+    "verify": ("verify", False), "tier": (str, False), "preemptible": (bool, False),
 }   # and one table, named after the kind, of the kind's own fields (gpumarket.kinds)
 RESOURCES = {"gpus": (int, False), "memory": ("size", False), "accelerator": (str, False),
              "compute_capability": ("version", False), "gpu_models": ("strings", False)}
@@ -80,6 +81,30 @@ class JobFile:
     verify_rate: float = 0.0        # share of segments checked at least; 0 = the broker's rate
     array_count: int = 0            # a job array: its tasks (one per line of tasks.jsonl) ...
     array_per_lease: int = 0        # ... and the most one lease runs (0: the broker's choice)
+    tier: int = 0                   # TIER_*: standard (UNSPECIFIED) or interruptible
+    preemptible: bool = False       # interruptible without checkpoints: restarts accepted
+
+
+def parse_tier(raw: dict, kind: kinds.Kind, file: str) -> tuple[int, bool]:
+    """``tier`` ("standard", the default, or "interruptible": cheaper, and a job of a
+    higher tier may preempt it) and ``preemptible`` (an interruptible job of a kind that
+    cannot checkpoint accepts restarts from the start), as the spec's values."""
+    name = raw.get("tier", "standard")
+    if name not in ("standard", "interruptible"):
+        raise JobFileError(f"{file}: field 'tier' must be \"standard\" or \"interruptible\""
+                           f" (an endpoint is always served at the serving tier), got {name!r}")
+    preemptible = raw.get("preemptible", False)
+    if preemptible and name != "interruptible":
+        raise JobFileError(f"{file}: field 'preemptible' is for tier = \"interruptible\" only")
+    if kind.serves and name != "standard":
+        raise JobFileError(f"{file}: field 'tier': an endpoint is always served at the"
+                           " serving tier")
+    if name == "interruptible" and not kind.checkpoints and not preemptible:
+        raise JobFileError(f"{file}: field 'tier': a {kind.name} job cannot checkpoint, so a"
+                           " preemption restarts it from the start: set preemptible = true to"
+                           " accept that, or use tier = \"standard\"")
+    tier = pb.TIER_INTERRUPTIBLE if name == "interruptible" else pb.TIER_UNSPECIFIED
+    return tier, bool(preemptible)
 
 
 def parse_verify(value: Any, where: str) -> float:
@@ -232,6 +257,7 @@ def load(path: Path) -> JobFile:
                                " credits")
         money[key] = value
     verify_rate = parse_verify(raw.get("verify", "auto"), f"{file}: field 'verify'")
+    tier, preemptible = parse_tier(raw, kind, file)
     min_rel = float(raw.get("min_reliability", 0.0))
     if not 0 <= min_rel <= 1:
         raise JobFileError(f"{file}: field 'min_reliability' must be between 0 and 1")
@@ -265,6 +291,7 @@ def load(path: Path) -> JobFile:
         params_field=kind_text,
         params=params,
         inputs=tuple(inputs),
+        tier=tier, preemptible=preemptible,
         array_count=array.count if array else 0,
         array_per_lease=array.per_lease if array else 0,
     )

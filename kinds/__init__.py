@@ -101,6 +101,22 @@ def values_of(spec: pb.JobSpec) -> dict[str, Any]:
         raise InvalidArgument(str(exc)) from exc
 
 
+def check_tier(spec: pb.JobSpec, kind: Kind) -> None:
+    """Raise InvalidArgument unless the spec's tier suits its kind: an endpoint is served at
+    the serving tier (and only an endpoint); an interruptible job of a kind that cannot
+    checkpoint must accept restarts (``preemptible``), or it would buy the interruptible
+    price with a standard job's protection."""
+    if kind.serves and spec.tier not in (pb.TIER_UNSPECIFIED, pb.TIER_SERVING):
+        raise InvalidArgument("tier: an endpoint's replicas are always of the serving tier")
+    if not kind.serves and spec.tier == pb.TIER_SERVING:
+        raise InvalidArgument("tier: serving is the tier of endpoints (a job is standard or"
+                              " interruptible)")
+    if spec.tier == pb.TIER_INTERRUPTIBLE and not kind.checkpoints and not spec.preemptible:
+        raise InvalidArgument(f"tier: a {kind.name} job cannot checkpoint, so a preemption"
+                              " restarts it from the start: say preemptible = true to accept"
+                              " that, or use tier standard")
+
+
 def check_spec(spec: pb.JobSpec) -> dict[str, Any]:
     """Raise InvalidArgument naming the first field that makes ``spec`` unrunnable (its
     common fields, then its kind's parameters); return the parameters."""
@@ -108,6 +124,7 @@ def check_spec(spec: pb.JobSpec) -> dict[str, Any]:
         raise InvalidArgument("kind: not set to a known job kind")
     jobspec.check_common(spec)
     kind = get(spec.kind)
+    check_tier(spec, kind)
     values = values_of(spec)
     try:
         kind.check(values, {ref.name for ref in spec.inputs})

@@ -32,6 +32,8 @@ class Kind:
                                       # checkpoints), "rows", "frames"; "" = not checked
     serves: bool = False              # a long-lived service: its replicas are child jobs, its
                                       # engine talks over the runner's stdin (the endpoint)
+    checkpoints: bool = False         # its runner checkpoints (on a drain or preemption too)
+                                      # and resumes from there: it may run interruptible
 
     # -- parameters ---------------------------------------------------------------------
 

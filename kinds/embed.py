@@ -48,6 +48,7 @@ class Embed(Inference):
 KIND = Embed(
     name="embed", number=pb.JOB_KIND_EMBED, proto_field="embed",
     runner="gpumarket.provider.runners.embed", sizing="inference", verify="rows",
+    checkpoints=True,
     params=model_params() + (
         Param("texts", "file", required=True, input_name="texts.jsonl",
               doc='JSONL, one {"text": ...} object per line'),

@@ -33,6 +33,7 @@ class Generate(Inference):
 KIND = Generate(
     name="generate", number=pb.JOB_KIND_GENERATE, proto_field="generate",
     runner="gpumarket.provider.runners.generate", sizing="inference", verify="rows",
+    checkpoints=True,
     params=model_params() + (
         Param("prompts", "file", required=True, input_name="prompts.jsonl",
               doc='JSONL, one {"prompt": ...} object per line'),

@@ -114,6 +114,7 @@ def png_pixels(path: Path) -> Any:
 KIND = Render(
     name="render", number=pb.JOB_KIND_RENDER, proto_field="render",
     runner="gpumarket.provider.runners.render", provider_engine="cycles", verify="frames",
+    checkpoints=True,
     params=(
         Param("scene", "file", required=True, input_name="scene.blend", suffix=".blend",
               doc="a .blend file"),

@@ -25,7 +25,7 @@ class Script(Kind):
 
 KIND = Script(
     name="script", number=pb.JOB_KIND_SCRIPT, runner="gpumarket.provider.runners.script",
-    warm=True, opt_in=True,
+    warm=True, opt_in=True, checkpoints=True,
     params=(
         Param("code", "file_or_dir", required=True, input_name="code.tar",
               doc="a .py file, or a directory (sent as a tar) holding the entry point"),

@@ -115,6 +115,7 @@ def _tar_hashes(path: Path) -> dict[str, str]:
 KIND = Training(
     name="training", number=pb.JOB_KIND_TRAINING, proto_field="training",
     runner="gpumarket.provider.runners.training", warm=True, sizing="training", verify="replay",
+    checkpoints=True,
     params=(
         Param("model_config", "file", input_name="model_config.json",
               doc="a transformers config.json: train from scratch"),

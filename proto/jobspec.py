@@ -53,6 +53,13 @@ OBJECTIVE_NAMES = {
     types_pb2.OBJECTIVE_DEADLINE: "deadline",
 }
 OBJECTIVES_BY_NAME = {v: k for k, v in OBJECTIVE_NAMES.items() if k}
+TIER_NAMES = {
+    types_pb2.TIER_UNSPECIFIED: "standard",
+    types_pb2.TIER_STANDARD: "standard",
+    types_pb2.TIER_INTERRUPTIBLE: "interruptible",
+    types_pb2.TIER_SERVING: "serving",
+}
+TIERS_BY_NAME = {v: k for k, v in TIER_NAMES.items() if k}
 TERMINAL_STATES = frozenset(
     {types_pb2.JOB_STATE_SUCCEEDED, types_pb2.JOB_STATE_FAILED, types_pb2.JOB_STATE_CANCELLED}
 )
@@ -64,6 +71,12 @@ def now_ms() -> int:
 
 def kind_name(kind: int) -> str:
     return KIND_NAMES.get(kind, "unspecified")
+
+
+def tier_name(spec: types_pb2.JobSpec) -> str:
+    """The spec's tier by name: "standard", "interruptible" or "serving" (an endpoint's
+    replicas are always serving, whatever the spec says: kinds.check_spec refuses another)."""
+    return TIER_NAMES.get(spec.tier, "standard")
 
 
 def state_name(state: int) -> str:
@@ -99,6 +112,10 @@ def check_common(spec: types_pb2.JobSpec) -> None:
         raise InvalidArgument("resources.accelerator: unknown accelerator")
     if spec.objective not in OBJECTIVE_NAMES:
         raise InvalidArgument("objective: unknown objective")
+    if spec.tier not in TIER_NAMES:
+        raise InvalidArgument("tier: unknown tier (standard, interruptible)")
+    if spec.preemptible and spec.tier != types_pb2.TIER_INTERRUPTIBLE:
+        raise InvalidArgument("preemptible: only an interruptible job may be preempted")
     if spec.objective == types_pb2.OBJECTIVE_DEADLINE and not spec.deadline_s:
         raise InvalidArgument("deadline: the deadline objective needs a deadline")
     if not 0 <= spec.min_reliability <= 1:

@@ -30,3 +30,17 @@ def parse_credits(text: str) -> int:
     if not value.is_finite() or value <= 0 or value != value.to_integral_value():
         raise ValueError(f"{text!r}: a positive amount of credits with at most six decimals")
     return int(value)
+
+
+def offer_prices(offer) -> tuple[float, float]:
+    """(standard, interruptible): credits per device-hour a lease pays on a signed Offer at
+    each tier (serving pays standard). Standard is the highest of the offer's and its
+    devices' own prices; interruptible is the offer's interruptible share of its price
+    applied to that, never more (an offer without one, 0, sells interruptible at standard)."""
+    standard = max([offer.price_per_gpu_hour, *(d.price_per_hour for d in offer.devices)])
+    asked = offer.interruptible_price_per_gpu_hour
+    if asked <= 0:
+        return standard, standard
+    if offer.price_per_gpu_hour <= 0:
+        return standard, min(asked, standard)
+    return standard, standard * min(1.0, asked / offer.price_per_gpu_hour)

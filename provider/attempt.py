@@ -69,6 +69,9 @@ class Attempt:
                                         host, self.update, self.sign)   # an array's tasks
         self.yield_asked = False            # the broker asked the lease to yield ...
         self.yield_sent = False             # ... and the runner was told
+        self.preempted = ""                 # why the broker preempted this lease, if it did
+        self._grace: asyncio.TimerHandle | None = None
+        self._grace_stop: asyncio.Task | None = None
 
     @property
     def key(self) -> tuple[str, int]:
@@ -102,11 +105,13 @@ class Attempt:
             resumed_from = await self.prepare()
             if self.cancelled:
                 return
-            if self.host.draining:
-                final = self.update(released=gw.JobReleased(reason="provider is draining"))
+            if self.host.draining or self.preempted:
+                final = self.update(released=gw.JobReleased(reason=self.release_reason))
             else:
                 self.process = self.new_process(self.host.forks)
                 pid = await self.process.start()
+                if self.preempted:      # asked while it was starting: ask it now
+                    self.process.request_drain()
                 if self.engine is not None:
                     await self.engine.start()
                 await self.host.started(self, pid)
@@ -204,12 +209,15 @@ class Attempt:
             self.checkpoints.cancel()
             log.info("job %s succeeded in %.1fs", job_id, outcome.wall_seconds)
             return self.update(receipt=await self.receipt(outcome.done, outcome.wall_seconds))
-        if outcome.drained or self.host.draining:
-            # Also a job that died of the drain request itself: it resumes elsewhere from
-            # its last uploaded checkpoint rather than failing.
+        if outcome.drained or self.host.draining or self.preempted:
+            # Also a job that died of the drain request itself (or was stopped when its
+            # preemption's grace ran out): it resumes elsewhere from its last uploaded
+            # checkpoint rather than failing.
             await self.checkpoints.finish()
-            log.info("job %s drained at step %d", job_id, self.checkpoints.uploaded_step)
-            return self.update(released=gw.JobReleased(reason="provider is draining"))
+            log.info("job %s %s at step %d", job_id,
+                     "preempted" if self.preempted else "drained",
+                     self.checkpoints.uploaded_step)
+            return self.update(released=gw.JobReleased(reason=self.release_reason))
         self.checkpoints.cancel()
         log.warning("job %s failed: %s", job_id, outcome.error)
         return self.update(failed=self.failure(outcome.error, outcome.exit_code, ran=True))
@@ -284,11 +292,36 @@ class Attempt:
     async def stop(self, reason: str) -> None:
         """Stop the job for good (cancelled by the broker, or the daemon is stopping)."""
         self.cancelled = True
+        if self._grace is not None:
+            self._grace.cancel()
         if self.process is not None:
             await self.process.stop(reason)
         if self.task is not None and not self.task.done():
             self.task.cancel()
         self.checkpoints.cancel()
+
+    @property
+    def release_reason(self) -> str:
+        return self.preempted or "provider is draining"
+
+    def request_preempt(self, grace_s: float, reason: str) -> None:
+        """The broker preempts this interruptible lease: the job is asked to checkpoint
+        and stop, as in a drain (its runner, or the script's task.should_stop, sees the
+        same request); one that has not stopped after ``grace_s`` is stopped, and the lease
+        is released all the same, from its last uploaded checkpoint."""
+        if self.preempted:
+            return
+        self.preempted = reason
+        if self.process is not None:
+            self.process.request_drain()
+        self._grace = asyncio.get_running_loop().call_later(grace_s, self._grace_over)
+
+    def _grace_over(self) -> None:
+        if self.process is not None and not self.cancelled and self.process.alive():
+            log.warning("job %s did not stop within its preemption's grace; stopping it",
+                        self.key[0])
+            self._grace_stop = asyncio.create_task(
+                self.process.stop("preempted: its grace period is over"))
 
     def request_drain(self) -> None:
         if self.engine is not None:

@@ -47,7 +47,11 @@ def cli() -> None:
               "key seen first is trusted and remembered in DATA_DIR/known_brokers.")
 @click.option("--data-dir", type=click.Path(file_okay=False, path_type=Path),
               help="Directory for the provider key, benchmark cache and job work dirs.")
-@click.option("--price", type=float, help="Price per device-hour, in credits (default 1.0).")
+@click.option("--price", type=float, help="Price per device-hour, in credits (default 1.0): "
+              "what standard jobs and endpoint replicas pay.")
+@click.option("--interruptible-price", type=float,
+              help="Price per device-hour of an interruptible lease, one a job of a higher "
+                   "tier may preempt (default: 40% of --price).")
 @click.option("--cpu-only", is_flag=True, help="Offer the CPU even where GPUs are present.")
 @click.option("--cpu-devices", type=click.IntRange(1, 64),
               help="Offer the CPU as this many devices, each an equal share (default 1).")
@@ -63,7 +67,8 @@ def cli() -> None:
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
 def run(config_file: Path | None, broker: str | None, broker_key: str | None,
-        data_dir: Path | None, price: float | None, cpu_only: bool, cpu_devices: int | None,
+        data_dir: Path | None, price: float | None, interruptible_price: float | None,
+        cpu_only: bool, cpu_devices: int | None,
         models_dir: Path | None, max_runtime: int | None, kind_names: str | None,
         no_warm: bool, log_level: str) -> None:
     """Connect to a broker, advertise this machine, and run leased jobs until SIGTERM
@@ -78,6 +83,7 @@ def run(config_file: Path | None, broker: str | None, broker_key: str | None,
         sys.exit(1)
     for key, value in (("broker", broker), ("broker_key", broker_key), ("data_dir", data_dir),
                        ("price_per_gpu_hour", price), ("max_runtime_s", max_runtime),
+                       ("interruptible_price_per_gpu_hour", interruptible_price),
                        ("cpu_devices", cpu_devices), ("models_path", models_dir)):
         if value is not None:
             settings[key] = value
@@ -96,7 +102,14 @@ def run(config_file: Path | None, broker: str | None, broker_key: str | None,
         raise click.UsageError("give --data-dir (or data_dir in --config)")
     if settings.get("price_per_gpu_hour", 0) < 0:
         raise click.BadParameter("must not be negative", param_hint="--price")
+    if (settings.get("interruptible_price_per_gpu_hour") or 0) < 0:
+        raise click.BadParameter("must not be negative", param_hint="--interruptible-price")
     config = provider_config.build(settings)
+    if config.interruptible_price > config.price_per_gpu_hour:
+        raise click.BadParameter(
+            f"{config.interruptible_price:g} is more than the standard price"
+            f" {config.price_per_gpu_hour:g}: an interruptible lease may be preempted, so it"
+            " costs at most that", param_hint="--interruptible-price")
     # What the daemon writes (its key, journal, cache) is its own, however started; what a
     # job must read is opened to it explicitly (executor.hand_over).
     os.umask(0o077)

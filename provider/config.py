@@ -21,7 +21,9 @@ EXAMPLE = """\
 # broker = "broker.example.org:7070"   # TLS; plaintext://127.0.0.1:7070 for a loopback test
 # broker_key = "…"               # the broker's key id (its operator tells you); without it the
 #                                # key seen first is trusted and kept in DATA_DIR/known_brokers
-price_per_gpu_hour = 1.20        # credits per device-hour
+price_per_gpu_hour = 1.20        # credits per device-hour (standard and serving leases)
+# interruptible_price_per_gpu_hour = 0.48  # credits per device-hour of an interruptible lease
+#                                # (one a higher tier may preempt); default: 40 % of the price
 kinds = ["training", "generate", "embed", "render"]  # render needs bpy; "script" (the
 #                                # client's own Python, sandboxed) runs only if named here
 max_job_hours = 24               # longest job accepted
@@ -47,8 +49,15 @@ deny_clients = []
 """
 
 KEYS = {"broker", "broker_key", "data_dir", "price_per_gpu_hour", "kinds", "max_job_hours",
+        "interruptible_price_per_gpu_hour",
         "allow_clients", "deny_clients", "availability", "devices", "cpu_devices", "models_dir",
         "allow_remote_code", "isolate", "job_disk_gib", "unisolated_code", "job_uids"}
+
+
+# An interruptible lease's price, unless the provider sets one: this share of the standard
+# price. It may be preempted (its job resumes elsewhere from its last checkpoint, and the
+# work since then is the provider's loss), so it sells for less.
+INTERRUPTIBLE_SHARE = 0.4
 
 
 @dataclass(frozen=True)
@@ -56,7 +65,10 @@ class ProviderConfig:
     broker: str                          # broker gRPC address HOST:PORT
     data_dir: Path                       # key, journal, benchmark cache, job work dirs
     broker_key: str = ""                 # the broker key id to accept; "" = trust on first use
-    price_per_gpu_hour: float = 1.0      # credits per device-hour
+    price_per_gpu_hour: float = 1.0      # credits per device-hour (standard and serving)
+    # credits per device-hour of an interruptible lease; None = INTERRUPTIBLE_SHARE of the
+    # standard price (``interruptible_price``)
+    interruptible_price_per_gpu_hour: float | None = None
     max_runtime_s: int = 24 * 3600       # longest a job may run (the policy's cap too)
     cancel_grace_s: float = 10.0         # SIGTERM, then SIGKILL after this
     drain_timeout_s: float = 120.0       # longest a drain waits for jobs to checkpoint and stop
@@ -76,6 +88,13 @@ class ProviderConfig:
     kinds: frozenset[int] = frozenset()  # kinds accepted; empty = every kind it knows
     policy: Policy = field(default_factory=Policy)  # clients and hours served
     device_prices: dict[int, float] = field(default_factory=dict)  # per device index
+
+    @property
+    def interruptible_price(self) -> float:
+        """Credits per device-hour of an interruptible lease (what the offer says)."""
+        if self.interruptible_price_per_gpu_hour is None:
+            return round(self.price_per_gpu_hour * INTERRUPTIBLE_SHARE, 6)
+        return self.interruptible_price_per_gpu_hour
 
     @property
     def key_path(self) -> Path:
@@ -148,6 +167,12 @@ def load(path: Path) -> dict[str, Any]:
         if not isinstance(price, (int, float)) or price < 0:
             raise InvalidArgument(f"{file}: price_per_gpu_hour must be a number >= 0")
         out["price_per_gpu_hour"] = float(price)
+    if "interruptible_price_per_gpu_hour" in raw:
+        price = raw["interruptible_price_per_gpu_hour"]
+        if not isinstance(price, (int, float)) or isinstance(price, bool) or price < 0:
+            raise InvalidArgument(f"{file}: interruptible_price_per_gpu_hour must be a number"
+                                  " >= 0")
+        out["interruptible_price_per_gpu_hour"] = float(price)
     if "kinds" in raw:
         out.update(kinds_setting(_list_of_str(raw, "kinds", file), f"{file}: kinds"))
     if "models_dir" in raw:

@@ -32,6 +32,8 @@ from gpumarket.provider.session import BrokerSession
 
 log = logging.getLogger(__name__)
 
+MAX_PREEMPT_GRACE_S = 600.0     # the longest a preempted job is given to checkpoint
+
 
 class ProviderDaemon:
     def __init__(self, config: ProviderConfig, identity: Identity, devices: list[DeviceInfo],
@@ -143,6 +145,23 @@ class ProviderDaemon:
             log.info("job %s yields after its current task: %s", request.job_id,
                      request.reason)
             job.request_yield()
+
+    def on_preempt(self, request: gw.PreemptLease) -> None:
+        """A job of a higher tier needs the devices of this interruptible lease: the job
+        checkpoints now and stops (as in a drain), within the grace period the broker gives
+        (at most MAX_PREEMPT_GRACE_S), and the lease is released (the broker ends it
+        PREEMPTED; the job resumes elsewhere from that checkpoint)."""
+        job = self.jobs.get(request.job_id)
+        if job is None or job.key[1] != request.epoch or job.key in self.stopping_jobs:
+            return
+        if job.assignment.spec.tier != pb.TIER_INTERRUPTIBLE:
+            log.warning("broker asked job %s, not interruptible, to yield; ignored",
+                        request.job_id)
+            return
+        grace = min(float(request.grace_s) or MAX_PREEMPT_GRACE_S, MAX_PREEMPT_GRACE_S)
+        log.info("job %s preempted (%s): checkpoint within %.0fs, then release",
+                 request.job_id, request.reason[:200], grace)
+        job.request_preempt(grace, request.reason[:200] or "preempted")
 
     async def on_settled(self, settled: gw.UpdateSettled) -> None:
         key = (settled.job_id, settled.epoch)

@@ -44,6 +44,7 @@ def build_offer(config: ProviderConfig, identity: Identity, devices: list[Device
         provider_id=identity.id,
         devices=messages,
         price_per_gpu_hour=config.price_per_gpu_hour,
+        interruptible_price_per_gpu_hour=config.interruptible_price,
         kinds=sorted(kinds),
         engines=sorted(engines),
         models=sorted(local_models(config.models_dir)),

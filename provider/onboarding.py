@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass
 
 from gpumarket.proto.jobspec import ACCELERATOR_NAMES
+from gpumarket.provider.config import INTERRUPTIBLE_SHARE
 from gpumarket.provider.inventory import DeviceInfo
 
 CPU_ALLOCATION_BYTES = 1 << 30      # the CPU device's self-test allocates this much, not "most"
@@ -79,6 +80,8 @@ def config_text(devices: list[DeviceInfo], broker: str, data_dir: str, price: fl
         f'broker = "{broker}"' if broker else '# broker = "broker.example.org:7070"',
         f'data_dir = "{data_dir}"',
         f"price_per_gpu_hour = {price}        # credits per device-hour",
+        (f"# interruptible_price_per_gpu_hour = {round(price * INTERRUPTIBLE_SHARE, 6)}"
+         "  # a lease that may be preempted (default: this)"),
         'kinds = ["training", "generate", "embed", "render"]  # render needs bpy',
         "max_job_hours = 24               # longest job accepted",
         "allow_clients = []               # client ids; empty = everyone not denied",

@@ -21,6 +21,7 @@ from gpumarket.broker.api.sessions import CHUNKS_PER_S, ProviderSession
 from gpumarket.broker.checks import verdicts
 from gpumarket.broker.jobs import arrays
 from gpumarket.broker.jobs import logs
+from gpumarket.broker.jobs import preemption
 from gpumarket.broker.jobs import transitions as jobs
 from gpumarket.broker.market import providers
 from gpumarket.broker.serving import endpoints
@@ -65,6 +66,8 @@ def check_offer(offer: pb.Offer, signer: str) -> None:
         raise InvalidArgument("offer.devices: device indices repeat")
     if not offer.price_per_gpu_hour >= 0:
         raise InvalidArgument("offer.price_per_gpu_hour: must not be negative")
+    if not offer.interruptible_price_per_gpu_hour >= 0:
+        raise InvalidArgument("offer.interruptible_price_per_gpu_hour: must not be negative")
     if not offer.kinds:
         raise InvalidArgument("offer.kinds: an offer needs at least one job kind")
     if len(offer.models) > 1024 or any(not NAME_RE.match(m) for m in offer.models):
@@ -261,7 +264,7 @@ class ProviderGatewayServicer(gateway_pb2_grpc.ProviderGatewayServicer):
                         update.job_id, update.epoch, pid,
                         "paused: the job's hold is spent (its client can top it up)")
             elif which == "released":
-                await store.write(jobs.release, update.job_id, update.epoch, pid,
+                await store.write(preemption.release, update.job_id, update.epoch, pid,
                                   update.released.reason[:500] or "released by provider", now)
             elif which == "failed":
                 ran, error, tail = await self._failure(pid, update)

@@ -307,7 +307,9 @@ class MarketplaceServicer(marketplace_pb2_grpc.MarketplaceServicer):
                 uptime_7d=h.uptime_window_s / h.window_s if h.window_s else 0.0,
                 figures=judged.status, figures_detail=judged.detail,
                 check_rate=checked.get(offer.provider_id, (verification.rate(0), 0, 0))[0],
-                checks_passed=checked.get(offer.provider_id, (1.0, 0, 0))[1]))
+                checks_passed=checked.get(offer.provider_id, (1.0, 0, 0))[1],
+                standard_price_per_gpu_hour=offers.offer_price(offer),
+                interruptible_price_per_gpu_hour=offers.interruptible_price(offer)))
         return mp.SearchOffersResponse(offers=out)
 
     @unary
@@ -330,7 +332,10 @@ class MarketplaceServicer(marketplace_pb2_grpc.MarketplaceServicer):
         for t in timed[:min(request.limit or 5, 50)]:
             c = t.estimate
             i = book.index[c.provider_id]
+            o = book.offers[i]
             out.candidates.append(mp.QuoteCandidate(
+                standard_price_per_gpu_hour=o.price("standard"),
+                interruptible_price_per_gpu_hour=o.price("interruptible"),
                 provider_id=c.provider_id, gpu_name=book.offers[i].gpu_name,
                 price_per_gpu_hour=c.price_per_gpu_hour, runtime_s=c.runtime_s,
                 expected_s=c.expected_s, expected_cost=c.expected_cost,

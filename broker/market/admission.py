@@ -11,7 +11,7 @@ from gpumarket import kinds
 from gpumarket.broker.config import BrokerConfig
 from gpumarket.broker.market.estimates import JobEstimate
 from gpumarket.proto.envelope import payload_sha256
-from gpumarket.proto.jobspec import OBJECTIVE_NAMES
+from gpumarket.proto.jobspec import OBJECTIVE_NAMES, tier_name
 from gpumarket.proto.v1 import types_pb2 as pb
 
 MAX_ATTEMPTS = 100
@@ -40,6 +40,8 @@ class Needs:
     checkpoint_every: int = 0           # the job's own checkpoint cadence; 0 = the broker's
     min_stake: int = 0                  # units its provider must have staked
     verify_rate: float = 0.0            # share of segments to check at least (verify)
+    tier: str = "standard"              # "standard", "interruptible" or "serving" (endpoints)
+    preemptible: bool = False           # interruptible without checkpoints: restarts accepted
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -93,7 +95,8 @@ def needs(spec: pb.JobSpec, values: dict, estimate: JobEstimate) -> Needs:
         max_runtime_s=spec.max_runtime_s, engine=kind.engine(values),
         model_name=kind.model_name(values),
         model_sha256=next((i.sha256 for i in spec.inputs if model and i.name == model), ""),
-        remote_code=kind.remote_code(values), checkpoint_every=kind.checkpoint_every(values))
+        remote_code=kind.remote_code(values), checkpoint_every=kind.checkpoint_every(values),
+        tier="serving" if kind.serves else tier_name(spec), preemptible=spec.preemptible)
 
 
 def admit(envelope: pb.Envelope, spec: pb.JobSpec, client_id: str, values: dict,

@@ -16,6 +16,11 @@ the best are equivalent; among them the least loaded provider wins, so work spre
 A provider that already holds the job's model archive in its cache (a warm cache) wins over
 the best offer unless that one is more than ``WARM_MARGIN`` better.
 
+A job pays its tier's price (``OfferView.price``): an interruptible job the offer's
+interruptible price, a standard job or an endpoint's replica its standard price;
+``max_price_per_gpu_hour`` is compared with that price. Which interruptible leases a higher
+tier may take over is the scheduler's (broker/market/preemption.py).
+
 ``Book`` does this for many offers with numpy; ``exclusion`` and ``expected`` are the plain
 reference the property tests hold the book to.
 """
@@ -89,6 +94,13 @@ class OfferView:
     cached: frozenset[str] = frozenset()    # sha256 of artifacts in its cache
     claimed_flops: float = 0.0           # the benchmark's FLOP/s per device (calibration's base)
     stake: int = 0                       # units its provider has staked (ledger)
+    interruptible_price_per_gpu_hour: float | None = None   # None: the standard price
+
+    def price(self, tier: str = "standard") -> float:
+        """Credits per device-hour a lease of ``tier`` pays on this offer."""
+        if tier == "interruptible" and self.interruptible_price_per_gpu_hour is not None:
+            return min(self.interruptible_price_per_gpu_hour, self.price_per_gpu_hour)
+        return self.price_per_gpu_hour
 
     @property
     def free(self) -> tuple[int, ...]:
@@ -121,6 +133,7 @@ class JobNeeds:
     exclude: frozenset[str] = frozenset()  # providers that must not run it (verification)
     draw: float | None = None            # a spot check: its provider is drawn, this uniform
                                          # in [0, 1) picking among those that fit (``drawn``)
+    tier: str = "standard"               # "standard", "interruptible", "serving": its price
 
 
 @dataclass(frozen=True)
@@ -150,8 +163,8 @@ def expected(job: JobNeeds, offer: OfferView) -> Estimate:
     """Expected runtime, time and cost of ``job`` on ``offer`` (the reference formula)."""
     runtime = _work(job) / (offer.flops * job.gpus)
     t = reliability.expected_time_s(runtime, offer.mtbf_s, job.checkpoint_cost_s)
-    return Estimate(offer.provider_id, offer.price_per_gpu_hour, runtime, t,
-                    offer.price_per_gpu_hour * job.gpus * t / 3600,
+    price = offer.price(job.tier)
+    return Estimate(offer.provider_id, price, runtime, t, price * job.gpus * t / 3600,
                     reliability.p_uninterrupted(t, offer.mtbf_s), offer.reliability)
 
 
@@ -174,7 +187,7 @@ def exclusion(job: JobNeeds, offer: OfferView, now: datetime | None = None) -> s
     wanted = job.max_runtime_s or (est.runtime_s if job.work_flops > 0 else 0.0)
     if offer.policy.max_job_s and wanted > offer.policy.max_job_s:
         return "duration"
-    if offer.price_per_gpu_hour > job.max_price_per_gpu_hour:
+    if offer.price(job.tier) > job.max_price_per_gpu_hour:
         return "price"
     if len(offer.device_indices) < job.gpus:
         return "gpus"
@@ -231,6 +244,7 @@ class Book:
         o = self.offers
         self.index = {x.provider_id: i for i, x in enumerate(o)}
         self.price = np.array([x.price_per_gpu_hour for x in o], dtype=float)
+        self.interruptible_price = np.array([x.price("interruptible") for x in o], dtype=float)
         self.count = np.array([len(x.device_indices) for x in o], dtype=np.int64)
         self.free = np.array([len(x.free) for x in o], dtype=np.int64)
         self.load = np.array([x.load for x in o], dtype=np.int64)
@@ -260,6 +274,10 @@ class Book:
     def __len__(self) -> int:
         return len(self.offers)
 
+    def prices(self, tier: str) -> np.ndarray:
+        """Each offer's price for a lease of ``tier``."""
+        return self.interruptible_price if tier == "interruptible" else self.price
+
     def _time_factor(self, cost_s: float) -> np.ndarray:
         """expected time = work / (flops x gpus) x factor (per offer, per checkpoint cost)."""
         c = round(cost_s if cost_s > 0 else reliability.DEFAULT_CHECKPOINT_COST_S, 3)
@@ -274,7 +292,7 @@ class Book:
     def _shape_masks(self, job: JobNeeds) -> list[np.ndarray]:
         """Masks that depend only on the job's shape (cached: jobs repeat shapes)."""
         key = (job.kind, job.engine, job.model_name, job.remote_code,
-               job.max_price_per_gpu_hour, job.gpus,
+               job.max_price_per_gpu_hour, job.tier == "interruptible", job.gpus,
                job.accelerator,
                job.min_compute_capability, job.gpu_models, job.min_memory_bytes,
                job.min_reliability, job.min_stake)
@@ -294,7 +312,8 @@ class Book:
             model = np.array([_model_ok(job, x.gpu_name) for x in self.offers], dtype=bool)
         else:
             model = np.ones(n, dtype=bool)
-        masks = [kind, self.price <= job.max_price_per_gpu_hour, self.count >= job.gpus, accel,
+        masks = [kind, self.prices(job.tier) <= job.max_price_per_gpu_hour,
+                 self.count >= job.gpus, accel,
                  self.cc >= job.min_compute_capability, model,
                  self.memory >= job.min_memory_bytes, self.rel >= job.min_reliability,
                  self.stake >= job.min_stake]
@@ -333,7 +352,7 @@ class Book:
 
     def _keys(self, job: JobNeeds, factor: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         t = _work(job) / (self.flops * job.gpus) * factor
-        cost = self.price * job.gpus * t / 3600
+        cost = self.prices(job.tier) * job.gpus * t / 3600
         if job.objective == "fastest":
             return t, cost
         if job.objective == "reliable":
@@ -442,8 +461,8 @@ class Book:
         factor = self._time_factor(job.checkpoint_cost_s)[i]
         runtime = _work(job) / (self.flops[i] * job.gpus)
         t = runtime * factor
-        return Estimate(o.provider_id, o.price_per_gpu_hour, runtime, t,
-                        o.price_per_gpu_hour * job.gpus * t / 3600,
+        price = float(self.prices(job.tier)[i])
+        return Estimate(o.provider_id, price, runtime, t, price * job.gpus * t / 3600,
                         math.exp(-t / self.mtbf[i]), o.reliability)
 
     def place(self, job: JobNeeds) -> tuple[Placement | None, Counter]:
@@ -454,7 +473,8 @@ class Book:
         devices = tuple(sorted(self.free_devices[i][: job.gpus]))
         est = self.estimate(job, i)
         self.take(i, devices)
-        return Placement(self.offers[i].provider_id, devices, float(self.price[i]), est), Counter()
+        return Placement(self.offers[i].provider_id, devices,
+                         float(self.prices(job.tier)[i]), est), Counter()
 
     def take(self, i: int, devices: tuple[int, ...]) -> None:
         self.free_devices[i] = [d for d in self.free_devices[i] if d not in devices]

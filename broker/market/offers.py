@@ -6,6 +6,7 @@ from __future__ import annotations
 from gpumarket.broker.market import figures
 from gpumarket.broker.market import reliability
 from gpumarket.broker.market.matcher import OfferView
+from gpumarket.proto.money import offer_prices
 from gpumarket.proto.policy import Policy
 from gpumarket.proto.v1 import types_pb2 as pb
 
@@ -15,9 +16,16 @@ CLAIM_EFFICIENCY = 0.35
 
 
 def offer_price(offer: pb.Offer) -> float:
-    """The price the matcher charges for any device of the offer: the highest of the offer's
-    and its devices' own prices (never more than the provider asks for one of them)."""
-    return max([offer.price_per_gpu_hour, *(d.price_per_hour for d in offer.devices)])
+    """The price the matcher charges a standard (or serving) lease for any device of the
+    offer: the highest of the offer's and its devices' own prices (never more than the
+    provider asks for one of them)."""
+    return offer_prices(offer)[0]
+
+
+def interruptible_price(offer: pb.Offer) -> float:
+    """The price an interruptible lease pays for any device of the offer
+    (proto/money.offer_prices: the offer's interruptible share applied to ``offer_price``)."""
+    return offer_prices(offer)[1]
 
 
 def compute_capability(d: pb.Device) -> float:
@@ -54,6 +62,7 @@ def offer_view(offer: pb.Offer, history: reliability.ProviderHistory, achieved_f
     return OfferView(
         provider_id=offer.provider_id,
         price_per_gpu_hour=offer_price(offer),
+        interruptible_price_per_gpu_hour=interruptible_price(offer),
         kinds=frozenset(offer.kinds),
         engines=frozenset(offer.engines),
         models=frozenset(offer.models),

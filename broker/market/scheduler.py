@@ -15,7 +15,9 @@ from gpumarket.broker.checks import verification
 from gpumarket.broker.jobs import arrays
 from gpumarket.broker.jobs import transitions as jobs
 from gpumarket.broker.jobs import views
+from gpumarket.broker.market import deadlines
 from gpumarket.broker.market import matcher
+from gpumarket.broker.market import preemption
 from gpumarket.broker.market import providers
 from gpumarket.broker.market import reliability
 from gpumarket.broker.market.admission import Needs
@@ -69,7 +71,7 @@ def needs_of(row: dict, avoid: frozenset[str] = frozenset(),
         if n.deadline_s else 0.0,
         max_runtime_s=n.max_runtime_s, checkpoint_cost_s=row["checkpoint_seconds"],
         avoid=avoid, engine=n.engine, model_name=n.model_name, warm_sha256=n.model_sha256,
-        remote_code=n.remote_code, min_stake=n.min_stake, exclude=exclude,
+        remote_code=n.remote_code, min_stake=n.min_stake, exclude=exclude, tier=n.tier,
     )
 
 
@@ -118,11 +120,18 @@ async def place_queued(state: BrokerState) -> int:
     if not queued:
         return 0
     book = await offer_book(state)
+    if await deadlines.promote_due(state, book):
+        queued = await store.read(views.queued_jobs, QUEUE_SCAN)   # their needs changed
     running = await store.read(views.running_by_client)
     reasons: dict[str, str] = {}
     blocked: list[tuple[dict, matcher.JobNeeds]] = []   # waiting for a device that fits
     made = 0
-    for row in fair_order(queued, running):
+    stored_needs = {row["id"]: Needs.from_json(row["needs"]) for row in queued}
+    # Higher tiers first (serving, standard, interruptible), each in fair order: devices an
+    # interruptible lease gave back go to the job it yielded to.
+    ordered = sorted(fair_order(queued, running),
+                     key=lambda r: preemption.TIER_RANK.get(stored_needs[r["id"]].tier, 1))
+    for row in ordered:
         avoid: frozenset[str] = frozenset()
         if row["attempt"] > 1:
             # A job that was lost or failed goes elsewhere first; its old provider only if
@@ -135,7 +144,7 @@ async def place_queued(state: BrokerState) -> int:
         # check found wrong on it.
         exclude = await store.read(verification.excluded, row["id"]) \
             if row["check_of"] or row["attempt"] > 1 else frozenset()
-        stored = Needs.from_json(row["needs"])
+        stored = stored_needs[row["id"]]
         if row["parent_id"] and kinds.serves(stored.kind):
             # An endpoint's replicas keep away from the providers failing its replicas.
             failing, left_out = await store.read(endpoints.steer, row["parent_id"], now_ms())
@@ -192,6 +201,7 @@ async def place_queued(state: BrokerState) -> int:
     if reasons:
         await store.write(jobs.set_queue_reasons, reasons, now_ms())
     if blocked:
+        await preemption.preempt_for_waiting(state, book, [needs for _, needs in blocked])
         await ask_to_yield(state, book, blocked, running)
     if made:
         state.events.notify()
@@ -299,6 +309,8 @@ async def expire(state: BrokerState) -> None:
             # the devices wait for it to say it has (not refused leases meanwhile).
             state.stop_lease(*row, "lease lost: missed heartbeats")
     if await state.store.write(jobs.expire_queued, now):
+        changed = True
+    if await preemption.end_overdue(state):
         changed = True
     for lease_id, limit in await state.store.read(views.leases_past_runtime, now,
                                                   RUNTIME_GRACE_S * 1000):

@@ -522,3 +522,12 @@ def m018_array_task_yields(db: Database) -> None:
     (broker/jobs/arrays.py yield_lease): when that lease ends it goes back to the queue without
     counting an attempt."""
     db.execute("ALTER TABLE array_tasks ADD COLUMN yielded INTEGER NOT NULL DEFAULT 0")
+
+
+@migrations()
+def m019_lease_preemption(db: Database) -> None:
+    """An interruptible lease asked to yield its devices to a job of a higher tier
+    (broker/jobs/preemption.py): the job it yields to and when it was asked. It ends
+    ``preempted``: neither lost nor failed."""
+    db.execute("ALTER TABLE leases ADD COLUMN preempt_for TEXT")
+    db.execute("ALTER TABLE leases ADD COLUMN preempt_at_ms INTEGER")

@@ -233,6 +233,18 @@ class YieldLease(_message.Message):
     reason: str
     def __init__(self, job_id: _Optional[str] = ..., epoch: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
+class PreemptLease(_message.Message):
+    __slots__ = ("job_id", "epoch", "reason", "grace_s")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    GRACE_S_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    epoch: int
+    reason: str
+    grace_s: int
+    def __init__(self, job_id: _Optional[str] = ..., epoch: _Optional[int] = ..., reason: _Optional[str] = ..., grace_s: _Optional[int] = ...) -> None: ...
+
 class UpdateSettled(_message.Message):
     __slots__ = ("job_id", "epoch", "accepted", "reason")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
@@ -268,7 +280,7 @@ class InferenceCancel(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., job_id: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class BrokerMessage(_message.Message):
-    __slots__ = ("challenge", "welcome", "lease", "cancel", "settled", "infer", "infer_cancel", "yield_lease")
+    __slots__ = ("challenge", "welcome", "lease", "cancel", "settled", "infer", "infer_cancel", "yield_lease", "preempt_lease")
     CHALLENGE_FIELD_NUMBER: _ClassVar[int]
     WELCOME_FIELD_NUMBER: _ClassVar[int]
     LEASE_FIELD_NUMBER: _ClassVar[int]
@@ -277,6 +289,7 @@ class BrokerMessage(_message.Message):
     INFER_FIELD_NUMBER: _ClassVar[int]
     INFER_CANCEL_FIELD_NUMBER: _ClassVar[int]
     YIELD_LEASE_FIELD_NUMBER: _ClassVar[int]
+    PREEMPT_LEASE_FIELD_NUMBER: _ClassVar[int]
     challenge: SessionChallenge
     welcome: SessionWelcome
     lease: _types_pb2.Envelope
@@ -285,4 +298,5 @@ class BrokerMessage(_message.Message):
     infer: InferenceRequest
     infer_cancel: InferenceCancel
     yield_lease: YieldLease
-    def __init__(self, challenge: _Optional[_Union[SessionChallenge, _Mapping]] = ..., welcome: _Optional[_Union[SessionWelcome, _Mapping]] = ..., lease: _Optional[_Union[_types_pb2.Envelope, _Mapping]] = ..., cancel: _Optional[_Union[CancelLease, _Mapping]] = ..., settled: _Optional[_Union[UpdateSettled, _Mapping]] = ..., infer: _Optional[_Union[InferenceRequest, _Mapping]] = ..., infer_cancel: _Optional[_Union[InferenceCancel, _Mapping]] = ..., yield_lease: _Optional[_Union[YieldLease, _Mapping]] = ...) -> None: ...
+    preempt_lease: PreemptLease
+    def __init__(self, challenge: _Optional[_Union[SessionChallenge, _Mapping]] = ..., welcome: _Optional[_Union[SessionWelcome, _Mapping]] = ..., lease: _Optional[_Union[_types_pb2.Envelope, _Mapping]] = ..., cancel: _Optional[_Union[CancelLease, _Mapping]] = ..., settled: _Optional[_Union[UpdateSettled, _Mapping]] = ..., infer: _Optional[_Union[InferenceRequest, _Mapping]] = ..., infer_cancel: _Optional[_Union[InferenceCancel, _Mapping]] = ..., yield_lease: _Optional[_Union[YieldLease, _Mapping]] = ..., preempt_lease: _Optional[_Union[PreemptLease, _Mapping]] = ...) -> None: ...

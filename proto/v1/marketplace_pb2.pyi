@@ -122,7 +122,7 @@ class SearchOffersRequest(_message.Message):
     def __init__(self, kind: _Optional[_Union[_types_pb2.JobKind, str]] = ..., min_gpus: _Optional[int] = ..., min_memory_bytes: _Optional[int] = ..., accelerator: _Optional[_Union[_types_pb2.Accelerator, str]] = ..., max_price_per_gpu_hour: _Optional[float] = ..., limit: _Optional[int] = ...) -> None: ...
 
 class OfferListing(_message.Message):
-    __slots__ = ("offer", "online", "free_devices", "reliability", "mtbf_s", "leases_completed", "leases_lost", "achieved_flops", "uptime_7d", "figures", "figures_detail", "check_rate", "checks_passed")
+    __slots__ = ("offer", "online", "free_devices", "reliability", "mtbf_s", "leases_completed", "leases_lost", "achieved_flops", "uptime_7d", "figures", "figures_detail", "check_rate", "checks_passed", "standard_price_per_gpu_hour", "interruptible_price_per_gpu_hour")
     OFFER_FIELD_NUMBER: _ClassVar[int]
     ONLINE_FIELD_NUMBER: _ClassVar[int]
     FREE_DEVICES_FIELD_NUMBER: _ClassVar[int]
@@ -136,6 +136,8 @@ class OfferListing(_message.Message):
     FIGURES_DETAIL_FIELD_NUMBER: _ClassVar[int]
     CHECK_RATE_FIELD_NUMBER: _ClassVar[int]
     CHECKS_PASSED_FIELD_NUMBER: _ClassVar[int]
+    STANDARD_PRICE_PER_GPU_HOUR_FIELD_NUMBER: _ClassVar[int]
+    INTERRUPTIBLE_PRICE_PER_GPU_HOUR_FIELD_NUMBER: _ClassVar[int]
     offer: _types_pb2.Envelope
     online: bool
     free_devices: int
@@ -149,7 +151,9 @@ class OfferListing(_message.Message):
     figures_detail: str
     check_rate: float
     checks_passed: int
-    def __init__(self, offer: _Optional[_Union[_types_pb2.Envelope, _Mapping]] = ..., online: _Optional[bool] = ..., free_devices: _Optional[int] = ..., reliability: _Optional[float] = ..., mtbf_s: _Optional[float] = ..., leases_completed: _Optional[int] = ..., leases_lost: _Optional[int] = ..., achieved_flops: _Optional[float] = ..., uptime_7d: _Optional[float] = ..., figures: _Optional[_Union[_types_pb2.OfferFigures, str]] = ..., figures_detail: _Optional[str] = ..., check_rate: _Optional[float] = ..., checks_passed: _Optional[int] = ...) -> None: ...
+    standard_price_per_gpu_hour: float
+    interruptible_price_per_gpu_hour: float
+    def __init__(self, offer: _Optional[_Union[_types_pb2.Envelope, _Mapping]] = ..., online: _Optional[bool] = ..., free_devices: _Optional[int] = ..., reliability: _Optional[float] = ..., mtbf_s: _Optional[float] = ..., leases_completed: _Optional[int] = ..., leases_lost: _Optional[int] = ..., achieved_flops: _Optional[float] = ..., uptime_7d: _Optional[float] = ..., figures: _Optional[_Union[_types_pb2.OfferFigures, str]] = ..., figures_detail: _Optional[str] = ..., check_rate: _Optional[float] = ..., checks_passed: _Optional[int] = ..., standard_price_per_gpu_hour: _Optional[float] = ..., interruptible_price_per_gpu_hour: _Optional[float] = ...) -> None: ...
 
 class SearchOffersResponse(_message.Message):
     __slots__ = ("offers",)
@@ -168,7 +172,7 @@ class QuoteRequest(_message.Message):
     def __init__(self, spec: _Optional[_Union[_types_pb2.JobSpec, _Mapping]] = ..., limit: _Optional[int] = ..., client_id: _Optional[str] = ...) -> None: ...
 
 class QuoteCandidate(_message.Message):
-    __slots__ = ("provider_id", "gpu_name", "price_per_gpu_hour", "runtime_s", "expected_s", "expected_cost", "p_uninterrupted", "reliability", "free_devices", "estimated_s", "estimate_basis")
+    __slots__ = ("provider_id", "gpu_name", "price_per_gpu_hour", "runtime_s", "expected_s", "expected_cost", "p_uninterrupted", "reliability", "free_devices", "estimated_s", "estimate_basis", "standard_price_per_gpu_hour", "interruptible_price_per_gpu_hour")
     PROVIDER_ID_FIELD_NUMBER: _ClassVar[int]
     GPU_NAME_FIELD_NUMBER: _ClassVar[int]
     PRICE_PER_GPU_HOUR_FIELD_NUMBER: _ClassVar[int]
@@ -180,6 +184,8 @@ class QuoteCandidate(_message.Message):
     FREE_DEVICES_FIELD_NUMBER: _ClassVar[int]
     ESTIMATED_S_FIELD_NUMBER: _ClassVar[int]
     ESTIMATE_BASIS_FIELD_NUMBER: _ClassVar[int]
+    STANDARD_PRICE_PER_GPU_HOUR_FIELD_NUMBER: _ClassVar[int]
+    INTERRUPTIBLE_PRICE_PER_GPU_HOUR_FIELD_NUMBER: _ClassVar[int]
     provider_id: str
     gpu_name: str
     price_per_gpu_hour: float
@@ -191,7 +197,9 @@ class QuoteCandidate(_message.Message):
     free_devices: int
     estimated_s: float
     estimate_basis: str
-    def __init__(self, provider_id: _Optional[str] = ..., gpu_name: _Optional[str] = ..., price_per_gpu_hour: _Optional[float] = ..., runtime_s: _Optional[float] = ..., expected_s: _Optional[float] = ..., expected_cost: _Optional[float] = ..., p_uninterrupted: _Optional[float] = ..., reliability: _Optional[float] = ..., free_devices: _Optional[int] = ..., estimated_s: _Optional[float] = ..., estimate_basis: _Optional[str] = ...) -> None: ...
+    standard_price_per_gpu_hour: float
+    interruptible_price_per_gpu_hour: float
+    def __init__(self, provider_id: _Optional[str] = ..., gpu_name: _Optional[str] = ..., price_per_gpu_hour: _Optional[float] = ..., runtime_s: _Optional[float] = ..., expected_s: _Optional[float] = ..., expected_cost: _Optional[float] = ..., p_uninterrupted: _Optional[float] = ..., reliability: _Optional[float] = ..., free_devices: _Optional[int] = ..., estimated_s: _Optional[float] = ..., estimate_basis: _Optional[str] = ..., standard_price_per_gpu_hour: _Optional[float] = ..., interruptible_price_per_gpu_hour: _Optional[float] = ...) -> None: ...
 
 class QuoteResponse(_message.Message):
     __slots__ = ("candidates", "excluded", "estimated_memory_bytes", "work_flops", "offers", "explanation", "hold", "hold_basis")

@@ -50,6 +50,13 @@ class Objective(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     OBJECTIVE_RELIABLE: _ClassVar[Objective]
     OBJECTIVE_DEADLINE: _ClassVar[Objective]
 
+class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TIER_UNSPECIFIED: _ClassVar[Tier]
+    TIER_STANDARD: _ClassVar[Tier]
+    TIER_INTERRUPTIBLE: _ClassVar[Tier]
+    TIER_SERVING: _ClassVar[Tier]
+
 class LimitMethod(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     LIMIT_METHOD_UNSPECIFIED: _ClassVar[LimitMethod]
@@ -85,6 +92,10 @@ OBJECTIVE_CHEAPEST: Objective
 OBJECTIVE_FASTEST: Objective
 OBJECTIVE_RELIABLE: Objective
 OBJECTIVE_DEADLINE: Objective
+TIER_UNSPECIFIED: Tier
+TIER_STANDARD: Tier
+TIER_INTERRUPTIBLE: Tier
+TIER_SERVING: Tier
 LIMIT_METHOD_UNSPECIFIED: LimitMethod
 LIMIT_METHOD_NONE: LimitMethod
 LIMIT_METHOD_CGROUP_V2: LimitMethod
@@ -256,7 +267,7 @@ class KindParams(_message.Message):
     def __init__(self, json: _Optional[str] = ...) -> None: ...
 
 class JobSpec(_message.Message):
-    __slots__ = ("name", "kind", "resources", "max_price_per_gpu_hour", "inputs", "max_runtime_s", "max_attempts", "objective", "deadline_s", "min_reliability", "training", "generate", "embed", "render", "custom", "budget", "min_provider_stake", "verify_rate", "nonce", "created_at_ms", "expires_at_ms", "array")
+    __slots__ = ("name", "kind", "resources", "max_price_per_gpu_hour", "inputs", "max_runtime_s", "max_attempts", "objective", "deadline_s", "min_reliability", "training", "generate", "embed", "render", "custom", "budget", "min_provider_stake", "verify_rate", "nonce", "created_at_ms", "expires_at_ms", "array", "tier", "preemptible")
     NAME_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     RESOURCES_FIELD_NUMBER: _ClassVar[int]
@@ -279,6 +290,8 @@ class JobSpec(_message.Message):
     CREATED_AT_MS_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_AT_MS_FIELD_NUMBER: _ClassVar[int]
     ARRAY_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTIBLE_FIELD_NUMBER: _ClassVar[int]
     name: str
     kind: JobKind
     resources: Resources
@@ -301,7 +314,9 @@ class JobSpec(_message.Message):
     created_at_ms: int
     expires_at_ms: int
     array: JobArray
-    def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[JobKind, str]] = ..., resources: _Optional[_Union[Resources, _Mapping]] = ..., max_price_per_gpu_hour: _Optional[float] = ..., inputs: _Optional[_Iterable[_Union[ArtifactRef, _Mapping]]] = ..., max_runtime_s: _Optional[int] = ..., max_attempts: _Optional[int] = ..., objective: _Optional[_Union[Objective, str]] = ..., deadline_s: _Optional[int] = ..., min_reliability: _Optional[float] = ..., training: _Optional[_Union[TrainingParams, _Mapping]] = ..., generate: _Optional[_Union[GenerateParams, _Mapping]] = ..., embed: _Optional[_Union[EmbedParams, _Mapping]] = ..., render: _Optional[_Union[RenderParams, _Mapping]] = ..., custom: _Optional[_Union[KindParams, _Mapping]] = ..., budget: _Optional[float] = ..., min_provider_stake: _Optional[float] = ..., verify_rate: _Optional[float] = ..., nonce: _Optional[bytes] = ..., created_at_ms: _Optional[int] = ..., expires_at_ms: _Optional[int] = ..., array: _Optional[_Union[JobArray, _Mapping]] = ...) -> None: ...
+    tier: Tier
+    preemptible: bool
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[JobKind, str]] = ..., resources: _Optional[_Union[Resources, _Mapping]] = ..., max_price_per_gpu_hour: _Optional[float] = ..., inputs: _Optional[_Iterable[_Union[ArtifactRef, _Mapping]]] = ..., max_runtime_s: _Optional[int] = ..., max_attempts: _Optional[int] = ..., objective: _Optional[_Union[Objective, str]] = ..., deadline_s: _Optional[int] = ..., min_reliability: _Optional[float] = ..., training: _Optional[_Union[TrainingParams, _Mapping]] = ..., generate: _Optional[_Union[GenerateParams, _Mapping]] = ..., embed: _Optional[_Union[EmbedParams, _Mapping]] = ..., render: _Optional[_Union[RenderParams, _Mapping]] = ..., custom: _Optional[_Union[KindParams, _Mapping]] = ..., budget: _Optional[float] = ..., min_provider_stake: _Optional[float] = ..., verify_rate: _Optional[float] = ..., nonce: _Optional[bytes] = ..., created_at_ms: _Optional[int] = ..., expires_at_ms: _Optional[int] = ..., array: _Optional[_Union[JobArray, _Mapping]] = ..., tier: _Optional[_Union[Tier, str]] = ..., preemptible: _Optional[bool] = ...) -> None: ...
 
 class JobArray(_message.Message):
     __slots__ = ("count", "tasks_input", "per_lease", "only")
@@ -395,7 +410,7 @@ class Policy(_message.Message):
     def __init__(self, allowed_clients: _Optional[_Iterable[str]] = ..., denied_clients: _Optional[_Iterable[str]] = ..., max_job_seconds: _Optional[int] = ..., windows: _Optional[_Iterable[_Union[AvailabilityWindow, _Mapping]]] = ..., allow_remote_code: _Optional[bool] = ...) -> None: ...
 
 class Offer(_message.Message):
-    __slots__ = ("provider_id", "devices", "price_per_gpu_hour", "kinds", "software_version", "created_at_ms", "policy", "engines", "models", "cached", "job_limits")
+    __slots__ = ("provider_id", "devices", "price_per_gpu_hour", "kinds", "software_version", "created_at_ms", "policy", "engines", "models", "cached", "job_limits", "interruptible_price_per_gpu_hour")
     PROVIDER_ID_FIELD_NUMBER: _ClassVar[int]
     DEVICES_FIELD_NUMBER: _ClassVar[int]
     PRICE_PER_GPU_HOUR_FIELD_NUMBER: _ClassVar[int]
@@ -407,6 +422,7 @@ class Offer(_message.Message):
     MODELS_FIELD_NUMBER: _ClassVar[int]
     CACHED_FIELD_NUMBER: _ClassVar[int]
     JOB_LIMITS_FIELD_NUMBER: _ClassVar[int]
+    INTERRUPTIBLE_PRICE_PER_GPU_HOUR_FIELD_NUMBER: _ClassVar[int]
     provider_id: str
     devices: _containers.RepeatedCompositeFieldContainer[Device]
     price_per_gpu_hour: float
@@ -418,7 +434,8 @@ class Offer(_message.Message):
     models: _containers.RepeatedScalarFieldContainer[str]
     cached: _containers.RepeatedScalarFieldContainer[str]
     job_limits: JobLimits
-    def __init__(self, provider_id: _Optional[str] = ..., devices: _Optional[_Iterable[_Union[Device, _Mapping]]] = ..., price_per_gpu_hour: _Optional[float] = ..., kinds: _Optional[_Iterable[_Union[JobKind, str]]] = ..., software_version: _Optional[str] = ..., created_at_ms: _Optional[int] = ..., policy: _Optional[_Union[Policy, _Mapping]] = ..., engines: _Optional[_Iterable[str]] = ..., models: _Optional[_Iterable[str]] = ..., cached: _Optional[_Iterable[str]] = ..., job_limits: _Optional[_Union[JobLimits, _Mapping]] = ...) -> None: ...
+    interruptible_price_per_gpu_hour: float
+    def __init__(self, provider_id: _Optional[str] = ..., devices: _Optional[_Iterable[_Union[Device, _Mapping]]] = ..., price_per_gpu_hour: _Optional[float] = ..., kinds: _Optional[_Iterable[_Union[JobKind, str]]] = ..., software_version: _Optional[str] = ..., created_at_ms: _Optional[int] = ..., policy: _Optional[_Union[Policy, _Mapping]] = ..., engines: _Optional[_Iterable[str]] = ..., models: _Optional[_Iterable[str]] = ..., cached: _Optional[_Iterable[str]] = ..., job_limits: _Optional[_Union[JobLimits, _Mapping]] = ..., interruptible_price_per_gpu_hour: _Optional[float] = ...) -> None: ...
 
 class JobLimits(_message.Message):
     __slots__ = ("memory", "pids", "cpu")

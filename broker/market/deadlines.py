@@ -1,0 +1,56 @@
+"""Deadlines of interruptible jobs (docs/broker.md, Deadlines): an interruptible job whose
+time left before its deadline no longer covers what it has left to run — its calibrated wall
+time on the best offer for it, for the share of its steps not checkpointed yet, times
+``MARGIN``, plus ``SLACK_S`` — is moved to the standard tier, so that it is not preempted
+(and its next lease pays the standard price). Interruptible is cheaper and still on time.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from gpumarket.broker.jobs import preemption as rows
+from gpumarket.broker.market import matcher
+from gpumarket.broker.money import credit_holds
+from gpumarket.proto.jobspec import now_ms
+
+log = logging.getLogger(__name__)
+
+MARGIN = 1.5        # the estimate's error, and a preemption's lost interval and restart
+SLACK_S = 60.0      # a lease's start and its last upload
+
+
+def remaining_s(wall_s: float, done_steps: int, total_steps: int) -> float:
+    """What a job of ``wall_s`` (a whole run) has left once ``done_steps`` of
+    ``total_steps`` are checkpointed (all of it where its steps are not known)."""
+    if total_steps <= 0:
+        return wall_s
+    return wall_s * max(0.0, 1.0 - min(done_steps, total_steps) / total_steps)
+
+
+def due(left_s: float, remaining: float) -> bool:
+    """Whether a job with ``left_s`` seconds before its deadline and ``remaining`` seconds
+    of work must run as standard to finish in time."""
+    return left_s < remaining * MARGIN + SLACK_S
+
+
+async def promote_due(state, book: matcher.Book) -> int:
+    """Promote the interruptible jobs whose deadline is near (one pass); returns how many."""
+    from gpumarket.broker.market.scheduler import needs_of  # (the scheduler imports this)
+
+    promoted = 0
+    for row in await state.store.read(rows.deadline_jobs):
+        needs = needs_of(row)
+        found, _ = book.candidates(needs, 1)
+        if not found:
+            continue    # no offer could run it: its queue reason says why
+        timed = await state.store.read(credit_holds.timed, book, needs, found)
+        left = remaining_s(timed[0].seconds, row["checkpoint_step"], row["progress_total"])
+        if not due(needs.deadline_s, left):
+            continue
+        why = (f"{needs.deadline_s:.0f} s left before its deadline, about {left:.0f} s of"
+               f" work left ({timed[0].basis}; x{MARGIN:g} + {SLACK_S:.0f} s)")
+        if await state.store.write(rows.promote, row["id"], why, now_ms()):
+            log.info("job %s promoted to standard: %s", row["id"], why)
+            promoted += 1
+    return promoted

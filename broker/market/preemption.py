@@ -1,0 +1,118 @@
+"""Which interruptible leases yield to a job of a higher tier (docs/broker.md, Preemption).
+
+A standard job or an endpoint's replica that fits no free device, but would fit one provider
+if some of its interruptible leases gave theirs back, preempts those leases: each is asked
+to checkpoint now and stop (PreemptLease: the same as a drain, with a grace period), ends
+PREEMPTED, and its job resumes from that checkpoint; the waiting job is placed on the freed
+devices first (the scheduler places higher tiers first). A standard lease is never
+preempted, and an interruptible job never preempts anything.
+
+``choose`` is plain code over the matcher's Book; ``preempt_for_waiting`` is the
+scheduler's pass.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from gpumarket.broker.jobs import preemption as rows
+from gpumarket.broker.jobs.preemption import Interruptible
+from gpumarket.broker.market import matcher
+from gpumarket.proto.jobspec import now_ms
+from gpumarket.proto.v1 import gateway_pb2 as gw
+
+log = logging.getLogger(__name__)
+
+TIER_RANK = {"serving": 0, "standard": 1, "interruptible": 2}   # placed in this order
+
+
+def outranks(tier: str) -> bool:
+    """Whether a job of ``tier`` may take devices an interruptible lease holds."""
+    return tier in ("serving", "standard")
+
+
+def choose(book: matcher.Book, job: matcher.JobNeeds, leases: list[Interruptible]
+           ) -> list[Interruptible]:
+    """The interruptible leases to preempt so that ``job`` fits one provider, or [] if it
+    cannot (or may not preempt). The provider is one whose offer meets every constraint of
+    the job but free devices; of those, the one where the fewest leases lose the least
+    unsaved work (then the job's own objective: its book order); leases already yielding
+    are not counted twice."""
+    if not outranks(job.tier) or not leases:
+        return []
+    fits = book.fitting(job)
+    best: tuple[tuple, list[Interruptible]] | None = None
+    by_provider: dict[str, list[Interruptible]] = {}
+    for lease in leases:
+        if lease.provider_id in fits and not lease.preempt_for:
+            by_provider.setdefault(lease.provider_id, []).append(lease)
+    for provider_id, theirs in by_provider.items():
+        i = book.index[provider_id]
+        free = int(book.free[i])
+        picked: list[Interruptible] = []
+        for lease in sorted(theirs, key=lambda x: (x.unsaved_ms, x.lease_id)):
+            if free >= job.gpus:
+                break
+            picked.append(lease)
+            free += len(lease.devices)
+        if free < job.gpus or not picked:
+            continue
+        key = (len(picked), sum(x.unsaved_ms for x in picked),
+               float(book.prices(job.tier)[i]), provider_id)
+        if best is None or key < best[0]:
+            best = (key, picked)
+    return best[1] if best else []
+
+
+async def preempt_for_waiting(state, book: matcher.Book,
+                              waiting: list[matcher.JobNeeds]) -> int:
+    """For each waiting job of a higher tier (in placement order) that no lease yields to
+    yet, preempt the interruptible leases ``choose`` names and tell their providers. Returns
+    how many leases were asked."""
+    waiting = [job for job in waiting if outranks(job.tier)]
+    if not waiting:
+        return 0
+    now = now_ms()
+    leases = await state.store.read(rows.interruptible_leases, now)
+    if not leases:
+        return 0
+    served = await state.store.read(rows.waiting_for)
+    grace = int(state.config.preempt_grace_s)
+    asked = 0
+    for job in waiting:
+        if job.job_id in served:
+            continue        # leases yield to it already: it is placed when they have
+        chosen = choose(book, job, leases)
+        for lease in chosen:
+            ended = await state.store.write(rows.preempt, lease.lease_id, job.job_id, job.tier,
+                                            grace, now)
+            if ended is None:
+                continue
+            asked += 1
+            session = state.sessions.get(lease.provider_id)
+            if session is not None:
+                session.send(gw.BrokerMessage(preempt_lease=gw.PreemptLease(
+                    job_id=lease.job_id, epoch=lease.epoch, grace_s=grace,
+                    reason=f"preempted by a {job.tier} job")))
+            log.info("lease %s (interruptible) preempted for %s job %s", lease.lease_id,
+                     job.tier, job.job_id)
+        taken = {x.lease_id for x in chosen}
+        leases = [x for x in leases if x.lease_id not in taken]
+    return asked
+
+
+async def end_overdue(state) -> bool:
+    """End the leases asked to yield that did not within their grace period (and the lease
+    timeout beyond it): PREEMPTED all the same, their providers told to stop them. Returns
+    whether any ended."""
+    now = now_ms()
+    limit = int((state.config.preempt_grace_s + state.config.lease_timeout_s) * 1000)
+    changed = False
+    for lease_id, job_id, epoch, provider_id in await state.store.read(rows.overdue,
+                                                                       now - limit):
+        why = "did not stop within its grace period"
+        if await state.store.write(rows.end, lease_id, why, now):
+            log.warning("lease %s preempted by the broker: it %s", lease_id, why)
+            state.stop_lease(job_id, epoch, provider_id, f"preempted: {why}")
+            changed = True
+    return changed
