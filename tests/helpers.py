@@ -63,6 +63,7 @@ def pin_benchmarks(data_dir: Path, extra: tuple[str, ...]) -> None:
             benchmark.cached_benchmarks(cpu_devices(count), cache)
         finally:
             benchmark.measure = original
+    cache.chmod(0o600)          # as the provider leaves its state: its own
 
 
 def training_job(path: Path, *, steps: int = 30, checkpoint_every: int = 10,
