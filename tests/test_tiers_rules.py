@@ -396,12 +396,25 @@ def test_the_scheduler_promotes_an_interruptible_job_near_its_deadline(tmp_path)
         assert await deadlines.promote_due(state, book) == 0      # once
         late = await store.read(jobs.job_row, "late")
         assert '"tier": "standard"' in late["needs"]
+        # Protected from now on, it pays for it: its running lease at p1's standard price
+        # (a deadline does not buy standard protection at the interruptible price).
+        lease = await store.read(jobs.lease_row, late["lease_id"])
+        assert lease["price_per_gpu_hour"] == 1.0
         # Running, it is no longer a lease a standard job may take.
         assert await store.read(rows.interruptible_leases, now_ms()) == []
         events = await store.read(views.events_after, "late", 0)
         assert events[-1].type == "promoted" and "before its deadline" in events[-1].message
         for job_id in ("easy", "none"):
             assert '"tier": "interruptible"' in (await store.read(jobs.job_row, job_id))["needs"]
+
+        # A job whose max_price is below every standard price stays interruptible (it could
+        # not run as standard anywhere): a late deadline does not make it cheaper.
+        job = new_job("capped", "ca", 20_000_000, True)
+        await store.write(jobs.submit, dataclasses.replace(job, needs=dataclasses.replace(
+            job.needs, tier="interruptible", deadline_s=600, work_flops=1e12,
+            max_price_per_gpu_hour=0.5)), now_ms())
+        assert await deadlines.promote_due(state, book) == 0
+        assert '"tier": "interruptible"' in (await store.read(jobs.job_row, "capped"))["needs"]
 
     try:
         asyncio.run(scenario())

@@ -142,10 +142,13 @@ def deadline_jobs(db: Database) -> list[dict]:
     return [dict(zip(cols, r)) for r in cur.fetchall()]
 
 
-def promote(db: Database, job_id: str, why: str, now: int) -> bool:
+def promote(db: Database, job_id: str, why: str, now: int,
+            lease_price: float | None = None) -> bool:
     """Move an interruptible job to the standard tier (its deadline is near): from now on
-    its lease is not preempted, and its next lease pays the standard price. False if it is
-    not interruptible (any more)."""
+    its lease is not preempted and pays the standard price — its running lease
+    ``lease_price`` (its provider's standard price) from its last settlement on, its next
+    lease the standard price of wherever it runs. False if it is not interruptible (any
+    more)."""
     job = jobs.job_row(db, job_id)
     needs = json.loads(job["needs"])
     if needs.get("tier") != "interruptible":
@@ -153,6 +156,11 @@ def promote(db: Database, job_id: str, why: str, now: int) -> bool:
     needs["tier"] = "standard"
     db.execute("UPDATE jobs SET needs = ? WHERE id = ?",
                [json.dumps(needs, sort_keys=True), job_id])
+    repriced = ""
+    if lease_price is not None and job["lease_id"]:
+        db.execute("UPDATE leases SET price_per_gpu_hour = ? WHERE id = ? AND state = 'active'",
+                   [lease_price, job["lease_id"]])
+        repriced = f"; its lease now pays {lease_price:g}/GPU-hour from its last checkpoint"
     jobs.append_event(db, job_id, "promoted", job["state"], job["attempt"], now,
-                      mirror=False, message=f"moved to the standard tier: {why}")
+                      mirror=False, message=f"moved to the standard tier: {why}{repriced}")
     return True

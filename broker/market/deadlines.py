@@ -1,12 +1,15 @@
 """Deadlines of interruptible jobs (docs/broker.md, Deadlines): an interruptible job whose
 time left before its deadline no longer covers what it has left to run — its calibrated wall
 time on the best offer for it, for the share of its steps not checkpointed yet, times
-``MARGIN``, plus ``SLACK_S`` — is moved to the standard tier, so that it is not preempted
-(and its next lease pays the standard price). Interruptible is cheaper and still on time.
+``MARGIN``, plus ``SLACK_S`` — is moved to the standard tier, so that it is not preempted,
+and pays the standard price from then on: a running lease from its last checkpoint (a job
+whose max_price is below that price stays interruptible). Interruptible is cheaper and still
+on time.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 from gpumarket.broker.jobs import preemption as rows
@@ -40,17 +43,28 @@ async def promote_due(state, book: matcher.Book) -> int:
 
     promoted = 0
     for row in await state.store.read(rows.deadline_jobs):
-        needs = needs_of(row)
+        needs = dataclasses.replace(needs_of(row), tier="standard")
         found, _ = book.candidates(needs, 1)
         if not found:
-            continue    # no offer could run it: its queue reason says why
+            continue    # no offer could run it at the standard price: it stays interruptible
+        lease_price = None
+        if row["lease_id"]:
+            # Its running lease is charged the standard price from now on (from its last
+            # checkpoint: the settled cursor), or a deadline would buy standard protection at
+            # the interruptible price; not promoted where that price is above its max_price.
+            i = book.index.get(row["provider_id"])
+            if i is None:
+                continue    # its provider is not offering now: its lease ends on its own
+            lease_price = float(book.prices("standard")[i])
+            if lease_price > needs.max_price_per_gpu_hour:
+                continue
         timed = await state.store.read(credit_holds.timed, book, needs, found)
         left = remaining_s(timed[0].seconds, row["checkpoint_step"], row["progress_total"])
         if not due(needs.deadline_s, left):
             continue
         why = (f"{needs.deadline_s:.0f} s left before its deadline, about {left:.0f} s of"
                f" work left ({timed[0].basis}; x{MARGIN:g} + {SLACK_S:.0f} s)")
-        if await state.store.write(rows.promote, row["id"], why, now_ms()):
+        if await state.store.write(rows.promote, row["id"], why, now_ms(), lease_price):
             log.info("job %s promoted to standard: %s", row["id"], why)
             promoted += 1
     return promoted
