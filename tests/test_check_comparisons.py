@@ -128,3 +128,59 @@ def test_the_embed_tolerance_follows_the_replays_precision_and_hostile_figures_l
     assert embed.replay_float_bits(None) == 0
     assert embed.tolerance(0) == embed.tolerance(16) == embed.HALF
     assert embed.tolerance(32) == embed.FLOAT32
+
+
+def frame_png(path, shade: int):
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.full((6, 8, 4), 255, dtype=np.uint8)
+    pixels[..., :3] = shade
+    Image.fromarray(pixels, "RGBA").save(path)
+    return path
+
+
+RENDER = {"scene": "scene.blend", "frame_start": 1, "frame_end": 10, "resolution_x": 0,
+          "resolution_y": 0, "samples": 0, "device": "", "output_format": "", "split": 0,
+          "engine": "", "checkpoint_every": 0}
+
+
+def test_a_render_check_replays_a_quarter_of_the_frames_and_catches_two_doctored_of_ten(
+        tmp_path, monkeypatch):
+    """Issue 34: a check replayed one random frame, so doctoring 2 of 10 passed 4 checks in
+    5. Now it replays 3 of the 10 (a quarter, rounded up), drawn where the provider cannot
+    predict them; given the draw (seeded here) the doctored frames are caught, and over
+    every possible draw 2 doctored of 10 are caught with p = 1 - C(8,3)/C(10,3) = 8/15."""
+    from itertools import combinations
+
+    from gpumarket.kinds import render
+
+    honest = {f: frame_png(tmp_path / f"h{f}.png", 10 * f) for f in range(1, 11)}
+    provider = dict(honest)
+    for f in (4, 9):                  # two frames of ten doctored (blank)
+        provider[f] = frame_png(tmp_path / f"d{f}.png", 0)
+    expect = {f"frame_{f:06d}.png": p for f, p in provider.items()}
+    monkeypatch.setattr(render, "_draw", random.Random(2))
+    scope = render.KIND.check_scope(RENDER, 0, 1, {}, 0)
+    assert len(scope["frames"]) == 3 == len(set(scope["frames"]))
+    assert set(scope["frames"]) & {4, 9}, scope          # this draw holds a doctored frame
+    got = {f"frame_{f:06d}.png": honest[f] for f in scope["frames"]}
+    ok, why = render.KIND.compare(expect, got, scope)
+    assert not ok and "pixels differ" in why
+    # Honest work passes the same check.
+    ok, why = render.KIND.compare({f"frame_{f:06d}.png": p for f, p in honest.items()}, got,
+                                  scope)
+    assert ok, why
+    caught = [not render.KIND.compare(expect, {f"frame_{f:06d}.png": honest[f] for f in c},
+                                      {"frames": list(c)})[0]
+              for c in combinations(range(1, 11), 3)]
+    assert sum(caught) / len(caught) == render.catch_probability(10, 2) == 1 - 56 / 120
+    # Only frames the lease rendered itself (it resumed after 6), and never more than the cap.
+    scope = render.KIND.check_scope(RENDER, 0, 1, {}, 6)
+    assert len(scope["frames"]) == 1 and scope["frames"][0] in range(7, 11)
+    assert render.check_frames(1) == 1 and render.check_frames(4) == 1
+    assert render.check_frames(128) == 32 == render.check_frames(10**6)
+    # One doctored frame of a lease of up to 128 is caught by a check with p >= 1/4, so
+    # within 20 checked jobs with p >= 0.99.
+    assert all(render.catch_probability(n, 1) >= 0.25 for n in range(1, 129))
+    assert 1 - (1 - render.catch_probability(128, 1)) ** 20 >= 0.99

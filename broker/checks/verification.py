@@ -205,7 +205,7 @@ def what(step_from: int, step_to: int, scope: dict) -> str:
         return f"a batch of {scope['batch_size']} rows from row {step_from} on"
     if scope.get("frames"):
         frames = scope["frames"]
-        return "frame " + ", ".join(str(f) for f in frames)
+        return f"frame{'s' if len(frames) > 1 else ''} " + ", ".join(str(f) for f in frames)
     return f"steps {step_from}-{step_to}"
 
 
