@@ -83,8 +83,14 @@ def provider_rate(db: Database, provider_id: str) -> float:
 
 
 def _job_rate(db: Database, job: dict, provider_id: str) -> float:
-    asked = json.loads(job["needs"]).get("verify_rate", 0.0)
-    return max(float(asked), provider_rate(db, provider_id))
+    return max(client_share(job), provider_rate(db, provider_id))
+
+
+def client_share(job: dict) -> float:
+    """The share of a job's segments whose checks its client pays for: what it asked
+    (verify), at least FLOOR, the rate of a provider with a long clean record. Checks above
+    it are a new provider's warm-up, paid by that provider (disputes.charge_warmups)."""
+    return max(float(json.loads(job["needs"]).get("verify_rate", 0.0)), FLOOR)
 
 
 def _new_id(db: Database, job_id: str) -> str:
@@ -115,8 +121,11 @@ def choose(db: Database, policy: Policy, job: dict, lease: dict, step_from: int,
         db, f"settle:{lease['id']}:final")
     if seq is not None and ledger.posted(db, f"dispute:{seq}") is None:
         ledger.dispute(db, seq, now)
+    # The same draw says who pays: below the client's share, the client (as for a provider
+    # with a long record); above it, the check is there only because the provider is new.
+    paid_by = lease["provider_id"] if policy.draw >= client_share(job) else None
     return queue(db, job, lease["provider_id"], lease["id"], seq, step_from, step_to, start,
-                  expect, scope, "check", None, now)
+                  expect, scope, "check", None, now, paid_by)
 
 
 def choose_segment(db: Database, policy: Policy, job: dict, lease: dict, step: int,
@@ -159,7 +168,7 @@ def choose_final(db: Database, policy: Policy, job: dict, lease: dict, total: in
 
 def queue(db: Database, job: dict, provider_id: str, lease_id: str, seq: int | None,
            step_from: int, step_to: int, start: dict | None, expect: dict, scope: dict,
-           role: str, first: str | None, now: int) -> str:
+           role: str, first: str | None, now: int, paid_by: str | None = None) -> str:
     from gpumarket.broker.jobs import transitions as jobs
 
     check_id = _new_id(db, job["id"])
@@ -168,7 +177,8 @@ def queue(db: Database, job: dict, provider_id: str, lease_id: str, seq: int | N
         "id": check_id, "job_id": job["id"], "top_id": top, "provider_id": provider_id,
         "lease_id": lease_id, "settle_seq": seq, "step_from": step_from, "step_to": step_to,
         "scope": json.dumps(scope), "start": _ref(start), "expect": json.dumps(expect),
-        "role": role, "first_check": first, "state": "queued", "created_at_ms": now})
+        "role": role, "first_check": first, "state": "queued", "created_at_ms": now,
+        "paid_by": paid_by})
     row = {k: job[k] for k in ("client_id", "kind", "spec", "spec_sha256", "needs",
                                "expires_at_ms", "fee_ppm", "enforce_funds", "part", "parts")}
     needs = json.loads(job["needs"])
@@ -196,7 +206,8 @@ def queue(db: Database, job: dict, provider_id: str, lease_id: str, seq: int | N
     jobs.append_event(db, check_id, "submitted", QUEUED, 1, now,
                       message=f"{role} of {provider_id}'s {what(step_from, step_to, scope)}")
     note(db, job, f"{role} {check_id} queued: {what(step_from, step_to, scope)} of"
-           f" {provider_id}'s work will be replayed on another provider", now)
+           f" {provider_id}'s work will be replayed on another provider"
+           + (f" (a warm-up check: {paid_by} pays for it)" if paid_by else ""), now)
     return check_id
 
 
