@@ -517,3 +517,19 @@ def test_a_check_within_the_clients_share_is_the_clients_and_a_warm_up_never_ove
     assert ledger.balance(w2.db, ledger.provider("h1")) == 0
     assert spent(w2) == own + replay_cost - (own - own * 50_000 // 10**6)
     assert ledger.audit(w2.db) == []
+
+
+def test_work_no_check_can_replay_shows_no_check_rate(w):
+    """A script job is never checked (docs/verification.md): its status says unverified and
+    names no rate it would be "spot-checked at"; a training job on the same new provider
+    does (rate 1)."""
+    script = new_job("s", "ca", 500_000, True)
+    script = dataclasses.replace(script, needs=dataclasses.replace(script.needs,
+                                                                   kind=pb.JOB_KIND_SCRIPT))
+    w.write(jobs.submit, script, w.now)
+    start(w, "s", "h1")
+    w.write(jobs.submit, new_job("j", "ca", 500_000, True), w.now)
+    start(w, "j", "h1")
+    assert verification.view(w.db, "s").rate == 0
+    assert verification.view(w.db, "s").status == "unverified"
+    assert verification.view(w.db, "j").rate == 1

@@ -25,6 +25,7 @@ from sqlite_utils import Database
 from gpumarket import kinds
 from gpumarket.broker.money import ledger
 from gpumarket.broker.store import blob_holdings
+from gpumarket.proto.errors import InvalidArgument
 from gpumarket.proto.v1 import types_pb2 as pb
 
 FLOOR = 0.05          # the rate of a provider with a long clean record
@@ -326,8 +327,12 @@ def summary(db: Database, job_id: str) -> str:
 
 def view(db: Database, job_id: str) -> pb.JobVerification:
     out = pb.JobVerification(status=summary(db, job_id))
-    job = db.execute("SELECT provider_id, needs FROM jobs WHERE id = ?", [job_id]).fetchone()
-    if job is not None and job[0]:
+    job = db.execute("SELECT provider_id, needs, kind, tasks FROM jobs WHERE id = ?",
+                     [job_id]).fetchone()
+    # A rate only for work a check can replay: none for a kind that is never checked (a
+    # script), an array, or a model's own code (docs/verification.md, What is not checked).
+    if job is not None and job[0] and _checkable(job[2]) and not job[3] \
+            and not json.loads(job[1]).get("remote_code"):
         asked = json.loads(job[1]).get("verify_rate", 0.0)
         out.rate = max(float(asked), provider_rate(db, job[0]))
     for c in [check_row(db, r[0]) for r in db.execute(
@@ -340,6 +345,15 @@ def view(db: Database, job_id: str) -> pb.JobVerification:
             what=what(c["step_from"], c["step_to"], json.loads(c["scope"])),
             created_at_ms=c["created_at_ms"], ended_at_ms=c["ended_at_ms"] or 0))
     return out
+
+
+def _checkable(kind: int) -> bool:
+    """Whether work of this kind can be checked (False for a kind this broker no longer
+    knows)."""
+    try:
+        return bool(kinds.get(kind).verify)
+    except InvalidArgument:
+        return False
 
 
 def standings(db: Database) -> dict[str, tuple[float, int, int]]:
