@@ -533,3 +533,27 @@ def test_work_no_check_can_replay_shows_no_check_rate(w):
     assert verification.view(w.db, "s").rate == 0
     assert verification.view(w.db, "s").status == "unverified"
     assert verification.view(w.db, "j").rate == 1
+
+
+def test_a_warm_up_checker_found_wrong_costs_the_provider_it_cleared_nothing(w):
+    """The first checker of a warm-up check lies and a tie-break clears the provider: the
+    lying replay is not paid, and the provider owes nothing for either replay (the tie-break
+    stays with the hold; the liar's slash repays the client where it has stake)."""
+    w.write(jobs.submit, new_job("j", "ca", 2_000_000, True), w.now)
+    start(w, "j", "h1")
+    checkpoint(w, "j", "h1", 10, dataclasses.replace(CHECK, draw=0.5))
+    (first,) = checks(w, "j")
+    disagree(w, "j", first, "liar", "h3", True, False)
+    tiebreak = [c for c in checks(w, "j") if c != first][0]
+    assert checks(w, "j")[tiebreak]["paid_by"] == "h1"
+    w.now += 1000
+    w.write(jobs.succeed, "j", w.job("j")["epoch"], "h1",
+            receipt("j", "h1", ["model.safetensors"], w), w.now, NO_CHECK)
+    assert w.job("j")["state"] == jobs.SUCCEEDED
+    own = work_cost(w, "j", "h1")
+    assert w.db.execute("SELECT count(*) FROM ledger_postings WHERE type = 'warmup'"
+                        ).fetchone()[0] == 0
+    assert ledger.balance(w.db, ledger.provider("h1")) == own - own * 50_000 // 10**6
+    assert ledger.balance(w.db, ledger.provider("liar")) == 0
+    assert spent(w) == own + work_cost(w, tiebreak, "h3")
+    assert ledger.audit(w.db) == []
