@@ -11,7 +11,7 @@ largest element difference relative to the norm (``rel_max``). Then the check it
 doctored to cosine 0.9995 and 0.9999, spread over every element or put into one
 (detections).
 
-    .venv/bin/python bench/embed_spread.py [--texts N]
+    .venv/bin/python bench/embed_spread.py [--texts N] [--device cuda]
 
 Prints its figures; the last line is one JSON object.
 """
@@ -57,7 +57,7 @@ def texts(n: int) -> list[str]:
 
 
 def run(root: Path, model: Path, items: list[str], dtype: str, batch: int,
-        threads: int) -> np.ndarray:
+        threads: int, device: str = "cpu") -> np.ndarray:
     """Embed ``items`` with the provider's embed runner; the vectors in input order."""
     work = root / f"{dtype}-b{batch}-t{threads}"
     work.mkdir()
@@ -68,7 +68,7 @@ def run(root: Path, model: Path, items: list[str], dtype: str, batch: int,
                       "engine": "", "dtype": dtype, "checkpoint_every": 0,
                       "texts": "texts.jsonl", "batch_size": batch, "output_format": "jsonl",
                       "keep_scale": False},
-           "inputs": {"texts.jsonl": str(data)}, "device": "cpu", "model_dir": str(model)}
+           "inputs": {"texts.jsonl": str(data)}, "device": device, "model_dir": str(model)}
     (work / "job.json").write_text(json.dumps(job))
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONHASHSEED": "0"}
     subprocess.run([sys.executable, "-m", RUNNER, str(work)], check=True, env=env,
@@ -116,11 +116,14 @@ def judged(a: np.ndarray, b: np.ndarray, dtype: str) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--texts", type=int, default=96)
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                        help="where the runner computes (threads matter on the CPU only)")
     args = parser.parse_args()
     model, items = minilm(), texts(args.texts)
     with tempfile.TemporaryDirectory() as tmp:
-        got = {s: run(Path(tmp), model, items, *s) for s in SETTINGS}
-    out: dict = {"texts": len(items), "dimensions": int(got[REFERENCE].shape[1])}
+        got = {s: run(Path(tmp), model, items, *s, device=args.device) for s in SETTINGS}
+    out: dict = {"texts": len(items), "dimensions": int(got[REFERENCE].shape[1]),
+                 "device": args.device}
     worst: dict[str, dict] = {}
     false_positives = 0
     for s in SETTINGS:
