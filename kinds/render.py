@@ -3,6 +3,7 @@ resumable per frame, split into parts that different providers render at once.""
 
 from __future__ import annotations
 
+import bisect
 import math
 import re
 import secrets
@@ -63,7 +64,11 @@ class Render(Kind):
     # 128 frames), within 20 checked jobs with p >= 0.997 (docs/verification.md).
     def check_scope(self, values: dict[str, Any], part: int, parts: int,
                     metrics: dict[str, float], done_before: int) -> dict:
-        frames = list(self.part_steps(values, part, parts))[done_before:]
+        frames = self.part_steps(values, part, parts)[done_before:]
+        # Only frames a CheckScope can name (int32): a lease naming one past it could not be
+        # made, and its placement pass would fail again every time (Blender renders none
+        # past 1,048,574 anyway: only a provider returning made-up frames gets there).
+        frames = frames[:max(0, bisect.bisect_right(frames, MAX_CHECK_FRAME))]
         if not frames:
             return {}
         return {"frames": sorted(_draw.sample(frames, check_frames(len(frames))))}
@@ -99,6 +104,7 @@ MAX_CHECK_FRAMES = 32       # ... but no more than this many: a check's cost, an
                             # within the broker's 300 s (an 8K frame of noise took 5.2 s to
                             # compare, both PNGs decoded, on this 2-core machine at load 7)
 _draw = secrets.SystemRandom()   # which frames: from a source the provider cannot predict
+MAX_CHECK_FRAME = 2**31 - 1      # CheckScope.frames is int32
 
 
 def check_frames(frames: int) -> int:

@@ -185,3 +185,20 @@ def test_a_render_check_replays_a_quarter_of_the_frames_and_catches_two_doctored
     # within 20 checked jobs with p >= 0.99.
     assert all(render.catch_probability(n, 1) >= 0.25 for n in range(1, 129))
     assert 1 - (1 - render.catch_probability(128, 1)) ** 20 >= 0.99
+
+
+def test_a_render_check_names_only_frames_a_lease_can_carry():
+    """Frame numbers go to 2**32 - 1 in a job, but a check lease's CheckScope holds int32: a
+    check naming a frame past it could not be leased, and the scheduler's placement pass
+    (expiry and verdicts with it) failed on it every time. Frames past it are never drawn
+    (Blender renders none of them: only a provider making frames up returns them)."""
+    from gpumarket.kinds import render
+    from gpumarket.proto.v1 import types_pb2 as pb
+
+    beyond = {**RENDER, "frame_start": 3_000_000_000, "frame_end": 3_000_000_009}
+    assert render.KIND.check_scope(beyond, 0, 1, {}, 0) == {}
+    across = {**RENDER, "frame_start": 2**31 - 3, "frame_end": 2**31 + 20}
+    for _ in range(20):
+        scope = render.KIND.check_scope(across, 0, 1, {}, 0)
+        assert scope["frames"] and max(scope["frames"]) <= 2**31 - 1
+        pb.CheckScope(frames=scope["frames"])       # a lease can carry it
