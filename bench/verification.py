@@ -14,8 +14,11 @@ Two parts:
    function (verification.rate) with its streak and failures, many times over. For a
    provider that doctors a share of its segments: the probability it is caught within its
    first 20 jobs; for an honest one: the checks' compute as a share of its own, at steady
-   state (after a long record) and over its first 1,000 jobs; and how often Sybil checkers
-   holding 30 % of the stake convict an honest provider, with and without trusted checkers.
+   state (after a long record) and over its first 1,000 jobs, and the part of it its clients
+   pay for (the rest is its warm-up); for a renderer that doctors one frame of every job,
+   the probability it is caught within 20 jobs, with the real sample of frames a check
+   renders again; and how often Sybil checkers holding 30 % of the stake convict an honest
+   provider, with and without trusted checkers.
 
     .venv/bin/python bench/verification.py [--trials N] [--segments-per-job S]
 
@@ -126,16 +129,41 @@ def simulate(cheat_share: float, jobs: int, per_job: int, trials: int, seed: int
     streak = np.zeros(trials, dtype=np.int64)
     fails = np.zeros(trials, dtype=np.int64)
     checks = np.zeros(trials, dtype=np.int64)
+    clients = np.zeros(trials, dtype=np.int64)
     for _ in range(jobs * per_job):
-        checked = rng.random(trials) < rates[streak]
+        draw = rng.random(trials)
+        checked = draw < rates[streak]
         wrong = rng.random(trials) < cheat_share
         caught = checked & wrong
         # A doctored segment that disagrees costs a tie-break too.
         checks += checked + caught
+        # The client pays for a check the draw makes below its share (verify "auto": the
+        # floor); the provider for its warm-up above it.
+        clients += (checked + caught) * (draw < verification.FLOOR)
         fails += caught
         streak = np.where(caught, 0, streak + (checked & ~wrong))
     return {"caught": float((fails > 0).mean()), "banned": float((fails >= ban_after).mean()),
-            "check_compute": float(checks.mean() / (jobs * per_job))}
+            "check_compute": float(checks.mean() / (jobs * per_job)),
+            "client_check_compute": float(clients.mean() / (jobs * per_job))}
+
+
+def simulate_frames(frames: int, doctored: int, jobs: int, trials: int, seed: int) -> float:
+    """``trials`` new providers that doctor ``doctored`` of the ``frames`` frames of each of
+    their ``jobs`` render jobs (one lease each), checked at the real rate, each check
+    rendering the real sample of frames again (kinds/render.py): the share caught."""
+    from gpumarket.kinds import render
+
+    rng = np.random.default_rng(seed)
+    p = render.catch_probability(frames, doctored)
+    rates = np.array([verification.rate(n) for n in range(jobs + 1)])
+    streak = np.zeros(trials, dtype=np.int64)
+    fails = np.zeros(trials, dtype=np.int64)
+    for _ in range(jobs):
+        checked = rng.random(trials) < rates[streak]
+        caught = checked & (rng.random(trials) < p)
+        fails += caught
+        streak = np.where(caught, 0, streak + checked)
+    return float((fails > 0).mean())
 
 
 def sybil_framing(share: float, jobs: int, per_job: int, trials: int, seed: int,
@@ -215,6 +243,11 @@ def main() -> None:
         if share == 0.10:
             figures["detection_p_20_jobs"] = round(r["caught"], 4)
             figures["ban_p_20_jobs"] = round(r["banned"], 4)
+    for frames in (10, 100, 1000):
+        caught = simulate_frames(frames, 1, 20, args.trials, 4)
+        print(f"renders with one doctored frame in each job of {frames} frames: caught within"
+              f" 20 jobs with p = {caught:.4f}")
+        figures[f"detection_p_20_jobs_one_frame_of_{frames}"] = round(caught, 4)
     sybil_trials = min(args.trials, 2000)
     for referees in (False, True):
         r = sybil_framing(0.30, 100, s, sybil_trials, 3, referees)
@@ -226,7 +259,8 @@ def main() -> None:
     honest = simulate(0.0, 1000, s, 2000, 2, verification.BAN_AFTER)
     steady = verification.rate(10**9)
     print(f"honest provider: checks cost {honest['check_compute']:.3f} of its work over its"
-          f" first 1,000 jobs; {steady:.3f} at steady state (a long clean record)")
+          f" first 1,000 jobs; {steady:.3f} at steady state (a long clean record); its clients"
+          f" pay for {honest['client_check_compute']:.3f} of it, the provider the rest")
     if "real_replay_startup_s" in figures:
         # A replay also pays its start-up once: negligible against segments of minutes (the
         # Young interval of a provider with an MTBF of hours), not against these tiny ones.
@@ -237,6 +271,8 @@ def main() -> None:
               f" 5-minute segments: {figures['check_overhead_5min_segments_with_startup']:.4f}")
     figures.update(check_overhead=round(steady, 4),
                    check_overhead_first_1000_jobs=round(honest["check_compute"], 4),
+                   client_check_overhead_first_1000_jobs=round(
+                       honest["client_check_compute"], 4),
                    false_positives=figures.get("real_false_positives", 0)
                    + int(honest["caught"] > 0))
     print(json.dumps(figures))

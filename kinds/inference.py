@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import secrets
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +84,7 @@ class Inference(Kind):
             return False, f"{name} is unreadable ({exc})"
         if not rows:
             return False, "the replay returned no rows"
+        same_row = self.row_rule(got)
         if total is not None and not scope.get("replays") and \
                 sorted(want) != list(range(int(total))):
             return False, (f"the provider's {name} has {len(want)} rows, not the input's"
@@ -92,13 +94,19 @@ class Inference(Kind):
                 return False, f"row {i} is missing from the provider's {name}"
             if i not in have:
                 return False, f"row {i} is missing from the replay's {name}"
-            same, why = self.same_row(want[i], have[i])
+            same, why = same_row(want[i], have[i])
             if not same:
                 return False, f"row {i}: {why}"
         return True, f"rows {rows[0]}-{rows[-1]} agree ({self.agreement})"
 
     count_metric = ""
     agreement = ""
+
+    def row_rule(self, got: dict[str, Path]) -> Callable[[dict, dict], tuple[bool, str]]:
+        """How a row of the replay (``got``, by name) is compared with the provider's:
+        (agrees, where they differ). A kind whose rule depends on how the replay ran (its
+        dtype, say) reads that from the replay's outputs."""
+        return self.same_row
 
     def same_row(self, want: dict, have: dict) -> tuple[bool, str]:
         return False, "cannot compare"

@@ -112,6 +112,8 @@ output_format = "npy"
     assert market.cli("results", job_id, "-o", str(tmp_path / "out")).returncode == 0
     v = np.load(tmp_path / "out" / "embeddings.npy")
     assert v.shape == (5, 384)
+    # The precision it ran in, which a check's tolerance follows (kinds/embed.py).
+    assert json.loads((tmp_path / "out" / "metrics.json").read_text())["float_bits"] == 32
     assert np.allclose(np.linalg.norm(v, axis=1), 1, atol=1e-4)
     sim = v @ v.T
     assert sim[0, 1] > 0.6 and sim[2, 3] > sim[2, 0]

@@ -428,3 +428,132 @@ def test_a_training_result_is_compared_file_by_file_every_file(tmp_path):
                           (result("drop", drop="loss.jsonl"), "no loss.jsonl")]:
         ok, said = kind.compare(doctored, result(f"r-{why[:4]}-{len(why)}"), {})
         assert not ok and why in said, said
+
+
+def spent(w: World, client: str = "ca") -> int:
+    s = ledger.summary(w.db, client)
+    assert s["available"] + s["held"] + s["spent"] == s["credited"]      # nothing made or lost
+    return s["spent"]
+
+
+def run_checked_job(w: World, draw: float, checker_price: float = 1.0) -> str:
+    """Job "j" on the new provider h1 (checked at rate 1): its first segment checked with
+    ``draw`` (replayed by h2 at ``checker_price``, and passed), its last unchecked; the job
+    ends. Returns the check's id."""
+    w.write(jobs.submit, new_job("j", "ca", 2_000_000, True), w.now)
+    start(w, "j", "h1")
+    checkpoint(w, "j", "h1", 10, dataclasses.replace(CHECK, draw=draw))
+    (check_id,) = checks(w, "j")
+    start(w, check_id, "h2", checker_price)
+    w.now += 30_000
+    w.write(jobs.succeed, check_id, w.job(check_id)["epoch"], "h2",
+            receipt(check_id, "h2", ["model.safetensors"], w), w.now)
+    w.write(disputes.conclude, check_id, True, False, "identical", w.now)
+    w.now += 1000
+    w.write(jobs.succeed, "j", w.job("j")["epoch"], "h1",
+            receipt("j", "h1", ["model.safetensors"], w), w.now, NO_CHECK)
+    assert w.job("j")["state"] == jobs.SUCCEEDED
+    return check_id
+
+
+def work_cost(w: World, job_id: str, provider: str) -> int:
+    """What job "j"'s hold paid for ``provider``'s leases of ``job_id`` ("j" or a check of
+    it): their pay and the fee."""
+    return -w.db.execute(
+        "SELECT coalesce(sum(e.amount), 0) FROM ledger_entries e JOIN ledger_postings p"
+        " ON p.seq = e.posting_seq WHERE p.type = 'settle' AND p.job_id = ? AND"
+        " p.provider_id = ? AND e.account = ?", [job_id, provider,
+                                                 ledger.escrow("j")]).fetchone()[0]
+
+
+def test_a_new_providers_warm_up_checks_are_paid_by_it_not_by_its_client(w):
+    """Issue 34: a new provider is checked at rate 1 and its clients paid every replay (in
+    one run half their spend). Now a client pays for the checks its own share would have
+    made (its verify, at least the floor rate an established provider has: the draw below
+    it); a check above it is the provider's warm-up, advanced from the hold while it runs
+    and charged back to the provider from its earnings when the job ends. The books
+    balance throughout."""
+    check_id = run_checked_job(w, draw=0.5)          # above the client's 5 %: warm-up
+    assert checks(w, "j")[check_id]["paid_by"] == "h1"
+    replay_cost = work_cost(w, check_id, "h2")
+    own = work_cost(w, "j", "h1")
+    assert replay_cost > 0 and own > replay_cost
+    # The client paid for h1's work and nothing for the replay of it ...
+    assert spent(w) == own
+    assert ledger.job_money(w.db, "j")["charged"] == own
+    # ... which h1 paid from its pay: h2 has its replay's pay, the market its fee on both.
+    fee = 50_000
+    assert ledger.balance(w.db, ledger.provider("h1")) == \
+        own - own * fee // 10**6 - replay_cost == own - replay_cost - own * fee // 10**6
+    assert ledger.balance(w.db, ledger.provider("h2")) == replay_cost - replay_cost * fee // 10**6
+    memo = w.db.execute("SELECT memo FROM ledger_postings WHERE type = 'warmup'").fetchone()[0]
+    assert check_id in memo
+    assert ledger.audit(w.db) == []
+
+
+def test_a_check_within_the_clients_share_is_the_clients_and_a_warm_up_never_overdraws(
+        tmp_path):
+    # The draw below the floor rate: a check the client pays for, as with any provider.
+    w1 = World(tmp_path / "a.db")
+    for p in ("h1", "h2"):
+        w1.db["providers"].insert({"id": p, "public_key": b"", "first_seen_ms": 0,
+                                   "last_seen_ms": 0, "online": 1})
+    w1.write(ledger.credit, "ca", 10**7, "client", "", "op", "k", 1)
+    check_id = run_checked_job(w1, draw=verification.FLOOR / 2)
+    assert checks(w1, "j")[check_id]["paid_by"] is None
+    assert spent(w1) == work_cost(w1, "j", "h1") + work_cost(w1, check_id, "h2")
+    assert ledger.audit(w1.db) == []
+    # A checker ten times dearer than the provider: the provider pays what it has (its
+    # earnings go to zero, never below: no checker is paid with money nobody put in), the
+    # hold the rest.
+    w2 = World(tmp_path / "b.db")
+    for p in ("h1", "h2"):
+        w2.db["providers"].insert({"id": p, "public_key": b"", "first_seen_ms": 0,
+                                   "last_seen_ms": 0, "online": 1})
+    w2.write(ledger.credit, "ca", 10**7, "client", "", "op", "k", 1)
+    check_id = run_checked_job(w2, draw=0.5, checker_price=20.0)
+    own, replay_cost = work_cost(w2, "j", "h1"), work_cost(w2, check_id, "h2")
+    assert replay_cost > own
+    assert ledger.balance(w2.db, ledger.provider("h1")) == 0
+    assert spent(w2) == own + replay_cost - (own - own * 50_000 // 10**6)
+    assert ledger.audit(w2.db) == []
+
+
+def test_work_no_check_can_replay_shows_no_check_rate(w):
+    """A script job is never checked (docs/verification.md): its status says unverified and
+    names no rate it would be "spot-checked at"; a training job on the same new provider
+    does (rate 1)."""
+    script = new_job("s", "ca", 500_000, True)
+    script = dataclasses.replace(script, needs=dataclasses.replace(script.needs,
+                                                                   kind=pb.JOB_KIND_SCRIPT))
+    w.write(jobs.submit, script, w.now)
+    start(w, "s", "h1")
+    w.write(jobs.submit, new_job("j", "ca", 500_000, True), w.now)
+    start(w, "j", "h1")
+    assert verification.view(w.db, "s").rate == 0
+    assert verification.view(w.db, "s").status == "unverified"
+    assert verification.view(w.db, "j").rate == 1
+
+
+def test_a_warm_up_checker_found_wrong_costs_the_provider_it_cleared_nothing(w):
+    """The first checker of a warm-up check lies and a tie-break clears the provider: the
+    lying replay is not paid, and the provider owes nothing for either replay (the tie-break
+    stays with the hold; the liar's slash repays the client where it has stake)."""
+    w.write(jobs.submit, new_job("j", "ca", 2_000_000, True), w.now)
+    start(w, "j", "h1")
+    checkpoint(w, "j", "h1", 10, dataclasses.replace(CHECK, draw=0.5))
+    (first,) = checks(w, "j")
+    disagree(w, "j", first, "liar", "h3", True, False)
+    tiebreak = [c for c in checks(w, "j") if c != first][0]
+    assert checks(w, "j")[tiebreak]["paid_by"] == "h1"
+    w.now += 1000
+    w.write(jobs.succeed, "j", w.job("j")["epoch"], "h1",
+            receipt("j", "h1", ["model.safetensors"], w), w.now, NO_CHECK)
+    assert w.job("j")["state"] == jobs.SUCCEEDED
+    own = work_cost(w, "j", "h1")
+    assert w.db.execute("SELECT count(*) FROM ledger_postings WHERE type = 'warmup'"
+                        ).fetchone()[0] == 0
+    assert ledger.balance(w.db, ledger.provider("h1")) == own - own * 50_000 // 10**6
+    assert ledger.balance(w.db, ledger.provider("liar")) == 0
+    assert spent(w) == own + work_cost(w, tiebreak, "h3")
+    assert ledger.audit(w.db) == []

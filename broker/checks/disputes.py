@@ -81,7 +81,7 @@ def conclude(db: Database, check_id: str, agrees: bool, agrees_first: bool, deta
                            c["step_from"], c["step_to"],
                            json.loads(c["start"]) if c["start"] else None,
                            json.loads(c["expect"]), json.loads(c["scope"]), "tiebreak",
-                           check_id, now)
+                           check_id, now, c["paid_by"])
         verification.note(db, job, f"check {check_id} disagreed with {c['provider_id']}'s"
                           f" result ({detail}); a third provider decides", now)
         return Outcome()
@@ -316,6 +316,23 @@ def drop(db: Database, top_id: str, failed: bool, now: int) -> None:
                 and not _still_checked(db, seq):
             ledger.resolve(db, seq, not failed, now)
     db.execute("DELETE FROM artifact_refs WHERE job_id = ? AND role = 'evidence'", [top_id])
+    charge_warmups(db, top_id, now)
+
+
+def charge_warmups(db: Database, top_id: str, now: int) -> None:
+    """The job ended (its checks with it): each warm-up check of its work, advanced from the
+    job's hold while it ran, is charged to the provider it checked, from its earnings, back
+    into the hold (its release returns it to the client). What its earnings cannot cover
+    stays paid by the hold: a provider's balance never goes below zero for this, so no
+    checker is paid with money nobody put in."""
+    job = _job(db, top_id)
+    # Not a tie-break that found the first checker wrong: that checker's slash repays the
+    # client for it, and the provider it cleared owes nothing for it.
+    for check_id, provider_id in db.execute(
+            "SELECT c.id, c.paid_by FROM checks c LEFT JOIN checks f ON f.id = c.first_check"
+            " WHERE c.top_id = ? AND c.paid_by IS NOT NULL AND (f.liar IS NULL OR"
+            " f.liar != f.checker_id) ORDER BY c.created_at_ms, c.id", [top_id]).fetchall():
+        ledger.charge_check(db, check_id, provider_id, top_id, job["client_id"], now)
 
 
 def waiting_too_long(db: Database, before_ms: int) -> list[str]:

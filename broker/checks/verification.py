@@ -25,6 +25,7 @@ from sqlite_utils import Database
 from gpumarket import kinds
 from gpumarket.broker.money import ledger
 from gpumarket.broker.store import blob_holdings
+from gpumarket.proto.errors import InvalidArgument
 from gpumarket.proto.v1 import types_pb2 as pb
 
 FLOOR = 0.05          # the rate of a provider with a long clean record
@@ -83,8 +84,14 @@ def provider_rate(db: Database, provider_id: str) -> float:
 
 
 def _job_rate(db: Database, job: dict, provider_id: str) -> float:
-    asked = json.loads(job["needs"]).get("verify_rate", 0.0)
-    return max(float(asked), provider_rate(db, provider_id))
+    return max(client_share(job), provider_rate(db, provider_id))
+
+
+def client_share(job: dict) -> float:
+    """The share of a job's segments whose checks its client pays for: what it asked
+    (verify), at least FLOOR, the rate of a provider with a long clean record. Checks above
+    it are a new provider's warm-up, paid by that provider (disputes.charge_warmups)."""
+    return max(float(json.loads(job["needs"]).get("verify_rate", 0.0)), FLOOR)
 
 
 def _new_id(db: Database, job_id: str) -> str:
@@ -115,8 +122,11 @@ def choose(db: Database, policy: Policy, job: dict, lease: dict, step_from: int,
         db, f"settle:{lease['id']}:final")
     if seq is not None and ledger.posted(db, f"dispute:{seq}") is None:
         ledger.dispute(db, seq, now)
+    # The same draw says who pays: below the client's share, the client (as for a provider
+    # with a long record); above it, the check is there only because the provider is new.
+    paid_by = lease["provider_id"] if policy.draw >= client_share(job) else None
     return queue(db, job, lease["provider_id"], lease["id"], seq, step_from, step_to, start,
-                  expect, scope, "check", None, now)
+                  expect, scope, "check", None, now, paid_by)
 
 
 def choose_segment(db: Database, policy: Policy, job: dict, lease: dict, step: int,
@@ -159,7 +169,7 @@ def choose_final(db: Database, policy: Policy, job: dict, lease: dict, total: in
 
 def queue(db: Database, job: dict, provider_id: str, lease_id: str, seq: int | None,
            step_from: int, step_to: int, start: dict | None, expect: dict, scope: dict,
-           role: str, first: str | None, now: int) -> str:
+           role: str, first: str | None, now: int, paid_by: str | None = None) -> str:
     from gpumarket.broker.jobs import transitions as jobs
 
     check_id = _new_id(db, job["id"])
@@ -168,7 +178,8 @@ def queue(db: Database, job: dict, provider_id: str, lease_id: str, seq: int | N
         "id": check_id, "job_id": job["id"], "top_id": top, "provider_id": provider_id,
         "lease_id": lease_id, "settle_seq": seq, "step_from": step_from, "step_to": step_to,
         "scope": json.dumps(scope), "start": _ref(start), "expect": json.dumps(expect),
-        "role": role, "first_check": first, "state": "queued", "created_at_ms": now})
+        "role": role, "first_check": first, "state": "queued", "created_at_ms": now,
+        "paid_by": paid_by})
     row = {k: job[k] for k in ("client_id", "kind", "spec", "spec_sha256", "needs",
                                "expires_at_ms", "fee_ppm", "enforce_funds", "part", "parts")}
     needs = json.loads(job["needs"])
@@ -196,7 +207,8 @@ def queue(db: Database, job: dict, provider_id: str, lease_id: str, seq: int | N
     jobs.append_event(db, check_id, "submitted", QUEUED, 1, now,
                       message=f"{role} of {provider_id}'s {what(step_from, step_to, scope)}")
     note(db, job, f"{role} {check_id} queued: {what(step_from, step_to, scope)} of"
-           f" {provider_id}'s work will be replayed on another provider", now)
+           f" {provider_id}'s work will be replayed on another provider"
+           + (f" (a warm-up check: {paid_by} pays for it)" if paid_by else ""), now)
     return check_id
 
 
@@ -205,7 +217,7 @@ def what(step_from: int, step_to: int, scope: dict) -> str:
         return f"a batch of {scope['batch_size']} rows from row {step_from} on"
     if scope.get("frames"):
         frames = scope["frames"]
-        return "frame " + ", ".join(str(f) for f in frames)
+        return f"frame{'s' if len(frames) > 1 else ''} " + ", ".join(str(f) for f in frames)
     return f"steps {step_from}-{step_to}"
 
 
@@ -315,8 +327,12 @@ def summary(db: Database, job_id: str) -> str:
 
 def view(db: Database, job_id: str) -> pb.JobVerification:
     out = pb.JobVerification(status=summary(db, job_id))
-    job = db.execute("SELECT provider_id, needs FROM jobs WHERE id = ?", [job_id]).fetchone()
-    if job is not None and job[0]:
+    job = db.execute("SELECT provider_id, needs, kind, tasks FROM jobs WHERE id = ?",
+                     [job_id]).fetchone()
+    # A rate only for work a check can replay: none for a kind that is never checked (a
+    # script), an array, or a model's own code (docs/verification.md, What is not checked).
+    if job is not None and job[0] and _checkable(job[2]) and not job[3] \
+            and not json.loads(job[1]).get("remote_code"):
         asked = json.loads(job[1]).get("verify_rate", 0.0)
         out.rate = max(float(asked), provider_rate(db, job[0]))
     for c in [check_row(db, r[0]) for r in db.execute(
@@ -329,6 +345,15 @@ def view(db: Database, job_id: str) -> pb.JobVerification:
             what=what(c["step_from"], c["step_to"], json.loads(c["scope"])),
             created_at_ms=c["created_at_ms"], ended_at_ms=c["ended_at_ms"] or 0))
     return out
+
+
+def _checkable(kind: int) -> bool:
+    """Whether work of this kind can be checked (False for a kind this broker no longer
+    knows)."""
+    try:
+        return bool(kinds.get(kind).verify)
+    except InvalidArgument:
+        return False
 
 
 def standings(db: Database) -> dict[str, tuple[float, int, int]]:

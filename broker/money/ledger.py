@@ -358,6 +358,34 @@ def slash(db: Database, provider_id: str, client_id: str, job_id: str, amount: i
     return taken
 
 
+def check_cost(db: Database, check_id: str, top: str) -> int:
+    """What job ``top``'s hold paid for the replays of check ``check_id`` (its job row's
+    settlements), less those reversed or taken back since, in units."""
+    cost = 0
+    for seq, entries in db.execute("SELECT seq, entries FROM ledger_postings WHERE type ="
+                                   " 'settle' AND job_id = ?", [check_id]).fetchall():
+        undone = db.execute("SELECT 1 FROM ledger_postings WHERE (key = ? AND type = 'reverse')"
+                            " OR key = ?", [f"resolve:{seq}", f"clawback:{seq}"]).fetchone()
+        if undone is None:
+            cost -= json.loads(entries).get(escrow(top), 0)
+    return cost
+
+
+def charge_check(db: Database, check_id: str, provider_id: str, top: str, client_id: str,
+                 now: int) -> int:
+    """A warm-up check of ``provider_id``'s work (docs/verification.md): what job ``top``'s
+    hold paid for its replays goes back into the hold from the provider's earnings, as far as
+    they go (never below zero: no checker is paid with money nobody put in). Once per check;
+    returns what moved."""
+    taken = min(check_cost(db, check_id, top), max(0, balance(db, provider(provider_id))))
+    if taken <= 0:
+        return 0
+    post(db, f"warmup:{check_id}", "warmup", {provider(provider_id): -taken, escrow(top): taken},
+         now, owners={escrow(top): client_id}, job_id=top, provider_id=provider_id,
+         memo=f"warm-up check {check_id} of this provider's work: paid by the provider")
+    return taken
+
+
 # -- reading --------------------------------------------------------------------------------
 
 def job_money(db: Database, job_id: str) -> dict[str, int]:
@@ -370,7 +398,7 @@ def job_money(db: Database, job_id: str) -> dict[str, int]:
         "SELECT account FROM ledger_accounts WHERE account >= ? AND account < ?",
         _prefix(f"disputed:{job_id}{sep}")))
     return {"hold": rows.get("hold", 0) + rows.get("topup", 0),
-            "charged": -rows.get("settle", 0) - rows.get("reverse", 0),
+            "charged": -sum(rows.get(t, 0) for t in ("settle", "reverse", "warmup")),
             "remaining": balance(db, escrow(job_id)), "disputed": held}
 
 
@@ -416,7 +444,8 @@ def summary(db: Database, key_id: str) -> dict[str, int]:
         "SELECT coalesce(sum(e.amount), 0) FROM ledger_accounts a"
         " JOIN ledger_entries e ON e.account = a.account"
         " JOIN ledger_postings p ON p.seq = e.posting_seq"
-        " WHERE a.type = 'escrow' AND p.type IN ('settle', 'reverse') AND a.owner = ?",
+        " WHERE a.type = 'escrow' AND p.type IN ('settle', 'reverse', 'warmup')"
+        " AND a.owner = ?",
         [key_id]).fetchone()[0]
     held = db.execute(f"SELECT coalesce(sum(balance), 0) FROM ({LATEST} WHERE a.owner = ?"
                       " AND a.type = 'escrow')", [key_id]).fetchone()[0]

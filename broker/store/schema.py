@@ -531,3 +531,12 @@ def m019_lease_preemption(db: Database) -> None:
     ``preempted``: neither lost nor failed."""
     db.execute("ALTER TABLE leases ADD COLUMN preempt_for TEXT")
     db.execute("ALTER TABLE leases ADD COLUMN preempt_at_ms INTEGER")
+
+
+@migrations()
+def m020_warmup_checks(db: Database) -> None:
+    """Who pays a check's replays (broker/checks/verification.py): NULL, the job's client
+    (a check its verify share, at least the floor rate, would have made); else the checked
+    provider's id, for a warm-up check (one made only because the provider is new), charged
+    to it when the job ends (broker/checks/disputes.py charge_warmups)."""
+    db.execute("ALTER TABLE checks ADD COLUMN paid_by TEXT")

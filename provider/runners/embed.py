@@ -129,6 +129,8 @@ def embed(workdir: Path, report: Reporter) -> None:
                "texts_per_s": done_now / elapsed if elapsed > 0 else 0.0,
                "tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0,
                "embed_seconds": elapsed, "batch_size": float(results.batch_size),
+               # the precision it computed in: a check's tolerance follows it (kinds/embed.py)
+               "float_bits": float(torch.finfo(next(model.parameters()).dtype).bits),
                "resumed_from_step": float(results.resumed_from), **results.figures,
                **percentiles(latencies, "batch_s")}
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
