@@ -105,6 +105,7 @@ def test_a_yielded_lease_gives_back_the_tasks_it_did_not_run_without_an_attempt(
     import asyncio
 
     from gpumarket.broker.jobs import arrays as broker_arrays
+    from gpumarket.broker.jobs import endings
     from gpumarket.broker.jobs import transitions as jobs
     from gpumarket.proto.envelope import seal
     from gpumarket.proto.identity import Identity
@@ -141,7 +142,7 @@ def test_a_yielded_lease_gives_back_the_tasks_it_did_not_run_without_an_attempt(
         await w(jobs.create_lease, "a1-2", "p2", [0], 1.0, 8, 60_000, 0, sign)
         await w(jobs.mark_started, "a1-2", 1, "p2", 9)
         assert await w(broker_arrays.yield_lease, "a1-2", 1, 10) == 3
-        assert await w(jobs.lose_lease, "a1-2.1", "missed heartbeats", 11)
+        assert await w(endings.lose_lease, "a1-2.1", "missed heartbeats", 11)
         assert (await r(jobs.job_row, "a1-2"))["state"] == pb.JOB_STATE_FAILED
         assert [v for t, v in sorted((await r(states)).items()) if t >= 3] == \
             [f"{Q}:0:a1-3"] * 3

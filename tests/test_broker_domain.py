@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from gpumarket.broker.jobs import endings
 from gpumarket.broker.jobs import transitions as jobs
 from gpumarket.broker.jobs import views
 from gpumarket.broker.market import providers
@@ -49,14 +50,14 @@ def test_lifecycle_and_epochs(store):
             await w(jobs.record_progress, "j1", 1, "p2", pb.Progress(step=1, total=2), 5)
         await w(jobs.record_progress, "j1", 1, "p1", pb.Progress(step=1, total=2), 5)
         # the lease is lost: attempt 2 on epoch 2; epoch 1 is stale from now on
-        assert await w(jobs.lose_lease, "j1.1", "missed heartbeats", 6)
+        assert await w(endings.lose_lease, "j1.1", "missed heartbeats", 6)
         with pytest.raises(FailedPrecondition, match="stale"):
             await w(jobs.record_progress, "j1", 1, "p1", pb.Progress(step=2, total=2), 7)
         await w(jobs.create_lease, "j1", "p2", [0], 1.0, 8, 60_000, 10, sign)
         assert await w(providers.renew_leases, "p1", [("j1", 1)], 9) == [("j1", 1)]
         assert await w(providers.renew_leases, "p2", [("j1", 2)], 9) == []
         # losing the second lease exceeds max_attempts=2: the job fails
-        await w(jobs.lose_lease, "j1.2", "provider session ended", 10)
+        await w(endings.lose_lease, "j1.2", "provider session ended", 10)
         job = await store.read(views.get_job, "j1")
         assert job.state == pb.JOB_STATE_FAILED
         assert "gave up after 2 attempts" in job.error
@@ -79,8 +80,8 @@ def test_cancel_is_the_owners_alone(store):
                           lambda lease: seal(broker, lease))
         # another client's job answers as a job that does not exist
         with pytest.raises(NotFound, match="^no job 'j1'$"):
-            await store.write(jobs.cancel, "j1", other.id, 3)
-        state, ended = await store.write(jobs.cancel, "j1", client.id, 3)
+            await store.write(endings.cancel, "j1", other.id, 3)
+        state, ended = await store.write(endings.cancel, "j1", client.id, 3)
         assert state == pb.JOB_STATE_CANCELLED
         assert ended == [jobs.EndedLease("j1", 1, "p1")]
         assert await store.read(views.busy_devices) == {}
@@ -193,12 +194,12 @@ def test_a_split_job_follows_its_parts(store):
         assert (job.progress.step, job.progress.total) == (2, 6)
         assert await store.read(views.busy_siblings, "j1") == {"p1"}
         await w(jobs.create_lease, "j1-2", "p2", [0], 1.0, 5, 60_000, 10, sign)
-        await w(jobs.fail, "j1-2", 1, "p2", "scene: Blender cannot open it", 6)
+        await w(endings.fail, "j1-2", 1, "p2", "scene: Blender cannot open it", 6)
         job = await store.read(views.get_job, "j1")    # one provider's word: tried again
         assert job.state == pb.JOB_STATE_RUNNING
         assert (job.parts[1].state, job.parts[1].attempt) == (pb.JOB_STATE_QUEUED, 2)
         await w(jobs.create_lease, "j1-2", "p3", [0], 1.0, 6, 60_000, 10, sign)
-        await w(jobs.fail, "j1-2", 2, "p3", "scene: Blender cannot open it", 6)
+        await w(endings.fail, "j1-2", 2, "p3", "scene: Blender cannot open it", 6)
         job = await store.read(views.get_job, "j1")
         assert job.state == pb.JOB_STATE_FAILED
         assert job.error == ("part 2/2 failed: failed on 2 providers: p2: scene: Blender"
@@ -212,7 +213,7 @@ def test_a_split_job_follows_its_parts(store):
         await w(jobs.submit, dataclasses.replace(new_job(client, "j2", "11" * 16),
                                                  part_sizes=(1, 1, 1)), 8)
         await w(jobs.create_lease, "j2-3", "p1", [0], 1.0, 9, 60_000, 10, sign)
-        state, ended = await w(jobs.cancel, "j2", client.id, 10)
+        state, ended = await w(endings.cancel, "j2", client.id, 10)
         assert state == pb.JOB_STATE_CANCELLED and ended == [jobs.EndedLease("j2-3", 1, "p1")]
         job = await store.read(views.get_job, "j2")
         assert job.error == "cancelled by client"

@@ -12,6 +12,7 @@ import tarfile
 import pytest
 import torch
 
+from gpumarket.broker.jobs import endings
 from gpumarket.broker.jobs import transitions as jobs
 from gpumarket.broker.market import reliability
 from gpumarket.broker.store import blob_holdings
@@ -126,7 +127,7 @@ def test_broker_records_only_checkpoints_uploaded_intact(tmp_path):
         await store.write(blob_holdings.record, sha, len(data), "p1", 3)    # p1 uploaded it
         assert await store.write(jobs.record_checkpoint, "j1", 1, "p1", 10, ref, 0.1, 3)
         assert not await store.write(jobs.record_checkpoint, "j1", 1, "p1", 5, ref, 0.1, 4)
-        await store.write(jobs.lose_lease, "j1.1", "missed heartbeats", 5)
+        await store.write(endings.lose_lease, "j1.1", "missed heartbeats", 5)
         envelope = await store.write(jobs.create_lease, "j1", "p2", [0], 1.0, 6, 60_000, 0,
                                      lambda lease: seal(broker, lease))
         lease = pb.Lease.FromString(envelope.payload)

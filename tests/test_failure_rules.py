@@ -1,5 +1,5 @@
 """The rules of a provider's reported failure on a real SQLite file, through the broker's own
-transactions (jobs.fail, the endpoints' crash loop and steering, reliability), the
+transactions (endings.fail, the endpoints' crash loop and steering, reliability), the
 gateway's check of a signed FailureReport, and the provider's report itself: a provider's
 word alone fails nobody's work (docs/recovery.md)."""
 
@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 from gpumarket.broker.api.gateway import ProviderGatewayServicer
+from gpumarket.broker.jobs import endings
 from gpumarket.broker.jobs import transitions as jobs
 from gpumarket.broker.jobs import views
 from gpumarket.broker.market import reliability
@@ -52,7 +53,7 @@ def fail(w: World, job_id: str, provider: str, error: str = "exit 1: ValueError"
          **kw) -> None:
     start(w, job_id, provider)
     w.now += 60_000
-    w.write(lambda db: jobs.fail(db, job_id, w.job(job_id)["epoch"], provider, error, w.now,
+    w.write(lambda db: endings.fail(db, job_id, w.job(job_id)["epoch"], provider, error, w.now,
                                  **kw))
 
 
@@ -154,7 +155,7 @@ def replica_lease(w: World, replica: str, provider: str) -> int:
 def replica_fails(w: World, replica: str, provider: str, error: str = "engine crashed"):
     epoch = replica_lease(w, replica, provider)
     w.now += 1000
-    w.write(jobs.fail, replica, epoch, provider, error, w.now)
+    w.write(endings.fail, replica, epoch, provider, error, w.now)
 
 
 def test_one_provider_failing_every_replica_never_fails_the_endpoint(w):
@@ -198,7 +199,7 @@ def test_a_ready_replica_breaks_the_crash_loop_and_a_requeued_one_is_not_ready(w
     assert w.write(endpoints.crash_loop, "ep") == ""          # one failure since it served
     # A replica that served and is leased again is not ready until its new lease says so:
     # the autoscaler gives up on a lease not ready within cold_start.
-    w.write(jobs.lose_lease, w.job("ep-r2")["lease_id"], "missed heartbeats", w.now)
+    w.write(endings.lose_lease, w.job("ep-r2")["lease_id"], "missed heartbeats", w.now)
     assert w.job("ep-r2")["progress_step"] == 0
 
 

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from gpumarket.broker.jobs import endings
 from gpumarket.broker.jobs import transitions as jobs
 from gpumarket.broker.market.admission import Needs, NewJob
 from gpumarket.broker.money import ledger
@@ -147,14 +148,14 @@ def apply(w: World, op: tuple, crash: bool) -> None:
             w.write(jobs.succeed, job_id, epoch, p, receipt.SerializeToString(), w.now,
                     crash=crash)
         elif name == "fail":
-            w.write(jobs.fail, job_id, epoch, p, "boom", w.now, crash=crash)
+            w.write(endings.fail, job_id, epoch, p, "boom", w.now, crash=crash)
         elif name == "exhaust":   # the broker's check of running leases against their hold
             w.now += b * 3_600_000
             w.write(jobs.exhaust, lease_id, w.now, crash=crash)
         else:
-            w.write(jobs.lose_lease, lease_id, "missed heartbeats", w.now, crash=crash)
+            w.write(endings.lose_lease, lease_id, "missed heartbeats", w.now, crash=crash)
     elif name == "cancel":
-        w.write(jobs.cancel, job_id, w.job(job_id)["client_id"], w.now, crash=crash)
+        w.write(endings.cancel, job_id, w.job(job_id)["client_id"], w.now, crash=crash)
     elif name == "topup":
         w.write(jobs.top_up, job_id, w.job(job_id)["client_id"], (b + 1) * 2_000, w.now,
                 crash=crash)
@@ -406,7 +407,7 @@ def test_a_cancelled_job_pays_its_running_lease_and_nothing_before_it_started(tm
     w.write(jobs.submit, new_job("c", "ca", 2_000_000, True), 2)
     w.write(jobs.create_lease, "c", "pa", [0], 1.0, 10, 60_000, EVERY, sign)
     w.write(jobs.mark_started, "c", 1, "pa", 3_600_010)   # an hour after the lease
-    w.write(jobs.cancel, "c", "ca", 5_400_010)
+    w.write(endings.cancel, "c", "ca", 5_400_010)
     # Half an hour of running at 1 credit/h is paid; the hour before "started" is not.
     assert ledger.job_money(w.db, "c") == {"hold": 2_000_000, "charged": 500_000,
                                            "remaining": 0, "disputed": 0}
@@ -426,7 +427,7 @@ def test_a_failed_attempt_is_not_paid_past_its_last_checkpoint(tmp_path):
     w.write(jobs.record_progress, "f", 1, "pa", pb.Progress(step=10, total=STEPS), 5_400_010)
     w.write(jobs.record_checkpoint, "f", 1, "pa", 10, w.write(artifact, "pa", 10, 5_400_010),
             0.1, 5_400_010)
-    w.write(jobs.fail, "f", 1, "pa", "CUDA error: an illegal memory access", 7_200_010)
+    w.write(endings.fail, "f", 1, "pa", "CUDA error: an illegal memory access", 7_200_010)
     job = w.job("f")
     assert (job["state"], job["attempt"], job["checkpoint_step"]) == (jobs.QUEUED, 2, 10)
     assert ledger.job_money(w.db, "f")["charged"] == 500_000     # the checkpointed half hour
@@ -469,7 +470,7 @@ def test_a_lease_running_past_its_max_runtime_is_taken_back_unpaid_since_its_che
     w.write(jobs.record_checkpoint, "j", 1, "pa", 10, ref, 0.1, 300_000)     # paid: 300 s
     assert views.leases_past_runtime(w.db, 660_000, 60_000) == []
     assert views.leases_past_runtime(w.db, 660_001, 60_000) == [("j.1", 600)]
-    assert w.write(jobs.lose_lease, "j.1", "ran past the job's max_runtime of 600s", 3_600_000)
+    assert w.write(endings.lose_lease, "j.1", "ran past the job's max_runtime of 600s", 3_600_000)
     assert w.job("j")["state"] == jobs.QUEUED
     assert ledger.job_money(w.db, "j")["charged"] == 83_333          # the 300 s only
 
@@ -494,7 +495,7 @@ def test_the_parts_of_a_split_job_draw_on_one_hold(tmp_path):
     assert w.job("j")["state"] == jobs.PAUSED
     # A top-up resumes only the parts it covers together (10 s each: 2,778 units).
     w.write(jobs.top_up, "j", "ca", 3_000, 200_000)
-    assert sorted(p["state"] for p in jobs._parts_of(w.db, "j")) == [jobs.QUEUED, jobs.PAUSED]
+    assert sorted(p["state"] for p in jobs.parts_of(w.db, "j")) == [jobs.QUEUED, jobs.PAUSED]
     assert ledger.audit(w.db) == []
 
 
@@ -536,7 +537,7 @@ def test_a_paused_job_whose_spec_expired_fails_and_gives_its_hold_back(tmp_path)
     assert w.job("j")["state"] == jobs.PAUSED
     with pytest.raises(GpumarketError, match="expired"):
         w.write(jobs.top_up, "j", "ca", 500_000, 10**6)
-    assert w.write(jobs.expire_queued, 10**6) == ["j"]
+    assert w.write(endings.expire_queued, 10**6) == ["j"]
     assert w.job("j")["state"] == jobs.FAILED
     assert ledger.balance(w.db, ledger.client("ca")) == 10**6 - 100_000   # the hold was spent
     assert ledger.audit(w.db) == []

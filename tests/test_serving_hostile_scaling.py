@@ -15,6 +15,7 @@ import pytest
 
 from gpumarket import kinds
 from gpumarket.broker.api.sessions import CHUNKS_PER_S, ProviderSession
+from gpumarket.broker.jobs import endings
 from gpumarket.broker.jobs import transitions as jobs
 from gpumarket.broker.jobs import views
 from gpumarket.broker.market.admission import Needs, NewJob
@@ -250,7 +251,7 @@ def test_one_provider_failing_three_new_replicas_fails_a_serving_endpoint(store)
         for n in (2, 3, 4):
             replica = await w(endpoints.add_replica, "ep", 10 * n, "scale out")
             await w(lease, replica, "p9", 10 * n + 1)
-            await w(jobs.fail, replica, 1, "p9", "engine crashed", 10 * n + 2)
+            await w(endings.fail, replica, 1, "p9", "engine crashed", 10 * n + 2)
         broken = await store.read(endpoints.crash_loop, "ep")
         assert broken == "", f"one provider failed a serving endpoint: {broken!r}"
     asyncio.run(main())

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 from gpumarket import kinds
 from gpumarket.broker.jobs import preemption as rows
+from gpumarket.broker.jobs import endings
 from gpumarket.broker.jobs import transitions as jobs
 from gpumarket.broker.jobs import views
 from gpumarket.broker.market import matcher, preemption
@@ -173,7 +174,7 @@ def test_a_provider_cannot_pass_its_own_release_or_failure_off_as_a_preemption(w
     epoch = run_on(w, "i", "p1", 0.4)
     w.write(rows.release, "i", epoch, "p1", "preempted", w.now)
     epoch = run_on(w, "i", "p2", 0.4)
-    w.write(lambda db: jobs.fail(db, "i", epoch, "p2", "preempted", w.now))
+    w.write(lambda db: endings.fail(db, "i", epoch, "p2", "preempted", w.now))
     assert [r[0] for r in w.db.execute("SELECT state FROM leases ORDER BY epoch")] == \
         ["released", "failed"]
     assert w.job("i")["attempt"] == 3

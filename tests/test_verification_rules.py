@@ -9,6 +9,7 @@ import pytest
 
 from gpumarket.broker.checks import disputes
 from gpumarket.broker.checks import verification
+from gpumarket.broker.jobs import endings
 from gpumarket.broker.jobs import transitions as jobs
 from gpumarket.broker.money import ledger
 from gpumarket.proto.v1 import types_pb2 as pb
@@ -116,7 +117,7 @@ def test_a_liar_is_found_by_a_tie_break_unpaid_rewound_past_and_banned_at_the_se
     w.write(jobs.submit, new_job("j", "ca", 500_000, True), w.now)
     start(w, "j", "h1")
     checkpoint(w, "j", "h1", 10)                    # honest, unchecked
-    w.write(jobs.lose_lease, w.job("j")["lease_id"], "gone", w.now)
+    w.write(endings.lose_lease, w.job("j")["lease_id"], "gone", w.now)
     start(w, "j", "liar")                           # resumes from h1's step 10
     checkpoint(w, "j", "liar", 20, CHECK)
     checkpoint(w, "j", "liar", 30)                  # built on its own wrong state
@@ -212,7 +213,7 @@ def test_a_cancelled_job_ends_its_checks_and_pays_the_checked_provider(w):
     checkpoint(w, "j", "h1", 10, CHECK)
     (check_id,) = checks(w, "j")
     start(w, check_id, "h2")
-    w.write(jobs.cancel, "j", "ca", w.now)
+    w.write(endings.cancel, "j", "ca", w.now)
     assert checks(w, "j")[check_id]["state"] == "cancelled"
     assert w.job(check_id)["state"] == jobs.CANCELLED
     assert ledger.balance(w.db, ledger.disputed("j", "h1")) == 0
@@ -220,7 +221,7 @@ def test_a_cancelled_job_ends_its_checks_and_pays_the_checked_provider(w):
     assert ledger.audit(w.db) == []
     # A client cannot cancel or top up a check row by its id.
     with pytest.raises(Exception, match="no job"):
-        w.write(jobs.cancel, check_id, "ca", w.now)
+        w.write(endings.cancel, check_id, "ca", w.now)
 
 
 def test_failing_the_job_does_not_escape_a_pending_check(w):
@@ -228,11 +229,11 @@ def test_failing_the_job_does_not_escape_a_pending_check(w):
     start(w, "j", "liar")
     checkpoint(w, "j", "liar", 10, CHECK)
     checkpoint(w, "j", "liar", 20, CHECK)
-    w.write(jobs.fail, "j", w.job("j")["epoch"], "liar", "out of memory", w.now)
+    w.write(endings.fail, "j", w.job("j")["epoch"], "liar", "out of memory", w.now)
     assert w.job("j")["state"] == jobs.QUEUED          # its word alone: tried elsewhere
     assert "cancelled" not in {c["state"] for c in checks(w, "j").values()}
     start(w, "j", "h2")
-    w.write(jobs.fail, "j", w.job("j")["epoch"], "h2", "out of memory", w.now)
+    w.write(endings.fail, "j", w.job("j")["epoch"], "h2", "out of memory", w.now)
     assert w.job("j")["state"] == jobs.FAILED         # two providers agree
     assert {c["state"] for c in checks(w, "j").values()} == {"cancelled"}
     # The work under check is not paid; the client has its hold back.

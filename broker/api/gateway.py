@@ -22,6 +22,7 @@ from gpumarket.broker.checks import verdicts
 from gpumarket.broker.jobs import arrays
 from gpumarket.broker.jobs import logs
 from gpumarket.broker.jobs import preemption
+from gpumarket.broker.jobs import endings
 from gpumarket.broker.jobs import transitions as jobs
 from gpumarket.broker.market import providers
 from gpumarket.broker.serving import endpoints
@@ -268,12 +269,12 @@ class ProviderGatewayServicer(gateway_pb2_grpc.ProviderGatewayServicer):
                                   update.released.reason[:500] or "released by provider", now)
             elif which == "failed":
                 ran, error, tail = await self._failure(pid, update)
-                await store.write(functools.partial(jobs.fail, job_ran=ran, log_tail=tail),
+                await store.write(functools.partial(endings.fail, job_ran=ran, log_tail=tail),
                                   update.job_id, update.epoch, pid, error, now)
             elif which == "rejected":
                 # Not the job's fault as far as the broker knows: it goes to another provider
                 # (and fails once it has used up its attempts).
-                await store.write(jobs.release, update.job_id, update.epoch, pid,
+                await store.write(endings.release, update.job_id, update.epoch, pid,
                                   f"provider refused the lease: {update.rejected.reason[:500]}",
                                   now, "rejected")
             elif which == "receipt":
@@ -332,7 +333,7 @@ class ProviderGatewayServicer(gateway_pb2_grpc.ProviderGatewayServicer):
         if report.spec_sha256 != payload_sha256(pb.Envelope.FromString(job["spec"])):
             raise BadSignature("failure report is for another job spec")
         error = printable(report.error[:MAX_ERROR] or failed.error[:MAX_ERROR]) or "job failed"
-        tail = tuple(printable(line)[:TAIL_CHARS] for line in report.log_tail[-jobs.TAIL_LINES:])
+        tail = tuple(printable(line)[:TAIL_CHARS] for line in report.log_tail[-endings.TAIL_LINES:])
         return report.job_ran, error, tail
 
     async def _receipt(self, provider_id: str, update: gw.JobUpdate, now: int) -> None:
@@ -352,7 +353,7 @@ class ProviderGatewayServicer(gateway_pb2_grpc.ProviderGatewayServicer):
         except (BadSignature, FailedPrecondition, InvalidArgument) as exc:
             # A bad receipt ends the lease rather than leaving it running forever: the
             # provider's failure, not the job's (it goes to another provider, unpaid).
-            await store.write(functools.partial(jobs.fail, job_ran=False), update.job_id,
+            await store.write(functools.partial(endings.fail, job_ran=False), update.job_id,
                               update.epoch, provider_id, f"receipt rejected: {exc.message}", now)
             raise
         await store.write(jobs.succeed, update.job_id, update.epoch, provider_id,

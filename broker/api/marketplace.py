@@ -15,6 +15,7 @@ from gpumarket.broker.api.rpc import streaming, unary
 from gpumarket.broker.checks import verification
 from gpumarket.broker.jobs import arrays
 from gpumarket.broker.jobs import logs
+from gpumarket.broker.jobs import endings
 from gpumarket.broker.jobs import transitions as jobs
 from gpumarket.broker.jobs import views
 from gpumarket.broker.market import admission
@@ -266,7 +267,7 @@ class MarketplaceServicer(marketplace_pb2_grpc.MarketplaceServicer):
             raise PermissionDenied("cancel order is signed by another key than the call")
         if abs(now_ms() - order.at_ms) > CANCEL_ORDER_MAX_AGE_MS:
             raise BadSignature("cancel order is dated more than 10 minutes off (check the clock)")
-        state, ended = await self.state.store.write(jobs.cancel, order.job_id, client_id, now_ms())
+        state, ended = await self.state.store.write(endings.cancel, order.job_id, client_id, now_ms())
         if self.state.serving is not None:     # a deleted endpoint's keys stop at once
             self.state.serving.forget_keys()
             self.state.serving.sync(await self.state.store.read(endpoints.live))

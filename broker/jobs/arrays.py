@@ -126,7 +126,7 @@ def record_results(db: Database, batch_id: str, epoch: int, provider_id: str,
     """Tasks of the provider's current lease of the batch ended (``gw.TaskResult``s): each
     succeeded, or failed and runs again later while it has attempts left. A succeeded task
     with its own receipt (``task_receipts``, checked) has its outputs from it at once."""
-    batch, _ = jobs._current(db, batch_id, epoch, provider_id)
+    batch, _ = jobs.current(db, batch_id, epoch, provider_id)
     if len(results) > arrays.MAX_PER_LEASE:
         raise InvalidArgument(f"at most {arrays.MAX_PER_LEASE:,} task results at once")
     array_id = batch["parent_id"]

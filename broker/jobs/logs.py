@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from sqlite_utils import Database
 
-from gpumarket.broker.jobs.transitions import _current
+from gpumarket.broker.jobs.transitions import current
 from gpumarket.proto.jobspec import LOG_LINE_CHARS, LOG_LINES_PER_UPDATE
 from gpumarket.proto.v1 import types_pb2 as pb
 
@@ -16,7 +16,7 @@ def append(db: Database, job_id: str, epoch: int, provider_id: str, lines: list[
            now: int) -> int:
     """Keep the lines from the lease holder of the current epoch; return how many were kept.
     Past MAX_LINES_PER_JOB one last line says the log was cut."""
-    job, _ = _current(db, job_id, epoch, provider_id)
+    job, _ = current(db, job_id, epoch, provider_id)
     room = MAX_LINES_PER_JOB - job["log_lines"]
     if room <= 0:
         return 0

@@ -16,6 +16,7 @@ import json
 from dataclasses import dataclass
 
 from gpumarket.broker.checks import verification
+from gpumarket.broker.jobs import endings
 from gpumarket.broker.jobs import transitions as jobs
 from gpumarket.proto.errors import FailedPrecondition
 from gpumarket.proto.v1 import types_pb2 as pb
@@ -113,13 +114,13 @@ def end(db: Database, lease_id: str, reason: str, now: int) -> bool:
 def release(db: Database, job_id: str, epoch: int, provider_id: str, reason: str,
             now: int) -> None:
     """The provider gives a lease back (JobReleased): a lease asked to yield ends PREEMPTED;
-    any other as transitions.release says (a provider cannot make its own release, or a
+    any other as endings.release says (a provider cannot make its own release, or a
     failure, look like a preemption: only the broker marks one)."""
-    _, lease = jobs._current(db, job_id, epoch, provider_id)
+    _, lease = jobs.current(db, job_id, epoch, provider_id)
     if lease["preempt_for"]:
         end(db, lease["id"], reason, now)
         return
-    jobs.release(db, job_id, epoch, provider_id, reason, now)
+    endings.release(db, job_id, epoch, provider_id, reason, now)
 
 
 def overdue(db: Database, before_ms: int) -> list[tuple[str, str, int, str]]:

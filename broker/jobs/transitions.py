@@ -35,8 +35,6 @@ CANCELLED = pb.JOB_STATE_CANCELLED
 PAUSED = pb.JOB_STATE_PAUSED
 VERIFYING = pb.JOB_STATE_VERIFYING
 ACTIVE_STATES = (LEASED, RUNNING)
-FAIL_QUORUM = 2     # distinct providers whose reports that a job ran and failed fail it
-TAIL_LINES = 5      # lines of a failed job's log shown with its provider's report
 
 
 @dataclass(frozen=True)
@@ -96,7 +94,7 @@ PARENT_EVENT = {QUEUED: "requeued", LEASED: "leased", RUNNING: "started",
                 PAUSED: "paused", VERIFYING: "verifying"}
 
 
-def _parts_of(db: Database, parent_id: str) -> list[dict]:
+def parts_of(db: Database, parent_id: str) -> list[dict]:
     cur = db.execute("SELECT * FROM jobs WHERE parent_id = ? ORDER BY part", [parent_id])
     cols = [d[0] for d in cur.description]
     return [dict(zip(cols, r)) for r in cur.fetchall()]
@@ -109,7 +107,7 @@ def _follow_parts(db: Database, parent_id: str, now: int, message: str, type_: s
     parent = job_row(db, parent_id)
     if parent["state"] in TERMINAL_STATES:
         return []
-    parts = _parts_of(db, parent_id)
+    parts = parts_of(db, parent_id)
     states = [p["state"] for p in parts]
     failed = next((p for p in parts if p["state"] == FAILED), None)
     ended: list[EndedLease] = []
@@ -125,7 +123,7 @@ def _follow_parts(db: Database, parent_id: str, now: int, message: str, type_: s
                 stop_lease(db, p, "cancelled", error, now)
                 ended.append(EndedLease(p["id"], p["epoch"], p["provider_id"]))
             set_job(db, p["id"], now, state=CANCELLED, error=error)
-            _drop_checkpoints(db, p["id"])
+            drop_checkpoints(db, p["id"])
             append_event(db, p["id"], "cancelled", CANCELLED, p["attempt"], now,
                          message=f"stopped: {error}", mirror=False)
     elif all(s == SUCCEEDED for s in states):
@@ -288,7 +286,7 @@ def create_lease(
     return envelope
 
 
-def _current(db: Database, job_id: str, epoch: int, provider_id: str) -> tuple[dict, dict]:
+def current(db: Database, job_id: str, epoch: int, provider_id: str) -> tuple[dict, dict]:
     """Return (job, lease) if ``provider_id`` holds the job's current active lease."""
     job = job_row(db, job_id)
     row = db.execute(
@@ -308,7 +306,7 @@ def _current(db: Database, job_id: str, epoch: int, provider_id: str) -> tuple[d
 
 def mark_started(db: Database, job_id: str, epoch: int, provider_id: str, now: int,
                  resumed_from_step: int = 0) -> None:
-    job, lease = _current(db, job_id, epoch, provider_id)
+    job, lease = current(db, job_id, epoch, provider_id)
     db.execute("UPDATE leases SET started_at_ms = coalesce(started_at_ms, ?), renewed_at_ms = ?"
                " WHERE id = ?", [now, now, lease["id"]])
     # Billing starts here (once: a re-attached job reporting again changes nothing).
@@ -324,7 +322,7 @@ def mark_started(db: Database, job_id: str, epoch: int, provider_id: str, now: i
 def record_progress(
     db: Database, job_id: str, epoch: int, provider_id: str, progress: pb.Progress, now: int
 ) -> None:
-    job, _ = _current(db, job_id, epoch, provider_id)
+    job, _ = current(db, job_id, epoch, provider_id)
     metrics = dict(progress.metrics)
     set_job(db, job_id, now, progress_step=progress.step, progress_total=progress.total,
              progress_metrics=json.dumps(metrics))
@@ -344,7 +342,7 @@ def record_checkpoint(
     Raises InvalidArgument unless this provider uploaded the artifact intact (its hash was
     checked when the upload finished): naming a blob it only saw referenced is not enough.
     """
-    job, lease = _current(db, job_id, epoch, provider_id)
+    job, lease = current(db, job_id, epoch, provider_id)
     if not blob_holdings.holds_intact(db, provider_id, artifact.sha256, artifact.size_bytes):
         raise InvalidArgument(f"checkpoint at step {step} was not uploaded intact by this"
                               " provider")
@@ -382,7 +380,7 @@ def _siblings_accrued(db: Database, job: dict, now: int) -> int:
     if not job["parent_id"]:
         return 0
     total = 0
-    for part in _parts_of(db, job["parent_id"]):
+    for part in parts_of(db, job["parent_id"]):
         if part["id"] != job["id"] and part["state"] in ACTIVE_STATES and part["lease_id"]:
             total += ledger.accrued(part, lease_row(db, part["lease_id"]), now)
     return total
@@ -454,7 +452,7 @@ def top_up(db: Database, job_id: str, client_id: str, amount: int, now: int,
     left = ledger.balance(db, ledger.escrow(job_id))
     # A split job's state follows its parts: resume those the hold covers (together), and it
     # follows.
-    for row in _parts_of(db, job_id) if job["parts"] else [job]:
+    for row in parts_of(db, job_id) if job["parts"] else [job]:
         if row["state"] != PAUSED:
             continue
         if left < row["hold_needed"]:
@@ -471,7 +469,7 @@ def top_up(db: Database, job_id: str, client_id: str, amount: int, now: int,
     return job_row(db, job_id)["state"]
 
 
-def _drop_checkpoints(db: Database, job_id: str) -> None:
+def drop_checkpoints(db: Database, job_id: str) -> None:
     db.execute("DELETE FROM artifact_refs WHERE job_id = ? AND role IN ('checkpoint', 'history')",
                [job_id])
 
@@ -488,7 +486,7 @@ def succeed(
     """The lease's receipt: its work is paid to the end; the job succeeds, or waits
     (VERIFYING) for the checks of its work still running; a check's job hands what its
     checker returned to the verdict."""
-    job, lease = _current(db, job_id, epoch, provider_id)
+    job, lease = current(db, job_id, epoch, provider_id)
     total = max(job["progress_step"], job["progress_total"])
     ledger.settle(db, job, lease, total, now, tag="final")
     end_lease(db, lease["id"], "succeeded", "", now)
@@ -524,168 +522,12 @@ def succeed(
 def finished(db: Database, job: dict, now: int, message: str) -> None:
     """The job succeeded (its checks, if any, done): its hold's rest goes back."""
     set_job(db, job["id"], now, state=SUCCEEDED)
-    _drop_checkpoints(db, job["id"])
+    drop_checkpoints(db, job["id"])
     if not job["parent_id"]:    # what its checks compared is no longer needed
         db.execute("DELETE FROM artifact_refs WHERE job_id = ? AND role = 'evidence'",
                    [job["id"]])
     append_event(db, job["id"], "succeeded", SUCCEEDED, job["attempt"], now,
                  provider_id=job["provider_id"] or "", message=message)
-
-
-def fail(db: Database, job_id: str, epoch: int, provider_id: str, error: str, now: int, *,
-         job_ran: bool = True, log_tail: tuple[str, ...] = ()) -> None:
-    """The provider reports the job failed: its word, not the client's. The lease ends
-    ``failed`` (``lost`` if the job never ran there: the provider failed, not the job) and its
-    work since its last settlement is neither paid nor charged; the job is queued again
-    (attempt + 1), for another provider first, from its latest checkpoint. It fails only once
-    FAIL_QUORUM distinct providers report that it ran and failed (those leases then end
-    ``crashed``: the job's own failure, no longer counted against them), or when it has used
-    up its attempts. ``log_tail``: the last lines of the job's log, as the provider's signed
-    report gave them (shown with its error). A check job fails at once, as a replay that
-    could not run (disputes.could_not_run)."""
-    job, lease = _current(db, job_id, epoch, provider_id)
-    end_lease(db, lease["id"], "failed" if job_ran else "lost", error, now)
-    if job["check_of"]:
-        _give_up(db, job, provider_id, error, now)
-        return
-    said = (f"{provider_id} reports it failed: {error}" if job_ran
-            else f"{provider_id} failed before the job ran: {error}")
-    tail = "".join(f"\n    | {line}" for line in log_tail[-TAIL_LINES:])
-    reports = provider_failures(db, job_id)
-    if len(reports) >= FAIL_QUORUM:
-        db.execute("UPDATE leases SET state = 'crashed' WHERE job_id = ? AND state = 'failed'",
-                   [job_id])
-        _give_up(db, job, provider_id, f"failed on {len(reports)} providers: "
-                 + each_error(reports), now, tail)
-    elif job["attempt"] >= job["max_attempts"]:
-        _give_up(db, job, provider_id, f"gave up after {job['attempt']} attempts; last: {said}",
-                 now, tail)
-    else:
-        _requeue(db, job, provider_id, said, now, tail)
-
-
-def provider_failures(db: Database, job_id: str) -> dict[str, str]:
-    """The providers that reported that the job ran and failed (leases ``failed``), each with
-    its latest error, in the order of those reports."""
-    out: dict[str, str] = {}
-    for provider_id, reason in db.execute(
-            "SELECT provider_id, reason FROM leases WHERE job_id = ? AND state = 'failed'"
-            " ORDER BY epoch", [job_id]).fetchall():
-        out.pop(provider_id, None)
-        out[provider_id] = reason
-    return out
-
-
-def each_error(reports: dict[str, str], limit: int = 2000) -> str:
-    """Each provider's reported error, in one line of at most ``limit`` characters."""
-    text = "; ".join(f"{p}: {e}" for p, e in reports.items())
-    return text if len(text) <= limit else text[:limit - 1] + "…"
-
-
-def _give_up(db: Database, job: dict, provider_id: str, error: str, now: int,
-             tail: str = "") -> None:
-    """The job fails for good (its failed event says ``error``, then ``tail``)."""
-    set_job(db, job["id"], now, state=FAILED, error=error)
-    _drop_checkpoints(db, job["id"])
-    append_event(db, job["id"], "failed", FAILED, job["attempt"], now,
-                 provider_id=provider_id, message=error + tail)
-    if job["check_of"]:
-        disputes.could_not_run(db, job["id"], error, now)
-
-
-def _requeue(db: Database, job: dict, provider_id: str, why: str, now: int,
-             tail: str = "") -> None:
-    """Queue the job again after a lease of it ended without its result: attempt + 1, from
-    its latest checkpoint, for another provider first (scheduler.place_queued); its event
-    says ``why``, then ``tail``."""
-    attempt = job["attempt"] + 1
-    set_job(db, job["id"], now, state=QUEUED, attempt=attempt, provider_id=None, lease_id=None)
-    if job["parent_id"] and kinds.serves(job["kind"]):
-        # A replica is ready again only once its next lease's engine says so (the autoscaler
-        # gives up on a lease that is not ready within cold_start).
-        set_job(db, job["id"], now, progress_step=0)
-    if job["check_of"]:
-        verification.requeued(db, job["id"])
-    resume = (f"resumes from step {job['checkpoint_step']}" if job["resume_from"]
-              else "starts over (no checkpoint yet)")
-    append_event(db, job["id"], "requeued", QUEUED, attempt, now, provider_id=provider_id,
-                 message=f"{why}; attempt {attempt} {resume}{tail}")
-
-
-def cancel(db: Database, job_id: str, client_id: str, now: int
-           ) -> tuple[int, list[EndedLease]]:
-    """Cancel the job (all its parts, if split) for its client; return (new state, the
-    leases to revoke)."""
-    job = job_row(db, job_id)
-    if job["client_id"] != client_id or job["check_of"]:
-        raise no_such_job(job_id)   # the same answer as for a job that does not exist
-    if job["state"] in TERMINAL_STATES:
-        return job["state"], []
-    ended: list[EndedLease] = []
-    parts = _parts_of(db, job_id) if job["parts"] and not job["part"] else []
-    if job["tasks"] and not job["parent_id"]:
-        arrays.cancelled(db, job_id, now)
-    for row in [*parts, job]:
-        if row["state"] in TERMINAL_STATES:
-            continue
-        if row["state"] in ACTIVE_STATES and row["lease_id"]:
-            stop_lease(db, row, "cancelled", "cancelled by client", now)
-            ended.append(EndedLease(row["id"], row["epoch"], row["provider_id"]))
-        set_job(db, row["id"], now, state=CANCELLED, error="cancelled by client")
-        _drop_checkpoints(db, row["id"])
-        ended += append_event(db, row["id"], "cancelled", CANCELLED, row["attempt"], now,
-                              message="cancelled by client",
-                              mirror=row is job and bool(job["parent_id"]))
-    return CANCELLED, ended
-
-
-def lose_lease(db: Database, lease_id: str, reason: str, now: int, *,
-               outcome: str = "lost") -> bool:
-    """End an active lease (``lost``, or ``released`` by its provider); requeue its job with
-    attempt + 1 to resume from its latest checkpoint, or fail it past its attempt limit.
-
-    Returns False when the lease was no longer active (nothing changed).
-    """
-    row = db.execute(
-        "SELECT job_id, epoch, provider_id, state FROM leases WHERE id = ?", [lease_id]
-    ).fetchone()
-    if row is None or row[3] != "active":
-        return False
-    job_id, epoch, provider_id, _ = row
-    end_lease(db, lease_id, outcome, reason, now)
-    job = job_row(db, job_id)
-    if job["epoch"] != epoch or job["state"] not in ACTIVE_STATES:
-        return True
-    if job["attempt"] >= job["max_attempts"]:
-        _give_up(db, job, provider_id, f"gave up after {job['attempt']} attempts; last:"
-                 f" {reason}", now)
-        return True
-    what = outcome if outcome in ("released", "rejected") else "lost"
-    _requeue(db, job, provider_id, f"lease {what} ({reason})", now)
-    return True
-
-
-def release(db: Database, job_id: str, epoch: int, provider_id: str, reason: str,
-            now: int, outcome: str = "released") -> None:
-    """The lease holder gives the job back (drain, or refused); it is queued again at once."""
-    _, lease = _current(db, job_id, epoch, provider_id)
-    lose_lease(db, lease["id"], reason, now, outcome=outcome)
-
-
-def expire_queued(db: Database, now: int) -> list[str]:
-    """Fail QUEUED (and PAUSED) jobs whose spec expired before a provider could take them."""
-    rows = db.execute(
-        "SELECT id, attempt, state, check_of FROM jobs WHERE state IN (?, ?)"
-        " AND expires_at_ms <= ?", [QUEUED, PAUSED, now]).fetchall()
-    for job_id, attempt, state, check_of in rows:
-        error = ("job spec expired while the job was paused (its hold spent)" if state == PAUSED
-                 else "job spec expired before a provider could run it")
-        set_job(db, job_id, now, state=FAILED, error=error)
-        _drop_checkpoints(db, job_id)
-        append_event(db, job_id, "failed", FAILED, attempt, now, message=error)
-        if check_of:
-            disputes.could_not_run(db, job_id, error, now)
-    return [r[0] for r in rows]
 
 
 def set_queue_reasons(db: Database, reasons: dict[str, str], now: int) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from sqlite_utils import Database
 
-from gpumarket.broker.jobs import transitions as jobs
+from gpumarket.broker.jobs import endings
 from gpumarket.proto.errors import NotFound
 from gpumarket.proto.v1 import types_pb2 as pb
 
@@ -108,7 +108,7 @@ def take_leases(db: Database, provider_id: str, reason: str, now: int) -> list[t
     leases = db.execute("SELECT id, job_id, epoch FROM leases WHERE provider_id = ?"
                         " AND state = 'active'", [provider_id]).fetchall()
     for lease_id, _, _ in leases:
-        jobs.lose_lease(db, lease_id, reason, now)
+        endings.lose_lease(db, lease_id, reason, now)
     return [(job_id, epoch) for _, job_id, epoch in leases]
 
 

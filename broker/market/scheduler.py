@@ -13,6 +13,7 @@ from gpumarket import kinds
 from gpumarket.broker.checks import verdicts
 from gpumarket.broker.checks import verification
 from gpumarket.broker.jobs import arrays
+from gpumarket.broker.jobs import endings
 from gpumarket.broker.jobs import transitions as jobs
 from gpumarket.broker.jobs import views
 from gpumarket.broker.market import deadlines
@@ -301,21 +302,21 @@ async def expire(state: BrokerState) -> None:
     changed = False
     for lease_id in overdue:
         row = await state.store.read(views.lease_holder, lease_id)
-        if await state.store.write(jobs.lose_lease, lease_id, "missed heartbeats", now):
+        if await state.store.write(endings.lose_lease, lease_id, "missed heartbeats", now):
             log.warning("lease %s lost: missed heartbeats", lease_id)
             state.metrics.lease_expiries.inc()
             changed = True
             # A provider that is late, not gone, may still run it: it is told to stop, and
             # the devices wait for it to say it has (not refused leases meanwhile).
             state.stop_lease(*row, "lease lost: missed heartbeats")
-    if await state.store.write(jobs.expire_queued, now):
+    if await state.store.write(endings.expire_queued, now):
         changed = True
     if await preemption.end_overdue(state):
         changed = True
     for lease_id, limit in await state.store.read(views.leases_past_runtime, now,
                                                   RUNTIME_GRACE_S * 1000):
         row = await state.store.read(views.lease_holder, lease_id)
-        if await state.store.write(jobs.lose_lease, lease_id,
+        if await state.store.write(endings.lose_lease, lease_id,
                                    f"ran past the job's max_runtime of {limit}s", now):
             log.warning("lease %s taken back: it ran past its job's max_runtime", lease_id)
             changed = True

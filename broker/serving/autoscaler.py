@@ -25,7 +25,7 @@ import logging
 import time
 from dataclasses import dataclass
 
-from gpumarket.broker.jobs import transitions as jobs
+from gpumarket.broker.jobs import endings
 from gpumarket.broker.serving import endpoints
 from gpumarket.broker.serving.router import Endpoint, Serving
 from gpumarket.broker.state import BrokerState
@@ -185,7 +185,7 @@ class Autoscaler:
                     r["progress_step"] != 1 and r["issued_at_ms"] and \
                     now_ms() - r["issued_at_ms"] > limit_ms and r["id"] not in ep.replicas:
                 why = f"not ready within {self.state.config.cold_start_s:.0f} s of its lease"
-                if await self.state.store.write(jobs.lose_lease, r["lease_id"], why, now_ms()):
+                if await self.state.store.write(endings.lose_lease, r["lease_id"], why, now_ms()):
                     log.warning("endpoint %s: replica %s %s", ep.name, r["id"], why)
                     self.state.stop_lease(r["id"], r["epoch"], r["provider_id"], why)
                     late = True

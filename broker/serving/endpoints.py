@@ -13,6 +13,7 @@ import secrets
 from sqlite_utils import Database
 
 from gpumarket import kinds
+from gpumarket.broker.jobs import endings
 from gpumarket.broker.jobs import transitions as jobs
 from gpumarket.broker.money import ledger
 from gpumarket.kinds import endpoint as endpoint_kind
@@ -145,7 +146,7 @@ def crash_loop(db: Database, endpoint_id: str) -> str:
     if len(found) < CRASH_LOOP or len(latest) < CRASH_PROVIDERS:
         return ""
     return (f"replicas failed {len(found)} times in a row before serving, on {len(latest)}"
-            f" providers: " + jobs.each_error(latest))
+            f" providers: " + endings.each_error(latest))
 
 
 def steer(db: Database, endpoint_id: str, now: int) -> tuple[frozenset[str], frozenset[str]]:
@@ -167,7 +168,7 @@ def steer(db: Database, endpoint_id: str, now: int) -> tuple[frozenset[str], fro
 def mark_ready(db: Database, job_id: str, epoch: int, provider_id: str, engine: str,
                now: int) -> dict:
     """A replica's engine loaded its model (the first time for this lease: an event)."""
-    job, _ = jobs._current(db, job_id, epoch, provider_id)
+    job, _ = jobs.current(db, job_id, epoch, provider_id)
     if job["kind"] != KIND or not job["parent_id"]:
         raise InvalidArgument(f"job {job_id} is not an endpoint replica")
     if job["progress_step"] != 1 or job["state"] != pb.JOB_STATE_RUNNING:
