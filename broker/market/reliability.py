@@ -3,7 +3,7 @@
 MTBF (mean time between failures) = (observed online time + PRIOR_UPTIME_S) /
 (leases lost + PRIOR_FAILURES): a new provider is assumed to fail about once an hour and earns
 a longer MTBF by staying up. A lease its provider reported ``failed`` weighs like a lost one
-until a second provider reports the same job failing too (jobs.fail: the job's own failure,
+until a second provider reports the same job failing too (endings.fail: the job's own failure,
 ``crashed``): a provider's word alone that a job failed is its own failure.
 
 Score in [0, 1] (docs/matching.md):
