@@ -121,6 +121,15 @@ SQL_WORDS = re.compile(r"^\s*(SELECT\s|INSERT\s|UPDATE\s+\w+\s+SET|DELETE\s+FROM
                        r"DROP\s|ALTER\s|PRAGMA\s|VACUUM\b|WITH\s+\w+\s+AS)")
 
 
+def test_the_jobs_table_is_inserted_into_by_one_module():
+    """A job row is made in one place (jobs/transitions: ``submit``, and ``spawn`` for a part,
+    a batch, a replica or a check), so what a child inherits is decided once."""
+    pattern = re.compile(r"""\[["']jobs["']\]\.(insert|upsert)"""
+                         r"|INSERT\s+(OR\s+\w+\s+)?INTO\s+jobs\b", re.IGNORECASE)
+    makers = {str(p.relative_to(ROOT)) for p in sources("broker") if pattern.search(p.read_text())}
+    assert makers == {"broker/jobs/transitions.py"}, makers
+
+
 def test_no_sql_in_the_servicers():
     """broker/api/ decodes, makes one domain call, encodes: it reads and writes the database
     only through the rooms' functions (jobs/, market/, money/, checks/, serving/, store/),

@@ -180,20 +180,14 @@ def queue(db: Database, job: dict, provider_id: str, lease_id: str, seq: int | N
         "scope": json.dumps(scope), "start": _ref(start), "expect": json.dumps(expect),
         "role": role, "first_check": first, "state": "queued", "created_at_ms": now,
         "paid_by": paid_by})
-    row = {k: job[k] for k in ("client_id", "kind", "spec", "spec_sha256", "needs",
-                               "expires_at_ms", "fee_ppm", "enforce_funds", "part", "parts")}
     needs = json.loads(job["needs"])
     accel = db.execute("SELECT accelerator FROM leases WHERE id = ?", [lease_id]).fetchone()
     if accel and accel[0]:
         needs["accelerator"] = accel[0]     # replayed on the same device class: compared exactly
-    db["jobs"].insert({
-        **row, "id": check_id,
-        "name": f"{role} of {job['name']} ({what(step_from, step_to, scope)})",
-        "state": QUEUED, "needs": json.dumps(needs, sort_keys=True), "attempt": 1,
-        "max_attempts": 3, "epoch": 0, "created_at_ms": now, "updated_at_ms": now,
-        "hold_basis": "", "resume_from": _ref(start), "checkpoint_step": step_from,
-        "progress_step": step_from, "progress_total": step_to, "check_of": job["id"],
-        "pays_from": top})
+    jobs.spawn(db, job, "check", check_id,
+               f"{role} of {job['name']} ({what(step_from, step_to, scope)})", now,
+               needs=json.dumps(needs, sort_keys=True), resume_from=_ref(start),
+               checkpoint_step=step_from, progress_step=step_from, progress_total=step_to)
     # The checker may read the job's inputs and the checkpoint it starts from; the result it
     # is compared with is kept for the job as evidence, which no provider may read (it must
     # not copy it; views.may_read).

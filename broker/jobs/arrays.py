@@ -60,17 +60,12 @@ def add_batches(db: Database, array_id: str, now: int) -> int:
         return 0
     top = jobs.job_row(db, array_id)
     size = arrays.per_lease(spec_of(top["spec"]), top["lanes"])
-    keep = ("client_id", "kind", "spec", "spec_sha256", "needs", "expires_at_ms",
-            "max_attempts", "fee_ppm", "enforce_funds", "hold_basis")
     made = top["parts"] or 0
     for batch in arrays.batches(waiting, size):
         made += 1
         batch_id = f"{array_id}-{made}"
-        db["jobs"].insert({**{k: top[k] for k in keep}, "id": batch_id, "state": QUEUED,
-                           "name": f"{top['name']} tasks {batch[0]}-{batch[-1]}",
-                           "parent_id": array_id, "part": made, "tasks": len(batch),
-                           "attempt": 1, "epoch": 0, "progress_total": len(batch),
-                           "created_at_ms": now, "updated_at_ms": now})
+        jobs.spawn(db, top, "batch", batch_id, f"{top['name']} tasks {batch[0]}-{batch[-1]}",
+                   now, part=made, tasks=len(batch), progress_total=len(batch))
         db.conn.executemany("UPDATE array_tasks SET batch_id = ?, updated_at_ms = ?"
                        " WHERE array_id = ? AND task = ?",
                        [(batch_id, now, array_id, t) for t in batch])

@@ -183,6 +183,45 @@ def set_job(db: Database, job_id: str, now: int, **values: object) -> None:
             ledger.release(db, job_id, row[0], now)
 
 
+# What every child row inherits from the row it is made for: whose it is, what it runs, on
+# what terms. What a sort changes, and why, is in ``spawn``.
+INHERITED = ("client_id", "kind", "spec", "spec_sha256", "needs", "expires_at_ms",
+             "max_attempts", "fee_ppm", "enforce_funds", "hold_basis")
+FAR_FUTURE_MS = 100 * 365 * 86_400_000      # a replica is made when needed: never expires
+CHECK_ATTEMPTS = 3                          # a replay that cannot run is a check not made
+
+
+def spawn(db: Database, of: dict, sort: str, child_id: str, name: str, now: int,
+          **fields: object) -> None:
+    """Insert a QUEUED child row of ``of`` — the one place a job row is made besides
+    ``submit``. Its sort:
+
+    - ``part`` of a split job, ``batch`` of a job array's tasks: a child of ``of``
+      (``parent_id``), inheriting everything;
+    - ``replica`` of an endpoint: a child that never expires queued (made when needed);
+    - ``check``: a replay of ``of``'s segment, a job of its own (``check_of``, no parent),
+      paid from the top job's hold (``pays_from``; no hold of its own), with its own
+      attempts.
+
+    ``fields``: the row's own values (``part``, ``tasks``, the progress it starts from, ...),
+    set last."""
+    row = {k: of[k] for k in INHERITED}
+    row.update(id=child_id, name=name, state=QUEUED, attempt=1, epoch=0,
+               created_at_ms=now, updated_at_ms=now)
+    if sort in ("part", "batch", "replica"):
+        row["parent_id"] = of["id"]
+        if sort == "replica":
+            row.update(parts=0, expires_at_ms=now + FAR_FUTURE_MS)
+    elif sort == "check":
+        row.update(check_of=of["id"], pays_from=of["parent_id"] or of["id"],
+                   part=of["part"], parts=of["parts"], max_attempts=CHECK_ATTEMPTS,
+                   hold_basis="")
+    else:
+        raise ValueError(f"no such sort of job row: {sort!r}")
+    row.update(fields)
+    db["jobs"].insert(row)
+
+
 def submit(db: Database, job: NewJob, now: int) -> None:
     """Store a new QUEUED job; raise Replay if its nonce was used before."""
     seen = db.execute(
@@ -209,8 +248,8 @@ def submit(db: Database, job: NewJob, now: int) -> None:
     db["jobs"].insert(row)
     for i, size in enumerate(job.part_sizes if len(job.part_sizes) > 1 else (), 1):
         part_id = f"{job.id}-{i}"
-        db["jobs"].insert({**row, "id": part_id, "name": f"{job.name} part {i}",
-                           "parent_id": job.id, "part": i, "progress_total": size})
+        spawn(db, row, "part", part_id, f"{job.name} part {i}", now, part=i,
+              parts=row["parts"], progress_total=size)
         append_event(db, part_id, "submitted", QUEUED, 1, now,
                      message=f"part {i}/{len(job.part_sizes)} of job {job.id}")
     for sha in set(job.inputs):

@@ -24,7 +24,6 @@ from gpumarket.proto.v1 import types_pb2 as pb
 
 KIND = pb.JOB_KIND_ENDPOINT
 LIVE = (pb.JOB_STATE_QUEUED, pb.JOB_STATE_LEASED, pb.JOB_STATE_RUNNING, pb.JOB_STATE_PAUSED)
-FAR_FUTURE_MS = 100 * 365 * 86_400_000   # replicas are made when needed, never expire queued
 KEY_PREFIX = "gm-"
 CRASH_LOOP = 3      # replica failures in a row before serving, on at least ...
 CRASH_PROVIDERS = 2     # ... this many providers: the endpoint fails
@@ -79,13 +78,7 @@ def add_replica(db: Database, endpoint_id: str, now: int, why: str, limit: int =
     n = db.execute("SELECT coalesce(max(part), 0) + 1 FROM jobs WHERE parent_id = ?",
                    [endpoint_id]).fetchone()[0]
     replica_id = f"{endpoint_id}-r{n}"
-    keep = ("client_id", "kind", "spec", "spec_sha256", "needs", "max_attempts", "fee_ppm",
-            "enforce_funds", "hold_basis")
-    db["jobs"].insert({**{k: top[k] for k in keep}, "id": replica_id,
-                       "name": f"{top['name']} replica {n}", "state": pb.JOB_STATE_QUEUED,
-                       "parent_id": endpoint_id, "part": n, "parts": 0, "attempt": 1,
-                       "epoch": 0, "created_at_ms": now, "updated_at_ms": now,
-                       "expires_at_ms": now + FAR_FUTURE_MS})
+    jobs.spawn(db, top, "replica", replica_id, f"{top['name']} replica {n}", now, part=n)
     jobs.append_event(db, replica_id, "submitted", pb.JOB_STATE_QUEUED, 1, now,
                       message=f"replica {n} of endpoint {top['name']}: {why}")
     jobs.append_event(db, endpoint_id, "scaled", pb.JOB_STATE_RUNNING, top["attempt"], now,
