@@ -177,3 +177,56 @@ def test_no_comparison_of_a_kinds_name_outside_kinds():
                 if isinstance(node, ast.Compare) and (what := _kind_test(node, names)):
                     found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {what}")
     assert not found, "kind tests outside kinds/:\n" + "\n".join(found)
+
+
+# The one import circle left (issue 33): the state machine calls arrays, checks and a
+# provider's record from inside its transitions, and they call it back (held apart by
+# function-local imports). It may shrink, never grow, and no other circle may appear.
+KNOWN_CIRCLE = {"checks.disputes", "checks.verification", "jobs.arrays", "jobs.endings",
+                "jobs.transitions", "market.providers"}
+
+
+def _broker_import_graph() -> dict[str, set[str]]:
+    modules = {".".join(p.relative_to(ROOT / "broker").with_suffix("").parts): p
+               for p in sources("broker") if p.name != "__init__.py"}
+    return {name: {i.removeprefix("gpumarket.broker.") for i in imports(path)} & set(modules)
+            - {name} for name, path in modules.items()}
+
+
+def _circles(graph: dict[str, set[str]]) -> list[set[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out: list[set[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = set()
+            while True:
+                w = stack.pop()
+                component.add(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(component)
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_circle_in_the_broker_but_the_known_one():
+    circles = _circles(_broker_import_graph())
+    assert all(c <= KNOWN_CIRCLE for c in circles), circles
+    # The check finds a circle where there is one.
+    assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [{"a", "b", "c"}]

@@ -227,7 +227,7 @@ def test_a_database_from_before_job_needs_keeps_its_jobs(tmp_path):
     an older broker is matched afterwards exactly as before."""
     from sqlite_utils import Database
 
-    from gpumarket.broker.market.scheduler import needs_of
+    from gpumarket.broker.market.admission import needs_of
     from gpumarket.broker.store.schema import migrations
 
     db = Database(tmp_path / "old.db")

@@ -140,7 +140,7 @@ class MarketplaceServicer(marketplace_pb2_grpc.MarketplaceServicer):
         """The matcher's view of a job not stored yet."""
         row = {"id": "quote", "client_id": client_id, "needs": needs.to_json(),
                "created_at_ms": now_ms(), "checkpoint_seconds": 0.0}
-        return scheduler.needs_of(row, n=needs)
+        return admission.needs_of(row, n=needs)
 
     async def _timed(self, needs: admission.Needs, client_id: str, limit: int,
                      book: matcher.Book | None = None

@@ -9,9 +9,10 @@ from dataclasses import asdict, dataclass
 
 from gpumarket import kinds
 from gpumarket.broker.config import BrokerConfig
+from gpumarket.broker.market import matcher
 from gpumarket.broker.market.estimates import JobEstimate
 from gpumarket.proto.envelope import payload_sha256
-from gpumarket.proto.jobspec import OBJECTIVE_NAMES, tier_name
+from gpumarket.proto.jobspec import OBJECTIVE_NAMES, now_ms, tier_name
 from gpumarket.proto.v1 import types_pb2 as pb
 
 MAX_ATTEMPTS = 100
@@ -114,4 +115,23 @@ def admit(envelope: pb.Envelope, spec: pb.JobSpec, client_id: str, values: dict,
         nonce=spec.nonce.hex(), inputs=tuple(ref.sha256 for ref in spec.inputs),
         part_sizes=tuple(len(kind.part_steps(values, i, parts))
                          for i in range(1, parts + 1)) if parts > 1 else (),
+    )
+
+
+def needs_of(row: dict, avoid: frozenset[str] = frozenset(),
+             n: Needs | None = None, exclude: frozenset[str] = frozenset()) -> matcher.JobNeeds:
+    """The matcher's view of a queued job row: its stored needs (``n``, if read already),
+    its deadline as time left, its measured checkpoint cost, and the providers to avoid."""
+    n = n or Needs.from_json(row["needs"])
+    return matcher.JobNeeds(
+        job_id=row["id"], kind=n.kind, gpus=n.gpus, min_memory_bytes=n.min_memory_bytes,
+        accelerator=n.accelerator, max_price_per_gpu_hour=n.max_price_per_gpu_hour,
+        client_id=row["client_id"], min_compute_capability=n.min_compute_capability,
+        gpu_models=frozenset(n.gpu_models), min_reliability=n.min_reliability,
+        work_flops=n.work_flops, objective=n.objective,
+        deadline_s=max(0.0, n.deadline_s - (now_ms() - row["created_at_ms"]) / 1000)
+        if n.deadline_s else 0.0,
+        max_runtime_s=n.max_runtime_s, checkpoint_cost_s=row["checkpoint_seconds"],
+        avoid=avoid, engine=n.engine, model_name=n.model_name, warm_sha256=n.model_sha256,
+        remote_code=n.remote_code, min_stake=n.min_stake, exclude=exclude, tier=n.tier,
     )

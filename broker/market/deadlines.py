@@ -14,6 +14,7 @@ import logging
 
 from gpumarket.broker.jobs import preemption as rows
 from gpumarket.broker.market import matcher
+from gpumarket.broker.market.admission import needs_of
 from gpumarket.broker.money import credit_holds
 from gpumarket.proto.jobspec import now_ms
 
@@ -39,8 +40,6 @@ def due(left_s: float, remaining: float) -> bool:
 
 async def promote_due(state, book: matcher.Book) -> int:
     """Promote the interruptible jobs whose deadline is near (one pass); returns how many."""
-    from gpumarket.broker.market.scheduler import needs_of  # (the scheduler imports this)
-
     promoted = 0
     for row in await state.store.read(rows.deadline_jobs):
         needs = dataclasses.replace(needs_of(row), tier="standard")

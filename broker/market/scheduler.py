@@ -21,7 +21,7 @@ from gpumarket.broker.market import matcher
 from gpumarket.broker.market import preemption
 from gpumarket.broker.market import providers
 from gpumarket.broker.market import reliability
-from gpumarket.broker.market.admission import Needs
+from gpumarket.broker.market.admission import Needs, needs_of
 from gpumarket.broker.market.offers import claim_efficiency, offer_view
 from gpumarket.broker.money import credit_holds
 from gpumarket.broker.serving import endpoints
@@ -32,7 +32,6 @@ from gpumarket.proto.envelope import seal
 from gpumarket.proto.errors import FailedPrecondition
 from gpumarket.proto.jobspec import now_ms
 from gpumarket.proto.v1 import gateway_pb2 as gw
-from gpumarket.proto.v1 import types_pb2 as pb
 
 log = logging.getLogger(__name__)
 
@@ -55,25 +54,6 @@ def fair_order(rows: list[dict], running: dict[str, int]) -> list[dict]:
             if not by_client[c]:
                 clients.remove(c)
     return out
-
-
-def needs_of(row: dict, avoid: frozenset[str] = frozenset(),
-             n: Needs | None = None, exclude: frozenset[str] = frozenset()) -> matcher.JobNeeds:
-    """The matcher's view of a queued job row: its stored needs (``n``, if read already),
-    its deadline as time left, its measured checkpoint cost, and the providers to avoid."""
-    n = n or Needs.from_json(row["needs"])
-    return matcher.JobNeeds(
-        job_id=row["id"], kind=n.kind, gpus=n.gpus, min_memory_bytes=n.min_memory_bytes,
-        accelerator=n.accelerator, max_price_per_gpu_hour=n.max_price_per_gpu_hour,
-        client_id=row["client_id"], min_compute_capability=n.min_compute_capability,
-        gpu_models=frozenset(n.gpu_models), min_reliability=n.min_reliability,
-        work_flops=n.work_flops, objective=n.objective,
-        deadline_s=max(0.0, n.deadline_s - (now_ms() - row["created_at_ms"]) / 1000)
-        if n.deadline_s else 0.0,
-        max_runtime_s=n.max_runtime_s, checkpoint_cost_s=row["checkpoint_seconds"],
-        avoid=avoid, engine=n.engine, model_name=n.model_name, warm_sha256=n.model_sha256,
-        remote_code=n.remote_code, min_stake=n.min_stake, exclude=exclude, tier=n.tier,
-    )
 
 
 async def check_needs(state: BrokerState, book: matcher.Book, check_id: str,
