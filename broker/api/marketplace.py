@@ -138,9 +138,7 @@ class MarketplaceServicer(marketplace_pb2_grpc.MarketplaceServicer):
     @staticmethod
     def _view(needs: admission.Needs, client_id: str) -> matcher.JobNeeds:
         """The matcher's view of a job not stored yet."""
-        row = {"id": "quote", "client_id": client_id, "needs": needs.to_json(),
-               "created_at_ms": now_ms(), "checkpoint_seconds": 0.0}
-        return admission.needs_of(row, n=needs)
+        return needs.view("quote", client_id)
 
     async def _timed(self, needs: admission.Needs, client_id: str, limit: int,
                      book: matcher.Book | None = None

@@ -53,6 +53,26 @@ class Needs:
         raw["gpu_models"] = tuple(raw.get("gpu_models", ()))
         return cls(**raw)
 
+    def view(self, job_id: str, client_id: str, age_ms: int = 0, checkpoint_cost_s: float = 0.0,
+             avoid: frozenset[str] = frozenset(),
+             exclude: frozenset[str] = frozenset()) -> matcher.JobNeeds:
+        """What the matcher weighs: these needs, for a job ``age_ms`` old (its deadline as
+        time left), with its measured checkpoint cost and the providers to avoid (tried
+        before: last resort) or exclude (never)."""
+        return matcher.JobNeeds(
+            job_id=job_id, kind=self.kind, gpus=self.gpus,
+            min_memory_bytes=self.min_memory_bytes, accelerator=self.accelerator,
+            max_price_per_gpu_hour=self.max_price_per_gpu_hour, client_id=client_id,
+            min_compute_capability=self.min_compute_capability,
+            gpu_models=frozenset(self.gpu_models), min_reliability=self.min_reliability,
+            work_flops=self.work_flops, objective=self.objective,
+            deadline_s=max(0.0, self.deadline_s - age_ms / 1000) if self.deadline_s else 0.0,
+            max_runtime_s=self.max_runtime_s, checkpoint_cost_s=checkpoint_cost_s,
+            avoid=avoid, engine=self.engine, model_name=self.model_name,
+            warm_sha256=self.model_sha256, remote_code=self.remote_code,
+            min_stake=self.min_stake, exclude=exclude, tier=self.tier,
+        )
+
 
 @dataclass(frozen=True)
 class NewJob:
@@ -120,18 +140,9 @@ def admit(envelope: pb.Envelope, spec: pb.JobSpec, client_id: str, values: dict,
 
 def needs_of(row: dict, avoid: frozenset[str] = frozenset(),
              n: Needs | None = None, exclude: frozenset[str] = frozenset()) -> matcher.JobNeeds:
-    """The matcher's view of a queued job row: its stored needs (``n``, if read already),
-    its deadline as time left, its measured checkpoint cost, and the providers to avoid."""
+    """The matcher's view of a queued job row: its stored needs (``n``, if read already) in
+    the row's placement context — its age, its measured checkpoint cost — and the providers
+    to avoid or exclude."""
     n = n or Needs.from_json(row["needs"])
-    return matcher.JobNeeds(
-        job_id=row["id"], kind=n.kind, gpus=n.gpus, min_memory_bytes=n.min_memory_bytes,
-        accelerator=n.accelerator, max_price_per_gpu_hour=n.max_price_per_gpu_hour,
-        client_id=row["client_id"], min_compute_capability=n.min_compute_capability,
-        gpu_models=frozenset(n.gpu_models), min_reliability=n.min_reliability,
-        work_flops=n.work_flops, objective=n.objective,
-        deadline_s=max(0.0, n.deadline_s - (now_ms() - row["created_at_ms"]) / 1000)
-        if n.deadline_s else 0.0,
-        max_runtime_s=n.max_runtime_s, checkpoint_cost_s=row["checkpoint_seconds"],
-        avoid=avoid, engine=n.engine, model_name=n.model_name, warm_sha256=n.model_sha256,
-        remote_code=n.remote_code, min_stake=n.min_stake, exclude=exclude, tier=n.tier,
-    )
+    return n.view(row["id"], row["client_id"], now_ms() - row["created_at_ms"],
+                  row["checkpoint_seconds"], avoid, exclude)
