@@ -292,7 +292,9 @@ def _follow(db: Database, array_id: str, now: int) -> None:
     if ended == top["tasks"] and not batches_open:   # (a batch's receipt may be on its way)
         state = SUCCEEDED if ended == c["succeeded"] else FAILED if c["failed"] else CANCELLED
     else:
-        state = RUNNING if c["running"] else QUEUED
+        # Every task ended, its last leases' receipts on their way: it is finishing, not
+        # waiting (it said "requeued" there).
+        state = RUNNING if c["running"] or (batches_open and not c["queued"]) else QUEUED
     error = (f"{c['failed']:,} of {top['tasks']:,} tasks failed" if state == FAILED else "")
     if state == top["state"] and ended == top["progress_step"]:
         return
