@@ -195,7 +195,7 @@ def test_a_failed_task_runs_again_on_another_provider_first(store, tmp_path):
     """A task that reported ``ok=false`` counts an attempt and runs again in a new lease:
     the scheduler places that lease on another provider while one fits, though the one it
     failed on is cheaper (its old provider only if nothing else fits). Its sibling that
-    succeeded is not run again."""
+    succeeded is not run again. The lease's progress is the tasks it reported."""
     import asyncio
 
     from gpumarket.broker.config import BrokerConfig
@@ -244,6 +244,8 @@ def test_a_failed_task_runs_again_on_another_provider_first(store, tmp_path):
         await w(broker_arrays.record_results, "a3-1", 1, cheap,
                 [gw.TaskResult(task=0, ok=True), gw.TaskResult(task=1, ok=False, error="boom")],
                 4)
+        # The lease's progress is its tasks reported (its provider sends no progress).
+        assert (await store.read(jobs.job_row, "a3-1"))["progress_step"] == 2
         receipt = seal(keys["cheap"], pb.Receipt(job_id="a3-1", epoch=1, provider_id=cheap))
         await w(jobs.succeed, "a3-1", 1, cheap, receipt.SerializeToString(), 5)
         assert await store.read(broker_arrays.lease_tasks, "a3-2") == [1]
