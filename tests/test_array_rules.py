@@ -208,6 +208,7 @@ def test_a_failed_task_runs_again_on_another_provider_first(store, tmp_path):
     from gpumarket.proto.identity import Identity
     from gpumarket.proto.v1 import gateway_pb2 as gw
     from gpumarket.proto.v1 import types_pb2 as pb
+
     from tests.helpers import signed_offer
 
     broker, client = Identity.generate(), Identity.generate()

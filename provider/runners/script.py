@@ -96,7 +96,6 @@ def warm_up() -> None:
     the runner itself reads job.json with (the kinds, 0.4-0.6 s of imports on a loaded
     machine), which each of its children imported again before its first task."""
     import torch  # noqa: F401
-
     from gpumarket.kinds import runner_job  # noqa: F401
 
 
