@@ -5,7 +5,7 @@ another client submitted while a big one runs; and a training sweep as one array
 same trainings submitted as separate jobs.
 
     .venv/bin/python bench/throughput.py [--tasks 10000] [--outputs 2000] [--heavy 1000]
-                                         [--sweep 100] [--separate 6]
+                                         [--sweep 100] [--separate 6] [--cpu-devices 1]
 
 The cases: no-op tasks (``--tasks``); tasks that each do a little hashing (about 1 ms) and
 write one small ``result.json`` through ``task.output_dir()`` (``--outputs``), every one then
@@ -290,6 +290,8 @@ def main() -> None:
     ap.add_argument("--sweep", type=int, default=100, help="one-step trainings in the array")
     ap.add_argument("--separate", type=int, default=6,
                     help="one-step trainings submitted as separate jobs (the baseline)")
+    ap.add_argument("--cpu-devices", type=int, default=1,
+                    help="devices each of the two providers offers its core as (lanes)")
     args = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="gpumarket-throughput-"))
     market = Marketplace(root)
@@ -297,11 +299,11 @@ def main() -> None:
         market.start_broker("--heartbeat-interval", "1")
         market.cli("keys", "init")
         for name in ("p1", "p2"):
-            # Each offers this machine's CPU as two one-core devices: the two providers share
-            # its cores, and a job's threads are its lease's cores (two providers that each
-            # took every core would oversubscribe it: see docs/provider.md).
+            # Each provider runs on one of this machine's cores (tests/helpers.py one_cpu)
+            # and offers it as --cpu-devices devices: one lane each by default, as Ray's
+            # num_cpus=2 gives it two workers (two devices each put two lanes on a core).
             market.start_provider(name, 1.0, "--kinds", "script,training",
-                                  "--cpu-devices", "2")
+                                  "--cpu-devices", str(args.cpu_devices))
         market.wait_for_offers(2)
         # Measured once every forkserver has its imports (the training one takes seconds of
         # CPU: measuring beside it measured this machine's two cores shared with it).

@@ -189,3 +189,69 @@ def test_task_lists_read_as_a_user_writes_them():
                         ("-3", "not a task index")):
         with pytest.raises(ValueError, match=words):
             arrays.parse_indices(text, 50)
+
+
+def test_a_failed_task_runs_again_on_another_provider_first(store, tmp_path):
+    """A task that reported ``ok=false`` counts an attempt and runs again in a new lease:
+    the scheduler places that lease on another provider while one fits, though the one it
+    failed on is cheaper (its old provider only if nothing else fits). Its sibling that
+    succeeded is not run again. The lease's progress is the tasks it reported."""
+    import asyncio
+
+    from gpumarket.broker.config import BrokerConfig
+    from gpumarket.broker.jobs import arrays as broker_arrays
+    from gpumarket.broker.jobs import transitions as jobs
+    from gpumarket.broker.market import providers, scheduler
+    from gpumarket.broker.state import BrokerState
+    from gpumarket.broker.store.artifact_store import ArtifactStore
+    from gpumarket.proto.envelope import open_envelope, seal
+    from gpumarket.proto.identity import Identity
+    from gpumarket.proto.v1 import gateway_pb2 as gw
+    from gpumarket.proto.v1 import types_pb2 as pb
+
+    from tests.helpers import signed_offer
+
+    broker, client = Identity.generate(), Identity.generate()
+    keys = {"cheap": Identity.generate(), "dear": Identity.generate()}
+    state = BrokerState(BrokerConfig(data_dir=tmp_path), broker, store,
+                        ArtifactStore(tmp_path / "artifacts", 1 << 20))
+
+    def leased() -> list[tuple[str, str]]:
+        """The leases sent to each provider's session since last asked."""
+        out = []
+        for name, key in keys.items():
+            outbox = state.sessions.get(key.id).outbox
+            while not outbox.empty():
+                lease, _ = open_envelope(outbox.get_nowait().lease, pb.Lease)
+                out.append((lease.job_id, name))
+        return out
+
+    async def scenario():
+        w = store.write
+        for name, key in keys.items():
+            offer = signed_offer(key, kinds=(pb.JOB_KIND_SCRIPT,))
+            parsed, _ = open_envelope(offer, pb.Offer)
+            parsed.price_per_gpu_hour = 0.1 if name == "cheap" else 0.9
+            offer = seal(key, parsed)
+            await w(providers.online, key.id, key.public_key, 1)
+            await w(providers.store_offer, key.id, offer.SerializeToString(), parsed, 1)
+            session = state.sessions.open(key.id)
+            session.offer, session.offer_envelope = parsed, offer
+        cheap = keys["cheap"].id
+        await w(broker_arrays.submit, array_job(client, "a3", 2, 2, max_attempts=3), 1)
+        assert await scheduler.place_queued(state) == 1
+        assert leased() == [("a3-1", "cheap")]
+        await w(jobs.mark_started, "a3-1", 1, cheap, 3)
+        await w(broker_arrays.record_results, "a3-1", 1, cheap,
+                [gw.TaskResult(task=0, ok=True), gw.TaskResult(task=1, ok=False, error="boom")],
+                4)
+        # The lease's progress is its tasks reported (its provider sends no progress).
+        assert (await store.read(jobs.job_row, "a3-1"))["progress_step"] == 2
+        receipt = seal(keys["cheap"], pb.Receipt(job_id="a3-1", epoch=1, provider_id=cheap))
+        await w(jobs.succeed, "a3-1", 1, cheap, receipt.SerializeToString(), 5)
+        assert await store.read(broker_arrays.lease_tasks, "a3-2") == [1]
+        assert await store.read(broker_arrays.failed_on, "a3-2") == {cheap}
+        assert await scheduler.place_queued(state) == 1
+        assert leased() == [("a3-2", "dear")]    # not back to the cheaper one it failed on
+
+    asyncio.run(scenario())

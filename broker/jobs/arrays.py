@@ -125,12 +125,14 @@ def record_results(db: Database, batch_id: str, epoch: int, provider_id: str,
     if len(results) > arrays.MAX_PER_LEASE:
         raise InvalidArgument(f"at most {arrays.MAX_PER_LEASE:,} task results at once")
     array_id = batch["parent_id"]
+    told = 0
     for r in results:
         row = db.execute("SELECT state, attempts FROM array_tasks WHERE array_id = ?"
                          " AND task = ? AND batch_id = ?", [array_id, r.task, batch_id]
                          ).fetchone()
         if row is None or row[0] not in OPEN:
             continue            # not a task of this batch, or told already
+        told += 1
         seconds = max(0.0, min(float(r.seconds), 1e9)) if r.seconds == r.seconds else 0.0
         if r.ok:
             receipt = (receipts or {}).get(r.task)
@@ -148,6 +150,9 @@ def record_results(db: Database, batch_id: str, epoch: int, provider_id: str,
         else:
             _task_failed(db, array_id, r.task, row[1], batch["max_attempts"],
                          r.error[:1000] or "failed", provider_id, now, seconds)
+    # The lease's progress is its tasks reported (its provider sends no progress beside them).
+    db.execute("UPDATE jobs SET progress_step = progress_step + ?, updated_at_ms = ? WHERE id = ?",
+               [told, now, batch_id])
     _follow(db, array_id, now)
 
 
@@ -160,6 +165,14 @@ def _task_failed(db: Database, array_id: str, task: int, attempts: int, max_atte
                " THEN NULL ELSE batch_id END WHERE array_id = ? AND task = ?",
                [state, attempts, error, provider_id, seconds, now, state, QUEUED,
                 array_id, task])
+
+
+def failed_on(db: Database, batch_id: str) -> set[str]:
+    """The providers that the batch's tasks failed on before (a task that failed runs
+    again in a new batch: the scheduler places it on another provider first)."""
+    return {r[0] for r in db.execute(
+        "SELECT DISTINCT provider_id FROM array_tasks WHERE batch_id = ? AND attempts > 0"
+        " AND provider_id != ''", [batch_id])}
 
 
 def yield_lease(db: Database, batch_id: str, epoch: int, now: int) -> int:
@@ -279,7 +292,9 @@ def _follow(db: Database, array_id: str, now: int) -> None:
     if ended == top["tasks"] and not batches_open:   # (a batch's receipt may be on its way)
         state = SUCCEEDED if ended == c["succeeded"] else FAILED if c["failed"] else CANCELLED
     else:
-        state = RUNNING if c["running"] else QUEUED
+        # Every task ended, its last leases' receipts on their way: it is finishing, not
+        # waiting (it said "requeued" there).
+        state = RUNNING if c["running"] or (batches_open and not c["queued"]) else QUEUED
     error = (f"{c['failed']:,} of {top['tasks']:,} tasks failed" if state == FAILED else "")
     if state == top["state"] and ended == top["progress_step"]:
         return

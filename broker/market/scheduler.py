@@ -119,8 +119,10 @@ async def place_queued(state: BrokerState) -> int:
             # nothing else fits.
             avoid = frozenset(await store.read(views.previous_providers, row["id"]))
         if row["parent_id"]:
-            # The parts of a split job go to different providers, where there are enough.
+            # The parts of a split job go to different providers, where there are enough;
+            # a job array's tasks that failed run again on another provider first.
             avoid |= await store.read(views.busy_siblings, row["parent_id"])
+            avoid |= await store.read(arrays.failed_on, row["id"])
         # A check never goes to the provider it checks; no job goes back to a provider a
         # check found wrong on it.
         exclude = await store.read(verification.excluded, row["id"]) \

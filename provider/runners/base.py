@@ -17,7 +17,6 @@ if TYPE_CHECKING:   # imported when read: a runner listens for a drain before th
     from gpumarket.kinds.runner_job import RunnerJob
 
 MARKER = "COMPLETE"
-PROGRESS_S = 0.25      # an array lease's progress (tasks done) is reported at most this often
 _drain = False
 _yield = False         # run_tasks: the broker asked the lease to stop after its current task
 _task: tuple[Path, RunnerJob] | None = None    # run_tasks: the task running now, and its job
@@ -191,7 +190,6 @@ def run_tasks(fn: Callable, workdir: Path, job: RunnerJob, reporter) -> None:
     ok_count = 0
     home = os.getcwd()
     (workdir / "tasks").mkdir(exist_ok=True)
-    reported = 0.0
     for i, item in enumerate(tasks):
         n = item.task
         tdir = workdir / "tasks" / f"{n:06d}"
@@ -221,16 +219,14 @@ def run_tasks(fn: Callable, workdir: Path, job: RunnerJob, reporter) -> None:
             pass    # its outputs (or anything else it left) stay for the receipt
         ok_count += not error
         ended = time.monotonic()
+        # The task reports are the lease's progress: the broker counts them (no progress
+        # report beside them: each was an update, a transaction and an event at the broker).
         reporter.send("task", task=n, ok=not error, error=error[:1000],
                       seconds=round(ended - started, 6))
-        if ended - reported >= PROGRESS_S or i + 1 == len(tasks):
-            reporter.progress(i + 1, len(tasks))
-            reported = ended
         if drain_requested() and i + 1 < len(tasks):
             reporter.drained(i + 1)
             return
         if _yield and i + 1 < len(tasks):
-            reporter.progress(i + 1, len(tasks))
             reporter.done(tasks_ok=ok_count, tasks_failed=i + 1 - ok_count,
                           tasks_yielded=len(tasks) - i - 1)
             return

@@ -92,8 +92,11 @@ def run(workdir: Path, reporter: Reporter) -> None:
 
 
 def warm_up() -> None:
-    """A script may import torch: the forkserver imports it once for every job."""
+    """A script may import torch: the forkserver imports it once for every job. And what
+    the runner itself reads job.json with (the kinds, 0.4-0.6 s of imports on a loaded
+    machine), which each of its children imported again before its first task."""
     import torch  # noqa: F401
+    from gpumarket.kinds import runner_job  # noqa: F401
 
 
 def main() -> int:
