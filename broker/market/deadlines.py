@@ -41,7 +41,19 @@ def due(left_s: float, remaining: float) -> bool:
 async def promote_due(state, book: matcher.Book) -> int:
     """Promote the interruptible jobs whose deadline is near (one pass); returns how many."""
     promoted = 0
-    for row in await state.store.read(rows.deadline_jobs):
+    for job_id, why, lease_price in await state.store.read(due_jobs, book):
+        if await state.store.write(rows.promote, job_id, why, now_ms(), lease_price):
+            log.info("job %s promoted to standard: %s", job_id, why)
+            promoted += 1
+    return promoted
+
+
+def due_jobs(db, book: matcher.Book) -> list[tuple[str, str, float | None]]:
+    """The interruptible jobs with a deadline that must run as standard now: (job, why, the
+    standard price its running lease is charged from now on, or None if it has none). One
+    read for all of them: a pass with jobs waiting asks it."""
+    out = []
+    for row in rows.deadline_jobs(db):
         needs = dataclasses.replace(needs_of(row), tier="standard")
         found, _ = book.candidates(needs, 1)
         if not found:
@@ -57,13 +69,10 @@ async def promote_due(state, book: matcher.Book) -> int:
             lease_price = float(book.prices("standard")[i])
             if lease_price > needs.max_price_per_gpu_hour:
                 continue
-        timed = await state.store.read(credit_holds.timed, book, needs, found)
+        timed = credit_holds.timed(db, book, needs, found)
         left = remaining_s(timed[0].seconds, row["checkpoint_step"], row["progress_total"])
-        if not due(needs.deadline_s, left):
-            continue
-        why = (f"{needs.deadline_s:.0f} s left before its deadline, about {left:.0f} s of"
-               f" work left ({timed[0].basis}; x{MARGIN:g} + {SLACK_S:.0f} s)")
-        if await state.store.write(rows.promote, row["id"], why, now_ms(), lease_price):
-            log.info("job %s promoted to standard: %s", row["id"], why)
-            promoted += 1
-    return promoted
+        if due(needs.deadline_s, left):
+            out.append((row["id"], f"{needs.deadline_s:.0f} s left before its deadline, about"
+                        f" {left:.0f} s of work left ({timed[0].basis}; x{MARGIN:g} +"
+                        f" {SLACK_S:.0f} s)", lease_price))
+    return out
