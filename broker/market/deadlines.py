@@ -1,10 +1,10 @@
 """Deadlines of interruptible jobs (docs/broker.md, Deadlines): an interruptible job whose
 time left before its deadline no longer covers what it has left to run — its calibrated wall
-time on the best offer for it, for the share of its steps not checkpointed yet, times
-``MARGIN``, plus ``SLACK_S`` — is moved to the standard tier, so that it is not preempted,
-and pays the standard price from then on: a running lease from its last checkpoint (a job
-whose max_price is below that price stays interruptible). Interruptible is cheaper and still
-on time.
+time on the best offer for it (on its own provider while it holds a lease), for the share of
+its steps not checkpointed yet, times ``MARGIN``, plus ``SLACK_S`` — is moved to the standard
+tier, so that it is not preempted, and pays the standard price from then on: a running lease
+from its last checkpoint (a job whose max_price is below that price stays interruptible).
+Interruptible is cheaper and still on time.
 """
 
 from __future__ import annotations
@@ -69,6 +69,9 @@ def due_jobs(db, book: matcher.Book) -> list[tuple[str, str, float | None]]:
             lease_price = float(book.prices("standard")[i])
             if lease_price > needs.max_price_per_gpu_hour:
                 continue
+            # Timed on the device it runs on, which may be much slower than the best offer
+            # for it: the one it got was the best free one.
+            found = [book.estimate(needs, i)]
         timed = credit_holds.timed(db, book, needs, found)
         left = remaining_s(timed[0].seconds, row["checkpoint_step"], row["progress_total"])
         if due(needs.deadline_s, left):
