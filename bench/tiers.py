@@ -453,6 +453,9 @@ class Sim:
                 run = p.runs.get((message.preempt_lease.job_id, message.preempt_lease.epoch))
                 if run is not None:
                     self.preempt(p, run, message.preempt_lease.grace_s)
+                # The real loop looks every second: it ends the lease on time if it has not.
+                self.after(message.preempt_lease.grace_s
+                           + self.state.config.lease_timeout_s + 1, self.expiry)
             elif which == "cancel":
                 run = p.runs.pop((message.cancel.job_id, message.cancel.epoch), None)
                 if run is not None:
