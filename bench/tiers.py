@@ -696,7 +696,7 @@ class Sim:
                       file=sys.stderr)
         # Replica waits: each time a replica is queued (added, or requeued after a lost
         # lease) until its next lease, from the job events.
-        waits, spike_waits = [], []
+        waits, spike_waits, long_waits = [], [], []
         queued_at: dict[str, int] = {}
         for job_id, at, type_ in db.execute(
                 "SELECT e.job_id, e.at_ms, e.type FROM events e JOIN jobs j ON j.id = e.job_id"
@@ -710,6 +710,16 @@ class Sim:
                 waits.append(wait)
                 if any(a <= since <= b for a, b in self.spikes):
                     spike_waits.append(wait)
+                    if wait > self.args.cold_start + 5:
+                        long_waits.append((wait, job_id, since, at))
+        for wait, job_id, since, at in sorted(long_waits, reverse=True)[:3]:
+            print(f"replica {job_id} waited {wait:.0f} s; meanwhile:", file=sys.stderr)
+            for j, when, type_, message in db.execute(
+                    "SELECT job_id, at_ms, type, message FROM events WHERE at_ms BETWEEN ? AND ?"
+                    " AND (job_id = ? OR type IN ('preempting', 'requeued', 'leased'))"
+                    " ORDER BY seq LIMIT 12", [since, at, job_id]):
+                print(f"  +{(when - since) / 1000:6.0f} s {j} {type_}: {message[:110]}",
+                      file=sys.stderr)
         lease_states = dict(db.execute("SELECT state, count(*) FROM leases GROUP BY state"))
         # How busy the market was over the simulated days: device-hours leased per tier
         # (as submitted) over device-hours online.
