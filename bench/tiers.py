@@ -250,8 +250,13 @@ class Sim:
         for p in self.providers:
             if p.online:
                 self.state.liveness.heard(p.id, list(p.runs), now)
+        seen = self.state.placement.seen()
         await scheduler.place_queued(self.state)
         await scheduler.expire(self.state)
+        if self.state.placement.seen() != seen:
+            # Expiry requeued something: the real loop passes again at once.
+            self.dirty = True
+            self.at(now + 1, self.expiry)
         for p in self.providers:
             if p.session is not None:
                 await self.read_outbox(p)
