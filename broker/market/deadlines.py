@@ -75,7 +75,7 @@ def due_jobs(db, book: matcher.Book) -> list[tuple[str, str, float | None]]:
         timed = credit_holds.timed(db, book, needs, found)
         left = remaining_s(timed[0].seconds, row["checkpoint_step"], row["progress_total"])
         if due(needs.deadline_s, left):
-            out.append((row["id"], f"{needs.deadline_s:.0f} s left before its deadline, about"
-                        f" {left:.0f} s of work left ({timed[0].basis}; x{MARGIN:g} +"
-                        f" {SLACK_S:.0f} s)", lease_price))
+            why = (f"{needs.deadline_s:.0f} s left before its deadline, about {left:.0f} s of"
+                   f" work left ({timed[0].basis}; x{MARGIN:g} + {SLACK_S:.0f} s)")
+            out.append((row["id"], why, lease_price))
     return out
