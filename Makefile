@@ -63,6 +63,7 @@ bench: $(STAMP)
 	$(PY) bench/throughput.py
 	$(PY) bench/forkserver.py
 	$(PY) bench/scale.py
+	$(PY) bench/tiers.py
 
 # CUDA paths on this machine's NVIDIA GPU (issue 15; docs/provider.md): one line per check,
 # figures in bench/results/gpu-<gpu>-<date>.json. Runs with the Python that has the project

@@ -421,3 +421,37 @@ def test_the_scheduler_promotes_an_interruptible_job_near_its_deadline(tmp_path)
         asyncio.run(scenario())
     finally:
         store.close()
+
+
+def test_a_leased_job_is_timed_on_the_provider_running_it(tmp_path):
+    """Fixed (bench/tiers.py found it: jobs placed on a slow free device missed their
+    deadlines): a leased job's time left was estimated on the best offer for it, not on the
+    device it runs on, so a job on a slow device stayed interruptible (preemptible) until
+    even the fast device's estimate ran out."""
+    from gpumarket.broker.market import deadlines
+
+    store = Store(tmp_path / "broker.db")
+    store.open()
+    state = SimpleNamespace(store=store)
+
+    async def scenario():
+        from gpumarket.proto.jobspec import now_ms
+        await store.write(ledger.credit, "ca", 10**8, "client", "", "op", "k", 1)
+        job = new_job("slow", "ca", 20_000_000, True)
+        # 1e13 FLOPs: about 30,000 s calibrated on p1 (1e9 FLOP/s), 300 s on p2 (1e11);
+        # 20,000 s to its deadline.
+        await store.write(jobs.submit, dataclasses.replace(job, needs=dataclasses.replace(
+            job.needs, tier="interruptible", deadline_s=20_000, work_flops=1e13)), now_ms())
+        book = Book([dataclasses.replace(offer("p1", busy=frozenset({0})), claimed_flops=1e9,
+                                         flops=1e9),
+                     dataclasses.replace(offer("p2"), claimed_flops=1e11, flops=1e11)])
+        assert await deadlines.promote_due(state, book) == 0     # queued: p2 has the time
+        await store.write(jobs.create_lease, "slow", "p1", [0], 0.4, now_ms(), 60_000, 10,
+                          sign)
+        assert await deadlines.promote_due(state, book) == 1     # leased to p1: it has not
+        assert '"tier": "standard"' in (await store.read(jobs.job_row, "slow"))["needs"]
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        store.close()

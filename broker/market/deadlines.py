@@ -1,10 +1,10 @@
 """Deadlines of interruptible jobs (docs/broker.md, Deadlines): an interruptible job whose
 time left before its deadline no longer covers what it has left to run — its calibrated wall
-time on the best offer for it, for the share of its steps not checkpointed yet, times
-``MARGIN``, plus ``SLACK_S`` — is moved to the standard tier, so that it is not preempted,
-and pays the standard price from then on: a running lease from its last checkpoint (a job
-whose max_price is below that price stays interruptible). Interruptible is cheaper and still
-on time.
+time on the best offer for it (on its own provider while it holds a lease), for the share of
+its steps not checkpointed yet, times ``MARGIN``, plus ``SLACK_S`` — is moved to the standard
+tier, so that it is not preempted, and pays the standard price from then on: a running lease
+from its last checkpoint (a job whose max_price is below that price stays interruptible).
+Interruptible is cheaper and still on time.
 """
 
 from __future__ import annotations
@@ -41,7 +41,19 @@ def due(left_s: float, remaining: float) -> bool:
 async def promote_due(state, book: matcher.Book) -> int:
     """Promote the interruptible jobs whose deadline is near (one pass); returns how many."""
     promoted = 0
-    for row in await state.store.read(rows.deadline_jobs):
+    for job_id, why, lease_price in await state.store.read(due_jobs, book):
+        if await state.store.write(rows.promote, job_id, why, now_ms(), lease_price):
+            log.info("job %s promoted to standard: %s", job_id, why)
+            promoted += 1
+    return promoted
+
+
+def due_jobs(db, book: matcher.Book) -> list[tuple[str, str, float | None]]:
+    """The interruptible jobs with a deadline that must run as standard now: (job, why, the
+    standard price its running lease is charged from now on, or None if it has none). One
+    read for all of them: a pass with jobs waiting asks it."""
+    out = []
+    for row in rows.deadline_jobs(db):
         needs = dataclasses.replace(needs_of(row), tier="standard")
         found, _ = book.candidates(needs, 1)
         if not found:
@@ -57,13 +69,13 @@ async def promote_due(state, book: matcher.Book) -> int:
             lease_price = float(book.prices("standard")[i])
             if lease_price > needs.max_price_per_gpu_hour:
                 continue
-        timed = await state.store.read(credit_holds.timed, book, needs, found)
+            # Timed on the device it runs on, which may be much slower than the best offer
+            # for it: the one it got was the best free one.
+            found = [book.estimate(needs, i)]
+        timed = credit_holds.timed(db, book, needs, found)
         left = remaining_s(timed[0].seconds, row["checkpoint_step"], row["progress_total"])
-        if not due(needs.deadline_s, left):
-            continue
-        why = (f"{needs.deadline_s:.0f} s left before its deadline, about {left:.0f} s of"
-               f" work left ({timed[0].basis}; x{MARGIN:g} + {SLACK_S:.0f} s)")
-        if await state.store.write(rows.promote, row["id"], why, now_ms(), lease_price):
-            log.info("job %s promoted to standard: %s", row["id"], why)
-            promoted += 1
-    return promoted
+        if due(needs.deadline_s, left):
+            why = (f"{needs.deadline_s:.0f} s left before its deadline, about {left:.0f} s of"
+                   f" work left ({timed[0].basis}; x{MARGIN:g} + {SLACK_S:.0f} s)")
+            out.append((row["id"], why, lease_price))
+    return out

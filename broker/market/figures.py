@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from functools import lru_cache
 
 from gpumarket.proto.v1 import types_pb2 as pb
 
@@ -44,6 +45,7 @@ def _norm(name: str) -> str:
     return re.sub(r"\s+", " ", name.upper())
 
 
+@lru_cache(maxsize=4096)      # every placement pass asks it of every offered device
 def gpu_class(name: str) -> str | None:
     """The known GPU class a device name names, if any (as a whole word)."""
     text = _norm(name)
