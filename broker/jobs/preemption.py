@@ -82,12 +82,6 @@ def tier_of(job: dict) -> str:
     return json.loads(job["needs"]).get("tier", "standard")
 
 
-def preempting(db: Database, lease_id: str) -> bool:
-    """Whether the lease was asked to yield to a job of a higher tier."""
-    row = db.execute("SELECT preempt_for FROM leases WHERE id = ?", [lease_id]).fetchone()
-    return bool(row and row[0])
-
-
 def end(db: Database, lease_id: str, reason: str, now: int) -> bool:
     """End a lease asked to yield: PREEMPTED (``preempted``), its job queued again from its
     latest checkpoint with the same attempt number. False if it was no longer active."""
