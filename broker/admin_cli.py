@@ -93,12 +93,13 @@ async def providers(broker: Broker, identity: Identity, as_json: bool) -> None:
         click.echo(json.dumps([MessageToDict(p, preserving_proto_field_name=True)
                                for p in found], indent=2))
         return
-    table = Table("provider", "status", "devices", "price/GPU·h", "reliability", "done",
+    table = Table("provider", "status", "devices", "price/GPU·h", "interruptible", "reliability", "done",
                   "lost", "running", "earned", "checked", "checks ok/failed")
     for p in found:
         status = "banned" if p.banned else ("online" if p.online else "offline")
         table.add_row(short(p.provider_id), status, "\n".join(p.devices) or "-",
                       f"{p.price_per_gpu_hour:.3f}" if p.devices else "-",
+                      f"{p.interruptible_price_per_gpu_hour:.3f}" if p.devices else "-",
                       f"{p.reliability:.2f}", str(p.leases_completed), str(p.leases_lost),
                       str(p.running), f"{p.earned:.4f}", f"{p.check_rate:.0%}",
                       f"{p.checks_passed}/{p.checks_failed}")

@@ -65,6 +65,9 @@ def test_health_metrics_and_api_after_a_job(tmp_path):
         providers = json.loads(get(http + "/api/providers")[1])["providers"]
         assert providers[0]["provider_id"] == market.provider_id("p1")
         assert providers[0]["leases_completed"] == 1
+        # Both tiers' prices (the provider's default interruptible share: 40 %).
+        assert (providers[0]["price_per_gpu_hour"],
+                providers[0]["interruptible_price_per_gpu_hour"]) == pytest.approx((1.0, 0.4))
         assert get(http + "/api/jobs?limit=x")[0] == 400
     finally:
         market.close()

@@ -4,7 +4,6 @@ reads behind the dashboard, and the dashboard itself (plain HTML/CSS/JS, no buil
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections import deque
 from pathlib import Path
@@ -183,6 +182,7 @@ class BrokerHttp:
             out.append({
                 "provider_id": p.provider_id, "online": offer is not None, "banned": p.banned,
                 "price_per_gpu_hour": p.price_per_gpu_hour,
+                "interruptible_price_per_gpu_hour": p.interruptible_price_per_gpu_hour,
                 "devices": [{"name": d.name, "accelerator": ACCELERATOR_NAMES[d.accelerator],
                              "memory_bytes": d.memory_bytes,
                              "matmul_flops": d.benchmark.matmul_flops,

@@ -7,6 +7,7 @@ from sqlite_utils import Database
 
 from gpumarket.broker.checks import verification
 from gpumarket.broker.jobs import views
+from gpumarket.broker.market import offers as offer_terms
 from gpumarket.broker.market import reliability
 from gpumarket.broker.money import ledger
 from gpumarket.proto.v1 import types_pb2 as pb
@@ -45,6 +46,7 @@ def standings(db: Database, provider_ids: list[str] | None, now: int) -> list[pb
             envelope = pb.Envelope.FromString(offer_row["envelope"])
             offer = pb.Offer.FromString(envelope.payload)
             standing.price_per_gpu_hour = offer.price_per_gpu_hour
+            standing.interruptible_price_per_gpu_hour = offer_terms.interruptible_price(offer)
             standing.devices.extend(_device_line(d) for d in offer.devices)
         out.append(standing)
     return out

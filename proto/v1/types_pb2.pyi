@@ -772,7 +772,7 @@ class JobPart(_message.Message):
     def __init__(self, part: _Optional[int] = ..., job_id: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., attempt: _Optional[int] = ..., provider_id: _Optional[str] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., error: _Optional[str] = ..., receipt: _Optional[_Union[Envelope, _Mapping]] = ...) -> None: ...
 
 class ProviderStanding(_message.Message):
-    __slots__ = ("provider_id", "online", "banned", "devices", "price_per_gpu_hour", "reliability", "leases_completed", "leases_lost", "running", "earned", "last_seen_ms", "first_seen_ms", "stake", "check_rate", "checks_passed", "checks_failed")
+    __slots__ = ("provider_id", "online", "banned", "devices", "price_per_gpu_hour", "reliability", "leases_completed", "leases_lost", "running", "earned", "last_seen_ms", "first_seen_ms", "stake", "check_rate", "checks_passed", "checks_failed", "interruptible_price_per_gpu_hour")
     PROVIDER_ID_FIELD_NUMBER: _ClassVar[int]
     ONLINE_FIELD_NUMBER: _ClassVar[int]
     BANNED_FIELD_NUMBER: _ClassVar[int]
@@ -789,6 +789,7 @@ class ProviderStanding(_message.Message):
     CHECK_RATE_FIELD_NUMBER: _ClassVar[int]
     CHECKS_PASSED_FIELD_NUMBER: _ClassVar[int]
     CHECKS_FAILED_FIELD_NUMBER: _ClassVar[int]
+    INTERRUPTIBLE_PRICE_PER_GPU_HOUR_FIELD_NUMBER: _ClassVar[int]
     provider_id: str
     online: bool
     banned: bool
@@ -805,7 +806,8 @@ class ProviderStanding(_message.Message):
     check_rate: float
     checks_passed: int
     checks_failed: int
-    def __init__(self, provider_id: _Optional[str] = ..., online: _Optional[bool] = ..., banned: _Optional[bool] = ..., devices: _Optional[_Iterable[str]] = ..., price_per_gpu_hour: _Optional[float] = ..., reliability: _Optional[float] = ..., leases_completed: _Optional[int] = ..., leases_lost: _Optional[int] = ..., running: _Optional[int] = ..., earned: _Optional[float] = ..., last_seen_ms: _Optional[int] = ..., first_seen_ms: _Optional[int] = ..., stake: _Optional[int] = ..., check_rate: _Optional[float] = ..., checks_passed: _Optional[int] = ..., checks_failed: _Optional[int] = ...) -> None: ...
+    interruptible_price_per_gpu_hour: float
+    def __init__(self, provider_id: _Optional[str] = ..., online: _Optional[bool] = ..., banned: _Optional[bool] = ..., devices: _Optional[_Iterable[str]] = ..., price_per_gpu_hour: _Optional[float] = ..., reliability: _Optional[float] = ..., leases_completed: _Optional[int] = ..., leases_lost: _Optional[int] = ..., running: _Optional[int] = ..., earned: _Optional[float] = ..., last_seen_ms: _Optional[int] = ..., first_seen_ms: _Optional[int] = ..., stake: _Optional[int] = ..., check_rate: _Optional[float] = ..., checks_passed: _Optional[int] = ..., checks_failed: _Optional[int] = ..., interruptible_price_per_gpu_hour: _Optional[float] = ...) -> None: ...
 
 class LogLine(_message.Message):
     __slots__ = ("seq", "at_ms", "attempt", "text")

@@ -30,6 +30,7 @@ function renderProviders(providers) {
       el("td", { class: status }, status),
       el("td", {}, devices), el("td", {}, speed),
       el("td", {}, p.online ? p.price_per_gpu_hour.toFixed(3) : "–"),
+      el("td", {}, p.online ? p.interruptible_price_per_gpu_hour.toFixed(3) : "–"),
       el("td", {}, p.reliability.toFixed(2)),
       el("td", {}, `${p.leases_completed} / ${p.leases_lost}`),
       el("td", {}, p.earned.toFixed(4)));
