@@ -117,3 +117,20 @@ class Job(Mapping):
 
 COLUMNS = tuple(f.name for f in fields(Job))
 _COLUMN_SET = frozenset(COLUMNS)
+
+
+@dataclass(frozen=True)
+class LeaseTerms:
+    """What the market decided for one lease of a queued job (market/placement.plan), as
+    ``jobs.transitions.create_lease`` writes and signs it."""
+
+    job_id: str
+    provider_id: str
+    device_indices: tuple[int, ...]
+    price_per_gpu_hour: float       # credits per GPU-hour
+    accept_within_ms: int           # the provider must start it within this, or it lapses
+    checkpoint_every: int           # steps between checkpoints (0: the runner's own)
+    provider_mtbf_s: float = 0.0    # the provider's observed mean time between failures
+    checkpoint_interval_s: float = 0.0  # the checkpoint interval for that MTBF (0: none)
+    raw_runtime_s: float = 0.0      # the job's uncalibrated runtime estimate on this offer
+    accelerator: int = 0            # the offer's device class (Accelerator)

@@ -15,7 +15,7 @@ from sqlite_utils import Database
 from gpumarket.broker.checks import disputes
 from gpumarket.broker.checks import verification
 from gpumarket.broker.jobs import arrays
-from gpumarket.broker.jobs.job import Job
+from gpumarket.broker.jobs.job import Job, LeaseTerms
 from gpumarket.broker.market import calibration
 from gpumarket.broker.market.admission import NewJob
 from gpumarket.broker.money import credit_holds
@@ -261,22 +261,12 @@ def submit(db: Database, job: NewJob, now: int) -> None:
                  f" ({job.hold_basis})")
 
 
-def create_lease(
-    db: Database,
-    job_id: str,
-    provider_id: str,
-    device_indices: list[int],
-    price_per_gpu_hour: float,
-    now: int,
-    accept_within_ms: int,
-    checkpoint_every: int,
-    sign: Callable[[pb.Lease], pb.Envelope],
-    provider_mtbf_s: float = 0.0,
-    checkpoint_interval_s: float = 0.0,
-    raw_runtime_s: float = 0.0,
-    accelerator: int = 0,
-) -> pb.Envelope:
-    """Lease a QUEUED job to a provider; return the signed Lease envelope."""
+def create_lease(db: Database, terms: LeaseTerms, now: int,
+                 sign: Callable[[pb.Lease], pb.Envelope]) -> pb.Envelope:
+    """Lease a QUEUED job to a provider on ``terms``; return the signed Lease envelope.
+    Raises FailedPrecondition if the job is no longer QUEUED."""
+    job_id, provider_id = terms.job_id, terms.provider_id
+    price_per_gpu_hour, device_indices = terms.price_per_gpu_hour, list(terms.device_indices)
     job = job_row(db, job_id)
     if job.state != QUEUED:
         raise FailedPrecondition(f"job {job_id} is {state_name(job.state)}, not QUEUED")
@@ -289,12 +279,12 @@ def create_lease(
         provider_id=provider_id,
         client_id=job.client_id,
         price_per_gpu_hour=price_per_gpu_hour,
-        checkpoint_every=checkpoint_every,
+        checkpoint_every=terms.checkpoint_every,
         device_indices=device_indices,
         issued_at_ms=now,
-        expires_at_ms=now + accept_within_ms,
-        provider_mtbf_s=provider_mtbf_s,
-        checkpoint_interval_s=checkpoint_interval_s,
+        expires_at_ms=now + terms.accept_within_ms,
+        provider_mtbf_s=terms.provider_mtbf_s,
+        checkpoint_interval_s=terms.checkpoint_interval_s,
         part=0 if job.tasks else job.part,
         parts=job.parts if job.part and not job.tasks else 0,
         tasks=arrays.lease_tasks(db, job_id) if job.tasks and job.parent_id else (),
@@ -313,7 +303,7 @@ def create_lease(
             "price_per_gpu_hour": price_per_gpu_hour, "state": "active", "issued_at_ms": now,
             "renewed_at_ms": now, "envelope": envelope.SerializeToString(),
             "start_step": job.checkpoint_step if job.resume_from else 0,
-            "raw_runtime_s": raw_runtime_s, "accelerator": accelerator,
+            "raw_runtime_s": terms.raw_runtime_s, "accelerator": terms.accelerator,
         }
     )
     set_job(db, job_id, now, state=LEASED, epoch=epoch, provider_id=provider_id,
