@@ -38,6 +38,7 @@ from gpumarket.broker.jobs import transitions as jobs
 from gpumarket.broker.jobs.job import LeaseTerms
 from gpumarket.broker.market.admission import Needs, NewJob  # noqa: E402
 from gpumarket.broker.money import ledger
+from gpumarket.broker.server import install_reactions  # noqa: E402
 from gpumarket.broker.store import blob_holdings
 from gpumarket.broker.store.store import Store  # noqa: E402
 from gpumarket.proto.v1 import types_pb2 as pb  # noqa: E402
@@ -152,6 +153,7 @@ def main() -> int:
     ap.add_argument("--checkpoints", type=int, default=400)
     ap.add_argument("--jobs", type=int, default=8)
     args = ap.parse_args()
+    install_reactions()     # as the broker does when it starts
     figures = asyncio.run(store_figures(args.checkpoints))
     if args.jobs:
         figures.update(quote_errors(args.jobs))

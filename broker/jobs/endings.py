@@ -9,11 +9,9 @@ from __future__ import annotations
 
 from sqlite_utils import Database
 
-from gpumarket.broker.checks import disputes
-from gpumarket.broker.checks import verification
-from gpumarket.broker.jobs import arrays
 from gpumarket.broker.jobs import transitions as jobs
 from gpumarket.broker.jobs.job import Job
+from gpumarket.broker.jobs.reactions import hooks
 from gpumarket.proto.jobspec import TERMINAL_STATES
 
 FAIL_QUORUM = 2     # distinct providers whose reports that a job ran and failed fail it
@@ -76,8 +74,8 @@ def _give_up(db: Database, job: Job, provider_id: str, error: str, now: int,
     jobs.drop_checkpoints(db, job.id)
     jobs.append_event(db, job.id, "failed", jobs.FAILED, job.attempt, now,
                  provider_id=provider_id, message=error + tail)
-    if job.check_of:
-        disputes.could_not_run(db, job.id, error, now)
+    if job.sort == "check":
+        hooks().check_failed(db, job.id, error, now)
 
 
 def _requeue(db: Database, job: Job, provider_id: str, why: str, now: int,
@@ -91,8 +89,8 @@ def _requeue(db: Database, job: Job, provider_id: str, why: str, now: int,
         # A replica is ready again only once its next lease's engine says so (the autoscaler
         # gives up on a lease that is not ready within cold_start).
         jobs.set_job(db, job.id, now, progress_step=0)
-    if job.check_of:
-        verification.requeued(db, job.id)
+    if job.sort == "check":
+        hooks().check_requeued(db, job.id)
     resume = (f"resumes from step {job.checkpoint_step}" if job.resume_from
               else "starts over (no checkpoint yet)")
     jobs.append_event(db, job.id, "requeued", jobs.QUEUED, attempt, now, provider_id=provider_id,
@@ -111,7 +109,7 @@ def cancel(db: Database, job_id: str, client_id: str, now: int
     ended: list[jobs.EndedLease] = []
     parts = jobs.parts_of(db, job_id) if job.parts and not job.part else []
     if job.tasks and not job.parent_id:
-        arrays.cancelled(db, job_id, now)
+        hooks().array_cancelled(db, job_id, now)
     for row in [*parts, job]:
         if row.state in TERMINAL_STATES:
             continue
@@ -171,5 +169,5 @@ def expire_queued(db: Database, now: int) -> list[str]:
         jobs.drop_checkpoints(db, job_id)
         jobs.append_event(db, job_id, "failed", jobs.FAILED, attempt, now, message=error)
         if check_of:
-            disputes.could_not_run(db, job_id, error, now)
+            hooks().check_failed(db, job_id, error, now)
     return [r[0] for r in rows]

@@ -12,10 +12,9 @@ from typing import Any
 
 from sqlite_utils import Database
 
-from gpumarket.broker.checks import disputes
-from gpumarket.broker.checks import verification
-from gpumarket.broker.jobs import arrays
+from gpumarket.broker.checks.policy import OFF, Policy
 from gpumarket.broker.jobs.job import Job, LeaseTerms
+from gpumarket.broker.jobs.reactions import hooks
 from gpumarket.broker.market import calibration
 from gpumarket.broker.market.admission import NewJob
 from gpumarket.broker.money import credit_holds
@@ -73,7 +72,7 @@ def append_event(
         return []
     job = job_row(db, job_id)
     if job.sort == "batch":     # a batch of a job array: its tasks follow it, and the array them
-        arrays.follow_batch(db, job.top_id, job_id, type_, now)
+        hooks().batch_moved(db, job.top_id, job_id, type_, now)
     elif job.sort == "replica":
         # An endpoint does not follow its replicas' states: it notes their moves.
         if type_ not in ("progress", "checkpoint"):
@@ -180,7 +179,7 @@ def set_job(db: Database, job_id: str, now: int, **values: object) -> None:
                          " AND check_of IS NULL", [job_id]).fetchone()
         if row is not None:
             # Its checks end with it (their checkers paid up to now), before the hold goes.
-            disputes.drop(db, job_id, values["state"] == FAILED, now)
+            hooks().job_ended(db, job_id, values["state"] == FAILED, now)
             ledger.release(db, job_id, row[0], now)
 
 
@@ -287,13 +286,12 @@ def create_lease(db: Database, terms: LeaseTerms, now: int,
         checkpoint_interval_s=terms.checkpoint_interval_s,
         part=0 if job.tasks else job.part,
         parts=job.parts if job.part and not job.tasks else 0,
-        tasks=arrays.lease_tasks(db, job_id) if job.tasks and job.parent_id else (),
+        tasks=hooks().batch_tasks(db, job_id) if job.sort == "batch" else (),
     )
     if job.resume_from:
         lease.resume_from.CopyFrom(pb.ArtifactRef(**json.loads(job.resume_from)))
-    if job.check_of:
-        lease.check.CopyFrom(verification.scope_of(db, job_id))
-        verification.leased(db, job_id, provider_id, now)
+    if job.sort == "check":
+        lease.check.CopyFrom(hooks().check_leased(db, job_id, provider_id, now))
     lease.job_spec.ParseFromString(job.spec)
     envelope = sign(lease)
     db["leases"].insert(
@@ -363,7 +361,7 @@ def record_progress(
 
 def record_checkpoint(
     db: Database, job_id: str, epoch: int, provider_id: str, step: int, artifact: pb.ArtifactRef,
-    write_seconds: float, now: int, policy: verification.Policy = verification.OFF,
+    write_seconds: float, now: int, policy: Policy = OFF,
 ) -> bool | str:
     """Make a stored, hash-checked checkpoint the job's latest and settle the lease's work up
     to it; False if it is not newer. A job whose hold would not cover another segment like
@@ -388,8 +386,7 @@ def record_checkpoint(
     blob_holdings.refer(db, artifact.sha256, job_id, "checkpoint")
     paid = ledger.settle(db, job, lease, step, now)
     db.execute("UPDATE jobs SET hold_needed = 0 WHERE id = ?", [job_id])
-    verification.remember(db, job, lease, step, ref)
-    verification.choose_segment(db, policy, job, lease, step, ref, now)
+    hooks().checkpoint_stored(db, policy, job, lease, step, ref, now)
     append_event(db, job_id, "checkpoint", job.state, job.attempt, now,
                  provider_id=provider_id,
                  message=f"checkpoint at step {step} stored ({artifact.sha256[:12]}, "
@@ -511,7 +508,7 @@ def end_lease(db: Database, lease_id: str, state: str, reason: str, now: int) ->
 
 def succeed(
     db: Database, job_id: str, epoch: int, provider_id: str, receipt: bytes, now: int,
-    policy: verification.Policy = verification.OFF,
+    policy: Policy = OFF,
 ) -> None:
     """The lease's receipt: its work is paid to the end; the job succeeds, or waits
     (VERIFYING) for the checks of its work still running; a check's job hands what its
@@ -528,7 +525,7 @@ def succeed(
                for o in receipt_msg.outputs}
     if job.check_of:
         set_job(db, job_id, now, state=SUCCEEDED, receipt=receipt, progress_step=total)
-        verification.returned(db, job_id, outputs, now)
+        hooks().check_returned(db, job_id, outputs, now)
         append_event(db, job_id, "succeeded", SUCCEEDED, job.attempt, now,
                      provider_id=provider_id, message="replayed; compared next")
         return
@@ -537,8 +534,8 @@ def succeed(
         blob_holdings.refer(db, out.sha256, job_id, "output")
     calibration.record_throughput(db, job, provider_id, receipt_msg, now)
     if not job.tasks:        # (a job array's tasks are not spot-checked)
-        verification.choose_final(db, policy, job, lease, total, outputs, receipt_msg, now)
-    if verification.open_checks(db, job_id):
+        hooks().receipt_came(db, policy, job, lease, total, outputs, receipt_msg, now)
+    if hooks().open_checks(db, job_id):
         set_job(db, job_id, now, state=VERIFYING, receipt=receipt, progress_step=total)
         append_event(db, job_id, "verifying", VERIFYING, job.attempt, now,
                      provider_id=provider_id, message="finished; receipt verified; waiting"
@@ -546,7 +543,7 @@ def succeed(
         return
     set_job(db, job_id, now, receipt=receipt, progress_step=total)
     finished(db, job_row(db, job_id), now, "finished; receipt verified"
-             + ("" if not policy.enabled else f"; work {verification.summary(db, job_id)}"))
+             + ("" if not policy.enabled else f"; work {hooks().work_summary(db, job_id)}"))
 
 
 def finished(db: Database, job: Job, now: int, message: str) -> None:
