@@ -1,11 +1,14 @@
-"""The broker's loops: place queued jobs on live offers, and expire overdue leases."""
+"""The broker's background loops, one task per concern (``LOOPS``): place queued jobs on live
+offers (market/placement), end leases whose heartbeats stopped or that ran past their limits,
+decide the verdicts of spot checks, and collect garbage."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections import defaultdict
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 from gpumarket import kinds
 from gpumarket.broker.checks import verdicts
@@ -20,6 +23,7 @@ from gpumarket.broker.market import placement
 from gpumarket.broker.market import preemption
 from gpumarket.broker.market import providers
 from gpumarket.broker.market.offers import claim_efficiency, offer_view
+from gpumarket.broker.config import BrokerConfig
 from gpumarket.broker.state import BrokerState
 from gpumarket.broker.store import blob_holdings
 from gpumarket.broker.store import call_nonces
@@ -251,21 +255,60 @@ async def collect_garbage(state: BrokerState) -> int:
     return removed
 
 
+async def forget_garbage(state: BrokerState) -> None:
+    """Collect unreferenced blobs and stalled uploads, and forget expired call nonces."""
+    await collect_garbage(state)
+    await state.store.write(call_nonces.forget, now_ms())
+
+
+@dataclass(frozen=True)
+class Loop:
+    """One background concern of the broker: its pass, how often it runs at least, and
+    whether a change a placement depends on (``state.placement``) wakes it sooner."""
+
+    name: str
+    one_pass: Callable[[BrokerState], Awaitable[object]]
+    interval_s: Callable[[BrokerConfig], float]
+    woken: bool = True
+    # The loops that make or end leases take turns, a pass at a time, so that none reads
+    # the devices or leases another is changing (a lease ended here holds its devices only
+    # once its write is done: BrokerState.stop_lease).
+    takes_turns: bool = True
+
+
+LOOPS = (
+    Loop("placement", place_queued, lambda c: c.schedule_interval_s),
+    # Heartbeats heard are written before the leases whose heartbeats stopped are lost.
+    Loop("leases", expire, lambda c: c.schedule_interval_s),
+    Loop("verdicts", verdicts.decide, lambda c: c.schedule_interval_s),
+    Loop("garbage", forget_garbage, lambda c: c.gc_interval_s, woken=False, takes_turns=False),
+)
+
+
 async def run(state: BrokerState) -> None:
-    """Place, expire and collect garbage until cancelled."""
-    last_gc = 0.0
+    """Run each of LOOPS as a task of its own until cancelled."""
+    turns = asyncio.Lock()
+    async with asyncio.TaskGroup() as tasks:
+        for loop in LOOPS:
+            tasks.create_task(repeat(state, loop, turns), name=f"broker {loop.name}")
+
+
+async def repeat(state: BrokerState, loop: Loop, turns: asyncio.Lock) -> None:
+    """Run ``loop``'s pass, then wait for its interval (or a change, if it is woken), until
+    cancelled; a pass that fails is logged and tried again at the next."""
     while True:
         seen = state.placement.seen()
         try:
-            await place_queued(state)
-            await expire(state)
-            await verdicts.decide(state)
-            if time.monotonic() - last_gc >= state.config.gc_interval_s:
-                last_gc = time.monotonic()
-                await collect_garbage(state)
-                await state.store.write(call_nonces.forget, now_ms())
+            if loop.takes_turns:
+                async with turns:
+                    await loop.one_pass(state)
+            else:
+                await loop.one_pass(state)
         except asyncio.CancelledError:
             raise
         except Exception:
-            log.exception("scheduler pass failed; retrying")
-        await state.placement.wait(state.config.schedule_interval_s, since=seen)
+            log.exception("broker %s pass failed; retrying", loop.name)
+        if loop.woken:
+            await state.placement.wait(loop.interval_s(state.config), since=seen)
+        else:
+            await asyncio.sleep(loop.interval_s(state.config))
