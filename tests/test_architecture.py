@@ -227,3 +227,22 @@ def test_no_import_circle_in_the_broker():
     assert circles == [], circles
     # The check finds a circle where there is one.
     assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [{"a", "b", "c"}]
+
+
+JOB_READERS = ("broker/jobs/transitions.py", "broker/jobs/endings.py",
+               "broker/market/scheduler.py", "broker/market/placement.py")
+
+
+def test_the_state_machine_and_the_scheduler_read_a_job_by_attribute():
+    """A job row is read into a typed ``jobs.job.Job`` in one place (``Job.from_row``); the
+    state machine and the scheduler read its fields by name (``job.state``), never by key
+    (``job["state"]``), so that a column renamed or gone fails where the Job is made."""
+    names = {"job", "parent", "p", "part", "failed", "top"}
+    found = []
+    for rel in JOB_READERS:
+        for node in ast.walk(ast.parse((ROOT / rel).read_text())):
+            if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) \
+                    and node.value.id in names and isinstance(node.slice, ast.Constant) \
+                    and isinstance(node.slice.value, str):
+                found.append(f"{rel}:{node.lineno}: {node.value.id}[{node.slice.value!r}]")
+    assert not found, "jobs read by key:\n" + "\n".join(found)
