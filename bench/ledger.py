@@ -35,8 +35,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from gpumarket.broker.jobs import transitions as jobs
+from gpumarket.broker.jobs.job import LeaseTerms
 from gpumarket.broker.market.admission import Needs, NewJob  # noqa: E402
 from gpumarket.broker.money import ledger
+from gpumarket.broker.server import install_reactions  # noqa: E402
 from gpumarket.broker.store import blob_holdings
 from gpumarket.broker.store.store import Store  # noqa: E402
 from gpumarket.proto.v1 import types_pb2 as pb  # noqa: E402
@@ -68,7 +70,8 @@ async def store_figures(n: int) -> dict:
         sign = lambda lease: pb.Envelope(payload=lease.SerializeToString())  # noqa: E731
         for job_id in ("with", "without"):
             await store.write(jobs.submit, _job(job_id), 1)
-            await store.write(jobs.create_lease, job_id, "p", [0], 1.5, 2, 60_000, 1, sign)
+            await store.write(jobs.create_lease, LeaseTerms(job_id, "p", (0,),
+                              1.5, 60_000, 1), 2, sign)
             await store.write(jobs.mark_started, job_id, 1, "p", 3)
         real_settle = ledger.settle
         idle = ledger.Settlement(0, 0, 10**12)
@@ -150,6 +153,7 @@ def main() -> int:
     ap.add_argument("--checkpoints", type=int, default=400)
     ap.add_argument("--jobs", type=int, default=8)
     args = ap.parse_args()
+    install_reactions()     # as the broker does when it starts
     figures = asyncio.run(store_figures(args.checkpoints))
     if args.jobs:
         figures.update(quote_errors(args.jobs))

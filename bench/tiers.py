@@ -68,6 +68,7 @@ from gpumarket.broker.market import providers, scheduler
 from gpumarket.broker.market.admission import Needs, NewJob
 from gpumarket.broker.money import ledger
 from gpumarket.broker.serving import endpoints
+from gpumarket.broker.server import install_reactions
 from gpumarket.broker.state import BrokerState
 from gpumarket.broker.store import blob_holdings
 from gpumarket.broker.store.artifact_store import ArtifactStore
@@ -813,6 +814,7 @@ def main() -> None:
     logging.basicConfig(level=logging.ERROR)     # the broker's own lines: lost leases, ...
     if args.quick:
         args.days, args.drain_days, args.providers = 0.5, 1.0, 12
+    install_reactions()     # as the broker does when it starts
     out = asyncio.run(simulate(args))
     width = max(len(k) for k in out)
     for key, value in out.items():

@@ -19,7 +19,11 @@ from gpumarket.broker.api.artifacts import ArtifactsServicer
 from gpumarket.broker.api.auth import Authenticator
 from gpumarket.broker.api.gateway import ProviderGatewayServicer
 from gpumarket.broker.api.http import BrokerHttp
+from gpumarket.broker.checks import disputes
+from gpumarket.broker.checks import verification
 from gpumarket.broker.config import BrokerConfig
+from gpumarket.broker.jobs import arrays
+from gpumarket.broker.jobs import reactions
 from gpumarket.broker.market import providers
 from gpumarket.broker.market import scheduler
 from gpumarket.broker.serving.autoscaler import Autoscaler
@@ -51,6 +55,19 @@ SERVICES = (
 )
 
 
+def install_reactions() -> None:
+    """What job arrays and spot checks do when a job moves (broker/jobs/reactions.py): set
+    once as the broker starts, so the state machine need not import them."""
+    reactions.install(reactions.Reactions(
+        batch_moved=arrays.follow_batch, batch_tasks=arrays.lease_tasks,
+        array_cancelled=arrays.cancelled, check_leased=verification.lease_scope,
+        checkpoint_stored=verification.checkpoint_stored,
+        receipt_came=verification.choose_final, open_checks=verification.open_checks,
+        work_summary=verification.summary, check_returned=verification.returned,
+        check_requeued=verification.requeued, check_failed=disputes.could_not_run,
+        job_ended=disputes.drop))
+
+
 class BrokerServer:
     def __init__(self, config: BrokerConfig) -> None:
         self.config = config
@@ -63,6 +80,7 @@ class BrokerServer:
 
     async def start(self) -> str:
         cfg = self.config
+        install_reactions()
         limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
         fds = plan(limit if limit > 0 else 1 << 20, cfg.fd_reserve, api=bool(cfg.api),
                    http=bool(cfg.http))

@@ -95,3 +95,12 @@ def store(tmp_path):
     s.open()
     yield s
     s.close()
+
+
+@pytest.fixture(autouse=True, scope="session")
+def broker_reactions():
+    """The state machine's reactions (broker/jobs/reactions.py), installed as the broker
+    installs them when it starts: the domain tests call its transitions directly."""
+    from gpumarket.broker.server import install_reactions
+
+    install_reactions()

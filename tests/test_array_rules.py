@@ -10,6 +10,7 @@ import pytest
 from gpumarket import kinds
 from gpumarket.client import jobfile
 from gpumarket.kinds import arrays
+from gpumarket.broker.jobs.job import LeaseTerms
 from gpumarket.proto.errors import JobFileError
 
 SCRIPT = """
@@ -122,7 +123,7 @@ def test_a_yielded_lease_gives_back_the_tasks_it_did_not_run_without_an_attempt(
 
     async def scenario():
         await w(broker_arrays.submit, array_job(client, "a1", 6, 6), 1)
-        await w(jobs.create_lease, "a1-1", "p1", [0], 1.0, 2, 60_000, 0, sign)
+        await w(jobs.create_lease, LeaseTerms("a1-1", "p1", (0,), 1.0, 60_000, 0), 2, sign)
         await w(jobs.mark_started, "a1-1", 1, "p1", 3)
         ok = [gw.TaskResult(task=t, ok=True) for t in (0, 1)]
         await w(broker_arrays.record_results, "a1-1", 1, "p1", ok, 4)
@@ -139,7 +140,7 @@ def test_a_yielded_lease_gives_back_the_tasks_it_did_not_run_without_an_attempt(
                                    3: f"{Q}:0:a1-2", 4: f"{Q}:0:a1-2", 5: f"{Q}:0:a1-2"}
         # The new lease runs them; asked to yield, then lost (its batch's one attempt):
         # the tasks it did not report go back once more, still without an attempt.
-        await w(jobs.create_lease, "a1-2", "p2", [0], 1.0, 8, 60_000, 0, sign)
+        await w(jobs.create_lease, LeaseTerms("a1-2", "p2", (0,), 1.0, 60_000, 0), 8, sign)
         await w(jobs.mark_started, "a1-2", 1, "p2", 9)
         assert await w(broker_arrays.yield_lease, "a1-2", 1, 10) == 3
         assert await w(endings.lose_lease, "a1-2.1", "missed heartbeats", 11)

@@ -10,6 +10,7 @@ import pytest
 
 from gpumarket.broker.jobs import endings
 from gpumarket.broker.jobs import transitions as jobs
+from gpumarket.broker.jobs.job import LeaseTerms
 from gpumarket.broker.jobs import views
 from gpumarket.broker.market import providers
 from gpumarket.broker.market.admission import Needs, NewJob
@@ -43,7 +44,7 @@ def test_lifecycle_and_epochs(store):
         with pytest.raises(Replay):
             await w(jobs.submit, new_job(client, job_id="j2"), 2)
         sign = lambda lease: seal(broker, lease)  # noqa: E731
-        await w(jobs.create_lease, "j1", "p1", [0], 1.0, 3, 60_000, 10, sign)
+        await w(jobs.create_lease, LeaseTerms("j1", "p1", (0,), 1.0, 60_000, 10), 3, sign)
         await w(jobs.mark_started, "j1", 1, "p1", 4)
         # p2 does not hold the lease
         with pytest.raises(FailedPrecondition):
@@ -53,7 +54,7 @@ def test_lifecycle_and_epochs(store):
         assert await w(endings.lose_lease, "j1.1", "missed heartbeats", 6)
         with pytest.raises(FailedPrecondition, match="stale"):
             await w(jobs.record_progress, "j1", 1, "p1", pb.Progress(step=2, total=2), 7)
-        await w(jobs.create_lease, "j1", "p2", [0], 1.0, 8, 60_000, 10, sign)
+        await w(jobs.create_lease, LeaseTerms("j1", "p2", (0,), 1.0, 60_000, 10), 8, sign)
         assert await w(providers.renew_leases, "p1", [("j1", 1)], 9) == [("j1", 1)]
         assert await w(providers.renew_leases, "p2", [("j1", 2)], 9) == []
         # losing the second lease exceeds max_attempts=2: the job fails
@@ -76,8 +77,8 @@ def test_cancel_is_the_owners_alone(store):
 
     async def scenario():
         await store.write(jobs.submit, new_job(client), 1)
-        await store.write(jobs.create_lease, "j1", "p1", [0], 1.0, 2, 60_000, 10,
-                          lambda lease: seal(broker, lease))
+        await store.write(jobs.create_lease, LeaseTerms("j1", "p1", (0,),
+                          1.0, 60_000, 10), 2, lambda lease: seal(broker, lease))
         # another client's job answers as a job that does not exist
         with pytest.raises(NotFound, match="^no job 'j1'$"):
             await store.write(endings.cancel, "j1", other.id, 3)
@@ -146,8 +147,8 @@ def test_busy_devices_view(store):
 
     async def scenario():
         await store.write(jobs.submit, new_job(client), 1)
-        await store.write(jobs.create_lease, "j1", "p1", [1, 3], 1.0, 2, 60_000, 10,
-                          lambda lease: seal(broker, lease))
+        await store.write(jobs.create_lease, LeaseTerms("j1", "p1", (1, 3),
+                          1.0, 60_000, 10), 2, lambda lease: seal(broker, lease))
         assert await store.read(views.busy_devices) == {"p1": {1, 3}}
         row = await store.read(jobs.job_row, "j1")
         assert json.loads(row["progress_metrics"]) == {}
@@ -182,7 +183,7 @@ def test_a_split_job_follows_its_parts(store):
         await w(jobs.submit, dataclasses.replace(new_job(client), part_sizes=(3, 3)), 1)
         queued = [r["id"] for r in await store.read(views.queued_jobs, 10)]
         assert queued == ["j1-1", "j1-2"]                   # the parent is not leasable
-        lease = await w(jobs.create_lease, "j1-1", "p1", [0], 1.0, 2, 60_000, 10, sign)
+        lease = await w(jobs.create_lease, LeaseTerms("j1-1", "p1", (0,), 1.0, 60_000, 10), 2, sign)
         assert pb.Lease.FromString(lease.payload).part == 1
         assert pb.Lease.FromString(lease.payload).parts == 2
         await w(jobs.mark_started, "j1-1", 1, "p1", 3)
@@ -193,12 +194,12 @@ def test_a_split_job_follows_its_parts(store):
         job = await store.read(views.get_job, "j1")
         assert (job.progress.step, job.progress.total) == (2, 6)
         assert await store.read(views.busy_siblings, "j1") == {"p1"}
-        await w(jobs.create_lease, "j1-2", "p2", [0], 1.0, 5, 60_000, 10, sign)
+        await w(jobs.create_lease, LeaseTerms("j1-2", "p2", (0,), 1.0, 60_000, 10), 5, sign)
         await w(endings.fail, "j1-2", 1, "p2", "scene: Blender cannot open it", 6)
         job = await store.read(views.get_job, "j1")    # one provider's word: tried again
         assert job.state == pb.JOB_STATE_RUNNING
         assert (job.parts[1].state, job.parts[1].attempt) == (pb.JOB_STATE_QUEUED, 2)
-        await w(jobs.create_lease, "j1-2", "p3", [0], 1.0, 6, 60_000, 10, sign)
+        await w(jobs.create_lease, LeaseTerms("j1-2", "p3", (0,), 1.0, 60_000, 10), 6, sign)
         await w(endings.fail, "j1-2", 2, "p3", "scene: Blender cannot open it", 6)
         job = await store.read(views.get_job, "j1")
         assert job.state == pb.JOB_STATE_FAILED
@@ -212,7 +213,7 @@ def test_a_split_job_follows_its_parts(store):
 
         await w(jobs.submit, dataclasses.replace(new_job(client, "j2", "11" * 16),
                                                  part_sizes=(1, 1, 1)), 8)
-        await w(jobs.create_lease, "j2-3", "p1", [0], 1.0, 9, 60_000, 10, sign)
+        await w(jobs.create_lease, LeaseTerms("j2-3", "p1", (0,), 1.0, 60_000, 10), 9, sign)
         state, ended = await w(endings.cancel, "j2", client.id, 10)
         assert state == pb.JOB_STATE_CANCELLED and ended == [jobs.EndedLease("j2-3", 1, "p1")]
         job = await store.read(views.get_job, "j2")
@@ -281,8 +282,8 @@ def test_heartbeats_are_noted_in_memory_and_written_before_leases_expire(store, 
         for pid in ("p1", "p2"):
             await w(providers.online, pid, b"key", 1)
         await w(jobs.submit, new_job(client), 1)
-        await w(jobs.create_lease, "j1", "p1", [0], 1.0, 2, 60_000, 10,
-                lambda lease: seal(broker, lease))
+        await w(jobs.create_lease, LeaseTerms("j1", "p1", (0,),
+                1.0, 60_000, 10), 2, lambda lease: seal(broker, lease))
         old = now_ms() - 60_000            # the lease's last renewal in the database
         await w(lambda db: db.execute("UPDATE leases SET renewed_at_ms = ?", [old]))
         groups = store.groups
@@ -334,8 +335,8 @@ def test_a_lost_lease_holds_its_devices_until_its_provider_stops_it(store, tmp_p
         w = store.write
         await w(providers.online, "p1", b"key", 1)
         await w(jobs.submit, new_job(client, max_attempts=5), 1)
-        await w(jobs.create_lease, "j1", "p1", [0], 1.0, 2, 60_000, 10,
-                lambda lease: seal(broker, lease))
+        await w(jobs.create_lease, LeaseTerms("j1", "p1", (0,),
+                1.0, 60_000, 10), 2, lambda lease: seal(broker, lease))
         state.liveness.heard("p1", [("j1", 1)], now_ms() - 60_000)
         await w(lambda db: db.execute("UPDATE leases SET renewed_at_ms = ?",
                                       [now_ms() - 60_000]))

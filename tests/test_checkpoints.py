@@ -14,6 +14,7 @@ import torch
 
 from gpumarket.broker.jobs import endings
 from gpumarket.broker.jobs import transitions as jobs
+from gpumarket.broker.jobs.job import LeaseTerms
 from gpumarket.broker.market import reliability
 from gpumarket.broker.store import blob_holdings
 from gpumarket.broker.store.store import Store
@@ -111,8 +112,8 @@ def test_broker_records_only_checkpoints_uploaded_intact(tmp_path):
 
     async def scenario():
         await store.write(jobs.submit, new_job(client), 1)
-        await store.write(jobs.create_lease, "j1", "p1", [0], 1.0, 2, 60_000, 0,
-                          lambda lease: seal(broker, lease))
+        await store.write(jobs.create_lease, LeaseTerms("j1", "p1", (0,),
+                          1.0, 60_000, 0), 2, lambda lease: seal(broker, lease))
         ref = pb.ArtifactRef(name="checkpoint.tar", sha256=sha, size_bytes=len(data))
         with pytest.raises(InvalidArgument, match="not uploaded intact"):
             await store.write(jobs.record_checkpoint, "j1", 1, "p1", 10, ref, 0.1, 3)
@@ -128,8 +129,8 @@ def test_broker_records_only_checkpoints_uploaded_intact(tmp_path):
         assert await store.write(jobs.record_checkpoint, "j1", 1, "p1", 10, ref, 0.1, 3)
         assert not await store.write(jobs.record_checkpoint, "j1", 1, "p1", 5, ref, 0.1, 4)
         await store.write(endings.lose_lease, "j1.1", "missed heartbeats", 5)
-        envelope = await store.write(jobs.create_lease, "j1", "p2", [0], 1.0, 6, 60_000, 0,
-                                     lambda lease: seal(broker, lease))
+        envelope = await store.write(jobs.create_lease, LeaseTerms("j1", "p2", (0,),
+                                     1.0, 60_000, 0), 6, lambda lease: seal(broker, lease))
         lease = pb.Lease.FromString(envelope.payload)
         assert lease.resume_from.sha256 == sha and lease.attempt == 2 and lease.epoch == 2
 

@@ -14,6 +14,7 @@ import pytest
 from gpumarket.broker.api.gateway import ProviderGatewayServicer
 from gpumarket.broker.jobs import endings
 from gpumarket.broker.jobs import transitions as jobs
+from gpumarket.broker.jobs.job import LeaseTerms
 from gpumarket.broker.jobs import views
 from gpumarket.broker.market import reliability
 from gpumarket.broker.money import ledger
@@ -146,7 +147,7 @@ def test_a_failed_check_job_still_means_the_replay_could_not_run(w):
 
 def replica_lease(w: World, replica: str, provider: str) -> int:
     w.now += 1000
-    w.write(jobs.create_lease, replica, provider, [0], 1.0, w.now, 60_000, 0, sign)
+    w.write(jobs.create_lease, LeaseTerms(replica, provider, (0,), 1.0, 60_000, 0), w.now, sign)
     epoch = w.job(replica)["epoch"]
     w.write(jobs.mark_started, replica, epoch, provider, w.now)
     return epoch

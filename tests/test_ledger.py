@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from gpumarket.broker.jobs import endings
 from gpumarket.broker.jobs import transitions as jobs
+from gpumarket.broker.jobs.job import LeaseTerms
 from gpumarket.broker.market.admission import Needs, NewJob
 from gpumarket.broker.money import ledger
 from gpumarket.broker.store.schema import migrations
@@ -66,7 +67,7 @@ def running(w, job_id: str = "j", hold: int = 500_000, *, credit: int = 10**6,
     ``started_ms``."""
     w.write(ledger.credit, "ca", credit, "client", "", "op", f"k-{job_id}", 1)
     w.write(jobs.submit, job or new_job(job_id, "ca", hold, True, price=max(price, 1.0)), 2)
-    w.write(jobs.create_lease, job_id, "pa", [0], price, 3, 60_000, EVERY, sign)
+    w.write(jobs.create_lease, LeaseTerms(job_id, "pa", (0,), price, 60_000, EVERY), 3, sign)
     w.write(jobs.mark_started, job_id, 1, "pa", started_ms)
 
 
@@ -122,8 +123,8 @@ def apply(w: World, op: tuple, crash: bool) -> None:
         return
     elif name == "lease":
         p = PROVIDERS[b % 3]
-        w.write(jobs.create_lease, job_id, p, [0], PRICES[p], w.now, 60_000, EVERY, sign,
-                crash=crash)
+        w.write(jobs.create_lease, LeaseTerms(job_id, p, (0,), PRICES[p], 60_000, EVERY), w.now,
+                sign, crash=crash)
     elif name in ("start", "checkpoint", "succeed", "fail", "lose", "exhaust"):
         lease = w.active_lease(job_id)
         if lease is None:
@@ -307,7 +308,7 @@ def test_a_spent_hold_pauses_at_a_checkpoint_and_a_top_up_resumes(tmp_path):
     lease = w.db.execute("SELECT state FROM leases WHERE id = 'j.1'").fetchone()
     assert lease == ("paused",)
     assert w.write(jobs.top_up, "j", "ca", 500_000, 400_000) == jobs.QUEUED
-    w.write(jobs.create_lease, "j", "pb", [0], 1.0, 400_001, 60_000, EVERY, sign)
+    w.write(jobs.create_lease, LeaseTerms("j", "pb", (0,), 1.0, 60_000, EVERY), 400_001, sign)
     assert w.db.execute("SELECT start_step FROM leases WHERE id = 'j.2'").fetchone() == (10,)
     assert w.job("j")["attempt"] == 1        # a pause is not a failed attempt
     assert ledger.audit(w.db) == []
@@ -387,7 +388,7 @@ def test_a_running_lease_stops_where_its_hold_ends_and_a_token_top_up_does_not_r
     w = World(tmp_path / "b.db")
     w.write(ledger.credit, "ca", 10**6, "client", "", "op", "k1", 1)
     w.write(jobs.submit, new_job("j", "ca", 1, True), 2)
-    w.write(jobs.create_lease, "j", "pa", [0], 1.0, 3, 60_000, EVERY, sign)
+    w.write(jobs.create_lease, LeaseTerms("j", "pa", (0,), 1.0, 60_000, EVERY), 3, sign)
     assert w.write(jobs.exhaust, "j.1", 3_600_000) is None     # not started: costs nothing
     w.write(jobs.mark_started, "j", 1, "pa", 3_600_000)
     assert w.write(jobs.exhaust, "j.1", 3_600_001) is None     # 1 ms < 1 unit: still covered
@@ -405,7 +406,7 @@ def test_a_cancelled_job_pays_its_running_lease_and_nothing_before_it_started(tm
     w = World(tmp_path / "b.db")
     w.write(ledger.credit, "ca", 10**7, "client", "", "op", "k1", 1)
     w.write(jobs.submit, new_job("c", "ca", 2_000_000, True), 2)
-    w.write(jobs.create_lease, "c", "pa", [0], 1.0, 10, 60_000, EVERY, sign)
+    w.write(jobs.create_lease, LeaseTerms("c", "pa", (0,), 1.0, 60_000, EVERY), 10, sign)
     w.write(jobs.mark_started, "c", 1, "pa", 3_600_010)   # an hour after the lease
     w.write(endings.cancel, "c", "ca", 5_400_010)
     # Half an hour of running at 1 credit/h is paid; the hour before "started" is not.
@@ -422,7 +423,7 @@ def test_a_failed_attempt_is_not_paid_past_its_last_checkpoint(tmp_path):
     w = World(tmp_path / "b.db")
     w.write(ledger.credit, "ca", 10**7, "client", "", "op", "k1", 1)
     w.write(jobs.submit, new_job("f", "ca", 2_000_000, True), 2)
-    w.write(jobs.create_lease, "f", "pa", [0], 1.0, 10, 60_000, EVERY, sign)
+    w.write(jobs.create_lease, LeaseTerms("f", "pa", (0,), 1.0, 60_000, EVERY), 10, sign)
     w.write(jobs.mark_started, "f", 1, "pa", 3_600_010)
     w.write(jobs.record_progress, "f", 1, "pa", pb.Progress(step=10, total=STEPS), 5_400_010)
     w.write(jobs.record_checkpoint, "f", 1, "pa", 10, w.write(artifact, "pa", 10, 5_400_010),
@@ -483,7 +484,7 @@ def test_the_parts_of_a_split_job_draw_on_one_hold(tmp_path):
     w.write(jobs.submit, NewJob(**{**new_job("j", "ca", 100_000, True).__dict__,
                                    "part_sizes": (5, 5)}), 2)
     for part, p in (("j-1", "pa"), ("j-2", "pb")):
-        w.write(jobs.create_lease, part, p, [0], 1.0, 3, 60_000, EVERY, sign)
+        w.write(jobs.create_lease, LeaseTerms(part, p, (0,), 1.0, 60_000, EVERY), 3, sign)
         w.write(jobs.mark_started, part, 1, p, 0)
     # 100,000 units are 360 s of one device at 1 credit/h: two parts spend it in 180 s.
     assert views.leases_over_hold(w.db, 179_000) == []

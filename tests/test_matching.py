@@ -16,7 +16,7 @@ from gpumarket.broker.market import matcher
 from gpumarket.broker.market import model_size
 from gpumarket.broker.market import reliability
 from gpumarket.broker.market.matcher import Book, JobNeeds, OfferView, Policy, Window
-from gpumarket.broker.market.scheduler import fair_order
+from gpumarket.broker.market.placement import fair_order
 from gpumarket.proto.v1 import types_pb2 as pb
 
 CPU, CUDA, ANY = pb.ACCELERATOR_CPU, pb.ACCELERATOR_CUDA, pb.ACCELERATOR_UNSPECIFIED

@@ -18,6 +18,7 @@ from datetime import datetime
 import pytest
 
 from gpumarket.broker.jobs import transitions as jobs
+from gpumarket.broker.jobs.job import LeaseTerms
 from gpumarket.broker.jobs import views
 from gpumarket.broker.market import providers
 from gpumarket.proto.envelope import seal
@@ -260,8 +261,8 @@ def test_a_restarted_broker_waits_for_each_provider_as_long_as_it_said(store):
         for n, (pid, ms) in enumerate(said.items(), 1):
             await w(providers.online, pid, b"key", 1, ms)
             await w(jobs.submit, new_job(client, f"j{n}", nonce=f"{n:032x}"), 1)
-            await w(jobs.create_lease, f"j{n}", pid, [0], 1.0, 2, 60_000, 10,
-                    lambda lease: seal(broker, lease))
+            await w(jobs.create_lease, LeaseTerms(f"j{n}", pid, (0,),
+                    1.0, 60_000, 10), 2, lambda lease: seal(broker, lease))
         stored = await store.read(lambda db: dict(db.execute(
             "SELECT id, reconnect_within_ms FROM providers").fetchall()))
         await w(providers.after_restart)
@@ -293,8 +294,8 @@ def test_the_first_heartbeat_after_a_restart_brings_a_lease_back_to_the_usual_ti
         w = store.write
         await w(providers.online, "p1", b"key", 1, 36_000)
         await w(jobs.submit, new_job(client), 1)
-        await w(jobs.create_lease, "j1", "p1", [0], 1.0, 2, 60_000, 10,
-                lambda lease: seal(broker, lease))
+        await w(jobs.create_lease, LeaseTerms("j1", "p1", (0,),
+                1.0, 60_000, 10), 2, lambda lease: seal(broker, lease))
         await w(providers.renew_all_leases, 10**12, 15_000)
         await w(providers.heartbeats, {"p1": 10**12 + 2_000}, {"p1": [("j1", 1)]})
         return await store.read(views.overdue_leases, 10**12 + 2_000 + 1)

@@ -17,6 +17,7 @@ from gpumarket import kinds
 from gpumarket.broker.api.sessions import CHUNKS_PER_S, ProviderSession
 from gpumarket.broker.jobs import endings
 from gpumarket.broker.jobs import transitions as jobs
+from gpumarket.broker.jobs.job import LeaseTerms
 from gpumarket.broker.jobs import views
 from gpumarket.broker.market.admission import Needs, NewJob
 from gpumarket.broker.metrics import BrokerMetrics
@@ -149,8 +150,8 @@ def endpoint_job(min_replicas: int, max_replicas: int, hold: int = 0,
 
 
 def lease(db, job_id: str, provider: str, now: int) -> None:
-    jobs.create_lease(db, job_id, provider, [0], 1.0, now, 60_000, 0,
-                      lambda lease_: seal(BROKER, lease_))
+    jobs.create_lease(db, LeaseTerms(job_id, provider, (0,),
+                      1.0, 60_000, 0), now, lambda lease_: seal(BROKER, lease_))
     jobs.mark_started(db, job_id, jobs.job_row(db, job_id)["epoch"], provider, now)
 
 

@@ -14,6 +14,7 @@ from gpumarket import kinds
 from gpumarket.broker.jobs import preemption as rows
 from gpumarket.broker.jobs import endings
 from gpumarket.broker.jobs import transitions as jobs
+from gpumarket.broker.jobs.job import LeaseTerms
 from gpumarket.broker.jobs import views
 from gpumarket.broker.market import matcher, preemption
 from gpumarket.broker.market.matcher import Book, JobNeeds, OfferView
@@ -124,7 +125,7 @@ def submit(w: World, job_id: str, tier: str, max_attempts: int = 5) -> None:
 
 def run_on(w: World, job_id: str, provider: str, price: float) -> int:
     w.now += 1000
-    w.write(jobs.create_lease, job_id, provider, [0], price, w.now, 60_000, 10, sign)
+    w.write(jobs.create_lease, LeaseTerms(job_id, provider, (0,), price, 60_000, 10), w.now, sign)
     epoch = w.job(job_id)["epoch"]
     w.write(jobs.mark_started, job_id, epoch, provider, w.now)
     return epoch
@@ -219,7 +220,7 @@ def test_a_lease_that_does_not_yield_in_its_grace_ends_preempted_all_the_same(tm
         job = new_job("i", "ca", 20_000_000, True)
         await store.write(jobs.submit, dataclasses.replace(
             job, needs=dataclasses.replace(job.needs, tier="interruptible")), 1)
-        await store.write(jobs.create_lease, "i", "p1", [0], 0.4, 2, 60_000, 10, sign)
+        await store.write(jobs.create_lease, LeaseTerms("i", "p1", (0,), 0.4, 60_000, 10), 2, sign)
         from gpumarket.proto.jobspec import now_ms
         at = now_ms()
         await store.write(rows.preempt, "i.1", "s", "standard", 60, at - 70_000)
@@ -258,8 +259,8 @@ def test_the_scheduler_preempts_for_a_waiting_standard_job_once(tmp_path):
             job = new_job(job_id, "ca", 20_000_000, True)
             await store.write(jobs.submit, dataclasses.replace(
                 job, needs=dataclasses.replace(job.needs, tier=tier)), 1)
-        await store.write(jobs.create_lease, "t", "p2", [0], 1.0, 2, 60_000, 10, sign)
-        await store.write(jobs.create_lease, "i", "p1", [0], 0.4, 2, 60_000, 10, sign)
+        await store.write(jobs.create_lease, LeaseTerms("t", "p2", (0,), 1.0, 60_000, 10), 2, sign)
+        await store.write(jobs.create_lease, LeaseTerms("i", "p1", (0,), 0.4, 60_000, 10), 2, sign)
         book = Book([offer("p1", busy=frozenset({0})), offer("p2", busy=frozenset({0}))])
         waiting = [needs("s", "standard"), needs("x", "interruptible")]
         assert await preemption.preempt_for_waiting(state, book, waiting) == 1
@@ -390,8 +391,8 @@ def test_the_scheduler_promotes_an_interruptible_job_near_its_deadline(tmp_path)
             await store.write(jobs.submit, dataclasses.replace(job, needs=dataclasses.replace(
                 job.needs, tier="interruptible", deadline_s=deadline, work_flops=1e12)),
                 now_ms())
-        await store.write(jobs.create_lease, "late", "p1", [0], 0.4, now_ms(), 60_000, 10,
-                          sign)
+        await store.write(jobs.create_lease, LeaseTerms("late", "p1", (0,),
+                          0.4, 60_000, 10), now_ms(), sign)
         book = Book([dataclasses.replace(offer("p1"), claimed_flops=1e9, flops=1e9)])
         assert await deadlines.promote_due(state, book) == 1
         assert await deadlines.promote_due(state, book) == 0      # once
@@ -446,8 +447,8 @@ def test_a_leased_job_is_timed_on_the_provider_running_it(tmp_path):
                                          flops=1e9),
                      dataclasses.replace(offer("p2"), claimed_flops=1e11, flops=1e11)])
         assert await deadlines.promote_due(state, book) == 0     # queued: p2 has the time
-        await store.write(jobs.create_lease, "slow", "p1", [0], 0.4, now_ms(), 60_000, 10,
-                          sign)
+        await store.write(jobs.create_lease, LeaseTerms("slow", "p1", (0,),
+                          0.4, 60_000, 10), now_ms(), sign)
         assert await deadlines.promote_due(state, book) == 1     # leased to p1: it has not
         assert '"tier": "standard"' in (await store.read(jobs.job_row, "slow"))["needs"]
 

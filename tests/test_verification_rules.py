@@ -11,6 +11,7 @@ from gpumarket.broker.checks import disputes
 from gpumarket.broker.checks import verification
 from gpumarket.broker.jobs import endings
 from gpumarket.broker.jobs import transitions as jobs
+from gpumarket.broker.jobs.job import LeaseTerms
 from gpumarket.broker.money import ledger
 from gpumarket.proto.v1 import types_pb2 as pb
 from tests.test_ledger import World, artifact, new_job, sign
@@ -41,7 +42,7 @@ def w(tmp_path):
 def start(w: World, job_id: str, provider: str, price: float = 1.0) -> int:
     """Lease the queued job (or check) to ``provider`` and start it; return the epoch."""
     w.now += 1000
-    w.write(jobs.create_lease, job_id, provider, [0], price, w.now, 60_000, 10, sign)
+    w.write(jobs.create_lease, LeaseTerms(job_id, provider, (0,), price, 60_000, 10), w.now, sign)
     epoch = w.job(job_id)["epoch"]
     w.write(jobs.mark_started, job_id, epoch, provider, w.now)
     return epoch
@@ -354,20 +355,10 @@ def test_a_tie_break_goes_only_to_the_trusted_checkers_and_every_check_is_drawn(
     """Issue 34: with `trusted_checkers`, only a referee the operator named may run a
     tie-break (two keys of one person cannot be checker and tie-breaker); every check's
     provider is drawn (matcher.Book.drawn), not the cheapest."""
-    import asyncio
-
-    from gpumarket.broker.config import BrokerConfig
-    from gpumarket.broker.market import scheduler
+    from gpumarket.broker.market import placement
     from gpumarket.broker.market.matcher import Book, JobNeeds, OfferView, Policy
 
-    class Store:
-        async def read(self, fn, *args):
-            return fn(w.db, *args)
-
-    class State:
-        store = Store()
-        config = BrokerConfig(data_dir=tmp_path, trusted_checkers=("ref",))
-
+    trusted = frozenset({"ref"})
     w.write(jobs.submit, new_job("j", "ca", 500_000, True), w.now)
     start(w, "j", "h1")
     checkpoint(w, "j", "h1", 10, CHECK)
@@ -381,13 +372,13 @@ def test_a_tie_break_goes_only_to_the_trusted_checkers_and_every_check_is_drawn(
                            frozenset(), 0) for pid in ("h1", "h2", "h3", "ref")])
     base = JobNeeds(tiebreak, pb.JOB_KIND_TRAINING, 1, 0, cpu, 10.0,
                     exclude=verification.excluded(w.db, tiebreak))
-    needs = asyncio.run(scheduler.check_needs(State(), book, tiebreak, base))
+    needs = placement.check_needs(w.db, book, tiebreak, base, trusted)
     assert needs.exclude == {"h1", "h2", "h3"} and needs.draw is not None
     placed, _ = book.place(needs)
     assert placed.provider_id == "ref"
     # A first check is drawn among all that fit, referees or not.
-    needs = asyncio.run(scheduler.check_needs(State(), book, first, dataclasses.replace(
-        base, job_id=first, exclude=frozenset({"h1"}))))
+    needs = placement.check_needs(w.db, book, first, dataclasses.replace(
+        base, job_id=first, exclude=frozenset({"h1"})), trusted)
     assert needs.exclude == {"h1"} and 0 <= needs.draw < 1
 
 

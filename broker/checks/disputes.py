@@ -14,7 +14,9 @@ from dataclasses import dataclass
 from sqlite_utils import Database
 
 from gpumarket.broker.checks import verification
+from gpumarket.broker.jobs import transitions as jobs
 from gpumarket.broker.money import ledger
+from gpumarket.broker.market import providers
 from gpumarket.broker.store import blob_holdings
 from gpumarket.proto.v1 import types_pb2 as pb
 
@@ -135,8 +137,6 @@ def _unresolved(db: Database, c: dict, first: dict, detail: str, now: int,
 
 
 def _job(db: Database, job_id: str) -> dict:
-    from gpumarket.broker.jobs import transitions as jobs
-
     return jobs.job_row(db, job_id)
 
 
@@ -173,8 +173,6 @@ def _still_checked(db: Database, seq: int) -> bool:
 
 def finish_if_checked(db: Database, job_id: str, now: int) -> None:
     """A job VERIFYING whose last check ended succeeds now."""
-    from gpumarket.broker.jobs import transitions as jobs
-
     job = jobs.job_row(db, job_id)
     if job["state"] != verification.VERIFYING or verification.open_checks(db, job_id):
         return
@@ -277,8 +275,6 @@ def _tainted(db: Database, job: dict, clean_step: int) -> bool:
 
 
 def _maybe_ban(db: Database, provider_id: str, ban_after: int, now: int) -> tuple[str, ...]:
-    from gpumarket.broker.market import providers
-
     fails = db.execute("SELECT count(*) FROM checks WHERE liar = ?", [provider_id]).fetchone()[0]
     if fails < ban_after:
         return ()
@@ -360,8 +356,6 @@ def rewind(db: Database, job: dict, step: int, start: dict | None, why: str,
     """A check found work on the job wrong from ``step`` on: stop whoever runs it now, drop
     its result if it had one, and queue it again from the checkpoint at ``step`` (``start``;
     None: from the beginning). Returns the leases to stop."""
-    from gpumarket.broker.jobs import transitions as jobs
-
     stop = []
     if job["state"] in jobs.ACTIVE_STATES and job["lease_id"]:
         lease = jobs.lease_row(db, job["lease_id"])
@@ -387,8 +381,6 @@ def rewind(db: Database, job: dict, step: int, start: dict | None, why: str,
 def end_check_job(db: Database, check_id: str, why: str, now: int
                   ) -> list[tuple[str, int, str]]:
     """Stop a check's job row (its checker paid up to now); the leases to stop."""
-    from gpumarket.broker.jobs import transitions as jobs
-
     job = jobs.job_row(db, check_id)
     stop = []
     if job["state"] in jobs.ACTIVE_STATES and job["lease_id"]:

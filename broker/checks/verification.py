@@ -18,11 +18,12 @@ job's ``verify_rate`` raises it.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 
 from sqlite_utils import Database
 
 from gpumarket import kinds
+from gpumarket.broker.checks.policy import BAN_AFTER, OFF, Policy  # noqa: F401 (its callers')
+from gpumarket.broker.jobs import transitions as jobs
 from gpumarket.broker.money import ledger
 from gpumarket.broker.store import blob_holdings
 from gpumarket.proto.errors import InvalidArgument
@@ -30,33 +31,10 @@ from gpumarket.proto.v1 import types_pb2 as pb
 
 FLOOR = 0.05          # the rate of a provider with a long clean record
 WARMUP = 20           # checks a provider must pass in a row before its rate falls below 1
-BAN_AFTER = 2         # failed checks (since its last ban was lifted) that ban a provider
 OPEN = ("queued", "running", "returned", "disagreed")
 
 QUEUED = pb.JOB_STATE_QUEUED
 VERIFYING = pb.JOB_STATE_VERIFYING
-
-
-@dataclass(frozen=True)
-class Policy:
-    """What the caller knows that the transaction cannot: whether checks are on, the device
-    classes (Accelerator) of the other providers online (a check runs on the same class as the
-    work it checks), and a uniform draw in [0, 1) (from a source the providers cannot
-    predict) that decides whether this segment is checked."""
-
-    enabled: bool = False
-    others_online: frozenset[int] = frozenset()
-    draw: float = 1.0
-    ban_after: int = BAN_AFTER
-
-    def can_check(self, accelerator: int) -> bool:
-        """Whether a provider that could replay work done on this device class is online
-        (a lease of no recorded class: any other provider)."""
-        return accelerator in self.others_online or (not accelerator and bool(
-            self.others_online))
-
-
-OFF = Policy()
 
 
 def rate(streak: int) -> float:
@@ -170,8 +148,6 @@ def choose_final(db: Database, policy: Policy, job: dict, lease: dict, total: in
 def queue(db: Database, job: dict, provider_id: str, lease_id: str, seq: int | None,
            step_from: int, step_to: int, start: dict | None, expect: dict, scope: dict,
            role: str, first: str | None, now: int, paid_by: str | None = None) -> str:
-    from gpumarket.broker.jobs import transitions as jobs
-
     check_id = _new_id(db, job["id"])
     top = job["parent_id"] or job["id"]
     db["checks"].insert({
@@ -216,8 +192,6 @@ def what(step_from: int, step_to: int, scope: dict) -> str:
 
 
 def note(db: Database, job: dict, message: str, now: int) -> None:
-    from gpumarket.broker.jobs import transitions as jobs
-
     state = db.execute("SELECT state, attempt FROM jobs WHERE id = ?", [job["id"]]).fetchone()
     jobs.append_event(db, job["id"], "check", state[0], state[1], now, message=message,
                       mirror=False)
@@ -269,6 +243,23 @@ def excluded(db: Database, job_id: str) -> frozenset[str]:
 def leased(db: Database, check_id: str, provider_id: str, now: int) -> None:
     db.execute("UPDATE checks SET checker_id = ?, state = 'running' WHERE id = ? AND state IN"
                " ('queued', 'running')", [provider_id, check_id])
+
+
+def lease_scope(db: Database, check_id: str, provider_id: str, now: int
+                ) -> pb.CheckScope | None:
+    """A check's job row is leased (a reaction, jobs/reactions.py): the check runs on
+    ``provider_id``; returns what the lease says it replays (``scope_of``)."""
+    scope = scope_of(db, check_id)
+    leased(db, check_id, provider_id, now)
+    return scope
+
+
+def checkpoint_stored(db: Database, policy: Policy, job: dict, lease: dict, step: int,
+                      ref: dict, now: int) -> None:
+    """A lease's checkpoint at ``step`` was stored (a reaction, jobs/reactions.py): keep it
+    in the job's history, and perhaps check the segment it ends."""
+    remember(db, job, lease, step, ref)
+    choose_segment(db, policy, job, lease, step, ref, now)
 
 
 def requeued(db: Database, check_id: str) -> None:

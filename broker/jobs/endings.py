@@ -9,11 +9,9 @@ from __future__ import annotations
 
 from sqlite_utils import Database
 
-from gpumarket import kinds
-from gpumarket.broker.checks import disputes
-from gpumarket.broker.checks import verification
-from gpumarket.broker.jobs import arrays
 from gpumarket.broker.jobs import transitions as jobs
+from gpumarket.broker.jobs.job import Job
+from gpumarket.broker.jobs.reactions import hooks
 from gpumarket.proto.jobspec import TERMINAL_STATES
 
 FAIL_QUORUM = 2     # distinct providers whose reports that a job ran and failed fail it
@@ -32,7 +30,7 @@ def fail(db: Database, job_id: str, epoch: int, provider_id: str, error: str, no
     could not run (disputes.could_not_run)."""
     job, lease = jobs.current(db, job_id, epoch, provider_id)
     jobs.end_lease(db, lease["id"], "failed" if job_ran else "lost", error, now)
-    if job["check_of"]:
+    if job.check_of:
         _give_up(db, job, provider_id, error, now)
         return
     said = (f"{provider_id} reports it failed: {error}" if job_ran
@@ -44,8 +42,8 @@ def fail(db: Database, job_id: str, epoch: int, provider_id: str, error: str, no
                    [job_id])
         _give_up(db, job, provider_id, f"failed on {len(reports)} providers: "
                  + each_error(reports), now, tail)
-    elif job["attempt"] >= job["max_attempts"]:
-        _give_up(db, job, provider_id, f"gave up after {job['attempt']} attempts; last: {said}",
+    elif job.attempt >= job.max_attempts:
+        _give_up(db, job, provider_id, f"gave up after {job.attempt} attempts; last: {said}",
                  now, tail)
     else:
         _requeue(db, job, provider_id, said, now, tail)
@@ -69,33 +67,33 @@ def each_error(reports: dict[str, str], limit: int = 2000) -> str:
     return text if len(text) <= limit else text[:limit - 1] + "…"
 
 
-def _give_up(db: Database, job: dict, provider_id: str, error: str, now: int,
+def _give_up(db: Database, job: Job, provider_id: str, error: str, now: int,
              tail: str = "") -> None:
     """The job fails for good (its failed event says ``error``, then ``tail``)."""
-    jobs.set_job(db, job["id"], now, state=jobs.FAILED, error=error)
-    jobs.drop_checkpoints(db, job["id"])
-    jobs.append_event(db, job["id"], "failed", jobs.FAILED, job["attempt"], now,
+    jobs.set_job(db, job.id, now, state=jobs.FAILED, error=error)
+    jobs.drop_checkpoints(db, job.id)
+    jobs.append_event(db, job.id, "failed", jobs.FAILED, job.attempt, now,
                  provider_id=provider_id, message=error + tail)
-    if job["check_of"]:
-        disputes.could_not_run(db, job["id"], error, now)
+    if job.sort == "check":
+        hooks().check_failed(db, job.id, error, now)
 
 
-def _requeue(db: Database, job: dict, provider_id: str, why: str, now: int,
+def _requeue(db: Database, job: Job, provider_id: str, why: str, now: int,
              tail: str = "") -> None:
     """Queue the job again after a lease of it ended without its result: attempt + 1, from
     its latest checkpoint, for another provider first (scheduler.place_queued); its event
     says ``why``, then ``tail``."""
-    attempt = job["attempt"] + 1
-    jobs.set_job(db, job["id"], now, state=jobs.QUEUED, attempt=attempt, provider_id=None, lease_id=None)
-    if job["parent_id"] and kinds.serves(job["kind"]):
+    attempt = job.attempt + 1
+    jobs.set_job(db, job.id, now, state=jobs.QUEUED, attempt=attempt, provider_id=None, lease_id=None)
+    if job.sort == "replica":
         # A replica is ready again only once its next lease's engine says so (the autoscaler
         # gives up on a lease that is not ready within cold_start).
-        jobs.set_job(db, job["id"], now, progress_step=0)
-    if job["check_of"]:
-        verification.requeued(db, job["id"])
-    resume = (f"resumes from step {job['checkpoint_step']}" if job["resume_from"]
+        jobs.set_job(db, job.id, now, progress_step=0)
+    if job.sort == "check":
+        hooks().check_requeued(db, job.id)
+    resume = (f"resumes from step {job.checkpoint_step}" if job.resume_from
               else "starts over (no checkpoint yet)")
-    jobs.append_event(db, job["id"], "requeued", jobs.QUEUED, attempt, now, provider_id=provider_id,
+    jobs.append_event(db, job.id, "requeued", jobs.QUEUED, attempt, now, provider_id=provider_id,
                  message=f"{why}; attempt {attempt} {resume}{tail}")
 
 
@@ -104,25 +102,25 @@ def cancel(db: Database, job_id: str, client_id: str, now: int
     """Cancel the job (all its parts, if split) for its client; return (new state, the
     leases to revoke)."""
     job = jobs.job_row(db, job_id)
-    if job["client_id"] != client_id or job["check_of"]:
+    if job.client_id != client_id or job.check_of:
         raise jobs.no_such_job(job_id)   # the same answer as for a job that does not exist
-    if job["state"] in TERMINAL_STATES:
-        return job["state"], []
+    if job.state in TERMINAL_STATES:
+        return job.state, []
     ended: list[jobs.EndedLease] = []
-    parts = jobs.parts_of(db, job_id) if job["parts"] and not job["part"] else []
-    if job["tasks"] and not job["parent_id"]:
-        arrays.cancelled(db, job_id, now)
+    parts = jobs.parts_of(db, job_id) if job.parts and not job.part else []
+    if job.tasks and not job.parent_id:
+        hooks().array_cancelled(db, job_id, now)
     for row in [*parts, job]:
-        if row["state"] in TERMINAL_STATES:
+        if row.state in TERMINAL_STATES:
             continue
-        if row["state"] in jobs.ACTIVE_STATES and row["lease_id"]:
+        if row.state in jobs.ACTIVE_STATES and row.lease_id:
             jobs.stop_lease(db, row, "cancelled", "cancelled by client", now)
-            ended.append(jobs.EndedLease(row["id"], row["epoch"], row["provider_id"]))
-        jobs.set_job(db, row["id"], now, state=jobs.CANCELLED, error="cancelled by client")
-        jobs.drop_checkpoints(db, row["id"])
-        ended += jobs.append_event(db, row["id"], "cancelled", jobs.CANCELLED, row["attempt"], now,
+            ended.append(jobs.EndedLease(row.id, row.epoch, row.provider_id))
+        jobs.set_job(db, row.id, now, state=jobs.CANCELLED, error="cancelled by client")
+        jobs.drop_checkpoints(db, row.id)
+        ended += jobs.append_event(db, row.id, "cancelled", jobs.CANCELLED, row.attempt, now,
                               message="cancelled by client",
-                              mirror=row is job and bool(job["parent_id"]))
+                              mirror=row is job and bool(job.parent_id))
     return jobs.CANCELLED, ended
 
 
@@ -141,10 +139,10 @@ def lose_lease(db: Database, lease_id: str, reason: str, now: int, *,
     job_id, epoch, provider_id, _ = row
     jobs.end_lease(db, lease_id, outcome, reason, now)
     job = jobs.job_row(db, job_id)
-    if job["epoch"] != epoch or job["state"] not in jobs.ACTIVE_STATES:
+    if job.epoch != epoch or job.state not in jobs.ACTIVE_STATES:
         return True
-    if job["attempt"] >= job["max_attempts"]:
-        _give_up(db, job, provider_id, f"gave up after {job['attempt']} attempts; last:"
+    if job.attempt >= job.max_attempts:
+        _give_up(db, job, provider_id, f"gave up after {job.attempt} attempts; last:"
                  f" {reason}", now)
         return True
     what = outcome if outcome in ("released", "rejected") else "lost"
@@ -171,5 +169,5 @@ def expire_queued(db: Database, now: int) -> list[str]:
         jobs.drop_checkpoints(db, job_id)
         jobs.append_event(db, job_id, "failed", jobs.FAILED, attempt, now, message=error)
         if check_of:
-            disputes.could_not_run(db, job_id, error, now)
+            hooks().check_failed(db, job_id, error, now)
     return [r[0] for r in rows]

@@ -6,15 +6,15 @@ event are never apart. No grpc here.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from sqlite_utils import Database
 
-from gpumarket import kinds
-from gpumarket.broker.checks import disputes
-from gpumarket.broker.checks import verification
-from gpumarket.broker.jobs import arrays
+from gpumarket.broker.checks.policy import OFF, Policy
+from gpumarket.broker.jobs.job import Job, LeaseTerms
+from gpumarket.broker.jobs.reactions import hooks
 from gpumarket.broker.market import calibration
 from gpumarket.broker.market.admission import NewJob
 from gpumarket.broker.money import credit_holds
@@ -70,22 +70,20 @@ def append_event(
     )
     if not mirror or type_ == "submitted":
         return []
-    row = db.execute("SELECT parent_id, part, parts, kind, tasks FROM jobs WHERE id = ?",
-                     [job_id]).fetchone()
-    if row is None or row[0] is None:
-        return []
-    if row[4]:      # a batch of a job array: its tasks follow it, and the array them
-        arrays.follow_batch(db, row[0], job_id, type_, now)
-        return []
-    if kinds.serves(row[3]):
+    job = job_row(db, job_id)
+    if job.sort == "batch":     # a batch of a job array: its tasks follow it, and the array them
+        hooks().batch_moved(db, job.top_id, job_id, type_, now)
+    elif job.sort == "replica":
         # An endpoint does not follow its replicas' states: it notes their moves.
         if type_ not in ("progress", "checkpoint"):
-            top = db.execute("SELECT state, attempt FROM jobs WHERE id = ?", [row[0]]).fetchone()
-            append_event(db, row[0], "replica", top[0], top[1], now, provider_id=provider_id,
-                         message=f"replica {row[1]} {type_}: {message}", mirror=False)
-        return []
-    return _follow_parts(db, row[0], now, f"part {row[1]}/{row[2]}: {message}", type_,
-                         provider_id)
+            top = job_row(db, job.top_id)
+            append_event(db, top.id, "replica", top.state, top.attempt, now,
+                         provider_id=provider_id, message=f"replica {job.part} {type_}: {message}",
+                         mirror=False)
+    elif job.sort == "part":
+        return _follow_parts(db, job.top_id, now, f"part {job.part}/{job.parts}: {message}",
+                             type_, provider_id)
+    return []
 
 
 # The event type a split job gets when its parts move it into a state.
@@ -94,10 +92,12 @@ PARENT_EVENT = {QUEUED: "requeued", LEASED: "leased", RUNNING: "started",
                 PAUSED: "paused", VERIFYING: "verifying"}
 
 
-def parts_of(db: Database, parent_id: str) -> list[dict]:
+def parts_of(db: Database, parent_id: str) -> list[Job]:
+    """The rows under a top job (a split job's parts, an array's batches, an endpoint's
+    replicas), by number."""
     cur = db.execute("SELECT * FROM jobs WHERE parent_id = ? ORDER BY part", [parent_id])
     cols = [d[0] for d in cur.description]
-    return [dict(zip(cols, r)) for r in cur.fetchall()]
+    return [Job.from_row(dict(zip(cols, r))) for r in cur.fetchall()]
 
 
 def _follow_parts(db: Database, parent_id: str, now: int, message: str, type_: str,
@@ -105,26 +105,26 @@ def _follow_parts(db: Database, parent_id: str, now: int, message: str, type_: s
     """Set a split job's state from its parts: failed or cancelled if one part is (the
     others are stopped), succeeded when all are, else running, leased or queued."""
     parent = job_row(db, parent_id)
-    if parent["state"] in TERMINAL_STATES:
+    if parent.state in TERMINAL_STATES:
         return []
     parts = parts_of(db, parent_id)
-    states = [p["state"] for p in parts]
-    failed = next((p for p in parts if p["state"] == FAILED), None)
+    states = [p.state for p in parts]
+    failed = next((p for p in parts if p.state == FAILED), None)
     ended: list[EndedLease] = []
     error = ""
     if failed is not None or CANCELLED in states:
         state = FAILED if failed is not None else CANCELLED
-        error = (f"part {failed['part']}/{failed['parts']} failed: {failed['error']}"
+        error = (f"part {failed.part}/{failed.parts} failed: {failed.error}"
                  if failed is not None else "a part was cancelled")
         for p in parts:
-            if p["state"] in TERMINAL_STATES:
+            if p.state in TERMINAL_STATES:
                 continue
-            if p["state"] in ACTIVE_STATES and p["lease_id"]:
+            if p.state in ACTIVE_STATES and p.lease_id:
                 stop_lease(db, p, "cancelled", error, now)
-                ended.append(EndedLease(p["id"], p["epoch"], p["provider_id"]))
-            set_job(db, p["id"], now, state=CANCELLED, error=error)
-            drop_checkpoints(db, p["id"])
-            append_event(db, p["id"], "cancelled", CANCELLED, p["attempt"], now,
+                ended.append(EndedLease(p.id, p.epoch, p.provider_id))
+            set_job(db, p.id, now, state=CANCELLED, error=error)
+            drop_checkpoints(db, p.id)
+            append_event(db, p.id, "cancelled", CANCELLED, p.attempt, now,
                          message=f"stopped: {error}", mirror=False)
     elif all(s == SUCCEEDED for s in states):
         state = SUCCEEDED
@@ -138,16 +138,16 @@ def _follow_parts(db: Database, parent_id: str, now: int, message: str, type_: s
         state = PAUSED
     else:
         state = QUEUED
-    step = sum(p["progress_step"] for p in parts)
-    reason = next((p["queue_reason"] for p in parts if p["state"] == QUEUED), "")
-    attempt = max(p["attempt"] for p in parts)
+    step = sum(p.progress_step for p in parts)
+    reason = next((p.queue_reason for p in parts if p.state == QUEUED), "")
+    attempt = max(p.attempt for p in parts)
     set_job(db, parent_id, now, state=state, progress_step=step, attempt=attempt,
              error=error, queue_reason=reason)
-    if type_ == "progress" and state == parent["state"]:
+    if type_ == "progress" and state == parent.state:
         append_event(db, parent_id, "progress", state, attempt, now, provider_id=provider_id,
-                     progress={"step": step, "total": parent["progress_total"], "metrics": {}})
+                     progress={"step": step, "total": parent.progress_total, "metrics": {}})
     else:
-        changed = state != parent["state"]
+        changed = state != parent.state
         append_event(db, parent_id, PARENT_EVENT[state] if changed else "part", state, attempt,
                      now, provider_id=provider_id, message=message)
     return ended
@@ -159,13 +159,13 @@ def no_such_job(job_id: str) -> NotFound:
     return NotFound(f"no job {job_id!r}")
 
 
-def job_row(db: Database, job_id: str) -> dict:
-    """Return the job's row; raise NotFound."""
-    row = db.execute("SELECT * FROM jobs WHERE id = ?", [job_id]).fetchone()
+def job_row(db: Database, job_id: str) -> Job:
+    """Return the job; raise NotFound."""
+    cur = db.execute("SELECT * FROM jobs WHERE id = ?", [job_id])
+    row = cur.fetchone()
     if row is None:
         raise no_such_job(job_id)
-    cols = [d[0] for d in db.execute("SELECT * FROM jobs LIMIT 0").description]
-    return dict(zip(cols, row))
+    return Job.from_row(dict(zip([d[0] for d in cur.description], row)))
 
 
 def set_job(db: Database, job_id: str, now: int, **values: object) -> None:
@@ -179,7 +179,7 @@ def set_job(db: Database, job_id: str, now: int, **values: object) -> None:
                          " AND check_of IS NULL", [job_id]).fetchone()
         if row is not None:
             # Its checks end with it (their checkers paid up to now), before the hold goes.
-            disputes.drop(db, job_id, values["state"] == FAILED, now)
+            hooks().job_ended(db, job_id, values["state"] == FAILED, now)
             ledger.release(db, job_id, row[0], now)
 
 
@@ -191,7 +191,7 @@ FAR_FUTURE_MS = 100 * 365 * 86_400_000      # a replica is made when needed: nev
 CHECK_ATTEMPTS = 3                          # a replay that cannot run is a check not made
 
 
-def spawn(db: Database, of: dict, sort: str, child_id: str, name: str, now: int,
+def spawn(db: Database, of: Mapping[str, Any], sort: str, child_id: str, name: str, now: int,
           **fields: object) -> None:
     """Insert a QUEUED child row of ``of`` — the one place a job row is made besides
     ``submit``. Its sort:
@@ -260,50 +260,39 @@ def submit(db: Database, job: NewJob, now: int) -> None:
                  f" ({job.hold_basis})")
 
 
-def create_lease(
-    db: Database,
-    job_id: str,
-    provider_id: str,
-    device_indices: list[int],
-    price_per_gpu_hour: float,
-    now: int,
-    accept_within_ms: int,
-    checkpoint_every: int,
-    sign: Callable[[pb.Lease], pb.Envelope],
-    provider_mtbf_s: float = 0.0,
-    checkpoint_interval_s: float = 0.0,
-    raw_runtime_s: float = 0.0,
-    accelerator: int = 0,
-) -> pb.Envelope:
-    """Lease a QUEUED job to a provider; return the signed Lease envelope."""
+def create_lease(db: Database, terms: LeaseTerms, now: int,
+                 sign: Callable[[pb.Lease], pb.Envelope]) -> pb.Envelope:
+    """Lease a QUEUED job to a provider on ``terms``; return the signed Lease envelope.
+    Raises FailedPrecondition if the job is no longer QUEUED."""
+    job_id, provider_id = terms.job_id, terms.provider_id
+    price_per_gpu_hour, device_indices = terms.price_per_gpu_hour, list(terms.device_indices)
     job = job_row(db, job_id)
-    if job["state"] != QUEUED:
-        raise FailedPrecondition(f"job {job_id} is {state_name(job['state'])}, not QUEUED")
-    epoch = job["epoch"] + 1
+    if job.state != QUEUED:
+        raise FailedPrecondition(f"job {job_id} is {state_name(job.state)}, not QUEUED")
+    epoch = job.epoch + 1
     lease = pb.Lease(
         lease_id=f"{job_id}.{epoch}",
         job_id=job_id,
-        attempt=job["attempt"],
+        attempt=job.attempt,
         epoch=epoch,
         provider_id=provider_id,
-        client_id=job["client_id"],
+        client_id=job.client_id,
         price_per_gpu_hour=price_per_gpu_hour,
-        checkpoint_every=checkpoint_every,
+        checkpoint_every=terms.checkpoint_every,
         device_indices=device_indices,
         issued_at_ms=now,
-        expires_at_ms=now + accept_within_ms,
-        provider_mtbf_s=provider_mtbf_s,
-        checkpoint_interval_s=checkpoint_interval_s,
-        part=0 if job["tasks"] else job["part"],
-        parts=job["parts"] if job["part"] and not job["tasks"] else 0,
-        tasks=arrays.lease_tasks(db, job_id) if job["tasks"] and job["parent_id"] else (),
+        expires_at_ms=now + terms.accept_within_ms,
+        provider_mtbf_s=terms.provider_mtbf_s,
+        checkpoint_interval_s=terms.checkpoint_interval_s,
+        part=0 if job.tasks else job.part,
+        parts=job.parts if job.part and not job.tasks else 0,
+        tasks=hooks().batch_tasks(db, job_id) if job.sort == "batch" else (),
     )
-    if job["resume_from"]:
-        lease.resume_from.CopyFrom(pb.ArtifactRef(**json.loads(job["resume_from"])))
-    if job["check_of"]:
-        lease.check.CopyFrom(verification.scope_of(db, job_id))
-        verification.leased(db, job_id, provider_id, now)
-    lease.job_spec.ParseFromString(job["spec"])
+    if job.resume_from:
+        lease.resume_from.CopyFrom(pb.ArtifactRef(**json.loads(job.resume_from)))
+    if job.sort == "check":
+        lease.check.CopyFrom(hooks().check_leased(db, job_id, provider_id, now))
+    lease.job_spec.ParseFromString(job.spec)
     envelope = sign(lease)
     db["leases"].insert(
         {
@@ -311,21 +300,21 @@ def create_lease(
             "provider_id": provider_id, "device_indices": json.dumps(device_indices),
             "price_per_gpu_hour": price_per_gpu_hour, "state": "active", "issued_at_ms": now,
             "renewed_at_ms": now, "envelope": envelope.SerializeToString(),
-            "start_step": job["checkpoint_step"] if job["resume_from"] else 0,
-            "raw_runtime_s": raw_runtime_s, "accelerator": accelerator,
+            "start_step": job.checkpoint_step if job.resume_from else 0,
+            "raw_runtime_s": terms.raw_runtime_s, "accelerator": terms.accelerator,
         }
     )
     set_job(db, job_id, now, state=LEASED, epoch=epoch, provider_id=provider_id,
              lease_id=lease.lease_id, queue_reason="", settled_to_ms=None,
-             settled_step=job["checkpoint_step"] if job["resume_from"] else 0)
-    resume = f", resuming from step {job['checkpoint_step']}" if job["resume_from"] else ""
+             settled_step=job.checkpoint_step if job.resume_from else 0)
+    resume = f", resuming from step {job.checkpoint_step}" if job.resume_from else ""
     append_event(db, job_id, "leased", LEASED, lease.attempt, now, provider_id=provider_id,
                  message=f"leased to {provider_id} at {price_per_gpu_hour:g}/GPU-hour"
                  f" (attempt {lease.attempt}{resume})")
     return envelope
 
 
-def current(db: Database, job_id: str, epoch: int, provider_id: str) -> tuple[dict, dict]:
+def current(db: Database, job_id: str, epoch: int, provider_id: str) -> tuple[Job, dict]:
     """Return (job, lease) if ``provider_id`` holds the job's current active lease."""
     job = job_row(db, job_id)
     row = db.execute(
@@ -335,10 +324,10 @@ def current(db: Database, job_id: str, epoch: int, provider_id: str) -> tuple[di
     lease = dict(zip(cols, row)) if row else None
     if lease is None or lease["provider_id"] != provider_id:
         raise FailedPrecondition(f"job {job_id}: no lease of epoch {epoch} held by this provider")
-    if job["epoch"] != epoch or lease["state"] != "active" or job["state"] not in ACTIVE_STATES:
+    if job.epoch != epoch or lease["state"] != "active" or job.state not in ACTIVE_STATES:
         raise FailedPrecondition(
-            f"job {job_id}: lease epoch {epoch} is stale (job is {state_name(job['state'])},"
-            f" current epoch {job['epoch']})"
+            f"job {job_id}: lease epoch {epoch} is stale (job is {state_name(job.state)},"
+            f" current epoch {job.epoch})"
         )
     return job, lease
 
@@ -351,10 +340,10 @@ def mark_started(db: Database, job_id: str, epoch: int, provider_id: str, now: i
     # Billing starts here (once: a re-attached job reporting again changes nothing).
     db.execute("UPDATE jobs SET settled_to_ms = coalesce(settled_to_ms, ?) WHERE id = ?",
                [now, job_id])
-    if job["state"] == LEASED:
+    if job.state == LEASED:
         set_job(db, job_id, now, state=RUNNING)
         where = f", resumed from step {resumed_from_step}" if resumed_from_step else ""
-        append_event(db, job_id, "started", RUNNING, job["attempt"], now,
+        append_event(db, job_id, "started", RUNNING, job.attempt, now,
                      provider_id=provider_id, message=f"running on {provider_id}{where}")
 
 
@@ -365,14 +354,14 @@ def record_progress(
     metrics = dict(progress.metrics)
     set_job(db, job_id, now, progress_step=progress.step, progress_total=progress.total,
              progress_metrics=json.dumps(metrics))
-    append_event(db, job_id, "progress", job["state"], job["attempt"], now,
+    append_event(db, job_id, "progress", job.state, job.attempt, now,
                  provider_id=provider_id,
                  progress={"step": progress.step, "total": progress.total, "metrics": metrics})
 
 
 def record_checkpoint(
     db: Database, job_id: str, epoch: int, provider_id: str, step: int, artifact: pb.ArtifactRef,
-    write_seconds: float, now: int, policy: verification.Policy = verification.OFF,
+    write_seconds: float, now: int, policy: Policy = OFF,
 ) -> bool | str:
     """Make a stored, hash-checked checkpoint the job's latest and settle the lease's work up
     to it; False if it is not newer. A job whose hold would not cover another segment like
@@ -385,11 +374,11 @@ def record_checkpoint(
     if not blob_holdings.holds_intact(db, provider_id, artifact.sha256, artifact.size_bytes):
         raise InvalidArgument(f"checkpoint at step {step} was not uploaded intact by this"
                               " provider")
-    if step <= job["checkpoint_step"]:
+    if step <= job.checkpoint_step:
         return False
     ref = {"name": artifact.name, "sha256": artifact.sha256, "size_bytes": artifact.size_bytes}
     # The measured cost feeds the next lease's interval; smooth it over checkpoints.
-    cost = job["checkpoint_seconds"]
+    cost = job.checkpoint_seconds
     cost = write_seconds if cost <= 0 else 0.7 * cost + 0.3 * write_seconds
     set_job(db, job_id, now, resume_from=json.dumps(ref), checkpoint_step=step,
              checkpoint_seconds=cost)
@@ -397,15 +386,14 @@ def record_checkpoint(
     blob_holdings.refer(db, artifact.sha256, job_id, "checkpoint")
     paid = ledger.settle(db, job, lease, step, now)
     db.execute("UPDATE jobs SET hold_needed = 0 WHERE id = ?", [job_id])
-    verification.remember(db, job, lease, step, ref)
-    verification.choose_segment(db, policy, job, lease, step, ref, now)
-    append_event(db, job_id, "checkpoint", job["state"], job["attempt"], now,
+    hooks().checkpoint_stored(db, policy, job, lease, step, ref, now)
+    append_event(db, job_id, "checkpoint", job.state, job.attempt, now,
                  provider_id=provider_id,
                  message=f"checkpoint at step {step} stored ({artifact.sha256[:12]}, "
                  f"{artifact.size_bytes} bytes, written in {write_seconds:.2f}s);"
                  f" {ledger.fmt(paid.paid)} credits settled")
-    finished = job["progress_total"] and step >= job["progress_total"]
-    if job["enforce_funds"] and not finished and not job["check_of"] and \
+    finished = job.progress_total and step >= job.progress_total
+    if job.enforce_funds and not finished and not job.check_of and \
             paid.remaining - _siblings_accrued(db, job, now) < max(paid.amount, 1):
         _pause(db, job, lease, now, max(paid.amount, _resume_floor(lease)),
                "another segment like the last")
@@ -413,15 +401,15 @@ def record_checkpoint(
     return True
 
 
-def _siblings_accrued(db: Database, job: dict, now: int) -> int:
+def _siblings_accrued(db: Database, job: Job, now: int) -> int:
     """What the other running parts of a split job have cost since their last settlements:
     they draw on the same hold."""
-    if not job["parent_id"]:
+    if not job.parent_id:
         return 0
     total = 0
-    for part in parts_of(db, job["parent_id"]):
-        if part["id"] != job["id"] and part["state"] in ACTIVE_STATES and part["lease_id"]:
-            total += ledger.accrued(part, lease_row(db, part["lease_id"]), now)
+    for part in parts_of(db, job.parent_id):
+        if part.id != job.id and part.state in ACTIVE_STATES and part.lease_id:
+            total += ledger.accrued(part, lease_row(db, part.lease_id), now)
     return total
 
 
@@ -429,18 +417,18 @@ def _resume_floor(lease: dict) -> int:
     return credit_holds.floor_units(lease["price_per_gpu_hour"], len(json.loads(lease["device_indices"])))
 
 
-def _pause(db: Database, job: dict, lease: dict, now: int, needed: int, what: str) -> None:
+def _pause(db: Database, job: Job, lease: dict, now: int, needed: int, what: str) -> None:
     """The job's hold would not pay for more work: end the lease where it was settled last and
     wait for a top-up that brings the hold to ``needed`` units (it resumes from its latest
     checkpoint)."""
     end_lease(db, lease["id"], "paused", "hold exhausted", now)
-    top = job["parent_id"] or job["id"]
+    top = job.parent_id or job.id
     left = ledger.balance(db, ledger.escrow(top))
     why = (f"paused: its hold has {ledger.fmt(left)} credits left, {ledger.fmt(needed - left)}"
            f" short of {what} (gpumarket topup {top} AMOUNT)")
-    set_job(db, job["id"], now, state=PAUSED, provider_id=None, lease_id=None,
+    set_job(db, job.id, now, state=PAUSED, provider_id=None, lease_id=None,
              queue_reason=why, hold_needed=needed)
-    append_event(db, job["id"], "paused", PAUSED, job["attempt"], now,
+    append_event(db, job.id, "paused", PAUSED, job.attempt, now,
                  provider_id=lease["provider_id"], message=why)
 
 
@@ -449,12 +437,12 @@ def lease_row(db: Database, lease_id: str) -> dict:
     return dict(zip([d[0] for d in cur.description], cur.fetchone()))
 
 
-def stop_lease(db: Database, job: dict, state: str, reason: str, now: int) -> None:
+def stop_lease(db: Database, job: Job, state: str, reason: str, now: int) -> None:
     """End the job's active lease for a reason that is not its provider's fault (its client
     cancelled it, a sibling part failed, it was retired): its work since the last settlement
     is paid up to now, as far as the hold goes. (A failed attempt is not: ``fail``.)"""
-    lease = lease_row(db, job["lease_id"])
-    ledger.settle(db, job, lease, job["settled_step"], now, tag="end")
+    lease = lease_row(db, job.lease_id)
+    ledger.settle(db, job, lease, job.settled_step, now, tag="end")
     end_lease(db, lease["id"], state, reason, now)
 
 
@@ -464,14 +452,14 @@ def exhaust(db: Database, lease_id: str, now: int) -> EndedLease | None:
     after a top-up. None if the lease is no longer active or still covered."""
     lease = lease_row(db, lease_id)
     job = job_row(db, lease["job_id"])
-    if lease["state"] != "active" or job["lease_id"] != lease_id or not job["enforce_funds"]:
+    if lease["state"] != "active" or job.lease_id != lease_id or not job.enforce_funds:
         return None
-    left = ledger.balance(db, ledger.escrow(job["parent_id"] or job["id"]))
+    left = ledger.balance(db, ledger.escrow(job.parent_id or job.id))
     if ledger.accrued(job, lease, now) + _siblings_accrued(db, job, now) < left:
         return None
-    ledger.settle(db, job, lease, job["settled_step"], now, tag="end")
+    ledger.settle(db, job, lease, job.settled_step, now, tag="end")
     _pause(db, job, lease, now, _resume_floor(lease), f"{credit_holds.RESUME_FLOOR_S} s of its lease")
-    return EndedLease(job["id"], job["epoch"], lease["provider_id"])
+    return EndedLease(job.id, job.epoch, lease["provider_id"])
 
 
 def top_up(db: Database, job_id: str, client_id: str, amount: int, now: int,
@@ -480,31 +468,31 @@ def top_up(db: Database, job_id: str, client_id: str, amount: int, now: int,
     ``nonce``); a paused job (or paused parts) is queued again once the hold covers what the
     pause needs. Returns the job's state."""
     job = job_row(db, job_id)
-    if job["client_id"] != client_id or job["parent_id"] or job["check_of"]:
+    if job.client_id != client_id or job.parent_id or job.check_of:
         raise no_such_job(job_id)
-    if job["state"] in TERMINAL_STATES:
-        raise FailedPrecondition(f"job {job_id} is {state_name(job['state'])}: nothing to top up")
-    if job["state"] == PAUSED and job["expires_at_ms"] <= now:
+    if job.state in TERMINAL_STATES:
+        raise FailedPrecondition(f"job {job_id} is {state_name(job.state)}: nothing to top up")
+    if job.state == PAUSED and job.expires_at_ms <= now:
         raise FailedPrecondition(f"job {job_id}: its signed spec expired; it cannot be"
                                  " leased again (cancel it to get its hold back)")
-    ledger.top_up(db, job_id, client_id, amount, bool(job["enforce_funds"]), now, nonce)
+    ledger.top_up(db, job_id, client_id, amount, bool(job.enforce_funds), now, nonce)
     left = ledger.balance(db, ledger.escrow(job_id))
     # A split job's state follows its parts: resume those the hold covers (together), and it
     # follows.
-    for row in parts_of(db, job_id) if job["parts"] else [job]:
-        if row["state"] != PAUSED:
+    for row in parts_of(db, job_id) if job.parts else [job]:
+        if row.state != PAUSED:
             continue
-        if left < row["hold_needed"]:
+        if left < row.hold_needed:
             why = (f"paused: its hold has {ledger.fmt(left)} credits left,"
-                   f" {ledger.fmt(row['hold_needed'] - left)} short of what it needs to go on"
+                   f" {ledger.fmt(row.hold_needed - left)} short of what it needs to go on"
                    f" (gpumarket topup {job_id} AMOUNT)")
-            set_job(db, row["id"], now, queue_reason=why)
+            set_job(db, row.id, now, queue_reason=why)
             continue
-        left -= row["hold_needed"]
-        set_job(db, row["id"], now, state=QUEUED, queue_reason="", hold_needed=0)
-        append_event(db, row["id"], "resumed", QUEUED, row["attempt"], now,
+        left -= row.hold_needed
+        set_job(db, row.id, now, state=QUEUED, queue_reason="", hold_needed=0)
+        append_event(db, row.id, "resumed", QUEUED, row.attempt, now,
                      message=f"hold topped up by {ledger.fmt(amount)} credits; queued to"
-                     f" resume from step {row['checkpoint_step']}")
+                     f" resume from step {row.checkpoint_step}")
     return job_row(db, job_id)["state"]
 
 
@@ -520,13 +508,13 @@ def end_lease(db: Database, lease_id: str, state: str, reason: str, now: int) ->
 
 def succeed(
     db: Database, job_id: str, epoch: int, provider_id: str, receipt: bytes, now: int,
-    policy: verification.Policy = verification.OFF,
+    policy: Policy = OFF,
 ) -> None:
     """The lease's receipt: its work is paid to the end; the job succeeds, or waits
     (VERIFYING) for the checks of its work still running; a check's job hands what its
     checker returned to the verdict."""
     job, lease = current(db, job_id, epoch, provider_id)
-    total = max(job["progress_step"], job["progress_total"])
+    total = max(job.progress_step, job.progress_total)
     ledger.settle(db, job, lease, total, now, tag="final")
     end_lease(db, lease["id"], "succeeded", "", now)
     parsed = pb.Envelope()
@@ -535,38 +523,38 @@ def succeed(
     receipt_msg.ParseFromString(parsed.payload)
     outputs = {o.name: {"name": o.name, "sha256": o.sha256, "size_bytes": o.size_bytes}
                for o in receipt_msg.outputs}
-    if job["check_of"]:
+    if job.check_of:
         set_job(db, job_id, now, state=SUCCEEDED, receipt=receipt, progress_step=total)
-        verification.returned(db, job_id, outputs, now)
-        append_event(db, job_id, "succeeded", SUCCEEDED, job["attempt"], now,
+        hooks().check_returned(db, job_id, outputs, now)
+        append_event(db, job_id, "succeeded", SUCCEEDED, job.attempt, now,
                      provider_id=provider_id, message="replayed; compared next")
         return
     calibration.record(db, job, lease, now)
     for out in receipt_msg.outputs:
         blob_holdings.refer(db, out.sha256, job_id, "output")
     calibration.record_throughput(db, job, provider_id, receipt_msg, now)
-    if not job["tasks"]:        # (a job array's tasks are not spot-checked)
-        verification.choose_final(db, policy, job, lease, total, outputs, receipt_msg, now)
-    if verification.open_checks(db, job_id):
+    if not job.tasks:        # (a job array's tasks are not spot-checked)
+        hooks().receipt_came(db, policy, job, lease, total, outputs, receipt_msg, now)
+    if hooks().open_checks(db, job_id):
         set_job(db, job_id, now, state=VERIFYING, receipt=receipt, progress_step=total)
-        append_event(db, job_id, "verifying", VERIFYING, job["attempt"], now,
+        append_event(db, job_id, "verifying", VERIFYING, job.attempt, now,
                      provider_id=provider_id, message="finished; receipt verified; waiting"
                      " for the checks of its work")
         return
     set_job(db, job_id, now, receipt=receipt, progress_step=total)
     finished(db, job_row(db, job_id), now, "finished; receipt verified"
-             + ("" if not policy.enabled else f"; work {verification.summary(db, job_id)}"))
+             + ("" if not policy.enabled else f"; work {hooks().work_summary(db, job_id)}"))
 
 
-def finished(db: Database, job: dict, now: int, message: str) -> None:
+def finished(db: Database, job: Job, now: int, message: str) -> None:
     """The job succeeded (its checks, if any, done): its hold's rest goes back."""
-    set_job(db, job["id"], now, state=SUCCEEDED)
-    drop_checkpoints(db, job["id"])
-    if not job["parent_id"]:    # what its checks compared is no longer needed
+    set_job(db, job.id, now, state=SUCCEEDED)
+    drop_checkpoints(db, job.id)
+    if not job.parent_id:    # what its checks compared is no longer needed
         db.execute("DELETE FROM artifact_refs WHERE job_id = ? AND role = 'evidence'",
-                   [job["id"]])
-    append_event(db, job["id"], "succeeded", SUCCEEDED, job["attempt"], now,
-                 provider_id=job["provider_id"] or "", message=message)
+                   [job.id])
+    append_event(db, job.id, "succeeded", SUCCEEDED, job.attempt, now,
+                 provider_id=job.provider_id or "", message=message)
 
 
 def set_queue_reasons(db: Database, reasons: dict[str, str], now: int) -> None:

@@ -8,6 +8,7 @@ from sqlite_utils import Database
 
 from gpumarket.broker.checks import verification
 from gpumarket.broker.jobs import arrays
+from gpumarket.broker.jobs.job import Job
 from gpumarket.broker.jobs.transitions import job_row
 from gpumarket.broker.market.reliability import WINDOW_S, ProviderHistory
 from gpumarket.broker.money import ledger
@@ -108,12 +109,11 @@ def job_state(db: Database, job_id: str) -> int:
     return row[0] if row else 0
 
 
-def queued_jobs(db: Database, limit: int) -> list[dict]:
-    return _rows(db, "SELECT id, client_id, needs, expires_at_ms, queue_reason, attempt,"
-                     " checkpoint_seconds, created_at_ms, updated_at_ms, parent_id, check_of"
-                     " FROM jobs WHERE state = ? AND NOT (parts > 0 AND part = 0)"
-                     " ORDER BY created_at_ms, id LIMIT ?",
-                 [pb.JOB_STATE_QUEUED, limit])
+def queued_jobs(db: Database, limit: int) -> list[Job]:
+    """The jobs to place, oldest first (a split job's top row is not placed: its parts are)."""
+    return [Job.from_row(r) for r in _rows(
+        db, "SELECT * FROM jobs WHERE state = ? AND NOT (parts > 0 AND part = 0)"
+            " ORDER BY created_at_ms, id LIMIT ?", [pb.JOB_STATE_QUEUED, limit])]
 
 
 def busy_siblings(db: Database, parent_id: str) -> set[str]:

@@ -1,74 +1,39 @@
-"""The broker's loops: place queued jobs on live offers, and expire overdue leases."""
+"""The broker's background loops, one task per concern (``LOOPS``): place queued jobs on live
+offers (market/placement), end leases whose heartbeats stopped or that ran past their limits,
+decide the verdicts of spot checks, and collect garbage."""
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
-import secrets
-import time
-from collections import defaultdict, deque
+from collections import defaultdict
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 from gpumarket import kinds
 from gpumarket.broker.checks import verdicts
-from gpumarket.broker.checks import verification
 from gpumarket.broker.jobs import arrays
 from gpumarket.broker.jobs import endings
 from gpumarket.broker.jobs import transitions as jobs
 from gpumarket.broker.jobs import views
+from gpumarket.broker.jobs.job import Job
 from gpumarket.broker.market import deadlines
 from gpumarket.broker.market import matcher
+from gpumarket.broker.market import placement
 from gpumarket.broker.market import preemption
 from gpumarket.broker.market import providers
-from gpumarket.broker.market import reliability
-from gpumarket.broker.market.admission import Needs, needs_of
 from gpumarket.broker.market.offers import claim_efficiency, offer_view
-from gpumarket.broker.money import credit_holds
-from gpumarket.broker.serving import endpoints
+from gpumarket.broker.config import BrokerConfig
 from gpumarket.broker.state import BrokerState
 from gpumarket.broker.store import blob_holdings
 from gpumarket.broker.store import call_nonces
 from gpumarket.proto.envelope import seal
-from gpumarket.proto.errors import FailedPrecondition
 from gpumarket.proto.jobspec import now_ms
 from gpumarket.proto.v1 import gateway_pb2 as gw
 
 log = logging.getLogger(__name__)
 
-QUEUE_SCAN = 1000
 RUNTIME_GRACE_S = 60      # past a job's max_runtime, before the broker takes the lease back
-
-
-def fair_order(rows: list[dict], running: dict[str, int]) -> list[dict]:
-    """Queued jobs in the order to place them: one job per client in turn (clients with
-    fewer running jobs first), each client's jobs oldest first, so that one client's thousand
-    queued jobs never starve another's one."""
-    by_client: dict[str, deque] = defaultdict(deque)
-    for row in rows:
-        by_client[row["client_id"]].append(row)
-    clients = sorted(by_client, key=lambda c: (running.get(c, 0), by_client[c][0]["created_at_ms"]))
-    out = []
-    while clients:
-        for c in list(clients):
-            out.append(by_client[c].popleft())
-            if not by_client[c]:
-                clients.remove(c)
-    return out
-
-
-async def check_needs(state: BrokerState, book: matcher.Book, check_id: str,
-                      needs: matcher.JobNeeds) -> matcher.JobNeeds:
-    """A spot check's provider is drawn (by stake and record, from a source no provider can
-    predict: matcher.Book.drawn), not chosen by price; a tie-break goes only to the
-    operator's trusted checkers where there are any (docs/verification.md, Who checks)."""
-    exclude = needs.exclude
-    trusted = frozenset(state.config.trusted_checkers)
-    if trusted and await state.store.read(verification.role, check_id) == "tiebreak":
-        exclude |= {o.provider_id for o in book.offers if o.provider_id not in trusted}
-    return dataclasses.replace(needs, exclude=exclude, draw=_checker_draw.random())
-
-
-_checker_draw = secrets.SystemRandom()
 
 
 async def offer_book(state: BrokerState) -> matcher.Book:
@@ -95,100 +60,53 @@ async def offer_book(state: BrokerState) -> matcher.Book:
 
 
 async def place_queued(state: BrokerState) -> int:
-    """One placement pass: lease what fits, record why the rest waits. Returns leases made."""
+    """One placement pass (market/placement: read, plan, apply): lease what fits, record why
+    the rest waits. Returns leases made."""
     store, cfg = state.store, state.config
-    queued = await store.read(views.queued_jobs, QUEUE_SCAN)
-    if not queued:
+    if not await store.read(views.queued_jobs, 1):
         return 0
     book = await offer_book(state)
-    if await deadlines.promote_due(state, book):
-        queued = await store.read(views.queued_jobs, QUEUE_SCAN)   # their needs changed
+    await deadlines.promote_due(state, book)
+    trusted = frozenset(cfg.trusted_checkers)
+    queued = await store.read(placement.read_queue, book, now_ms(), trusted)
     running = await store.read(views.running_by_client)
-    reasons: dict[str, str] = {}
-    blocked: list[tuple[dict, matcher.JobNeeds]] = []   # waiting for a device that fits
-    made = 0
-    stored_needs = {row["id"]: Needs.from_json(row["needs"]) for row in queued}
-    # Higher tiers first (serving, standard, interruptible), each in fair order: devices an
-    # interruptible lease gave back go to the job it yielded to.
-    ordered = sorted(fair_order(queued, running),
-                     key=lambda r: preemption.TIER_RANK.get(stored_needs[r["id"]].tier, 1))
-    for row in ordered:
-        avoid: frozenset[str] = frozenset()
-        if row["attempt"] > 1:
-            # A job that was lost or failed goes elsewhere first; its old provider only if
-            # nothing else fits.
-            avoid = frozenset(await store.read(views.previous_providers, row["id"]))
-        if row["parent_id"]:
-            # The parts of a split job go to different providers, where there are enough;
-            # a job array's tasks that failed run again on another provider first.
-            avoid |= await store.read(views.busy_siblings, row["parent_id"])
-            avoid |= await store.read(arrays.failed_on, row["id"])
-        # A check never goes to the provider it checks; no job goes back to a provider a
-        # check found wrong on it.
-        exclude = await store.read(verification.excluded, row["id"]) \
-            if row["check_of"] or row["attempt"] > 1 else frozenset()
-        stored = stored_needs[row["id"]]
-        if row["parent_id"] and kinds.serves(stored.kind):
-            # An endpoint's replicas keep away from the providers failing its replicas.
-            failing, left_out = await store.read(endpoints.steer, row["parent_id"], now_ms())
-            avoid, exclude = avoid | failing, exclude | left_out
-        needs = needs_of(row, avoid, stored, exclude)
-        if row["check_of"]:
-            needs = await check_needs(state, book, row["id"], needs)
-        placement, excluded = book.place(needs)
-        if placement is None:
-            reason = matcher.explain(excluded, len(book))
-            if reason != row["queue_reason"]:
-                reasons[row["id"]] = reason
-            if "busy" in excluded:
-                blocked.append((row, needs))
-            continue
-        session = state.sessions.get(placement.provider_id)
-        if session is None:
-            continue
-        if not await store.read(credit_holds.covers_lease, row["id"], placement.price_per_gpu_hour,
-                                len(placement.device_indices)):
-            book.release(book.index[placement.provider_id], placement.device_indices)
-            reason = (f"waiting for funds: its hold covers less than {credit_holds.RESUME_FLOOR_S} s"
-                      f" of the best offer (gpumarket topup {row['parent_id'] or row['id']}"
-                      " AMOUNT)")
-            if reason != row["queue_reason"]:
-                reasons[row["id"]] = reason
-            continue
-        offer = book.offers[book.index[placement.provider_id]]   # read with the book
-        interval = reliability.checkpoint_interval_s(row["checkpoint_seconds"], offer.mtbf_s)
-        raw_s = credit_holds.raw_seconds(stored.work_flops, offer, stored.gpus)
-        try:
-            envelope = await store.write(
-                jobs.create_lease, row["id"], placement.provider_id,
-                list(placement.device_indices), placement.price_per_gpu_hour, now_ms(),
-                int(cfg.accept_within_s * 1000), stored.checkpoint_every,
-                lambda lease: seal(state.identity, lease), offer.mtbf_s, interval, raw_s,
-                offer.accelerator,
-            )
-        except FailedPrecondition:
-            continue  # cancelled meanwhile
-        made += 1
-        now = now_ms()
-        state.metrics.placements.inc()
-        state.metrics.queue_wait.observe(max(0, now - row["updated_at_ms"]) / 1000)
-        if row["attempt"] == 1:
-            state.metrics.time_to_lease.observe(max(0, now - row["created_at_ms"]) / 1000)
-        else:
-            state.metrics.resumes.inc()
-        session.send(gw.BrokerMessage(lease=envelope))
-        log.info("job %s leased to %s on devices %s (%s: expected %.0fs, %.4g credits)",
-                 row["id"], placement.provider_id, list(placement.device_indices),
-                 stored.objective, placement.estimate.expected_s,
-                 placement.estimate.expected_cost)
-    if reasons:
-        await store.write(jobs.set_queue_reasons, reasons, now_ms())
-    if blocked:
-        await preemption.preempt_for_waiting(state, book, [needs for _, needs in blocked])
-        await ask_to_yield(state, book, blocked, running)
+    online = {o.provider_id for o in state.sessions.offers()}
+    plan = placement.plan(queued, book, running, online, int(cfg.accept_within_s * 1000))
+    made = await apply(state, plan)
+    if plan.reasons:
+        await store.write(jobs.set_queue_reasons, plan.reasons, now_ms())
+    if plan.blocked:
+        await preemption.preempt_for_waiting(state, book, [needs for _, needs in plan.blocked])
+        await ask_to_yield(state, book, plan.blocked, running)
     if made:
         state.events.notify()
     return made
+
+
+async def apply(state: BrokerState, plan: placement.Plan) -> int:
+    """Write the plan's leases (one transaction) and send each to its provider; returns how
+    many were made."""
+    sessions = {p.terms.provider_id: state.sessions.get(p.terms.provider_id)
+                for p in plan.leases}
+    leases = [p for p in plan.leases if sessions[p.terms.provider_id] is not None]
+    if not leases:
+        return 0
+    made = await state.store.write(placement.write_leases, leases, now_ms(),
+                                   lambda lease: seal(state.identity, lease))
+    now = now_ms()
+    for planned, envelope in made:
+        job, terms = planned.job, planned.terms
+        state.metrics.placements.inc()
+        state.metrics.queue_wait.observe(max(0, now - job.updated_at_ms) / 1000)
+        if job.attempt == 1:
+            state.metrics.time_to_lease.observe(max(0, now - job.created_at_ms) / 1000)
+        else:
+            state.metrics.resumes.inc()
+        sessions[terms.provider_id].send(gw.BrokerMessage(lease=envelope))
+        log.info("job %s leased to %s on devices %s (%s: expected %.0fs, %.4g credits)",
+                 job.id, terms.provider_id, list(terms.device_indices), planned.objective,
+                 planned.estimate.expected_s, planned.estimate.expected_cost)
+    return len(made)
 
 
 def fair_share(devices: int, clients: int) -> int:
@@ -197,7 +115,7 @@ def fair_share(devices: int, clients: int) -> int:
 
 
 async def ask_to_yield(state: BrokerState, book: matcher.Book,
-                       blocked: list[tuple[dict, matcher.JobNeeds]],
+                       blocked: list[tuple[Job, matcher.JobNeeds]],
                        running: dict[str, int]) -> int:
     """Jobs of clients holding less than their fair share of the devices wait for a busy
     one: ask leases of job arrays of clients holding more than theirs, on providers that fit
@@ -205,13 +123,13 @@ async def ask_to_yield(state: BrokerState, book: matcher.Book,
     rest of their tasks go back to the queue), as many as the waiting need, less those
     asked already. Returns how many were asked."""
     devices = sum(len(o.devices) for o in state.sessions.offers())
-    clients = set(running) | {row["client_id"] for row, _ in blocked}
+    clients = set(running) | {job.client_id for job, _ in blocked}
     share = fair_share(devices, len(clients))
     held = dict(running)
     waiting: dict[str, list[matcher.JobNeeds]] = defaultdict(list)
-    for row, needs in blocked:
-        if held.get(row["client_id"], 0) < share:
-            waiting[row["client_id"]].append(needs)
+    for job, needs in blocked:
+        if held.get(job.client_id, 0) < share:
+            waiting[job.client_id].append(needs)
     if not waiting or max(held.values(), default=0) <= share:
         return 0
     leases = await state.store.read(arrays.running_leases)
@@ -337,21 +255,60 @@ async def collect_garbage(state: BrokerState) -> int:
     return removed
 
 
+async def forget_garbage(state: BrokerState) -> None:
+    """Collect unreferenced blobs and stalled uploads, and forget expired call nonces."""
+    await collect_garbage(state)
+    await state.store.write(call_nonces.forget, now_ms())
+
+
+@dataclass(frozen=True)
+class Loop:
+    """One background concern of the broker: its pass, how often it runs at least, and
+    whether a change a placement depends on (``state.placement``) wakes it sooner."""
+
+    name: str
+    one_pass: Callable[[BrokerState], Awaitable[object]]
+    interval_s: Callable[[BrokerConfig], float]
+    woken: bool = True
+    # The loops that make or end leases take turns, a pass at a time, so that none reads
+    # the devices or leases another is changing (a lease ended here holds its devices only
+    # once its write is done: BrokerState.stop_lease).
+    takes_turns: bool = True
+
+
+LOOPS = (
+    Loop("placement", place_queued, lambda c: c.schedule_interval_s),
+    # Heartbeats heard are written before the leases whose heartbeats stopped are lost.
+    Loop("leases", expire, lambda c: c.schedule_interval_s),
+    Loop("verdicts", verdicts.decide, lambda c: c.schedule_interval_s),
+    Loop("garbage", forget_garbage, lambda c: c.gc_interval_s, woken=False, takes_turns=False),
+)
+
+
 async def run(state: BrokerState) -> None:
-    """Place, expire and collect garbage until cancelled."""
-    last_gc = 0.0
+    """Run each of LOOPS as a task of its own until cancelled."""
+    turns = asyncio.Lock()
+    async with asyncio.TaskGroup() as tasks:
+        for loop in LOOPS:
+            tasks.create_task(repeat(state, loop, turns), name=f"broker {loop.name}")
+
+
+async def repeat(state: BrokerState, loop: Loop, turns: asyncio.Lock) -> None:
+    """Run ``loop``'s pass, then wait for its interval (or a change, if it is woken), until
+    cancelled; a pass that fails is logged and tried again at the next."""
     while True:
         seen = state.placement.seen()
         try:
-            await place_queued(state)
-            await expire(state)
-            await verdicts.decide(state)
-            if time.monotonic() - last_gc >= state.config.gc_interval_s:
-                last_gc = time.monotonic()
-                await collect_garbage(state)
-                await state.store.write(call_nonces.forget, now_ms())
+            if loop.takes_turns:
+                async with turns:
+                    await loop.one_pass(state)
+            else:
+                await loop.one_pass(state)
         except asyncio.CancelledError:
             raise
         except Exception:
-            log.exception("scheduler pass failed; retrying")
-        await state.placement.wait(state.config.schedule_interval_s, since=seen)
+            log.exception("broker %s pass failed; retrying", loop.name)
+        if loop.woken:
+            await state.placement.wait(loop.interval_s(state.config), since=seen)
+        else:
+            await asyncio.sleep(loop.interval_s(state.config))

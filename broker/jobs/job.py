@@ -1,0 +1,136 @@
+"""A job as the broker's domain code reads it: one immutable value made from a row of ``jobs``
+in one place (``Job.from_row``), which says which sort of job it is.
+
+Every sort shares the ``jobs`` table (docs/architecture.md, The broker's rooms):
+
+- ``job``: what a client submitted (a whole job, a split job's top row, an array, an
+  endpoint);
+- ``part``: one of a split job's parts (``parent_id``, ``part`` of ``parts``);
+- ``batch``: a lease's worth of a job array's tasks (``parent_id``, ``tasks``);
+- ``replica``: one of an endpoint's replicas (``parent_id``, no parts, no tasks);
+- ``check``: a replay of another job's segment by another provider (``check_of``; paid
+  from ``pays_from``'s hold).
+
+A ``Job`` also answers ``job["column"]`` (it is a read-only Mapping of its columns) for the
+modules that still read rows by key (money/ledger, market/calibration, checks/, serving/,
+api/): they take a ``Job`` or a dict alike. No imports of the broker here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, fields
+from typing import Any, Literal
+
+Sort = Literal["job", "part", "batch", "replica", "check"]
+
+
+@dataclass(frozen=True)
+class Job(Mapping):
+    """One row of ``jobs``, typed (units in the names: ``_ms`` epoch milliseconds, ``_s``
+    seconds)."""
+
+    id: str
+    client_id: str
+    name: str
+    kind: int                       # JobKind number
+    state: int                      # JobState number
+    spec: bytes                     # the client's signed spec (an Envelope)
+    spec_sha256: str
+    expires_at_ms: int              # the spec's expiry: no lease after it
+    attempt: int
+    max_attempts: int
+    epoch: int                      # the current lease's epoch (0: never leased)
+    provider_id: str | None         # the current lease's holder
+    lease_id: str | None
+    progress_step: int
+    progress_total: int
+    progress_metrics: str           # JSON object
+    error: str
+    queue_reason: str               # why it waits, as its client reads it
+    receipt: bytes | None           # the provider's signed receipt (an Envelope)
+    resume_from: str | None         # JSON ArtifactRef of its latest checkpoint
+    created_at_ms: int
+    updated_at_ms: int
+    checkpoint_step: int
+    checkpoint_seconds: float       # measured cost of writing a checkpoint, smoothed
+    log_lines: int
+    parent_id: str | None           # a part's, batch's or replica's top job
+    part: int                       # a part's number (1-based), a replica's; 0 otherwise
+    parts: int                      # a split job's parts (on the top row and on each part)
+    needs: str                      # JSON market.admission.Needs
+    fee_ppm: int
+    enforce_funds: int              # 1: it runs only as far as its hold pays
+    hold_basis: str
+    hold_needed: int                # units a paused job needs in its hold to go on
+    settled_to_ms: int | None       # its current lease is paid up to here
+    settled_step: int
+    check_of: str | None            # a check: the job whose work it replays
+    pays_from: str | None           # a check: the top job whose hold pays it
+    tasks: int                      # an array's tasks (on its top row and its batches)
+    lanes: int                      # an array: leases its tasks are spread over
+
+    @classmethod
+    def from_row(cls, row: Mapping[str, Any]) -> Job:
+        """The job of a whole row of ``jobs`` (``SELECT *``); raises KeyError if a column is
+        missing (columns it does not know are left out)."""
+        return cls(**{name: row[name] for name in COLUMNS})
+
+    @property
+    def sort(self) -> Sort:
+        """Which sort of row this is (the module docstring)."""
+        if self.check_of:
+            return "check"
+        if not self.parent_id:
+            return "job"
+        if self.tasks:
+            return "batch"
+        return "part" if self.parts else "replica"
+
+    @property
+    def top_id(self) -> str:
+        """The submitted job this row belongs to (itself, for a top job or a check)."""
+        return self.parent_id or self.id
+
+    @property
+    def is_split(self) -> bool:
+        """The top row of a job split into parts (its state follows theirs)."""
+        return bool(self.parts) and not self.part and not self.parent_id
+
+    @property
+    def is_array(self) -> bool:
+        """The top row of a job array (its state follows its tasks)."""
+        return bool(self.tasks) and not self.parent_id
+
+    # The read-only Mapping of its columns, for the readers by key.
+    def __getitem__(self, column: str) -> Any:
+        if column not in _COLUMN_SET:
+            raise KeyError(column)
+        return getattr(self, column)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(COLUMNS)
+
+    def __len__(self) -> int:
+        return len(COLUMNS)
+
+
+COLUMNS = tuple(f.name for f in fields(Job))
+_COLUMN_SET = frozenset(COLUMNS)
+
+
+@dataclass(frozen=True)
+class LeaseTerms:
+    """What the market decided for one lease of a queued job (market/placement.plan), as
+    ``jobs.transitions.create_lease`` writes and signs it."""
+
+    job_id: str
+    provider_id: str
+    device_indices: tuple[int, ...]
+    price_per_gpu_hour: float       # credits per GPU-hour
+    accept_within_ms: int           # the provider must start it within this, or it lapses
+    checkpoint_every: int           # steps between checkpoints (0: the runner's own)
+    provider_mtbf_s: float = 0.0    # the provider's observed mean time between failures
+    checkpoint_interval_s: float = 0.0  # the checkpoint interval for that MTBF (0: none)
+    raw_runtime_s: float = 0.0      # the job's uncalibrated runtime estimate on this offer
+    accelerator: int = 0            # the offer's device class (Accelerator)
