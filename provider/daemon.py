@@ -73,7 +73,9 @@ class ProviderDaemon:
         return {k for k in self.kinds if isolates or not kinds.get(k).opt_in}
 
     def running(self) -> list[tuple[str, int]]:
-        return [job.key for job in self.jobs.values()]
+        # Not a job whose final update went (it ended; its lease ends with that update,
+        # which the stream carries ahead of this heartbeat).
+        return [job.key for job in self.jobs.values() if job.key not in self.unsettled]
 
     def pending(self) -> list[gw.ProviderMessage]:
         # A lease's task results go before its final update (which the broker settles only

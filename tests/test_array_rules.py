@@ -405,3 +405,33 @@ def test_a_provider_s_oversized_or_too_many_carried_outputs_are_refused(
     assert held == 0
     assert all(s != pb.JOB_STATE_SUCCEEDED and outputs is None for s, outputs in rows.values())
     assert list((tmp_path / "artifacts" / "blobs").rglob("*")) == []
+
+
+def test_a_heartbeat_heard_before_a_lease_ended_does_not_cancel_it_again(store):
+    """A provider's heartbeat lists a lease; its final update ends the lease before the
+    broker writes that heartbeat (the next pass, woken by the end itself): the lease is not
+    "no longer its" (no cancel after every array lease). One heard after the end is."""
+    import asyncio
+
+    from gpumarket.broker.jobs import arrays as broker_arrays
+    from gpumarket.broker.jobs import transitions as jobs
+    from gpumarket.broker.market import providers
+    from gpumarket.proto.envelope import seal
+    from gpumarket.proto.identity import Identity
+    from gpumarket.proto.v1 import types_pb2 as pb
+
+    broker, client, provider = Identity.generate(), Identity.generate(), Identity.generate()
+
+    async def scenario():
+        w = store.write
+        await w(broker_arrays.submit, array_job(client, "a6", 1, 1), 1)
+        await w(jobs.create_lease, "a6-1", "p1", [0], 1.0, 2, 60_000, 0,
+                lambda lease: seal(broker, lease))
+        await w(jobs.mark_started, "a6-1", 1, "p1", 3)
+        receipt = seal(provider, pb.Receipt(job_id="a6-1", epoch=1, provider_id="p1"))
+        await w(jobs.succeed, "a6-1", 1, "p1", receipt.SerializeToString(), 6)
+        before = await w(providers.heartbeats, {"p1": 5}, {"p1": [("a6-1", 1)]})
+        after = await w(providers.heartbeats, {"p1": 7}, {"p1": [("a6-1", 1)]})
+        return before, after
+
+    assert asyncio.run(scenario()) == ({}, {"p1": [("a6-1", 1)]})
