@@ -378,7 +378,7 @@ def test_a_provider_s_oversized_or_too_many_carried_outputs_are_refused(
     from gpumarket.proto.v1 import types_pb2 as pb
 
     monkeypatch.setattr(arrays, "INLINE_UPDATE_BLOBS", 3)
-    state, servicer, session, provider, update, answers = inline_world(
+    _, servicer, session, provider, update, answers = inline_world(
         store, tmp_path, quota=100 if attack == "over-quota" else 1 << 30)
     small = [b"%d" % i for i in range(4)]
     if attack == "too-much":

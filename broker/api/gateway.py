@@ -15,12 +15,11 @@ import random
 
 import grpc
 
+from gpumarket.broker.api import task_results
 from gpumarket.broker.api.auth import caller
 from gpumarket.broker.api.rpc import STATUS
-from gpumarket.broker.api import task_results
 from gpumarket.broker.api.sessions import CHUNKS_PER_S, ProviderSession
 from gpumarket.broker.checks import verdicts
-from gpumarket.broker.jobs import arrays
 from gpumarket.broker.jobs import logs
 from gpumarket.broker.jobs import preemption
 from gpumarket.broker.jobs import endings
