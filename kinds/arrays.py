@@ -18,6 +18,9 @@ MAX_TASKS_BYTES = 32 << 20       # the tasks input
 MAX_LINE_BYTES = 64 << 10        # one task's parameters
 MAX_PER_LEASE = 1_000
 TASK_OUTPUTS = 1_000             # files a task may leave (its own receipt names them)
+INLINE_OUTPUT_BYTES = 64 << 10   # a task output this small may travel in its task results
+INLINE_UPDATE_BYTES = 1 << 20    # update (not uploaded); one update carries at most this ...
+INLINE_UPDATE_BLOBS = 1_000      # ... many bytes and blobs of them
 # What a task may not change: what the broker matched and sized the whole array on.
 FIXED = frozenset({"model", "model_name", "engine", "trust_remote_code", "dtype", "split"})
 

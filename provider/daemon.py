@@ -73,10 +73,15 @@ class ProviderDaemon:
         return {k for k in self.kinds if isolates or not kinds.get(k).opt_in}
 
     def running(self) -> list[tuple[str, int]]:
-        return [job.key for job in self.jobs.values()]
+        # Not a job whose final update went (it ended; its lease ends with that update,
+        # which the stream carries ahead of this heartbeat).
+        return [job.key for job in self.jobs.values() if job.key not in self.unsettled]
 
     def pending(self) -> list[gw.ProviderMessage]:
+        # A lease's task results go before its final update (which the broker settles only
+        # after them: the stream keeps their order).
         return [j.checkpoints.report for j in self.jobs.values() if j.checkpoints.report] + [
+            m for j in self.jobs.values() for m in j.task_results.pending()] + [
             j.update(ready=j.engine.ready) for j in self.jobs.values()
             if j.engine is not None and j.engine.ready is not None] + [
             *self.unsettled.values()]
@@ -172,6 +177,11 @@ class ProviderDaemon:
                 log.warning("broker refused the result of job %s: %s", settled.job_id,
                             settled.reason)
             await self._forget(job)
+
+    def on_tasks_settled(self, settled: gw.TaskResultsSettled) -> None:
+        job = self.jobs.get(settled.job_id)
+        if job is not None and job.key == (settled.job_id, settled.epoch):
+            job.task_results.settled(settled)
 
     async def _forget(self, job: Attempt) -> None:
         """The job is over: its devices are free now; its journal entry and work directory

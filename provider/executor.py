@@ -43,6 +43,9 @@ log = logging.getLogger(__name__)
 LOG_READ_BYTES = 1 << 20       # read at most this much of job.log per poll
 REPORTS_READ_BYTES = reports.MAX_LINE   # ... and of the reports
 
+# Ends a job uid's processes and keyrings at a job's end (one server for the daemon).
+ENDER = keyrings.Ender()
+
 REPORTS = "reports.jsonl"
 POLL_S = 0.05
 DISK_CHECK_S = 2.0             # how often a job's work directory is measured against its quota
@@ -385,8 +388,13 @@ class JobProcess:
             except CgroupError as exc:
                 log.error("job in %s: %s", self.workdir, exc)
         if self.sandbox is not None and self.sandbox.uid is not None:
-            kill_uid(self.sandbox.uid)
-            if self.sandbox.keyring and not keyrings.clear_as(self.sandbox.uid):
+            # One forked child kills the uid's processes and empties its keyrings (ENDER);
+            # a scan verifies. Where it could not, or something was still alive after it,
+            # both are done again the slow way.
+            uid, keyring = self.sandbox.uid, self.sandbox.keyring
+            ended = ENDER.end(uid, keyring)
+            alive = kill_uid(uid, killed=ended)
+            if keyring and (not ended or alive) and not keyrings.clear_as(uid):
                 log.warning("job in %s: the keyrings of uid %d were not emptied (the next"
                             " job of that uid empties them first)", self.workdir.name,
                             self.sandbox.uid)

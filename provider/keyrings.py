@@ -11,6 +11,13 @@ joins a new anonymous session keyring and empties the uid's own ones (``fresh``)
 empties them again when the job has ended (``clear_as``, in a child that takes the uid: the
 kernel lets only a keyring's possessor or owner clear it, not root as such).
 
+A job's end does that for every lease: rather than start an interpreter each time (most of a
+short lease's end), the daemon keeps one ``Ender`` (this file run with ``--serve``: the
+standard library alone, no threads, so forking it is safe and cheap) that forks a child per
+order; the child takes the uid, sends SIGKILL to every process of it (``kill(-1)``: the
+kernel reaches all of them at once, and a fork racing it is either reached or fails) and
+then empties its keyrings.
+
     python -m gpumarket.provider.keyrings UID     # as root: empty UID's keyrings
 
 No torch here: this runs in the job process before anything of the job.
@@ -22,8 +29,10 @@ import ctypes
 import errno
 import os
 import platform
+import signal
 import subprocess
 import sys
+import threading
 
 SYS_KEYCTL = {"x86_64": 250, "aarch64": 219}
 KEYCTL_GET_KEYRING_ID, KEYCTL_JOIN_SESSION_KEYRING, KEYCTL_CLEAR = 0, 1, 7
@@ -38,13 +47,19 @@ class KeyringError(Exception):
         self.errno = err
 
 
+_libc: list = []
+
+
 def keyctl(op: int, *args: int | bytes | None) -> int:
     """keyctl(2); its result, or KeyringError (with the errno) if it failed."""
     number = SYS_KEYCTL.get(platform.machine())
     if number is None:
         raise KeyringError(f"keyctl is not known on {platform.machine()}", errno.ENOSYS)
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.syscall.restype = ctypes.c_long
+    if not _libc:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.syscall.restype = ctypes.c_long
+        _libc.append(libc)
+    libc = _libc[0]
     wire = [ctypes.c_char_p(a) if isinstance(a, bytes) or a is None else ctypes.c_long(a)
             for a in args]
     result = libc.syscall(ctypes.c_long(number), ctypes.c_long(op), *wire)
@@ -98,7 +113,88 @@ def clear_as(uid: int) -> bool:
     return r.returncode == 0
 
 
+class Ender:
+    """The daemon's end of one ``--serve`` process (started on first use, again if it died):
+    ``end(uid, keyrings)`` kills every process of ``uid`` and, if ``keyrings``, empties its
+    keyrings, in a child forked for it. Thread-safe (one order at a time)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.proc: subprocess.Popen | None = None
+
+    def end(self, uid: int, keyrings: bool) -> bool:
+        """True if the child killed and (if asked) emptied; False if it failed or there is no
+        server (the caller then does it the slow way)."""
+        if uid <= 0:
+            return False
+        with self.lock:
+            for _ in range(2):      # a server that died is started once more
+                try:
+                    if self.proc is None or self.proc.poll() is not None:
+                        self.proc = subprocess.Popen(
+                            [sys.executable, "-I", "-S", os.path.abspath(__file__), "--serve"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, env={}, close_fds=True,
+                            start_new_session=True)
+                    self.proc.stdin.write(f"{uid} {int(keyrings)}\n".encode())
+                    self.proc.stdin.flush()
+                    answer = self.proc.stdout.readline()
+                    if answer:
+                        return answer.strip() == b"0"
+                except OSError:
+                    pass
+                self.close()
+            return False
+
+    def close(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is not None:
+            proc.kill()
+            proc.wait()
+            for f in (proc.stdin, proc.stdout):
+                try:
+                    f.close()
+                except OSError:
+                    pass
+
+
+def _end(uid: int, clear: bool) -> int:
+    """In a forked child: take ``uid``, SIGKILL all of its processes, empty its keyrings."""
+    try:
+        os.setgroups([])
+        os.setgid(uid)
+        os.setuid(uid)
+        try:
+            os.kill(-1, signal.SIGKILL)     # every process of the uid but this one
+        except ProcessLookupError:
+            pass                            # none
+        if clear:
+            fresh(clear=True)
+    except (OSError, KeyringError):
+        return 1
+    return 0
+
+
+def serve() -> int:
+    """Answer "UID KEYRINGS" lines on stdin, "0" (done) or "1" (failed) each, until EOF."""
+    for line in sys.stdin.buffer:
+        parts = line.split()
+        if len(parts) != 2 or not parts[0].isdigit() or int(parts[0]) <= 0:
+            code = 1
+        else:
+            pid = os.fork()
+            if pid == 0:
+                os._exit(_end(int(parts[0]), parts[1] == b"1"))
+            _, status = os.waitpid(pid, 0)
+            code = 0 if os.waitstatus_to_exitcode(status) == 0 else 1
+        sys.stdout.write(f"{code}\n")
+        sys.stdout.flush()
+    return 0
+
+
 def main() -> int:
+    if sys.argv[1:] == ["--serve"]:
+        return serve()
     if len(sys.argv) != 2 or not sys.argv[1].isdigit():
         print("usage: python -m gpumarket.provider.keyrings UID", file=sys.stderr)
         return 2

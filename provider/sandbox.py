@@ -372,29 +372,54 @@ def missing_for_code(features: dict) -> list[str]:
 KILL_ALL = ["/bin/sh", "-c", "kill -9 -1"]
 
 
-def kill_uid(uid: int) -> int:
+def kill_uid(uid: int, killed: bool = False) -> int:
     """SIGKILL every process of ``uid`` (a job's uid: whatever it left behind, even outside
-    its process group and after detaching); return how many were seen. A child that takes
-    the uid sends ``kill(-1)``, which the kernel delivers to all of the uid's processes at
-    once, so none can fork past it. It is sent whatever a scan of /proc shows (a process
-    that forks and exits in a loop can be missed by a scan) until three scans in a row find
-    nothing.
+    its process group and after detaching); return how many were seen alive after a kill
+    (0: the first kill ended them all). A child that takes the uid sends ``kill(-1)``, which
+    the kernel delivers to all of the uid's processes at once: none forks past it (a fork
+    that races it either makes a child the kill reaches or fails, as the parent has the
+    signal pending), so one kill ends them all, and a scan of /proc after it verifies that;
+    should it show one alive, the kill is sent again until a scan shows none. ``killed``:
+    the uid's processes were just sent that kill (keyrings.Ender): scan, kill only if
+    needed.
 
     The child is exec'd, not a bare ``os.fork()`` of the daemon: no Python runs in it
     before the kill (gRPC's fork handlers, which could abort it there, are off in the
     provider: see provider/__init__.py)."""
-    seen, quiet = 0, 0
-    for _ in range(100):
-        subprocess.run(KILL_ALL, user=uid, group=uid, extra_groups=[], close_fds=True,
-                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                       stderr=subprocess.DEVNULL, env={}, check=False)
-        pids = processes_of({uid}).get(uid, [])
-        seen = max(seen, len(pids))
-        quiet = 0 if pids else quiet + 1
-        if quiet == 3:
-            break
+    seen = 0
+    for tries in range(100):
+        if tries or not killed:
+            subprocess.run(KILL_ALL, user=uid, group=uid, extra_groups=[], close_fds=True,
+                           stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL, env={}, check=False)
+        live, dead = _scan(uid)
+        seen = max(seen, len(live))
+        if not live:
+            if dead:
+                _await_reaped(uid)
+            return seen
     _await_reaped(uid)
     return seen
+
+
+def _scan(uid: int) -> tuple[list[int], list[int]]:
+    """The processes of ``uid``: those alive, and the zombies."""
+    out: tuple[list[int], list[int]] = ([], [])
+    for pid, status in _statuses():
+        if uid in {int(u) for u in status.get("Uid", "").split()[:3]}:
+            out[status.get("State", "").strip().startswith("Z")].append(pid)
+    return out
+
+
+def _statuses():
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/status") as f:
+                yield int(entry), dict(line.split(":", 1) for line in f if ":" in line)
+        except OSError:
+            continue
 
 
 def _await_reaped(uid: int, timeout_s: float = 5.0) -> None:

@@ -1,7 +1,10 @@
 """The task results of a job array's lease: each task that ends is passed on to the broker,
 those that end together in one update; a task that succeeded and left outputs only once
 they are stored at the broker, with a receipt for them alone (so an array's results can be
-fetched as its tasks end, not only when their lease does)."""
+fetched as its tasks end, not only when their lease does). Small outputs travel in the
+update itself (the broker stores them in the transaction that records their tasks); larger
+ones are uploaded first. Each update is kept, and sent again on the next session, until
+the broker acknowledges it (TaskResultsSettled)."""
 
 from __future__ import annotations
 
@@ -41,6 +44,8 @@ BLOBS_PER_CALL = 1000      # small files in one UploadBlobs call ...
 BLOB_CALL_BYTES = 16 << 20  # ... and their bytes
 UPLOAD_TRIES = 5           # a flush's outputs are tried this often, waiting UPLOAD_BACKOFF_S,
 UPLOAD_BACKOFF_S = 0.5     # doubling, between tries; then its tasks are reported failed
+# Outputs sent in the task results update rather than uploaded (kinds/arrays.py): each at
+# most INLINE_OUTPUT_BYTES, an update's at most INLINE_UPDATE_BYTES and INLINE_UPDATE_BLOBS.
 
 
 @dataclass(frozen=True)
@@ -63,6 +68,11 @@ class Store(Protocol):
     async def upload_blobs(self, blobs: list[tuple[str, bytes]]) -> list: ...
 
 
+def ref_of(o: TaskOutput) -> pb.ArtifactRef:
+    return pb.ArtifactRef(name=arrays.output_name(o.task, o.name), sha256=o.sha256,
+                          size_bytes=o.size)
+
+
 def task_outputs(task: int) -> str:
     """Where an array task's outputs are, in its lease's work dir."""
     return f"tasks/{task:06d}/outputs"
@@ -82,7 +92,10 @@ class TaskResults:
         self.host = host
         self.update = update
         self.sign = sign
-        self.results: list[gw.TaskResult] = []      # told, not yet sent
+        self.results: list[tuple[gw.TaskResult, dict[str, bytes]]] = []  # told, not yet
+                                            # sent: each with the outputs that go with it
+        self.sent = 0                       # updates sent (their seq)
+        self.unacked: dict[int, gw.ProviderMessage] = {}    # by seq: sent, not acknowledged
         self.flush_timer: asyncio.TimerHandle | None = None
         self.to_upload: list[gw.TaskResult] = []    # tasks succeeded, their outputs to go up
         self.uploader: asyncio.Task | None = None
@@ -107,8 +120,8 @@ class TaskResults:
             self.queue(result)
         return True
 
-    def queue(self, result: gw.TaskResult) -> None:
-        self.results.append(result)
+    def queue(self, result: gw.TaskResult, blobs: dict[str, bytes] | None = None) -> None:
+        self.results.append((result, blobs or {}))
         if self.flush_timer is None:
             self.flush_timer = asyncio.get_running_loop().call_later(TASK_FLUSH_S, self.flush)
 
@@ -130,12 +143,14 @@ class TaskResults:
 
     async def send_outputs(self, batch: list[gw.TaskResult]) -> None:
         found = await asyncio.to_thread(self.read_outputs, [r.task for r in batch])
+        inline = {r.task: self.inline(found[r.task]) for r in batch
+                  if not isinstance(found[r.task], str)}
         outputs = [o for r in batch if not isinstance(found[r.task], str)
-                   for o in found[r.task]]
+                   for o in found[r.task] if o.sha256 not in inline[r.task]]
         error = ""
         for tried in range(1, UPLOAD_TRIES + 1):
             try:
-                refs = await self.store(outputs)
+                await self.store(outputs)
                 error = ""
                 break
             except (GpumarketError, OSError) as exc:
@@ -152,11 +167,24 @@ class TaskResults:
                 result.error = (got if isinstance(got, str) else
                                 f"its outputs could not be stored at the broker: {error}")[:1000]
             else:
-                result.receipt.CopyFrom(self.sign([refs[(o.task, o.name)] for o in got],
-                                                  result.seconds))
-            self.results.append(result)
+                result.receipt.CopyFrom(self.sign([ref_of(o) for o in got], result.seconds))
+            self.results.append((result, inline.get(result.task, {}) if result.ok else {}))
         # Their window passed before the upload: they go now (with any told meanwhile).
         self.flush()
+
+    @staticmethod
+    def inline(outputs: list[TaskOutput]) -> dict[str, bytes]:
+        """Those of a task's outputs that go with its result rather than up on their own
+        (sha256 → bytes): the small ones read whole, while the update's bounds last."""
+        out: dict[str, bytes] = {}
+        size = 0
+        for o in outputs:
+            if (o.data is not None and o.size <= arrays.INLINE_OUTPUT_BYTES
+                    and o.sha256 not in out and len(out) < arrays.INLINE_UPDATE_BLOBS
+                    and size + o.size <= arrays.INLINE_UPDATE_BYTES):
+                out[o.sha256] = o.data
+                size += o.size
+        return out
 
     def read_outputs(self, tasks: list[int]) -> dict[int, list[TaskOutput] | str]:
         """Each task's output files (the job's own plain files, read through descriptors
@@ -203,10 +231,10 @@ class TaskResults:
             os.close(root)
         return found
 
-    async def store(self, outputs: list[TaskOutput]) -> dict[tuple[int, str], pb.ArtifactRef]:
+    async def store(self, outputs: list[TaskOutput]) -> None:
         """Upload task outputs, each content once: the small files read whole in few
         UploadBlobs calls, the rest one by one (UPLOADS_AT_ONCE at a time, each opened
-        again as read_outputs did). Their references, by (task, name)."""
+        again as read_outputs did)."""
         small = {o.sha256: o.data for o in outputs if o.data is not None}
         large = {o.sha256: o for o in outputs if o.data is None and o.sha256 not in small}
         group: list[tuple[str, bytes]] = []
@@ -236,9 +264,6 @@ class TaskResults:
         for result in ended:
             if isinstance(result, BaseException):
                 raise result
-        return {(o.task, o.name): pb.ArtifactRef(name=arrays.output_name(o.task, o.name),
-                                                 sha256=o.sha256, size_bytes=o.size)
-                for o in outputs}
 
     async def settle(self, dropped: bool = False) -> None:
         """The job ended: its tasks' outputs go up at once (or are ``dropped``, with a
@@ -252,19 +277,49 @@ class TaskResults:
 
     def flush(self) -> None:
         """Send every task result told so far, in updates of at most TASKS_PER_UPDATE
-        results and UPDATE_BYTES."""
+        results and UPDATE_BYTES, each with the outputs that go with its results (within
+        the INLINE bounds); each kept until the broker acknowledges it (``settled``)."""
         if self.flush_timer is not None:
             self.flush_timer.cancel()
             self.flush_timer = None
         batch: list[gw.TaskResult] = []
-        size = 0
-        for result in self.results:
+        blobs: dict[str, bytes] = {}
+        size = blob_bytes = 0
+        for result, theirs in self.results:
+            new = {sha: data for sha, data in theirs.items() if sha not in blobs}
+            more = sum(map(len, new.values()))
             if batch and (len(batch) == TASKS_PER_UPDATE
-                          or size + result.ByteSize() > UPDATE_BYTES):
-                self.host.send(self.update(tasks=gw.TaskResults(results=batch)))
-                batch, size = [], 0
+                          or size + result.ByteSize() > UPDATE_BYTES
+                          or blob_bytes + more > arrays.INLINE_UPDATE_BYTES
+                          or len(blobs) + len(new) > arrays.INLINE_UPDATE_BLOBS):
+                self.send(batch, blobs)
+                batch, blobs, size, blob_bytes = [], {}, 0, 0
+                new, more = dict(theirs), sum(map(len, theirs.values()))
             batch.append(result)
+            blobs.update(new)
             size += result.ByteSize()
+            blob_bytes += more
         if batch:
-            self.host.send(self.update(tasks=gw.TaskResults(results=batch)))
+            self.send(batch, blobs)
         self.results = []
+
+    def send(self, results: list[gw.TaskResult], blobs: dict[str, bytes]) -> None:
+        self.sent += 1
+        message = self.update(tasks=gw.TaskResults(
+            results=results, seq=self.sent,
+            blobs=[gw.TaskOutputBlob(sha256=sha, data=data) for sha, data in blobs.items()]))
+        self.unacked[self.sent] = message
+        self.host.send(message)
+
+    def settled(self, answer: gw.TaskResultsSettled) -> None:
+        """The broker recorded (or refused) update ``answer.seq``: it is not sent again. A
+        refused one's tasks are not recorded: the broker runs them again."""
+        sent = self.unacked.pop(answer.seq, None)
+        if sent is not None and not answer.accepted:
+            log.warning("lease %s: the broker refused %d task results: %s", self.workdir.name,
+                        len(sent.job_update.tasks.results), answer.reason)
+
+    def pending(self) -> list[gw.ProviderMessage]:
+        """The updates the broker has not acknowledged yet, in the order sent (to send
+        again on a new session, before the lease's final update)."""
+        return [self.unacked[seq] for seq in sorted(self.unacked)]

@@ -6,12 +6,13 @@ big one's leases yield between tasks); and a resubmission of the failed tasks al
 from __future__ import annotations
 
 import json
+import signal
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import own_tracebacks
-from tests.helpers import BIN, LEASE_ARGS, ROOT, Marketplace, Process, wait_until
+from tests.helpers import BIN, LEASE_ARGS, ROOT, Marketplace, Process, free_port, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -103,6 +104,38 @@ def test_no_task_succeeds_without_its_outputs_when_uploads_fail_and_are_throttle
     assert job["state"] == "SUCCEEDED" and len(succeeded) == 80, job
     flaky = m.providers["flaky"].text()
     assert "not stored (try 1 of 5)" in flaky, flaky[-3000:]    # its uploads were refused
+
+
+def test_task_results_that_ended_while_the_broker_was_down_arrive_after_its_restart(
+        tmp_path):
+    """An array lease's tasks end while its broker is down (killed): their results, with
+    the small outputs they carry, are kept by the provider and sent again on its new
+    session; every task is SUCCEEDED with its right result, none run again."""
+    m = Marketplace(tmp_path)
+    port = free_port()
+    try:
+        m.start_broker(listen=f"127.0.0.1:{port}")
+        assert m.cli("keys", "init").returncode == 0
+        m.start_provider("p1", 1.0, "--kinds", "script")
+        m.wait_for_offers(1)
+        job_id = submit(m, array_file(tmp_path, "sweep", 40, 0.15, per_lease=40))
+        wait_until(lambda: m.job(job_id).get("array", {}).get("succeeded", 0) >= 3,
+                   "the first tasks to succeed", timeout=120, interval=0.2)
+        m.broker.stop(signal.SIGKILL)
+        workdir = m.root / "p1" / "jobs" / f"{job_id}-1.1"
+        # Tasks that leave outputs leave their directory: 8 more have ended, unsent.
+        told = len(list((workdir / "tasks").iterdir()))
+        wait_until(lambda: len(list((workdir / "tasks").iterdir())) >= told + 8,
+                   "tasks to end while the broker is down", timeout=60, interval=0.1)
+        m.start_broker(listen=f"127.0.0.1:{port}", credit=0)
+        job = wait_until(lambda: (j := m.job(job_id))["state"] in ("SUCCEEDED", "FAILED") and j,
+                         "the array to end", timeout=240, interval=0.5)
+        assert job["state"] == "SUCCEEDED", job
+        assert sorted(check_results(m, job_id, tmp_path / "out")) == list(range(40))
+        assert all(t["attempts"] == 0 for t in tasks_of(m, job_id))
+        assert "Traceback" not in m.providers["p1"].text()
+    finally:
+        m.close()
 
 
 def test_a_small_array_of_another_client_starts_while_a_big_one_runs(market, tmp_path):

@@ -256,3 +256,183 @@ def test_a_failed_task_runs_again_on_another_provider_first(store, tmp_path):
         assert leased() == [("a3-2", "dear")]    # not back to the cheaper one it failed on
 
     asyncio.run(scenario())
+
+
+def inline_world(store, tmp_path, quota: int = 1 << 30):
+    """A broker (its gateway servicer, state, a provider's open session) with an array of
+    two tasks leased to that provider and started; and a maker of that lease's task results
+    updates whose outputs travel in the update."""
+    import asyncio
+    import dataclasses
+    import hashlib
+
+    from gpumarket.broker.api.gateway import ProviderGatewayServicer
+    from gpumarket.broker.config import BrokerConfig
+    from gpumarket.broker.jobs import arrays as broker_arrays
+    from gpumarket.broker.jobs import transitions as jobs
+    from gpumarket.broker.market import providers
+    from gpumarket.broker.state import BrokerState
+    from gpumarket.broker.store.artifact_store import ArtifactStore
+    from gpumarket.proto.envelope import seal
+    from gpumarket.proto.identity import Identity
+    from gpumarket.proto.v1 import gateway_pb2 as gw
+    from gpumarket.proto.v1 import types_pb2 as pb
+
+    broker, client, provider = Identity.generate(), Identity.generate(), Identity.generate()
+    config = dataclasses.replace(BrokerConfig(data_dir=tmp_path), max_key_artifact_bytes=quota)
+    state = BrokerState(config, broker, store, ArtifactStore(tmp_path / "artifacts", 1 << 30))
+    servicer = ProviderGatewayServicer(state)
+    session = state.sessions.open(provider.id)
+
+    async def setup():
+        w = store.write
+        await w(providers.online, provider.id, provider.public_key, 1)
+        await w(broker_arrays.submit, array_job(client, "a5", 2, 2, max_attempts=3), 1)
+        await w(jobs.create_lease, "a5-1", provider.id, [0], 1.0, 2, 60_000, 0,
+                lambda lease: seal(broker, lease))
+        await w(jobs.mark_started, "a5-1", 1, provider.id, 3)
+        return (await store.read(jobs.job_row, "a5-1"))["spec_sha256"]
+
+    spec_sha = asyncio.run(setup())
+
+    def update(seq: int, outputs: dict[int, list[bytes]], blobs=None) -> gw.JobUpdate:
+        """Tasks ``outputs`` names succeeded, each with those files (result-N.json), their
+        bytes carried along (``blobs``: these instead)."""
+        results, carried = [], {}
+        for task, files in outputs.items():
+            refs = []
+            for n, data in enumerate(files):
+                sha = hashlib.sha256(data).hexdigest()
+                refs.append(pb.ArtifactRef(name=arrays.output_name(task, f"result-{n}.json"),
+                                           sha256=sha, size_bytes=len(data)))
+                carried[sha] = data
+            receipt = seal(provider, pb.Receipt(job_id="a5-1", epoch=1, provider_id=provider.id,
+                                                spec_sha256=spec_sha, outputs=refs))
+            results.append(gw.TaskResult(task=task, ok=True, seconds=0.1, receipt=receipt))
+        blobs = carried.items() if blobs is None else blobs
+        return gw.JobUpdate(job_id="a5-1", epoch=1, tasks=gw.TaskResults(
+            results=results, seq=seq,
+            blobs=[gw.TaskOutputBlob(sha256=s, data=d) for s, d in blobs]))
+
+    def answers() -> list:
+        out = []
+        while not session.outbox.empty():
+            m = session.outbox.get_nowait()
+            if m.WhichOneof("msg") == "tasks_settled":
+                out.append((m.tasks_settled.seq, m.tasks_settled.accepted,
+                            m.tasks_settled.reason))
+        return out
+
+    return state, servicer, session, provider, update, answers
+
+
+def task_rows(db):
+    return {r[0]: (r[1], json.loads(r[2]) if r[2] else None) for r in db.execute(
+        "SELECT task, state, outputs FROM array_tasks ORDER BY task")}
+
+
+def test_small_outputs_travel_with_their_task_results_stored_held_and_acknowledged(
+        store, tmp_path):
+    """A provider sends a task's small outputs inside its task results update: the broker
+    stores them and marks the task SUCCEEDED with them in one go, the provider then holds
+    them as if it had uploaded them (its quota counts them, once), and the update is
+    acknowledged (seq) so the provider may forget it. Sent again (its acknowledgement
+    lost): acknowledged again, nothing counted twice."""
+    import asyncio
+
+    from gpumarket.broker.store import blob_holdings
+    from gpumarket.proto.v1 import types_pb2 as pb
+
+    state, servicer, session, provider, update, answers = inline_world(store, tmp_path)
+    files = {0: [b'{"task": 0}', b"x" * arrays.INLINE_OUTPUT_BYTES], 1: [b'{"task": 1}']}
+    sent = update(7, files)
+
+    async def scenario():
+        await servicer._job_update(session, sent)
+        assert answers() == [(7, True, "")]
+        held = await store.read(blob_holdings.uploaded_bytes, provider.id)
+        assert held == sum(len(d) for fs in files.values() for d in fs)
+        await servicer._job_update(session, sent)                  # again: no harm
+        assert answers() == [(7, True, "")]
+        assert await store.read(blob_holdings.uploaded_bytes, provider.id) == held
+        return await store.read(task_rows)
+
+    rows = asyncio.run(scenario())
+    assert {t: row[0] for t, row in rows.items()} == {0: pb.JOB_STATE_SUCCEEDED,
+                                                             1: pb.JOB_STATE_SUCCEEDED}
+    for task, (_, outputs) in rows.items():
+        assert [state.artifacts.read_blob(o["sha256"], 1 << 20) for o in outputs] == files[task]
+
+
+@pytest.mark.parametrize("attack", ["oversized", "too-much", "too-many", "unnamed",
+                                    "wrong-bytes", "over-quota"])
+def test_a_provider_s_oversized_or_too_many_carried_outputs_are_refused(
+        store, tmp_path, monkeypatch, attack):
+    """What a provider carries in a task results update is bounded: an output over 64 KiB,
+    over 1 MiB of them, more than the update may carry, one no receipt names, bytes that
+    are not what they claim, or more than the provider's quota: the update is refused with
+    the reason (its tasks run again), no task SUCCEEDED and nothing of it stored or held."""
+    import asyncio
+    import hashlib
+
+    from gpumarket.broker.store import blob_holdings
+    from gpumarket.proto.v1 import types_pb2 as pb
+
+    monkeypatch.setattr(arrays, "INLINE_UPDATE_BLOBS", 3)
+    _, servicer, session, provider, update, answers = inline_world(
+        store, tmp_path, quota=100 if attack == "over-quota" else 1 << 30)
+    small = [b"%d" % i for i in range(4)]
+    if attack == "too-much":
+        monkeypatch.setattr(arrays, "INLINE_UPDATE_BYTES", 65_000)
+    big = b"y" * 40_000
+    sent, why = {
+        "oversized": (update(1, {0: [b"z" * (arrays.INLINE_OUTPUT_BYTES + 1)]}), "65,536"),
+        "too-much": (update(1, {0: [big + b"1"], 1: [big + b"2"]}), "65,000 bytes"),
+        "too-many": (update(1, {0: small}), "at most 3 outputs"),
+        "unnamed": (update(1, {0: [b"a"]}, blobs=[(hashlib.sha256(b"b").hexdigest(), b"b")]),
+                    "no receipt"),
+        "wrong-bytes": (update(1, {0: [b"a"]}, blobs=[(hashlib.sha256(b"a").hexdigest(),
+                                                       b"b")]), "hash"),
+        "over-quota": (update(1, {0: [b"q" * 101]}), "limit"),
+    }[attack]
+
+    async def scenario():
+        await servicer._job_update(session, sent)
+        return answers(), await store.read(blob_holdings.uploaded_bytes, provider.id), \
+            await store.read(task_rows)
+
+    [(seq, accepted, reason)], held, rows = asyncio.run(scenario())
+    assert (seq, accepted) == (1, False) and why in reason, reason
+    assert held == 0
+    assert all(s != pb.JOB_STATE_SUCCEEDED and outputs is None for s, outputs in rows.values())
+    assert list((tmp_path / "artifacts" / "blobs").rglob("*")) == []
+
+
+def test_a_heartbeat_heard_before_a_lease_ended_does_not_cancel_it_again(store):
+    """A provider's heartbeat lists a lease; its final update ends the lease before the
+    broker writes that heartbeat (the next pass, woken by the end itself): the lease is not
+    "no longer its" (no cancel after every array lease). One heard after the end is."""
+    import asyncio
+
+    from gpumarket.broker.jobs import arrays as broker_arrays
+    from gpumarket.broker.jobs import transitions as jobs
+    from gpumarket.broker.market import providers
+    from gpumarket.proto.envelope import seal
+    from gpumarket.proto.identity import Identity
+    from gpumarket.proto.v1 import types_pb2 as pb
+
+    broker, client, provider = Identity.generate(), Identity.generate(), Identity.generate()
+
+    async def scenario():
+        w = store.write
+        await w(broker_arrays.submit, array_job(client, "a6", 1, 1), 1)
+        await w(jobs.create_lease, "a6-1", "p1", [0], 1.0, 2, 60_000, 0,
+                lambda lease: seal(broker, lease))
+        await w(jobs.mark_started, "a6-1", 1, "p1", 3)
+        receipt = seal(provider, pb.Receipt(job_id="a6-1", epoch=1, provider_id="p1"))
+        await w(jobs.succeed, "a6-1", 1, "p1", receipt.SerializeToString(), 6)
+        before = await w(providers.heartbeats, {"p1": 5}, {"p1": [("a6-1", 1)]})
+        after = await w(providers.heartbeats, {"p1": 7}, {"p1": [("a6-1", 1)]})
+        return before, after
+
+    assert asyncio.run(scenario()) == ({}, {"p1": [("a6-1", 1)]})

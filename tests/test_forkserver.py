@@ -257,6 +257,39 @@ def test_a_forked_job_keeps_its_caches_in_its_own_directory(tmp_path):
     assert hub_cache == f"{workdir}/.cache/huggingface/hub", line
 
 
+def test_a_forked_job_s_exit_runs_its_own_finalizers_not_the_forkserver_s(tmp_path):
+    """What the forkserver's imports left to finalize at exit (torch's operator libraries:
+    a tenth of a second of every lease's end) is the server's: a forked job's exit runs only
+    the finalizers it registered itself."""
+    (tmp_path / "final_runner.py").write_text(
+        "import os, weakref\n"
+        "class Held: pass\n"
+        "def mark(who):\n"
+        "    with open(os.path.join(os.environ['HOME'], 'finalized'), 'a') as f:\n"
+        "        f.write(who + '\\n')\n"
+        "def warm_up():\n"
+        "    global server\n"
+        "    server = Held(); weakref.finalize(server, mark, 'server')\n"
+        "def main():\n"
+        "    global job\n"
+        "    job = Held(); weakref.finalize(job, mark, 'job')\n"
+        "    return 0\n")
+    jobs = tmp_path / "jobs"
+
+    async def go():
+        forks = ForkServers(jobs, True)
+        await forks.start("final_runner", (str(ROOT), str(tmp_path)))
+        workdir = write_job(jobs / "j.1")
+        child = await forks.spawn("final_runner", workdir, env_of(workdir), "",
+                                  open_log(workdir))
+        assert isinstance(child, ForkedChild) and await child.wait() == 0
+        await forks.close()
+        return workdir
+
+    workdir = asyncio.run(go())
+    assert (Path(env_of(workdir)["HOME"]) / "finalized").read_text() == "job\n"
+
+
 def test_without_forkservers_or_with_a_dead_one_a_job_starts_cold_or_on_a_new_one(tmp_path):
     jobs = tmp_path / "jobs"
 

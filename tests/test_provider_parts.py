@@ -145,12 +145,15 @@ def task_results(host: FakeHost) -> dict[int, gw.TaskResult]:
 
 
 def test_task_outputs_go_up_in_few_calls_each_content_once_before_their_tasks_are_told(
-        tmp_path):
+        tmp_path, monkeypatch):
     """An array lease's tasks each leave many files: the small ones of tasks that end
     together go up in few calls (not one a file), content alike once, a large one on its
     own; each task is then passed on with its own receipt naming its files. A task that
-    left a link fails alone."""
+    left a link fails alone. (Uploaded: none goes with the task results here.)"""
+    from gpumarket.kinds import arrays
     from gpumarket.kinds.arrays import output_name
+
+    monkeypatch.setattr(arrays, "INLINE_OUTPUT_BYTES", 0)
     from gpumarket.proto.artifacts import CHUNK_BYTES
     from gpumarket.provider.reports import TaskEnded
 
@@ -199,6 +202,51 @@ def test_task_outputs_go_up_in_few_calls_each_content_once_before_their_tasks_ar
     assert host.blobs[hashlib.sha256(big).hexdigest()] == big
 
 
+def test_small_task_outputs_go_with_their_results_kept_until_the_broker_acknowledges(
+        tmp_path):
+    """Small outputs travel in the task results update itself (no upload call), a larger
+    one is uploaded first; each update has its number and is kept, to be sent again on the
+    next session, until the broker acknowledges it."""
+    from gpumarket.kinds import arrays
+    from gpumarket.provider.reports import TaskEnded
+
+    host, job = array_attempt(tmp_path, 3)
+    big = os.urandom(arrays.INLINE_OUTPUT_BYTES + 1)
+    for task in range(3):
+        out = job.workdir / "tasks" / f"{task:06d}" / "outputs"
+        out.mkdir(parents=True)
+        (out / "result.json").write_text(f'{{"task": {task}}}')
+    (job.workdir / "tasks" / "000002" / "outputs" / "big.bin").write_bytes(big)
+    uploaded: list[str] = []
+    real = host.upload_blobs
+
+    async def upload_blobs(blobs):
+        uploaded.extend(sha for sha, _ in blobs)
+        return await real(blobs)
+
+    host.upload_blobs = upload_blobs
+
+    async def scenario():
+        for task in range(3):
+            job.task_ended(TaskEnded(task, True, "", 0.01))
+        await job.task_results.settle()
+
+    asyncio.run(scenario())
+    assert uploaded == [hashlib.sha256(big).hexdigest()]
+    [message] = [m for m in host.sent if m.job_update.WhichOneof("update") == "tasks"]
+    update = message.job_update.tasks
+    assert update.seq == 1 and sorted(r.task for r in update.results) == [0, 1, 2]
+    carried = {b.sha256: b.data for b in update.blobs}
+    assert sorted(carried.values()) == [b'{"task": %d}' % t for t in range(3)]
+    for r in update.results:
+        receipt, _ = open_envelope(r.receipt, pb.Receipt)
+        assert all(o.sha256 in carried or o.sha256 == hashlib.sha256(big).hexdigest()
+                   for o in receipt.outputs)
+    assert job.task_results.pending() == [message]
+    job.task_results.settled(gw.TaskResultsSettled(job_id="j", epoch=1, seq=1, accepted=True))
+    assert job.task_results.pending() == []
+
+
 @pytest.mark.parametrize("never", [False, True], ids=["stored-on-the-third-try", "never"])
 def test_outputs_that_cannot_be_stored_are_tried_again_then_their_tasks_fail(tmp_path,
                                                                            monkeypatch, never):
@@ -209,7 +257,10 @@ def test_outputs_that_cannot_be_stored_are_tried_again_then_their_tasks_fail(tmp
     from gpumarket.provider import task_results as results_module
     from gpumarket.provider.reports import TaskEnded
 
+    from gpumarket.kinds import arrays
+
     monkeypatch.setattr(results_module, "UPLOAD_BACKOFF_S", 0.01)
+    monkeypatch.setattr(arrays, "INLINE_OUTPUT_BYTES", 0)    # the upload path
     failures = results_module.UPLOAD_TRIES if never else 2
     host, job = array_attempt(tmp_path, 3)
     for task in range(3):

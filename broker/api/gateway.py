@@ -15,11 +15,11 @@ import random
 
 import grpc
 
+from gpumarket.broker.api import task_results
 from gpumarket.broker.api.auth import caller
 from gpumarket.broker.api.rpc import STATUS
 from gpumarket.broker.api.sessions import CHUNKS_PER_S, ProviderSession
 from gpumarket.broker.checks import verdicts
-from gpumarket.broker.jobs import arrays
 from gpumarket.broker.jobs import logs
 from gpumarket.broker.jobs import preemption
 from gpumarket.broker.jobs import endings
@@ -286,12 +286,7 @@ class ProviderGatewayServicer(gateway_pb2_grpc.ProviderGatewayServicer):
                     self.state.serving.ready(pid, update.job_id, update.epoch, job["parent_id"],
                                              update.ready)
             elif which == "tasks":
-                results = list(update.tasks.results)
-                signed = sum(1 for r in results if r.receipt.payload)
-                receipts = await asyncio.to_thread(arrays.task_receipts, results, pid) \
-                    if signed > 16 else arrays.task_receipts(results, pid)
-                await store.write(arrays.record_results, update.job_id, update.epoch, pid,
-                                  results, now, receipts)
+                await task_results.record(self.state, pid, update, now)
             elif which == "log":
                 await store.write(logs.append, update.job_id, update.epoch, pid,
                                   list(update.log.lines), now)
@@ -302,6 +297,8 @@ class ProviderGatewayServicer(gateway_pb2_grpc.ProviderGatewayServicer):
         except GpumarketError as exc:
             session.log(log, logging.INFO, "update %s for %s from %s refused: %s", which,
                         update.job_id, pid, exc.message)
+            if which == "tasks" and update.tasks.seq:
+                session.send(task_results.settled(update, exc.message))
             if final:
                 session.send(gw.BrokerMessage(settled=gw.UpdateSettled(
                     job_id=update.job_id, epoch=update.epoch, accepted=False, reason=exc.message)))
@@ -313,6 +310,8 @@ class ProviderGatewayServicer(gateway_pb2_grpc.ProviderGatewayServicer):
             session.send(gw.BrokerMessage(settled=gw.UpdateSettled(
                 job_id=update.job_id, epoch=update.epoch, accepted=True)))
             self.state.placement.notify()
+        elif which == "tasks" and update.tasks.seq:
+            session.send(task_results.settled(update))
         self.state.events.notify()
 
     async def _failure(self, provider_id: str, update: gw.JobUpdate

@@ -7,6 +7,7 @@ Each function runs inside one write transaction (see Store.write). No grpc here.
 
 from __future__ import annotations
 
+import hashlib
 import json
 
 from sqlite_utils import Database
@@ -97,6 +98,36 @@ def task_receipts(results: list[gw.TaskResult], provider_id: str) -> dict[int, p
     return out
 
 
+def inline_outputs(update: gw.TaskResults, receipts: dict[int, pb.Receipt]
+                   ) -> list[tuple[str, bytes]]:
+    """The small outputs a task results update carries (sha256, bytes), each hash-checked,
+    within the bounds (kinds/arrays.py: INLINE_OUTPUT_BYTES each, INLINE_UPDATE_BYTES and
+    INLINE_UPDATE_BLOBS in all), and each one an output a succeeded result's receipt names
+    (``task_receipts``); InvalidArgument for the first that is not. No database here."""
+    if len(update.blobs) > arrays.INLINE_UPDATE_BLOBS:
+        raise InvalidArgument(f"tasks.blobs: at most {arrays.INLINE_UPDATE_BLOBS:,} outputs"
+                              " in one update (upload the others)")
+    named = {ref.sha256 for r in update.results if r.ok and r.task in receipts
+             for ref in receipts[r.task].outputs}
+    found: dict[str, bytes] = {}
+    total = 0
+    for i, blob in enumerate(update.blobs):
+        if len(blob.data) > arrays.INLINE_OUTPUT_BYTES:
+            raise InvalidArgument(f"tasks.blobs[{i}]: {len(blob.data):,} bytes, over the"
+                                  f" {arrays.INLINE_OUTPUT_BYTES:,} an output sent with its"
+                                  " task results may have (upload it)")
+        total += len(blob.data)
+        if total > arrays.INLINE_UPDATE_BYTES:
+            raise InvalidArgument(f"tasks.blobs: over {arrays.INLINE_UPDATE_BYTES:,} bytes of"
+                                  " outputs in one update (upload the others)")
+        if blob.sha256 not in named:
+            raise InvalidArgument(f"tasks.blobs[{i}]: no receipt of these results names it")
+        if hashlib.sha256(blob.data).hexdigest() != blob.sha256:
+            raise InvalidArgument(f"tasks.blobs[{i}]: its bytes hash to something else")
+        found[blob.sha256] = blob.data
+    return list(found.items())
+
+
 def _task_outputs(db: Database, batch: dict, epoch: int, provider_id: str, task: int,
                   receipt: pb.Receipt) -> list[dict]:
     """A task's outputs as its own receipt names them, each one the provider uploaded."""
@@ -117,13 +148,19 @@ def _task_outputs(db: Database, batch: dict, epoch: int, provider_id: str, task:
 
 def record_results(db: Database, batch_id: str, epoch: int, provider_id: str,
                    results: list[gw.TaskResult], now: int,
-                   receipts: dict[int, pb.Receipt] | None = None) -> None:
+                   receipts: dict[int, pb.Receipt] | None = None,
+                   blobs: list[tuple[str, int]] = (), quota: int = 0) -> None:
     """Tasks of the provider's current lease of the batch ended (``gw.TaskResult``s): each
     succeeded, or failed and runs again later while it has attempts left. A succeeded task
-    with its own receipt (``task_receipts``, checked) has its outputs from it at once."""
+    with its own receipt (``task_receipts``, checked) has its outputs from it at once.
+    ``blobs`` (sha256, size): outputs that came with the results (``inline_outputs``),
+    stored already; the provider holds them from here on as if it had uploaded them
+    (counted against its ``quota`` of bytes: ResourceExhausted, nothing recorded, over it)."""
     batch, _ = jobs.current(db, batch_id, epoch, provider_id)
     if len(results) > arrays.MAX_PER_LEASE:
         raise InvalidArgument(f"at most {arrays.MAX_PER_LEASE:,} task results at once")
+    if blobs:
+        blob_holdings.record_many(db, list(blobs), provider_id, quota, now)
     array_id = batch["parent_id"]
     told = 0
     for r in results:

@@ -132,8 +132,11 @@ def revoked(db: Database) -> list[str]:
 def renew_leases(
     db: Database, provider_id: str, running: list[tuple[str, int]], now: int
 ) -> list[tuple[str, int]]:
-    """Renew the provider's active leases it says it runs; return the (job, epoch) pairs
-    it runs that are no longer its to run."""
+    """Renew the provider's active leases it says it runs (in a heartbeat heard at ``now``);
+    return the (job, epoch) pairs it runs that are no longer its to run. A lease that ended
+    after the heartbeat was heard is not one of them: the provider ran it then, and its end
+    (the final update it sent, or the broker's cancel) is settled already: every array
+    lease's end was otherwise followed by a needless cancel."""
     stale = []
     for job_id, epoch in running:
         cur = db.execute(
@@ -141,7 +144,9 @@ def renew_leases(
             " AND provider_id = ? AND state = 'active'",
             [now, job_id, epoch, provider_id],
         )
-        if cur.rowcount == 0:
+        if cur.rowcount == 0 and db.execute(
+                "SELECT 1 FROM leases WHERE job_id = ? AND epoch = ? AND provider_id = ?"
+                " AND ended_at_ms >= ?", [job_id, epoch, provider_id, now]).fetchone() is None:
             stale.append((job_id, epoch))
     return stale
 

@@ -168,10 +168,22 @@ class JobUpdate(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., epoch: _Optional[int] = ..., started: _Optional[_Union[JobStarted, _Mapping]] = ..., progress: _Optional[_Union[_types_pb2.Progress, _Mapping]] = ..., failed: _Optional[_Union[JobFailed, _Mapping]] = ..., receipt: _Optional[_Union[_types_pb2.Envelope, _Mapping]] = ..., rejected: _Optional[_Union[JobRejected, _Mapping]] = ..., checkpoint: _Optional[_Union[CheckpointReport, _Mapping]] = ..., released: _Optional[_Union[JobReleased, _Mapping]] = ..., log: _Optional[_Union[JobLog, _Mapping]] = ..., ready: _Optional[_Union[ReplicaReady, _Mapping]] = ..., tasks: _Optional[_Union[TaskResults, _Mapping]] = ...) -> None: ...
 
 class TaskResults(_message.Message):
-    __slots__ = ("results",)
+    __slots__ = ("results", "seq", "blobs")
     RESULTS_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    BLOBS_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[TaskResult]
-    def __init__(self, results: _Optional[_Iterable[_Union[TaskResult, _Mapping]]] = ...) -> None: ...
+    seq: int
+    blobs: _containers.RepeatedCompositeFieldContainer[TaskOutputBlob]
+    def __init__(self, results: _Optional[_Iterable[_Union[TaskResult, _Mapping]]] = ..., seq: _Optional[int] = ..., blobs: _Optional[_Iterable[_Union[TaskOutputBlob, _Mapping]]] = ...) -> None: ...
+
+class TaskOutputBlob(_message.Message):
+    __slots__ = ("sha256", "data")
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    sha256: str
+    data: bytes
+    def __init__(self, sha256: _Optional[str] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class TaskResult(_message.Message):
     __slots__ = ("task", "ok", "error", "seconds", "receipt")
@@ -279,8 +291,22 @@ class InferenceCancel(_message.Message):
     epoch: int
     def __init__(self, request_id: _Optional[str] = ..., job_id: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
 
+class TaskResultsSettled(_message.Message):
+    __slots__ = ("job_id", "epoch", "seq", "accepted", "reason")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    epoch: int
+    seq: int
+    accepted: bool
+    reason: str
+    def __init__(self, job_id: _Optional[str] = ..., epoch: _Optional[int] = ..., seq: _Optional[int] = ..., accepted: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
+
 class BrokerMessage(_message.Message):
-    __slots__ = ("challenge", "welcome", "lease", "cancel", "settled", "infer", "infer_cancel", "yield_lease", "preempt_lease")
+    __slots__ = ("challenge", "welcome", "lease", "cancel", "settled", "infer", "infer_cancel", "yield_lease", "preempt_lease", "tasks_settled")
     CHALLENGE_FIELD_NUMBER: _ClassVar[int]
     WELCOME_FIELD_NUMBER: _ClassVar[int]
     LEASE_FIELD_NUMBER: _ClassVar[int]
@@ -290,6 +316,7 @@ class BrokerMessage(_message.Message):
     INFER_CANCEL_FIELD_NUMBER: _ClassVar[int]
     YIELD_LEASE_FIELD_NUMBER: _ClassVar[int]
     PREEMPT_LEASE_FIELD_NUMBER: _ClassVar[int]
+    TASKS_SETTLED_FIELD_NUMBER: _ClassVar[int]
     challenge: SessionChallenge
     welcome: SessionWelcome
     lease: _types_pb2.Envelope
@@ -299,4 +326,5 @@ class BrokerMessage(_message.Message):
     infer_cancel: InferenceCancel
     yield_lease: YieldLease
     preempt_lease: PreemptLease
-    def __init__(self, challenge: _Optional[_Union[SessionChallenge, _Mapping]] = ..., welcome: _Optional[_Union[SessionWelcome, _Mapping]] = ..., lease: _Optional[_Union[_types_pb2.Envelope, _Mapping]] = ..., cancel: _Optional[_Union[CancelLease, _Mapping]] = ..., settled: _Optional[_Union[UpdateSettled, _Mapping]] = ..., infer: _Optional[_Union[InferenceRequest, _Mapping]] = ..., infer_cancel: _Optional[_Union[InferenceCancel, _Mapping]] = ..., yield_lease: _Optional[_Union[YieldLease, _Mapping]] = ..., preempt_lease: _Optional[_Union[PreemptLease, _Mapping]] = ...) -> None: ...
+    tasks_settled: TaskResultsSettled
+    def __init__(self, challenge: _Optional[_Union[SessionChallenge, _Mapping]] = ..., welcome: _Optional[_Union[SessionWelcome, _Mapping]] = ..., lease: _Optional[_Union[_types_pb2.Envelope, _Mapping]] = ..., cancel: _Optional[_Union[CancelLease, _Mapping]] = ..., settled: _Optional[_Union[UpdateSettled, _Mapping]] = ..., infer: _Optional[_Union[InferenceRequest, _Mapping]] = ..., infer_cancel: _Optional[_Union[InferenceCancel, _Mapping]] = ..., yield_lease: _Optional[_Union[YieldLease, _Mapping]] = ..., preempt_lease: _Optional[_Union[PreemptLease, _Mapping]] = ..., tasks_settled: _Optional[_Union[TaskResultsSettled, _Mapping]] = ...) -> None: ...

@@ -1,0 +1,68 @@
+"""A job array lease's task results as they come over the provider's session (the gateway
+hands them here): receipts checked, the small outputs carried with them stored, the results
+recorded in one transaction with the provider's holding of those outputs, and the update
+acknowledged (TaskResultsSettled) so the provider may forget it."""
+
+from __future__ import annotations
+
+import asyncio
+
+from gpumarket.broker.jobs import arrays
+from gpumarket.broker.state import BrokerState
+from gpumarket.broker.store import blob_holdings
+from gpumarket.proto.errors import InvalidArgument
+from gpumarket.proto.v1 import gateway_pb2 as gw
+
+THREAD_FROM = 16        # receipts (signatures) or outputs (hashes) checked off the event loop
+
+
+def _checked(update: gw.JobUpdate, provider_id: str):
+    results = list(update.tasks.results)
+    receipts = arrays.task_receipts(results, provider_id)
+    return results, receipts, arrays.inline_outputs(update.tasks, receipts)
+
+
+async def record(state: BrokerState, provider_id: str, update: gw.JobUpdate, now: int) -> None:
+    """Record the update's task results (arrays.record_results); its outputs' bytes are
+    stored first, so no task is SUCCEEDED without them. Raises what refuses it (nothing of
+    it is recorded then; outputs it stored stay unreferenced, for garbage collection)."""
+    tasks = update.tasks
+    if sum(1 for r in tasks.results if r.receipt.payload) + len(tasks.blobs) > THREAD_FROM:
+        results, receipts, blobs = await asyncio.to_thread(_checked, update, provider_id)
+    else:
+        results, receipts, blobs = _checked(update, provider_id)
+    limit = state.config.max_key_artifact_bytes
+    sizes = [(sha, len(data)) for sha, data in blobs]
+    if blobs:
+        await _store(state, provider_id, blobs, limit)
+    await state.store.write(arrays.record_results, update.job_id, update.epoch, provider_id,
+                            results, now, receipts, sizes, limit)
+
+
+async def _store(state: BrokerState, provider_id: str, blobs: list[tuple[str, bytes]],
+                 limit: int) -> None:
+    """Write the outputs' bytes to the artifact store (synced), as UploadBlobs does: within
+    the provider's quota (checked again, exactly, where they are recorded), each blob's
+    size the one stored before it if it was."""
+    store, artifacts = state.store, state.artifacts
+    held = await store.read(blob_holdings.uploaded_bytes, provider_id)
+    blob_holdings.check_quota(held, sum(len(d) for _, d in blobs), limit)
+    stored = await store.read(blob_holdings.stored_sizes, [sha for sha, _ in blobs])
+    for sha, data in blobs:
+        artifacts.check_size(len(data))
+        if stored.get(sha, len(data)) != len(data):
+            raise InvalidArgument(f"artifact {sha[:12]}… is {stored[sha]:,} bytes, not"
+                                  f" {len(data):,}")
+    staged = await asyncio.to_thread(artifacts.stage_blobs, blobs)
+    try:
+        await asyncio.to_thread(artifacts.publish_blobs, staged)
+    except BaseException:
+        await asyncio.to_thread(artifacts.discard_blobs, staged)
+        raise
+
+
+def settled(update: gw.JobUpdate, refused: str = "") -> gw.BrokerMessage:
+    """The answer to a task results update: recorded, or ``refused`` (why)."""
+    return gw.BrokerMessage(tasks_settled=gw.TaskResultsSettled(
+        job_id=update.job_id, epoch=update.epoch, seq=update.tasks.seq,
+        accepted=not refused, reason=refused[:500]))
