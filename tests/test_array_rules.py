@@ -288,7 +288,7 @@ def inline_world(store, tmp_path, quota: int = 1 << 30):
         w = store.write
         await w(providers.online, provider.id, provider.public_key, 1)
         await w(broker_arrays.submit, array_job(client, "a5", 2, 2, max_attempts=3), 1)
-        await w(jobs.create_lease, "a5-1", provider.id, [0], 1.0, 2, 60_000, 0,
+        await w(jobs.create_lease, LeaseTerms("a5-1", provider.id, (0,), 1.0, 60_000, 0), 2,
                 lambda lease: seal(broker, lease))
         await w(jobs.mark_started, "a5-1", 1, provider.id, 3)
         return (await store.read(jobs.job_row, "a5-1"))["spec_sha256"]
@@ -426,7 +426,7 @@ def test_a_heartbeat_heard_before_a_lease_ended_does_not_cancel_it_again(store):
     async def scenario():
         w = store.write
         await w(broker_arrays.submit, array_job(client, "a6", 1, 1), 1)
-        await w(jobs.create_lease, "a6-1", "p1", [0], 1.0, 2, 60_000, 0,
+        await w(jobs.create_lease, LeaseTerms("a6-1", "p1", (0,), 1.0, 60_000, 0), 2,
                 lambda lease: seal(broker, lease))
         await w(jobs.mark_started, "a6-1", 1, "p1", 3)
         receipt = seal(provider, pb.Receipt(job_id="a6-1", epoch=1, provider_id="p1"))
