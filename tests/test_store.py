@@ -1,14 +1,12 @@
 """The broker's store commits writes queued together in one transaction (group commit):
 each write still lands whole or not at all, in the order it was queued, and its caller is
-answered only once it is committed."""
+answered only once it is committed. On SQLite and on PostgreSQL (the ``store`` fixture)."""
 
 from __future__ import annotations
 
 import asyncio
 
 import pytest
-
-from gpumarket.broker.store.store import Store
 
 
 def insert(db, n: int, fail: bool = False) -> int:
@@ -19,12 +17,11 @@ def insert(db, n: int, fail: bool = False) -> int:
 
 
 def setup(db) -> None:
-    db.execute("CREATE TABLE IF NOT EXISTS probe (n INTEGER)")
+    key = "BIGSERIAL" if getattr(db, "dialect", "") == "postgresql" else "INTEGER"
+    db.execute(f"CREATE TABLE IF NOT EXISTS probe (seq {key} PRIMARY KEY, n INTEGER)")
 
 
-def test_writes_queued_together_commit_together_and_each_is_whole(tmp_path):
-    store = Store(tmp_path / "broker.db")
-    store.open()
+def test_writes_queued_together_commit_together_and_each_is_whole(store):
 
     async def main():
         await store.write(setup)
@@ -39,18 +36,13 @@ def test_writes_queued_together_commit_together_and_each_is_whole(tmp_path):
         # Every caller was answered after its commit: a reader sees exactly the rows of the
         # writes that succeeded, none of those that failed.
         rows = await store.read(lambda db: [r[0] for r in db.execute(
-            "SELECT n FROM probe ORDER BY rowid").fetchall()])
+            "SELECT n FROM probe ORDER BY seq").fetchall()])
         assert rows == [n for n in range(300) if n % 7 != 3]      # in queued order
         assert store.groups - groups_before < 300                  # fewer commits than writes
-    try:
-        asyncio.run(main())
-    finally:
-        store.close()
+    asyncio.run(main())
 
 
-def test_a_write_outside_a_transaction_still_runs_alone(tmp_path):
-    store = Store(tmp_path / "broker.db")
-    store.open()
+def test_a_write_outside_a_transaction_still_runs_alone(store):
 
     async def main():
         await store.write(setup)
@@ -63,7 +55,4 @@ def test_a_write_outside_a_transaction_still_runs_alone(tmp_path):
             await store.write(insert, 9, True)
         assert await store.read(lambda db: db.execute("SELECT count(*) FROM probe")
                                 .fetchone()[0]) == 5
-    try:
-        asyncio.run(main())
-    finally:
-        store.close()
+    asyncio.run(main())
