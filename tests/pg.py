@@ -44,7 +44,8 @@ def missing() -> str:
 class Cluster:
     """A running cluster; ``url(name)`` addresses one of its databases."""
 
-    def __init__(self) -> None:
+    def __init__(self, durable: bool = False) -> None:
+        """``durable``: fsync on, as a real server (bench/pg_store.py); off for tests."""
         self.dir = Path(tempfile.mkdtemp(prefix="gpumarket-pg-"))
         self.data = self.dir / "data"
         self.socket = self.dir
@@ -59,8 +60,9 @@ class Cluster:
         self._run(str(bindir / "initdb"), "-D", str(self.data), "-U", SUPERUSER,
                   "--auth=trust", "--no-sync", "-E", "UTF8", "--locale=C.UTF-8")
         options = (f"-c listen_addresses='' -c unix_socket_directories={self.socket}"
-                   " -c fsync=off -c synchronous_commit=off -c full_page_writes=off"
                    " -c max_connections=200 -c shared_buffers=32MB")
+        if not durable:
+            options += " -c fsync=off -c synchronous_commit=off -c full_page_writes=off"
         self._run(str(bindir / "pg_ctl"), "-D", str(self.data), "-o", options,
                   "-l", str(self.dir / "log"), "-w", "-t", "120", "start")
 
