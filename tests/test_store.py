@@ -56,3 +56,16 @@ def test_a_write_outside_a_transaction_still_runs_alone(store):
         assert await store.read(lambda db: db.execute("SELECT count(*) FROM probe")
                                 .fetchone()[0]) == 5
     asyncio.run(main())
+
+
+def test_a_strangers_string_with_a_nul_is_stored(store):
+    """PostgreSQL's text cannot hold NUL (SQLite's can): a provider's log line or error with
+    one must not fail the write that carries it (there it is kept as U+FFFD)."""
+    from gpumarket.broker.market import providers
+
+    async def main():
+        await store.write(providers.revoke, "k" * 26, "bad\x00reason", 1)
+        (reason,) = await store.read(lambda db: db.execute(
+            "SELECT reason FROM revoked_keys").fetchone())
+        assert reason.replace("\ufffd", "\x00") == "bad\x00reason"
+    asyncio.run(main())

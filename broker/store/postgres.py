@@ -12,7 +12,8 @@ The SQL is the modules' own: ``?`` placeholders become psycopg's ``%s`` (``trans
 few SQLite functions the modules call whose PostgreSQL spelling differs (two-argument
 ``max``/``min``, ``json_extract``) exist on PostgreSQL as functions of the same name
 (``SHIMS``). Values cross as SQLite's would: a Python bool is stored as 0/1 (the columns are
-integers on both), a numeric result (``SUM`` of integers) comes back as an int.
+integers on both), a numeric result (``SUM`` of integers) comes back as an int, and a NUL in a
+string (which PostgreSQL's text cannot hold) is stored as U+FFFD.
 
 The schema has one source, the migrations in ``schema.py``: on PostgreSQL each migration's DDL
 is translated as it runs (``translate_ddl``: integer types to BIGINT, REAL to DOUBLE PRECISION,
@@ -118,6 +119,10 @@ def translate_ddl(sql: str) -> list[str]:
 
 def _value(v: Any) -> Any:
     t = type(v)
+    if t is str:
+        # PostgreSQL's text cannot hold NUL, SQLite's can: a stranger's string with one (a
+        # provider's log line or error) must not fail the write that carries it.
+        return v.replace("\x00", "\ufffd") if "\x00" in v else v
     if t is bool:
         return int(v)
     if t.__module__ == "numpy":
