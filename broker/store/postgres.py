@@ -82,6 +82,8 @@ _NAMED = re.compile(r"(?<![:\w]):([A-Za-z_]\w*)")
 
 
 def _bind(sql: str, params: Sequence[Any] | Mapping[str, Any] | None) -> tuple[str, Any]:
+    if params is None:      # no placeholders: psycopg reads the SQL as it is (% included)
+        return sql, None
     if isinstance(params, Mapping):
         return translate(sql, True), {k: _value(v) for k, v in params.items()}
     return translate(sql), _params(params)
