@@ -8,6 +8,8 @@ import asyncio
 
 import pytest
 
+from gpumarket.broker.money import ledger
+
 
 def insert(db, n: int, fail: bool = False) -> int:
     db.execute("INSERT INTO probe (n) VALUES (?)", [n])
@@ -91,3 +93,29 @@ def test_the_modules_sql_as_postgresql_reads_it():
         "CREATE TRIGGER t_no_update BEFORE UPDATE ON t FOR EACH ROW EXECUTE FUNCTION"
         " t_no_update()"]
     assert translate_ddl("CREATE INDEX i ON t(n)") == ["CREATE INDEX i ON t(n)"]
+
+
+def test_a_store_on_postgresql_connects_again_after_the_server_drops_it(pg_cluster):
+    """The server ends every connection (a restart, a failover): the next write and read
+    connect again instead of failing for good."""
+    import psycopg
+
+    from gpumarket.broker.store.store import PgStore
+
+    url = pg_cluster.database(template=pg_cluster.template)
+    store = PgStore(url)
+    store.open()
+
+    async def main():
+        await store.write(ledger.credit, "ca", 1, "client", "", "op", "k1", 1)
+        assert await store.read(ledger.balance, ledger.client("ca")) == 1
+        with psycopg.connect(pg_cluster.url(), autocommit=True) as admin:
+            admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+                          " WHERE datname = %s AND pid <> pg_backend_pid()",
+                          [url.split("@/", 1)[1].split("?")[0]])
+        await store.write(ledger.credit, "ca", 2, "client", "", "op", "k2", 2)
+        assert await store.read(ledger.balance, ledger.client("ca")) == 3
+    try:
+        asyncio.run(main())
+    finally:
+        store.close()

@@ -158,7 +158,8 @@ class PgConnection:
     def in_transaction(self) -> bool:
         from psycopg.pq import TransactionStatus
 
-        return self.raw.info.transaction_status != TransactionStatus.IDLE
+        return not self.closed and self.raw.info.transaction_status in (
+            TransactionStatus.ACTIVE, TransactionStatus.INTRANS, TransactionStatus.INERROR)
 
     @property
     def closed(self) -> bool:

@@ -116,7 +116,6 @@ class Store:
         durable, and only then is each caller answered."""
         while True:
             batch = [self._queue.get()]
-            db = self._usable(db)
             while len(batch) < MAX_GROUP and batch[-1] is not _STOP and batch[-1][4]:
                 try:
                     batch.append(self._queue.get_nowait())
@@ -182,9 +181,6 @@ class Store:
             source.close()
 
     # What differs between the two databases: connections and how a transaction begins.
-    def _usable(self, db: Database) -> Database:
-        return db
-
     def _begin_write(self, db: Database) -> None:
         db.conn.execute("BEGIN IMMEDIATE")
 
@@ -230,12 +226,12 @@ class PgStore(Store):
         self.url = url
 
     def open(self) -> None:
-        import psycopg
-
         from gpumarket.broker.store import postgres
         from gpumarket.proto.errors import Unavailable
 
-        db = postgres.connect(self.url)
+        db = postgres.connect(self.url)     # says so where psycopg is not installed
+        import psycopg
+
         try:
             postgres.migrate(db, migrations)
         except psycopg.Error as exc:
@@ -248,38 +244,38 @@ class PgStore(Store):
         )
         self._writer.start()
 
-    def _usable(self, db: Database) -> Database:
-        if not db.conn.closed:
-            return db
+    def _begin(self, db: Database, sql: str) -> None:
+        """Begin a transaction; where the server dropped the connection (a restart, a
+        failover) connect again and begin there: nothing of this transaction was sent yet.
+        Raises Unavailable where the server cannot be reached."""
+        import psycopg
+
         from gpumarket.broker.store import postgres
 
-        log.warning("the store's connection was lost; connecting again")
         try:
-            return postgres.connect(self.url)
-        except Exception:       # the next write fails on the closed one and says why
-            log.exception("could not connect to the store")
-            return db
+            db.conn.execute(sql)
+            return
+        except psycopg.OperationalError:
+            if not db.conn.closed:
+                raise
+        log.warning("the store's connection was lost; connecting again")
+        db.conn.close()
+        db.conn.raw = postgres.connect(self.url).conn.raw
+        db.conn.execute(sql)
 
     def _begin_write(self, db: Database) -> None:
         from gpumarket.broker.store.postgres import WRITE_LOCK
 
-        db.conn.execute("BEGIN")
+        self._begin(db, "BEGIN")
         db.conn.execute("SELECT pg_advisory_xact_lock(?)", [WRITE_LOCK])
 
     def _begin_read(self, db: Database) -> None:
-        db.conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
+        self._begin(db, "BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
 
     def _connect_reader(self) -> Database:
         from gpumarket.broker.store import postgres
 
         return postgres.connect(self.url)
-
-    def _reader(self) -> Database:
-        db = super()._reader()
-        if db.conn.closed:
-            self._local.db = None
-            db = super()._reader()
-        return db
 
     def backup_to(self, target: Path) -> None:
         raise NotImplementedError("the store is PostgreSQL: back it up with pg_dump"
