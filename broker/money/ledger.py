@@ -520,7 +520,8 @@ def audit(db: Database) -> list[str]:
     problems += [f"{account} is not a registered account" for (account,) in db.execute(
         "SELECT DISTINCT account FROM ledger_entries WHERE account NOT IN"
         " (SELECT account FROM ledger_accounts)").fetchall()]
-    balances = db.execute(f"SELECT account, type, balance FROM ({LATEST}) AS latest WHERE balance < 0"
+    balances = db.execute(f"SELECT account, type, balance FROM ({LATEST}) AS latest"
+                          " WHERE balance < 0"
                           ).fetchall()
     enforced = {r[0] for r in db.execute("SELECT id FROM jobs WHERE enforce_funds != 0")}
     for account, kind, b in balances:
