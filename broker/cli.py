@@ -95,6 +95,9 @@ def cli() -> None:
 @click.option("--provider-messages-per-s", type=float,
               help="Messages a provider session may send a second, sustained (bursts of 10 s "
               "worth); more ends its session [default: 200].")
+@click.option("--store", help="Where the broker keeps its tables: postgresql://USER@HOST/DB "
+              "(a libpq URL; docs/deploy.md) or sqlite:///PATH [default: SQLite, "
+              "DATA_DIR/broker.db].")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
 def serve(config_file: Path | None, listen: str | None, data_dir: Path | None,
@@ -107,7 +110,7 @@ def serve(config_file: Path | None, listen: str | None, data_dir: Path | None,
           queue_wait: float | None, max_held_mib: float | None,
           max_connections_per_peer: int | None, idle_timeout: float | None,
           fd_reserve: int | None, provider_messages_per_s: float | None,
-          log_level: str) -> None:
+          store: str | None, log_level: str) -> None:
     """Serve the broker's gRPC API (and HTTP side) until SIGTERM."""
     from gpumarket.broker import config as broker_config
     from gpumarket.broker.api.listeners import raise_open_files
@@ -132,7 +135,8 @@ def serve(config_file: Path | None, listen: str | None, data_dir: Path | None,
                         else int(max_held_mib * 2**20)),
                        ("max_connections_per_peer", max_connections_per_peer),
                        ("idle_timeout_s", idle_timeout), ("fd_reserve", fd_reserve),
-                       ("provider_messages_per_s", provider_messages_per_s)):
+                       ("provider_messages_per_s", provider_messages_per_s),
+                       ("store", store)):
         if value is not None:
             settings[key] = value
     if "data_dir" not in settings:

@@ -55,6 +55,9 @@ class BrokerConfig:
                                            # (bursts of 10 s worth); more ends the session
     fd_reserve: int = 0                    # descriptors kept from the listeners for the
                                            # database and blobs; 0 = an eighth of the limit
+    store: str = ""                        # where the broker's tables are: "" = SQLite at
+                                           # data_dir/broker.db, "sqlite:///PATH", or
+                                           # "postgresql://…" (docs/deploy.md)
 
     @property
     def fee_ppm(self) -> int:
@@ -85,6 +88,10 @@ class BrokerConfig:
             raise InvalidArgument("provider_messages_per_s must be more than 0")
         if self.max_connections_per_peer < 0 or self.fd_reserve < 0:
             raise InvalidArgument("max_connections_per_peer and fd_reserve must not be negative")
+        if self.store and not self.store.startswith(
+                ("postgresql://", "postgres://", "sqlite:///")):
+            raise InvalidArgument(f"store must be postgresql://… or sqlite:///PATH, not"
+                                  f" {self.store.split('://')[0]!r}")
         if not (self.idle_timeout_s > 0 and self.body_timeout_s > 0):
             raise InvalidArgument("idle_timeout and body_timeout must be more than 0 seconds")
         http_host = self.http.rpartition(":")[0]
@@ -102,6 +109,7 @@ EXAMPLE = """\
 listen = "0.0.0.0:7070"            # gRPC HOST:PORT
 http = "127.0.0.1:7071"            # /healthz, /readyz, /metrics, /api; "" = off
 data_dir = "/var/lib/gpumarket"    # broker.db, broker.key, artifacts/
+store = ""                         # "" = SQLite in data_dir; "postgresql://…" (docs/deploy.md)
 lease_timeout = 15.0               # seconds without heartbeats before a lease is lost
 heartbeat_interval = 3.0           # seconds between provider heartbeats
 max_attempts = 5                   # leases a job may lose before it fails
@@ -153,6 +161,7 @@ provider_messages_per_s = 200      # messages a provider session may send a seco
 KEYS = {
     "listen": ("listen", str, None), "http": ("http", str, None),
     "data_dir": ("data_dir", Path, None),
+    "store": ("store", str, None),
     "lease_timeout": ("lease_timeout_s", float, None),
     "heartbeat_interval": ("heartbeat_interval_s", float, None),
     "max_attempts": ("max_attempts", int, None),

@@ -35,7 +35,7 @@ from gpumarket.broker.api.marketplace import MarketplaceServicer
 from gpumarket.broker.serving.openai_api import OpenAIApi
 from gpumarket.broker.serving.router import Serving
 from gpumarket.broker.state import BrokerState
-from gpumarket.broker.store.store import Store
+from gpumarket.broker.store.store import open_store
 from gpumarket.proto.tls import tls_material
 from gpumarket.proto.wire import PLAINTEXT, SERVER_OPTIONS
 from gpumarket.proto.identity import Identity
@@ -87,7 +87,7 @@ class BrokerServer:
         throttle_accept_errors(asyncio.get_running_loop())
         cfg.data_dir.mkdir(parents=True, exist_ok=True)
         identity = Identity.load_or_create(cfg.key_path)
-        store = Store(cfg.db_path)
+        store = open_store(cfg.store, cfg.db_path)
         store.open()
         await store.write(providers.after_restart)
         kept = await store.write(providers.renew_all_leases, now_ms(),

@@ -4,6 +4,7 @@ import os
 import re
 import shutil
 import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -86,12 +87,54 @@ def market(tmp_path, request):
         assert not own_tracebacks(m.broker.text()), m.broker.text()
 
 
-@pytest.fixture
-def store(tmp_path):
-    """A broker's SQLite store, opened on a fresh file (the domain tests' database)."""
-    from gpumarket.broker.store.store import Store
+@pytest.fixture(scope="session")
+def pg_cluster():
+    """One throwaway PostgreSQL cluster for this test session (xdist: per worker), started
+    when a test first needs one (tests/pg.py); skips where PostgreSQL is not installed."""
+    from tests import pg
 
-    s = Store(tmp_path / "broker.db")
+    why = pg.missing()
+    if why:
+        pytest.skip(why)
+    cluster = pg.Cluster()
+    try:
+        cluster.template = _migrated_template(cluster)
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def _migrated_template(cluster) -> str:
+    """A database with the broker's migrations applied, that each test's database copies
+    (CREATE DATABASE … TEMPLATE: milliseconds, where migrating is half a second)."""
+    from gpumarket.broker.store import postgres
+    from gpumarket.broker.store.schema import migrations
+
+    url = cluster.database()
+    db = postgres.connect(url)
+    postgres.migrate(db, migrations)
+    db.conn.close()
+    return url.split("@/", 1)[1].split("?")[0]
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def store_location(request, tmp_path):
+    """Where a domain test's store is: a fresh SQLite file, or a fresh database (the
+    broker's schema already applied) on the session's PostgreSQL cluster."""
+    if request.param == "sqlite":
+        return str(tmp_path / "broker.db")
+    cluster = request.getfixturevalue("pg_cluster")
+    return cluster.database(template=cluster.template)
+
+
+@pytest.fixture
+def store(store_location):
+    """A broker's store, opened on a fresh database: SQLite, then PostgreSQL (the domain
+    tests' database; each test runs on both)."""
+    from gpumarket.broker.store.store import Store, is_postgres, open_store
+
+    s = open_store(store_location, None) if is_postgres(store_location) \
+        else Store(Path(store_location))
     s.open()
     yield s
     s.close()

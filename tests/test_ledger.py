@@ -1,5 +1,6 @@
 """The ledger on a real SQLite file: the job and lease state machine driven at random
-(hypothesis), with broker crashes mid-transaction; and its unit rules."""
+(hypothesis), with broker crashes mid-transaction; and its unit rules, on SQLite and on
+PostgreSQL (``store_location``)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from gpumarket.broker.jobs.job import LeaseTerms
 from gpumarket.broker.market.admission import Needs, NewJob
 from gpumarket.broker.money import ledger
 from gpumarket.broker.store.schema import migrations
-from gpumarket.broker.store.store import connect
+from gpumarket.broker.store import postgres
+from gpumarket.broker.store.store import connect, is_postgres
 from gpumarket.proto.errors import GpumarketError, InsufficientFunds
 from gpumarket.proto.v1 import types_pb2 as pb
 
@@ -31,10 +33,21 @@ class Crash(Exception):
     """The broker dies inside a transaction: nothing of it is committed."""
 
 
-def open_db(path):
-    db = connect(path)
+def open_db(where):
+    """The broker's database at ``where``: a SQLite file's path, or a PostgreSQL URL."""
+    if is_postgres(str(where)):
+        db = postgres.connect(where)
+        postgres.migrate(db, migrations)
+        return db
+    db = connect(where)
     migrations.apply(db)
     return db
+
+
+def psycopg_error():
+    import psycopg
+
+    return psycopg.Error
 
 
 def sign(lease: pb.Lease) -> pb.Envelope:
@@ -54,10 +67,10 @@ def new_job(job_id: str, client: str, hold: int, enforce: bool, price: float = 2
 def artifact(db, provider: str, step: int, now: int) -> pb.ArtifactRef:
     """A checkpoint blob this provider uploaded intact."""
     sha = f"{step:08x}{provider}".ljust(64, "0")
-    db.execute("INSERT OR IGNORE INTO artifacts (sha256, size_bytes, created_at_ms)"
-               " VALUES (?, ?, ?)", [sha, 10, now])
-    db.execute("INSERT OR IGNORE INTO artifact_owners (sha256, owner_id, size_bytes,"
-               " created_at_ms) VALUES (?, ?, ?, ?)", [sha, provider, 10, now])
+    db.execute("INSERT INTO artifacts (sha256, size_bytes, created_at_ms)"
+               " VALUES (?, ?, ?) ON CONFLICT DO NOTHING", [sha, 10, now])
+    db.execute("INSERT INTO artifact_owners (sha256, owner_id, size_bytes, created_at_ms)"
+               " VALUES (?, ?, ?, ?) ON CONFLICT DO NOTHING", [sha, provider, 10, now])
     return pb.ArtifactRef(name="ckpt.tar", sha256=sha, size_bytes=10)
 
 
@@ -82,7 +95,7 @@ class World:
         self.jobs: list[str] = []
 
     def write(self, fn, *args, crash: bool = False):
-        self.db.conn.execute("BEGIN IMMEDIATE")
+        self.db.conn.execute("BEGIN" if is_postgres(str(self.path)) else "BEGIN IMMEDIATE")
         try:
             out = fn(self.db, *args)
             if crash:
@@ -267,8 +280,8 @@ def test_random_histories_keep_the_books_balanced(tmp_path_factory, history):
     w.db.conn.close()
 
 
-def test_a_checkpoint_reported_twice_is_settled_once(tmp_path):
-    w = World(tmp_path / "b.db")
+def test_a_checkpoint_reported_twice_is_settled_once(store_location):
+    w = World(store_location)
     running(w, started_ms=1_000)
     ref = w.write(artifact, "pa", 10, 1_000)
     assert w.write(jobs.record_checkpoint, "j", 1, "pa", 10, ref, 0.1, 361_000)
@@ -282,8 +295,8 @@ def test_a_checkpoint_reported_twice_is_settled_once(tmp_path):
     assert ledger.balance(w.db, ledger.escrow("j")) == 400_000
 
 
-def test_a_hold_the_client_cannot_cover_queues_nothing(tmp_path):
-    w = World(tmp_path / "b.db")
+def test_a_hold_the_client_cannot_cover_queues_nothing(store_location):
+    w = World(store_location)
     w.write(ledger.credit, "ca", 250_000, "client", "", "op", "k1", 1)
     with pytest.raises(InsufficientFunds, match=r"holds 0\.30 credits .* available balance"
                        r" is 0\.25, 0\.05 short"):
@@ -297,8 +310,8 @@ def test_a_hold_the_client_cannot_cover_queues_nothing(tmp_path):
     assert ledger.audit(w.db) == []
 
 
-def test_a_spent_hold_pauses_at_a_checkpoint_and_a_top_up_resumes(tmp_path):
-    w = World(tmp_path / "b.db")
+def test_a_spent_hold_pauses_at_a_checkpoint_and_a_top_up_resumes(store_location):
+    w = World(store_location)
     running(w, hold=150_000)            # 0.15 credit at 1 credit/h: 540 s of one device
     w.write(jobs.record_progress, "j", 1, "pa", pb.Progress(step=10, total=40), 300_000)
     ref = w.write(artifact, "pa", 10, 0)
@@ -314,15 +327,18 @@ def test_a_spent_hold_pauses_at_a_checkpoint_and_a_top_up_resumes(tmp_path):
     assert ledger.audit(w.db) == []
 
 
-def test_postings_are_append_only(tmp_path):
-    w = World(tmp_path / "b.db")
+def test_postings_are_append_only(store_location):
+    w = World(store_location)
+    pg = is_postgres(store_location)
+    refused = psycopg_error() if pg else sqlite3.IntegrityError
     w.write(ledger.credit, "ca", 100, "client", "", "op", "k1", 1)
     for sql in ("UPDATE ledger_entries SET amount = 1000", "DELETE FROM ledger_postings",
                 "UPDATE ledger_postings SET memo = 'x'", "DELETE FROM ledger_entries"):
-        with pytest.raises(sqlite3.IntegrityError, match="append-only"):
+        with pytest.raises(refused, match="append-only"):
             w.db.execute(sql)
     # Past the triggers (by hand, on the file), tampering shows in the audit.
-    w.db.execute("DROP TRIGGER ledger_entries_append_only_update")
+    w.db.execute("DROP TRIGGER ledger_entries_append_only_update"
+                 + (" ON ledger_entries" if pg else ""))
     w.db.execute("UPDATE ledger_entries SET amount = 1000 WHERE account = 'client:ca'")
     assert ledger.audit(w.db) == [
         "posting 1 sums to 900, not 0",
@@ -330,8 +346,8 @@ def test_postings_are_append_only(tmp_path):
         "posting 1: its entries differ from its record"]
 
 
-def test_a_credit_order_applies_once(tmp_path):
-    w = World(tmp_path / "b.db")
+def test_a_credit_order_applies_once(store_location):
+    w = World(store_location)
     first = w.write(ledger.credit, "ca", 100, "client", "memo", "op", "nonce1", 1)
     again = w.write(ledger.credit, "ca", 100, "client", "memo", "op", "nonce1", 2)
     assert first[0] is not None and again == (None, 100)
@@ -339,8 +355,8 @@ def test_a_credit_order_applies_once(tmp_path):
     assert row == [("memo", "op")]
 
 
-def test_a_failed_check_returns_the_pay_to_the_job(tmp_path):
-    w = World(tmp_path / "b.db")
+def test_a_failed_check_returns_the_pay_to_the_job(store_location):
+    w = World(store_location)
     running(w)
     ref = w.write(artifact, "pa", 10, 0)
     w.write(jobs.record_checkpoint, "j", 1, "pa", 10, ref, 0.1, 360_000)
@@ -360,7 +376,7 @@ def test_a_failed_check_returns_the_pay_to_the_job(tmp_path):
 
 
 def test_a_job_asking_for_a_stake_goes_only_to_staked_providers_and_a_slash_pays_the_client(
-        tmp_path):
+        store_location):
     from gpumarket.broker.market.matcher import Book, JobNeeds, OfferView, explain
 
     cpu, train = pb.ACCELERATOR_CPU, pb.JOB_KIND_TRAINING
@@ -372,7 +388,7 @@ def test_a_job_asking_for_a_stake_goes_only_to_staked_providers_and_a_slash_pays
     _, excluded = Book([bare]).place(job)
     assert dict(excluded) == {"stake": 1} and "staked less" in explain(excluded, 1)
 
-    w = World(tmp_path / "b.db")
+    w = World(store_location)
     w.write(ledger.credit, "staked", 5_000_000, "stake", "bond", "op", "s1", 1)
     assert w.write(ledger.slash, "staked", "ca", "j", 2_000_000, 2) == 2_000_000
     assert ledger.balance(w.db, ledger.stake("staked")) == 3_000_000
@@ -381,11 +397,11 @@ def test_a_job_asking_for_a_stake_goes_only_to_staked_providers_and_a_slash_pays
 
 
 def test_a_running_lease_stops_where_its_hold_ends_and_a_token_top_up_does_not_resume_it(
-        tmp_path):
+        store_location):
     """A tiny hold (a budget of one unit, a job that never checkpoints) buys only what it
     covers: the lease is stopped and paid the hold when its cost reaches it, and a top-up
     resumes the job only once the hold covers a minute of the lease."""
-    w = World(tmp_path / "b.db")
+    w = World(store_location)
     w.write(ledger.credit, "ca", 10**6, "client", "", "op", "k1", 1)
     w.write(jobs.submit, new_job("j", "ca", 1, True), 2)
     w.write(jobs.create_lease, LeaseTerms("j", "pa", (0,), 1.0, 60_000, EVERY), 3, sign)
@@ -402,8 +418,8 @@ def test_a_running_lease_stops_where_its_hold_ends_and_a_token_top_up_does_not_r
     assert ledger.audit(w.db) == []
 
 
-def test_a_cancelled_job_pays_its_running_lease_and_nothing_before_it_started(tmp_path):
-    w = World(tmp_path / "b.db")
+def test_a_cancelled_job_pays_its_running_lease_and_nothing_before_it_started(store_location):
+    w = World(store_location)
     w.write(ledger.credit, "ca", 10**7, "client", "", "op", "k1", 1)
     w.write(jobs.submit, new_job("c", "ca", 2_000_000, True), 2)
     w.write(jobs.create_lease, LeaseTerms("c", "pa", (0,), 1.0, 60_000, EVERY), 10, sign)
@@ -416,11 +432,11 @@ def test_a_cancelled_job_pays_its_running_lease_and_nothing_before_it_started(tm
     assert ledger.audit(w.db) == []
 
 
-def test_a_failed_attempt_is_not_paid_past_its_last_checkpoint(tmp_path):
+def test_a_failed_attempt_is_not_paid_past_its_last_checkpoint(store_location):
     """A provider's report that the job failed ends its lease unpaid since the last
     settlement (the client is not charged for it); what its checkpoint settled stays
     settled, and the next lease resumes from there."""
-    w = World(tmp_path / "b.db")
+    w = World(store_location)
     w.write(ledger.credit, "ca", 10**7, "client", "", "op", "k1", 1)
     w.write(jobs.submit, new_job("f", "ca", 2_000_000, True), 2)
     w.write(jobs.create_lease, LeaseTerms("f", "pa", (0,), 1.0, 60_000, EVERY), 10, sign)
@@ -458,12 +474,12 @@ def test_an_offer_with_absurd_figures_cannot_inflate_holds():
 
 
 def test_a_lease_running_past_its_max_runtime_is_taken_back_unpaid_since_its_checkpoint(
-        tmp_path):
+        store_location):
     """A provider that stalls past the job's max_runtime is not waited for: the broker takes
     the lease back (lost), and its time since its last checkpoint is never paid."""
     from gpumarket.broker.jobs import views
 
-    w = World(tmp_path / "b.db")
+    w = World(store_location)
     job = new_job("j", "ca", 5_000_000, True)
     running(w, credit=10**7, job=NewJob(**{**job.__dict__, "needs": Needs(
         **{**job.needs.__dict__, "max_runtime_s": 600})}))
@@ -476,10 +492,10 @@ def test_a_lease_running_past_its_max_runtime_is_taken_back_unpaid_since_its_che
     assert ledger.job_money(w.db, "j")["charged"] == 83_333          # the 300 s only
 
 
-def test_the_parts_of_a_split_job_draw_on_one_hold(tmp_path):
+def test_the_parts_of_a_split_job_draw_on_one_hold(store_location):
     from gpumarket.broker.jobs import views
 
-    w = World(tmp_path / "b.db")
+    w = World(store_location)
     w.write(ledger.credit, "ca", 10**6, "client", "", "op", "k1", 1)
     w.write(jobs.submit, NewJob(**{**new_job("j", "ca", 100_000, True).__dict__,
                                    "part_sizes": (5, 5)}), 2)
@@ -501,8 +517,8 @@ def test_the_parts_of_a_split_job_draw_on_one_hold(tmp_path):
 
 
 def test_fractions_of_a_unit_carry_to_the_next_settlement_and_a_restart_keeps_the_clock(
-        tmp_path):
-    w = World(tmp_path / "b.db")
+        store_location):
+    w = World(store_location)
     running(w, price=0.05)                                      # 1 unit = 72 ms
     for step in range(1, 101):                           # a checkpoint every 100 ms, 10 s
         if step == 50:
@@ -513,7 +529,7 @@ def test_fractions_of_a_unit_carry_to_the_next_settlement_and_a_restart_keeps_th
     assert w.db.execute("SELECT started_at_ms FROM leases").fetchone() == (0,)
 
 
-def test_budgets_too_small_to_pay_for_anything_are_refused_and_never_leased(tmp_path):
+def test_budgets_too_small_to_pay_for_anything_are_refused_and_never_leased(store_location):
     from gpumarket.broker.money import credit_holds
     from gpumarket.proto.errors import InvalidArgument
 
@@ -523,15 +539,15 @@ def test_budgets_too_small_to_pay_for_anything_are_refused_and_never_leased(tmp_
                        r" max_price x 2 devices\)"):
         credit_holds.amount(needs, 1, [], 0.0000004)
     assert credit_holds.amount(needs, 1, [], 0.01) == (10_000, "the job's budget")
-    w = World(tmp_path / "b.db")
+    w = World(store_location)
     w.write(ledger.credit, "ca", 10**6, "client", "", "op", "k1", 1)
     w.write(jobs.submit, new_job("j", "ca", 2_777, True), 2)
     assert not credit_holds.covers_lease(w.db, "j", 1.0, 1)      # 10 s at 1 credit/h is 2,778
     assert credit_holds.covers_lease(w.db, "j", 0.9, 1)
 
 
-def test_a_paused_job_whose_spec_expired_fails_and_gives_its_hold_back(tmp_path):
-    w = World(tmp_path / "b.db")
+def test_a_paused_job_whose_spec_expired_fails_and_gives_its_hold_back(store_location):
+    w = World(store_location)
     running(w, job=NewJob(**{**new_job("j", "ca", 100_000, True).__dict__,
                              "expires_at_ms": 10**6}))
     w.write(jobs.exhaust, "j.1", 400_000)

@@ -21,7 +21,8 @@ from gpumarket.broker.state import BrokerState
 from gpumarket.broker.store.store import vacuum
 from gpumarket.proto.artifacts import iter_chunks, sha256_file
 from gpumarket.proto.envelope import open_envelope
-from gpumarket.proto.errors import BadSignature, InvalidArgument, PermissionDenied
+from gpumarket.proto.errors import (BadSignature, FailedPrecondition, InvalidArgument,
+                                   PermissionDenied)
 from gpumarket.proto.jobspec import MAX_CREDITS, now_ms
 from gpumarket.proto.v1 import admin_pb2 as ad
 from gpumarket.proto.v1 import admin_pb2_grpc
@@ -144,6 +145,9 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
     async def Backup(self, request, context):
         self._order(request, "Backup")
         store = self.state.store
+        if store.path is None:
+            raise FailedPrecondition("the store is PostgreSQL: back it up with pg_dump or"
+                                     " the database's own replication (docs/deploy.md)")
         fd, name = tempfile.mkstemp(prefix=".backup-", suffix=".db", dir=store.path.parent)
         os.close(fd)
         tmp = Path(name)
@@ -163,6 +167,8 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
     async def Vacuum(self, request, context) -> ad.VacuumResponse:
         self._order(request, "Vacuum")
         path = self.state.store.path
+        if path is None:
+            raise FailedPrecondition("the store is PostgreSQL: its autovacuum keeps it compact")
         before = path.stat().st_size
         await self.state.store.write(vacuum, transaction=False)
         return ad.VacuumResponse(bytes_before=before, bytes_after=path.stat().st_size)

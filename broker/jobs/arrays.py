@@ -240,7 +240,8 @@ def running_leases(db: Database) -> list[dict]:
         " count(t.task), coalesce(max(t.yielded), 0) FROM jobs j"
         " JOIN leases l ON l.id = j.lease_id"
         " LEFT JOIN array_tasks t ON t.batch_id = j.id AND t.state = ?"
-        " WHERE j.state = ? AND j.tasks > 0 AND j.parent_id IS NOT NULL GROUP BY j.id",
+        " WHERE j.state = ? AND j.tasks > 0 AND j.parent_id IS NOT NULL"
+        " GROUP BY j.id, l.device_indices",
         [RUNNING, RUNNING]).fetchall()
     return [{"id": r[0], "epoch": r[1], "client_id": r[2], "provider_id": r[3],
              "devices": len(json.loads(r[4])), "updated_at_ms": r[5], "open": r[6],

@@ -131,7 +131,7 @@ def deadline_jobs(db: Database) -> list[dict]:
     cur = db.execute(
         "SELECT * FROM jobs WHERE state IN (?, ?, ?) AND NOT (parts > 0 AND part = 0)"
         " AND json_extract(needs, '$.tier') = 'interruptible'"
-        " AND json_extract(needs, '$.deadline_s') > 0",
+        " AND CAST(json_extract(needs, '$.deadline_s') AS REAL) > 0",
         [pb.JOB_STATE_QUEUED, pb.JOB_STATE_LEASED, pb.JOB_STATE_RUNNING])
     cols = [d[0] for d in cur.description]
     return [dict(zip(cols, r)) for r in cur.fetchall()]

@@ -261,7 +261,7 @@ def running_by_client(db: Database) -> dict[str, int]:
 def stakes(db: Database) -> dict[str, int]:
     """Units each provider has staked (the ledger's stake accounts)."""
     return dict(db.execute(f"SELECT owner, balance FROM ({ledger.LATEST} WHERE a.type ="
-                           " 'stake') WHERE balance > 0").fetchall())
+                           " 'stake') AS latest WHERE balance > 0").fetchall())
 
 
 def leases_over_hold(db: Database, now: int) -> list[str]:
@@ -270,7 +270,7 @@ def leases_over_hold(db: Database, now: int) -> list[str]:
     rows = _rows(db, "SELECT l.id, l.price_per_gpu_hour, l.device_indices, j.settled_to_ms,"
                  " coalesce(j.parent_id, j.id) AS top FROM leases l JOIN jobs j ON j.id ="
                  " l.job_id AND j.lease_id = l.id WHERE l.state = 'active'"
-                 " AND j.settled_to_ms IS NOT NULL AND j.enforce_funds"
+                 " AND j.settled_to_ms IS NOT NULL AND j.enforce_funds != 0"
                  " AND j.check_of IS NULL", [])   # a check is paid up to the hold, not paused
     by_top: dict[str, list[dict]] = {}
     for r in rows:      # the parts of a split job draw on one hold: count them together

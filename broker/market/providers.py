@@ -115,8 +115,9 @@ def take_leases(db: Database, provider_id: str, reason: str, now: int) -> list[t
 def revoke(db: Database, key_id: str, reason: str, now: int) -> list[tuple[str, int]]:
     """Record the revocation of a key; if it is a provider's, its offer goes and its active
     leases are lost. Returns the (job, epoch) of those leases."""
-    db.execute("INSERT OR REPLACE INTO revoked_keys (key_id, reason, revoked_at_ms)"
-               " VALUES (?, ?, ?)", [key_id, reason, now])
+    db.execute("INSERT INTO revoked_keys (key_id, reason, revoked_at_ms) VALUES (?, ?, ?)"
+               " ON CONFLICT (key_id) DO UPDATE SET reason = excluded.reason,"
+               " revoked_at_ms = excluded.revoked_at_ms", [key_id, reason, now])
     return take_leases(db, key_id, reason, now)
 
 

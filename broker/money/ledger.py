@@ -126,12 +126,13 @@ def post(db: Database, key: str, type_: str, lines: dict[str, int], now: int, *,
     cur = db.conn.execute(
         "INSERT INTO ledger_postings (key, at_ms, type, entries, job_id, lease_id, provider_id,"
         " step_from, step_to, seconds, memo, actor) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
-        " ON CONFLICT(key) DO NOTHING",
+        " ON CONFLICT(key) DO NOTHING RETURNING seq",
         [key, now, type_, json.dumps(lines, sort_keys=True), job_id, lease_id, provider_id,
          step_from, step_to, seconds, memo[:500], actor])
-    if cur.rowcount == 0:
+    row = cur.fetchone()
+    if row is None:
         return None          # posted before: the idempotency key holds
-    seq = cur.lastrowid
+    seq = row[0]
     db.conn.execute(f"INSERT INTO ledger_entries (account, posting_seq, amount, balance) VALUES"
                     f" {', '.join(['(?, ?, ?, ?)'] * len(lines))}",
                     [x for a, v in lines.items() for x in (a, seq, v, after[a])])
@@ -139,8 +140,8 @@ def post(db: Database, key: str, type_: str, lines: dict[str, int], now: int, *,
     if new:
         named = {a: account_type(a) for a in new}
         db.conn.execute(
-            f"INSERT OR IGNORE INTO ledger_accounts (account, type, owner) VALUES"
-            f" {', '.join(['(?, ?, ?)'] * len(new))}",
+            f"INSERT INTO ledger_accounts (account, type, owner) VALUES"
+            f" {', '.join(['(?, ?, ?)'] * len(new))} ON CONFLICT DO NOTHING",
             [x for a in new for x in (a, named[a][0], (owners or {}).get(a, named[a][1]))])
     return seq
 
@@ -448,7 +449,7 @@ def summary(db: Database, key_id: str) -> dict[str, int]:
         " AND a.owner = ?",
         [key_id]).fetchone()[0]
     held = db.execute(f"SELECT coalesce(sum(balance), 0) FROM ({LATEST} WHERE a.owner = ?"
-                      " AND a.type = 'escrow')", [key_id]).fetchone()[0]
+                      " AND a.type = 'escrow') AS latest", [key_id]).fetchone()[0]
     credited = db.execute(
         "SELECT coalesce(sum(e.amount), 0) FROM ledger_entries e JOIN ledger_postings p"
         " ON p.seq = e.posting_seq WHERE e.account = ? AND p.type = 'credit'",
@@ -488,7 +489,7 @@ def recent_page(db: Database, limit: int) -> dict:
 
 def totals(db: Database) -> dict[str, int]:
     """Sum of balances per account type."""
-    found = dict(db.execute(f"SELECT type, sum(balance) FROM ({LATEST}) GROUP BY type"
+    found = dict(db.execute(f"SELECT type, sum(balance) FROM ({LATEST}) AS latest GROUP BY type"
                             ).fetchall())
     return {t: found.get(t, 0) for t in TYPES}
 
@@ -519,9 +520,10 @@ def audit(db: Database) -> list[str]:
     problems += [f"{account} is not a registered account" for (account,) in db.execute(
         "SELECT DISTINCT account FROM ledger_entries WHERE account NOT IN"
         " (SELECT account FROM ledger_accounts)").fetchall()]
-    balances = db.execute(f"SELECT account, type, balance FROM ({LATEST}) WHERE balance < 0"
+    balances = db.execute(f"SELECT account, type, balance FROM ({LATEST}) AS latest"
+                          " WHERE balance < 0"
                           ).fetchall()
-    enforced = {r[0] for r in db.execute("SELECT id FROM jobs WHERE enforce_funds")}
+    enforced = {r[0] for r in db.execute("SELECT id FROM jobs WHERE enforce_funds != 0")}
     for account, kind, b in balances:
         if kind in ("fee", "stake", "disputed"):
             problems.append(f"{account} is below zero ({fmt(b)})")

@@ -238,10 +238,11 @@ def record_usage(db: Database, usage: list[tuple], now: int) -> None:
         db.execute(
             "INSERT INTO endpoint_usage (lease_id, endpoint_id, job_id, provider_id, requests,"
             " errors, prompt_tokens, output_tokens, updated_at_ms) VALUES (?,?,?,?,?,?,?,?,?)"
-            " ON CONFLICT(lease_id) DO UPDATE SET requests = requests + excluded.requests,"
-            " errors = errors + excluded.errors,"
-            " prompt_tokens = prompt_tokens + excluded.prompt_tokens,"
-            " output_tokens = output_tokens + excluded.output_tokens,"
+            " ON CONFLICT(lease_id) DO UPDATE"
+            " SET requests = endpoint_usage.requests + excluded.requests,"
+            " errors = endpoint_usage.errors + excluded.errors,"
+            " prompt_tokens = endpoint_usage.prompt_tokens + excluded.prompt_tokens,"
+            " output_tokens = endpoint_usage.output_tokens + excluded.output_tokens,"
             " updated_at_ms = excluded.updated_at_ms",
             [lease_id, endpoint_id, job_id, provider_id, requests, errors, prompt, output, now])
 

@@ -152,8 +152,8 @@ def forget_artifacts(db: Database, shas: list[str]) -> None:
 def refer(db, sha256: str, job_id: str, role: str) -> None:
     """Keep the blob for the job (an input, checkpoint, output, history or evidence of it):
     garbage collection leaves a referenced blob alone."""
-    db.execute("INSERT OR IGNORE INTO artifact_refs (sha256, job_id, role) VALUES (?, ?, ?)",
-               [sha256, job_id, role])
+    db.execute("INSERT INTO artifact_refs (sha256, job_id, role) VALUES (?, ?, ?)"
+               " ON CONFLICT DO NOTHING", [sha256, job_id, role])
 
 
 def stored_bytes(db: Database) -> int:

@@ -8,8 +8,8 @@ from sqlite_utils import Database
 
 def use(db: Database, key_id: str, nonce: str, keep_until_ms: int) -> bool:
     """Record a call's nonce; False if it was used before (a replayed call)."""
-    cur = db.execute("INSERT OR IGNORE INTO call_nonces (key_id, nonce, keep_until_ms)"
-                     " VALUES (?, ?, ?)", [key_id, nonce, keep_until_ms])
+    cur = db.execute("INSERT INTO call_nonces (key_id, nonce, keep_until_ms)"
+                     " VALUES (?, ?, ?) ON CONFLICT DO NOTHING", [key_id, nonce, keep_until_ms])
     return cur.rowcount == 1
 
 

@@ -540,3 +540,20 @@ def m020_warmup_checks(db: Database) -> None:
     provider's id, for a warm-up check (one made only because the provider is new), charged
     to it when the job ends (broker/checks/disputes.py charge_warmups)."""
     db.execute("ALTER TABLE checks ADD COLUMN paid_by TEXT")
+
+
+@migrations()
+def m021_leadership(db: Database) -> None:
+    """Which broker leads (broker/store/leadership.py) where several share one database: a
+    row per role, its holder, its epoch (raised at each takeover, never reused: the fencing
+    token its writes carry) and until when its lease runs."""
+    db.execute(
+        """
+        CREATE TABLE leadership (
+            role TEXT PRIMARY KEY,
+            holder TEXT NOT NULL DEFAULT '',
+            epoch INTEGER NOT NULL DEFAULT 0,
+            expires_at_ms INTEGER NOT NULL DEFAULT 0,
+            fenced_at_ms INTEGER NOT NULL DEFAULT 0   -- the last write its epoch let through
+        )"""
+    )

@@ -1,4 +1,6 @@
-"""SQLite through sqlite-utils: one writer thread, reader connections per thread.
+"""The broker's store: one writer thread, reader connections per thread; SQLite through
+sqlite-utils (the default), or PostgreSQL (``PgStore``, broker/store/postgres.py) with the same
+interface.
 
 Every write is a function run on the writer thread inside ``BEGIN IMMEDIATE`` …
 ``COMMIT``, so a state change and its event land together or not at all
@@ -51,14 +53,34 @@ def vacuum(db: Database) -> None:
 
 def ready_probe(db: Database) -> None:
     """A write that touches no table: whether the database takes writes (/readyz)."""
-    db.execute("CREATE TEMP TABLE IF NOT EXISTS _ready (x)")
+    db.execute("CREATE TEMP TABLE IF NOT EXISTS _ready (x INTEGER)")
+
+
+def is_postgres(location: str) -> bool:
+    return location.startswith(("postgresql://", "postgres://"))
+
+
+def open_store(location: str, default: Path) -> Store:
+    """The store at ``location`` (``--store``): ``postgresql://…`` a ``PgStore``;
+    ``sqlite:///PATH`` or "" (``default``, the data directory's broker.db) SQLite. Not yet
+    opened. Raises ValueError for any other form."""
+    if is_postgres(location):
+        return PgStore(location)
+    if not location:
+        return Store(default)
+    if location.startswith("sqlite:///") and len(location) > len("sqlite:///"):
+        return Store(Path(location[len("sqlite://"):]))
+    raise ValueError(f"--store {location.split('://')[0]}://…: give postgresql://… or"
+                     " sqlite:///PATH")
 
 
 class Store:
     """The broker's database: ``await write(fn, ...)`` and ``await read(fn, ...)``."""
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
+    dialect = "sqlite"
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path            # the SQLite file (None on PostgreSQL)
         self._queue: queue.Queue[Any] = queue.Queue()
         self._writer: threading.Thread | None = None
         self._local = threading.local()
@@ -118,7 +140,7 @@ class Store:
     def _commit_group(self, db: Database, group: list) -> None:
         outcomes = []
         try:
-            db.conn.execute("BEGIN IMMEDIATE")
+            self._begin_write(db)
             for fn, args, _, _, _ in group:
                 db.conn.execute("SAVEPOINT write")
                 try:
@@ -158,10 +180,20 @@ class Store:
             copy.close()
             source.close()
 
+    # What differs between the two databases: connections and how a transaction begins.
+    def _begin_write(self, db: Database) -> None:
+        db.conn.execute("BEGIN IMMEDIATE")
+
+    def _begin_read(self, db: Database) -> None:
+        db.conn.execute("BEGIN")
+
+    def _connect_reader(self) -> Database:
+        return connect(self.path, readonly=True)
+
     def _reader(self) -> Database:
         db = getattr(self._local, "db", None)
         if db is None:
-            db = connect(self.path, readonly=True)
+            db = self._connect_reader()
             self._local.db = db
             with self._readers_lock:
                 self._readers.append(db)
@@ -169,7 +201,7 @@ class Store:
 
     def read_sync(self, fn: Callable[..., T], *args: Any) -> T:
         db = self._reader()
-        db.conn.execute("BEGIN")
+        self._begin_read(db)
         try:
             return fn(db, *args)
         finally:
@@ -178,6 +210,76 @@ class Store:
     async def read(self, fn: Callable[..., T], *args: Any) -> T:
         """Run ``fn(db, *args)`` on a reader connection in a worker thread (one snapshot)."""
         return await asyncio.to_thread(self.read_sync, fn, *args)
+
+
+class PgStore(Store):
+    """The broker's store on PostgreSQL at ``url`` (broker/store/postgres.py): the same
+    group commit on one writer connection, every write transaction under the database-wide
+    write lock (so brokers sharing the database write one at a time, as one broker's writes
+    do on SQLite); reads in REPEATABLE READ, READ ONLY transactions (one snapshot each).
+    A connection the server dropped is opened again for the next transaction."""
+
+    dialect = "postgresql"
+
+    def __init__(self, url: str) -> None:
+        super().__init__(None)
+        self.url = url
+
+    def open(self) -> None:
+        from gpumarket.broker.store import postgres
+        from gpumarket.proto.errors import Unavailable
+
+        db = postgres.connect(self.url)     # says so where psycopg is not installed
+        import psycopg
+
+        try:
+            postgres.migrate(db, migrations)
+        except psycopg.Error as exc:
+            db.conn.close()
+            detail = " ".join(str(exc).split())[:300]
+            raise Unavailable(f"cannot migrate the store {postgres.redact(self.url)}:"
+                              f" {detail}") from exc
+        self._writer = threading.Thread(
+            target=self._write_loop, args=(db,), name="store-writer", daemon=True
+        )
+        self._writer.start()
+
+    def _begin(self, db: Database, sql: str) -> None:
+        """Begin a transaction; where the server dropped the connection (a restart, a
+        failover) connect again and begin there: nothing of this transaction was sent yet.
+        Raises Unavailable where the server cannot be reached."""
+        import psycopg
+
+        from gpumarket.broker.store import postgres
+
+        try:
+            db.conn.execute(sql)
+            return
+        except psycopg.OperationalError:
+            if not db.conn.closed:
+                raise
+        log.warning("the store's connection was lost; connecting again")
+        db.conn.close()
+        db.conn.raw = postgres.connect(self.url).conn.raw
+        db.conn.execute(sql)
+
+    def _begin_write(self, db: Database) -> None:
+        from gpumarket.broker.store.postgres import WRITE_LOCK
+
+        self._begin(db, "BEGIN")
+        db.conn.execute("SELECT pg_advisory_xact_lock(?)", [WRITE_LOCK])
+
+    def _begin_read(self, db: Database) -> None:
+        self._begin(db, "BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
+
+    def _connect_reader(self) -> Database:
+        from gpumarket.broker.store import postgres
+
+        return postgres.connect(self.url)
+
+    def backup_to(self, target: Path) -> None:
+        raise NotImplementedError("the store is PostgreSQL: back it up with pg_dump"
+                                  " (docs/deploy.md)")
 
 
 def _settle(future: asyncio.Future, result: Any, exc: BaseException | None) -> None:
