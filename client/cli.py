@@ -13,6 +13,7 @@ import os
 import sys
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 from google.protobuf.json_format import MessageToDict
@@ -22,9 +23,6 @@ from gpumarket import kinds
 from gpumarket.client import arrays as job_arrays
 from gpumarket.client import endpoints, jobfile, money, tasks
 from gpumarket.client.console import clock, command, dump, err, key_path, load_identity, out
-from gpumarket.link.channel import Trust
-from gpumarket.link.client import Broker, BrokerClient
-from gpumarket.client.watch import EXIT_BY_STATE, follow
 from gpumarket.proto.artifacts import write_atomically
 from gpumarket.proto.envelope import open_envelope, seal
 from gpumarket.proto.money import fmt, offer_prices
@@ -39,6 +37,10 @@ from gpumarket.proto.jobspec import (
 )
 from gpumarket.proto.v1 import marketplace_pb2 as mp
 from gpumarket.proto.v1 import types_pb2 as pb
+
+if TYPE_CHECKING:   # imported where a command talks to a broker: --help needs no grpc
+    from gpumarket.link.client import Broker, BrokerClient
+
 
 def _identity_if_any() -> Identity | None:
     return Identity.load(key_path()) if key_path().exists() else None
@@ -59,7 +61,25 @@ def cli(ctx: click.Context, broker: str, broker_key: str) -> None:
     Exit codes: 0 ok, 1 error, 2 usage, 3 job failed, 4 job cancelled, 5 job paused (its
     hold is spent: `gpumarket topup`).
     """
-    ctx.obj = Broker(broker, Trust(pin=broker_key, known=home_dir() / "known_brokers"))
+    ctx.obj = _BrokerOnUse(broker, broker_key)
+
+
+class _BrokerOnUse:
+    """The commands' Broker, made when one first uses it: click runs the group's callback
+    before a command reads its own --help, which then imports no grpc."""
+
+    def __init__(self, address: str, pin: str) -> None:
+        self._made: Broker | None = None
+        self._args = (address, pin)
+
+    def __getattr__(self, name: str):
+        if self._made is None:
+            from gpumarket.link.channel import Trust
+            from gpumarket.link.client import Broker
+
+            address, pin = self._args
+            self._made = Broker(address, Trust(pin=pin, known=home_dir() / "known_brokers"))
+        return getattr(self._made, name)
 
 
 # -- keys ---------------------------------------------------------------------------------
@@ -154,6 +174,8 @@ def build_spec(job: jobfile.JobFile, refs: list[pb.ArtifactRef], created_ms: int
 async def submit(market: Broker, job_file: Path, watch_: bool, as_json: bool) -> None:
     """Upload JOB_FILE's inputs, sign the job, submit it, and print its id (a job your
     available balance cannot hold is refused before anything is uploaded)."""
+    from gpumarket.client.watch import EXIT_BY_STATE, follow
+
     job = jobfile.load(job_file)
     identity = load_identity()
     async with market.client(identity) as broker:
@@ -268,6 +290,8 @@ async def list_(market: Broker, states: tuple[str, ...], limit: int, as_json: bo
 @command
 async def watch(market: Broker, job_id: str, as_json: bool) -> None:
     """Follow a job's events with a progress bar until it ends (exit 3 failed, 4 cancelled)."""
+    from gpumarket.client.watch import EXIT_BY_STATE, follow
+
     async with market.client(load_identity()) as broker:
         job_id = await broker.job_id(job_id)
         state = await follow(broker, job_id, as_json, out)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 from google.protobuf.json_format import MessageToDict
@@ -13,13 +14,15 @@ from rich.table import Table
 
 from gpumarket.client import jobfile
 from gpumarket.client.console import clock, command, dump, load_identity, out
-from gpumarket.link.client import Broker
 from gpumarket.proto.envelope import seal
 from gpumarket.proto.errors import InvalidArgument
 from gpumarket.proto.jobspec import KINDS_BY_NAME, now_ms, state_name
 from gpumarket.proto.present import short
 from gpumarket.proto.v1 import marketplace_pb2 as mp
 from gpumarket.proto.v1 import types_pb2 as pb
+
+if TYPE_CHECKING:   # annotations only: commands get it from the cli group
+    from gpumarket.link.client import Broker
 
 STATE_WORDS = {pb.JOB_STATE_RUNNING: "serving"}
 

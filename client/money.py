@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import json
+from typing import TYPE_CHECKING
 
 import click
 from google.protobuf.json_format import MessageToDict
 from rich.table import Table
 
 from gpumarket.client.console import clock, command, dump, load_identity, out
-from gpumarket.link.client import Broker
 from gpumarket.proto.jobspec import state_name
 from gpumarket.proto.money import fmt, parse_credits
+
+if TYPE_CHECKING:   # annotations only: commands get it from the cli group
+    from gpumarket.link.client import Broker
 
 
 @click.command()

@@ -8,13 +8,13 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 from rich.table import Table
 
 from gpumarket.client.console import command, dump, err, load_identity, out
 from gpumarket.kinds import arrays
-from gpumarket.link.client import Broker, BrokerClient
 from gpumarket.proto.artifacts import CHUNK_BYTES
 from gpumarket.proto.envelope import open_envelope, payload_sha256, seal
 from gpumarket.proto.errors import BadSignature, FailedPrecondition
@@ -23,6 +23,9 @@ from gpumarket.proto.jobspec import (
 )
 from gpumarket.proto.present import short
 from gpumarket.proto.v1 import types_pb2 as pb
+
+if TYPE_CHECKING:   # annotations only: commands get it from the cli group
+    from gpumarket.link.client import Broker, BrokerClient
 
 PAGE = 10_000
 BLOBS_PER_CALL = 1000       # small output files downloaded in one call ...

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import json
+from typing import TYPE_CHECKING
 
 from google.protobuf.json_format import MessageToDict
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from gpumarket.link.client import BrokerClient
 from gpumarket.proto.jobspec import TERMINAL_STATES, state_name
 from gpumarket.proto.v1 import types_pb2 as pb
+
+if TYPE_CHECKING:   # annotations only: commands get it from the cli group
+    from gpumarket.link.client import BrokerClient
 
 EXIT_BY_STATE = {pb.JOB_STATE_SUCCEEDED: 0, pb.JOB_STATE_FAILED: 3, pb.JOB_STATE_CANCELLED: 4,
                  pb.JOB_STATE_PAUSED: 5}

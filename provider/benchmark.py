@@ -133,9 +133,20 @@ def measure(device: DeviceInfo) -> pb.Benchmark:
 
 
 def _key(device: DeviceInfo) -> str:
-    import torch
+    return f"{device.uuid}|{device.name}|{device.driver_version}|torch {_torch_version()}"
 
-    return f"{device.uuid}|{device.name}|{device.driver_version}|torch {torch.__version__}"
+
+def _torch_version() -> str:
+    """torch's version, from its installed metadata where it has some: importing torch
+    only to read it cost every provider start whose figures were cached 1-2 s of CPU."""
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        import torch
+
+        return torch.__version__
 
 
 def _entry(b: pb.Benchmark) -> dict:

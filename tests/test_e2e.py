@@ -56,7 +56,7 @@ def test_training_job_end_to_end(market, tmp_path):
 
 
 def test_job_queues_while_nothing_fits(market, tmp_path):
-    market.start_provider("p1", 5.0)
+    market.start_provider("p1", 5.0, "--no-warm")      # the jobs wait: it runs nothing
     market.wait_for_offers(1)
     r, job_id = submit(market, training_job(tmp_path / "cheap.toml", max_price=1.0))
     assert r.returncode == 0, r.stderr

@@ -111,6 +111,7 @@ def test_an_endpoint_serves_from_another_provider_while_one_fails_its_replicas(
     """Was: each replica the cheap provider failed was replaced by a new one, leased to it
     again (the cheapest); six of them failed the endpoint within seconds."""
     model = tiny_causal_lm(tmp_path / "tiny")
+    market.warm = False         # replicas only: no kind with a warm runner runs
     start_cheat(market, "cheat", 0.5, fail_after=0.0)
     market.start_provider("honest", 1.0)
     market.wait_for_offers(2)

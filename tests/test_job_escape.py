@@ -57,7 +57,7 @@ def evil_model(target):
 def test_a_job_cannot_hand_the_providers_key_to_its_owner(market, tmp_path):
     provider_conf = tmp_path / "provider.toml"
     provider_conf.write_text("allow_remote_code = true\n")
-    market.start_provider("p1", 1.0, "--config", str(provider_conf))
+    market.start_provider("p1", 1.0, "--no-warm", "--config", str(provider_conf))  # generate
     offers = market.wait_for_offers(1)
     assert offers[0]["offer"]["policy"].get("allow_remote_code"), offers[0]  # isolated here
     job = generate_job(tmp_path / "job.toml", evil_model(tmp_path / "model"),

@@ -37,7 +37,7 @@ def test_a_kind_defined_in_one_module_runs_end_to_end(plugin_market, tmp_path):
     job = tmp_path / "sum.toml"
     job.write_text(f'kind = "checksum"\nmax_price = 2.0\n[checksum]\ndata = "{data}"\n'
                    'rounds = 3\nalgorithm = "blake2b"\n')
-    market.start_provider("p1")
+    market.start_provider("p1", 1.0, "--no-warm")      # checksum keeps no warm runner
     offers = market.wait_for_offers(1)
     assert "checksum" in offers[0]["kind"], offers[0]["kind"]
     r = market.cli("submit", str(job), "--watch")

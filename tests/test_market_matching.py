@@ -24,13 +24,14 @@ def test_offers_quote_and_placement_respect_price_hours_and_policy(market, tmp_p
     me = Identity.load(market.home / "client.key").id
     tomorrow = (datetime.now(timezone.utc) + timedelta(days=1)).strftime("%a").lower()
     market.start_provider("cheap", 0.5)
-    market.start_provider("mid", 1.0)
-    market.start_provider("night", 0.1, "--config", str(config(market, "night", f"""
+    # The other three never run a job: no warm runner (its imports cost ~3 s of CPU each).
+    market.start_provider("mid", 1.0, "--no-warm")
+    market.start_provider("night", 0.1, "--no-warm", "--config", str(config(market, "night", f"""
 [[availability]]
 days = ["{tomorrow}"]
 hours = "00:00-24:00"
 """)))
-    market.start_provider("picky", 0.2, "--config", str(config(market, "picky", f"""
+    market.start_provider("picky", 0.2, "--no-warm", "--config", str(config(market, "picky", f"""
 deny_clients = ["{me}"]
 """)))
     market.wait_for_offers(4)
@@ -73,7 +74,7 @@ deny_clients = ["{me}"]
 
 
 def test_queue_reason_names_the_constraints(market, tmp_path):
-    market.start_provider("p1", 3.0)
+    market.start_provider("p1", 3.0, "--no-warm")      # the job waits: it runs nothing
     market.wait_for_offers(1)
     job = training_job(tmp_path / "job.toml", extra='min_reliability = 0.99', max_price=5.0)
     r = market.cli("submit", str(job))

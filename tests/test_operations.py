@@ -44,7 +44,9 @@ def test_admin_ban_backup_vacuum_and_logs(tmp_path):
         # started while the job ran, it was still starting when the job ended (load 25).
         market.start_provider("p2", 1.0)
         market.wait_for_offers(2)
-        job_file = training_job(tmp_path / "job.toml", steps=1500, checkpoint_every=50)
+        # Long enough to be still running on p1 when the ban comes: between RUNNING and the
+        # ban only the `logs --follow` and `ban` processes start (the backups come after).
+        job_file = training_job(tmp_path / "job.toml", steps=600, checkpoint_every=50)
         r = market.cli("submit", str(job_file))
         assert r.returncode == 0, r.stderr
         job_id = r.stdout.split()[0]
@@ -59,9 +61,16 @@ def test_admin_ban_backup_vacuum_and_logs(tmp_path):
         assert first.startswith("training "), first
         second = follow.stdout.readline()
         assert second.startswith(("step ", "checkpoint ")), second
-        assert market.job(job_id)["state"] == "RUNNING"
+        job = market.job(job_id)
+        assert job["state"] == "RUNNING" and job["provider_id"] == p1
 
-        # Backup while the job writes progress and checkpoints: a consistent database.
+        # Banning the first provider moves the job to the second.
+        r = admin(market, "ban", p1, "--reason", "test")
+        assert r.returncode == 0, r.stderr
+        assert "1 running job(s) queued again" in r.stdout
+
+        # Backup while the job moves and p2 writes its progress and checkpoints: a
+        # consistent database.
         r = admin(market, "backup", str(tmp_path / "copy.db"))
         assert r.returncode == 0, r.stderr
         copy = sqlite3.connect(tmp_path / "copy.db")
@@ -71,11 +80,6 @@ def test_admin_ban_backup_vacuum_and_logs(tmp_path):
         r = admin(market, "backup", str(tmp_path / "copy.db"))
         assert r.returncode == 1 and "exists" in r.stderr
 
-        # Banning the first provider moves the job to the second.
-        assert market.job(job_id)["provider_id"] == p1
-        r = admin(market, "ban", p1, "--reason", "test")
-        assert r.returncode == 0, r.stderr
-        assert "1 running job(s) queued again" in r.stdout
         done = market.wait_state(job_id, "SUCCEEDED", timeout=240)
         assert done["attempt"] == 2 and done["provider_id"] == market.provider_id("p2")
         follow.wait(timeout=60)
