@@ -365,13 +365,15 @@ def test_small_outputs_travel_with_their_task_results_stored_held_and_acknowledg
 
 
 @pytest.mark.parametrize("attack", ["oversized", "too-much", "too-many", "unnamed",
-                                    "wrong-bytes", "over-quota"])
+                                    "wrong-bytes", "over-quota", "ended-lease"])
 def test_a_provider_s_oversized_or_too_many_carried_outputs_are_refused(
         store, tmp_path, monkeypatch, attack):
     """What a provider carries in a task results update is bounded: an output over 64 KiB,
     over 1 MiB of them, more than the update may carry, one no receipt names, bytes that
-    are not what they claim, or more than the provider's quota: the update is refused with
-    the reason (its tasks run again), no task SUCCEEDED and nothing of it stored or held."""
+    are not what they claim, more than the provider's quota, or outputs of a lease that is
+    no longer its (files written for it would be held by no row, out of the collector's
+    reach): the update is refused with the reason (its tasks run again), no task SUCCEEDED
+    and nothing of it stored or held."""
     import asyncio
     import hashlib
 
@@ -394,9 +396,13 @@ def test_a_provider_s_oversized_or_too_many_carried_outputs_are_refused(
         "wrong-bytes": (update(1, {0: [b"a"]}, blobs=[(hashlib.sha256(b"a").hexdigest(),
                                                        b"b")]), "hash"),
         "over-quota": (update(1, {0: [b"q" * 101]}), "limit"),
+        "ended-lease": (update(1, {0: [b"a"]}), "stale"),
     }[attack]
 
     async def scenario():
+        if attack == "ended-lease":
+            from gpumarket.broker.jobs import endings
+            await store.write(endings.release, "a5-1", 1, provider.id, "gone", 4, "rejected")
         await servicer._job_update(session, sent)
         return answers(), await store.read(blob_holdings.uploaded_bytes, provider.id), \
             await store.read(task_rows)

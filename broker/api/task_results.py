@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 
 from gpumarket.broker.jobs import arrays
+from gpumarket.broker.jobs import transitions as jobs
 from gpumarket.broker.state import BrokerState
 from gpumarket.broker.store import blob_holdings
 from gpumarket.proto.errors import InvalidArgument
@@ -24,8 +25,9 @@ def _checked(update: gw.JobUpdate, provider_id: str):
 
 async def record(state: BrokerState, provider_id: str, update: gw.JobUpdate, now: int) -> None:
     """Record the update's task results (arrays.record_results); its outputs' bytes are
-    stored first, so no task is SUCCEEDED without them. Raises what refuses it (nothing of
-    it is recorded then; outputs it stored stay unreferenced, for garbage collection)."""
+    stored first, so no task is SUCCEEDED without them, and only while the lease is the
+    provider's. Raises what refuses it (nothing of it is recorded then; outputs stored before
+    a refusal — the lease ended in between — stay on disk with no row)."""
     tasks = update.tasks
     if sum(1 for r in tasks.results if r.receipt.payload) + len(tasks.blobs) > THREAD_FROM:
         results, receipts, blobs = await asyncio.to_thread(_checked, update, provider_id)
@@ -34,6 +36,9 @@ async def record(state: BrokerState, provider_id: str, update: gw.JobUpdate, now
     limit = state.config.max_key_artifact_bytes
     sizes = [(sha, len(data)) for sha, data in blobs]
     if blobs:
+        # Only for a lease that is still the provider's: bytes written for another would be
+        # held by no row, out of the garbage collector's reach (a disk a provider could fill).
+        await state.store.read(jobs.current, update.job_id, update.epoch, provider_id)
         await _store(state, provider_id, blobs, limit)
     await state.store.write(arrays.record_results, update.job_id, update.epoch, provider_id,
                             results, now, receipts, sizes, limit)
