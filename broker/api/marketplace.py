@@ -381,6 +381,9 @@ def endpoint_view(state: BrokerState, info: dict) -> mp.Endpoint:
         created_at_ms=top["created_at_ms"])
     for r in info["replicas"]:
         ready = live.replicas.get(r["id"]) if live is not None else None
+        if ready is not None and (r["state"] != pb.JOB_STATE_RUNNING or ready.epoch != r["epoch"]
+                                  or ready.provider_id != r["provider_id"]):
+            ready = None    # the router still holds a lease the database has ended
         out.replicas.append(mp.EndpointReplica(
             job_id=r["id"], state=r["state"], provider_id=r["provider_id"] or "",
             ready=ready is not None, draining=bool(ready and ready.draining),
