@@ -55,6 +55,9 @@ class BrokerConfig:
                                            # (bursts of 10 s worth); more ends the session
     fd_reserve: int = 0                    # descriptors kept from the listeners for the
                                            # database and blobs; 0 = an eighth of the limit
+    min_ping_interval_s: float = 20.0      # keepalive pings a client may send, at most one
+                                           # this often (more: GOAWAY too_many_pings); the
+                                           # client's own pings come every 30 s
     store: str = ""                        # where the broker's tables are: "" = SQLite at
                                            # data_dir/broker.db, "sqlite:///PATH", or
                                            # "postgresql://…" (docs/deploy.md)
@@ -92,6 +95,9 @@ class BrokerConfig:
                 ("postgresql://", "postgres://", "sqlite:///")):
             raise InvalidArgument(f"store must be postgresql://… or sqlite:///PATH, not"
                                   f" {self.store.split('://')[0]!r}")
+        if not 1 <= self.min_ping_interval_s <= 3600:
+            raise InvalidArgument(f"min_ping_interval must be between 1 and 3600 seconds, not"
+                                  f" {self.min_ping_interval_s}")
         if not (self.idle_timeout_s > 0 and self.body_timeout_s > 0):
             raise InvalidArgument("idle_timeout and body_timeout must be more than 0 seconds")
         http_host = self.http.rpartition(":")[0]
@@ -155,6 +161,8 @@ body_timeout = 60                  # seconds a request body may take to arrive, 
 fd_reserve = 0                     # descriptors kept from all listeners; 0 = limit / 8, >= 256
 provider_messages_per_s = 200      # messages a provider session may send a second, sustained
                                    # (bursts of 10 s worth); more ends its session
+min_ping_interval = 20             # seconds: clients may send a keepalive ping at most this
+                                   # often (ours ping every 30 s; faster ones are sent GOAWAY)
 """
 
 # config key -> (BrokerConfig field, type, scale)
@@ -189,6 +197,7 @@ KEYS = {
     "idle_timeout": ("idle_timeout_s", float, None),
     "body_timeout": ("body_timeout_s", float, None),
     "fd_reserve": ("fd_reserve", int, None),
+    "min_ping_interval": ("min_ping_interval_s", float, None),
     "provider_messages_per_s": ("provider_messages_per_s", float, None),
 }
 

@@ -68,6 +68,13 @@ def install_reactions() -> None:
         job_ended=disputes.drop))
 
 
+def server_options(cfg: BrokerConfig) -> tuple:
+    """The gRPC server's options: the wire's, with the keepalive floor this broker is set to."""
+    floor = "grpc.http2.min_ping_interval_without_data_ms"
+    return (*(o for o in SERVER_OPTIONS if o[0] != floor),
+            (floor, round(cfg.min_ping_interval_s * 1000)))
+
+
 class BrokerServer:
     def __init__(self, config: BrokerConfig) -> None:
         self.config = config
@@ -103,7 +110,7 @@ class BrokerServer:
 
         server = grpc.aio.server(
             interceptors=[Authenticator(self.state, identity.id, cfg.plaintext)],
-            options=(*SERVER_OPTIONS, ("grpc.max_allowed_incoming_connections", fds.grpc)))
+            options=(*server_options(cfg), ("grpc.max_allowed_incoming_connections", fds.grpc)))
         self.gateway = ProviderGatewayServicer(self.state)
         gateway_pb2_grpc.add_ProviderGatewayServicer_to_server(self.gateway, server)
         marketplace_pb2_grpc.add_MarketplaceServicer_to_server(

@@ -168,6 +168,10 @@ def test_broker_config_example_loads(tmp_path):
     path.write_text('lease_timeout = "soon"\n')
     with pytest.raises(InvalidArgument, match="lease_timeout must be a number"):
         broker_config.load(path)
+    assert cfg.min_ping_interval_s == 20
+    path.write_text("min_ping_interval = 0.01\n")
+    with pytest.raises(InvalidArgument, match="min_ping_interval must be between 1 and 3600"):
+        BrokerConfig(data_dir=tmp_path, **broker_config.load(path)).check()
 
 
 def test_a_split_job_follows_its_parts(store):

@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import urllib.request
+from pathlib import Path
 
 import grpc
 import pytest
@@ -540,27 +541,50 @@ def test_the_unauthenticated_http_side_stays_on_loopback_unless_asked(tmp_path):
     assert r.returncode == 2 and "has no authentication" in r.stderr, r.stderr
 
 
-def test_idle_connections_are_kept_by_matching_keepalives(market, monkeypatch):
-    """Two connections idle for 100 s after one call: ours (pings every 30 s, the broker
-    accepts one every 20 s) stays READY the whole time; one that pings every 5 s is sent
-    GOAWAY too_many_pings by the broker and drops to IDLE — so the broker's limit is live
-    and ours is within it. (With the broker's default of 5 minutes, ours was dropped
-    after about 90 s.)"""
+def test_the_shipped_keepalives_agree():
+    """The client pings an idle connection every 30 s; the broker accepts one every 20 s
+    by default (with gRPC's own default of 5 minutes, ours was dropped after about 90 s):
+    the live test below proves the mechanism on a scaled clock, this the shipped numbers."""
+    from gpumarket.broker.config import BrokerConfig
+    from gpumarket.broker.server import server_options
+    from gpumarket.proto import wire
+
+    client = dict(wire.CLIENT_OPTIONS)["grpc.keepalive_time_ms"]
+    floor = dict(server_options(BrokerConfig(data_dir=Path("/nonexistent"))))
+    assert floor["grpc.http2.min_ping_interval_without_data_ms"] == 20_000
+    assert client >= 1.5 * floor["grpc.http2.min_ping_interval_without_data_ms"], client
+    assert dict(wire.CLIENT_OPTIONS)["grpc.keepalive_permit_without_calls"] == 1
+
+
+def test_idle_connections_are_kept_by_matching_keepalives(market, monkeypatch, tmp_path):
+    """The shipped keepalives on a clock ten times faster (the broker set to accept a ping
+    every 2 s, `min_ping_interval`): two connections idle for 12 s after one call; ours
+    (pinging every 3 s: four pings, more than the two strikes the broker forgives) stays
+    READY the whole time; one that pings every 0.5 s is sent GOAWAY too_many_pings and
+    drops to IDLE — so the broker's limit is live and a client within it is kept."""
     import gpumarket.link.channel as channel_module
     from gpumarket.proto.v1 import marketplace_pb2_grpc
 
+    market.broker.stop()
+    conf = tmp_path / "broker.toml"
+    conf.write_text("min_ping_interval = 2\n")
+    market.start_broker(*LEASE_ARGS, "--config", str(conf), credit=0)
+
+    def pinging_every(ms: int) -> tuple:
+        return tuple((k, ms if k == "grpc.keepalive_time_ms" else v)
+                     for k, v in channel_module.CLIENT_OPTIONS)
+
     async def scenario():
+        monkeypatch.setattr(channel_module, "CLIENT_OPTIONS", pinging_every(3000))
         ours = await market.channel()
-        eager_options = tuple((k, 5000 if k == "grpc.keepalive_time_ms" else v)
-                              for k, v in channel_module.CLIENT_OPTIONS)
-        monkeypatch.setattr(channel_module, "CLIENT_OPTIONS", eager_options)
+        monkeypatch.setattr(channel_module, "CLIENT_OPTIONS", pinging_every(500))
         eager = await market.channel()
         for c in (ours, eager):
             await marketplace_pb2_grpc.MarketplaceStub(c).ListJobs(mp.ListJobsRequest(),
                                                                    timeout=10)
         states: dict[str, list[str]] = {"ours": [], "eager": []}
-        for _ in range(20):
-            await asyncio.sleep(5)
+        for _ in range(24):
+            await asyncio.sleep(0.5)
             for name, c in (("ours", ours), ("eager", eager)):
                 states[name].append(c.get_state(try_to_connect=False).name)
         await ours.close()
