@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import defaultdict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from gpumarket import kinds
 from gpumarket.broker.checks import verdicts
@@ -33,6 +35,9 @@ from gpumarket.proto.v1 import gateway_pb2 as gw
 
 log = logging.getLogger(__name__)
 
+ORPHAN_SWEEP_S = 3600     # how often the artifact store is swept for files no row holds
+ORPHAN_MIN_AGE_S = 3600   # ... that were last written at least this long ago (whatever the
+                          # artifact grace: a file is written a moment before its row)
 RUNTIME_GRACE_S = 60      # past a job's max_runtime, before the broker takes the lease back
 
 
@@ -240,6 +245,7 @@ async def collect_garbage(state: BrokerState) -> int:
     cutoff = now_ms() - int(state.config.artifact_grace_s * 1000)
     for sha, key in await state.store.write(blob_holdings.expired_uploads, cutoff):
         state.artifacts.drop_partial(sha, key)
+    await collect_orphans(state, min(cutoff / 1000, time.time() - ORPHAN_MIN_AGE_S))
     shas = await state.store.read(blob_holdings.unreferenced_artifacts, cutoff)
     if not shas:
         return 0
@@ -253,6 +259,37 @@ async def collect_garbage(state: BrokerState) -> int:
     if removed:
         log.info("removed %d unreferenced artifacts", removed)
     return removed
+
+
+async def collect_orphans(state: BrokerState, before: float) -> int:
+    """Delete files under the artifact store that no row holds and that were last written
+    before ``before`` (seconds): blobs an UploadBlobs call published and then could not
+    record (its key went over quota meanwhile), and what a killed broker left between
+    writing a blob and recording it. Without this no one would ever remove them. Looked
+    for at most once an hour: it lists every blob."""
+    if time.monotonic() < state.artifacts.orphans_due:
+        return 0
+    state.artifacts.orphans_due = time.monotonic() + ORPHAN_SWEEP_S
+    files = await asyncio.to_thread(state.artifacts.old_files, before)
+    removed = 0
+    for i in range(0, len(files), 1000):
+        chunk = files[i:i + 1000]
+        named = [sha for sha, _ in chunk if sha]
+        orphans = await state.store.read(blob_holdings.unrecorded, named) if named else set()
+        for sha, path in chunk:
+            if (not sha or sha in orphans) and _older(path, before):
+                path.unlink(missing_ok=True)
+                removed += 1
+    if removed:
+        log.warning("removed %d files of the artifact store that no row held", removed)
+    return removed
+
+
+def _older(path: Path, before: float) -> bool:
+    try:
+        return path.stat().st_mtime < before
+    except FileNotFoundError:
+        return False
 
 
 async def forget_garbage(state: BrokerState) -> None:

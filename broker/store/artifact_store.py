@@ -31,6 +31,7 @@ class ArtifactStore:
         self.root = root
         self.max_blob_bytes = max_blob_bytes
         self.active: set[tuple[str, str]] = set()   # (sha256, uploader) being streamed now
+        self.orphans_due = 0.0      # monotonic time of the next sweep for files no row holds
         self._syncs = ThreadPoolExecutor(SYNC_THREADS, thread_name_prefix="blob-sync")
         (root / "blobs").mkdir(parents=True, exist_ok=True)
         (root / "partial").mkdir(parents=True, exist_ok=True)
@@ -95,6 +96,7 @@ class ArtifactStore:
             for sha, data in dict(blobs).items():
                 target = self.blob_path(sha)
                 if target.exists():
+                    _touch(target)      # in use again: not an orphan to sweep (old_files)
                     continue
                 tmp = self.root / "partial" / f"{sha}.{os.getpid()}.{next(_staged)}.blob"
                 fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
@@ -125,6 +127,24 @@ class ArtifactStore:
     def discard_blobs(staged: list[tuple[Path, Path]]) -> None:
         for tmp, _ in staged:
             tmp.unlink(missing_ok=True)
+
+    def old_files(self, before: float) -> list[tuple[str, Path]]:
+        """Stored blobs (sha256, path) and staged files ("", path) last written before
+        ``before`` (a time.time()): what garbage collection looks at for files no row holds
+        — a call refused after its blobs were published, a broker killed between writing a
+        blob and recording it. A blob written again is touched (stage_blobs), so one being
+        recorded now is never this old."""
+        found: list[tuple[str, Path]] = []
+        for entry in _entries(self.root / "partial"):
+            if entry.name.endswith(".blob") and entry.stat().st_mtime < before:
+                found.append(("", Path(entry.path)))
+        for shard in _entries(self.root / "blobs"):
+            if not shard.is_dir():
+                continue
+            for entry in _entries(Path(shard.path)):
+                if entry.stat().st_mtime < before:
+                    found.append((entry.name, Path(entry.path)))
+        return found
 
     def read_blob(self, sha256: str, limit: int) -> bytes:
         """The bytes of a stored blob of at most ``limit`` bytes (NotFound; InvalidArgument
@@ -207,6 +227,21 @@ class Upload:
         target.parent.mkdir(exist_ok=True)
         os.replace(self.path, target)
         return self.size_bytes
+
+
+def _entries(path: Path) -> list[os.DirEntry]:
+    try:
+        with os.scandir(path) as it:
+            return list(it)
+    except FileNotFoundError:
+        return []
+
+
+def _touch(path: Path) -> None:
+    try:
+        os.utime(path)
+    except FileNotFoundError:
+        pass
 
 
 def _sync_dir(path: Path) -> None:

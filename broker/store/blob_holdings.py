@@ -141,6 +141,11 @@ def unreferenced_artifacts(db: Database, created_before_ms: int) -> list[str]:
     ).fetchall()]
 
 
+def unrecorded(db, shas: list[str]) -> set[str]:
+    """Those of these blobs that have no row: files nothing will ever read or collect."""
+    return set(shas) - set(stored_sizes(db, shas))
+
+
 def forget_artifacts(db: Database, shas: list[str]) -> None:
     for sha in shas:
         db.execute("DELETE FROM artifacts WHERE sha256 = ? AND NOT EXISTS"
