@@ -1,4 +1,5 @@
-"""gpumarket-broker's operator commands: providers, jobs, ban, unban, backup, vacuum.
+"""gpumarket-broker's operator commands: providers, jobs, ban, unban, backup, vacuum (and
+copy-store, which works on the files of a stopped broker).
 
 Each signs an AdminOrder with the operator's key (``--key``; the broker's own
 data_dir/broker.key works on the broker's host) and calls the broker's Admin service.
@@ -192,6 +193,27 @@ async def vacuum(broker: Broker, identity: Identity) -> None:
     out.print(f"vacuumed: {resp.bytes_before:,} → {resp.bytes_after:,} bytes")
 
 
+@click.command("copy-store")
+@click.argument("source", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("target")
+def copy_store(source: Path, target: str) -> None:
+    """Copy a stopped broker's SQLite database SOURCE (its data_dir/broker.db) into a new
+    PostgreSQL store TARGET (postgresql://…), whole or not at all, then audit the ledger
+    there: how a market that began on one broker moves to several (docs/deploy.md). Stop
+    the broker first; start it again with --store TARGET. Blobs stay in data_dir/artifacts."""
+    from gpumarket.broker.store.copy import copy_to_postgres
+    from gpumarket.broker.store.store import is_postgres
+
+    if not is_postgres(target):
+        raise click.BadParameter(f"{target!r}: give a postgresql://… URL", param_hint="TARGET")
+    try:
+        copied = copy_to_postgres(source, target, said=out.print)
+    except GpumarketError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(1)
+    out.print(f"copied {sum(copied.values()):,} rows of {len(copied)} tables; ledger ok")
+
+
 def _credits(text: str) -> int:
     try:
         return parse_credits(text)
@@ -246,4 +268,4 @@ async def audit(broker: Broker, identity: Identity, as_json: bool) -> None:
         sys.exit(1)
 
 
-COMMANDS = (providers, jobs, ban, unban, revoke, unrevoke, backup, vacuum, admin)
+COMMANDS = (providers, jobs, ban, unban, revoke, unrevoke, backup, vacuum, admin, copy_store)
