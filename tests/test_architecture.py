@@ -146,6 +146,21 @@ def test_no_sql_in_the_servicers():
     assert not found, "SQL in the servicers:\n" + "\n".join(found)
 
 
+
+def test_a_submission_is_one_domain_call():
+    """The servicer does not choose how a job is stored (one job, parts, an array's batches,
+    an endpoint's replicas): admission decides its shape and ``jobs/submit`` writes it; the
+    api/ modules call none of the writers of a shape themselves."""
+    writers = {("transitions", "submit"), ("jobs", "submit"), ("arrays", "submit"),
+               ("endpoints", "submit")}
+    found = []
+    for path in sorted((ROOT / "broker" / "api").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) \
+                    and (node.value.id, node.attr) in writers:
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.value.id}.submit")
+    assert not found, "shapes chosen in the servicers:\n" + "\n".join(found)
+
 def _kind_test(node: ast.Compare, names: set[str]) -> str:
     """What a comparison says about a particular kind, if anything: a JobKind constant, or
     a kind's name against a ``.name``/``kind_name(...)``."""
