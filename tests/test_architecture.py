@@ -245,13 +245,19 @@ def test_no_import_circle_in_the_broker():
 
 
 JOB_READERS = ("broker/jobs/transitions.py", "broker/jobs/endings.py",
-               "broker/market/scheduler.py", "broker/market/placement.py")
+               "broker/jobs/arrays.py", "broker/jobs/views.py", "broker/jobs/preemption.py",
+               "broker/jobs/submit.py", "broker/market/scheduler.py",
+               "broker/market/placement.py", "broker/market/admission.py",
+               "broker/market/calibration.py", "broker/market/deadlines.py",
+               "broker/money/ledger.py", "broker/money/credit_holds.py")
 
 
-def test_the_state_machine_and_the_scheduler_read_a_job_by_attribute():
+def test_the_domain_reads_a_job_by_attribute():
     """A job row is read into a typed ``jobs.job.Job`` in one place (``Job.from_row``); the
-    state machine and the scheduler read its fields by name (``job.state``), never by key
-    (``job["state"]``), so that a column renamed or gone fails where the Job is made."""
+    state machine, job arrays, the views, the scheduler, placement, admission, calibration
+    and the ledger read its fields by name (``job.state``), never by key (``job["state"]``),
+    so that a column renamed or gone fails where the Job is made. (checks/ and serving/
+    still read by key.)"""
     names = {"job", "parent", "p", "part", "failed", "top"}
     found = []
     for rel in JOB_READERS:

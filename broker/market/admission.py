@@ -11,6 +11,7 @@ from typing import Literal
 from gpumarket import kinds
 from gpumarket.kinds import arrays as task_arrays
 from gpumarket.broker.config import BrokerConfig
+from gpumarket.broker.jobs.job import Job
 from gpumarket.broker.market import matcher
 from gpumarket.broker.market.estimates import JobEstimate
 from gpumarket.proto.envelope import payload_sha256
@@ -168,11 +169,11 @@ def shape(spec: pb.JobSpec, values: dict) -> Shape:
     return "split" if kind.parts(values) > 1 else "job"
 
 
-def needs_of(row: dict, avoid: frozenset[str] = frozenset(),
+def needs_of(job: Job, avoid: frozenset[str] = frozenset(),
              n: Needs | None = None, exclude: frozenset[str] = frozenset()) -> matcher.JobNeeds:
-    """The matcher's view of a queued job row: its stored needs (``n``, if read already) in
-    the row's placement context — its age, its measured checkpoint cost — and the providers
-    to avoid or exclude."""
-    n = n or Needs.from_json(row["needs"])
-    return n.view(row["id"], row["client_id"], now_ms() - row["created_at_ms"],
-                  row["checkpoint_seconds"], avoid, exclude)
+    """The matcher's view of a queued job: its stored needs (``n``, if read already) in its
+    placement context — its age, its measured checkpoint cost — and the providers to avoid
+    or exclude."""
+    n = n or Needs.from_json(job.needs)
+    return n.view(job.id, job.client_id, now_ms() - job.created_at_ms,
+                  job.checkpoint_seconds, avoid, exclude)
