@@ -249,13 +249,14 @@ JOB_READERS = ("broker/jobs/transitions.py", "broker/jobs/endings.py",
                "broker/jobs/submit.py", "broker/market/scheduler.py",
                "broker/market/placement.py", "broker/market/admission.py",
                "broker/market/calibration.py", "broker/market/deadlines.py",
-               "broker/money/ledger.py", "broker/money/credit_holds.py")
+               "broker/money/ledger.py", "broker/money/credit_holds.py",
+               "broker/api/gateway.py")
 
 
 def test_the_domain_reads_a_job_by_attribute():
     """A job row is read into a typed ``jobs.job.Job`` in one place (``Job.from_row``); the
-    state machine, job arrays, the views, the scheduler, placement, admission, calibration
-    and the ledger read its fields by name (``job.state``), never by key (``job["state"]``),
+    state machine, job arrays, the views, the scheduler, placement, admission, calibration,
+    the ledger and the provider gateway read its fields by name (``job.state``), never by key (``job["state"]``),
     so that a column renamed or gone fails where the Job is made. (checks/ and serving/
     still read by key.)"""
     names = {"job", "parent", "p", "part", "failed", "top"}
