@@ -248,7 +248,7 @@ async def measure(market: Marketplace, fleet: Fleet, n: int, args, job_file: Pat
             rss = proc_rss_mib(pid)
         leases = []
         from gpumarket.client import jobfile
-        from gpumarket.client.cli import build_spec, upload_inputs
+        from gpumarket.client.submit import build_spec, upload_inputs
 
         job = jobfile.load(job_file)
         refs = await upload_inputs(client, job)

@@ -47,7 +47,7 @@ def endpoint() -> None:
 @command
 async def create(market: Broker, job_file: Path, as_json: bool) -> None:
     """Create the endpoint JOB_FILE describes (kind = "endpoint"); print its name and API."""
-    from gpumarket.client.cli import build_spec, check_funds, upload_inputs
+    from gpumarket.client.submit import build_spec, check_funds, upload_inputs
 
     job = jobfile.load(job_file)
     if job.kind != KINDS_BY_NAME["endpoint"]:

@@ -359,7 +359,7 @@ class Marketplace:
             return json.loads(r.stdout)
         from google.protobuf.json_format import MessageToDict
 
-        from gpumarket.client.cli import offer_row
+        from gpumarket.client.offers import offer_row
         from gpumarket.proto.envelope import open_envelope
         from gpumarket.proto.v1 import marketplace_pb2 as mp
         from gpumarket.proto.v1 import types_pb2 as pb

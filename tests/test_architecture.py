@@ -146,6 +146,21 @@ def test_no_sql_in_the_servicers():
     assert not found, "SQL in the servicers:\n" + "\n".join(found)
 
 
+
+def test_a_submission_is_one_domain_call():
+    """The servicer does not choose how a job is stored (one job, parts, an array's batches,
+    an endpoint's replicas): admission decides its shape and ``jobs/submit`` writes it; the
+    api/ modules call none of the writers of a shape themselves."""
+    writers = {("transitions", "submit"), ("jobs", "submit"), ("arrays", "submit"),
+               ("endpoints", "submit")}
+    found = []
+    for path in sorted((ROOT / "broker" / "api").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) \
+                    and (node.value.id, node.attr) in writers:
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.value.id}.submit")
+    assert not found, "shapes chosen in the servicers:\n" + "\n".join(found)
+
 def _kind_test(node: ast.Compare, names: set[str]) -> str:
     """What a comparison says about a particular kind, if anything: a JobKind constant, or
     a kind's name against a ``.name``/``kind_name(...)``."""
@@ -230,13 +245,20 @@ def test_no_import_circle_in_the_broker():
 
 
 JOB_READERS = ("broker/jobs/transitions.py", "broker/jobs/endings.py",
-               "broker/market/scheduler.py", "broker/market/placement.py")
+               "broker/jobs/arrays.py", "broker/jobs/views.py", "broker/jobs/preemption.py",
+               "broker/jobs/submit.py", "broker/market/scheduler.py",
+               "broker/market/placement.py", "broker/market/admission.py",
+               "broker/market/calibration.py", "broker/market/deadlines.py",
+               "broker/money/ledger.py", "broker/money/credit_holds.py",
+               "broker/api/gateway.py")
 
 
-def test_the_state_machine_and_the_scheduler_read_a_job_by_attribute():
+def test_the_domain_reads_a_job_by_attribute():
     """A job row is read into a typed ``jobs.job.Job`` in one place (``Job.from_row``); the
-    state machine and the scheduler read its fields by name (``job.state``), never by key
-    (``job["state"]``), so that a column renamed or gone fails where the Job is made."""
+    state machine, job arrays, the views, the scheduler, placement, admission, calibration,
+    the ledger and the provider gateway read its fields by name (``job.state``), never by key (``job["state"]``),
+    so that a column renamed or gone fails where the Job is made. (checks/ and serving/
+    still read by key.)"""
     names = {"job", "parent", "p", "part", "failed", "top"}
     found = []
     for rel in JOB_READERS:

@@ -10,7 +10,7 @@ import pytest
 
 from gpumarket.client import jobfile
 from gpumarket.link.client import BrokerClient
-from gpumarket.client.cli import build_spec
+from gpumarket.client.submit import build_spec
 from gpumarket.proto.envelope import seal
 from gpumarket.proto.errors import BadSignature, FailedPrecondition, Replay, Unavailable
 from gpumarket.proto.identity import Identity

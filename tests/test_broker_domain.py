@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+from types import SimpleNamespace
 
 import pytest
 
@@ -426,13 +427,13 @@ def test_a_tasks_own_receipt_is_taken_only_for_its_own_uploaded_outputs(store):
     from gpumarket.proto.v1 import gateway_pb2 as gw
 
     provider, stranger = Identity.generate(), Identity.generate()
-    batch = {"id": "a1-1", "spec_sha256": "ab" * 32}
+    batch = SimpleNamespace(id="a1-1", spec_sha256="ab" * 32)   # the Job fields it reads
     good = hashlib.sha256(b"weights").hexdigest()
 
     def receipt(task=3, signer=provider, job_id="a1-1", epoch=2, names=None, sha=good, size=7):
         names = names if names is not None else [output_name(task, "model.safetensors")]
         r = pb.Receipt(job_id=job_id, epoch=epoch, provider_id=provider.id,
-                       spec_sha256=batch["spec_sha256"],
+                       spec_sha256=batch.spec_sha256,
                        outputs=[pb.ArtifactRef(name=n, sha256=sha, size_bytes=size)
                                 for n in names])
         return gw.TaskResult(task=task, ok=True, receipt=seal(signer, r))

@@ -337,7 +337,7 @@ def test_a_bind_mounted_subtree_is_found_below_its_root():
 # -- what the offer says -----------------------------------------------------------------
 
 def test_the_offer_says_how_each_limit_holds(tmp_path):
-    from gpumarket.client.cli import limits_text
+    from gpumarket.client.offers import limits_text
     from gpumarket.client.query import parse
     from gpumarket.provider.config import ProviderConfig
     from gpumarket.provider.inventory import cpu_devices

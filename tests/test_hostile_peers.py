@@ -22,7 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gpumarket.client import jobfile
 from gpumarket.link.client import BrokerClient
-from gpumarket.client.cli import build_spec
+from gpumarket.client.submit import build_spec
 from gpumarket.proto.envelope import payload_sha256, seal
 from gpumarket.proto.errors import ResourceExhausted
 from gpumarket.proto.identity import Identity

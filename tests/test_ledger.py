@@ -542,8 +542,24 @@ def test_budgets_too_small_to_pay_for_anything_are_refused_and_never_leased(stor
     w = World(store_location)
     w.write(ledger.credit, "ca", 10**6, "client", "", "op", "k1", 1)
     w.write(jobs.submit, new_job("j", "ca", 2_777, True), 2)
-    assert not credit_holds.covers_lease(w.db, "j", 1.0, 1)      # 10 s at 1 credit/h is 2,778
-    assert credit_holds.covers_lease(w.db, "j", 0.9, 1)
+    left = ledger.balance(w.db, ledger.escrow("j"))
+    assert left == 2_777
+    assert not credit_holds.covers_lease(left, 1.0, 1)          # 10 s at 1 credit/h is 2,778
+    assert credit_holds.covers_lease(left, 0.9, 1)
+
+
+def test_a_hold_covers_a_lease_while_it_pays_its_first_ten_seconds():
+    """credit_holds.covers_lease: the one rule placement's plan applies before it leases a
+    job (tests/test_placement_plan.py sees the plan keep to it)."""
+    from gpumarket.broker.money.credit_holds import RESUME_FLOOR_S, covers_lease, floor_units
+
+    assert RESUME_FLOOR_S == 10
+    assert floor_units(1.0, 1) == 2_778                  # 10 s of 1,000,000 units/h, rounded up
+    assert floor_units(1.0, 4) == 11_112 and floor_units(0.0, 2) == 1
+    assert covers_lease(2_778, 1.0, 1) and not covers_lease(2_777, 1.0, 1)
+    assert covers_lease(11_112, 1.0, 4) and not covers_lease(11_111, 1.0, 4)
+    assert not covers_lease(0, 0.0, 1)                   # even a free lease needs a unit left
+    assert covers_lease(None, 1e6, 8)                    # a job that does not enforce funds
 
 
 def test_a_paused_job_whose_spec_expired_fails_and_gives_its_hold_back(store_location):

@@ -176,7 +176,7 @@ def test_signed_payloads_cannot_be_swapped_or_borrowed(market, tmp_path):
     """A job spec whose kind is swapped, a spec or cancel order sent under another key's
     call, an admin order from a non-operator."""
     from gpumarket.client import jobfile
-    from gpumarket.client.cli import build_spec
+    from gpumarket.client.submit import build_spec
 
     me, other = market.identity(), Identity.generate()
 
@@ -241,7 +241,7 @@ def test_clients_see_only_their_own_jobs_and_artifacts(market, tmp_path):
         async with BrokerClient(market.address, stranger, trust=market.trust()) as thief:
             # naming the owner's blob as an input does not make it the thief's
             from gpumarket.client import jobfile
-            from gpumarket.client.cli import build_spec
+            from gpumarket.client.submit import build_spec
             job = jobfile.load(job_file)
             refs = [await thief.upload(i.path, i.name) for i in job.inputs]
             spec = build_spec(job, [*refs, ref], now_ms())
@@ -474,7 +474,7 @@ def test_a_provider_cannot_act_on_another_providers_lease(market, tmp_path):
 def test_artifact_names_never_leave_the_work_dir(name):
     """Job inputs and receipt outputs must be plain names: refused by the spec check, by the
     broker's receipt check and by the client before it writes anything."""
-    from gpumarket.client.cli import verify_receipts
+    from gpumarket.client.results import verify_receipts
     from gpumarket.proto.envelope import payload_sha256
     from gpumarket.proto.jobspec import check_artifact_name
 
@@ -494,7 +494,7 @@ def test_artifact_names_never_leave_the_work_dir(name):
 def test_a_receipt_counts_only_from_the_provider_that_ran_it_for_this_spec():
     """The client takes a receipt (a job's, or an array task's own) only when it is signed
     by the provider the broker says ran it, for that job (or lease) and that exact spec."""
-    from gpumarket.client.cli import verify_receipts
+    from gpumarket.client.results import verify_receipts
     from gpumarket.client.tasks import task_receipt
     from gpumarket.proto.envelope import payload_sha256
 

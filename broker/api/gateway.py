@@ -283,7 +283,7 @@ class ProviderGatewayServicer(gateway_pb2_grpc.ProviderGatewayServicer):
                 job = await store.write(endpoints.mark_ready, update.job_id, update.epoch, pid,
                                         update.ready.engine[:200], now)
                 if self.state.serving is not None:
-                    self.state.serving.ready(pid, update.job_id, update.epoch, job["parent_id"],
+                    self.state.serving.ready(pid, update.job_id, update.epoch, job.parent_id,
                                              update.ready)
             elif which == "tasks":
                 await task_results.record(self.state, pid, update, now)
@@ -329,7 +329,7 @@ class ProviderGatewayServicer(gateway_pb2_grpc.ProviderGatewayServicer):
         if report.job_id != update.job_id or report.epoch != update.epoch:
             raise BadSignature("failure report names another job or epoch than its update")
         job = await self.state.store.read(jobs.job_row, update.job_id)
-        if report.spec_sha256 != payload_sha256(pb.Envelope.FromString(job["spec"])):
+        if report.spec_sha256 != payload_sha256(pb.Envelope.FromString(job.spec)):
             raise BadSignature("failure report is for another job spec")
         error = printable(report.error[:MAX_ERROR] or failed.error[:MAX_ERROR]) or "job failed"
         tail = tuple(printable(line)[:TAIL_CHARS] for line in report.log_tail[-endings.TAIL_LINES:])
@@ -345,7 +345,7 @@ class ProviderGatewayServicer(gateway_pb2_grpc.ProviderGatewayServicer):
                 raise BadSignature("receipt names another job or epoch than its update")
             job = await store.read(jobs.job_row, update.job_id)
             spec_env = pb.Envelope()
-            spec_env.ParseFromString(job["spec"])
+            spec_env.ParseFromString(job.spec)
             if receipt.spec_sha256 != payload_sha256(spec_env):
                 raise BadSignature("receipt is for another job spec")
             await store.read(blob_holdings.check_outputs, provider_id, list(receipt.outputs))

@@ -2,31 +2,23 @@
 
 from __future__ import annotations
 
-import asyncio
-import dataclasses
-import functools
 import json
 import logging
 
-from gpumarket import kinds
-from gpumarket.kinds import arrays as task_arrays
 from gpumarket.broker.api.auth import caller
 from gpumarket.broker.api.rpc import streaming, unary
 from gpumarket.broker.checks import verification
 from gpumarket.broker.jobs import arrays
 from gpumarket.broker.jobs import logs
 from gpumarket.broker.jobs import endings
+from gpumarket.broker.jobs import submit as submission
 from gpumarket.broker.jobs import transitions as jobs
 from gpumarket.broker.jobs import views
-from gpumarket.broker.market import admission
-from gpumarket.broker.market import estimates
 from gpumarket.broker.market import figures
 from gpumarket.broker.market import matcher
 from gpumarket.broker.market import offers
 from gpumarket.broker.market import reliability
-from gpumarket.broker.market import scheduler
 from gpumarket.broker.market import standing
-from gpumarket.broker.money import credit_holds
 from gpumarket.broker.money import ledger
 from gpumarket.broker.serving import endpoints
 from gpumarket.broker.serving import router as serving
@@ -34,9 +26,8 @@ from gpumarket.broker.state import BrokerState
 from gpumarket.proto.envelope import open_envelope
 from gpumarket.proto.errors import (
     BadSignature, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied,
-    ResourceExhausted,
 )
-from gpumarket.proto.jobspec import MAX_CREDITS, TERMINAL_STATES, check_fresh, now_ms
+from gpumarket.proto.jobspec import MAX_CREDITS, TERMINAL_STATES, now_ms
 from gpumarket.proto.v1 import marketplace_pb2 as mp
 from gpumarket.proto.v1 import marketplace_pb2_grpc
 from gpumarket.proto.v1 import types_pb2 as pb
@@ -57,60 +48,17 @@ class MarketplaceServicer(marketplace_pb2_grpc.MarketplaceServicer):
         spec, client_id = open_envelope(request.spec, pb.JobSpec)
         if client_id != caller():
             raise PermissionDenied("job spec is signed by another key than the call")
-        values = kinds.check_spec(spec)
-        check_fresh(spec)
-        cfg = self.state.config
-        queued = await self.state.store.read(views.queued_count, client_id)
-        if queued >= cfg.max_queued_jobs:
-            raise ResourceExhausted(f"you already have {queued} queued jobs, this broker's limit"
-                                    " per client; wait for some to start, or cancel some",
-                                    reason="quota")
-        for i, ref in enumerate(spec.inputs):
-            await self._check_input(i, ref, client_id)
-        est = await asyncio.to_thread(estimates.estimate, kinds.get(spec.kind), values, spec,
-                                      self.state.artifacts.blob_path)
-        job = admission.admit(request.spec, spec, client_id, values, est, cfg)
-        parts = len(job.part_sizes)
-        if spec.kind == endpoints.KIND:     # its hold pays for up to max_replicas at once
-            parts = values["max_replicas"]
-        submit = endpoints.submit if spec.kind == endpoints.KIND else jobs.submit
-        book = None
-        if task_arrays.is_array(spec):      # ... for every task
-            await asyncio.to_thread(self._check_tasks, spec, values)
-            parts = task_arrays.task_count(spec)
-            lanes = 0
-            if not spec.array.per_lease:    # spread over the devices that fit it
-                book = await scheduler.offer_book(self.state)
-                lanes = book.lanes(self._view(job.needs, client_id))
-            submit = functools.partial(arrays.submit, lanes=lanes)
-        held, basis = await self._hold(job.needs, client_id, parts, spec.budget, book)
-        job = dataclasses.replace(job, hold=held, hold_basis=basis, fee_ppm=cfg.fee_ppm,
-                                  enforce_funds=cfg.billing)
-        await self.state.store.write(submit, job, now_ms())
+        job = await submission.submit(self.state, request.spec, spec, client_id, now_ms())
         log.info("job %s submitted by %s", job.id, client_id)
         self.state.events.notify()
         self.state.placement.notify()
         return mp.SubmitJobResponse(job_id=job.id, state=pb.JOB_STATE_QUEUED)
 
-    def _check_tasks(self, spec: pb.JobSpec, values: dict) -> None:
-        """Every task of an array runs, or the submission says which does not."""
-        ref = next(r for r in spec.inputs if r.name == spec.array.tasks_input)
-        path = self.state.artifacts.blob_path(ref.sha256)
-        if path.stat().st_size > task_arrays.MAX_TASKS_BYTES:
-            raise InvalidArgument(f"array.tasks: more than {task_arrays.MAX_TASKS_BYTES >> 20}"
-                                  " MiB")
-        data = path.read_bytes()
-        try:
-            task_arrays.check_tasks(kinds.get(spec.kind), values, data, spec.array.count,
-                                    {r.name for r in spec.inputs})
-        except kinds.ParamError as exc:
-            raise InvalidArgument(str(exc)) from exc
-
     @unary
     async def ListTasks(self, request: mp.ListTasksRequest, context) -> mp.ListTasksResponse:
-        row = await self.state.store.read(jobs.job_row, request.job_id)
-        own(row["client_id"], request.job_id)
-        if not row["tasks"] or row["parent_id"]:
+        job = await self.state.store.read(jobs.job_row, request.job_id)
+        own(job.client_id, request.job_id)
+        if not job.is_array:
             raise FailedPrecondition(f"job {request.job_id} is not a job array")
         limit = min(request.limit or 1000, 10_000)
         found, after = await self.state.store.read(arrays.tasks, request.job_id,
@@ -133,39 +81,7 @@ class MarketplaceServicer(marketplace_pb2_grpc.MarketplaceServicer):
                 break
             tasks.append(task)
         return mp.ListTasksResponse(tasks=tasks, next_task=after,
-                                    progress=pb.ArrayProgress(tasks=row["tasks"], **counts))
-
-    @staticmethod
-    def _view(needs: admission.Needs, client_id: str) -> matcher.JobNeeds:
-        """The matcher's view of a job not stored yet."""
-        return needs.view("quote", client_id)
-
-    async def _timed(self, needs: admission.Needs, client_id: str, limit: int,
-                     book: matcher.Book | None = None
-                     ) -> tuple[matcher.Book, list[credit_holds.Timed], dict]:
-        """The offers that fit a job now, best first, each with the job's calibrated wall time
-        (``book``: the live offers, if read already)."""
-        if book is None:
-            book = await scheduler.offer_book(self.state)
-        job = self._view(needs, client_id)
-        found, excluded = book.candidates(job, limit)
-        return book, await self.state.store.read(credit_holds.timed, book, job, found), excluded
-
-    async def _hold(self, needs: admission.Needs, client_id: str, parts: int,
-                    budget: float, book: matcher.Book | None = None) -> tuple[int, str]:
-        timed = [] if budget else (await self._timed(needs, client_id, 50, book))[1]
-        return credit_holds.amount(needs, parts, timed, budget)
-
-    async def _check_input(self, i: int, ref: pb.ArtifactRef, key_id: str) -> None:
-        """Raise unless ``key_id`` may use the input: one answer for a blob that is absent
-        and one it may not read, so that nobody learns what others have uploaded."""
-        size = await self.state.store.read(views.artifact_size, ref.sha256)
-        if size is None or not await self.state.store.read(views.may_read, key_id, ref.sha256):
-            raise FailedPrecondition(f"inputs[{i}] ({ref.name}): artifact {ref.sha256[:12]}…"
-                                     " is not uploaded (by you); upload it first")
-        if size != ref.size_bytes:
-            raise InvalidArgument(f"inputs[{i}] ({ref.name}): size {ref.size_bytes} does"
-                                  f" not match the stored {size} bytes")
+                                    progress=pb.ArrayProgress(tasks=job.tasks, **counts))
 
     @unary
     async def GetJob(self, request: mp.GetJobRequest, context) -> mp.GetJobResponse:
@@ -186,7 +102,7 @@ class MarketplaceServicer(marketplace_pb2_grpc.MarketplaceServicer):
     @streaming
     async def WatchJob(self, request: mp.WatchJobRequest, context):
         store = self.state.store
-        own((await store.read(jobs.job_row, request.job_id))["client_id"], request.job_id)
+        own((await store.read(jobs.job_row, request.job_id)).client_id, request.job_id)
         cursor = request.after_seq
         while True:
             seen = self.state.events.seen()
@@ -206,7 +122,7 @@ class MarketplaceServicer(marketplace_pb2_grpc.MarketplaceServicer):
     @streaming
     async def StreamLogs(self, request: mp.StreamLogsRequest, context):
         store = self.state.store
-        own((await store.read(jobs.job_row, request.job_id))["client_id"], request.job_id)
+        own((await store.read(jobs.job_row, request.job_id)).client_id, request.job_id)
         cursor = request.after_seq
         while True:
             seen = self.state.logs.seen()
@@ -313,22 +229,13 @@ class MarketplaceServicer(marketplace_pb2_grpc.MarketplaceServicer):
 
     @unary
     async def Quote(self, request: mp.QuoteRequest, context) -> mp.QuoteResponse:
-        spec = request.spec
-        values = check_spec_for_quote(spec)
-        kind = kinds.get(spec.kind)
-        for i, ref in enumerate(spec.inputs):   # the broker sizes the job from its inputs
-            await self._check_input(i, ref, caller())
-        est = await asyncio.to_thread(estimates.estimate, kind, values, spec,
-                                      self.state.artifacts.blob_path)
-        needs = admission.needs(spec, values, est)
-        book, timed, excluded = await self._timed(needs, caller(), 50)
-        parts = kind.parts(values)
-        held, basis = credit_holds.amount(needs, parts, timed, spec.budget)
-        out = mp.QuoteResponse(estimated_memory_bytes=needs.min_memory_bytes,
-                               work_flops=est.work_flops, offers=len(book),
-                               excluded={k: v for k, v in excluded.items()},
-                               hold=held, hold_basis=basis)
-        for t in timed[:min(request.limit or 5, 50)]:
+        q = await submission.quote(self.state, request.spec, caller())
+        book = q.book
+        out = mp.QuoteResponse(estimated_memory_bytes=q.needs.min_memory_bytes,
+                               work_flops=q.work_flops, offers=len(book),
+                               excluded={k: v for k, v in q.excluded.items()},
+                               hold=q.hold, hold_basis=q.hold_basis)
+        for t in q.timed[:min(request.limit or 5, 50)]:
             c = t.estimate
             i = book.index[c.provider_id]
             o = book.offers[i]
@@ -341,8 +248,8 @@ class MarketplaceServicer(marketplace_pb2_grpc.MarketplaceServicer):
                 p_uninterrupted=c.p_uninterrupted, reliability=c.reliability,
                 free_devices=int(book.free[i]), estimated_s=t.seconds,
                 estimate_basis=t.basis))
-        if not timed:
-            out.explanation = matcher.explain(excluded, len(book))
+        if not q.timed:
+            out.explanation = matcher.explain(q.excluded, len(book))
         return out
 
     @unary
@@ -434,12 +341,3 @@ def _matches(offer: pb.Offer, q: mp.SearchOffersRequest) -> bool:
             and d.memory_bytes >= q.min_memory_bytes]
     return len(good) >= max(q.min_gpus, 1)
 
-
-def check_spec_for_quote(spec: pb.JobSpec) -> dict:
-    """A quote needs a well-formed spec but no nonce, times or signature; return its
-    kind's parameters."""
-    probe = pb.JobSpec()
-    probe.CopyFrom(spec)
-    probe.nonce = b"\0" * 16
-    probe.created_at_ms, probe.expires_at_ms = 1, 2
-    return kinds.check_spec(probe)

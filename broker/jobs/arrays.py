@@ -13,6 +13,7 @@ import json
 from sqlite_utils import Database
 
 from gpumarket.broker.jobs import transitions as jobs
+from gpumarket.broker.jobs.job import Job
 from gpumarket.broker.market.admission import NewJob
 from gpumarket.broker.store import blob_holdings
 from gpumarket.kinds import arrays
@@ -60,12 +61,12 @@ def add_batches(db: Database, array_id: str, now: int) -> int:
     if not waiting:
         return 0
     top = jobs.job_row(db, array_id)
-    size = arrays.per_lease(spec_of(top["spec"]), top["lanes"])
-    made = top["parts"] or 0
+    size = arrays.per_lease(spec_of(top.spec), top.lanes)
+    made = top.parts or 0
     for batch in arrays.batches(waiting, size):
         made += 1
         batch_id = f"{array_id}-{made}"
-        jobs.spawn(db, top, "batch", batch_id, f"{top['name']} tasks {batch[0]}-{batch[-1]}",
+        jobs.spawn(db, top, "batch", batch_id, f"{top.name} tasks {batch[0]}-{batch[-1]}",
                    now, part=made, tasks=len(batch), progress_total=len(batch))
         db.conn.executemany("UPDATE array_tasks SET batch_id = ?, updated_at_ms = ?"
                        " WHERE array_id = ? AND task = ?",
@@ -73,7 +74,7 @@ def add_batches(db: Database, array_id: str, now: int) -> int:
         jobs.append_event(db, batch_id, "submitted", QUEUED, 1, now, mirror=False,
                           message=f"{len(batch)} tasks of array {array_id}")
     db.execute("UPDATE jobs SET parts = ? WHERE id = ?", [made, array_id])
-    return made - (top["parts"] or 0)
+    return made - (top.parts or 0)
 
 
 def lease_tasks(db: Database, batch_id: str) -> list[int]:
@@ -128,11 +129,11 @@ def inline_outputs(update: gw.TaskResults, receipts: dict[int, pb.Receipt]
     return list(found.items())
 
 
-def _task_outputs(db: Database, batch: dict, epoch: int, provider_id: str, task: int,
+def _task_outputs(db: Database, batch: Job, epoch: int, provider_id: str, task: int,
                   receipt: pb.Receipt) -> list[dict]:
     """A task's outputs as its own receipt names them, each one the provider uploaded."""
-    if receipt.job_id != batch["id"] or receipt.epoch != epoch or \
-            receipt.spec_sha256 != batch["spec_sha256"]:
+    if receipt.job_id != batch.id or receipt.epoch != epoch or \
+            receipt.spec_sha256 != batch.spec_sha256:
         raise BadSignature(f"task {task}: its receipt names another lease or spec")
     if len(receipt.outputs) > arrays.TASK_OUTPUTS:
         raise InvalidArgument(f"task {task}: a task's receipt names at most"
@@ -161,7 +162,7 @@ def record_results(db: Database, batch_id: str, epoch: int, provider_id: str,
         raise InvalidArgument(f"at most {arrays.MAX_PER_LEASE:,} task results at once")
     if blobs:
         blob_holdings.record_many(db, list(blobs), provider_id, quota, now)
-    array_id = batch["parent_id"]
+    array_id = batch.parent_id
     told = 0
     for r in results:
         row = db.execute("SELECT state, attempts FROM array_tasks WHERE array_id = ?"
@@ -185,7 +186,7 @@ def record_results(db: Database, batch_id: str, epoch: int, provider_id: str,
                        [SUCCEEDED, provider_id, seconds, now, outputs, envelope, array_id,
                         r.task])
         else:
-            _task_failed(db, array_id, r.task, row[1], batch["max_attempts"],
+            _task_failed(db, array_id, r.task, row[1], batch.max_attempts,
                          r.error[:1000] or "failed", provider_id, now, seconds)
     # The lease's progress is its tasks reported (its provider sends no progress beside them).
     db.execute("UPDATE jobs SET progress_step = progress_step + ?, updated_at_ms = ? WHERE id = ?",
@@ -218,14 +219,14 @@ def yield_lease(db: Database, batch_id: str, epoch: int, now: int) -> int:
     ends, without counting an attempt (a task that still reports meanwhile is recorded as
     usual). Returns how many were marked (0: the lease is not running, or asked already)."""
     batch = jobs.job_row(db, batch_id)
-    if batch["epoch"] != epoch or batch["state"] != RUNNING or not batch["parent_id"]:
+    if batch.epoch != epoch or batch.state != RUNNING or not batch.parent_id:
         return 0
     marked = db.execute("UPDATE array_tasks SET yielded = 1, updated_at_ms = ? WHERE"
                         " batch_id = ? AND state = ? AND yielded = 0 AND NOT EXISTS (SELECT 1"
                         " FROM array_tasks y WHERE y.batch_id = ? AND y.yielded = 1)",
                         [now, batch_id, RUNNING, batch_id]).rowcount
     if marked:
-        jobs.append_event(db, batch_id, "yielding", RUNNING, batch["attempt"], now,
+        jobs.append_event(db, batch_id, "yielding", RUNNING, batch.attempt, now,
                           mirror=False, message=f"asked to stop after its current task:"
                           f" another client waits; {marked} tasks go back to the queue")
     return marked
@@ -251,11 +252,11 @@ def running_leases(db: Database) -> list[dict]:
 def follow_batch(db: Database, array_id: str, batch_id: str, type_: str, now: int) -> None:
     """A batch moved (``type_``, its event): its tasks follow, and the array follows them."""
     batch = jobs.job_row(db, batch_id)
-    state = batch["state"]
+    state = batch.state
     if type_ in ("leased", "started"):
         db.execute("UPDATE array_tasks SET state = ?, provider_id = ?, updated_at_ms = ?"
                    " WHERE batch_id = ? AND state = ?",
-                   [RUNNING, batch["provider_id"] or "", now, batch_id, QUEUED])
+                   [RUNNING, batch.provider_id or "", now, batch_id, QUEUED])
     elif state == QUEUED and type_ == "requeued":
         # Its lease was lost (or given back): the batch runs its open tasks again, a yield
         # asked of that lease forgotten.
@@ -263,19 +264,19 @@ def follow_batch(db: Database, array_id: str, batch_id: str, type_: str, now: in
                    " batch_id = ? AND state = ?", [QUEUED, now, batch_id, RUNNING])
         if not lease_tasks(db, batch_id):     # every task told before the lease was lost
             jobs.set_job(db, batch_id, now, state=SUCCEEDED)
-            jobs.append_event(db, batch_id, "succeeded", SUCCEEDED, batch["attempt"], now,
+            jobs.append_event(db, batch_id, "succeeded", SUCCEEDED, batch.attempt, now,
                               mirror=False, message="every task had ended")
     elif state in TERMINAL_STATES:
         _batch_ended(db, array_id, batch, now)
     _follow(db, array_id, now)
 
 
-def _batch_ended(db: Database, array_id: str, batch: dict, now: int) -> None:
+def _batch_ended(db: Database, array_id: str, batch: Job, now: int) -> None:
     """The batch ended: its receipt's outputs go to their tasks; tasks it did not report
     failed this run (or are cancelled with it); those left to run get new batches."""
-    if batch["receipt"]:
+    if batch.receipt:
         env = pb.Envelope()
-        env.ParseFromString(batch["receipt"])
+        env.ParseFromString(batch.receipt)
         receipt = pb.Receipt()
         receipt.ParseFromString(env.payload)
         by_task: dict[int, list[dict]] = {}
@@ -286,25 +287,25 @@ def _batch_ended(db: Database, array_id: str, batch: dict, now: int) -> None:
                     {"name": out.name, "sha256": out.sha256, "size_bytes": out.size_bytes})
         db.conn.executemany("UPDATE array_tasks SET outputs = ?, receipt = NULL WHERE"
                             " array_id = ? AND task = ? AND batch_id = ?",
-                            [(json.dumps(refs), array_id, task, batch["id"])
+                            [(json.dumps(refs), array_id, task, batch.id)
                              for task, refs in by_task.items()])
     open_tasks = db.execute("SELECT task, attempts, yielded FROM array_tasks WHERE"
-                            " batch_id = ? AND state IN (?, ?)", [batch["id"], *OPEN]).fetchall()
+                            " batch_id = ? AND state IN (?, ?)", [batch.id, *OPEN]).fetchall()
     top = db.execute("SELECT state FROM jobs WHERE id = ?", [array_id]).fetchone()
-    if batch["state"] == CANCELLED or top[0] in TERMINAL_STATES:
+    if batch.state == CANCELLED or top[0] in TERMINAL_STATES:
         db.execute("UPDATE array_tasks SET state = ?, error = ?, updated_at_ms = ? WHERE"
                    " batch_id = ? AND state IN (?, ?)",
-                   [CANCELLED, batch["error"] or "cancelled", now, batch["id"], *OPEN])
+                   [CANCELLED, batch.error or "cancelled", now, batch.id, *OPEN])
         return
     # Tasks its lease yielded before running them go back to the queue as they were.
     db.execute("UPDATE array_tasks SET state = ?, batch_id = NULL, yielded = 0,"
                " updated_at_ms = ? WHERE batch_id = ? AND state IN (?, ?) AND yielded = 1",
-               [QUEUED, now, batch["id"], *OPEN])
-    error = (batch["error"] or "its lease ended without a result for it")[:1000]
+               [QUEUED, now, batch.id, *OPEN])
+    error = (batch.error or "its lease ended without a result for it")[:1000]
     for task, attempts, yielded in open_tasks:
         if not yielded:
-            _task_failed(db, array_id, task, attempts, batch["max_attempts"], error,
-                         batch["provider_id"] or "", now)
+            _task_failed(db, array_id, task, attempts, batch.max_attempts, error,
+                         batch.provider_id or "", now)
     add_batches(db, array_id, now)
 
 
@@ -320,21 +321,21 @@ def counts(db: Database, array_id: str) -> dict[str, int]:
 def _follow(db: Database, array_id: str, now: int) -> None:
     """Set the array's state and progress from its tasks'."""
     top = jobs.job_row(db, array_id)
-    if top["state"] in TERMINAL_STATES:
+    if top.state in TERMINAL_STATES:
         return
     c = counts(db, array_id)
     ended = c["succeeded"] + c["failed"] + c["cancelled"]
     batches_open = db.execute(
         f"SELECT count(*) FROM jobs WHERE parent_id = ? AND state NOT IN"
         f" ({', '.join(str(s) for s in TERMINAL_STATES)})", [array_id]).fetchone()[0]
-    if ended == top["tasks"] and not batches_open:   # (a batch's receipt may be on its way)
+    if ended == top.tasks and not batches_open:   # (a batch's receipt may be on its way)
         state = SUCCEEDED if ended == c["succeeded"] else FAILED if c["failed"] else CANCELLED
     else:
         # Every task ended, its last leases' receipts on their way: it is finishing, not
         # waiting (it said "requeued" there).
         state = RUNNING if c["running"] or (batches_open and not c["queued"]) else QUEUED
-    error = (f"{c['failed']:,} of {top['tasks']:,} tasks failed" if state == FAILED else "")
-    if state == top["state"] and ended == top["progress_step"]:
+    error = (f"{c['failed']:,} of {top.tasks:,} tasks failed" if state == FAILED else "")
+    if state == top.state and ended == top.progress_step:
         return
     if state == SUCCEEDED:
         jobs.set_job(db, array_id, now, progress_step=ended)
@@ -342,12 +343,12 @@ def _follow(db: Database, array_id: str, now: int) -> None:
         return
     jobs.set_job(db, array_id, now, state=state, progress_step=ended, error=error)
     summary = ", ".join(f"{v:,} {k}" for k, v in c.items() if v)
-    if state != top["state"]:
-        jobs.append_event(db, array_id, jobs.PARENT_EVENT[state], state, top["attempt"], now,
+    if state != top.state:
+        jobs.append_event(db, array_id, jobs.PARENT_EVENT[state], state, top.attempt, now,
                           message=f"tasks: {summary}")
     else:
-        jobs.append_event(db, array_id, "progress", state, top["attempt"], now,
-                          progress={"step": ended, "total": top["tasks"], "metrics": {
+        jobs.append_event(db, array_id, "progress", state, top.attempt, now,
+                          progress={"step": ended, "total": top.tasks, "metrics": {
                               k: float(c[k]) for k in ("running", "failed") if c[k]}})
 
 

@@ -12,8 +12,8 @@ Every sort shares the ``jobs`` table (docs/architecture.md, The broker's rooms):
   from ``pays_from``'s hold).
 
 A ``Job`` also answers ``job["column"]`` (it is a read-only Mapping of its columns) for the
-modules that still read rows by key (money/ledger, market/calibration, checks/, serving/,
-api/): they take a ``Job`` or a dict alike. No imports of the broker here.
+modules that still read rows by key (checks/, serving/, the endpoint views of api/): they
+take a ``Job`` or a dict alike. No imports of the broker here.
 """
 
 from __future__ import annotations

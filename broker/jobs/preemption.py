@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from gpumarket.broker.checks import verification
 from gpumarket.broker.jobs import endings
 from gpumarket.broker.jobs import transitions as jobs
+from gpumarket.broker.jobs.job import Job
 from gpumarket.proto.errors import FailedPrecondition
 from gpumarket.proto.v1 import types_pb2 as pb
 from sqlite_utils import Database
@@ -63,23 +64,23 @@ def preempt(db: Database, lease_id: str, for_job_id: str, tier: str, grace_s: in
     lease whose job is not interruptible (a standard lease is never preempted)."""
     lease = jobs.lease_row(db, lease_id)
     job = jobs.job_row(db, lease["job_id"])
-    if lease["state"] != "active" or lease["preempt_for"] or job["lease_id"] != lease_id \
-            or job["state"] not in jobs.ACTIVE_STATES:
+    if lease["state"] != "active" or lease["preempt_for"] or job.lease_id != lease_id \
+            or job.state not in jobs.ACTIVE_STATES:
         return None
     if tier_of(job) != "interruptible":
-        raise FailedPrecondition(f"job {job['id']} is not interruptible: its lease is never"
+        raise FailedPrecondition(f"job {job.id} is not interruptible: its lease is never"
                                  " preempted")
     db.execute("UPDATE leases SET preempt_for = ?, preempt_at_ms = ? WHERE id = ?",
                [for_job_id, now, lease_id])
-    jobs.append_event(db, job["id"], "preempting", job["state"], job["attempt"], now,
+    jobs.append_event(db, job.id, "preempting", job.state, job.attempt, now,
                       provider_id=lease["provider_id"], mirror=False,
                       message=f"preempted by a {tier} job: checkpoint within {grace_s} s, then"
                       " resume from it (this costs the job nothing)")
-    return jobs.EndedLease(job["id"], lease["epoch"], lease["provider_id"])
+    return jobs.EndedLease(job.id, lease["epoch"], lease["provider_id"])
 
 
-def tier_of(job: dict) -> str:
-    return json.loads(job["needs"]).get("tier", "standard")
+def tier_of(job: Job) -> str:
+    return json.loads(job.needs).get("tier", "standard")
 
 
 def end(db: Database, lease_id: str, reason: str, now: int) -> bool:
@@ -90,18 +91,18 @@ def end(db: Database, lease_id: str, reason: str, now: int) -> bool:
         return False
     jobs.end_lease(db, lease_id, "preempted", reason, now)
     job = jobs.job_row(db, lease["job_id"])
-    if job["epoch"] != lease["epoch"] or job["state"] not in jobs.ACTIVE_STATES:
+    if job.epoch != lease["epoch"] or job.state not in jobs.ACTIVE_STATES:
         return True
-    jobs.set_job(db, job["id"], now, state=pb.JOB_STATE_QUEUED, provider_id=None,
+    jobs.set_job(db, job.id, now, state=pb.JOB_STATE_QUEUED, provider_id=None,
                  lease_id=None)
-    if job["check_of"]:
-        verification.requeued(db, job["id"])
-    resume = (f"resumes from step {job['checkpoint_step']}" if job["resume_from"]
+    if job.check_of:
+        verification.requeued(db, job.id)
+    resume = (f"resumes from step {job.checkpoint_step}" if job.resume_from
               else "starts over (no checkpoint yet)")
-    jobs.append_event(db, job["id"], "requeued", pb.JOB_STATE_QUEUED, job["attempt"], now,
+    jobs.append_event(db, job.id, "requeued", pb.JOB_STATE_QUEUED, job.attempt, now,
                       provider_id=lease["provider_id"],
                       message=f"lease preempted ({reason}); {resume}; not counted as an"
-                      f" attempt (still attempt {job['attempt']})")
+                      f" attempt (still attempt {job.attempt})")
     return True
 
 
@@ -125,7 +126,7 @@ def overdue(db: Database, before_ms: int) -> list[tuple[str, str, int, str]]:
         " AND preempt_for IS NOT NULL AND preempt_at_ms < ?", [before_ms]).fetchall()]
 
 
-def deadline_jobs(db: Database) -> list[dict]:
+def deadline_jobs(db: Database) -> list[Job]:
     """Interruptible jobs with a deadline that have not ended (queued, leased or running):
     the ones a deadline may promote."""
     cur = db.execute(
@@ -134,7 +135,7 @@ def deadline_jobs(db: Database) -> list[dict]:
         " AND CAST(json_extract(needs, '$.deadline_s') AS REAL) > 0",
         [pb.JOB_STATE_QUEUED, pb.JOB_STATE_LEASED, pb.JOB_STATE_RUNNING])
     cols = [d[0] for d in cur.description]
-    return [dict(zip(cols, r)) for r in cur.fetchall()]
+    return [Job.from_row(dict(zip(cols, r))) for r in cur.fetchall()]
 
 
 def promote(db: Database, job_id: str, why: str, now: int,
@@ -145,17 +146,17 @@ def promote(db: Database, job_id: str, why: str, now: int,
     lease the standard price of wherever it runs. False if it is not interruptible (any
     more)."""
     job = jobs.job_row(db, job_id)
-    needs = json.loads(job["needs"])
+    needs = json.loads(job.needs)
     if needs.get("tier") != "interruptible":
         return False
     needs["tier"] = "standard"
     db.execute("UPDATE jobs SET needs = ? WHERE id = ?",
                [json.dumps(needs, sort_keys=True), job_id])
     repriced = ""
-    if lease_price is not None and job["lease_id"]:
+    if lease_price is not None and job.lease_id:
         db.execute("UPDATE leases SET price_per_gpu_hour = ? WHERE id = ? AND state = 'active'",
-                   [lease_price, job["lease_id"]])
+                   [lease_price, job.lease_id])
         repriced = f"; its lease now pays {lease_price:g}/GPU-hour from its last checkpoint"
-    jobs.append_event(db, job_id, "promoted", job["state"], job["attempt"], now,
+    jobs.append_event(db, job_id, "promoted", job.state, job.attempt, now,
                       mirror=False, message=f"moved to the standard tier: {why}{repriced}")
     return True

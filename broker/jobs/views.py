@@ -9,7 +9,7 @@ from sqlite_utils import Database
 from gpumarket.broker.checks import verification
 from gpumarket.broker.jobs import arrays
 from gpumarket.broker.jobs.job import Job
-from gpumarket.broker.jobs.transitions import job_row
+from gpumarket.broker.jobs.transitions import job_row, parts_of
 from gpumarket.broker.market.reliability import WINDOW_S, ProviderHistory
 from gpumarket.broker.money import ledger
 from gpumarket.proto.v1 import types_pb2 as pb
@@ -21,46 +21,46 @@ def _rows(db: Database, sql: str, params: list) -> list[dict]:
     return [dict(zip(cols, r)) for r in cur.fetchall()]
 
 
-def job_message(db: Database, row: dict, *, with_attempts: bool = True) -> pb.Job:
-    job = pb.Job(
-        job_id=row["id"], name=row["name"], kind=row["kind"], state=row["state"],
-        client_id=row["client_id"], attempt=row["attempt"], provider_id=row["provider_id"] or "",
-        error=row["error"], created_at_ms=row["created_at_ms"],
-        updated_at_ms=row["updated_at_ms"], queue_reason=row["queue_reason"],
-        checkpoint_step=row["checkpoint_step"],
-        progress=pb.Progress(step=row["progress_step"], total=row["progress_total"],
-                             metrics=json.loads(row["progress_metrics"])),
+def job_message(db: Database, job: Job, *, with_attempts: bool = True) -> pb.Job:
+    """A job as its client reads it (with its attempts, unless ``with_attempts`` is False)."""
+    out = pb.Job(
+        job_id=job.id, name=job.name, kind=job.kind, state=job.state,
+        client_id=job.client_id, attempt=job.attempt, provider_id=job.provider_id or "",
+        error=job.error, created_at_ms=job.created_at_ms,
+        updated_at_ms=job.updated_at_ms, queue_reason=job.queue_reason,
+        checkpoint_step=job.checkpoint_step,
+        progress=pb.Progress(step=job.progress_step, total=job.progress_total,
+                             metrics=json.loads(job.progress_metrics)),
     )
-    job.spec.ParseFromString(row["spec"])
-    if not row["parent_id"] and not row["check_of"]:
-        job.billing.CopyFrom(pb.JobBilling(**ledger.job_money(db, row["id"]),
-                                           basis=row["hold_basis"]))
-        job.verification.CopyFrom(verification.view(db, row["id"]))
-    if row["receipt"]:
-        job.receipt.ParseFromString(row["receipt"])
-    if row["tasks"] and not row["parent_id"]:
-        job.array.CopyFrom(pb.ArrayProgress(tasks=row["tasks"], **arrays.counts(db, row["id"])))
-    if row["parts"] and not row["part"]:
-        for part in _rows(db, "SELECT * FROM jobs WHERE parent_id = ? ORDER BY part",
-                          [row["id"]]):
+    out.spec.ParseFromString(job.spec)
+    if job.sort == "job":
+        out.billing.CopyFrom(pb.JobBilling(**ledger.job_money(db, job.id),
+                                           basis=job.hold_basis))
+        out.verification.CopyFrom(verification.view(db, job.id))
+    if job.receipt:
+        out.receipt.ParseFromString(job.receipt)
+    if job.is_array:
+        out.array.CopyFrom(pb.ArrayProgress(tasks=job.tasks, **arrays.counts(db, job.id)))
+    if job.parts and not job.part:
+        for part in parts_of(db, job.id):
             message = pb.JobPart(
-                part=part["part"], job_id=part["id"], state=part["state"],
-                attempt=part["attempt"], provider_id=part["provider_id"] or "",
-                error=part["error"],
-                progress=pb.Progress(step=part["progress_step"], total=part["progress_total"],
-                                     metrics=json.loads(part["progress_metrics"])))
-            if part["receipt"]:
-                message.receipt.ParseFromString(part["receipt"])
-            job.parts.append(message)
+                part=part.part, job_id=part.id, state=part.state,
+                attempt=part.attempt, provider_id=part.provider_id or "",
+                error=part.error,
+                progress=pb.Progress(step=part.progress_step, total=part.progress_total,
+                                     metrics=json.loads(part.progress_metrics)))
+            if part.receipt:
+                message.receipt.ParseFromString(part.receipt)
+            out.parts.append(message)
     if with_attempts:
-        for lease in _rows(db, "SELECT * FROM leases WHERE job_id = ? ORDER BY epoch", [row["id"]]):
-            job.attempts.append(pb.Attempt(
+        for lease in _rows(db, "SELECT * FROM leases WHERE job_id = ? ORDER BY epoch", [job.id]):
+            out.attempts.append(pb.Attempt(
                 attempt=lease["attempt"], epoch=lease["epoch"], provider_id=lease["provider_id"],
                 started_at_ms=lease["started_at_ms"] or lease["issued_at_ms"],
                 ended_at_ms=lease["ended_at_ms"] or 0,
                 outcome=lease["state"], reason=lease["reason"],
             ))
-    return job
+    return out
 
 
 def get_job(db: Database, job_id: str) -> pb.Job:
@@ -80,7 +80,8 @@ def list_jobs(db: Database, client_id: str, states: list[int], limit: int) -> li
         params += states
     sql += " ORDER BY created_at_ms DESC, id LIMIT ?"
     params.append(limit)
-    return [job_message(db, r, with_attempts=False) for r in _rows(db, sql, params)]
+    return [job_message(db, Job.from_row(r), with_attempts=False)
+            for r in _rows(db, sql, params)]
 
 
 def events_after(db: Database, job_id: str, seq: int, limit: int = 500) -> list[pb.JobEvent]:
@@ -91,9 +92,9 @@ def events_after(db: Database, job_id: str, seq: int, limit: int = 500) -> list[
                          state=r["state"], attempt=r["attempt"], provider_id=r["provider_id"],
                          message=r["message"])
         if r["progress"]:
-            p = json.loads(r["progress"])
-            ev.progress.CopyFrom(pb.Progress(step=p["step"], total=p["total"],
-                                             metrics=p["metrics"]))
+            progress = json.loads(r["progress"])
+            ev.progress.CopyFrom(pb.Progress(step=progress["step"], total=progress["total"],
+                                             metrics=progress["metrics"]))
         out.append(ev)
     return out
 
@@ -276,7 +277,7 @@ def leases_over_hold(db: Database, now: int) -> list[str]:
     for r in rows:      # the parts of a split job draw on one hold: count them together
         by_top.setdefault(r["top"], []).append(r)
     return [r["id"] for top, group in by_top.items()
-            if sum(ledger.accrued(r, r, now) for r in group)
+            if sum(ledger.cost_since(r, r["settled_to_ms"], now) for r in group)
             >= ledger.balance(db, ledger.escrow(top)) for r in group]
 
 

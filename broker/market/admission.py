@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass
+from typing import Literal
 
 from gpumarket import kinds
+from gpumarket.kinds import arrays as task_arrays
 from gpumarket.broker.config import BrokerConfig
+from gpumarket.broker.jobs.job import Job
 from gpumarket.broker.market import matcher
 from gpumarket.broker.market.estimates import JobEstimate
 from gpumarket.proto.envelope import payload_sha256
@@ -16,6 +19,10 @@ from gpumarket.proto.jobspec import OBJECTIVE_NAMES, now_ms, tier_name
 from gpumarket.proto.v1 import types_pb2 as pb
 
 MAX_ATTEMPTS = 100
+
+# What a submitted job is stored as (jobs/submit.store): one job; a split job and its parts;
+# a job array, its tasks and their batches; an endpoint and its replicas.
+Shape = Literal["job", "split", "array", "endpoint"]
 
 
 @dataclass(frozen=True)
@@ -93,6 +100,12 @@ class NewJob:
     hold_basis: str = ""                # what the hold rests on
     fee_ppm: int = 0                    # the market's fee on its settlements
     enforce_funds: bool = False         # True: a hold is a limit (the broker's default: billing)
+    shape: Shape = "job"                # what it is stored as (``shape``)
+    runs_at_once: int = 0               # the runs its hold pays for at once: the parts of a
+                                        # split job, an array's tasks, an endpoint's
+                                        # max_replicas (0: one)
+    lanes: int = 0                      # an array: the leases its tasks are spread over where
+                                        # its spec does not say (0: the default)
 
     @property
     def kind(self) -> int:
@@ -127,6 +140,7 @@ def admit(envelope: pb.Envelope, spec: pb.JobSpec, client_id: str, values: dict,
     kind = kinds.get(spec.kind)
     digest = payload_sha256(envelope)
     parts = kind.parts(values)
+    form = shape(spec, values)
     return NewJob(
         id=digest[:16], client_id=client_id, name=spec.name or kind.name,
         spec=envelope.SerializeToString(), spec_sha256=digest,
@@ -135,14 +149,31 @@ def admit(envelope: pb.Envelope, spec: pb.JobSpec, client_id: str, values: dict,
         nonce=spec.nonce.hex(), inputs=tuple(ref.sha256 for ref in spec.inputs),
         part_sizes=tuple(len(kind.part_steps(values, i, parts))
                          for i in range(1, parts + 1)) if parts > 1 else (),
+        shape=form,
+        runs_at_once=(task_arrays.task_count(spec) if form == "array"
+                      else values["max_replicas"] if form == "endpoint"
+                      else parts if parts > 1 else 0),
     )
 
 
-def needs_of(row: dict, avoid: frozenset[str] = frozenset(),
+def shape(spec: pb.JobSpec, values: dict) -> Shape:
+    """What a job of this checked spec is stored as: a job array (its tasks run in batches,
+    a lease each), an endpoint (a kind that serves: its replicas are scaled between its
+    min_replicas and max_replicas), a split job (its kind splits it into parts that run at
+    once), or one job."""
+    kind = kinds.get(spec.kind)
+    if task_arrays.is_array(spec):
+        return "array"
+    if kind.serves:
+        return "endpoint"
+    return "split" if kind.parts(values) > 1 else "job"
+
+
+def needs_of(job: Job, avoid: frozenset[str] = frozenset(),
              n: Needs | None = None, exclude: frozenset[str] = frozenset()) -> matcher.JobNeeds:
-    """The matcher's view of a queued job row: its stored needs (``n``, if read already) in
-    the row's placement context — its age, its measured checkpoint cost — and the providers
-    to avoid or exclude."""
-    n = n or Needs.from_json(row["needs"])
-    return n.view(row["id"], row["client_id"], now_ms() - row["created_at_ms"],
-                  row["checkpoint_seconds"], avoid, exclude)
+    """The matcher's view of a queued job: its stored needs (``n``, if read already) in its
+    placement context — its age, its measured checkpoint cost — and the providers to avoid
+    or exclude."""
+    n = n or Needs.from_json(job.needs)
+    return n.view(job.id, job.client_id, now_ms() - job.created_at_ms,
+                  job.checkpoint_seconds, avoid, exclude)

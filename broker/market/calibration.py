@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from sqlite_utils import Database
 
+from gpumarket.broker.jobs.job import Job
 from gpumarket.broker.market.admission import Needs
 from gpumarket.proto.v1 import types_pb2 as pb
 
@@ -91,32 +92,32 @@ def models(db: Database, providers: dict[str, int], kind: int) -> dict[str, Mode
     return out
 
 
-def record(db: Database, job: dict, lease: dict, now: int) -> None:
+def record(db: Database, job: Job, lease: dict, now: int) -> None:
     """A lease succeeded: keep its (raw_s, wall seconds) if it ran the job whole, uninterrupted."""
     if lease["start_step"] or lease["started_at_ms"] is None or not lease["accelerator"]:
         return
     db["runtime_samples"].insert({
-        "provider_id": lease["provider_id"], "kind": job["kind"],
+        "provider_id": lease["provider_id"], "kind": job.kind,
         "accelerator": lease["accelerator"], "raw_s": lease["raw_runtime_s"],
         "seconds": (now - lease["started_at_ms"]) / 1000, "at_ms": now})
 
 
-def record_throughput(db: Database, job: dict, provider_id: str, receipt: pb.Receipt,
+def record_throughput(db: Database, job: Job, provider_id: str, receipt: pb.Receipt,
                        now: int) -> None:
     """Keep the speed this provider achieved on a whole job (FLOP/s per device), so the
     matcher can prefer it over the benchmark's claim. Only uninterrupted attempts count."""
     seconds = receipt.metrics.get("train_seconds", 0.0)
-    needs = Needs.from_json(job["needs"])
+    needs = Needs.from_json(job.needs)
     if needs.work_flops <= 0 or seconds <= 0 or receipt.metrics.get("resumed_from_step", 0):
         return
     achieved = needs.work_flops / seconds / max(1, needs.gpus)
     row = db.execute("SELECT flops_per_device, samples FROM throughput WHERE provider_id = ?"
-                     " AND kind = ?", [provider_id, job["kind"]]).fetchone()
+                     " AND kind = ?", [provider_id, job.kind]).fetchone()
     if row is None:
-        db["throughput"].insert({"provider_id": provider_id, "kind": job["kind"],
+        db["throughput"].insert({"provider_id": provider_id, "kind": job.kind,
                                  "flops_per_device": achieved, "samples": 1, "updated_ms": now})
     else:
         value = 0.7 * row[0] + 0.3 * achieved
         db.execute("UPDATE throughput SET flops_per_device = ?, samples = ?, updated_ms = ?"
                    " WHERE provider_id = ? AND kind = ?",
-                   [value, row[1] + 1, now, provider_id, job["kind"]])
+                   [value, row[1] + 1, now, provider_id, job.kind])

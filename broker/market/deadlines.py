@@ -53,17 +53,17 @@ def due_jobs(db, book: matcher.Book) -> list[tuple[str, str, float | None]]:
     standard price its running lease is charged from now on, or None if it has none). One
     read for all of them: a pass with jobs waiting asks it."""
     out = []
-    for row in rows.deadline_jobs(db):
-        needs = dataclasses.replace(needs_of(row), tier="standard")
+    for job in rows.deadline_jobs(db):
+        needs = dataclasses.replace(needs_of(job), tier="standard")
         found, _ = book.candidates(needs, 1)
         if not found:
             continue    # no offer could run it at the standard price: it stays interruptible
         lease_price = None
-        if row["lease_id"]:
+        if job.lease_id:
             # Its running lease is charged the standard price from now on (from its last
             # checkpoint: the settled cursor), or a deadline would buy standard protection at
             # the interruptible price; not promoted where that price is above its max_price.
-            i = book.index.get(row["provider_id"])
+            i = book.index.get(job.provider_id)
             if i is None:
                 continue    # its provider is not offering now: its lease ends on its own
             lease_price = float(book.prices("standard")[i])
@@ -73,9 +73,9 @@ def due_jobs(db, book: matcher.Book) -> list[tuple[str, str, float | None]]:
             # for it: the one it got was the best free one.
             found = [book.estimate(needs, i)]
         timed = credit_holds.timed(db, book, needs, found)
-        left = remaining_s(timed[0].seconds, row["checkpoint_step"], row["progress_total"])
+        left = remaining_s(timed[0].seconds, job.checkpoint_step, job.progress_total)
         if due(needs.deadline_s, left):
             why = (f"{needs.deadline_s:.0f} s left before its deadline, about {left:.0f} s of"
                    f" work left ({timed[0].basis}; x{MARGIN:g} + {SLACK_S:.0f} s)")
-            out.append((row["id"], why, lease_price))
+            out.append((job.id, why, lease_price))
     return out

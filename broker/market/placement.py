@@ -169,8 +169,8 @@ def plan(queued: list[Queued], book: matcher.Book, running: dict[str, int],
             continue
         if placement.provider_id not in online:
             continue
-        if q.hold_left is not None and q.hold_left < credit_holds.floor_units(
-                placement.price_per_gpu_hour, len(placement.device_indices)):
+        if not credit_holds.covers_lease(q.hold_left, placement.price_per_gpu_hour,
+                                         len(placement.device_indices)):
             book.release(book.index[placement.provider_id], placement.device_indices)
             reason = (f"waiting for funds: its hold covers less than"
                       f" {credit_holds.RESUME_FLOOR_S} s of the best offer (gpumarket topup"

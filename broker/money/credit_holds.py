@@ -8,16 +8,14 @@
                 fits it yet
 
 or the job's own ``budget``. A job whose hold runs out is paused, not killed (jobs), and is
-leased again only while its hold covers RESUME_FLOOR_S of the lease (``covers_lease``). Plain
-code; ``timed`` and ``covers_lease`` read the store.
+leased again only while its hold covers RESUME_FLOOR_S of the lease (``covers_lease``, the
+one rule, which placement's plan applies). Plain code; only ``timed`` reads the store.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-
-from sqlite_utils import Database
 
 from gpumarket.broker.market import calibration
 from gpumarket.broker.market import matcher
@@ -114,12 +112,8 @@ def amount(needs: Needs, parts: int, candidates: list[Timed], budget: float
                   f" x {devices} device{'s' if devices > 1 else ''}{checks}")
 
 
-def covers_lease(db: Database, job_id: str, price_per_gpu_hour: float, devices: int) -> bool:
-    """Whether the job's hold covers RESUME_FLOOR_S of a lease at this price (always, for a
-    job that does not enforce funds)."""
-    row = db.execute("SELECT coalesce(pays_from, parent_id, id), enforce_funds FROM jobs"
-                     " WHERE id = ?",
-                     [job_id]).fetchone()
-    if row is None or not row[1]:
-        return True
-    return ledger.balance(db, ledger.escrow(row[0])) >= floor_units(price_per_gpu_hour, devices)
+def covers_lease(hold_left: int | None, price_per_gpu_hour: float, devices: int) -> bool:
+    """Whether a hold with ``hold_left`` units left covers RESUME_FLOOR_S of a lease of
+    ``devices`` at this price (None: the job does not enforce funds, so any lease is
+    covered). A plain function: placement's plan reads ``hold_left`` with the queue."""
+    return hold_left is None or hold_left >= floor_units(price_per_gpu_hour, devices)

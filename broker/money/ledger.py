@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 from sqlite_utils import Database
 
+from gpumarket.broker.jobs.job import Job
 from gpumarket.proto.errors import FailedPrecondition, InsufficientFunds, InvalidArgument
 from gpumarket.proto.money import UNIT, fmt, units  # noqa: F401  (part of this module's API)
 
@@ -208,7 +209,7 @@ class Settlement:
     remaining: int       # the hold left after it
 
 
-def settle(db: Database, job: dict, lease: dict, step_to: int, now: int, *,
+def settle(db: Database, job: Job, lease: dict, step_to: int, now: int, *,
            tag: str = "") -> Settlement:
     """Pay a lease's work since its last settlement (or its start) up to progress ``step_to``
     (the cursor is on the job's row: ``settled_to_ms``, ``settled_step``):
@@ -216,40 +217,45 @@ def settle(db: Database, job: dict, lease: dict, step_to: int, now: int, *,
     the market's fee. Idempotent per (lease, ``tag`` or step: "final" at the receipt, "end"
     when the lease is stopped); a broker that enforces funds never pays more than the hold has
     left. Nothing is paid for time before the provider reported the job started."""
-    top = job.get("pays_from") or job["parent_id"] or job["id"]
-    started, step_from = job["settled_to_ms"], job["settled_step"]
+    top = job.pays_from or job.top_id
+    started, step_from = job.settled_to_ms, job.settled_step
     amount = accrued(job, lease, now)
     # The time this amount pays for exactly: what is left of a unit carries to the next one.
     rate = units(lease["price_per_gpu_hour"]) * len(json.loads(lease["device_indices"]))
     elapsed = 0 if started is None else (
         max(0, now - started) if rate <= 0 else amount * MS_PER_HOUR // rate)
     left = balance(db, escrow(top))
-    paid = min(amount, max(left, 0)) if job["enforce_funds"] else amount
-    fee = paid * job["fee_ppm"] // PPM
+    paid = min(amount, max(left, 0)) if job.enforce_funds else amount
+    fee = paid * job.fee_ppm // PPM
     pid = lease["provider_id"]
     if paid == 0:    # nothing moves (not started, or under a unit): the next settlement covers it
         return Settlement(amount, 0, left)
     post(db, f"settle:{lease['id']}:{tag or step_to}", "settle",
          {escrow(top): -paid, provider(pid): paid - fee, "fee": fee}, now,
-         owners={escrow(top): job["client_id"]},
+         owners={escrow(top): job.client_id},
          may_go_negative=frozenset({escrow(top)}),   # checked above: paid <= what is left
          known={escrow(top): left} if left else None,
-         job_id=job["id"], lease_id=lease["id"], provider_id=pid, step_from=step_from,
+         job_id=job.id, lease_id=lease["id"], provider_id=pid, step_from=step_from,
          step_to=max(step_to, step_from), seconds=elapsed / 1000,
          memo="" if paid == amount else f"hold exhausted: {fmt(amount - paid)} not covered")
     db.conn.execute("UPDATE jobs SET settled_to_ms = ?, settled_step = ? WHERE id = ?",
-                    [started + elapsed, max(step_to, step_from), job["id"]])
+                    [started + elapsed, max(step_to, step_from), job.id])
     return Settlement(amount, paid, left - paid)
 
 
-def accrued(job: dict, lease: dict, now: int) -> int:
+def accrued(job: Job, lease: dict, now: int) -> int:
     """What the job's running lease has cost since its last settlement (or its start), in
     units."""
-    started = job["settled_to_ms"]
-    if started is None:
+    return cost_since(lease, job.settled_to_ms, now)
+
+
+def cost_since(lease: dict, since_ms: int | None, now: int) -> int:
+    """What ``lease`` (its price and devices) costs from ``since_ms`` to ``now``, in units
+    (0 from None: not started)."""
+    if since_ms is None:
         return 0
     devices = len(json.loads(lease["device_indices"]))
-    return units(lease["price_per_gpu_hour"]) * devices * max(0, now - started) // MS_PER_HOUR
+    return units(lease["price_per_gpu_hour"]) * devices * max(0, now - since_ms) // MS_PER_HOUR
 
 
 def release(db: Database, job_id: str, client_id: str, now: int) -> None:
@@ -283,22 +289,22 @@ def _payer(db: Database, job_id: str) -> tuple[str, str, bool]:
 
 def settled_to(db: Database, seq: int) -> int:
     """What a settlement paid its provider (after the fee), in units."""
-    p, entries = _settlement(db, seq)
-    return entries.get(provider(p["provider_id"]), 0)
+    posting, entries = _settlement(db, seq)
+    return entries.get(provider(posting["provider_id"]), 0)
 
 
 def dispute(db: Database, seq: int, now: int) -> None:
     """Hold a settlement's pay (provider's and fee) while a check of its segment runs."""
-    p, entries = _settlement(db, seq)
-    paid, fee = entries.get(provider(p["provider_id"]), 0), entries.get("fee", 0)
+    posting, entries = _settlement(db, seq)
+    paid, fee = entries.get(provider(posting["provider_id"]), 0), entries.get("fee", 0)
     post(db, f"dispute:{seq}", "dispute",
-         {provider(p["provider_id"]): -paid, "fee": -fee,
-          disputed(p["job_id"], p["provider_id"]): paid + fee},
-         now, owners={disputed(p["job_id"], p["provider_id"]): p["provider_id"]},
-         job_id=p["job_id"],
-         lease_id=p["lease_id"], provider_id=p["provider_id"], step_from=p["step_from"],
-         step_to=p["step_to"], memo=f"settlement {seq} disputed",
-         may_go_negative=frozenset({provider(p["provider_id"])}))
+         {provider(posting["provider_id"]): -paid, "fee": -fee,
+          disputed(posting["job_id"], posting["provider_id"]): paid + fee},
+         now, owners={disputed(posting["job_id"], posting["provider_id"]): posting["provider_id"]},
+         job_id=posting["job_id"], lease_id=posting["lease_id"],
+         provider_id=posting["provider_id"], step_from=posting["step_from"],
+         step_to=posting["step_to"], memo=f"settlement {seq} disputed",
+         may_go_negative=frozenset({provider(posting["provider_id"])}))
 
 
 def resolve(db: Database, seq: int, passed: bool, now: int, why: str = "") -> None:
@@ -307,17 +313,17 @@ def resolve(db: Database, seq: int, passed: bool, now: int, why: str = "") -> No
     does one left unresolved (``why`` says so in the memo)."""
     if posted(db, f"dispute:{seq}") is None:
         raise FailedPrecondition(f"settlement {seq} is not disputed")
-    p, entries = _settlement(db, seq)
-    paid, fee = entries.get(provider(p["provider_id"]), 0), entries.get("fee", 0)
-    held = disputed(p["job_id"], p["provider_id"])
-    top, client_id, ended = _payer(db, p["job_id"])
+    posting, entries = _settlement(db, seq)
+    paid, fee = entries.get(provider(posting["provider_id"]), 0), entries.get("fee", 0)
+    held = disputed(posting["job_id"], posting["provider_id"])
+    top, client_id, ended = _payer(db, posting["job_id"])
     # Back into the job's hold (its re-run is paid from there); if the job has ended, on to
     # its client, as its release would have.
-    lines = ({held: -(paid + fee), provider(p["provider_id"]): paid, "fee": fee} if passed
+    lines = ({held: -(paid + fee), provider(posting["provider_id"]): paid, "fee": fee} if passed
              else {held: -(paid + fee), escrow(top): paid + fee})
     post(db, f"resolve:{seq}", "restore" if passed else "reverse", lines, now,
-         job_id=p["job_id"], lease_id=p["lease_id"], provider_id=p["provider_id"],
-         step_from=p["step_from"], step_to=p["step_to"],
+         job_id=posting["job_id"], lease_id=posting["lease_id"], provider_id=posting["provider_id"],
+         step_from=posting["step_from"], step_to=posting["step_to"],
          memo=f"check of settlement {seq} "
               f"{why or ('passed' if passed else 'failed: pay returned')}")
     if not passed and ended:
@@ -336,16 +342,16 @@ def claw_back(db: Database, seq: int, now: int) -> None:
                            [f"resolve:{seq}"]).fetchone()[0] == "reverse"
     if reversed_:
         return
-    p, entries = _settlement(db, seq)
-    paid, fee = entries.get(provider(p["provider_id"]), 0), entries.get("fee", 0)
-    top, client_id, ended = _payer(db, p["job_id"])
+    posting, entries = _settlement(db, seq)
+    paid, fee = entries.get(provider(posting["provider_id"]), 0), entries.get("fee", 0)
+    top, client_id, ended = _payer(db, posting["job_id"])
     to = client(client_id) if ended else escrow(top)
-    post(db, f"clawback:{seq}", "reverse", {provider(p["provider_id"]): -paid, "fee": -fee,
+    post(db, f"clawback:{seq}", "reverse", {provider(posting["provider_id"]): -paid, "fee": -fee,
                                               to: paid + fee}, now,
-         job_id=p["job_id"], lease_id=p["lease_id"], provider_id=p["provider_id"],
-         step_from=p["step_from"], step_to=p["step_to"],
+         job_id=posting["job_id"], lease_id=posting["lease_id"], provider_id=posting["provider_id"],
+         step_from=posting["step_from"], step_to=posting["step_to"],
          memo=f"settlement {seq} taken back: its provider was found wrong on the job",
-         may_go_negative=frozenset({provider(p["provider_id"])}))
+         may_go_negative=frozenset({provider(posting["provider_id"])}))
 
 
 def slash(db: Database, provider_id: str, client_id: str, job_id: str, amount: int,
@@ -481,8 +487,8 @@ def recent_page(db: Database, limit: int) -> dict:
                 for r in db.execute(
         "SELECT seq, at_ms, type, job_id, provider_id, step_from, step_to, seconds, memo, actor,"
         " entries FROM ledger_postings ORDER BY seq DESC LIMIT ?", [limit]).fetchall()]
-    for p in postings:
-        p["entries"] = {a: v / UNIT for a, v in json.loads(p["entries"]).items()}
+    for posting in postings:
+        posting["entries"] = {a: v / UNIT for a, v in json.loads(posting["entries"]).items()}
     return {"totals": {k: v / UNIT for k, v in totals(db).items()},
             "problems": audit(db), "postings": postings}
 

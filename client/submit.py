@@ -1,0 +1,110 @@
+"""gpumarket submit: a job file becomes a signed job on the broker — funds checked before
+anything is uploaded, its inputs uploaded, its spec built and signed (`quote` and
+`endpoint create` share these steps)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import click
+
+from gpumarket import kinds
+from gpumarket.client import arrays as job_arrays
+from gpumarket.client import jobfile
+from gpumarket.client.console import command, dump, err, load_identity, out
+from gpumarket.proto.envelope import seal
+from gpumarket.proto.errors import InsufficientFunds
+from gpumarket.proto.jobspec import NONCE_BYTES, now_ms, state_name
+from gpumarket.proto.money import fmt
+from gpumarket.proto.v1 import types_pb2 as pb
+
+if TYPE_CHECKING:   # annotations only: commands get it from the cli group
+    from gpumarket.link.client import Broker, BrokerClient
+
+
+async def upload_inputs(broker: BrokerClient, job: jobfile.JobFile) -> list[pb.ArtifactRef]:
+    refs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for item in job.inputs:
+            path = item.path
+            if item.data is not None:
+                path = Path(tmp) / item.name
+                path.write_bytes(item.data)
+            elif path.is_dir():
+                path = Path(tmp) / item.name
+                path.write_bytes(await asyncio.to_thread(jobfile.pack_directory, item.path))
+            err.print(f"uploading {'its tasks' if item.data is not None else item.path}"
+                      f" as {item.name}")
+            refs.append(await broker.upload(path, item.name))
+    return refs
+
+
+async def check_funds(broker: BrokerClient, job: jobfile.JobFile) -> None:
+    """Refuse, before anything is uploaded, a job the caller's available balance cannot
+    hold: the least the broker would hold for it (jobfile.least_hold) against the balance,
+    where the broker enforces funds; the broker checks the exact hold at submit. Raises
+    InsufficientFunds."""
+    account = await broker.account(limit=1)
+    least, basis = jobfile.least_hold(job)
+    if account.billing and account.available < least:
+        raise InsufficientFunds(
+            f"insufficient funds: this job holds at least {fmt(least)} credits ({basis}); your"
+            f" available balance is {fmt(account.available)}, {fmt(least - account.available)}"
+            " short (ask the broker's operator for credit, or set a smaller budget in the job"
+            " file); nothing was uploaded")
+
+
+def build_spec(job: jobfile.JobFile, refs: list[pb.ArtifactRef], created_ms: int) -> pb.JobSpec:
+    spec = pb.JobSpec(
+        name=job.name, kind=job.kind,
+        resources=pb.Resources(gpus=job.gpus, min_memory_bytes=job.min_memory_bytes,
+                               accelerator=job.accelerator,
+                               min_compute_capability=job.min_compute_capability,
+                               gpu_models=list(job.gpu_models)),
+        objective=job.objective, deadline_s=job.deadline_s, min_reliability=job.min_reliability,
+        max_price_per_gpu_hour=job.max_price, inputs=refs, max_runtime_s=job.max_runtime_s,
+        max_attempts=job.max_attempts, nonce=os.urandom(NONCE_BYTES),
+        budget=job.budget, min_provider_stake=job.min_provider_stake,
+        verify_rate=job.verify_rate, tier=job.tier, preemptible=job.preemptible,
+        created_at_ms=created_ms, expires_at_ms=created_ms + job.expires_in_s * 1000,
+    )
+    kinds.get(job.kind).write(spec, job.params)
+    if job.array_count:
+        spec.array.CopyFrom(pb.JobArray(count=job.array_count, per_lease=job.array_per_lease,
+                                        tasks_input=job_arrays.TASKS_INPUT))
+    return spec
+
+
+@click.command()
+@click.argument("job_file", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--watch", "watch_", is_flag=True, help="Follow the job until it ends.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.pass_obj
+@command
+async def submit(market: Broker, job_file: Path, watch_: bool, as_json: bool) -> None:
+    """Upload JOB_FILE's inputs, sign the job, submit it, and print its id (a job your
+    available balance cannot hold is refused before anything is uploaded)."""
+    from gpumarket.client.watch import EXIT_BY_STATE, follow
+
+    job = jobfile.load(job_file)
+    identity = load_identity()
+    async with market.client(identity) as broker:
+        await check_funds(broker, job)
+        refs = await upload_inputs(broker, job)
+        spec = build_spec(job, refs, now_ms())
+        resp = await broker.submit(seal(identity, spec))
+        if as_json:
+            dump({"job_id": resp.job_id, "state": state_name(resp.state)})
+        else:
+            click.echo(resp.job_id)
+        if watch_:
+            state = await follow(broker, resp.job_id, as_json, out)
+            sys.exit(EXIT_BY_STATE.get(state, 1))
+
+
+COMMANDS = (submit,)
