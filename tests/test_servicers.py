@@ -154,8 +154,11 @@ def test_an_endpoint_is_stored_serving_with_its_first_replicas(broker, alice, tm
     ep = broker.call("GetEndpoint", mp.GetEndpointRequest(endpoint="tiny"), alice).endpoint
     assert ep.job_id == resp.job_id and ep.state == pb.JOB_STATE_RUNNING
     assert [r.state for r in ep.replicas] == [pb.JOB_STATE_QUEUED] * 2
-    # Its hold pays for max_replicas at once (1 h each: its work is not known ahead).
+    # Its hold pays for max_replicas at once (1 h each: its work is not known ahead) — and
+    # a quote of the same spec says so (it said one replica's hour before).
     assert get(broker, alice, resp.job_id).billing.hold == 3 * 1_000_000
+    again = broker.spec(alice, job_file(tmp_path, ENDPOINT.replace("tiny", "tiny2")))
+    assert broker.call("Quote", mp.QuoteRequest(spec=again, limit=5), alice).hold == 3 * 1_000_000
 
 
 def bad_kind_value(spec: pb.JobSpec) -> None:

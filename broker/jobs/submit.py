@@ -154,7 +154,8 @@ async def quote(state: BrokerState, spec: pb.JobSpec, client_id: str) -> Quote:
                                   state.artifacts.blob_path)
     needs = admission.needs(spec, values, est)
     book, found, excluded = await timed(state, needs, client_id, CANDIDATES)
-    held, basis = credit_holds.amount(needs, kind.parts(values), found, spec.budget)
+    held, basis = credit_holds.amount(needs, admission.runs_at_once(spec, values), found,
+                                      spec.budget)
     return Quote(needs, est.work_flops, book, found, excluded, held, basis)
 
 

@@ -150,10 +150,18 @@ def admit(envelope: pb.Envelope, spec: pb.JobSpec, client_id: str, values: dict,
         part_sizes=tuple(len(kind.part_steps(values, i, parts))
                          for i in range(1, parts + 1)) if parts > 1 else (),
         shape=form,
-        runs_at_once=(task_arrays.task_count(spec) if form == "array"
-                      else values["max_replicas"] if form == "endpoint"
-                      else parts if parts > 1 else 0),
+        runs_at_once=runs_at_once(spec, values),
     )
+
+
+def runs_at_once(spec: pb.JobSpec, values: dict) -> int:
+    """The runs a job of this checked spec holds money for at once: an array's tasks, an
+    endpoint's max_replicas, a split job's parts (0: one). What a quote shows is sized the
+    same way."""
+    form, parts = shape(spec, values), kinds.get(spec.kind).parts(values)
+    return (task_arrays.task_count(spec) if form == "array"
+            else values["max_replicas"] if form == "endpoint"
+            else parts if parts > 1 else 0)
 
 
 def shape(spec: pb.JobSpec, values: dict) -> Shape:
