@@ -1,0 +1,115 @@
+"""Activation fingerprints on torch (kinds/fingerprints.py has the format and the comparison):
+``Recorder`` keeps them while ``model.generate`` runs, ``prefill`` makes a checker's from one
+forward pass over a prompt plus the tokens a provider says it generated.
+
+The state fingerprinted is the output embedding's input (the last hidden state, after the
+final norm) at the position that produced a token: the one a greedy or sampled step reads
+its logits from. ``generate`` asks the model for the last position's logits only, so a
+pre-hook on the output embedding sees exactly that state at each step, prefill included."""
+
+from __future__ import annotations
+
+from gpumarket.kinds import fingerprints as fp
+
+
+def _encode_rows(states, k: int) -> list[str]:
+    """Fingerprints of each row of ``states`` (n x hidden, any float dtype)."""
+    import torch
+
+    vectors = states.float()
+    top = torch.topk(vectors.abs(), k, dim=-1).indices
+    values = torch.gather(vectors, -1, top).clamp(-fp.HALF_MAX, fp.HALF_MAX)
+    return [fp.encode(i.tolist(), v.tolist()) for i, v in zip(top.cpu(), values.cpu())]
+
+
+def usable(model) -> bool:
+    """Whether fingerprints can be made for this model: it has an output embedding and a
+    hidden state narrow enough for uint16 indices."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return head is not None and 0 < hidden_size(model) <= fp.MAX_INDEX + 1
+
+
+def hidden_size(model) -> int:
+    head = model.get_output_embeddings()
+    return int(getattr(head, "in_features", 0) or head.weight.shape[-1])
+
+
+class Recorder:
+    """While ``model.generate`` runs in its ``with`` block: the output embedding's input at
+    each step, last position, per row (steps on the model's device until ``rows``)."""
+
+    def __init__(self, model) -> None:
+        self.model, self.steps, self.handle = model, [], None
+        self.k = fp.k_for(hidden_size(model))
+
+    def __enter__(self) -> Recorder:
+        self.steps = []
+        self.handle = self.model.get_output_embeddings().register_forward_pre_hook(self._hook)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.handle.remove()
+
+    def _hook(self, module, args) -> None:
+        self.steps.append(args[0][:, -1, :].detach().clone())
+
+    def rows(self, generated: list[int]) -> list[list[str]]:
+        """The fingerprints of each row of the batch, which generated ``generated[r]``
+        tokens (fp.positions of them)."""
+        import torch
+
+        if not self.steps:
+            return [[] for _ in generated]
+        states = torch.stack(self.steps, dim=1)            # batch x steps x hidden
+        out = []
+        for r, n in enumerate(generated):
+            at = [j for j in fp.positions(n) if j < states.shape[1]]
+            out.append(_encode_rows(states[r, at], self.k) if at else [])
+        return out
+
+
+def prefill(model, rows: list[tuple[list[int], list[int]]], device
+            ) -> list[tuple[list[str], float]]:
+    """For each (prompt ids, generated ids): the fingerprints of the generated ids as one
+    forward pass over prompt + generated sees them, and the largest gap, over the generated
+    ids, between a position's top logit and the generated id's, in standard deviations of
+    that position's logits (0 for a greedy provider that computed as the replay did). One
+    left-padded batch, positions counted from each row's first real token (as ``generate``
+    counts them)."""
+    import torch
+
+    k = fp.k_for(hidden_size(model))
+    width = max(len(p) + len(g) for p, g in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for r, (p, g) in enumerate(rows):
+        seq = p + g
+        ids[r, width - len(seq):] = torch.tensor(seq, dtype=torch.long)
+        mask[r, width - len(seq):] = 1
+    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+    seen = []
+    handle = model.get_output_embeddings().register_forward_pre_hook(
+        lambda module, args: seen.append(args[0].detach()))
+    try:
+        with torch.inference_mode():
+            logits = model(input_ids=ids.to(device), attention_mask=mask.to(device),
+                           position_ids=position_ids.to(device), use_cache=False).logits
+    finally:
+        handle.remove()
+    states = seen[-1]
+    out = []
+    for r, (p, g) in enumerate(rows):
+        if not g:
+            out.append(([], 0.0))
+            continue
+        # the state at position i produced token i + 1: generated token j came from
+        # position len(p) - 1 + j (of the row's own positions; the row starts at width - len)
+        start = width - len(p) - len(g) + len(p) - 1
+        at = [start + j for j in fp.positions(len(g))]
+        prints = _encode_rows(states[r, at], k)
+        row_logits = logits[r, start:start + len(g)].float()
+        chosen = row_logits.gather(-1, torch.tensor(g, device=row_logits.device)[:, None])[:, 0]
+        spread = row_logits.std(dim=-1).clamp(min=1e-12)
+        gap = ((row_logits.max(dim=-1).values - chosen) / spread).max().item()
+        out.append((prints, float(gap)))
+    return out
