@@ -20,6 +20,7 @@ EVERY = 32            # generated tokens per fingerprint (TOPLOC's chunk)
 K_MAX = 128           # entries of a fingerprint (TOPLOC's k)
 MAX_INDEX = 0xFFFF    # indices are stored as uint16: hidden sizes up to 65,535
 HALF_MAX = 65504.0    # the largest float16
+MAX_TEXT = 4 * (4 * K_MAX) // 3 + 8   # characters of one encoded fingerprint, at most
 
 
 def k_for(hidden_size: int) -> int:
@@ -52,7 +53,7 @@ class FingerprintError(ValueError):
 
 def decode(text: object) -> tuple[list[int], list[float]]:
     """(indices, values) of an encoded fingerprint. Raises FingerprintError."""
-    if not isinstance(text, str) or len(text) > 4 * (4 * K_MAX) // 3 + 8:
+    if not isinstance(text, str) or len(text) > MAX_TEXT:
         raise FingerprintError("not a fingerprint")
     try:
         raw = base64.b64decode(text, validate=True)

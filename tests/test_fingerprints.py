@@ -186,3 +186,94 @@ def test_hostile_fingerprints_disagree_and_never_crash():
         assert not agrees and why
     assert fp.positions(0) == [] and fp.positions(1) == [0]
     assert fp.positions(64) == [31, 63] and fp.positions(70) == [31, 63, 69]
+
+
+# -- endpoint answers ---------------------------------------------------------------------
+
+ENGINE_PARAMS = {"model": "", "model_name": "tiny", "task": "", "dtype": "", "max_seq_len": 0,
+                 "max_concurrency": 8, "engine": "batch", "trust_remote_code": False}
+
+
+def serve_answers(model_dir: Path, prompts: list[str], max_tokens: int) -> list[tuple]:
+    """Requests answered together by the batch engine (rows joining between decode steps):
+    (request, final message) each."""
+    import asyncio
+
+    from gpumarket.kinds.engine_protocol import Complete, Final
+    from gpumarket.kinds.runner_job import RunnerJob
+    from gpumarket.provider.runners.engine import load_engine
+
+    job = RunnerJob(params=ENGINE_PARAMS, model_dir=str(model_dir))
+
+    async def run() -> list[tuple]:
+        engine = load_engine(job, model_dir)
+        out = {}
+
+        async def one(i: int) -> None:
+            await asyncio.sleep(0.01 * i)        # later ones join a running batch
+            request = Complete(prompt=prompts[i], max_tokens=max_tokens + i, temperature=0)
+            async for event in engine.complete(f"r{i}", request):
+                if isinstance(event, Final):
+                    out[i] = (request, event)
+        try:
+            await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(len(prompts)))),
+                                   300)
+        finally:
+            await engine.close()
+        return [out[i] for i in range(len(prompts))]
+
+    return asyncio.run(run())
+
+
+def judge(model_dir: Path, answers: list[tuple], dtype: str = "") -> list[tuple[bool, str]]:
+    """An honest checker's prefill of the answers (answer_check.check_answers)."""
+    import torch
+
+    from gpumarket.provider.runners.answer_check import check_answers
+    from gpumarket.provider.runners.generate import load
+
+    tokenizer, model = load(model_dir, torch.device("cpu"), torch.float32)
+    samples = [{"request": r.to_dict(), "token_ids": f.token_ids,
+                "fingerprints": f.fingerprints} for r, f in answers]
+    return check_answers(tokenizer, model, torch.device("cpu"), 256, samples, dtype)
+
+
+ANSWER_PROMPTS = ["the quick brown fox", "a marketplace for idle gpus", "providers advertise",
+                  "checkpoints let a job resume", "the lazy dog"]
+
+
+def test_an_endpoint_engine_commits_to_its_answers_and_an_honest_one_passes(tmp_path):
+    from gpumarket.kinds.engine_protocol import decode_answer
+
+    model = tiny_causal_lm(tmp_path / "tiny")
+    answers = serve_answers(model, ANSWER_PROMPTS, 33)
+    for request, final in answers:
+        assert final.error is None, final
+        assert len(final.token_ids) == final.output_tokens
+        assert len(final.fingerprints) == len(fp.positions(final.output_tokens))
+        # what crosses the daemon and the broker keeps them (and refuses ones that do not fit)
+        line = json.dumps(final.to_dict()).encode()
+        assert decode_answer(line).fingerprints == final.fingerprints
+        bad = json.loads(line)
+        bad["token_ids"] = bad["token_ids"][:-1]
+        assert decode_answer(json.dumps(bad).encode()).fingerprints is None
+    verdicts = judge(model, answers)
+    assert all(agrees for agrees, _ in verdicts), verdicts
+
+
+def test_an_endpoint_replica_answering_with_another_model_is_caught(tmp_path):
+    right = tiny_causal_lm(tmp_path / "right", 0)
+    other = tiny_causal_lm(tmp_path / "other", 1)
+    answers = serve_answers(other, ANSWER_PROMPTS, 33)
+    verdicts = judge(right, answers)
+    assert not any(agrees for agrees, _ in verdicts), verdicts
+    # random tokens, committed to by the right model's fingerprints, are caught by the gap
+    import random
+
+    honest = serve_answers(right, ANSWER_PROMPTS[:2], 20)
+    rng = random.Random(3)
+    doctored = [(r, type(f)(**{**f.__dict__, "token_ids": [rng.randrange(300) for _ in
+                                                         f.token_ids]}))
+                for r, f in honest]
+    refit = judge(right, doctored)
+    assert not any(agrees for agrees, _ in refit), refit

@@ -22,6 +22,11 @@ def _encode_rows(states, k: int) -> list[str]:
     return [fp.encode(i.tolist(), v.tolist()) for i, v in zip(top.cpu(), values.cpu())]
 
 
+def encode_state(state, k: int) -> str:
+    """The fingerprint of one hidden state (a vector)."""
+    return _encode_rows(state[None, :], k)[0]
+
+
 def usable(model) -> bool:
     """Whether fingerprints can be made for this model: it has an output embedding and a
     hidden state narrow enough for uint16 indices."""
