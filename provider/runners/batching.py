@@ -65,8 +65,8 @@ class Rows:
     def _note(self, stream: Stream, ids: list[int], row: int) -> None:
         """``stream``'s newest token (the last of ``ids``) came from row ``row`` of the last
         forward: fingerprint its state if it is the last of EVERY, else keep it for the end."""
-        if not self.k or self.state is None:
-            return
+        if not self.k or self.state is None or not hasattr(stream, "last_state"):
+            return          # (a stand-in for a Stream that keeps no fingerprints)
         if stream.prints is None:
             stream.prints, stream.k = [], self.k
         if len(ids) % fp.EVERY == 0:

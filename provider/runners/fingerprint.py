@@ -9,17 +9,30 @@ pre-hook on the output embedding sees exactly that state at each step, prefill i
 
 from __future__ import annotations
 
+import inspect
+
 from gpumarket.kinds import fingerprints as fp
 
 
-def _encode_rows(states, k: int) -> list[str]:
-    """Fingerprints of each row of ``states`` (n x hidden, any float dtype)."""
+def _top(states, k: int):
+    """The top-k entries by magnitude of each row of ``states`` (n x hidden): their indices
+    (int32) and values (float16, clamped to its range)."""
     import torch
 
     vectors = states.float()
     top = torch.topk(vectors.abs(), k, dim=-1).indices
     values = torch.gather(vectors, -1, top).clamp(-fp.HALF_MAX, fp.HALF_MAX)
-    return [fp.encode(i.tolist(), v.tolist()) for i, v in zip(top.cpu(), values.cpu())]
+    return top.to(torch.int32), values.to(torch.float16)
+
+
+def _encode_top(indices, values) -> list[str]:
+    return [fp.encode(i.tolist(), v.float().tolist())
+            for i, v in zip(indices.cpu(), values.cpu())]
+
+
+def _encode_rows(states, k: int) -> list[str]:
+    """Fingerprints of each row of ``states`` (n x hidden, any float dtype)."""
+    return _encode_top(*_top(states, k))
 
 
 def encode_state(state, k: int) -> str:
@@ -40,8 +53,10 @@ def hidden_size(model) -> int:
 
 
 class Recorder:
-    """While ``model.generate`` runs in its ``with`` block: the output embedding's input at
-    each step, last position, per row (steps on the model's device until ``rows``)."""
+    """While ``model.generate`` runs in its ``with`` block: the top-k entries of the output
+    embedding's input at each step, last position, per row (kept on the model's device as
+    int32 indices and float16 values: 6 bytes an entry, k x rows x steps, not the whole
+    hidden state of every step), until ``rows``."""
 
     def __init__(self, model) -> None:
         self.model, self.steps, self.handle = model, [], None
@@ -56,7 +71,7 @@ class Recorder:
         self.handle.remove()
 
     def _hook(self, module, args) -> None:
-        self.steps.append(args[0][:, -1, :].detach().clone())
+        self.steps.append(_top(args[0][:, -1, :].detach(), self.k))
 
     def rows(self, generated: list[int]) -> list[list[str]]:
         """The fingerprints of each row of the batch, which generated ``generated[r]``
@@ -65,11 +80,12 @@ class Recorder:
 
         if not self.steps:
             return [[] for _ in generated]
-        states = torch.stack(self.steps, dim=1)            # batch x steps x hidden
+        indices = torch.stack([i for i, _ in self.steps], dim=1)     # batch x steps x k
+        values = torch.stack([v for _, v in self.steps], dim=1)
         out = []
         for r, n in enumerate(generated):
-            at = [j for j in fp.positions(n) if j < states.shape[1]]
-            out.append(_encode_rows(states[r, at], self.k) if at else [])
+            at = [j for j in fp.positions(n) if j < indices.shape[1]]
+            out.append(_encode_top(indices[r, at], values[r, at]) if at else [])
         return out
 
 
@@ -92,24 +108,32 @@ def prefill(model, rows: list[tuple[list[int], list[int]]], device
         ids[r, width - len(seq):] = torch.tensor(seq, dtype=torch.long)
         mask[r, width - len(seq):] = 1
     position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+    # Only the last positions matter (the generated tokens sit at the right of every row):
+    # logits of those alone, not of every prompt token times the vocabulary.
+    keep = max(len(g) for _, g in rows) + 1
+    extra = {"logits_to_keep": keep} if "logits_to_keep" in inspect.signature(
+        model.forward).parameters else {}
     seen = []
     handle = model.get_output_embeddings().register_forward_pre_hook(
         lambda module, args: seen.append(args[0].detach()))
     try:
         with torch.inference_mode():
             logits = model(input_ids=ids.to(device), attention_mask=mask.to(device),
-                           position_ids=position_ids.to(device), use_cache=False).logits
+                           position_ids=position_ids.to(device), use_cache=False,
+                           **extra).logits
     finally:
         handle.remove()
     states = seen[-1]
+    offset = width - states.shape[1]      # positions cut away on the left (logits_to_keep)
+    logits = logits[:, -states.shape[1]:]
     out = []
     for r, (p, g) in enumerate(rows):
-        if not g:
+        if not g or not p:        # nothing generated, or no position it could come from
             out.append(([], 0.0))
             continue
         # the state at position i produced token i + 1: generated token j came from
         # position len(p) - 1 + j (of the row's own positions; the row starts at width - len)
-        start = width - len(p) - len(g) + len(p) - 1
+        start = width - len(g) - 1 - offset
         at = [start + j for j in fp.positions(len(g))]
         prints = _encode_rows(states[r, at], k)
         row_logits = logits[r, start:start + len(g)].float()
