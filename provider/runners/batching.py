@@ -12,7 +12,6 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
-from gpumarket.kinds import fingerprints as fp
 from gpumarket.kinds.engine_protocol import DEFAULT_MAX_TOKENS
 from gpumarket.provider.runners import fingerprint
 from gpumarket.provider.runners.base import JobError
@@ -50,30 +49,8 @@ class Rows:
         self.cache_arg = "cache" if "cache" in params else "past_key_values"
         self.cache_position = "cache_position" in params
         self.logits_to_keep = "logits_to_keep" in params
-        # Activation fingerprints (kinds/fingerprints.py): the output embedding's input at
-        # the last position of each forward, kept by a pre-hook, is each row's state that
-        # produced its next token.
-        self.state, self.k = None, 0
-        if fingerprint.usable(model):
-            self.k = fp.k_for(fingerprint.hidden_size(model))
-            model.get_output_embeddings().register_forward_pre_hook(self._keep_state)
+        self.states = fingerprint.StepStates(model)   # each answer's activation fingerprints
         self.clear()
-
-    def _keep_state(self, module, args) -> None:
-        self.state = args[0][:, -1, :].detach()
-
-    def _note(self, stream: Stream, ids: list[int], row: int) -> None:
-        """``stream``'s newest token (the last of ``ids``) came from row ``row`` of the last
-        forward: fingerprint its state if it is the last of EVERY, else keep it for the end."""
-        if not self.k or self.state is None or not hasattr(stream, "last_state"):
-            return          # (a stand-in for a Stream that keeps no fingerprints)
-        if stream.prints is None:
-            stream.prints, stream.k = [], self.k
-        if len(ids) % fp.EVERY == 0:
-            stream.prints.append(fingerprint.encode_state(self.state[row], self.k))
-            stream.last_state = None
-        else:
-            stream.last_state = self.state[row].clone()
 
     def clear(self) -> None:
         self.streams: list[Stream] = []
@@ -193,7 +170,7 @@ class Rows:
                                    F.pad(mask, (width - new, 0))])
         firsts = [[t] for t in firsts]
         for row, (stream, ids) in enumerate(zip(streams, firsts)):
-            self._note(stream, ids, row)
+            self.states.note(stream, ids, row)
         self.streams += streams
         self.ids += firsts
         self.generators += generators
@@ -205,7 +182,7 @@ class Rows:
         for row, (stream, ids, token) in enumerate(zip(self.streams, self.ids,
                                                        self._pick(logits, self.generators))):
             ids.append(token)
-            self._note(stream, ids, row)
+            self.states.note(stream, ids, row)
         self._settle()
 
     def _settle(self) -> None:

@@ -89,6 +89,35 @@ class Recorder:
         return out
 
 
+class StepStates:
+    """For an engine that decodes step by step (batching.Rows): a pre-hook on the output
+    embedding keeps the last position's input of each forward, each row's state that
+    produced its next token; ``note`` gives a Stream its fingerprints from it."""
+
+    def __init__(self, model) -> None:
+        self.state, self.k = None, 0
+        if usable(model):
+            self.k = fp.k_for(hidden_size(model))
+            model.get_output_embeddings().register_forward_pre_hook(self._keep)
+
+    def _keep(self, module, args) -> None:
+        self.state = args[0][:, -1, :].detach()
+
+    def note(self, stream, ids: list[int], row: int) -> None:
+        """``stream``'s newest token (the last of ``ids``) came from row ``row`` of the last
+        forward: fingerprint its state if it is the last of fp.EVERY, else keep it for the
+        stream's end (engine.Stream.end)."""
+        if not self.k or self.state is None or not hasattr(stream, "last_state"):
+            return          # (a stand-in for a Stream that keeps no fingerprints)
+        if stream.prints is None:
+            stream.prints, stream.k = [], self.k
+        if len(ids) % fp.EVERY == 0:
+            stream.prints.append(encode_state(self.state[row], self.k))
+            stream.last_state = None
+        else:
+            stream.last_state = self.state[row].clone()
+
+
 def prefill(model, rows: list[tuple[list[int], list[int]]], device
             ) -> list[tuple[list[str], float]]:
     """For each (prompt ids, generated ids): the fingerprints of the generated ids as one
