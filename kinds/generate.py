@@ -64,7 +64,10 @@ class Generate(Inference):
                  ) -> Callable[[dict, dict], tuple[bool, str]]:
         if not scope.get("claimed"):
             return self.same_row
-        return fingerprint_rule(str(scope.get("dtype", "")), bool(scope.get("greedy")))
+        # Two replays (a tie-break against the first check) agree on their fingerprints;
+        # the token gap judges the claimed tokens, not a replay: both see the same one.
+        return fingerprint_rule(str(scope.get("dtype", "")),
+                                bool(scope.get("greedy")) and not scope.get("replays"))
 
     def same_row(self, want: dict, have: dict) -> tuple[bool, str]:
         if want.get("completion") != have.get("completion"):
@@ -88,9 +91,9 @@ def fingerprint_rule(dtype: str, greedy: bool) -> Callable[[dict, dict], tuple[b
             return False, why
         gap = have.get("token_gap")
         if greedy and not (type(gap) in (int, float) and gap <= limit):
-            return False, (f"a greedy token is not the replay's top one (its logit"
-                           f" {gap if type(gap) in (int, float) else '?'} standard deviations"
-                           f" below; at most {limit:g})")
+            said = f"{gap:.2f}" if type(gap) in (int, float) else "?"
+            return False, (f"a greedy token is not the replay's top one (its logit {said}"
+                           f" standard deviations below; at most {limit:g})")
         return True, ""
 
     return same

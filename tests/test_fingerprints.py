@@ -77,7 +77,8 @@ def provider_run(tmp_path: Path, models: dict, name: str, *, model: str = "right
 
 
 def check(tmp_path: Path, models: dict, provider_out: Path, job_dtype: str, *,
-          threads: int = 2, position: float = 0.0) -> tuple[bool, str]:
+          threads: int = 2, position: float = 0.0, outputs: list | None = None
+          ) -> tuple[bool, str]:
     """An honest checker's prefill of the provider's tokens (the job's own model and dtype,
     another batch and thread count), compared by the generate kind as the broker does."""
     tmp_path.mkdir(parents=True, exist_ok=True)
@@ -89,6 +90,8 @@ def check(tmp_path: Path, models: dict, provider_out: Path, job_dtype: str, *,
              "greedy": True, "claimed": {"name": "completions.jsonl", "sha256": "0" * 64}}
     expect = {n: provider_out / n for n in ("completions.jsonl", "fingerprints.jsonl")}
     got = {n: out / n for n in ("completions.jsonl", "fingerprints.jsonl", "metrics.json")}
+    if outputs is not None:
+        outputs.append(got)
     return generate.KIND.compare(expect, got, scope)
 
 
@@ -164,8 +167,19 @@ def test_altered_tokens_and_text_that_is_not_its_tokens_are_caught(tmp_path, mod
         r["completion"] = tokenizer.decode(ids, skip_special_tokens=True)
         return r
 
-    agrees, why = check(tmp_path, models, doctored("tokens", alter_token), "")
+    replays: list = []
+    tokens = doctored("tokens", alter_token)
+    agrees, why = check(tmp_path, models, tokens, "", outputs=replays)
     assert not agrees and ("fingerprint" in why or "greedy token" in why), why
+    # the tie-break: it disagrees with the provider too, and agrees with the first check
+    # (their token gap is the claimed tokens', not theirs), so the provider is found wrong
+    agrees, why = check(tmp_path, models, tokens, "", threads=1, outputs=replays)
+    assert not agrees, why
+    first = {n: replays[0][n] for n in ("completions.jsonl", "fingerprints.jsonl")}
+    scope = {"batch_size": CHECK_BATCH, "dtype": "", "greedy": True, "replays": True,
+             "claimed": {"name": "completions.jsonl", "sha256": "0" * 64}}
+    agrees, why = generate.KIND.compare(first, replays[1], scope)
+    assert agrees, why
 
     def other_text(r: dict) -> dict:
         r["completion"] = "the quick brown fox jumps over the lazy dog"
