@@ -9,7 +9,8 @@ runs one prefill (fingerprint.prefill) of prompt + the provider's tokens at anot
 size, thread count and dtype. Per pair: the least overlap of top-k indices, the largest mean
 and max value error (kinds/fingerprints.difference) over every fingerprint, and the largest
 token gap (the provider's token's logit below the replay's top, in standard deviations).
-Then the cheats, each checked by an honest float32 prefill: another random init of the same
+An endpoint's batch engine answering the same prompts together (float32, bfloat16) is
+checked the same way. Then the cheats, each checked by an honest float32 prefill: another random init of the same
 architecture (a swapped model), the float32 model's weights rounded to bfloat16 and run in
 float32 (passed off as float32), one token of each row altered (text and fingerprints kept
 as if honest, or recomputed for the altered tokens), random tokens. Two models: the tests'
@@ -148,6 +149,41 @@ def judged(claimed, replay, dtype: str, greedy: bool = True) -> tuple[int, int]:
     return wrong, len(claimed)
 
 
+def serve(model_dir: Path, dtype: str, prompts: list[str], tokens: int):
+    """The prompts answered together by an endpoint's batch engine (rows joining between
+    decode steps, engine.Stream's recording), greedy: (prompt ids, token ids, fingerprints)
+    per prompt, as a check of sampled answers would get them."""
+    import asyncio
+
+    from gpumarket.kinds.engine_protocol import Complete, Final
+    from gpumarket.kinds.runner_job import RunnerJob
+    from gpumarket.provider.runners.engine import load_engine
+
+    params = {"model": "", "model_name": model_dir.name, "task": "", "dtype": dtype,
+              "max_seq_len": 0, "max_concurrency": 8, "engine": "batch",
+              "trust_remote_code": False}
+
+    async def run() -> list:
+        engine = load_engine(RunnerJob(params=params, model_dir=str(model_dir)), model_dir)
+        out: dict = {}
+
+        async def one(i: int) -> None:
+            await asyncio.sleep(0.005 * i)
+            async for event in engine.complete(f"r{i}", Complete(
+                    prompt=prompts[i], max_tokens=tokens, temperature=0)):
+                if isinstance(event, Final):
+                    out[i] = event
+        try:
+            await asyncio.gather(*(one(i) for i in range(len(prompts))))
+        finally:
+            await engine.close()
+        return [out[i] for i in range(len(prompts))]
+
+    tok = load(model_dir, "float32")[0]
+    return [(tok(p)["input_ids"], f.token_ids, f.fingerprints)
+            for p, f in zip(prompts, asyncio.run(run()))]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=16)
@@ -200,6 +236,17 @@ def main() -> int:
                           f"{s['token_gap']:>10.3f}{wrong:>5}/{n}")
                     if (gd, gb, gt, cd, cb) == ("float32", 8, 2, "float32", 1):
                         figures[f"{name}_prefill_over_generate"] = check_s / gen_s
+            for dtype in ("float32", "bfloat16"):
+                answers = serve(right, dtype, prompts, args.tokens)
+                replay, _ = check(loaded["float32"][1], [(p, g) for p, g, _ in answers], 8, 2)
+                s = spread(answers, replay)
+                job_dtype = "float32" if dtype == "float32" else "auto"
+                wrong, n = judged(answers, replay, job_dtype)
+                honest_rows, honest_wrong = honest_rows + n, honest_wrong + wrong
+                print(f"{f'endpoint {dtype}':<22}{'float32 b8 t2':<22}{s['overlap']:>8.2f}"
+                      f"{s['mean_err']:>10.1e}{s['max_err']:>10.1e}{s['token_gap']:>10.3f}"
+                      f"{wrong:>5}/{n}")
+                figures[f"{name}_endpoint_{dtype}_honest"] = s
             figures[f"{name}_honest_worst"] = worst
 
             # cheats, each checked by an honest float32 prefill at batch 8
