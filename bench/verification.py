@@ -117,6 +117,44 @@ def real_checks(steps: int, every: int) -> dict:
             "real_replay_startup_s": round(float(np.median(startup)), 2)}
 
 
+def fingerprint_checks(rows: int = 16, tokens: int = 128, batch: int = 8) -> dict:
+    """Checks of generated text by fingerprints (kinds/fingerprints.py) on the wider random
+    Llama of bench/fingerprint_spread.py: the seconds an honest float32 provider takes to
+    generate ``rows`` rows of ``tokens`` tokens in batches of ``batch``, and the seconds a
+    checker's one prefill of the same rows takes (median of 3 each, one process, model
+    loaded: start-up not counted); and the share of a swapped model's and of a
+    bfloat16-rounded model's rows (passed off as float32) that one check finds wrong."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import fingerprint_spread as fs
+
+    prompts = (fs.PROMPTS * 4)[:rows]
+    with tempfile.TemporaryDirectory() as tmp:
+        right, other = fs.wide_llama(Path(tmp), 0), fs.wide_llama(Path(tmp), 1)
+        tok, model = fs.load(right, "float32")
+        fs.generate(tok, model, prompts[:batch], batch, 2, 4)            # warm-up
+        gen_s, check_s = [], []
+        for _ in range(3):
+            claimed, took = fs.generate(tok, model, prompts, batch, 2, tokens)
+            gen_s.append(took)
+            replay, took = fs.check(model, [(p, g) for p, g, _ in claimed], batch, 2)
+            check_s.append(took)
+        false_pos = fs.judged(claimed, replay, "float32")[0]
+        caught = {}
+        for name, cheat_dir, rounded in (("swapped", other, False),
+                                         ("lower_precision", right, True)):
+            _, cheat = fs.load(cheat_dir, "float32", round_bf16=rounded)
+            doctored, _ = fs.generate(tok, cheat, prompts, batch, 2, tokens)
+            replay, _ = fs.check(model, [(p, g) for p, g, _ in doctored], batch, 2)
+            caught[name] = fs.judged(doctored, replay, "float32")[0] / len(doctored)
+    return {"fingerprint_generate_s": round(float(np.median(gen_s)), 3),
+            "fingerprint_prefill_s": round(float(np.median(check_s)), 3),
+            "fingerprint_prefill_over_generate": round(
+                float(np.median(check_s) / np.median(gen_s)), 4),
+            "fingerprint_false_positives": false_pos,
+            "fingerprint_rows_caught_swapped": caught["swapped"],
+            "fingerprint_rows_caught_lower_precision": caught["lower_precision"]}
+
+
 # -- 2. the simulator -----------------------------------------------------------------------
 
 def simulate(cheat_share: float, jobs: int, per_job: int, trials: int, seed: int,
@@ -145,6 +183,21 @@ def simulate(cheat_share: float, jobs: int, per_job: int, trials: int, seed: int
     return {"caught": float((fails > 0).mean()), "banned": float((fails >= ban_after).mean()),
             "check_compute": float(checks.mean() / (jobs * per_job)),
             "client_check_compute": float(clients.mean() / (jobs * per_job))}
+
+
+def simulate_jobs(p: float, jobs: int, trials: int, seed: int) -> float:
+    """``trials`` new providers whose every job is wrong, a check of one catching it with
+    probability ``p``, checked at the real rate: the share caught within ``jobs`` jobs."""
+    rng = np.random.default_rng(seed)
+    rates = np.array([verification.rate(n) for n in range(jobs + 1)])
+    streak = np.zeros(trials, dtype=np.int64)
+    fails = np.zeros(trials, dtype=np.int64)
+    for _ in range(jobs):
+        checked = rng.random(trials) < rates[streak]
+        caught = checked & (rng.random(trials) < p)
+        fails += caught
+        streak = np.where(caught, 0, streak + checked)
+    return float((fails > 0).mean())
 
 
 def simulate_frames(frames: int, doctored: int, jobs: int, trials: int, seed: int) -> float:
@@ -235,6 +288,34 @@ def main() -> None:
               f" {real['real_replay_cost_ratio_median']}x its segment's training time"
               " (start-up included)")
         figures.update(real)
+    if not args.skip_real:
+        fpr = fingerprint_checks()
+        figures.update(fpr)
+        # A check prefills one batch of a checked job: for a job of one batch (the worst
+        # case; more batches only lower it), its cost over the job's is the prefill's over
+        # the generation's, paid at the rate a provider with a long record is checked at.
+        figures["inference_check_overhead"] = round(
+            verification.rate(10**9) * fpr["fingerprint_prefill_over_generate"], 4)
+        print(f"generate checked by fingerprints: one prefill of {16} rows x 128 claimed tokens"
+              f" took {fpr['fingerprint_prefill_s']}s against {fpr['fingerprint_generate_s']}s"
+              f" to generate them ({fpr['fingerprint_prefill_over_generate']}x); at the floor"
+              f" rate, {figures['inference_check_overhead']} of the work (a one-batch job);"
+              f" honest rows judged wrong: {fpr['fingerprint_false_positives']}; rows caught"
+              f" per check: swapped model {fpr['fingerprint_rows_caught_swapped']:.2f},"
+              f" bfloat16-rounded passed off as float32"
+              f" {fpr['fingerprint_rows_caught_lower_precision']:.2f}")
+        for name in ("swapped", "lower_precision"):
+            # every job of the cheat is doctored; one check of a job catches it with the
+            # share of its checked rows found wrong being > 0 (any row fails the check)
+            p = 1.0 if fpr[f"fingerprint_rows_caught_{name}"] > 0 else 0.0
+            caught = simulate_jobs(p, 20, args.trials, 5)
+            figures[f"detection_p_20_jobs_generate_{name}_model"] = round(caught, 4)
+            late = 1 - (1 - verification.rate(10**9) * p) ** 20
+            figures[f"detection_p_20_jobs_generate_{name}_model_after_long_record"] = \
+                round(late, 4)
+            print(f"a generate provider with a {name.replace('_', '-')} model on every job:"
+                  f" caught within 20 jobs with p = {caught:.4f} (new), {late:.4f} (one"
+                  " turning to it after a long clean record: checked at the floor rate)")
     for share in (0.01, 0.05, 0.10, 0.25, 1.0):
         r = simulate(share, 20, s, args.trials, 1, verification.BAN_AFTER)
         print(f"cheats on {share:>4.0%} of segments: caught within 20 jobs with p ="
@@ -274,6 +355,7 @@ def main() -> None:
                    client_check_overhead_first_1000_jobs=round(
                        honest["client_check_compute"], 4),
                    false_positives=figures.get("real_false_positives", 0)
+                   + figures.get("fingerprint_false_positives", 0)
                    + int(honest["caught"] > 0))
     print(json.dumps(figures))
 

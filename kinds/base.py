@@ -145,6 +145,12 @@ class Kind:
         """Of a finished job's outputs (by name), those a replay must reproduce."""
         return set()
 
+    def check_claimed(self, outputs: dict[str, dict]) -> dict | None:
+        """Of a finished job's outputs (name -> ArtifactRef as a dict), the one a check is
+        given to read (generate by fingerprints: the completions, whose tokens it
+        prefills); None for a replay that reads nothing of the checked provider's."""
+        return None
+
     def compare(self, expect: dict[str, Path], got: dict[str, Path], scope: dict
                 ) -> tuple[bool, str]:
         """Whether a replay's outputs (``got``, by name) reproduce the checked provider's

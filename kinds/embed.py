@@ -25,13 +25,15 @@ class Embed(Inference):
     # measured to differ by (bench/embed_spread.py; docs/verification.md), per vector: in
     # all (distance) and in any one element, so a change can neither spread thin over every
     # element nor hide in one. The .npy format is not checked.
+    output = "embeddings.jsonl"
     count_metric = "texts"
     agreement = "within the embed tolerance of the replay's precision"
 
     def evidence(self, names: set[str]) -> set[str]:
         return names & {"embeddings.jsonl"}
 
-    def row_rule(self, got: dict[str, Path]) -> Callable[[dict, dict], tuple[bool, str]]:
+    def row_rule(self, got: dict[str, Path], scope: dict
+                 ) -> Callable[[dict, dict], tuple[bool, str]]:
         tol = tolerance(replay_float_bits(got.get("metrics.json")))
         return lambda want, have: same_vector(want.get("embedding"), have.get("embedding"),
                                               tol)

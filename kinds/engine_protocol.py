@@ -295,6 +295,11 @@ class Final:
     embeddings: list[list[float]] | None = None
     error: str | None = None
     status: int = 0                 # with error: one of STATUSES
+    # A completion's generated token ids and their activation fingerprints
+    # (kinds/fingerprints.py), where the engine records them: what a check of the answer
+    # prefills and compares (docs/verification.md). None where it does not.
+    token_ids: list[int] | None = None
+    fingerprints: list[str] | None = None
 
     @classmethod
     def failed(cls, message: str, status: int = 400) -> Final:
@@ -306,9 +311,12 @@ class Final:
         if self.embeddings is not None:
             return {"embeddings": self.embeddings, "prompt_tokens": self.prompt_tokens,
                     "done": True}
-        return {"done": True, "finish_reason": self.finish_reason,
-                "prompt_tokens": self.prompt_tokens, "output_tokens": self.output_tokens,
-                "ttft_s": self.ttft_s, "tpot_s": self.tpot_s}
+        out = {"done": True, "finish_reason": self.finish_reason,
+               "prompt_tokens": self.prompt_tokens, "output_tokens": self.output_tokens,
+               "ttft_s": self.ttft_s, "tpot_s": self.tpot_s}
+        if self.token_ids is not None and self.fingerprints is not None:
+            out.update(token_ids=self.token_ids, fingerprints=self.fingerprints)
+        return out
 
 
 Answer = Piece | Final
@@ -346,6 +354,24 @@ def _vectors(value) -> list[list[float]] | None:
     return [[float(x) for x in v] for v in value]
 
 
+def _committed(obj: dict, output_tokens: int) -> tuple[list[int] | None, list[str] | None]:
+    """A final answer's token ids and fingerprints if both are there and fit its
+    ``output_tokens`` (one id a token, one fingerprint per kinds.fingerprints.positions);
+    (None, None) otherwise: an answer that commits to nothing, which a check of it judges
+    wrong."""
+    from gpumarket.kinds import fingerprints as fp
+
+    ids, prints = obj.get("token_ids"), obj.get("fingerprints")
+    if not isinstance(ids, list) or not isinstance(prints, list) or len(ids) != output_tokens:
+        return None, None
+    if not all(type(t) is int and 0 <= t < MAX_COUNT for t in ids):
+        return None, None
+    if len(prints) != len(fp.positions(len(ids))) or not all(
+            isinstance(x, str) and len(x) <= fp.MAX_TEXT for x in prints):
+        return None, None
+    return ids, prints
+
+
 def decode_answer(line: bytes) -> Answer:
     """What one answer line says, every field bounded (the engine is the job's code): a
     Piece (its text, "" if it has none), or the Final if it says ``done``. Raises Malformed
@@ -364,8 +390,11 @@ def decode_answer(line: bytes) -> Answer:
         return Final.failed(str(obj.get("error") or "the replica failed")[:MAX_ERROR],
                             status if status in STATUSES else 502)
     reason = obj.get("finish_reason")
+    output_tokens = _count(obj.get("output_tokens"))
+    ids, prints = _committed(obj, output_tokens)
     return Final(finish_reason=reason if reason in FINISH_REASONS else "stop",
                  prompt_tokens=_count(obj.get("prompt_tokens")),
-                 output_tokens=_count(obj.get("output_tokens")),
+                 output_tokens=output_tokens,
                  ttft_s=_seconds(obj.get("ttft_s")), tpot_s=_seconds(obj.get("tpot_s")),
-                 embeddings=_vectors(obj.get("embeddings")) if "embeddings" in obj else None)
+                 embeddings=_vectors(obj.get("embeddings")) if "embeddings" in obj else None,
+                 token_ids=ids, fingerprints=prints)

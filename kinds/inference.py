@@ -69,22 +69,22 @@ class Inference(Kind):
 
     def compare(self, expect: dict[str, Path], got: dict[str, Path], scope: dict
                 ) -> tuple[bool, str]:
-        if len(expect) != 1:
+        name = self.output
+        if name not in expect:
             return False, "no result to compare"
-        (name, want_path), = expect.items()
         if name not in got:
             return False, f"the replay returned no {name}"
         try:
-            have = self.rows_of(got[name], None)
+            have = self.result_rows(got, scope)
             rows = sorted(have)
-            want = self.rows_of(want_path, None)
+            want = self.result_rows(expect, scope)
             total = json.loads(got["metrics.json"].read_text())[self.count_metric] \
                 if "metrics.json" in got else None
         except (OSError, ValueError, KeyError, TypeError) as exc:
             return False, f"{name} is unreadable ({exc})"
         if not rows:
             return False, "the replay returned no rows"
-        same_row = self.row_rule(got)
+        same_row = self.row_rule(got, scope)
         if total is not None and not scope.get("replays") and \
                 sorted(want) != list(range(int(total))):
             return False, (f"the provider's {name} has {len(want)} rows, not the input's"
@@ -99,13 +99,20 @@ class Inference(Kind):
                 return False, f"row {i}: {why}"
         return True, f"rows {rows[0]}-{rows[-1]} agree ({self.agreement})"
 
+    output = ""          # the output file whose rows are compared
     count_metric = ""
     agreement = ""
 
-    def row_rule(self, got: dict[str, Path]) -> Callable[[dict, dict], tuple[bool, str]]:
+    def result_rows(self, files: dict[str, Path], scope: dict) -> dict[int, dict]:
+        """The rows of a result (its files by name) that ``row_rule`` compares, by index."""
+        return self.rows_of(files[self.output], None)
+
+    def row_rule(self, got: dict[str, Path], scope: dict
+                 ) -> Callable[[dict, dict], tuple[bool, str]]:
         """How a row of the replay (``got``, by name) is compared with the provider's:
         (agrees, where they differ). A kind whose rule depends on how the replay ran (its
-        dtype, say) reads that from the replay's outputs."""
+        dtype, say) reads that from the replay's outputs, or on what the check is, from
+        its ``scope``."""
         return self.same_row
 
     def same_row(self, want: dict, have: dict) -> tuple[bool, str]:

@@ -69,6 +69,8 @@ class RunnerJob:
     check_position: float = 0.0        # inference: where in the range the batch checked is
     check_batch_size: int = 0          # ... the batch size of the checked job
     check_from_row: int = 0            # ... and the row its range starts at
+    check_claimed: str = ""            # generate: the checked provider's completions (a
+                                       # path): prefill their tokens, do not generate
     check_frames: tuple[int, ...] = ()  # render: the frames to render again
 
     def __post_init__(self) -> None:
@@ -78,7 +80,7 @@ class RunnerJob:
         if not all(isinstance(v, str) for v in self.inputs.values()):
             raise RunnerJobError("inputs: each must be a path")
         for name, want in (("job_id", str), ("kind", str), ("check_of", str),
-                           ("device", str)):
+                           ("device", str), ("check_claimed", str)):
             if not isinstance(getattr(self, name), want):
                 raise RunnerJobError(f"{name}: must be a string")
         if self.device not in DEVICES:
@@ -134,12 +136,14 @@ class RunnerJob:
             check.update(check_position=self.check_position,
                          check_batch_size=self.check_batch_size,
                          check_from_row=self.check_from_row)
+            if self.check_claimed:
+                check["check_claimed"] = self.check_claimed
         elif self.check_frames:
             check["check_frames"] = list(self.check_frames)
         else:
             check["stop_at"] = self.stop_at
         for name in ("check_of", "stop_at", "check_position", "check_batch_size",
-                     "check_from_row", "check_frames"):
+                     "check_from_row", "check_frames", "check_claimed"):
             del out[name]
         if self.check_of:
             out.update(check)

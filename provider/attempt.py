@@ -8,6 +8,7 @@ the receipt (receipts), and taking it up again after a daemon restart (reattach)
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import time
@@ -162,6 +163,12 @@ class Attempt:
         models_dir = self.host.config.models_dir
         job = runner_config(a, paths, resume_dir, cuda,
                             local_models(models_dir).get(model) if model else None)
+        if a.lease.check.claimed.sha256:
+            # a check by fingerprints: the checked provider's completions, whose tokens it
+            # prefills (docs/verification.md)
+            claimed = self.workdir / "claimed.jsonl"
+            await self.host.fetch(a.lease.check.claimed, claimed)
+            job = dataclasses.replace(job, check_claimed=str(claimed))
         (self.workdir / "job.json").write_text(job.to_json())
         return step
 

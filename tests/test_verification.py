@@ -149,7 +149,8 @@ def test_a_provider_that_returns_another_models_text_is_caught_and_the_job_re_ru
         v = final["verification"]
         assert v["status"] == "disputed -> re-run", v
         assert any(c["provider_id"] == cheat and c["state"] == "failed"
-                   and c["what"].startswith("a batch of 4 rows") for c in v["checks"]), v
+                   and c["what"].startswith("a batch of 4 rows")
+                   and c["what"].endswith("prefilled: fingerprints") for c in v["checks"]), v
         assert final["provider_id"] != cheat
         assert ledger_balance(tmp_path, f"provider:{cheat}") == 0
         # What the client downloads is the honest provider's text, and says how it was checked.

@@ -141,6 +141,9 @@ def choose_final(db: Database, policy: Policy, job: dict, lease: dict, total: in
                              lease["start_step"])
     if not scope:
         return None
+    claimed = kind.check_claimed(outputs)
+    if claimed:
+        scope["claimed"] = claimed     # the check prefills its tokens (it may read them)
     return choose(db, policy, job, lease, lease["start_step"], total, None,
                   {n: outputs[n] for n in names}, scope, now)
 
@@ -170,6 +173,10 @@ def queue(db: Database, job: dict, provider_id: str, lease_id: str, seq: int | N
     for sha in {r[0] for r in db.execute("SELECT sha256 FROM artifact_refs WHERE job_id = ?"
                                          " AND role = 'input'", [top]).fetchall()}:
         blob_holdings.refer(db, sha, check_id, "input")
+    if scope.get("claimed"):
+        # the checked provider's tokens, which a check by fingerprints prefills (never the
+        # fingerprints it is compared with: those stay evidence)
+        blob_holdings.refer(db, scope["claimed"]["sha256"], check_id, "input")
     if start:
         blob_holdings.refer(db, start["sha256"], check_id, "checkpoint")
     for ref in expect.values():
@@ -184,7 +191,8 @@ def queue(db: Database, job: dict, provider_id: str, lease_id: str, seq: int | N
 
 def what(step_from: int, step_to: int, scope: dict) -> str:
     if scope.get("batch_size"):
-        return f"a batch of {scope['batch_size']} rows from row {step_from} on"
+        how = ", prefilled: fingerprints" if scope.get("claimed") else ""
+        return f"a batch of {scope['batch_size']} rows from row {step_from} on{how}"
     if scope.get("frames"):
         frames = scope["frames"]
         return f"frame{'s' if len(frames) > 1 else ''} " + ", ".join(str(f) for f in frames)
@@ -218,7 +226,9 @@ def scope_of(db: Database, check_id: str) -> pb.CheckScope | None:
     return pb.CheckScope(checked_job_id=c["job_id"], step_from=c["step_from"],
                          step_to=c["step_to"], frames=scope.get("frames", []),
                          position=scope.get("position", 0.0),
-                         batch_size=scope.get("batch_size", 0))
+                         batch_size=scope.get("batch_size", 0),
+                         claimed=pb.ArtifactRef(**scope["claimed"]) if scope.get("claimed")
+                         else None)
 
 
 def excluded(db: Database, job_id: str) -> frozenset[str]:

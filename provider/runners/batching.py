@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from gpumarket.kinds.engine_protocol import DEFAULT_MAX_TOKENS
+from gpumarket.provider.runners import fingerprint
 from gpumarket.provider.runners.base import JobError
 from gpumarket.provider.runners.engine import (
     GREEDY_TEMPERATURE, Generating, Sampling, Settings, Stream, model_seq_len,
@@ -48,6 +49,7 @@ class Rows:
         self.cache_arg = "cache" if "cache" in params else "past_key_values"
         self.cache_position = "cache_position" in params
         self.logits_to_keep = "logits_to_keep" in params
+        self.states = fingerprint.StepStates(model)   # each answer's activation fingerprints
         self.clear()
 
     def clear(self) -> None:
@@ -166,16 +168,21 @@ class Rows:
                                          F.pad(theirs.values, (0, 0, width - new, 0))])
             self.mask = torch.cat([F.pad(self.mask, (width - old, 0)),
                                    F.pad(mask, (width - new, 0))])
+        firsts = [[t] for t in firsts]
+        for row, (stream, ids) in enumerate(zip(streams, firsts)):
+            self.states.note(stream, ids, row)
         self.streams += streams
-        self.ids += [[t] for t in firsts]
+        self.ids += firsts
         self.generators += generators
         self._settle()
 
     def step(self) -> None:
         """One decode step for every row."""
         logits, self.mask = self._decode(self.cache, self.mask, [[ids[-1]] for ids in self.ids])
-        for ids, token in zip(self.ids, self._pick(logits, self.generators)):
+        for row, (stream, ids, token) in enumerate(zip(self.streams, self.ids,
+                                                       self._pick(logits, self.generators))):
             ids.append(token)
+            self.states.note(stream, ids, row)
         self._settle()
 
     def _settle(self) -> None:

@@ -173,6 +173,12 @@ class Stream:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.engine_id, self.sent, self.finished, self.cancelled = request_id, "", False, False
         self.arrived, self.first, self.last, self.tokens = time.perf_counter(), 0.0, 0.0, 0
+        self.ids: list[int] = []
+        # Activation fingerprints, where the engine records them (batching.Rows): those made
+        # so far, and the state of the last token, fingerprinted at the end if no multiple
+        # of fingerprints.EVERY covered it (None where the engine records none).
+        self.prints: list[str] | None = None
+        self.last_state, self.k = None, 0
 
     def _post(self, event: Piece | Final | None) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
@@ -189,7 +195,7 @@ class Stream:
         cut = next((i for i, t in enumerate(ids) if t in self.eos), None)
         if cut is not None:
             ids, finish = ids[:cut + 1], "stop"
-        self.tokens = len(ids)
+        self.tokens, self.ids = len(ids), ids
         text = self.tokenizer.decode(ids[:cut] if cut is not None else ids,
                                      skip_special_tokens=True)
         hits = [i for i in (text.find(s) for s in self.sampling.stop) if i >= 0]
@@ -212,9 +218,18 @@ class Stream:
         if not (self.finished or self.cancelled):
             self.finished = True
             n, first = self.tokens, self.first - self.arrived if self.first else 0.0
+            committed = {}
+            if self.prints is not None:
+                prints = list(self.prints)
+                if self.last_state is not None:
+                    from gpumarket.provider.runners.fingerprint import encode_state
+
+                    prints.append(encode_state(self.last_state, self.k))
+                committed = {"token_ids": list(self.ids[:n]), "fingerprints": prints}
             self._post(Final(finish_reason=finish, prompt_tokens=len(self.prompt_ids),
                              output_tokens=n, ttft_s=first,
-                             tpot_s=(self.last - self.first) / (n - 1) if n > 1 else 0.0))
+                             tpot_s=(self.last - self.first) / (n - 1) if n > 1 else 0.0,
+                             **committed))
 
     def fail(self, message: str, status: int = 500) -> None:
         if not (self.finished or self.cancelled):

@@ -4,9 +4,15 @@ resumable per batch, with per-request latency figures.
 
     python -m gpumarket.provider.runners.generate WORKDIR
 
-Reads WORKDIR/job.json; writes outputs/completions.jsonl (input order) and
-outputs/metrics.json. Figures per request: time to first token, time per output token,
-prompt and output tokens; over the job: their P50/P95/P99 and tokens/s.
+Reads WORKDIR/job.json; writes outputs/completions.jsonl (input order, with each row's
+generated token ids), outputs/fingerprints.jsonl (with transformers: each row's activation
+fingerprints, kinds/fingerprints.py) and outputs/metrics.json. Figures per request: time to
+first token, time per output token, prompt and output tokens; over the job: their
+P50/P95/P99 and tokens/s.
+
+A check lease that carries the checked provider's completions (``check_claimed``) generates
+nothing: it runs one prefill pass over each checked row's prompt and claimed tokens and
+writes the fingerprints it sees (``prefill_check``).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from gpumarket.provider.runners.inference import (
     kv_bytes_per_token, percentiles, read_items, run_main, torch_device, torch_dtype,
     unpack_model,
 )
+from gpumarket.provider.runners import fingerprint
 from gpumarket.provider.runners.report import Reporter
 from gpumarket.provider.runners.base import JobError, read_job
 
@@ -100,6 +107,8 @@ def generate(workdir: Path, report: Reporter) -> None:
     p = job.params
     prompts = read_items(job.inputs[p["prompts"]], "prompt", "prompts")
     model_dir = unpack_model(job, "model", workdir)
+    if job.check_claimed:
+        return prefill_check(job, prompts, model_dir, workdir, report)
     if p.get("engine") == "vllm":
         from gpumarket.provider.runners import vllm_engine
 
@@ -110,9 +119,7 @@ def generate(workdir: Path, report: Reporter) -> None:
     ordered = results.in_order()
     out_dir = workdir / "outputs"
     out_dir.mkdir(exist_ok=True)
-    with open(out_dir / "completions.jsonl", "w", encoding="utf-8") as f:
-        for record in ordered:
-            f.write(json.dumps(record) + "\n")
+    write_outputs(out_dir, ordered)
     metrics = {"prompts": float(len(prompts)),
                "prompt_tokens": float(sum(r["prompt_tokens"] for r in ordered)),
                "output_tokens": float(sum(r["output_tokens"] for r in ordered)),
@@ -128,6 +135,20 @@ def generate(workdir: Path, report: Reporter) -> None:
     print(f"done: {len(prompts)} prompts, {metrics['output_tokens']:.0f} tokens,"
           f" {metrics['tokens_per_s']:,.1f} tokens/s with {engine}", flush=True)
     report.done(**metrics)
+
+
+def write_outputs(out_dir: Path, ordered: list[dict]) -> None:
+    """completions.jsonl, and fingerprints.jsonl where every row has its fingerprints (a
+    separate file: a checker is given the completions, never what it is compared with)."""
+    with open(out_dir / "completions.jsonl", "w", encoding="utf-8") as f:
+        for record in ordered:
+            f.write(json.dumps({k: v for k, v in record.items() if k != "fingerprints"})
+                    + "\n")
+    if ordered and all("fingerprints" in r for r in ordered):
+        with open(out_dir / "fingerprints.jsonl", "w", encoding="utf-8") as f:
+            for record in ordered:
+                f.write(json.dumps({"index": record["index"],
+                                    "fingerprints": record["fingerprints"]}) + "\n")
 
 
 def with_transformers(job: RunnerJob, prompts: list[str], model_dir: Path, workdir: Path,
@@ -182,6 +203,8 @@ def with_transformers(job: RunnerJob, prompts: list[str], model_dir: Path, workd
 def _generate(model, tokenizer, enc: dict, p: dict, first_index: int, static: bool):
     """One batch through ``model.generate``; returns its StepClock and leaves the output on
     the clock (``clock.out``)."""
+    import contextlib
+
     import torch
     from transformers import StoppingCriteriaList
 
@@ -191,7 +214,8 @@ def _generate(model, tokenizer, enc: dict, p: dict, first_index: int, static: bo
     clock = StepClock()
     clock.start = time.perf_counter()
     extra = {"cache_implementation": "static"} if static else {}
-    with torch.inference_mode():
+    clock.recorder = fingerprint.Recorder(model) if fingerprint.usable(model) else None
+    with torch.inference_mode(), clock.recorder or contextlib.nullcontext():
         clock.out = model.generate(
             **enc, max_new_tokens=int(p.get("max_tokens") or 64), do_sample=temperature > 0,
             temperature=temperature if temperature > 0 else None,
@@ -208,7 +232,7 @@ def _record(results: Results, tokenizer, indices: list[int], enc, clock, lengths
     max_tokens = int(p.get("max_tokens") or 64)
     stops = list(p.get("stop") or [])
     generated = clock.out[:, enc["input_ids"].shape[1]:].cpu()
-    records, new_tokens = [], 0
+    records, new_tokens, kept = [], 0, []
     for row, i in enumerate(indices):
         ids = generated[row].tolist()
         n = len(ids)
@@ -219,23 +243,106 @@ def _record(results: Results, tokenizer, indices: list[int], enc, clock, lengths
         if eos is not None and eos in ids[:n]:
             n = ids.index(eos) + 1
             finish = "stop"
-        text = tokenizer.decode(ids[:n], skip_special_tokens=True)
-        for s in stops:
-            if s in text:
-                text, finish = text[:text.index(s)], "stop"
+        text, stopped = completion_text(tokenizer, ids[:n], stops)
+        finish = "stop" if stopped else finish
+        kept.append(n)
         first = clock.times[0] - clock.start if clock.times else 0.0
         last = clock.times[min(n, len(clock.times)) - 1] - clock.start \
             if n and clock.times else first
         records.append({
             "index": i, "completion": text, "finish_reason": finish,
             "prompt_tokens": lengths[i], "output_tokens": n, "ttft_s": first,
-            "tpot_s": (last - first) / (n - 1) if n > 1 else 0.0,
+            "tpot_s": (last - first) / (n - 1) if n > 1 else 0.0, "token_ids": ids[:n],
         })
         new_tokens += n
+    if clock.recorder is not None:
+        for record, prints in zip(records, clock.recorder.rows(kept)):
+            record["fingerprints"] = prints
     rate = (done_tokens + new_tokens) / max(elapsed, 1e-9)
     results.add(records, tokens_per_s=rate)
     results.say(f"prompts {len(results.done)}/{results.total}  tokens/s {rate:,.1f}")
     return new_tokens
+
+
+def completion_text(tokenizer, ids: list[int], stops: list[str]) -> tuple[str, bool]:
+    """The text of generated ``ids``, cut at the first stop string; and whether one cut it."""
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    for s in stops:
+        if s in text:
+            return text[:text.index(s)], True
+    return text, False
+
+
+def prefill_check(job: RunnerJob, prompts: list[str], model_dir: Path, workdir: Path,
+                  report: Reporter) -> None:
+    """A check by fingerprints: for the batch of rows the check picks (as a replay would),
+    read the checked provider's token ids from its completions (``job.check_claimed``), run
+    one prefill pass over prompt + those tokens, and write each row's text decoded from them,
+    the fingerprints the pass sees and the largest logit gap of the tokens
+    (fingerprint.prefill) as completions.jsonl and fingerprints.jsonl."""
+    p = job.params
+    device = torch_device(job)
+    tokenizer, model = load(model_dir, device, torch_dtype(p.get("dtype", ""), device),
+                            bool(p.get("trust_remote_code")))
+    if not fingerprint.usable(model):
+        raise JobError("model: no fingerprints can be made of it (no output embedding)")
+    results = Results(workdir, job, len(prompts), job.check_batch_size, report)
+    claimed = claimed_tokens(Path(job.check_claimed), set(results.only),
+                             len(tokenizer), int(p.get("max_tokens") or 64))
+    stops = list(p.get("stop") or [])
+    began = time.perf_counter()
+    for indices in results.batches():
+        rows = [(tokenizer(prompts[i])["input_ids"], claimed.get(i, [])) for i in indices]
+        checked = fingerprint.prefill(model, rows, device)
+        records = []
+        for i, (prompt_ids, ids), (prints, gap) in zip(indices, rows, checked):
+            records.append({"index": i, "completion": completion_text(tokenizer, ids, stops)[0],
+                            "prompt_tokens": len(prompt_ids), "output_tokens": len(ids),
+                            "fingerprints": prints, "token_gap": gap})
+        results.add(records)
+    elapsed = time.perf_counter() - began
+    ordered = results.in_order()
+    out_dir = workdir / "outputs"
+    out_dir.mkdir(exist_ok=True)
+    for record in ordered:
+        record.setdefault("fingerprints", [])
+    write_outputs(out_dir, ordered)
+    metrics = {"prompts": float(len(prompts)), "prefill_seconds": elapsed,
+               "float_bits": float(torch_float_bits(model)),
+               "output_tokens": float(sum(r["output_tokens"] for r in ordered))}
+    (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
+    print(f"prefill check: {len(ordered)} rows, {metrics['output_tokens']:.0f} claimed tokens"
+          f" in {elapsed:.2f}s", flush=True)
+    report.done(**metrics)
+
+
+def torch_float_bits(model) -> int:
+    return 32 if next(model.parameters()).dtype.itemsize == 4 else 16
+
+
+def claimed_tokens(path: Path, rows: set[int], vocab: int, max_tokens: int
+                   ) -> dict[int, list[int]]:
+    """The token ids the checked provider's completions give for ``rows``: each a list of at
+    most ``max_tokens`` ids below ``vocab`` (anything else: JobError, a check that cannot
+    run; the checked provider's word is hostile)."""
+    out: dict[int, list[int]] = {}
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError as exc:
+                raise JobError("the checked completions are not JSONL") from exc
+            index = record.get("index") if isinstance(record, dict) else None
+            if type(index) is not int or index not in rows:
+                continue
+            ids = record.get("token_ids")
+            if not isinstance(ids, list) or len(ids) > max_tokens or not all(
+                    type(t) is int and 0 <= t < vocab for t in ids):
+                ids = []     # compared as no tokens: it disagrees unless the row has none
+            out[index] = ids
+    return out
 
 
 def warm_up() -> None:

@@ -1,0 +1,173 @@
+"""Activation fingerprints on torch (kinds/fingerprints.py has the format and the comparison):
+``Recorder`` keeps them while ``model.generate`` runs, ``prefill`` makes a checker's from one
+forward pass over a prompt plus the tokens a provider says it generated.
+
+The state fingerprinted is the output embedding's input (the last hidden state, after the
+final norm) at the position that produced a token: the one a greedy or sampled step reads
+its logits from. ``generate`` asks the model for the last position's logits only, so a
+pre-hook on the output embedding sees exactly that state at each step, prefill included."""
+
+from __future__ import annotations
+
+import inspect
+
+from gpumarket.kinds import fingerprints as fp
+
+
+def _top(states, k: int):
+    """The top-k entries by magnitude of each row of ``states`` (n x hidden): their indices
+    (int32) and values (float16, clamped to its range)."""
+    import torch
+
+    vectors = states.float()
+    top = torch.topk(vectors.abs(), k, dim=-1).indices
+    values = torch.gather(vectors, -1, top).clamp(-fp.HALF_MAX, fp.HALF_MAX)
+    return top.to(torch.int32), values.to(torch.float16)
+
+
+def _encode_top(indices, values) -> list[str]:
+    return [fp.encode(i.tolist(), v.float().tolist())
+            for i, v in zip(indices.cpu(), values.cpu())]
+
+
+def _encode_rows(states, k: int) -> list[str]:
+    """Fingerprints of each row of ``states`` (n x hidden, any float dtype)."""
+    return _encode_top(*_top(states, k))
+
+
+def encode_state(state, k: int) -> str:
+    """The fingerprint of one hidden state (a vector)."""
+    return _encode_rows(state[None, :], k)[0]
+
+
+def usable(model) -> bool:
+    """Whether fingerprints can be made for this model: it has an output embedding and a
+    hidden state narrow enough for uint16 indices."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return head is not None and 0 < hidden_size(model) <= fp.MAX_INDEX + 1
+
+
+def hidden_size(model) -> int:
+    head = model.get_output_embeddings()
+    return int(getattr(head, "in_features", 0) or head.weight.shape[-1])
+
+
+class Recorder:
+    """While ``model.generate`` runs in its ``with`` block: the top-k entries of the output
+    embedding's input at each step, last position, per row (kept on the model's device as
+    int32 indices and float16 values: 6 bytes an entry, k x rows x steps, not the whole
+    hidden state of every step), until ``rows``."""
+
+    def __init__(self, model) -> None:
+        self.model, self.steps, self.handle = model, [], None
+        self.k = fp.k_for(hidden_size(model))
+
+    def __enter__(self) -> Recorder:
+        self.steps = []
+        self.handle = self.model.get_output_embeddings().register_forward_pre_hook(self._hook)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.handle.remove()
+
+    def _hook(self, module, args) -> None:
+        self.steps.append(_top(args[0][:, -1, :].detach(), self.k))
+
+    def rows(self, generated: list[int]) -> list[list[str]]:
+        """The fingerprints of each row of the batch, which generated ``generated[r]``
+        tokens (fp.positions of them)."""
+        import torch
+
+        if not self.steps:
+            return [[] for _ in generated]
+        indices = torch.stack([i for i, _ in self.steps], dim=1)     # batch x steps x k
+        values = torch.stack([v for _, v in self.steps], dim=1)
+        out = []
+        for r, n in enumerate(generated):
+            at = [j for j in fp.positions(n) if j < indices.shape[1]]
+            out.append(_encode_top(indices[r, at], values[r, at]) if at else [])
+        return out
+
+
+class StepStates:
+    """For an engine that decodes step by step (batching.Rows): a pre-hook on the output
+    embedding keeps the last position's input of each forward, each row's state that
+    produced its next token; ``note`` gives a Stream its fingerprints from it."""
+
+    def __init__(self, model) -> None:
+        self.state, self.k = None, 0
+        if usable(model):
+            self.k = fp.k_for(hidden_size(model))
+            model.get_output_embeddings().register_forward_pre_hook(self._keep)
+
+    def _keep(self, module, args) -> None:
+        self.state = args[0][:, -1, :].detach()
+
+    def note(self, stream, ids: list[int], row: int) -> None:
+        """``stream``'s newest token (the last of ``ids``) came from row ``row`` of the last
+        forward: fingerprint its state if it is the last of fp.EVERY, else keep it for the
+        stream's end (engine.Stream.end)."""
+        if not self.k or self.state is None or not hasattr(stream, "last_state"):
+            return          # (a stand-in for a Stream that keeps no fingerprints)
+        if stream.prints is None:
+            stream.prints, stream.k = [], self.k
+        if len(ids) % fp.EVERY == 0:
+            stream.prints.append(encode_state(self.state[row], self.k))
+            stream.last_state = None
+        else:
+            stream.last_state = self.state[row].clone()
+
+
+def prefill(model, rows: list[tuple[list[int], list[int]]], device
+            ) -> list[tuple[list[str], float]]:
+    """For each (prompt ids, generated ids): the fingerprints of the generated ids as one
+    forward pass over prompt + generated sees them, and the largest gap, over the generated
+    ids, between a position's top logit and the generated id's, in standard deviations of
+    that position's logits (0 for a greedy provider that computed as the replay did). One
+    left-padded batch, positions counted from each row's first real token (as ``generate``
+    counts them)."""
+    import torch
+
+    k = fp.k_for(hidden_size(model))
+    width = max(len(p) + len(g) for p, g in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for r, (p, g) in enumerate(rows):
+        seq = p + g
+        ids[r, width - len(seq):] = torch.tensor(seq, dtype=torch.long)
+        mask[r, width - len(seq):] = 1
+    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+    # Only the last positions matter (the generated tokens sit at the right of every row):
+    # logits of those alone, not of every prompt token times the vocabulary.
+    keep = max(len(g) for _, g in rows) + 1
+    extra = {"logits_to_keep": keep} if "logits_to_keep" in inspect.signature(
+        model.forward).parameters else {}
+    seen = []
+    handle = model.get_output_embeddings().register_forward_pre_hook(
+        lambda module, args: seen.append(args[0].detach()))
+    try:
+        with torch.inference_mode():
+            logits = model(input_ids=ids.to(device), attention_mask=mask.to(device),
+                           position_ids=position_ids.to(device), use_cache=False,
+                           **extra).logits
+    finally:
+        handle.remove()
+    states = seen[-1]
+    offset = width - states.shape[1]      # positions cut away on the left (logits_to_keep)
+    logits = logits[:, -states.shape[1]:]
+    out = []
+    for r, (p, g) in enumerate(rows):
+        if not g or not p:        # nothing generated, or no position it could come from
+            out.append(([], 0.0))
+            continue
+        # the state at position i produced token i + 1: generated token j came from
+        # position len(p) - 1 + j (of the row's own positions; the row starts at width - len)
+        start = width - len(g) - 1 - offset
+        at = [start + j for j in fp.positions(len(g))]
+        prints = _encode_rows(states[r, at], k)
+        row_logits = logits[r, start:start + len(g)].float()
+        chosen = row_logits.gather(-1, torch.tensor(g, device=row_logits.device)[:, None])[:, 0]
+        spread = row_logits.std(dim=-1).clamp(min=1e-12)
+        gap = ((row_logits.max(dim=-1).values - chosen) / spread).max().item()
+        out.append((prints, float(gap)))
+    return out
