@@ -210,7 +210,7 @@ class MarketplaceServicer(marketplace_pb2_grpc.MarketplaceServicer):
         out = []
         for offer, env in page:
             held = busy.get(offer.provider_id, set())
-            free = sum(1 for d in offer.devices if d.index not in held)
+            free = offers.free_devices(offer, held)
             h = hist[offer.provider_id]
             done = achieved.get((offer.provider_id, pb.JOB_KIND_TRAINING), 0.0)
             judged = figures.check(offer, done, offers.claimed_flops(offer, capped=False))
