@@ -30,10 +30,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from serving import create, key_for, open_loop, pct, ready_count, timing  # noqa: E402
+from serving import create, key_for, open_loop, pct, ready_count, timing
 
-from tests.helpers import LEASE_ARGS, Marketplace, training_job, wait_until  # noqa: E402
-from tests.models import tiny_causal_lm  # noqa: E402
+from tests.helpers import LEASE_ARGS, Marketplace, training_job, wait_until
+from tests.models import tiny_causal_lm
 
 PROMPT = "a marketplace for idle gpus"
 
@@ -126,15 +126,15 @@ def main() -> None:
                     raise SystemExit(done.stderr)
                 job_id = done.stdout.split()[0]
                 market.wait_state(job_id, "RUNNING", timeout=300)
-                wait_until(lambda: int(market.job(job_id).get("progress", {}).get("step", 0)) > 0,
-                           "training steps", 120, 0.2)
+                wait_until(lambda j=job_id: int(market.job(j).get("progress", {})
+                                                .get("step", 0)) > 0, "training steps", 120, 0.2)
                 training_devices = leases(market)[job_id]
                 colocated += asyncio.run(measure(base, key, "colo", args.rate,
                                                  args.duration, args.tokens, 10 + r))
                 still = market.job(job_id)["state"]
                 market.cli("cancel", job_id)
                 market.wait_state(job_id, "CANCELLED", timeout=120)
-                wait_until(lambda: job_id not in leases(market), "the training's lease", 60)
+                wait_until(lambda j=job_id: j not in leases(market), "the training's lease", 60)
                 print(f"round {r + 1}: alone p99 {pct(alone, 0.99) * 1000:.0f} ms,"
                       f" colocated p99 {pct(colocated, 0.99) * 1000:.0f} ms (training"
                       f" {still.lower()} throughout)", flush=True)

@@ -13,9 +13,9 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from gpumarket.broker.api.gateway import check_offer
 from gpumarket.broker.market import offers, placement, reliability
+from gpumarket.broker.market.admission import Needs
 from gpumarket.broker.market.matcher import Book, JobNeeds
 from gpumarket.proto import slices
 from gpumarket.proto.envelope import open_envelope
@@ -27,7 +27,7 @@ from gpumarket.provider.config import ProviderConfig
 from gpumarket.provider.executor import JobProcess, job_env, slice_env
 from gpumarket.provider.inventory import DeviceInfo, busy, config_slices, sliced
 from gpumarket.provider.offering import build_offer
-from gpumarket.broker.market.admission import Needs
+
 from tests.test_placement_plan import job
 
 TRAIN, CPU, CUDA = pb.JOB_KIND_TRAINING, pb.ACCELERATOR_CPU, pb.ACCELERATOR_CUDA
