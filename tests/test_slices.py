@@ -9,6 +9,7 @@ import asyncio
 import json
 import math
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -289,3 +290,19 @@ def test_config_slices_says_why_in_one_line():
     config = ProviderConfig(broker="", data_dir=Path("."), slices=(0.5, 0.5))
     with pytest.raises(InvalidArgument, match="slices: device 0: its 1 core"):
         config_slices([cpu(0, cores=1)], config)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
+def test_provider_devices_shows_the_slices_and_refuses_bad_ones_in_one_line():
+    from tests.helpers import BIN
+
+    r = subprocess.run([str(BIN / "gpumarket-provider"), "devices", "--cpu-only", "--slices",
+                        "2", "--json"], capture_output=True, text=True, timeout=120, check=False)
+    assert r.returncode == 0, r.stderr
+    whole, *parts = json.loads(r.stdout)
+    assert whole["slice_of"] is None and [(p["slice_of"], p["share"]) for p in parts] == [
+        (0, 0.5), (0, 0.5)]
+    assert not set(parts[0]["cores"]) & set(parts[1]["cores"])
+    r = subprocess.run([str(BIN / "gpumarket-provider"), "devices", "--cpu-only", "--slices",
+                        "0.5,0.75"], capture_output=True, text=True, timeout=120, check=False)
+    assert r.returncode == 2 and "sum to 1.25" in r.stderr and "Traceback" not in r.stderr
