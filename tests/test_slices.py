@@ -306,3 +306,26 @@ def test_provider_devices_shows_the_slices_and_refuses_bad_ones_in_one_line():
     r = subprocess.run([str(BIN / "gpumarket-provider"), "devices", "--cpu-only", "--slices",
                         "0.5,0.75"], capture_output=True, text=True, timeout=120, check=False)
     assert r.returncode == 2 and "sum to 1.25" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_slices_hold_and_quote_are_timed_at_the_slices_speed(tmp_path):
+    """A job placed on a slice is timed (its hold, its quote, a deadline's promotion) on the
+    slice's own view: half the card's speed, at half its price — not at the card's speed and
+    the slice's price, which would hold half of what the lease costs."""
+    from gpumarket.broker.money import credit_holds
+    from gpumarket.broker.store.schema import migrations
+    from gpumarket.broker.store.store import connect
+
+    db = connect(tmp_path / "broker.db")
+    migrations.apply(db)
+    offer = signed(sliced([cpu(0, memory_gib=16)], {0: (0.5, 0.5)}), price=2.0)
+    book = book_of(offer)
+    job = need("small", 4)
+    found, _ = book.candidates(job, 2)
+    by_view = {e.offer_index: e for e in found}
+    assert set(by_view) == {0, 1} and by_view[1].price_per_gpu_hour == 1.0
+    timed = {t.estimate.offer_index: t for t in credit_holds.timed(db, book, job, found)}
+    assert timed[1].raw_s == pytest.approx(2 * timed[0].raw_s)
+    # a lease on a slice is found on the slices' view (deadlines price it there)
+    assert book.view_of(offer.provider_id, [2]) == 1 and book.view_of(offer.provider_id, [0]) == 0
+    assert book.view_of(offer.provider_id, [9]) is None

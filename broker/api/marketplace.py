@@ -237,7 +237,7 @@ class MarketplaceServicer(marketplace_pb2_grpc.MarketplaceServicer):
                                hold=q.hold, hold_basis=q.hold_basis)
         for t in q.timed[:min(request.limit or 5, 50)]:
             c = t.estimate
-            i = book.index[c.provider_id]
+            i = c.offer_index if c.offer_index >= 0 else book.index[c.provider_id]
             o = book.offers[i]
             out.candidates.append(mp.QuoteCandidate(
                 standard_price_per_gpu_hour=o.price("standard"),

@@ -152,6 +152,7 @@ class Estimate:
     expected_cost: float
     p_uninterrupted: float
     reliability: float
+    offer_index: int = -1            # the Book's offer (view) it is for; -1: not a Book's
 
 
 @dataclass(frozen=True)
@@ -483,7 +484,16 @@ class Book:
         t = runtime * factor
         price = float(self.prices(job.tier)[i])
         return Estimate(o.provider_id, price, runtime, t, price * job.gpus * t / 3600,
-                        math.exp(-t / self.mtbf[i]), o.reliability)
+                        math.exp(-t / self.mtbf[i]), o.reliability, i)
+
+    def view_of(self, provider_id: str, devices: Iterable[int]) -> int | None:
+        """The provider's offer (view) that holds ``devices`` (a lease's): its slices' view
+        for a lease of a slice; None if the provider offers none of them now."""
+        devices = set(devices)
+        for i in self.views.get(provider_id, ()):
+            if devices & set(self.offers[i].device_indices):
+                return i
+        return None
 
     def place(self, job: JobNeeds) -> tuple[Placement | None, Counter]:
         """Choose an offer and its devices, and take them; or say why nothing fits."""
