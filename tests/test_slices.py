@@ -6,6 +6,7 @@ its slices never leased at once), and a CPU slice's cores as its own job process
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import math
 import os
@@ -329,3 +330,37 @@ def test_a_slices_hold_and_quote_are_timed_at_the_slices_speed(tmp_path):
     # a lease on a slice is found on the slices' view (deadlines price it there)
     assert book.view_of(offer.provider_id, [2]) == 1 and book.view_of(offer.provider_id, [0]) == 0
     assert book.view_of(offer.provider_id, [9]) is None
+
+
+def test_mig_instances_are_devices_of_their_own_as_nvml_lists_them():
+    """On a GPU in MIG mode, each instance NVML enumerates is a device (its MIG-… uuid, its
+    memory, its GPU named), an empty slot is skipped; pynvml's own error class stands in for
+    the driver's answer."""
+    import types
+
+    import pynvml
+    from gpumarket.provider.inventory import _mig_instances
+
+    slots = {0: ("MIG-aaa", 10 * GIB, "NVIDIA H100 MIG 1g.10gb"), 2: ("MIG-ccc", 20 * GIB,
+                                                                     "NVIDIA H100 MIG 2g.20gb")}
+
+    def handle_by_index(handle, j):
+        if j not in slots:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_FOUND)
+        return j
+
+    nvml = types.SimpleNamespace(
+        NVMLError=pynvml.NVMLError,
+        nvmlDeviceGetMaxMigDeviceCount=lambda h: 7,
+        nvmlDeviceGetMigDeviceHandleByIndex=handle_by_index,
+        nvmlDeviceGetUUID=lambda h: slots[h][0],
+        nvmlDeviceGetMemoryInfo=lambda h: types.SimpleNamespace(total=slots[h][1]),
+        nvmlDeviceGetName=lambda h: slots[h][2])
+    parent = dataclasses.replace(gpu(0), mig_mode="enabled")
+    found = _mig_instances(nvml, "gpu-handle", parent)
+    assert [(d.uuid, d.memory_bytes, d.mig_parent_uuid, d.visible_id, d.compute_capability)
+            for d in found] == [("MIG-aaa", 10 * GIB, parent.uuid, "MIG-aaa", "9.0"),
+                                ("MIG-ccc", 20 * GIB, parent.uuid, "MIG-ccc", "9.0")]
+    # a MIG instance is not sliced further
+    with pytest.raises(ValueError, match="no whole device"):
+        sliced([dataclasses.replace(found[0], index=1)], {1: (0.5, 0.5)})
