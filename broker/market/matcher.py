@@ -21,6 +21,11 @@ interruptible price, a standard job or an endpoint's replica its standard price;
 ``max_price_per_gpu_hour`` is compared with that price. Which interruptible leases a higher
 tier may take over is the scheduler's (broker/market/preemption.py).
 
+A provider that offers slices (proto/slices.py) is several ``OfferView``s — its whole
+devices, and its slices of each share — that know each other's devices (``cards``): a card
+with a slice leased is busy, and the slices of a card leased whole; a slice view takes jobs
+of one device only, and among equivalent offers a slice goes first.
+
 ``Book`` does this for many offers with numpy; ``exclusion`` and ``expected`` are the plain
 reference the property tests hold the book to.
 """
@@ -398,6 +403,8 @@ class Book:
         """How many leases of ``job``'s shape the offers that fit it could run at once, their
         devices busy or not (an array is spread over that many: broker/jobs/arrays.py)."""
         static, _ = self._static_masks(job)
+        if not self.leased:         # no provider offers slices: one view each
+            return int((self.count[static] // max(1, job.gpus)).sum())
         lanes: dict[str, int] = {}
         for i in np.flatnonzero(static):
             # a card runs a whole job or its slices' jobs: the provider's most of either
