@@ -39,7 +39,9 @@ What is simulated, and what each assumption is:
 
 Prints its figures; the last line is one JSON object: interruptible_cost_ratio,
 deadlines_met, lost_intervals_per_preemption, serving_wait_p99_s, the counts and
-ledger_audit_ok.
+ledger_audit_ok, and colocated_ttft_p99_ratio: not simulated, measured with real processes
+by bench/colocated.py (an endpoint replica on one slice of this host's CPU, alone and beside
+a training job on the other slice; ``--no-colocated`` and ``--quick`` leave it out).
 """
 
 from __future__ import annotations
@@ -797,6 +799,25 @@ async def simulate(args) -> dict:
             sim.state.store.close()
 
 
+def colocated() -> dict:
+    """``colocated_ttft_p99_ratio`` from its real-process run (bench/colocated.py: an
+    endpoint replica on one slice of this host's CPU, its TTFT p99 alone and while a training
+    job runs on the other slice), with the figures beside it and the host's load."""
+    import subprocess
+
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "colocated.py")],
+                          capture_output=True, text=True, timeout=1800, check=False)
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        print(f"colocated run failed: {(done.stderr or done.stdout).strip()[-500:]}",
+              file=sys.stderr)
+        return {"colocated_ttft_p99_ratio": None}
+    figures = json.loads(lines[-1])
+    return {"colocated_ttft_p99_ratio": figures["colocated_ttft_p99_ratio"],
+            "colocated": {k: v for k, v in figures.items()
+                          if k != "colocated_ttft_p99_ratio"}}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--days", type=float, default=7.0, help="simulated days of demand")
@@ -809,19 +830,26 @@ def main() -> None:
     parser.add_argument("--ignore-share", type=float, default=0.05,
                         help="share of jobs that ignore a preemption's checkpoint request")
     parser.add_argument("--quick", action="store_true",
-                        help="a smoke run: half a day, 12 providers")
+                        help="a smoke run: half a day, 12 providers, no colocated run")
+    parser.add_argument("--no-colocated", action="store_true",
+                        help="leave out colocated_ttft_p99_ratio (bench/colocated.py: real"
+                             " processes, about two minutes)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.ERROR)     # the broker's own lines: lost leases, ...
     if args.quick:
         args.days, args.drain_days, args.providers = 0.5, 1.0, 12
+        args.no_colocated = True
     install_reactions()     # as the broker does when it starts
     out = asyncio.run(simulate(args))
+    if not args.no_colocated:
+        out.update(colocated())
     width = max(len(k) for k in out)
     for key, value in out.items():
         print(f"{key:<{width}}  {value}")
     targets = (("interruptible_cost_ratio", ">=", 2.0), ("deadlines_met", ">=", 1.0),
                ("lost_intervals_per_preemption", "<=", 1.0),
-               ("serving_wait_p99_s", "<=", args.cold_start + 5))
+               ("serving_wait_p99_s", "<=", args.cold_start + 5),
+               *((("colocated_ttft_p99_ratio", "<=", 1.2),) if not args.no_colocated else ()))
     for key, op, bound in targets:
         value = out[key]
         ok = value is not None and (value >= bound if op == ">=" else value <= bound)

@@ -36,13 +36,17 @@ FIGURE_NAMES = {pb.OFFER_FIGURES_CLAIMED: "claimed", pb.OFFER_FIGURES_MEASURED: 
 
 def offer_row(listing: mp.OfferListing, offer: pb.Offer) -> dict:
     """The fields of the query grammar (client/query.py) for one offer whose signature checked."""
-    devices = list(offer.devices)
+    devices = [x for x in offer.devices if not x.HasField("slice_of")] or list(offer.devices)
+    parts = [x for x in offer.devices if x.HasField("slice_of")]
     d = devices[0]
     return {
         "provider": offer.provider_id,
         "gpus": len(devices),
         "free_gpus": listing.free_devices,
         "gpu_ram": round(min(x.memory_bytes for x in devices) / 2**30, 1),
+        "slices": len(parts),
+        "slice_ram": round(min((x.memory_bytes for x in parts), default=0) / 2**30, 1),
+        "slice_shares": sorted((round(x.memory_share, 3) for x in parts), reverse=True),
         "gpu_name": d.name,
         "accelerator": ACCELERATOR_NAMES[d.accelerator],
         "compute_cap": float(d.compute_capability or 0),
@@ -125,7 +129,9 @@ async def offers(market: Broker, query_text: str, sort_by: str, list_fields: boo
                   "reliability", "MTBF h", "checked", "kinds", "limits")
     table.add_column("provider", no_wrap=True)
     for row, _ in rows:
-        table.add_row(f"{row['gpus']}× {row['gpu_name']}", row["accelerator"],
+        shares = "/".join(f"{x:g}" for x in row["slice_shares"])
+        sliced = f" + {row['slices']} slices ({shares})" if row["slices"] else ""
+        table.add_row(f"{row['gpus']}× {row['gpu_name']}{sliced}", row["accelerator"],
                       f"{row['gpu_ram']:g}", f"{row['tflops']:.3g}", row["figures"],
                       f"{row['price']:g}", f"{row['interruptible_price']:g}",
                       str(row["free_gpus"]), f"{row['reliability']:.2f}",

@@ -20,9 +20,11 @@ from gpumarket.proto.errors import InvalidArgument
 
 FIELDS: dict[str, tuple[str, str]] = {
     # name: (type, description)
-    "gpus": ("number", "devices in the offer"),
-    "free_gpus": ("number", "devices not leased right now"),
-    "gpu_ram": ("number", "memory per device, GiB (the smallest device)"),
+    "gpus": ("number", "whole devices in the offer"),
+    "free_gpus": ("number", "devices (slices counted) free to lease right now"),
+    "gpu_ram": ("number", "memory per device, GiB (the smallest whole device)"),
+    "slices": ("number", "slices the offer's devices are also offered as"),
+    "slice_ram": ("number", "memory of its smallest slice, GiB (0: no slices)"),
     "gpu_name": ("text", "device model, e.g. H100"),
     "accelerator": ("text", "cpu or cuda"),
     "compute_cap": ("number", "CUDA compute capability, e.g. 8.0 (0 on CPU)"),

@@ -23,7 +23,7 @@ from gpumarket.proto.v1 import types_pb2 as pb
 from gpumarket.provider import checkpoints, failures, receipts
 from gpumarket.provider.checkpoint_upload import CheckpointUploads
 from gpumarket.provider.config import ProviderConfig
-from gpumarket.provider.executor import JobProcess, job_env
+from gpumarket.provider.executor import JobProcess, job_env, slice_env
 from gpumarket.provider.forkservers import ForkServers
 from gpumarket.provider.inventory import DeviceInfo, local_models
 from gpumarket.provider.isolation import Isolation
@@ -184,7 +184,9 @@ class Attempt:
         # (torch's default, all of the host's) oversubscribe the cores beside other leases
         # or providers, where OpenMP's spin-waits make small ops many times slower.
         threads = None if cuda else sum(d.cpu_cores for d in devices) or None
-        env = job_env(self.workdir, ",".join(d.uuid for d in devices) if cuda else "", threads)
+        env = job_env(self.workdir, ",".join(d.visible_id for d in devices) if cuda else "",
+                      threads)
+        env.update(slice_env(devices))      # its cores, or its share of a GPU
         if self.kind.runner_path:    # a plugin's runner, imported from where the plugin was
             env["PYTHONPATH"] = os.pathsep.join(self.kind.runner_path)
         box, group = self.host.isolation.for_job(config, self.workdir, devices,

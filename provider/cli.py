@@ -55,6 +55,10 @@ def cli() -> None:
 @click.option("--cpu-only", is_flag=True, help="Offer the CPU even where GPUs are present.")
 @click.option("--cpu-devices", type=click.IntRange(1, 64),
               help="Offer the CPU as this many devices, each an equal share (default 1).")
+@click.option("--slices", "slices_text", metavar="N|SHARES",
+              help="Also offer every device as N equal slices, or as slices of these shares "
+                   "(comma-separated, e.g. 0.5,0.25,0.25): each a device of its own with its "
+                   "share of the card's memory, compute and price.")
 @click.option("--models-dir", type=click.Path(file_okay=False, path_type=Path),
               help="Models jobs may name, one directory each (default: DATA_DIR/models).")
 @click.option("--max-runtime", type=int, help="Longest a job may run, in seconds (default 1 day).")
@@ -68,7 +72,7 @@ def cli() -> None:
               type=click.Choice(["debug", "info", "warning", "error"]))
 def run(config_file: Path | None, broker: str | None, broker_key: str | None,
         data_dir: Path | None, price: float | None, interruptible_price: float | None,
-        cpu_only: bool, cpu_devices: int | None,
+        cpu_only: bool, cpu_devices: int | None, slices_text: str | None,
         models_dir: Path | None, max_runtime: int | None, kind_names: str | None,
         no_warm: bool, log_level: str) -> None:
     """Connect to a broker, advertise this machine, and run leased jobs until SIGTERM
@@ -92,6 +96,8 @@ def run(config_file: Path | None, broker: str | None, broker_key: str | None,
             settings.update(provider_config.kinds_setting(kind_names.split(","), "--kinds"))
         except GpumarketError as exc:
             raise click.BadParameter(exc.message, param_hint="--kinds") from exc
+    if slices_text is not None:
+        settings["slices"] = _slices_option(slices_text)
     if cpu_only:
         settings["cpu_only"] = True
     if no_warm:
@@ -129,10 +135,20 @@ def config_cmd(example: bool) -> None:
     click.echo(EXAMPLE, nl=False)
 
 
+def _slices_option(text: str) -> tuple[float, ...]:
+    """--slices N or --slices SHARE,SHARE,... as the config's slices setting."""
+    from gpumarket.provider import config as provider_config
+
+    try:
+        return provider_config.slices_text(text, "--slices")
+    except GpumarketError as exc:
+        raise click.BadParameter(exc.message, param_hint="--slices") from exc
+
+
 async def _run(config: ProviderConfig) -> None:
     from gpumarket.provider.benchmark import cached_benchmarks
     from gpumarket.provider.daemon import ProviderDaemon
-    from gpumarket.provider.inventory import detect
+    from gpumarket.provider.inventory import config_slices, detect, device_line, device_row
 
     config.data_dir.mkdir(parents=True, exist_ok=True)
     identity = Identity.load_or_create(config.key_path)
@@ -146,6 +162,11 @@ async def _run(config: ProviderConfig) -> None:
         log.info("device %d: %s (%s, %s), %.1f GFLOP/s %s, %.1f GB/s", d.index, d.name,
                  ACCELERATOR_NAMES[d.accelerator], _gib(d.memory_bytes), b.matmul_flops / 1e9,
                  b.matmul_dtype, b.memory_bandwidth_bytes_per_s / 1e9)
+    # Slices are not measured: the broker reads a slice's speed as its share of its card's.
+    devices = config_slices(devices, config)
+    for d in devices:
+        if d.is_slice:
+            log.info("device %s", device_line(device_row(d)))
     daemon = ProviderDaemon(config, identity, devices, benchmarks)
     loop = asyncio.get_running_loop()
 
@@ -170,28 +191,38 @@ async def _run(config: ProviderConfig) -> None:
 @cli.command()
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @click.option("--cpu-only", is_flag=True, help="Show only the CPU device.")
-def devices(as_json: bool, cpu_only: bool) -> None:
-    """List the devices this machine would offer."""
-    from gpumarket.provider.inventory import detect
+@click.option("--cpu-devices", type=click.IntRange(1, 64),
+              help="The CPU as this many devices, as `run --cpu-devices` offers it.")
+@click.option("--config", "config_file", type=click.Path(dir_okay=False, path_type=Path),
+              help="TOML config whose slices (and cpu_devices) to apply, as `run` does.")
+@click.option("--slices", "slices_text", metavar="N|SHARES",
+              help="Show every device also as N equal slices, or slices of these shares.")
+def devices(as_json: bool, cpu_only: bool, cpu_devices: int | None, config_file: Path | None,
+            slices_text: str | None) -> None:
+    """List the devices this machine would offer: GPUs (MIG instances as devices of their
+    own), or the CPU; and the slices the config or --slices cuts them into."""
+    from gpumarket.provider import config as provider_config
+    from gpumarket.provider.inventory import config_slices, detect, device_line, device_row
 
-    found, warning = detect(cpu_only)
-    if warning:
-        click.echo(f"warning: {warning}", err=True)
-    rows = [{"index": d.index, "name": d.name, "uuid": d.uuid,
-             "accelerator": ACCELERATOR_NAMES[d.accelerator], "memory_bytes": d.memory_bytes,
-             "compute_capability": d.compute_capability, "driver_version": d.driver_version,
-             "cuda_version": d.cuda_version, "cpu_cores": d.cpu_cores,
-             "mig_mode": d.mig_mode} for d in found]
+    slices = _slices_option(slices_text) if slices_text is not None else None
+    try:
+        settings = provider_config.load(config_file) if config_file else {}
+        config = ProviderConfig(broker="", data_dir=Path("."),
+                                slices=slices or settings.get("slices", ()),
+                                device_slices=settings.get("device_slices", {}))
+        found, warning = detect(cpu_only, cpu_devices or settings.get("cpu_devices", 1))
+        if warning:
+            click.echo(f"warning: {warning}", err=True)
+        found = config_slices(found, config)
+    except GpumarketError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(1)
+    rows = [device_row(d) for d in found]
     if as_json:
         click.echo(json.dumps(rows, indent=2))
         return
     for r in rows:
-        extra = (f"cc {r['compute_capability']}, driver {r['driver_version']}, CUDA "
-                 f"{r['cuda_version']}{', MIG ' + r['mig_mode'] if r['mig_mode'] else ''}"
-                 if r["accelerator"] == "cuda"
-                 else f"{r['cpu_cores']} cores")
-        click.echo(f"{r['index']}  {r['accelerator']:4}  {r['name']}  "
-                   f"{_gib(r['memory_bytes'])}  {extra}  {r['uuid']}")
+        click.echo(device_line(r))
 
 
 @cli.command()

@@ -12,6 +12,7 @@ from gpumarket import kinds
 from gpumarket.link.channel import Trust
 from gpumarket.proto.errors import InvalidArgument
 from gpumarket.proto.policy import Policy, parse_window
+from gpumarket.proto.slices import MAX_SLICES, SliceError, check_shares
 from gpumarket.provider.job_uids import POOL
 
 EXAMPLE = """\
@@ -46,12 +47,19 @@ deny_clients = []
 # A device's own price, if it differs (by device index):
 # [devices.1]
 # price_per_hour = 2.50
+
+# Every device (the CPU device where there is no GPU) also offered as slices: a number of
+# equal slices, or the share of each; a slice is a device of its own with that share of
+# its card's memory and compute, and of its price. Its card stays offered whole; the two
+# are never leased at once. Per device: `slices = ...` in its [devices.N] table.
+# slices = 2                     # or [0.5, 0.25, 0.25]
 """
 
 KEYS = {"broker", "broker_key", "data_dir", "price_per_gpu_hour", "kinds", "max_job_hours",
         "interruptible_price_per_gpu_hour",
         "allow_clients", "deny_clients", "availability", "devices", "cpu_devices", "models_dir",
-        "allow_remote_code", "isolate", "job_disk_gib", "unisolated_code", "job_uids"}
+        "allow_remote_code", "isolate", "job_disk_gib", "unisolated_code", "job_uids",
+        "slices"}
 
 
 # An interruptible lease's price, unless the provider sets one: this share of the standard
@@ -88,6 +96,19 @@ class ProviderConfig:
     kinds: frozenset[int] = frozenset()  # kinds accepted; empty = every kind it knows
     policy: Policy = field(default_factory=Policy)  # clients and hours served
     device_prices: dict[int, float] = field(default_factory=dict)  # per device index
+    # shares of the slices each whole device is also offered as (docs/provider.md, Slices);
+    # () = not sliced; ``device_slices`` by device index wins over ``slices``
+    slices: tuple[float, ...] = ()
+    device_slices: dict[int, tuple[float, ...]] = field(default_factory=dict)
+
+    def slice_shares(self, devices) -> dict[int, tuple[float, ...]]:
+        """By whole device (not a MIG instance) of ``devices``: the shares of its slices."""
+        out = {}
+        for d in devices:
+            shares = self.device_slices.get(d.index, self.slices)
+            if shares and not getattr(d, "mig_parent_uuid", ""):
+                out[d.index] = shares
+        return out
 
     @property
     def interruptible_price(self) -> float:
@@ -219,14 +240,47 @@ def load(path: Path) -> dict[str, Any]:
         "denied_clients": frozenset(_list_of_str(raw, "deny_clients", file)),
         "windows": tuple(windows),
     }
-    prices = {}
+    if "slices" in raw:
+        out["slices"] = slices_setting(raw["slices"], f"{file}: slices")
+    prices, sliced = {}, {}
     for index, table in raw.get("devices", {}).items():
-        if not index.isdigit() or not isinstance(table, dict) or \
+        if not index.isdigit() or not isinstance(table, dict) or set(table) - {
+                "price_per_hour", "slices"} or not table or "price_per_hour" in table and \
                 not isinstance(table.get("price_per_hour"), (int, float)):
-            raise InvalidArgument(f"{file}: [devices.N] tables take price_per_hour")
-        prices[int(index)] = float(table["price_per_hour"])
+            raise InvalidArgument(f"{file}: [devices.N] tables take price_per_hour and slices")
+        if "price_per_hour" in table:
+            prices[int(index)] = float(table["price_per_hour"])
+        if "slices" in table:
+            sliced[int(index)] = slices_setting(table["slices"], f"{file}: devices.{index}.slices")
     out["device_prices"] = prices
+    out["device_slices"] = sliced
     return out
+
+
+def slices_text(text: str, where: str) -> tuple[float, ...]:
+    """The slices setting as typed on a command line: "N" or "SHARE,SHARE,..."."""
+    try:
+        value = int(text) if text.strip().isdigit() else [float(x) for x in text.split(",")]
+    except ValueError:
+        raise InvalidArgument(f"{where}: a number of slices, or their shares (0.5,0.25,0.25),"
+                              f" not {text!r}") from None
+    return slices_setting(value, where)
+
+
+def slices_setting(value: Any, where: str) -> tuple[float, ...]:
+    """``slices = N`` (N equal slices) or a list of shares, checked (proto/slices.py);
+    InvalidArgument naming ``where``."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        if not 2 <= value <= MAX_SLICES:
+            raise InvalidArgument(f"{where}: a device is offered as 2 to {MAX_SLICES} slices,"
+                                  f" not {value:,}")
+        return (1 / value,) * value
+    if not isinstance(value, list):
+        raise InvalidArgument(f"{where}: a number of slices, or a list of their shares")
+    try:
+        return check_shares(value, where)
+    except SliceError as exc:
+        raise InvalidArgument(str(exc)) from None
 
 
 def build(settings: dict[str, Any]) -> ProviderConfig:

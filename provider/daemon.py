@@ -14,8 +14,9 @@ from pathlib import Path
 
 from gpumarket import kinds
 from gpumarket.kinds.engine_protocol import Final, encode_answer
-from gpumarket.proto.errors import GpumarketError, Unavailable
+from gpumarket.proto.errors import GpumarketError, InvalidArgument, Unavailable
 from gpumarket.proto.identity import Identity
+from gpumarket.proto.slices import overlapping
 from gpumarket.proto.v1 import gateway_pb2 as gw
 from gpumarket.proto.v1 import types_pb2 as pb
 from gpumarket.provider import recovery
@@ -23,7 +24,12 @@ from gpumarket.provider.attempt import Attempt
 from gpumarket.provider.cache import ArtifactCache
 from gpumarket.provider.config import ProviderConfig
 from gpumarket.provider.forkservers import ForkServers
-from gpumarket.provider.inventory import DeviceInfo, inference_engines, local_models
+from gpumarket.provider.inventory import (
+    DeviceInfo,
+    busy,
+    inference_engines,
+    local_models,
+)
 from gpumarket.provider.isolation import Isolation
 from gpumarket.provider.journal import Journal
 from gpumarket.provider.leases import check_lease, refusal, rejection
@@ -105,13 +111,20 @@ class ProviderDaemon:
         try:
             if self.draining:
                 raise Unavailable("provider is draining")
+            # Not a device leased, nor a card with a slice leased, nor a slice of a card
+            # leased whole (inventory.busy).
+            taken = busy(self.devices, {i for j in self.jobs.values() for i in j.devices})
             assignment = check_lease(
                 envelope, broker_public_key=self.session.broker_key or b"",
-                provider_id=self.identity.id, device_indices={d.index for d in self.devices}
-                - {i for j in self.jobs.values() for i in j.devices},
+                provider_id=self.identity.id,
+                device_indices={d.index for d in self.devices} - taken,
                 kinds=self.offered_kinds(), engines=self.engines,
                 models=frozenset(local_models(self.config.models_dir)),
                 policy=self.config.policy, runs_code=self.isolation.runs_code(self.config))
+            if overlapping([(d.index, d.slice_of) for d in self.devices],
+                           assignment.lease.device_indices):
+                raise InvalidArgument("lease names a device and a slice of it, or two slices"
+                                      " of one device")
         except GpumarketError as exc:
             log.warning("refused a lease: %s", refusal(exc))
             if answer := rejection(envelope, self.session.broker_key, refusal(exc)):

@@ -112,6 +112,27 @@ def job_env(workdir: Path, visible_devices: str, threads: int | None) -> dict[st
     return env
 
 
+def slice_env(devices) -> dict[str, str]:
+    """What a job on ``devices`` (inventory.DeviceInfo) is told of its share, for the
+    runners' start (runners/base.apply_share) to hold it to: on the CPU the cores it is
+    pinned to (GPUMARKET_CPU_CORES); on a CUDA slice its card's share of memory
+    (GPUMARKET_MEMORY_FRACTION, torch's per-process memory fraction) and of compute
+    (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE: held only where an MPS daemon runs, whose pipe
+    directory the job is then told)."""
+    env: dict[str, str] = {}
+    cores = sorted({c for d in devices if not d.is_cuda for c in d.cores})
+    if cores:
+        env["GPUMARKET_CPU_CORES"] = ",".join(map(str, cores))
+    shares = [d.share for d in devices if d.is_cuda and d.is_slice]
+    if shares:
+        share = min(shares)     # a lease holds one slice (a slice runs one-device jobs)
+        env["GPUMARKET_MEMORY_FRACTION"] = f"{share:.6g}"
+        env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(max(1, round(share * 100)))
+        if pipes := os.environ.get("CUDA_MPS_PIPE_DIRECTORY"):
+            env["CUDA_MPS_PIPE_DIRECTORY"] = pipes
+    return env
+
+
 def log_tail(fd: int, lines: int = 5) -> str:
     """The last lines of an open job log."""
     try:

@@ -106,6 +106,8 @@ class Isolation:
             group.limit(limits(devices, host_devices))
         expose = (str(workdir),) + ((str(config.models_dir),)
                                     if config.models_dir.is_dir() else ())
+        if any(d.mps for d in devices):     # a GPU slice reaches the MPS daemon's pipes
+            expose += (os.environ.get("CUDA_MPS_PIPE_DIRECTORY") or "/tmp/nvidia-mps",)
         box = sandbox.for_job(self.features, self.uids, sorted(d.index for d in devices),
                               int(config.job_disk_gib * 2**30), cuda,
                               sum(d.memory_bytes for d in devices), group, expose)
@@ -116,9 +118,10 @@ def limits(devices: list[DeviceInfo], host_devices: list[DeviceInfo]) -> Limits:
     """A job's share of the host: on the CPU, its devices' memory and cores; on GPUs, host
     memory in proportion to the GPUs it leases, and no CPU cap."""
     if any(d.is_cuda for d in devices):
-        gpus = [d for d in host_devices if d.is_cuda]
+        gpus = [d for d in host_devices if d.is_cuda and not d.is_slice]
         host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        return Limits(memory_bytes=host * len(devices) // max(len(gpus), 1),
+        held = sum(d.share if d.is_slice else 1.0 for d in devices)   # a slice: its share
+        return Limits(memory_bytes=int(host * held) // max(len(gpus), 1),
                       pids=PROCESSES)
     return Limits(memory_bytes=sum(d.memory_bytes for d in devices), pids=PROCESSES,
                   cpus=float(sum(d.cpu_cores for d in devices)))

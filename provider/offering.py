@@ -39,6 +39,14 @@ def build_offer(config: ProviderConfig, identity: Identity, devices: list[Device
     for d in devices:
         m = d.message(benchmarks.get(d.index))
         m.price_per_hour = config.device_prices.get(d.index, 0.0)
+        if d.is_slice:
+            # A slice sells for its share of its card's price (the broker charges it so:
+            # broker/market/offers.py); its compute share is held by MPS on CUDA, by the
+            # job's CPU quota on the CPU.
+            card = config.device_prices.get(d.slice_of, config.price_per_gpu_hour)
+            m.price_per_hour = round(card * d.share, 6)
+            m.compute_held = d.mps if d.is_cuda else \
+                (limits or {}).get("cpu", "none") != "none"
         messages.append(m)
     offer = pb.Offer(
         provider_id=identity.id,

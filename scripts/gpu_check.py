@@ -12,7 +12,8 @@ benchmark (against plain torch here); a training job killed once (SIGKILL) and r
 against an uninterrupted run; generate and embed jobs through the marketplace against
 their runner run directly; the endpoint engine through the broker's API against the same
 engine in this process; the sandbox (the job sees only its lease's GPU, and CUDA starts
-under its limits); vLLM and Blender where installed. The model is a Llama of about 1B
+under its limits); two jobs at once on two slices of one GPU, each held to its share of
+its memory (an allocation past it fails in that job only); vLLM and Blender where installed. The model is a Llama of about 1B
 parameters with random weights (bf16) and a tokenizer trained on the spot.
 
 Without an NVIDIA GPU it says so in one line and exits 0, every check SKIPPED (written only
@@ -42,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 ROOT = Path(__file__).resolve().parent.parent
 CHECK_NAMES = ("inventory", "benchmark", "training_resume", "generate", "embed", "endpoint",
-               "sandbox", "vllm", "blender")
+               "sandbox", "slices", "vllm", "blender")
 
 
 class Usage(Exception):
@@ -192,10 +193,12 @@ class Context:
 def check_functions() -> dict:
     import gpu_checks as c
     import gpu_checks_inference as i
+    import gpu_checks_slices as s
 
     return {"inventory": c.inventory, "benchmark": c.benchmark,
             "training_resume": c.training_resume, "generate": i.generate, "embed": i.embed,
-            "endpoint": i.endpoint, "sandbox": c.sandbox, "vllm": i.vllm, "blender": c.blender}
+            "endpoint": i.endpoint, "sandbox": c.sandbox, "slices": s.slices, "vllm": i.vllm,
+            "blender": c.blender}
 
 
 def reason(exc: BaseException) -> str:

@@ -15,7 +15,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 CHECKS = ["inventory", "benchmark", "training_resume", "generate", "embed", "endpoint",
-          "sandbox", "vllm", "blender"]
+          "sandbox", "slices", "vllm", "blender"]
 
 
 @pytest.fixture

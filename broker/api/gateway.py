@@ -24,6 +24,7 @@ from gpumarket.broker.jobs import logs
 from gpumarket.broker.jobs import preemption
 from gpumarket.broker.jobs import endings
 from gpumarket.broker.jobs import transitions as jobs
+from gpumarket.broker.market import offers
 from gpumarket.broker.market import providers
 from gpumarket.broker.serving import endpoints
 from gpumarket.broker.state import BrokerState
@@ -59,6 +60,7 @@ def check_offer(offer: pb.Offer, signer: str) -> None:
     """Raise if a signed offer is not usable as this provider's offer."""
     if offer.provider_id != signer:
         raise BadSignature("offer names another provider than its signer")
+    offers.check_slices(offer)      # before the count: a thousand slices say so
     if not 0 < len(offer.devices) <= MAX_DEVICES:
         raise InvalidArgument(f"offer.devices: an offer needs 1 to {MAX_DEVICES} devices")
     if len(offer.kinds) > 32 or len(offer.engines) > 32:

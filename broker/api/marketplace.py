@@ -210,7 +210,7 @@ class MarketplaceServicer(marketplace_pb2_grpc.MarketplaceServicer):
         out = []
         for offer, env in page:
             held = busy.get(offer.provider_id, set())
-            free = sum(1 for d in offer.devices if d.index not in held)
+            free = offers.free_devices(offer, held)
             h = hist[offer.provider_id]
             done = achieved.get((offer.provider_id, pb.JOB_KIND_TRAINING), 0.0)
             judged = figures.check(offer, done, offers.claimed_flops(offer, capped=False))
@@ -237,7 +237,7 @@ class MarketplaceServicer(marketplace_pb2_grpc.MarketplaceServicer):
                                hold=q.hold, hold_basis=q.hold_basis)
         for t in q.timed[:min(request.limit or 5, 50)]:
             c = t.estimate
-            i = book.index[c.provider_id]
+            i = c.offer_index if c.offer_index >= 0 else book.index[c.provider_id]
             o = book.offers[i]
             out.candidates.append(mp.QuoteCandidate(
                 standard_price_per_gpu_hour=o.price("standard"),

@@ -10,6 +10,7 @@ Interruptible is cheaper and still on time.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 
 from gpumarket.broker.jobs import preemption as rows
@@ -63,7 +64,10 @@ def due_jobs(db, book: matcher.Book) -> list[tuple[str, str, float | None]]:
             # Its running lease is charged the standard price from now on (from its last
             # checkpoint: the settled cursor), or a deadline would buy standard protection at
             # the interruptible price; not promoted where that price is above its max_price.
-            i = book.index.get(job.provider_id)
+            # (on the offer it runs on: a slice's own price where it holds a slice)
+            leased = db.execute("SELECT device_indices FROM leases WHERE id = ?",
+                                [job.lease_id]).fetchone()
+            i = book.view_of(job.provider_id, json.loads(leased[0]) if leased else ())
             if i is None:
                 continue    # its provider is not offering now: its lease ends on its own
             lease_price = float(book.prices("standard")[i])

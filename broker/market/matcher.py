@@ -21,6 +21,11 @@ interruptible price, a standard job or an endpoint's replica its standard price;
 ``max_price_per_gpu_hour`` is compared with that price. Which interruptible leases a higher
 tier may take over is the scheduler's (broker/market/preemption.py).
 
+A provider that offers slices (proto/slices.py) is several ``OfferView``s — its whole
+devices, and its slices of each share — that know each other's devices (``cards``): a card
+with a slice leased is busy, and the slices of a card leased whole; a slice view takes jobs
+of one device only, and among equivalent offers a slice goes first.
+
 ``Book`` does this for many offers with numpy; ``exclusion`` and ``expected`` are the plain
 reference the property tests hold the book to.
 """
@@ -38,6 +43,7 @@ import numpy as np
 from gpumarket.broker.market import reliability
 from gpumarket.broker.market.reliability import PRIOR_UPTIME_S
 from gpumarket.proto.policy import Policy, Window  # noqa: F401  (part of this module's API)
+from gpumarket.proto.slices import blocked
 from gpumarket.proto.v1 import types_pb2 as pb
 
 OBJECTIVES = ("cheapest", "fastest", "reliable", "deadline")
@@ -95,6 +101,11 @@ class OfferView:
     claimed_flops: float = 0.0           # the benchmark's FLOP/s per device (calibration's base)
     stake: int = 0                       # units its provider has staked (ledger)
     interruptible_price_per_gpu_hour: float | None = None   # None: the standard price
+    # Slices (proto/slices.py): (index, card or None) of every device of the provider's
+    # offer, this view's and its other views' (() = none is a slice); ``busy`` holds the
+    # devices leased on any of them. A view of slices runs jobs of one device only.
+    cards: tuple[tuple[int, int | None], ...] = ()
+    slices: bool = False
 
     def price(self, tier: str = "standard") -> float:
         """Credits per device-hour a lease of ``tier`` pays on this offer."""
@@ -104,7 +115,8 @@ class OfferView:
 
     @property
     def free(self) -> tuple[int, ...]:
-        return tuple(i for i in self.device_indices if i not in self.busy)
+        taken = blocked(self.cards, self.busy) if self.cards else self.busy
+        return tuple(i for i in self.device_indices if i not in taken)
 
 
 @dataclass(frozen=True)
@@ -145,6 +157,7 @@ class Estimate:
     expected_cost: float
     p_uninterrupted: float
     reliability: float
+    offer_index: int = -1            # the Book's offer (view) it is for; -1: not a Book's
 
 
 @dataclass(frozen=True)
@@ -153,6 +166,7 @@ class Placement:
     device_indices: tuple[int, ...]
     price_per_gpu_hour: float
     estimate: Estimate
+    offer_index: int = -1            # the Book's offer (view) it was placed on
 
 
 def _work(job: JobNeeds) -> float:
@@ -189,7 +203,7 @@ def exclusion(job: JobNeeds, offer: OfferView, now: datetime | None = None) -> s
         return "duration"
     if offer.price(job.tier) > job.max_price_per_gpu_hour:
         return "price"
-    if len(offer.device_indices) < job.gpus:
+    if len(offer.device_indices) < job.gpus or offer.slices and job.gpus > 1:
         return "gpus"
     if job.accelerator != ANY and offer.accelerator != job.accelerator:
         return "accelerator"
@@ -242,7 +256,15 @@ class Book:
         self.offers = list(offers)
         self.now = now or datetime.now(timezone.utc)
         o = self.offers
-        self.index = {x.provider_id: i for i, x in enumerate(o)}
+        # A provider's offer may be several views (its whole devices, its slices: offers.
+        # offer_views): ``index`` is its first, ``views`` all of them.
+        self.views: dict[str, list[int]] = {}
+        for i, x in enumerate(o):
+            self.views.setdefault(x.provider_id, []).append(i)
+        self.index = {p: ix[0] for p, ix in self.views.items()}
+        self.is_slice = np.array([x.slices for x in o], dtype=bool)
+        # What each sliced provider has leased, across its views (``take``, ``release``).
+        self.leased = {x.provider_id: set(x.busy) for x in o if x.cards}
         self.price = np.array([x.price_per_gpu_hour for x in o], dtype=float)
         self.interruptible_price = np.array([x.price("interruptible") for x in o], dtype=float)
         self.count = np.array([len(x.device_indices) for x in o], dtype=np.int64)
@@ -313,7 +335,7 @@ class Book:
         else:
             model = np.ones(n, dtype=bool)
         masks = [kind, self.prices(job.tier) <= job.max_price_per_gpu_hour,
-                 self.count >= job.gpus, accel,
+                 (self.count >= job.gpus) & (~self.is_slice | (job.gpus <= 1)), accel,
                  self.cc >= job.min_compute_capability, model,
                  self.memory >= job.min_memory_bytes, self.rel >= job.min_reliability,
                  self.stake >= job.min_stake]
@@ -362,8 +384,7 @@ class Book:
     def _excluded(self, job: JobNeeds) -> np.ndarray:
         mask = self._all_true.copy()
         for pid in job.exclude:
-            i = self.index.get(pid)
-            if i is not None:
+            for i in self.views.get(pid, ()):
                 mask[i] = False
         return mask
 
@@ -382,7 +403,14 @@ class Book:
         """How many leases of ``job``'s shape the offers that fit it could run at once, their
         devices busy or not (an array is spread over that many: broker/jobs/arrays.py)."""
         static, _ = self._static_masks(job)
-        return int((self.count[static] // max(1, job.gpus)).sum())
+        if not self.leased:         # no provider offers slices: one view each
+            return int((self.count[static] // max(1, job.gpus)).sum())
+        lanes: dict[str, int] = {}
+        for i in np.flatnonzero(static):
+            # a card runs a whole job or its slices' jobs: the provider's most of either
+            pid = self.offers[i].provider_id
+            lanes[pid] = max(lanes.get(pid, 0), int(self.count[i]) // max(1, job.gpus))
+        return sum(lanes.values())
 
     def fitting(self, job: JobNeeds) -> set[str]:
         """The providers whose offers could run ``job`` if enough of their devices were
@@ -418,8 +446,7 @@ class Book:
         if job.avoid:
             preferred = mask.copy()
             for pid in job.avoid:
-                i = self.index.get(pid)
-                if i is not None:
+                for i in self.views.get(pid, ()):
                     preferred[i] = False
             if preferred.any():
                 mask = preferred
@@ -439,8 +466,9 @@ class Book:
         margin = abs(best) * EQUIVALENT
         ties = np.flatnonzero(keyed <= best + margin)
         if len(ties) > 1:
-            # equivalent offers: least loaded first, then the secondary key
-            order = np.lexsort((secondary[ties], self.load[ties]))
+            # equivalent offers: a slice first (it leaves whole devices to the jobs that
+            # need one), then least loaded, then the secondary key
+            order = np.lexsort((secondary[ties], self.load[ties], ~self.is_slice[ties]))
             i = int(ties[order[0]])
         return i
 
@@ -463,7 +491,16 @@ class Book:
         t = runtime * factor
         price = float(self.prices(job.tier)[i])
         return Estimate(o.provider_id, price, runtime, t, price * job.gpus * t / 3600,
-                        math.exp(-t / self.mtbf[i]), o.reliability)
+                        math.exp(-t / self.mtbf[i]), o.reliability, i)
+
+    def view_of(self, provider_id: str, devices: Iterable[int]) -> int | None:
+        """The provider's offer (view) that holds ``devices`` (a lease's): its slices' view
+        for a lease of a slice; None if the provider offers none of them now."""
+        devices = set(devices)
+        for i in self.views.get(provider_id, ()):
+            if devices & set(self.offers[i].device_indices):
+                return i
+        return None
 
     def place(self, job: JobNeeds) -> tuple[Placement | None, Counter]:
         """Choose an offer and its devices, and take them; or say why nothing fits."""
@@ -474,18 +511,39 @@ class Book:
         est = self.estimate(job, i)
         self.take(i, devices)
         return Placement(self.offers[i].provider_id, devices,
-                         float(self.prices(job.tier)[i]), est), Counter()
+                         float(self.prices(job.tier)[i]), est, i), Counter()
 
     def take(self, i: int, devices: tuple[int, ...]) -> None:
+        pid = self.offers[i].provider_id
+        if pid in self.leased:
+            self.leased[pid] |= set(devices)
+            self._refresh(pid, +1)
+            return
         self.free_devices[i] = [d for d in self.free_devices[i] if d not in devices]
         self.free[i] = len(self.free_devices[i])
         self.load[i] += 1
 
     def release(self, i: int, devices: tuple[int, ...]) -> None:
         """A placement ended: its devices are free again."""
+        pid = self.offers[i].provider_id
+        if pid in self.leased:
+            self.leased[pid] -= set(devices)
+            self._refresh(pid, -1)
+            return
         self.free_devices[i] = sorted({*self.free_devices[i], *devices})
         self.free[i] = len(self.free_devices[i])
         self.load[i] -= 1
+
+    def _refresh(self, pid: str, load: int) -> None:
+        """A sliced provider's devices changed hands: every view's free devices again (a
+        card with a slice leased is not free, nor the slices of a card leased whole), and
+        one lease more or less on each."""
+        views = self.views[pid]
+        taken = blocked(self.offers[views[0]].cards, self.leased[pid])
+        for j in views:
+            self.free_devices[j] = [d for d in self.offers[j].device_indices if d not in taken]
+            self.free[j] = len(self.free_devices[j])
+            self.load[j] += load
 
     def candidates(self, job: JobNeeds, n: int = 5) -> tuple[list[Estimate], Counter]:
         """The best ``n`` feasible offers in objective order (free devices or not), and the

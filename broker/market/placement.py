@@ -171,14 +171,14 @@ def plan(queued: list[Queued], book: matcher.Book, running: dict[str, int],
             continue
         if not credit_holds.covers_lease(q.hold_left, placement.price_per_gpu_hour,
                                          len(placement.device_indices)):
-            book.release(book.index[placement.provider_id], placement.device_indices)
+            book.release(placement.offer_index, placement.device_indices)
             reason = (f"waiting for funds: its hold covers less than"
                       f" {credit_holds.RESUME_FLOOR_S} s of the best offer (gpumarket topup"
                       f" {job.top_id} AMOUNT)")
             if reason != job.queue_reason:
                 out.reasons[job.id] = reason
             continue
-        offer = book.offers[book.index[placement.provider_id]]
+        offer = book.offers[placement.offer_index]      # the view placed on: a slice's own
         terms = LeaseTerms(
             job_id=job.id, provider_id=placement.provider_id,
             device_indices=tuple(placement.device_indices),

@@ -24,7 +24,7 @@ from gpumarket.broker.market import matcher
 from gpumarket.broker.market import placement
 from gpumarket.broker.market import preemption
 from gpumarket.broker.market import providers
-from gpumarket.broker.market.offers import claim_efficiency, offer_view
+from gpumarket.broker.market.offers import claim_efficiency, offer_views
 from gpumarket.broker.config import BrokerConfig
 from gpumarket.broker.state import BrokerState
 from gpumarket.broker.store import blob_holdings
@@ -57,10 +57,11 @@ async def offer_book(state: BrokerState) -> matcher.Book:
     efficiency = claim_efficiency(offers, achieved)
     stakes = await store.read(views.stakes)
     return matcher.Book([
-        offer_view(o, hist[o.provider_id], achieved.get(o.provider_id, 0.0),
-                   frozenset(busy.get(o.provider_id, ())), loads.get(o.provider_id, 0),
-                   efficiency, stakes.get(o.provider_id, 0))
-        for o in offers
+        view for o in offers
+        for view in offer_views(o, hist[o.provider_id], achieved.get(o.provider_id, 0.0),
+                                frozenset(busy.get(o.provider_id, ())),
+                                loads.get(o.provider_id, 0), efficiency,
+                                stakes.get(o.provider_id, 0))
     ])
 
 

@@ -54,11 +54,13 @@ def raw_seconds(work_flops: float, offer: matcher.OfferView, gpus: int) -> float
 def timed(db, book: matcher.Book, job: matcher.JobNeeds, found: list[matcher.Estimate]
           ) -> list[Timed]:
     """Calibrated wall times of ``job`` on the candidate offers ``found`` (a store read)."""
-    offers = {e.provider_id: book.offers[book.index[e.provider_id]] for e in found}
-    fitted = calibration.models(db, {p: o.accelerator for p, o in offers.items()}, job.kind)
+    # each on the offer it is for (a slice's own view, at its share of the card's speed)
+    views = [book.offers[e.offer_index if e.offer_index >= 0 else book.index[e.provider_id]]
+             for e in found]
+    fitted = calibration.models(db, {o.provider_id: o.accelerator for o in views}, job.kind)
     out = []
-    for e in found:
-        raw = raw_seconds(job.work_flops, offers[e.provider_id], job.gpus)
+    for e, view in zip(found, views):
+        raw = raw_seconds(job.work_flops, view, job.gpus)
         model = fitted[e.provider_id]
         out.append(Timed(e, raw, model.seconds(raw), model.basis))
     return out

@@ -358,7 +358,7 @@ class Benchmark(_message.Message):
     def __init__(self, matmul_flops: _Optional[float] = ..., matmul_dtype: _Optional[str] = ..., memory_bandwidth_bytes_per_s: _Optional[float] = ..., measured_at_ms: _Optional[int] = ..., matmul_flops_by_dtype: _Optional[_Mapping[str, float]] = ..., host_to_device_bytes_per_s: _Optional[float] = ..., sm_count: _Optional[int] = ..., interconnect: _Optional[str] = ...) -> None: ...
 
 class Device(_message.Message):
-    __slots__ = ("index", "name", "uuid", "accelerator", "memory_bytes", "compute_capability", "driver_version", "cuda_version", "cpu_cores", "benchmark", "price_per_hour", "mig_mode")
+    __slots__ = ("index", "name", "uuid", "accelerator", "memory_bytes", "compute_capability", "driver_version", "cuda_version", "cpu_cores", "benchmark", "price_per_hour", "mig_mode", "slice_of", "memory_share", "compute_share", "compute_held", "mig_parent_uuid")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     UUID_FIELD_NUMBER: _ClassVar[int]
@@ -371,6 +371,11 @@ class Device(_message.Message):
     BENCHMARK_FIELD_NUMBER: _ClassVar[int]
     PRICE_PER_HOUR_FIELD_NUMBER: _ClassVar[int]
     MIG_MODE_FIELD_NUMBER: _ClassVar[int]
+    SLICE_OF_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_SHARE_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_SHARE_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_HELD_FIELD_NUMBER: _ClassVar[int]
+    MIG_PARENT_UUID_FIELD_NUMBER: _ClassVar[int]
     index: int
     name: str
     uuid: str
@@ -383,7 +388,12 @@ class Device(_message.Message):
     benchmark: Benchmark
     price_per_hour: float
     mig_mode: str
-    def __init__(self, index: _Optional[int] = ..., name: _Optional[str] = ..., uuid: _Optional[str] = ..., accelerator: _Optional[_Union[Accelerator, str]] = ..., memory_bytes: _Optional[int] = ..., compute_capability: _Optional[str] = ..., driver_version: _Optional[str] = ..., cuda_version: _Optional[str] = ..., cpu_cores: _Optional[int] = ..., benchmark: _Optional[_Union[Benchmark, _Mapping]] = ..., price_per_hour: _Optional[float] = ..., mig_mode: _Optional[str] = ...) -> None: ...
+    slice_of: int
+    memory_share: float
+    compute_share: float
+    compute_held: bool
+    mig_parent_uuid: str
+    def __init__(self, index: _Optional[int] = ..., name: _Optional[str] = ..., uuid: _Optional[str] = ..., accelerator: _Optional[_Union[Accelerator, str]] = ..., memory_bytes: _Optional[int] = ..., compute_capability: _Optional[str] = ..., driver_version: _Optional[str] = ..., cuda_version: _Optional[str] = ..., cpu_cores: _Optional[int] = ..., benchmark: _Optional[_Union[Benchmark, _Mapping]] = ..., price_per_hour: _Optional[float] = ..., mig_mode: _Optional[str] = ..., slice_of: _Optional[int] = ..., memory_share: _Optional[float] = ..., compute_share: _Optional[float] = ..., compute_held: _Optional[bool] = ..., mig_parent_uuid: _Optional[str] = ...) -> None: ...
 
 class AvailabilityWindow(_message.Message):
     __slots__ = ("days", "start_minute", "end_minute")

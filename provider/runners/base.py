@@ -130,6 +130,47 @@ def publish_checkpoint(root: Path, step: int, write: Callable[[Path], None]) -> 
     return final
 
 
+def apply_share() -> list[str]:
+    """Hold this job process to its device's share, as the provider's job environment says
+    (provider/executor.slice_env): every thread pinned to its cores (a CPU device or slice:
+    GPUMARKET_CPU_CORES) with torch's threads as many; on a slice of a GPU, torch's caching
+    allocator held to its share of the card's memory (GPUMARKET_MEMORY_FRACTION: past it,
+    an allocation fails with an out-of-memory error in this process, not in its
+    neighbour's). Called first by every runner's start (``run_main``, the engine's). Returns
+    notes for the job's log; a share it cannot apply is a JobError (the job must not run
+    past its share)."""
+    notes = []
+    cores_text = os.environ.get("GPUMARKET_CPU_CORES", "")
+    if cores_text:
+        try:
+            cores = {int(c) for c in cores_text.split(",")}
+        except ValueError:
+            raise JobError(f"GPUMARKET_CPU_CORES={cores_text!r} is no list of cores") from None
+        for tid in [int(t) for t in os.listdir("/proc/self/task")] or [0]:
+            try:
+                os.sched_setaffinity(tid, cores)
+            except OSError as exc:
+                notes.append(f"threads not pinned to cores {cores_text} ({exc.strerror})")
+                break
+        if (torch := sys.modules.get("torch")) is not None:
+            torch.set_num_threads(min(torch.get_num_threads(), len(cores)) or 1)
+    fraction = os.environ.get("GPUMARKET_MEMORY_FRACTION", "")
+    if fraction:
+        try:
+            share = float(fraction)
+        except ValueError:
+            raise JobError(f"GPUMARKET_MEMORY_FRACTION={fraction!r} is no number") from None
+        if not 0 < share <= 1:
+            raise JobError(f"GPUMARKET_MEMORY_FRACTION={fraction!r} is not in (0, 1]")
+        import torch
+
+        if torch.cuda.is_available():
+            # Only the card of its slice is visible (CUDA_VISIBLE_DEVICES): device 0.
+            torch.cuda.set_per_process_memory_fraction(share, 0)
+            notes.append(f"CUDA memory held to {share:.3g} of the card")
+    return notes
+
+
 def run_main(module_name: str, fn: Callable) -> int:
     """A runner's command line: ``python -m gpumarket.provider.runners.NAME WORKDIR``; a
     JobError is one line on stderr and exit 1."""
@@ -141,6 +182,8 @@ def run_main(module_name: str, fn: Callable) -> int:
         return 2
     workdir = Path(sys.argv[1])
     try:
+        for note in apply_share():
+            print(f"note: {note}", file=sys.stderr)
         job = read_job(workdir)
         if job.tasks is not None:
             run_tasks(fn, workdir, job, Reporter())

@@ -32,7 +32,7 @@ from pathlib import Path
 from gpumarket.kinds.engine_protocol import (
     Answer, BadRequest, Complete, Embed, Final, Ready, answer_line, read_line,
 )
-from gpumarket.provider.runners.base import JobError, read_job
+from gpumarket.provider.runners.base import JobError, apply_share, read_job
 from gpumarket.provider.runners.engine import Engine, load_engine
 
 log = logging.getLogger(__name__)
@@ -221,6 +221,8 @@ def main() -> int:
             sock = socket.socket(fileno=0)
         except OSError as exc:
             raise JobError("fd 0 must be the daemon's connected unix socket") from exc
+        for note in apply_share():      # its cores, or its share of a GPU
+            print(f"note: {note}", file=sys.stderr)
         job = read_job(workdir)
         began = time.perf_counter()
         print("loading the model", flush=True)

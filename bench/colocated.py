@@ -1,0 +1,283 @@
+"""Colocated TTFT on slices of one CPU (issue 35, ``colocated_ttft_p99_ratio``): real
+processes on this machine — a broker, one provider offering its CPU whole and as two slices
+(``--slices 2``, a core each), an endpoint of one replica (the tiny 2-layer Llama of
+tests/models.py) that the broker places on one slice — measured through the broker's
+OpenAI-compatible API: TTFT p99 of streamed completions arriving as a Poisson process, alone,
+and while a training job (the same tiny model, placed on the other slice) runs. Rounds
+alternate alone / colocated, so that load from outside (other work on the host) falls on both
+sides alike; each side's p99 is over all of its rounds' requests.
+
+    .venv/bin/python bench/colocated.py [--rounds 3] [--duration 15] [--rate 4] [--tokens 16]
+
+Then the same without the marketplace (``direct_*``): the endpoint's engine in a process of
+its own on one slice's cores, its requests made in that process, alone and while a process
+trains the same model on the other slice's cores — what one slice's work does to the other,
+apart from the broker's and the provider's own processes, which on this host share the
+replica's core while the training holds the other (``--no-direct`` leaves it out).
+
+Prints its figures and the host's load average (uptime) before and after; the last line is
+one JSON object: colocated_ttft_p99_ratio (colocated p99 / alone p99), both p99s and p50s in
+ms, the replica's and the training's devices, the loads, and the direct figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sqlite3
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from serving import create, key_for, open_loop, pct, ready_count, timing
+
+from tests.helpers import LEASE_ARGS, Marketplace, training_job, wait_until
+from tests.models import tiny_causal_lm
+
+PROMPT = "a marketplace for idle gpus"
+
+
+def load_average() -> float:
+    return os.getloadavg()[0]
+
+
+def leases(market: Marketplace) -> dict[str, list[int]]:
+    """The broker's active leases: job id -> device indices (read from its database)."""
+    db = sqlite3.connect(f"file:{market.root / 'broker' / 'broker.db'}?mode=ro", uri=True)
+    try:
+        return {job: json.loads(devices) for job, devices in db.execute(
+            "SELECT job_id, device_indices FROM leases WHERE state = 'active'")}
+    finally:
+        db.close()
+
+
+async def measure(base: str, key: str, name: str, rate: float, duration: float, tokens: int,
+                  seed: int) -> list[float]:
+    """TTFTs (s) of streamed completions arriving at ``rate``/s for ``duration`` s."""
+    import openai
+
+    api = openai.AsyncOpenAI(base_url=base, api_key=key, max_retries=0, timeout=300)
+
+    async def send(i: int) -> dict:
+        start, pieces = time.perf_counter(), []
+        try:
+            stream = await api.chat.completions.create(
+                model=name, max_tokens=tokens, temperature=0, stream=True,
+                messages=[{"role": "user", "content": PROMPT}])
+            async for chunk in stream:
+                if chunk.choices and chunk.choices[0].delta.content:
+                    pieces.append(time.perf_counter())
+        except openai.APIError as exc:
+            return {"error": str(exc), "ttft": 0, "tpot": 0, "tokens": 0}
+        return timing(start, pieces, len(pieces))
+
+    samples, _ = await open_loop(send, rate, duration, seed)
+    await api.close()
+    failed = [s for s in samples if s.get("error")]
+    if failed:
+        raise SystemExit(f"{len(failed)} requests failed: {failed[0]['error']}")
+    return [s["ttft"] for s in samples]
+
+
+ENGINE_CHILD = """
+import asyncio, json, os, sys, time
+from pathlib import Path
+from gpumarket.provider.runners.base import apply_share
+apply_share()
+sys.path.insert(0, {bench!r})
+from serving import open_loop, timing
+from gpumarket.kinds.engine_protocol import Complete, Final
+from gpumarket.kinds.runner_job import RunnerJob
+from gpumarket.provider.runners.engine import load_engine
+
+model = Path({model!r})
+async def run():
+    engine = load_engine(RunnerJob(params={{"model_name": model.name, "max_concurrency": 4,
+                                            "max_seq_len": 128}}, model_dir=str(model)), model)
+    async def send(i):
+        start, pieces, final = time.perf_counter(), [], Final()
+        async for event in engine.complete(f"c{{i}}", Complete(prompt={prompt!r},
+                                                               max_tokens={tokens},
+                                                               temperature=0)):
+            if isinstance(event, Final):
+                final = event
+            else:
+                pieces.append(time.perf_counter())
+        return {{**timing(start, pieces, final.output_tokens), "engine_ttft": final.ttft_s}}
+    await open_loop(send, {rate}, 2, 0)       # warm-up
+    samples, _ = await open_loop(send, {rate}, {duration}, {seed})
+    await engine.close()
+    print(json.dumps([s["ttft"] for s in samples]))
+asyncio.run(run())
+"""
+
+TRAIN_CHILD = """
+import sys, time
+from gpumarket.provider.runners.base import apply_share
+apply_share()
+import torch
+from transformers import AutoModelForCausalLM
+torch.manual_seed(0)
+model = AutoModelForCausalLM.from_pretrained({model!r})
+opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+print("training", flush=True)
+while True:
+    ids = torch.randint(0, model.config.vocab_size, (4, 32))
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+def child_env(cores: tuple[int, ...]) -> dict[str, str]:
+    """A slice's environment as a lease on it gets it (its cores, as many threads)."""
+    return {**os.environ, "GPUMARKET_CPU_CORES": ",".join(map(str, cores)),
+            "OMP_NUM_THREADS": str(len(cores))}
+
+
+def direct(model: Path, rounds: int, duration: float, rate: float, tokens: int) -> dict:
+    """The same measurement without the marketplace: the endpoint's engine in a process of
+    its own on slice 1's cores (its requests made in that process), alone and while a
+    process trains the same model on slice 2's cores; both held to their slices by the
+    runners' start (runners/base.apply_share). What is left is what one slice's work does to
+    the other's (caches, memory bandwidth), not the broker's and provider's own processes
+    squeezed onto one core."""
+    import subprocess
+
+    from gpumarket.provider.inventory import cpu_device, sliced
+
+    _, first, second = sliced([cpu_device()], {0: (0.5, 0.5)})
+    alone: list[float] = []
+    colocated: list[float] = []
+
+    def engine(seed: int) -> list[float]:
+        code = ENGINE_CHILD.format(bench=str(ROOT / "bench"), model=str(model), prompt=PROMPT,
+                                   tokens=tokens, rate=rate, duration=duration, seed=seed)
+        done = subprocess.run([sys.executable, "-c", code], env=child_env(first.cores),
+                              capture_output=True, text=True, timeout=600, check=False)
+        if done.returncode != 0:
+            raise SystemExit(f"engine process failed: {done.stderr.strip()[-400:]}")
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    for r in range(rounds):
+        alone += engine(10 + r)
+        trainer = subprocess.Popen([sys.executable, "-c", TRAIN_CHILD.format(model=str(model))],
+                                   env=child_env(second.cores), stdout=subprocess.PIPE,
+                                   text=True)
+        try:
+            assert trainer.stdout.readline().strip() == "training"
+            colocated += engine(10 + r)
+        finally:
+            trainer.kill()
+            trainer.wait()
+        print(f"direct round {r + 1}: alone p99 {pct(alone, 0.99) * 1000:.0f} ms, colocated"
+              f" p99 {pct(colocated, 0.99) * 1000:.0f} ms", flush=True)
+    return {"direct_ttft_p99_ratio": round(pct(colocated, 0.99) / pct(alone, 0.99), 3),
+            "direct_alone_ttft_p99_ms": round(pct(alone, 0.99) * 1000, 1),
+            "direct_colocated_ttft_p99_ms": round(pct(colocated, 0.99) * 1000, 1),
+            "direct_alone_ttft_p50_ms": round(pct(alone, 0.5) * 1000, 1),
+            "direct_colocated_ttft_p50_ms": round(pct(colocated, 0.5) * 1000, 1),
+            "direct_engine_cores": list(first.cores), "direct_training_cores": list(second.cores)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=3, help="alone/colocated pairs")
+    parser.add_argument("--duration", type=float, default=15.0, help="seconds per side a round")
+    parser.add_argument("--rate", type=float, default=4.0, help="requests/s")
+    parser.add_argument("--tokens", type=int, default=16, help="max_tokens per request")
+    parser.add_argument("--no-direct", action="store_true",
+                        help="leave out the same measurement without the marketplace")
+    args = parser.parse_args()
+    load_before = load_average()
+    print(f"load average before: {load_before:.2f} ({os.cpu_count()} CPUs)", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        model = tiny_causal_lm(root / "models" / "tiny-llama")
+        root.chmod(0o755)
+        for path in (root / "models", model, *model.iterdir()):
+            path.chmod(0o755 if path.is_dir() else 0o644)   # readable by the jobs' own uids
+        (root / "market").mkdir()
+        # The provider on every core (its slices are a core each), not one (tests' taskset).
+        market = Marketplace(root / "market", {"TESTS_PROVIDER_CPUS": "all"})
+        os.environ["TESTS_PROVIDER_CPUS"] = "all"
+        try:
+            market.start_broker(*LEASE_ARGS, "--http", "127.0.0.1:0")
+            info = json.loads((market.root / "broker" / "broker.json").read_text())
+            base = f"http://{info['http']}/v1"
+            assert market.cli("keys", "init").returncode == 0
+            market.start_provider("p1", 1.0, "--cpu-only", "--slices", "2",
+                                  "--models-dir", str(root / "models"))
+            market.wait_for_offers(1)
+            create(market, root / "e.toml", "colo", model_name="tiny-llama",
+                   max_concurrency=4, max_seq_len=128, min_replicas=1, max_replicas=1)
+            wait_until(lambda: ready_count(market, "colo") == 1, "a replica", 300, 0.5)
+            key = key_for(market, "colo")
+            (replica_devices,) = leases(market).values()
+            asyncio.run(measure(base, key, "colo", args.rate, 3, args.tokens, 0))  # warm-up
+            alone: list[float] = []
+            colocated: list[float] = []
+            training_devices: list[int] = []
+            for r in range(args.rounds):
+                alone += asyncio.run(measure(base, key, "colo", args.rate, args.duration,
+                                             args.tokens, 10 + r))
+                job_file = training_job(root / f"train{r}.toml", steps=1_000_000,
+                                        checkpoint_every=1_000_000, max_price=5.0)
+                done = market.cli("submit", str(job_file))
+                if done.returncode != 0:
+                    raise SystemExit(done.stderr)
+                job_id = done.stdout.split()[0]
+                market.wait_state(job_id, "RUNNING", timeout=300)
+                wait_until(lambda j=job_id: int(market.job(j).get("progress", {})
+                                                .get("step", 0)) > 0, "training steps", 120, 0.2)
+                training_devices = leases(market)[job_id]
+                colocated += asyncio.run(measure(base, key, "colo", args.rate,
+                                                 args.duration, args.tokens, 10 + r))
+                still = market.job(job_id)["state"]
+                market.cli("cancel", job_id)
+                market.wait_state(job_id, "CANCELLED", timeout=120)
+                wait_until(lambda j=job_id: j not in leases(market), "the training's lease", 60)
+                print(f"round {r + 1}: alone p99 {pct(alone, 0.99) * 1000:.0f} ms,"
+                      f" colocated p99 {pct(colocated, 0.99) * 1000:.0f} ms (training"
+                      f" {still.lower()} throughout)", flush=True)
+        finally:
+            market.close()
+        split = {} if args.no_direct else direct(model, args.rounds, args.duration, args.rate,
+                                                 args.tokens)
+    load_after = load_average()
+    out = {
+        "colocated_ttft_p99_ratio": round(pct(colocated, 0.99) / pct(alone, 0.99), 3),
+        "alone_ttft_p99_ms": round(pct(alone, 0.99) * 1000, 1),
+        "colocated_ttft_p99_ms": round(pct(colocated, 0.99) * 1000, 1),
+        "alone_ttft_p50_ms": round(pct(alone, 0.5) * 1000, 1),
+        "colocated_ttft_p50_ms": round(pct(colocated, 0.5) * 1000, 1),
+        "requests_per_side": len(alone),
+        "replica_devices": replica_devices,
+        "training_devices": training_devices,
+        "load_before": round(load_before, 2),
+        "load_after": round(load_after, 2),
+        **split,
+    }
+    print(f"TTFT p99: alone {out['alone_ttft_p99_ms']} ms, with a training job on the other"
+          f" slice {out['colocated_ttft_p99_ms']} ms: ratio {out['colocated_ttft_p99_ratio']}"
+          f" (target <= 1.2); replica on device {replica_devices}, training on"
+          f" {training_devices}; load average {load_before:.2f} before, {load_after:.2f}"
+          " after", flush=True)
+    if split:
+        print(f"without the marketplace (the engine and a training process, each on its"
+              f" slice's cores): TTFT p99 alone {split['direct_alone_ttft_p99_ms']} ms,"
+              f" colocated {split['direct_colocated_ttft_p99_ms']} ms: ratio"
+              f" {split['direct_ttft_p99_ratio']}", flush=True)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
