@@ -160,6 +160,30 @@ def test_a_follower_runs_no_loop_until_it_takes_over_and_steps_down_when_deposed
     asyncio.run(scenario())
 
 
+def test_a_leader_that_stops_hands_the_role_on_at_once(pg_store, tmp_path, monkeypatch):
+    """A broker stopping (its lead task cancelled, as on SIGTERM) ends its lease on the role:
+    another broker takes it at once, with the next epoch, rather than a ttl later."""
+    state = broker_state(tmp_path, pg_store, Identity.generate(), "stopping", leader_ttl_s=60)
+
+    async def nothing(st):
+        pass
+
+    monkeypatch.setattr(scheduler, "LOOPS", (scheduler.Loop("probe", nothing, lambda c: 1),))
+
+    async def scenario():
+        task = asyncio.create_task(scheduler.lead(state))
+        deadline = time.monotonic() + 30
+        while state.epoch is None:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.02)
+        assert await pg_store.write(leadership.take, "next", now_ms(), TTL) is None
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        assert await pg_store.write(leadership.take, "next", now_ms(), TTL) == 2
+
+    asyncio.run(scenario())
+
+
 def test_a_lease_reaches_a_provider_connected_to_another_broker(pg_cluster, tmp_path):
     """Brokers a (leader) and b on one PostgreSQL store, a provider connected to b only: a
     sees its offer (from the store), places a job on it, and the lease reaches the

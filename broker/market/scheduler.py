@@ -454,6 +454,12 @@ async def lead_term(state: BrokerState, epoch: int,
         state.epoch = None
         loops.cancel()
         await asyncio.gather(loops, return_exceptions=True)
+        if why == "cancelled":      # the broker stops: hand the role on now, not a ttl later
+            try:
+                await asyncio.wait_for(state.store.write(leadership.release, state.holder,
+                                                         epoch), ttl_s)
+            except Exception as exc:    # noqa: BLE001 - it runs out by itself all the same
+                log.warning("could not hand the scheduler role on: %s", exc)
         log.warning("this broker no longer leads (scheduler epoch %d): %s", epoch, why)
 
 
