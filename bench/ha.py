@@ -167,7 +167,7 @@ class Stream:
 
     async def run(self, job_file: Path) -> None:
         from gpumarket.client import jobfile
-        from gpumarket.client.cli import build_spec, upload_inputs
+        from gpumarket.client.submit import build_spec, upload_inputs
 
         identity = self.market.identity()
         client = BrokerClient(self.address, identity, 10, Trust(pin=self.market.broker_id))
