@@ -77,6 +77,8 @@ class Sim:
         self.channels: dict[str, grpc.aio.Channel] = {}
         self.stop = asyncio.Event()
         self.leases = 0
+        # (job, epoch) -> (when it arrived, ms; the broker address of the session it came on)
+        self.received: dict[tuple[str, int], tuple[int, str]] = {}
 
     async def channel(self, address: str, fresh: bool) -> grpc.aio.Channel:
         if fresh and address in self.channels:
@@ -91,14 +93,15 @@ class Sim:
         while not self.stop.is_set():
             address = self.addresses[at % len(self.addresses)]
             try:
-                await self.session(await self.channel(address, fresh), identity, running)
+                await self.session(await self.channel(address, fresh), identity, running,
+                                   address)
                 fresh = False
             except Exception:       # noqa: BLE001 - a broker gone: try the next
                 fresh = True
             at += 1
             await asyncio.sleep(0.2 + random.random() * 0.3)
 
-    async def session(self, channel, identity: Identity, running: set) -> None:
+    async def session(self, channel, identity: Identity, running: set, address: str) -> None:
         metadata = grpc.aio.Metadata((TOKEN_METADATA, call_token(identity, SESSION, self.pin,
                                                                  None)))
         call = gateway_pb2_grpc.ProviderGatewayStub(channel).Session(metadata=metadata)
@@ -114,7 +117,7 @@ class Sim:
             if welcome is grpc.aio.EOF or welcome.WhichOneof("msg") != "welcome":
                 raise RuntimeError("no welcome")
             await call.write(gw.ProviderMessage(offer=signed_offer(identity)))
-            reader = asyncio.create_task(self.read(call, running))
+            reader = asyncio.create_task(self.read(call, running, address))
             try:
                 while not self.stop.is_set() and not reader.done():
                     # Bounded: a write to a stream its broker no longer reads would wait
@@ -130,7 +133,7 @@ class Sim:
         finally:
             call.cancel()
 
-    async def read(self, call, running: set) -> None:
+    async def read(self, call, running: set, address: str) -> None:
         while True:
             message = await call.read()
             if message is grpc.aio.EOF:
@@ -138,6 +141,7 @@ class Sim:
             which = message.WhichOneof("msg")
             if which == "lease":
                 lease = pb.Lease.FromString(message.lease.payload)
+                self.received.setdefault((lease.job_id, lease.epoch), (now_ms(), address))
                 if (lease.job_id, lease.epoch) in running:
                     continue
                 running.clear()         # one device: what it ran is over
@@ -255,6 +259,7 @@ async def failover(root: Path, cluster: pg.Cluster, args) -> dict:
     stream = Stream(market, ",".join(addresses), args.rate, args.hold)
     submitting = asyncio.create_task(stream.run(training_job(root / "job.toml")))
     times: list[float] = []
+    leaders = [(0, addresses[0])]       # (from, ms; the leader's address): a leads first
     try:
         await asyncio.sleep(args.steady)
         for kill in range(args.kills):
@@ -272,6 +277,7 @@ async def failover(root: Path, cluster: pg.Cluster, args) -> dict:
             if first is None:
                 raise SystemExit(f"kill {kill + 1}: no lease within 120 s of the kill")
             times.append((first - killed_ms) / 1000)
+            leaders.append((killed_ms, addresses[1] if name == "broker" else addresses[0]))
             print(f"kill {kill + 1}: {name} (the leader) SIGKILLed; first placement by the new"
                   f" leader after {times[-1]:.2f} s", flush=True)
             port = ports[0] if name == "broker" else ports[1]
@@ -289,13 +295,30 @@ async def failover(root: Path, cluster: pg.Cluster, args) -> dict:
         WHERE b.issued_at_ms < coalesce(a.ended_at_ms, 9223372036854775807)
           AND a.issued_at_ms < coalesce(b.ended_at_ms, 9223372036854775807)""")[0][0]
     total = query(url, "SELECT count(*) FROM leases")[0][0]
+    # From a lease's write to its provider: on a session on the leader (sent directly), and
+    # on the other broker (relayed by a notice, or found by that broker's poll).
+    direct, relayed = [], []
+    for job_id, epoch, issued in query(url, "SELECT job_id, epoch, issued_at_ms FROM leases"):
+        if (job_id, epoch) in sim.received:
+            got, address = sim.received[(job_id, epoch)]
+            leader = [a for since, a in leaders if since <= issued][-1]
+            (direct if address == leader else relayed).append(got - issued)
     for proc, _ in brokers.values():
         proc.stop(timeout=30)
     return {"failover_s": round(statistics.mean(times), 2),
             "failover_s_max": round(max(times), 2), "kills": len(times),
             "double_leases": overlapping, "lost_acknowledged": len(lost),
             "acknowledged": len(stream.acknowledged), "submit_failures": stream.failed,
-            "leases": total}
+            "leases": total,
+            "lease_delivery_ms_direct_p50": pct(direct, 0.5),
+            "lease_delivery_ms_relayed_p50": pct(relayed, 0.5),
+            "lease_delivery_ms_relayed_p99": pct(relayed, 0.99),
+            "leases_relayed": len(relayed)}
+
+
+def pct(values: list[float], q: float) -> float | None:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))] if values else None
 
 
 # -- durable placements --------------------------------------------------------------------
