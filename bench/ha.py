@@ -77,6 +77,8 @@ class Sim:
         self.channels: dict[str, grpc.aio.Channel] = {}
         self.stop = asyncio.Event()
         self.leases = 0
+        self.kicks: dict[int, asyncio.Event] = {}
+        self.moved: dict[int, int] = {}        # provider -> the address index it goes to next
         # (job, epoch) -> (when it arrived, ms; the broker address of the session it came on)
         self.received: dict[tuple[str, int], tuple[int, str]] = {}
 
@@ -90,33 +92,55 @@ class Sim:
     async def provider(self, i: int, identity: Identity) -> None:
         at, fresh = i, False
         running: set[tuple[str, int]] = set()
+        self.kicks[i] = kick = asyncio.Event()
+        stopping = asyncio.create_task(self.stop.wait())
         while not self.stop.is_set():
             address = self.addresses[at % len(self.addresses)]
-            try:
-                await self.session(await self.channel(address, fresh), identity, running,
-                                   address)
-                fresh = False
-            except Exception:       # noqa: BLE001 - a broker gone: try the next
-                fresh = True
-            at += 1
+            kick.clear()
+            kicked = asyncio.create_task(kick.wait())
+            session = asyncio.create_task(self.connected(address, fresh, identity, running))
+            done, _ = await asyncio.wait({session, stopping, kicked},
+                                         return_when=asyncio.FIRST_COMPLETED)
+            for task in (session, kicked):
+                task.cancel()
+            await asyncio.gather(session, kicked, return_exceptions=True)
+            fresh = session in done and session.exception() is not None
+            at = self.moved.pop(i, at + 1)
             await asyncio.sleep(0.2 + random.random() * 0.3)
+        stopping.cancel()
+
+    async def connected(self, address: str, fresh: bool, identity: Identity,
+                        running: set) -> None:
+        await self.session(await self.channel(address, fresh), identity, running, address)
+
+    def rebalance(self, address: str) -> None:
+        """Every other provider ends its session and opens one on ``address`` (providers
+        stay where they moved after a kill: without this, all end on one broker)."""
+        target = self.addresses.index(address)
+        for i in range(0, len(self.identities), 2):
+            if i in self.kicks:
+                self.moved[i] = target
+                self.kicks[i].set()
 
     async def session(self, channel, identity: Identity, running: set, address: str) -> None:
         metadata = grpc.aio.Metadata((TOKEN_METADATA, call_token(identity, SESSION, self.pin,
                                                                  None)))
         call = gateway_pb2_grpc.ProviderGatewayStub(channel).Session(metadata=metadata)
         try:
-            await call.write(gw.ProviderMessage(hello=gw.ProviderHello(
+            await asyncio.wait_for(call.write(gw.ProviderMessage(hello=gw.ProviderHello(
                 public_key=identity.public_key, software_version="0.1.0",
-                reconnect_within_ms=2_000)))
+                reconnect_within_ms=2_000))), 10)
             challenge = await asyncio.wait_for(call.read(), 10)
-            await call.write(gw.ProviderMessage(proof=seal(identity, gw.SessionProof(
-                nonce=challenge.challenge.nonce,
-                broker_public_key=challenge.challenge.broker_public_key, at_ms=now_ms()))))
+            await asyncio.wait_for(call.write(gw.ProviderMessage(proof=seal(
+                identity, gw.SessionProof(
+                    nonce=challenge.challenge.nonce,
+                    broker_public_key=challenge.challenge.broker_public_key,
+                    at_ms=now_ms())))), 10)
             welcome = await asyncio.wait_for(call.read(), 10)
             if welcome is grpc.aio.EOF or welcome.WhichOneof("msg") != "welcome":
                 raise RuntimeError("no welcome")
-            await call.write(gw.ProviderMessage(offer=signed_offer(identity)))
+            await asyncio.wait_for(call.write(gw.ProviderMessage(
+                offer=signed_offer(identity))), 10)
             reader = asyncio.create_task(self.read(call, running, address))
             try:
                 while not self.stop.is_set() and not reader.done():
@@ -282,6 +306,7 @@ async def failover(root: Path, cluster: pg.Cluster, args) -> dict:
                   f" leader after {times[-1]:.2f} s", flush=True)
             port = ports[0] if name == "broker" else ports[1]
             brokers[name] = await asyncio.to_thread(start_broker, root, name, port, url, args)
+            sim.rebalance(brokers[name][1]["address"])      # half the providers go there
             await asyncio.sleep(args.steady)
     finally:
         stream.stop.set()
