@@ -98,6 +98,10 @@ def cli() -> None:
 @click.option("--store", help="Where the broker keeps its tables: postgresql://USER@HOST/DB "
               "(a libpq URL; docs/deploy.md) or sqlite:///PATH [default: SQLite, "
               "DATA_DIR/broker.db].")
+@click.option("--leader-ttl", type=float,
+              help="Brokers sharing a PostgreSQL store: seconds the leader's hold on the "
+              "scheduler role lasts unrenewed (renewed every third of it); another broker "
+              "takes over this long after the leader stops [default: 5].")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
 def serve(config_file: Path | None, listen: str | None, data_dir: Path | None,
@@ -110,7 +114,7 @@ def serve(config_file: Path | None, listen: str | None, data_dir: Path | None,
           queue_wait: float | None, max_held_mib: float | None,
           max_connections_per_peer: int | None, idle_timeout: float | None,
           fd_reserve: int | None, provider_messages_per_s: float | None,
-          store: str | None, log_level: str) -> None:
+          store: str | None, leader_ttl: float | None, log_level: str) -> None:
     """Serve the broker's gRPC API (and HTTP side) until SIGTERM."""
     from gpumarket.broker import config as broker_config
     from gpumarket.broker.api.listeners import raise_open_files
@@ -136,7 +140,7 @@ def serve(config_file: Path | None, listen: str | None, data_dir: Path | None,
                        ("max_connections_per_peer", max_connections_per_peer),
                        ("idle_timeout_s", idle_timeout), ("fd_reserve", fd_reserve),
                        ("provider_messages_per_s", provider_messages_per_s),
-                       ("store", store)):
+                       ("store", store), ("leader_ttl_s", leader_ttl)):
         if value is not None:
             settings[key] = value
     if "data_dir" not in settings:

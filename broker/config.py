@@ -61,6 +61,10 @@ class BrokerConfig:
     store: str = ""                        # where the broker's tables are: "" = SQLite at
                                            # data_dir/broker.db, "sqlite:///PATH", or
                                            # "postgresql://…" (docs/deploy.md)
+    leader_ttl_s: float = 5.0              # brokers sharing a PostgreSQL store: the leader's
+                                           # lease on the scheduler role, renewed every third
+                                           # of it; another broker takes over this long after
+                                           # the leader stops renewing
 
     @property
     def fee_ppm(self) -> int:
@@ -98,6 +102,8 @@ class BrokerConfig:
         if not 1 <= self.min_ping_interval_s <= 3600:
             raise InvalidArgument(f"min_ping_interval must be between 1 and 3600 seconds, not"
                                   f" {self.min_ping_interval_s}")
+        if not 0.3 <= self.leader_ttl_s <= 300:
+            raise InvalidArgument("leader_ttl must be between 0.3 and 300 seconds")
         if not (self.idle_timeout_s > 0 and self.body_timeout_s > 0):
             raise InvalidArgument("idle_timeout and body_timeout must be more than 0 seconds")
         http_host = self.http.rpartition(":")[0]
@@ -116,6 +122,8 @@ listen = "0.0.0.0:7070"            # gRPC HOST:PORT
 http = "127.0.0.1:7071"            # /healthz, /readyz, /metrics, /api; "" = off
 data_dir = "/var/lib/gpumarket"    # broker.db, broker.key, artifacts/
 store = ""                         # "" = SQLite in data_dir; "postgresql://…" (docs/deploy.md)
+leader_ttl = 5.0                   # brokers sharing a PostgreSQL store: seconds before another
+                                   # broker takes over from a leader that stopped renewing
 lease_timeout = 15.0               # seconds without heartbeats before a lease is lost
 heartbeat_interval = 3.0           # seconds between provider heartbeats
 max_attempts = 5                   # leases a job may lose before it fails
@@ -170,6 +178,7 @@ KEYS = {
     "listen": ("listen", str, None), "http": ("http", str, None),
     "data_dir": ("data_dir", Path, None),
     "store": ("store", str, None),
+    "leader_ttl": ("leader_ttl_s", float, None),
     "lease_timeout": ("lease_timeout_s", float, None),
     "heartbeat_interval": ("heartbeat_interval_s", float, None),
     "max_attempts": ("max_attempts", int, None),

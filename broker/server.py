@@ -7,10 +7,13 @@ import json
 import logging
 import os
 import resource
+import secrets
 import signal
+import socket
 
 import grpc
 from aiohttp import web
+from prometheus_client import Gauge
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -34,6 +37,7 @@ from gpumarket.broker.api.listeners import (
 from gpumarket.broker.api.marketplace import MarketplaceServicer
 from gpumarket.broker.serving.openai_api import OpenAIApi
 from gpumarket.broker.serving.router import Serving
+from gpumarket.broker import state as shared
 from gpumarket.broker.state import BrokerState
 from gpumarket.broker.store.store import open_store
 from gpumarket.proto.tls import tls_material
@@ -96,13 +100,20 @@ class BrokerServer:
         identity = Identity.load_or_create(cfg.key_path)
         store = open_store(cfg.store, cfg.db_path)
         store.open()
-        await store.write(providers.after_restart)
-        kept = await store.write(providers.renew_all_leases, now_ms(),
-                                 int(cfg.lease_timeout_s * 1000))
-        if kept:
-            log.info("%d leases were active at the last stop; waiting for their providers", kept)
+        if store.dialect == "sqlite":
+            # One broker, one file: no session is open now. (On a shared store the other
+            # brokers' sessions are: the leader takes over the leases instead, scheduler.py.)
+            await store.write(providers.after_restart)
+            kept = await store.write(providers.renew_all_leases, now_ms(),
+                                     int(cfg.lease_timeout_s * 1000))
+            if kept:
+                log.info("%d leases were active at the last stop; waiting for their providers",
+                         kept)
         artifacts = ArtifactStore(cfg.data_dir / "artifacts", cfg.max_artifact_bytes)
         self.state = BrokerState(cfg, identity, store, artifacts)
+        self.state.holder = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
+        if self.state.shared:
+            shared.share(self.state, cfg.store)
         self.state.revoked = set(await store.read(providers.revoked))
         log.info("open files: limit %d, %d kept for the database and blobs; connections:"
                  " gRPC %d, API %s, HTTP %s (per-peer cap %s)", fds.limit, fds.reserve, fds.grpc,
@@ -136,8 +147,15 @@ class BrokerServer:
         self.server = server
         self.address = f"{PLAINTEXT if cfg.plaintext else ''}{host}:{bound}"
         info = {"address": self.address, "pid": os.getpid(), "broker_id": identity.id,
-                "tls": not cfg.plaintext}
+                "tls": not cfg.plaintext, "holder": self.state.holder}
         metrics = self.state.metrics
+        state = self.state
+        Gauge("gpumarket_broker_leading", "1 while this broker leads (holds the scheduler"
+              " role: places jobs, runs the loops; a broker on SQLite always does)",
+              registry=metrics.registry).set_function(lambda: int(state.epoch is not None))
+        Gauge("gpumarket_broker_leader_epoch", "The scheduler role's epoch while this broker"
+              " leads (0 on SQLite), else 0", registry=metrics.registry).set_function(
+            lambda: state.epoch or 0)
         serving = self.state.serving = Serving(self.state.sessions, metrics,
                                                cfg.queue_wait_s, cfg.cold_start_s,
                                                cfg.request_timeout_s, cfg.max_held_bytes)
@@ -202,11 +220,15 @@ async def serve(config: BrokerConfig) -> None:
         loop.add_signal_handler(sig, stop.set)
     try:
         async with asyncio.TaskGroup() as tg:
-            loops = tg.create_task(scheduler.run(broker.state))
-            scaling = tg.create_task(Autoscaler(broker.state, broker.state.serving).run())
+            # The autoscaler makes and ends replica leases: the leader's, as the loops are.
+            tasks = [tg.create_task(scheduler.lead(
+                broker.state, also=(lambda st: Autoscaler(st, st.serving).run(),)))]
+            if broker.state.shared:
+                tasks.append(tg.create_task(broker.state.notices.run()))
+                tasks.append(tg.create_task(scheduler.run(broker.state, scheduler.SHARED_LOOPS)))
             await stop.wait()
             log.info("shutting down")
-            loops.cancel()
-            scaling.cancel()
+            for task in tasks:
+                task.cancel()
     finally:
         await broker.stop()

@@ -1,12 +1,16 @@
-"""What the servicers and the broker's loops share."""
+"""What the servicers and the broker's loops share; and, where several brokers share one
+PostgreSQL store, what they tell each other (``share``)."""
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpumarket.broker.api.sessions import Sessions
+from gpumarket.broker.api.sessions import ProviderSession, Sessions
 from gpumarket.broker.config import BrokerConfig
 from gpumarket.broker.jobs import views
 from gpumarket.broker.market.liveness import Liveness
@@ -16,6 +20,9 @@ from gpumarket.broker.store.store import Store
 from gpumarket.proto.identity import Identity
 from gpumarket.proto.jobspec import now_ms
 from gpumarket.proto.v1 import gateway_pb2 as gw
+from gpumarket.proto.v1 import types_pb2 as pb
+
+log = logging.getLogger(__name__)
 
 
 class Changes:
@@ -27,8 +34,15 @@ class Changes:
     def __init__(self) -> None:
         self._event = asyncio.Event()
         self._count = 0
+        self.relay: Callable[[], None] | None = None   # tells the other brokers (shared store)
 
     def notify(self) -> None:
+        self.notify_here()
+        if self.relay is not None:
+            self.relay()
+
+    def notify_here(self) -> None:
+        """Wake this broker's waiters only (a change another broker told of)."""
         self._count += 1
         self._event.set()
         self._event = asyncio.Event()
@@ -60,16 +74,43 @@ class BrokerState:
     liveness: Liveness = field(default_factory=Liveness)  # heartbeats not yet written
     serving: Any = None                                   # broker/serving/router.py's Serving
     api_base: str = ""                                    # where the endpoints' API listens
+    holder: str = ""                                      # this process, in the leadership table
+    epoch: int | None = None                              # the scheduler role's, while leading
+    notices: Any = None                                   # store/notices.Notices (shared store)
+
+    @property
+    def shared(self) -> bool:
+        """Whether other brokers may share this broker's store (PostgreSQL)."""
+        return self.store.dialect == "postgresql"
 
     async def busy_devices(self) -> dict[str, set[int]]:
         """By provider, the devices not free to lease: those of active leases, and those of
         ended leases the provider may still run (its heartbeats still list them)."""
         busy = await self.store.read(views.busy_devices)
-        if pending := self.liveness.still_running(now_ms()):
+        now = now_ms()
+        if pending := self.liveness.still_running(now):
+            if self.shared:
+                pending = self._still_running_here(pending, now)
             for provider_id, devices in (await self.store.read(views.held_devices,
                                                                 pending)).items():
                 busy.setdefault(provider_id, set()).update(devices)
         return busy
+
+    def _still_running_here(self, pending: dict[str, list[tuple[str, int]]], now: int
+                            ) -> dict[str, list[tuple[str, int]]]:
+        """Of the ended leases providers may still run, those this broker can know about:
+        a provider connected to another broker is heard there, not here, so its ended
+        leases hold their devices here for a lease timeout only (its cancel was relayed)."""
+        local = set(self.sessions.local())
+        held = int(self.config.lease_timeout_s * 1000)
+        out = {}
+        for provider_id, pairs in pending.items():
+            if provider_id not in local:
+                since = self.liveness.unconfirmed.get(provider_id, {})
+                pairs = [p for p in pairs if now - since.get(p, now) < held]
+            if pairs:
+                out[provider_id] = pairs
+        return out
 
     def stop_lease(self, job_id: str, epoch: int, provider_id: str, reason: str) -> None:
         """A lease the broker ended (cancelled, paused, lost, taken back, ended by a check):
@@ -86,3 +127,158 @@ class BrokerState:
     def operators(self) -> set[str]:
         """Key ids allowed the Admin calls: the configured ones and the broker's own."""
         return {*self.config.operators, self.identity.id}
+
+
+# -- brokers sharing one store ------------------------------------------------------------
+
+CHANGES = ("events", "placement", "logs")
+RELAY_DELAY_S = 0.02       # changes told to the other brokers together, at most this late
+
+
+def share(state: BrokerState, url: str) -> None:
+    """Where the store is shared (PostgreSQL): relay what this broker's providers and
+    watchers need to the other brokers and back (broker/store/notices.py): leases and
+    cancels for a provider connected elsewhere (``Sessions.get`` gives a RemoteSession),
+    and that events, logs or what placement depends on changed. Call ``state.notices.run()``
+    to start it."""
+    from gpumarket.broker.store.notices import Notices
+
+    state.notices = notices = Notices(url, state.holder, lambda n: on_notice(state, n))
+    state.sessions.relay = lambda provider_id, message: relay(notices, provider_id, message)
+    changed: set[str] = set()
+
+    def flush() -> None:
+        notices.publish({"changed": sorted(changed)})
+        changed.clear()
+
+    for name in CHANGES:
+        def told(name: str = name) -> None:
+            if not changed:
+                asyncio.get_running_loop().call_later(RELAY_DELAY_S, flush)
+            changed.add(name)
+        getattr(state, name).relay = told
+
+
+def relay(notices: Any, provider_id: str, message: gw.BrokerMessage) -> None:
+    """Send ``message`` to the provider's session on another broker: a lease by its id (the
+    broker there reads its envelope from the store), anything else as it is."""
+    if message.HasField("lease"):
+        lease = pb.Lease.FromString(message.lease.payload)
+        notices.publish({"to": provider_id, "lease": lease.lease_id})
+    else:
+        notices.publish({"to": provider_id,
+                         "msg": base64.b64encode(message.SerializeToString()).decode()})
+
+
+def on_notice(state: BrokerState, notice: dict[str, Any]) -> None:
+    """What another broker told: a change to wake this broker's waiters for, or a message
+    for a provider whose session may be here."""
+    for name in notice.get("changed") or ():
+        if name in CHANGES:
+            getattr(state, name).notify_here()
+    provider_id = notice.get("to")
+    if not isinstance(provider_id, str):
+        return
+    session = state.sessions.here(provider_id)
+    if session is None:
+        return          # not connected here
+    if isinstance(lease_id := notice.get("lease"), str):
+        task = asyncio.get_running_loop().create_task(send_lease(state, session, lease_id))
+        _PENDING.add(task)
+        task.add_done_callback(_PENDING.discard)
+    elif isinstance(raw := notice.get("msg"), str):
+        message = gw.BrokerMessage.FromString(base64.b64decode(raw))
+        if message.HasField("cancel"):     # this broker hears its heartbeats
+            state.liveness.ended(provider_id, message.cancel.job_id, message.cancel.epoch,
+                                 now_ms())
+        session.send(message)
+
+
+_PENDING: set[asyncio.Task] = set()
+
+
+async def send_lease(state: BrokerState, session: ProviderSession, lease_id: str) -> None:
+    """Send the session's provider its lease ``lease_id``, read from the store, if it is
+    still active and was not sent on this session yet."""
+    if lease_id in session.leases_sent:
+        return
+    envelope = await state.store.read(active_lease_envelope, lease_id)
+    if envelope is not None and lease_id not in session.leases_sent:
+        session.send(gw.BrokerMessage(lease=pb.Envelope.FromString(envelope)))
+
+
+async def deliver_leases(state: BrokerState) -> int:
+    """Send this broker's providers their active leases not yet started that were not sent
+    on their current session (made by a leader elsewhere whose notice was lost, or while the
+    provider was moving to this broker). Returns how many were sent."""
+    local = state.sessions.local()
+    if not local:
+        return 0
+    sent = 0
+    for lease_id, provider_id, envelope in await state.store.read(unstarted_leases, local):
+        session = state.sessions.here(provider_id)
+        if session is not None and lease_id not in session.leases_sent:
+            session.send(gw.BrokerMessage(lease=pb.Envelope.FromString(envelope)))
+            sent += 1
+    return sent
+
+
+async def refresh_offers(state: BrokerState) -> None:
+    """Read the live offers of providers connected to other brokers (an offer whose
+    provider's heartbeats were written within a lease timeout), and the revoked keys."""
+    fresh = now_ms() - int(state.config.lease_timeout_s * 1000)
+    rows = await state.store.read(live_offers, fresh)
+    cache, made_at = state.sessions.remote, state.sessions.remote_at
+    here = set(state.sessions.local())
+    wanted = {pid: at for pid, at in rows if pid not in here}
+    stale = [pid for pid, at in wanted.items()
+             if made_at.get(pid) != at or pid not in cache]
+    fetched = await state.store.read(offer_envelopes, stale) if stale else {}
+    remote = {}
+    for pid, at in wanted.items():
+        if pid in fetched:
+            env = pb.Envelope.FromString(fetched[pid])
+            remote[pid] = (pb.Offer.FromString(env.payload), env)
+            made_at[pid] = at
+        elif pid in cache:
+            remote[pid] = cache[pid]
+    for pid in [p for p in made_at if p not in remote]:
+        del made_at[pid]
+    state.sessions.remote = remote
+    revoked = set(await state.store.read(revoked_keys))
+    state.revoked.intersection_update(revoked)
+    state.revoked.update(revoked)
+
+
+def live_offers(db: Any, fresh_since_ms: int) -> list[tuple[str, int]]:
+    return [(r[0], r[1]) for r in db.execute(
+        "SELECT o.provider_id, o.created_at_ms FROM offers o JOIN providers p"
+        " ON p.id = o.provider_id WHERE p.online = 1 AND p.banned = 0"
+        " AND p.last_seen_ms >= ?", [fresh_since_ms])]
+
+
+def offer_envelopes(db: Any, provider_ids: list[str]) -> dict[str, bytes]:
+    import json
+
+    return {r[0]: bytes(r[1]) for r in db.execute(
+        "SELECT provider_id, envelope FROM offers WHERE provider_id IN"
+        " (SELECT value FROM json_each(?))", [json.dumps(provider_ids)])}
+
+
+def revoked_keys(db: Any) -> list[str]:
+    return [r[0] for r in db.execute("SELECT key_id FROM revoked_keys")]
+
+
+def active_lease_envelope(db: Any, lease_id: str) -> bytes | None:
+    row = db.execute("SELECT envelope FROM leases WHERE id = ? AND state = 'active'",
+                     [lease_id]).fetchone()
+    return None if row is None else bytes(row[0])
+
+
+def unstarted_leases(db: Any, provider_ids: list[str]) -> list[tuple[str, str, bytes]]:
+    import json
+
+    return [(r[0], r[1], bytes(r[2])) for r in db.execute(
+        "SELECT id, provider_id, envelope FROM leases WHERE state = 'active'"
+        " AND started_at_ms IS NULL AND provider_id IN (SELECT value FROM json_each(?))",
+        [json.dumps(provider_ids)])]

@@ -26,7 +26,8 @@ if TYPE_CHECKING:   # imported where a command talks to a broker: --help needs n
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--broker", envvar="GPUMARKET_BROKER", default="127.0.0.1:7070",
               show_default=True, help="Broker address HOST:PORT, TLS (or $GPUMARKET_BROKER); "
-              "plaintext://HOST:PORT for a plaintext broker on loopback.")
+              "plaintext://HOST:PORT for a plaintext broker on loopback; the brokers of one "
+              "market as HOST:PORT,HOST:PORT (the next is used when one is unreachable).")
 @click.option("--broker-key", envvar="GPUMARKET_BROKER_KEY", default="",
               help="The broker's key id to accept (or $GPUMARKET_BROKER_KEY); without it the "
               "key seen first is trusted and remembered in known_brokers, like SSH.")

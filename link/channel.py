@@ -35,7 +35,24 @@ from gpumarket.proto.wire import TOKEN_LIFETIME_MS, TOKEN_METADATA, split_addres
 
 log = logging.getLogger(__name__)
 
-__all__ = ["BrokerChannel", "Trust", "Untrusted", "call_token", "open_channel"]
+__all__ = ["BrokerChannel", "Trust", "Untrusted", "call_token", "open_channel",
+           "split_brokers"]
+
+MAX_BROKERS = 16      # addresses one --broker may list
+
+
+def split_brokers(addresses: str) -> list[str]:
+    """``A[,B...]``: the addresses of the brokers of one market (they share one key), each
+    ``[plaintext://]HOST:PORT``, tried in turn where one is unreachable. Raises
+    InvalidArgument for an empty list, more than MAX_BROKERS, or a bad address."""
+    found = [a.strip() for a in addresses.split(",") if a.strip()]
+    if not found:
+        raise InvalidArgument("no broker address given (HOST:PORT[,HOST:PORT...])")
+    if len(found) > MAX_BROKERS:
+        raise InvalidArgument(f"at most {MAX_BROKERS} broker addresses, not {len(found)}")
+    for address in found:
+        split_address(address)
+    return found
 
 # While the broker is unreachable a channel retries its connection on gRPC's own backoff
 # (1 s, x1.6 up to 120 s, +-20 %), and a call made between two tries fails at once with the

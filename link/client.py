@@ -14,10 +14,11 @@ from typing import Any
 import grpc
 
 from gpumarket.link.artifacts import ArtifactsClient
-from gpumarket.link.channel import Trust, open_channel
+from gpumarket.link.channel import Trust, open_channel, split_brokers
 from gpumarket.link.errors import error_of
 from gpumarket.proto.artifacts import publish_verified
-from gpumarket.proto.errors import GpumarketError, InvalidArgument
+from gpumarket.proto.envelope import payload_sha256
+from gpumarket.proto.errors import GpumarketError, InvalidArgument, Replay, Unavailable
 from gpumarket.proto.identity import Identity
 from gpumarket.proto.present import unique_prefix
 from gpumarket.proto.v1 import admin_pb2 as ad
@@ -41,6 +42,9 @@ JOB_ID_CHARS = 16      # a job id: the first 16 hex of its signed spec's sha256
 # A watch (or a followed log) waits this long for a broker that went away: a restarted
 # broker keeps running leases, so the job goes on meanwhile (docs/recovery.md, Outages).
 OUTAGE_WAIT_S = 600.0
+# Given several brokers of one market, a connection is taken only once its channel is
+# ready within this (a plaintext channel connects lazily: its first call would fail).
+READY_WITHIN_S = 5.0
 
 
 class BrokerClient:
@@ -48,12 +52,16 @@ class BrokerClient:
 
     Calls are signed by ``identity`` (None: anonymous, which only offer search allows).
     The channel is TLS to the broker key ``trust`` accepts, unless the address is
-    ``plaintext://`` loopback.
+    ``plaintext://`` loopback. ``address`` may list the brokers of one market
+    (``a:7070,b:7070``): the client uses the first that answers, and where a call finds its
+    broker gone (UNAVAILABLE) it moves to the next and makes the call again there.
     """
 
     def __init__(self, address: str, identity: Identity | None = None, timeout_s: float = 15.0,
                  trust: Trust | None = None) -> None:
-        self.address = address
+        self.addresses = [a.strip() for a in address.split(",") if a.strip()] or [address]
+        self.at = 0
+        self.address = self.addresses[0]
         self.identity = identity
         self.timeout_s = timeout_s
         self.trust = trust or Trust()
@@ -68,7 +76,39 @@ class BrokerClient:
         await self.close()
 
     async def connect(self) -> None:
-        opened = await open_channel(self.address, self.identity, self.trust,
+        """Open a channel to the first of the brokers that answers (from the current one
+        on); raises the last one's error where none does."""
+        if len(self.addresses) == 1:
+            await self._open(self.addresses[0])
+            return
+        split_brokers(",".join(self.addresses))
+        last: GpumarketError | None = None
+        for _ in range(len(self.addresses)):
+            try:
+                await self._open(self.addresses[self.at])
+                await asyncio.wait_for(self.channel.channel_ready(),
+                                       min(self.timeout_s, READY_WITHIN_S))
+                return
+            except (Unavailable, TimeoutError) as exc:
+                last = exc if isinstance(exc, Unavailable) else Unavailable(
+                    f"cannot reach the broker at {self.address} (no answer)")
+                await self.close()
+                self.at = (self.at + 1) % len(self.addresses)
+        raise last
+
+    async def _move(self) -> bool:
+        """The broker went away: connect to the next one that answers. Returns False where
+        there is no other broker to move to."""
+        if len(self.addresses) == 1:
+            return False
+        await self.close()
+        self.at = (self.at + 1) % len(self.addresses)
+        await self.connect()
+        return True
+
+    async def _open(self, address: str) -> None:
+        self.address = address
+        opened = await open_channel(address, self.identity, self.trust,
                                     min(self.timeout_s, 10.0))
         self.channel, self.broker_id = opened.channel, opened.broker_id
         self.market = marketplace_pb2_grpc.MarketplaceStub(self.channel)
@@ -77,16 +117,32 @@ class BrokerClient:
 
     async def close(self) -> None:
         if self.channel is not None:
-            await self.channel.close()
+            channel, self.channel = self.channel, None
+            await channel.close()
 
     def _error(self, exc: grpc.aio.AioRpcError) -> GpumarketError:
         return error_of(exc, self.address)
 
-    async def _call(self, method, request):
+    async def _call(self, method: str, request):
+        """The unary call ``method`` ("market.SubmitJob", "admin.Ban") with a deadline;
+        where its broker is gone and others were given, made again on the next that
+        answers (once each)."""
+        stub, name = method.split(".")
+        for moves in range(len(self.addresses)):
+            try:
+                return await getattr(getattr(self, stub), name)(request,
+                                                                timeout=self.timeout_s)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() != grpc.StatusCode.UNAVAILABLE \
+                        or moves == len(self.addresses) - 1 or not await self._moved():
+                    raise self._error(exc) from exc
+        raise AssertionError("unreachable")
+
+    async def _moved(self) -> bool:
         try:
-            return await method(request, timeout=self.timeout_s)
-        except grpc.aio.AioRpcError as exc:
-            raise self._error(exc) from exc
+            return await self._move()
+        except Unavailable:
+            return False
 
     async def job_id(self, prefix: str) -> str:
         """The caller's job whose id starts with ``prefix`` (a whole id is taken as is);
@@ -97,65 +153,75 @@ class BrokerClient:
                              "job id")
 
     async def submit(self, spec: pb.Envelope) -> mp.SubmitJobResponse:
-        return await self._call(self.market.SubmitJob, mp.SubmitJobRequest(spec=spec))
+        """Submit the signed spec. Where the broker went away mid-call and the submission
+        was made again on another broker of the market, the first may have been stored:
+        the job the spec made is then the answer (its id is the spec's)."""
+        moved = self.at
+        try:
+            return await self._call("market.SubmitJob", mp.SubmitJobRequest(spec=spec))
+        except Replay:
+            if self.at == moved:
+                raise
+            job = await self.get_job(payload_sha256(spec)[:JOB_ID_CHARS])
+            return mp.SubmitJobResponse(job_id=job.job_id, state=job.state)
 
     async def get_job(self, job_id: str) -> pb.Job:
-        return (await self._call(self.market.GetJob, mp.GetJobRequest(job_id=job_id))).job
+        return (await self._call("market.GetJob", mp.GetJobRequest(job_id=job_id))).job
 
     async def list_jobs(self, client_id: str = "", states: list[int] | None = None,
                         limit: int = 100) -> list[pb.Job]:
         req = mp.ListJobsRequest(client_id=client_id, states=states or [], limit=limit)
-        return list((await self._call(self.market.ListJobs, req)).jobs)
+        return list((await self._call("market.ListJobs", req)).jobs)
 
     async def list_tasks(self, job_id: str, from_task: int = 0, limit: int = 0,
                          states: list[int] | None = None) -> mp.ListTasksResponse:
         """One page of a job array's tasks (``next_task``: where the next starts; 0: none)."""
         req = mp.ListTasksRequest(job_id=job_id, from_task=from_task, limit=limit,
                                   states=states or [])
-        return await self._call(self.market.ListTasks, req)
+        return await self._call("market.ListTasks", req)
 
     async def cancel(self, order: pb.Envelope) -> int:
-        return (await self._call(self.market.CancelJob, mp.CancelJobRequest(order=order))).state
+        return (await self._call("market.CancelJob", mp.CancelJobRequest(order=order))).state
 
     async def search_offers(self, request: mp.SearchOffersRequest) -> list[mp.OfferListing]:
-        return list((await self._call(self.market.SearchOffers, request)).offers)
+        return list((await self._call("market.SearchOffers", request)).offers)
 
     async def quote(self, spec: pb.JobSpec, limit: int = 5,
                     client_id: str = "") -> mp.QuoteResponse:
-        return await self._call(self.market.Quote, mp.QuoteRequest(spec=spec, limit=limit,
+        return await self._call("market.Quote", mp.QuoteRequest(spec=spec, limit=limit,
                                                                    client_id=client_id))
 
     async def account(self, job_id: str = "", limit: int = 100,
                       before_seq: int = 0) -> mp.GetAccountResponse:
         """The caller's balances and ledger lines (as a client and as a provider)."""
         req = mp.GetAccountRequest(job_id=job_id, limit=limit, before_seq=before_seq)
-        return await self._call(self.market.GetAccount, req)
+        return await self._call("market.GetAccount", req)
 
     async def top_up(self, job_id: str, amount: int) -> mp.TopUpResponse:
         """Add ``amount`` units to the job's hold; the nonce makes a retried call move the
         money once."""
         req = mp.TopUpRequest(job_id=job_id, amount=amount, nonce=os.urandom(16))
-        return await self._call(self.market.TopUp, req)
+        return await self._call("market.TopUp", req)
 
     async def endpoints(self) -> list[mp.Endpoint]:
-        return list((await self._call(self.market.ListEndpoints,
+        return list((await self._call("market.ListEndpoints",
                                       mp.ListEndpointsRequest())).endpoints)
 
     async def endpoint(self, name: str, events: int = 50) -> mp.Endpoint:
         req = mp.GetEndpointRequest(endpoint=name, events=events)
-        return (await self._call(self.market.GetEndpoint, req)).endpoint
+        return (await self._call("market.GetEndpoint", req)).endpoint
 
     async def endpoint_key(self, name: str) -> mp.EndpointKeyResponse:
-        return await self._call(self.market.CreateEndpointKey,
+        return await self._call("market.CreateEndpointKey",
                                 mp.EndpointKeyRequest(endpoint=name))
 
     async def revoke_endpoint_key(self, name: str, key_id: str) -> mp.EndpointKey:
         req = mp.EndpointKeyRequest(endpoint=name, key_id=key_id)
-        return (await self._call(self.market.RevokeEndpointKey, req)).key
+        return (await self._call("market.RevokeEndpointKey", req)).key
 
     async def get_provider(self, provider_id: str) -> mp.GetProviderResponse:
         req = mp.GetProviderRequest(provider_id=provider_id)
-        return await self._call(self.market.GetProvider, req)
+        return await self._call("market.GetProvider", req)
 
     async def logs(self, job_id: str, follow: bool = False) -> AsyncIterator[pb.LogLine]:
         """Yield the job's log lines (``follow``: until the job ends); resumes after the last
@@ -167,7 +233,7 @@ class BrokerClient:
 
     async def admin_call(self, method: str, order: pb.Envelope):
         """Call the unary Admin ``method`` with a signed AdminOrder."""
-        return await self._call(getattr(self.admin, method), ad.AdminRequest(order=order))
+        return await self._call(f"admin.{method}", ad.AdminRequest(order=order))
 
     async def backup(self, order: pb.Envelope, target: Path) -> int:
         """Stream the broker's database backup to ``target`` (published only once its sha256
@@ -225,6 +291,8 @@ class BrokerClient:
                     if on_retry is not None:
                         on_retry(f"lost the broker at {self.address}; reconnecting")
                 retries += 1
+                if len(self.addresses) > 1 and await self._moved():
+                    continue    # another broker of the market: go on there at once
                 await asyncio.sleep(min(0.5 * 2 ** retries, 5))
             finally:
                 stream.cancel()

@@ -41,7 +41,8 @@ def cli() -> None:
               help="TOML config: price, accepted kinds, clients, hours (see `config --example`).")
 @click.option("--broker", envvar="GPUMARKET_BROKER",
               help="Broker address HOST:PORT (or $GPUMARKET_BROKER, or the config's broker); "
-              "TLS, or plaintext://HOST:PORT on loopback.")
+              "TLS, or plaintext://HOST:PORT on loopback; the brokers of one market as "
+              "HOST:PORT,HOST:PORT (the next is tried whenever a session breaks).")
 @click.option("--broker-key", envvar="GPUMARKET_BROKER_KEY",
               help="The broker's key id to accept (or $GPUMARKET_BROKER_KEY); without it the "
               "key seen first is trusted and remembered in DATA_DIR/known_brokers.")

@@ -70,7 +70,8 @@ INTERRUPTIBLE_SHARE = 0.4
 
 @dataclass(frozen=True)
 class ProviderConfig:
-    broker: str                          # broker gRPC address HOST:PORT
+    broker: str                          # broker gRPC address HOST:PORT; the brokers of one
+                                         # market as HOST:PORT,HOST:PORT (tried in turn)
     data_dir: Path                       # key, journal, benchmark cache, job work dirs
     broker_key: str = ""                 # the broker key id to accept; "" = trust on first use
     price_per_gpu_hour: float = 1.0      # credits per device-hour (standard and serving)
@@ -176,7 +177,12 @@ def load(path: Path) -> dict[str, Any]:
         raise InvalidArgument(f"{file}: unknown setting {unknown[0]!r} (known: {', '.join(sorted(KEYS))})")
     out: dict[str, Any] = {}
     if "broker" in raw:
-        out["broker"] = str(raw["broker"])
+        brokers = raw["broker"]
+        if isinstance(brokers, list):    # broker = ["a:7070", "b:7070"]: one market's brokers
+            if not brokers or not all(isinstance(b, str) for b in brokers):
+                raise InvalidArgument(f"{file}: broker must be HOST:PORT or a list of them")
+            brokers = ",".join(brokers)
+        out["broker"] = str(brokers)
     if "broker_key" in raw:
         if not isinstance(raw["broker_key"], str):
             raise InvalidArgument(f"{file}: broker_key must be a key id (text)")

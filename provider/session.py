@@ -4,7 +4,9 @@ welcome), send the offer and what is still unsettled, heartbeat the leases it ru
 hand leases, cancels and settlements to the daemon. The session is reopened with backoff
 whenever it breaks; jobs keep running meanwhile. While the broker is unreachable it is probed
 (a TCP connect, every 0.5 s doubling to ``probe_max_s``), and once it answers again the
-session is reopened at once, on a new channel (docs/provider.md, Reconnecting)."""
+session is reopened at once, on a new channel (docs/provider.md, Reconnecting). Given the
+addresses of several brokers of one market (``broker = "a:7070,b:7070"``), it moves to the
+next one whenever a session breaks or cannot be opened, on the same backoff."""
 
 from __future__ import annotations
 
@@ -16,9 +18,10 @@ from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from gpumarket.link.artifacts import ArtifactsClient
-from gpumarket.link.channel import open_channel
+from gpumarket.link.channel import open_channel, split_brokers
 from gpumarket.link.gateway import GatewaySession
 from gpumarket.proto.errors import GpumarketError, Unavailable
 from gpumarket.proto.identity import Identity
@@ -36,6 +39,7 @@ BACKOFF_FIRST_S = 0.5   # the first wait after a failed session try, doubling fr
 PROBE_FIRST_S = 0.5     # the first wait between probes of an unreachable broker, doubling
 CHANNEL_CLOSE_GRACE_S = 2.0  # calls still on a replaced channel get this long to end
 LASTED_S = 30.0         # a session that lasted this long resets the backoff
+LEASES_REMEMBERED = 4096  # leases received, remembered to drop one a broker sends again
 
 
 def reconnect_within_ms(config: ProviderConfig) -> int:
@@ -149,6 +153,14 @@ class BrokerSession:
         self.connected = asyncio.Event()           # set while a session is open
         self.sessions_opened = 0                   # counts them: did a call outlive its session?
         self._closing: set[asyncio.Task] = set()   # replaced channels being closed
+        self.addresses = split_brokers(config.broker)
+        self.at = 0                                # which of them this session tries
+        self._leases: dict[tuple[str, int], None] = {}   # received, oldest first
+
+    @property
+    def address(self) -> str:
+        """The broker address the session is on (or tries next)."""
+        return self.addresses[self.at]
 
     def send(self, message: gw.ProviderMessage) -> None:
         """Queue a message for the broker (dropped while no session is open: whatever must
@@ -165,8 +177,11 @@ class BrokerSession:
         """Keep a session open until ``stopping`` is set; raise Untrusted if the broker is
         not the one this provider trusts."""
         backoff = Backoff(BACKOFF_FIRST_S, self.config.backoff_max_s)
-        host, port, _ = split_address(self.config.broker)
-        probe = lambda: reachable(host, port, self.config.probe_max_s)  # noqa: E731
+
+        def probe() -> Awaitable[bool]:
+            host, port, _ = split_address(self.address)
+            return reachable(host, port, self.config.probe_max_s)
+
         try:
             while not stopping.is_set():
                 began = time.monotonic()
@@ -177,32 +192,37 @@ class BrokerSession:
                 except Untrusted:
                     raise   # not the broker this provider trusts: stop, loudly
                 except GpumarketError as exc:
-                    log.warning("broker %s: %s", self.config.broker, exc)
+                    log.warning("broker %s: %s", self.address, exc)
                 finally:
                     self.outbox = None
                     self.connected.clear()
                 if stopping.is_set():
                     break
-                self._drop_channel()
+                self._drop_channel(moving=len(self.addresses) > 1)
+                if len(self.addresses) > 1:
+                    self.at = (self.at + 1) % len(self.addresses)
+                    log.info("trying the next broker, %s", self.address)
                 if time.monotonic() - began > LASTED_S:
                     backoff.reset()
                 delay = backoff.next()
                 log.info("reconnecting in %.1fs (at once if the broker is seen back)", delay)
                 if await wait_to_retry(delay, probe, stopping, self.config.probe_max_s):
-                    log.info("broker %s answers again; reconnecting", self.config.broker)
+                    log.info("broker %s answers again; reconnecting", self.address)
                     backoff.reset()
         finally:
             if self.channel is not None:
                 await self.channel.close()
             await asyncio.gather(*self._closing, return_exceptions=True)
 
-    def _drop_channel(self) -> None:
-        """After a session ended: keep the channel only if it is still connected. One that
-        lost its connection would fail the next try with its last error until gRPC's own
-        reconnect backoff runs out, however long the broker has been back; a new channel
-        connects at once. Calls still on the old one get CHANNEL_CLOSE_GRACE_S to end."""
+    def _drop_channel(self, moving: bool = False) -> None:
+        """After a session ended: keep the channel only if it is still connected (and the
+        next try is on the same broker, not ``moving`` to another). One that lost its
+        connection would fail the next try with its last error until gRPC's own reconnect
+        backoff runs out, however long the broker has been back; a new channel connects at
+        once. Calls still on the old one get CHANNEL_CLOSE_GRACE_S to end."""
         channel = self.channel
-        if channel is None or channel.get_state() == grpc.ChannelConnectivity.READY:
+        if channel is None or (not moving
+                               and channel.get_state() == grpc.ChannelConnectivity.READY):
             return
         self.channel, self.artifacts = None, None
         closing = asyncio.create_task(channel.close(CHANNEL_CLOSE_GRACE_S))
@@ -212,20 +232,19 @@ class BrokerSession:
     async def _connect(self) -> None:
         """Open the channel: TLS to the broker key this provider trusts (pinned by
         ``broker_key``, else remembered on first use in DATA_DIR/known_brokers)."""
-        opened = await open_channel(self.config.broker, self.identity, self.config.trust(),
+        opened = await open_channel(self.address, self.identity, self.config.trust(),
                                     min(self.config.rpc_timeout_s, 10.0))
         self.channel = opened.channel
-        self.artifacts = ArtifactsClient(self.channel, self.config.broker,
-                                         self.config.rpc_timeout_s)
+        self.artifacts = ArtifactsClient(self.channel, self.address, self.config.rpc_timeout_s)
 
     async def _serve(self, stopping: asyncio.Event) -> None:
-        session = await GatewaySession.open(self.channel, self.identity, self.config.broker,
+        session = await GatewaySession.open(self.channel, self.identity, self.address,
                                             reconnect_within_ms(self.config))
         try:
             if self.broker_key and session.broker_public_key != self.broker_key:
                 log.warning("the broker's key changed since the last session")
             self.broker_key = session.broker_public_key
-            log.info("connected to broker %s as provider %s", self.config.broker,
+            log.info("connected to broker %s as provider %s", self.address,
                      session.welcome.provider_id)
             outbox: asyncio.Queue = asyncio.Queue()
             outbox.put_nowait(gw.ProviderMessage(offer=self.peer.offer()))
@@ -266,7 +285,8 @@ class BrokerSession:
                 raise Unavailable("broker ended the session")
             which = message.WhichOneof("msg")
             if which == "lease":
-                await self.peer.on_lease(message.lease)
+                if not self._again(message.lease):
+                    await self.peer.on_lease(message.lease)
             elif which == "cancel":
                 await self.peer.on_cancel(message.cancel)
             elif which == "yield_lease":
@@ -282,6 +302,24 @@ class BrokerSession:
             elif which == "infer_cancel":
                 self.peer.on_infer_cancel(message.infer_cancel)
 
+    def _again(self, envelope: pb.Envelope) -> bool:
+        """Whether this lease was received before (the brokers of one market may send a
+        lease twice: once from the leader that made it, once from the broker this provider
+        moved to): taken twice, the second would be refused, and its refusal end the
+        first. Unsigned here: the daemon checks what it takes."""
+        try:
+            lease = pb.Lease.FromString(envelope.payload)
+        except DecodeError:     # not a lease: the daemon refuses it
+            return False
+        key = (lease.job_id, lease.epoch)
+        if key in self._leases or key in self.peer.running():
+            log.info("lease %s.%d received again; dropped", *key)
+            return True
+        self._leases[key] = None
+        if len(self._leases) > LEASES_REMEMBERED:
+            del self._leases[next(iter(self._leases))]
+        return False
+
     async def with_broker(self, call: Callable[[ArtifactsClient], Awaitable], stopping,
                           attempts: int = 10):
         """Run an artifact call once a session is open, and again where it fails with
@@ -293,7 +331,7 @@ class BrokerSession:
         while True:
             while not self.connected.is_set():
                 if stopping.is_set():
-                    raise Unavailable(f"no session with the broker at {self.config.broker}"
+                    raise Unavailable(f"no session with the broker at {self.address}"
                                       " and the provider is stopping")
                 waiter = asyncio.create_task(self.connected.wait())
                 stopper = asyncio.create_task(stopping.wait())

@@ -379,7 +379,8 @@ class FakePeer:
 
 
 def test_a_session_hands_leases_and_cancels_over_and_keeps_the_broker_informed(tmp_path):
-    lease = seal(BROKER, pb.Lease(lease_id="j.1", job_id="j", epoch=1))
+    # A lease for a job the peer does not run yet (one it runs is dropped as sent twice).
+    lease = seal(BROKER, pb.Lease(lease_id="k.1", job_id="k", epoch=1))
     broker, peer = FakeBroker(lease), FakePeer()
 
     async def scenario():

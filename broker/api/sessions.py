@@ -1,9 +1,16 @@
-"""Live provider sessions, in memory: who is connected and how to reach them."""
+"""Live provider sessions, in memory: who is connected and how to reach them.
+
+Where several brokers share one PostgreSQL store, a provider's session is on one of them:
+the others see its offer as the store has it (``remote``, refreshed by broker/state.py) and
+reach it through a ``RemoteSession``, whose messages are relayed to the broker that holds the
+session (broker/store/notices.py). Code that asks ``get(provider_id)`` and sends need not
+know which broker the provider is connected to."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from gpumarket.broker.api.auth import RateLimiter
@@ -33,12 +40,15 @@ class ProviderSession:
         default_factory=lambda: RateLimiter(CHUNKS_PER_S, CHUNKS_PER_S * 10))
     log_lines: RateLimiter = field(default_factory=lambda: RateLimiter(LOG_LINES_PER_S, 20))
     unlogged: int = 0
+    leases_sent: set[str] = field(default_factory=set)   # lease ids sent on this session
 
     def send(self, message: gw.BrokerMessage) -> None:
         """Queue a message for the provider; a provider that leaves a full outbox unread
         loses its session (the broker keeps no unbounded backlog for anyone)."""
         if self.closed:
             return
+        if message.HasField("lease"):
+            self.leases_sent.add(pb.Lease.FromString(message.lease.payload).lease_id)
         try:
             self.outbox.put_nowait(message)
         except asyncio.QueueFull:
@@ -65,9 +75,42 @@ class ProviderSession:
         logger.log(level, msg, *args)
 
 
+# What a broker relays to the broker holding a provider's session: the lease-making and
+# lease-ending messages. Endpoint traffic (infer, infer_cancel) is not relayed: an
+# endpoint's requests are served by the broker its replicas' providers are connected to.
+RELAYED = frozenset({"lease", "cancel", "yield_lease", "preempt_lease"})
+
+
+@dataclass(eq=False)
+class RemoteSession:
+    """A provider connected to another broker of the same store: what is sent to it is
+    relayed there (``relay(provider_id, message)``), the relayed sorts only."""
+
+    provider_id: str
+    offer: pb.Offer | None
+    offer_envelope: pb.Envelope | None
+    relay: Callable[[str, gw.BrokerMessage], None]
+    closed: bool = False
+
+    def send(self, message: gw.BrokerMessage) -> None:
+        if message.WhichOneof("msg") in RELAYED:
+            self.relay(self.provider_id, message)
+
+    def end(self, why: str = "") -> None:
+        """Its session is another broker's to end."""
+
+    def log(self, logger: logging.Logger, level: int, msg: str, *args) -> None:
+        logger.log(level, msg, *args)
+
+
 class Sessions:
     def __init__(self) -> None:
         self._by_provider: dict[str, ProviderSession] = {}
+        # Offers of providers connected to other brokers of the store: provider ->
+        # (offer, envelope); set by BrokerState.refresh_offers where the store is shared.
+        self.remote: dict[str, tuple[pb.Offer, pb.Envelope]] = {}
+        self.remote_at: dict[str, int] = {}     # provider -> when its remote offer was made
+        self.relay: Callable[[str, gw.BrokerMessage], None] | None = None
 
     def open(self, provider_id: str, messages_per_s: float = MESSAGES_PER_S) -> ProviderSession:
         """Register a new session; an older one of the same provider is closed."""
@@ -93,17 +136,39 @@ class Sessions:
         if session is not None:
             session.end()
 
-    def get(self, provider_id: str) -> ProviderSession | None:
+    def get(self, provider_id: str) -> ProviderSession | RemoteSession | None:
+        """The provider's session on this broker; else, where the store is shared and the
+        provider has a live offer through another broker, a RemoteSession; else None."""
+        session = self._by_provider.get(provider_id)
+        if session is not None or self.relay is None:
+            return session
+        remote = self.remote.get(provider_id)
+        if remote is None:
+            return None
+        return RemoteSession(provider_id, remote[0], remote[1], self.relay)
+
+    def here(self, provider_id: str) -> ProviderSession | None:
+        """The provider's session on this broker, or None."""
         return self._by_provider.get(provider_id)
 
+    def local(self) -> list[str]:
+        """The providers whose session is on this broker."""
+        return list(self._by_provider)
+
     def offers(self) -> list[pb.Offer]:
-        return [s.offer for s in self._by_provider.values() if s.offer is not None]
+        found = [s.offer for s in self._by_provider.values() if s.offer is not None]
+        if self.remote:
+            found += [offer for pid, (offer, _) in self.remote.items()
+                      if pid not in self._by_provider]
+        return found
 
     def listings(self) -> list[tuple[pb.Offer, pb.Envelope]]:
         """The current offers with their signed envelopes, cheapest first (then by provider
         id): what SearchOffers pages through, from memory."""
         found = [(s.offer, s.offer_envelope) for s in self._by_provider.values()
                  if s.offer is not None and s.offer_envelope is not None]
+        if self.remote:
+            found += [pair for pid, pair in self.remote.items() if pid not in self._by_provider]
         found.sort(key=lambda x: (x[0].price_per_gpu_hour, x[0].provider_id))
         return found
 

@@ -1,16 +1,26 @@
 """The broker's background loops, one task per concern (``LOOPS``): place queued jobs on live
 offers (market/placement), end leases whose heartbeats stopped or that ran past their limits,
-decide the verdicts of spot checks, and collect garbage."""
+decide the verdicts of spot checks, and collect garbage.
+
+Only the broker that leads runs them (``lead``). A broker on SQLite always leads (one process,
+one file). Brokers sharing a PostgreSQL store take turns under the leadership lease
+(broker/store/leadership.py): the holder of the ``scheduler`` role runs ``LOOPS`` with every
+write fenced by its epoch (``FencedStore``: a deposed leader's late write is refused whole),
+renews the role every ttl/3 and steps down, its loops cancelled, when a renewal fails or comes
+too late; every broker of the store runs ``SHARED_LOOPS`` (its own providers' heartbeats,
+the offers of providers connected elsewhere, leases to deliver to its own providers)."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections import defaultdict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeVar
 
 from gpumarket import kinds
 from gpumarket.broker.checks import verdicts
@@ -26,14 +36,18 @@ from gpumarket.broker.market import preemption
 from gpumarket.broker.market import providers
 from gpumarket.broker.market.offers import claim_efficiency, offer_views
 from gpumarket.broker.config import BrokerConfig
+from gpumarket.broker import state as shared
 from gpumarket.broker.state import BrokerState
 from gpumarket.broker.store import blob_holdings
 from gpumarket.broker.store import call_nonces
+from gpumarket.broker.store import leadership
+from gpumarket.broker.store.leadership import Deposed
 from gpumarket.proto.envelope import seal
 from gpumarket.proto.jobspec import now_ms
 from gpumarket.proto.v1 import gateway_pb2 as gw
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 ORPHAN_SWEEP_S = 3600     # how often the artifact store is swept for files no row holds
 ORPHAN_MIN_AGE_S = 3600   # ... that were last written at least this long ago (whatever the
@@ -71,6 +85,8 @@ async def place_queued(state: BrokerState) -> int:
     store, cfg = state.store, state.config
     if not await store.read(views.queued_jobs, 1):
         return 0
+    if state.shared:    # the offers of providers connected to other brokers, as of now
+        await shared.refresh_offers(state)
     book = await offer_book(state)
     await deadlines.promote_due(state, book)
     trusted = frozenset(cfg.trusted_checkers)
@@ -323,12 +339,128 @@ LOOPS = (
 )
 
 
-async def run(state: BrokerState) -> None:
-    """Run each of LOOPS as a task of its own until cancelled."""
+# What every broker of a shared store runs, leader or not: none of it makes or ends a lease.
+SHARED_LOOPS = (
+    # This broker's providers' heartbeats (the leader's loops read them from the store).
+    Loop("heartbeats", write_heartbeats, lambda c: c.schedule_interval_s, woken=False,
+         takes_turns=False),
+    Loop("offers", shared.refresh_offers, lambda c: c.schedule_interval_s, takes_turns=False),
+    Loop("deliveries", shared.deliver_leases, lambda c: c.schedule_interval_s, woken=False,
+         takes_turns=False),
+)
+
+
+async def run(state: BrokerState, loops: tuple[Loop, ...] = LOOPS,
+              also: tuple[Callable[[BrokerState], Awaitable[object]], ...] = ()) -> None:
+    """Run each of ``loops`` as a task of its own (and each of ``also``, given ``state``)
+    until cancelled."""
     turns = asyncio.Lock()
     async with asyncio.TaskGroup() as tasks:
-        for loop in LOOPS:
+        for loop in loops:
             tasks.create_task(repeat(state, loop, turns), name=f"broker {loop.name}")
+        for other in also:
+            tasks.create_task(other(state))
+
+
+class FencedStore:
+    """The store as the leader's loops see it: every write is made through
+    ``leadership.fenced`` with the leader's epoch, in the write's own transaction, so once
+    another broker has taken the role it is refused whole (Deposed); reads as the store's."""
+
+    def __init__(self, store: Any, epoch: int) -> None:
+        self.store = store
+        self.epoch = epoch
+
+    async def write(self, fn: Callable[..., T], *args: Any, transaction: bool = True) -> T:
+        return await self.store.write(leadership.fenced, self.epoch, now_ms(), fn, *args)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.store, name)
+
+
+def as_leader(state: BrokerState, epoch: int) -> BrokerState:
+    """``state`` as the loops of the leader at ``epoch`` use it: the same sessions, changes
+    and liveness, its writes fenced."""
+    return dataclasses.replace(state, store=FencedStore(state.store, epoch))
+
+
+async def lead(state: BrokerState,
+               also: tuple[Callable[[BrokerState], Awaitable[object]], ...] = ()) -> None:
+    """Run the loops while this broker leads, until cancelled: on SQLite at once and for
+    good; on a shared store each time it takes the scheduler role, until it loses it (and
+    ``also``, the leader's other tasks, with them)."""
+    if not state.shared:
+        state.epoch = 0
+        await run(state, LOOPS, also)
+        return
+    cfg = state.config
+    ttl_ms = int(cfg.leader_ttl_s * 1000)
+    while True:
+        try:
+            epoch = await state.store.write(leadership.take, state.holder, now_ms(), ttl_ms)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.warning("could not ask for the scheduler role: %s", exc)
+            epoch = None
+        if epoch is not None:
+            await lead_term(state, epoch, also)
+        await asyncio.sleep(cfg.leader_ttl_s / 3)
+
+
+async def lead_term(state: BrokerState, epoch: int,
+                    also: tuple[Callable[[BrokerState], Awaitable[object]], ...] = ()) -> None:
+    """Lead at ``epoch`` until the role is lost: take over (every active lease waits for its
+    provider from now, as after a restart), run the loops, renew every ttl/3; step down
+    (the loops cancelled, in-flight passes with them) when a renewal fails, is refused, or
+    has not come back before the lease would run out."""
+    cfg = state.config
+    ttl_s = cfg.leader_ttl_s
+    loop = asyncio.get_running_loop()
+    began = loop.time()
+    leader = as_leader(state, epoch)
+    try:
+        kept = await leader.store.write(providers.renew_all_leases, now_ms(),
+                                        int(cfg.lease_timeout_s * 1000))
+    except Deposed:
+        return
+    state.epoch = epoch
+    log.info("this broker leads (scheduler epoch %d); %d active leases wait for their"
+             " providers", epoch, kept)
+    state.placement.notify_here()
+    loops = asyncio.create_task(run(leader, LOOPS, also), name="broker loops")
+    held_until = began + ttl_s
+    why = "cancelled"
+    try:
+        while True:
+            done, _ = await asyncio.wait({loops}, timeout=ttl_s / 3)
+            if done:
+                why = f"its loops ended ({loops.exception()!r})"
+                break
+            asked = loop.time()
+            try:
+                renewed = await asyncio.wait_for(
+                    state.store.write(leadership.renew, state.holder, epoch, now_ms(),
+                                      int(ttl_s * 1000)),
+                    max(0.0, held_until - asked - ttl_s / 10))
+            except (Exception, TimeoutError) as exc:
+                why = f"its renewal failed ({exc!r})"
+                break
+            if not renewed:
+                why = "its renewal was refused"
+                break
+            held_until = asked + ttl_s
+    finally:
+        state.epoch = None
+        loops.cancel()
+        await asyncio.gather(loops, return_exceptions=True)
+        if why == "cancelled":      # the broker stops: hand the role on now, not a ttl later
+            try:
+                await asyncio.wait_for(state.store.write(leadership.release, state.holder,
+                                                         epoch), ttl_s)
+            except Exception as exc:    # noqa: BLE001 - it runs out by itself all the same
+                log.warning("could not hand the scheduler role on: %s", exc)
+        log.warning("this broker no longer leads (scheduler epoch %d): %s", epoch, why)
 
 
 async def repeat(state: BrokerState, loop: Loop, turns: asyncio.Lock) -> None:
@@ -342,8 +474,8 @@ async def repeat(state: BrokerState, loop: Loop, turns: asyncio.Lock) -> None:
                     await loop.one_pass(state)
             else:
                 await loop.one_pass(state)
-        except asyncio.CancelledError:
-            raise
+        except (asyncio.CancelledError, Deposed):
+            raise           # deposed: this broker no longer leads (lead_term steps down)
         except Exception:
             log.exception("broker %s pass failed; retrying", loop.name)
         if loop.woken:

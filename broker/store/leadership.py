@@ -53,6 +53,14 @@ def renew(db: Any, holder: str, epoch: int, now: int, ttl_ms: int,
                       [now + ttl_ms, role, holder, epoch, now]).rowcount == 1
 
 
+def release(db: Any, holder: str, epoch: int, role: str = SCHEDULER) -> bool:
+    """End the lease ``holder`` holds at ``epoch`` now (a broker stopping: another takes over
+    at once, not a ttl later); False where it no longer held it. The epoch stays: the next
+    holder raises it."""
+    return db.execute("UPDATE leadership SET expires_at_ms = 0 WHERE role = ? AND holder = ?"
+                      " AND epoch = ?", [role, holder, epoch]).rowcount == 1
+
+
 def leader(db: Any, role: str = SCHEDULER) -> tuple[str, int, int] | None:
     """The role's holder, epoch and lease end (ms), or None if it was never held."""
     row = db.execute("SELECT holder, epoch, expires_at_ms FROM leadership WHERE role = ?",
