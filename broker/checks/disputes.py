@@ -207,7 +207,9 @@ def _convict(db: Database, c: dict, detail: str, now: int, ban_after: int) -> Ou
     if paid:
         ledger.slash(db, liar, job["client_id"], job_id, paid, now)
     step, start = clean_point(db, job_id)
-    if _tainted(db, job, step):
+    if job["state"] in jobs.TERMINAL_STATES:
+        pass    # an endpoint's replica that ended meanwhile: nothing left to re-run
+    elif _tainted(db, job, step):
         db.execute("UPDATE checkpoint_history SET dropped = 1 WHERE job_id = ? AND step > ?",
                    [job_id, step])
         # Checks of work past the clean point check work the job no longer keeps.

@@ -25,6 +25,7 @@ import logging
 import time
 from dataclasses import dataclass
 
+from gpumarket.broker.checks import answers, verdicts, verification
 from gpumarket.broker.jobs import endings
 from gpumarket.broker.serving import endpoints
 from gpumarket.broker.serving.router import Endpoint, Serving
@@ -122,6 +123,12 @@ def decide(ep: Endpoint, rows: list[dict], watch: Watch, now: float, wanted: boo
     return Decision()
 
 
+def _providers_of(db, lease_ids: list[str]) -> list[str]:
+    return [r[0] for r in db.execute(
+        f"SELECT DISTINCT provider_id FROM leases WHERE id IN ({','.join('?' * len(lease_ids))})",
+        lease_ids).fetchall()] if lease_ids else []
+
+
 class Autoscaler:
     def __init__(self, state: BrokerState, serving: Serving) -> None:
         self.state = state
@@ -169,10 +176,27 @@ class Autoscaler:
             await store.write(endpoints.record_usage, usage, now_ms())
         if now - self.last_settle >= SETTLE_EVERY_S:
             self.last_settle = now
-            await store.write(endpoints.settle_running, now_ms())
+            await self._settle()
         if changed:
             self.state.events.notify()
             self.state.placement.notify()
+
+    async def _settle(self) -> None:
+        """Pay the replicas for the window now ending; the windows whose answers were sampled
+        have their pay held and a check queued (broker/checks/answers.py)."""
+        store, samples = self.state.store, self.serving.samples
+        windows = {w.lease_id: answers.window_blobs(w.lease_id, w.answers, w.samples)
+                   for w in samples.take()}
+        blobs = [(b.sha256, b.data) for w in windows.values() for b in (w.expect, w.claimed)]
+        if blobs:
+            artifacts = self.state.artifacts
+            staged = await asyncio.to_thread(artifacts.stage_blobs, blobs)
+            await asyncio.to_thread(artifacts.publish_blobs, staged)
+        policies = {p: verdicts.policy(self.state, p, 0.0)
+                    for p in await store.read(_providers_of, list(windows))}
+        await store.write(endpoints.settle_running, now_ms(), windows, policies)
+        standings = await store.read(verification.standings)
+        samples.settled = frozenset(p for p, (rate, _, _) in standings.items() if rate < 1)
 
     async def _late(self, ep: Endpoint, rows: list[dict]) -> bool:
         """A replica leased more than cold_start ago that never became ready is lost (its
