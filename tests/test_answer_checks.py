@@ -359,3 +359,21 @@ def test_a_window_is_not_held_without_a_sample_nor_when_checks_are_off(w):
             {"h1": verification.OFF})
     assert checks(w, "ep-r1") == {}
     assert ledger.balance(w.db, ledger.disputed("ep-r1", "h1")) == 0
+
+
+def test_a_replica_that_stops_before_its_window_ends_is_still_checked_and_not_revived(
+        w, tmp_path, models, served):
+    """A replica scaled in (or drained) during its window: its last settlement is held and
+    the window checked all the same; convicted, the ended replica stays ended (it is not
+    queued again as a live replica would be)."""
+    lease = serve_on(w, "ep-r1", "liar")
+    w.now += 30_000
+    w.write(endpoints.retire, "ep-r1", "scale in", w.now)
+    assert ledger.balance(w.db, ledger.provider("liar")) > 0        # paid at its end ...
+    check_id = end_window(w, lease, served["other"])
+    assert ledger.balance(w.db, ledger.provider("liar")) == 0       # ... and held now
+    convict(w, tmp_path, models, check_id, "ep-r1")
+    assert w.job("ep-r1")["state"] == pb.JOB_STATE_CANCELLED
+    assert ledger.balance(w.db, ledger.provider("liar")) <= 0
+    assert verification.record(w.db, "liar")[2] == 1
+    assert ledger.audit(w.db) == []
