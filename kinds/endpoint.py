@@ -108,11 +108,21 @@ def answer_rows(path: Path) -> dict[int, dict]:
     return out
 
 
-def fingerprinted(settings: dict, accelerator: int) -> bool:
+# How the batch engine describes its fallback for a model whose cache cannot be joined step
+# by step (sliding-window or linear-attention layers: provider/runners/batching.py): one
+# model.generate call at a time, which records no fingerprints yet.
+CALLS_FALLBACK = "batch (one transformers generate call at a time"
+
+
+def fingerprinted(settings: dict, accelerator: int, engine_said: str = "") -> bool:
     """Whether a replica of an endpoint with these ``settings``, leased on this device class,
     runs an engine that commits to each answer's fingerprints (the batch engine: "batch", or
-    "auto" on a CPU), so that every completion it answers must carry them."""
-    if settings.get("task") != "generate":
+    "auto" on a CPU), so that every completion it answers must carry them. Not where the
+    replica said (``engine_said``, its ReplicaReady) that its batch engine fell back to
+    generate calls: that path records none, and an honest replica of such a model would
+    fail every check (docs/verification.md: a replica may say so to go unchecked; its
+    engine is shown in `endpoint show`)."""
+    if settings.get("task") != "generate" or engine_said.startswith(CALLS_FALLBACK):
         return False
     engine = settings.get("engine", "")
     return engine == "batch" or (engine in ("", "auto") and accelerator == pb.ACCELERATOR_CPU)

@@ -377,3 +377,17 @@ def test_a_replica_that_stops_before_its_window_ends_is_still_checked_and_not_re
     assert ledger.balance(w.db, ledger.provider("liar")) <= 0
     assert verification.record(w.db, "liar")[2] == 1
     assert ledger.audit(w.db) == []
+
+
+def test_which_replicas_must_fingerprint_their_answers():
+    from gpumarket.kinds.endpoint import fingerprinted
+
+    cpu, cuda = pb.ACCELERATOR_CPU, pb.ACCELERATOR_CUDA
+    generate = {"task": "generate", "engine": ""}
+    assert fingerprinted(generate, cpu)                               # auto on a CPU: batch
+    assert fingerprinted({**generate, "engine": "batch"}, cuda)
+    assert not fingerprinted(generate, cuda)                          # continuous
+    assert not fingerprinted({**generate, "engine": "vllm"}, cpu)
+    assert not fingerprinted({"task": "embed", "engine": ""}, cpu)
+    assert not fingerprinted(generate, cpu, "batch (one transformers generate call at a time:"
+                             " its cache is not made of plain full-attention layers) on cpu")

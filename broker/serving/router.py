@@ -205,9 +205,10 @@ class Serving:
                         active[key] == provider_id:
                     self._add(ep, provider_id, key[0], key[1], ready)
             for job_id, replica in ep.replicas.items():
-                # from the spec and the lease's device class, not the replica's own word
+                # from the spec and the lease's device class (and the batch engine's
+                # fallback, which records none: kinds/endpoint.py)
                 replica.fingerprinted = endpoint_kind.fingerprinted(
-                    ep.settings, accelerators.get((job_id, replica.epoch), 0))
+                    ep.settings, accelerators.get((job_id, replica.epoch), 0), replica.engine)
         for key in list(self.announced):
             if not any(key[0] == r["id"] and key[1] == r["epoch"]
                        for row in live for r in row["replicas"]):
