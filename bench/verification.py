@@ -400,11 +400,13 @@ def main() -> None:
         # new. Within its first 20 windows:
         caught = 1 - (1 - ep["endpoint_answers_caught_swapped"]) ** 20
         figures["detection_p_20_jobs_endpoint_swapped_model"] = round(caught, 4)
+        late = {}
         for n in (5, 50):
             # one that turns to it after a long clean record: only the rate samples
             window = 1 - (1 - DEFAULT_RATE * p) ** n
+            late[n] = round(1 - (1 - window) ** 20, 4)
             figures[f"detection_p_20_windows_endpoint_swapped_after_long_record_{n}_answers"] \
-                = round(1 - (1 - window) ** 20, 4)
+                = late[n]
         print(f"endpoint answers: the batch engine answered {16} requests x 128 tokens in"
               f" {ep['endpoint_serve_s']}s, a check prefilled them in {ep['endpoint_check_s']}s"
               f" ({ep['endpoint_check_over_serve']}x); at the default rate {DEFAULT_RATE}:"
@@ -413,8 +415,7 @@ def main() -> None:
               f" model's answers caught per check: {ep['endpoint_answers_caught_swapped']:.2f};"
               f" a new replica serving another model caught within 20 windows with p ="
               f" {caught:.4f}; after a long record, with 5 or 50 answers a window:"
-              f" {figures['detection_p_20_windows_endpoint_swapped_after_long_record_5_answers']}"
-              f", {figures['detection_p_20_windows_endpoint_swapped_after_long_record_50_answers']}")
+              f" {late[5]}, {late[50]}")
     for share in (0.01, 0.05, 0.10, 0.25, 1.0):
         r = simulate(share, 20, s, args.trials, 1, verification.BAN_AFTER)
         print(f"cheats on {share:>4.0%} of segments: caught within 20 jobs with p ="

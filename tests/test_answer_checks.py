@@ -391,3 +391,44 @@ def test_which_replicas_must_fingerprint_their_answers():
     assert not fingerprinted({"task": "embed", "engine": ""}, cpu)
     assert not fingerprinted(generate, cpu, "batch (one transformers generate call at a time:"
                              " its cache is not made of plain full-attention layers) on cpu")
+
+
+def test_the_serve_runner_in_check_mode_replays_the_claimed_answers(tmp_path, models, served):
+    """As a provider runs a check lease of an endpoint: job.json with the check's fields
+    (check_of, check_claimed), the engine socket on stdin; the runner prefills the claimed
+    answers, writes answers.jsonl and reports done, without serving."""
+    import socket
+    import subprocess
+    import sys
+
+    from gpumarket.kinds.runner_job import RunnerJob
+
+    samples = AnswerSamples(1.0)
+    for request, fin in served["right"]:
+        answer(samples, FakeReplica(), request, fin)
+    (window,) = samples.take()
+    blobs = answers.window_blobs(window.lease_id, window.answers, window.samples)
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "claimed.jsonl").write_bytes(blobs.claimed.data)
+    job = RunnerJob(params={"model": "", "model_name": "tiny", "task": "", "dtype": "",
+                            "max_seq_len": 0, "max_concurrency": 8, "engine": "",
+                            "trust_remote_code": False},
+                    model_dir=str(models["right"]), check_of="ep-r1", check_batch_size=8,
+                    check_claimed=str(work / "claimed.jsonl"))
+    (work / "job.json").write_text(job.to_json())
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        done = subprocess.run([sys.executable, "-m", "gpumarket.provider.runners.serve",
+                               str(work)], stdin=theirs.fileno(), capture_output=True,
+                              text=True, timeout=300, env={**__import__("os").environ,
+                                                           "GPUMARKET_REPORT_FILE":
+                                                           str(work / "report.jsonl")})
+    assert done.returncode == 0, done.stderr[-2000:]
+    reports = [json.loads(x) for x in (work / "report.jsonl").read_text().splitlines()]
+    assert reports[-1]["event"] == "done" and reports[-1]["metrics"]["answers"] == len(PROMPTS)
+    expect = tmp_path / "expect.jsonl"
+    expect.write_bytes(blobs.expect.data)
+    agrees, detail = kinds.get(pb.JOB_KIND_ENDPOINT).compare(
+        {ANSWERS: expect}, {ANSWERS: work / "outputs" / ANSWERS}, {"dtype": ""})
+    assert agrees, detail

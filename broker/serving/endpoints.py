@@ -192,7 +192,8 @@ def live(db: Database) -> list[dict]:
 def replicas(db: Database, endpoint_id: str) -> list[dict]:
     cur = db.execute(
         f"SELECT j.id, j.part, j.state, j.epoch, j.provider_id, j.progress_step, j.attempt,"
-        f" j.lease_id, l.issued_at_ms, l.accelerator FROM jobs j LEFT JOIN leases l ON l.id = j.lease_id"
+        f" j.lease_id, l.issued_at_ms, l.accelerator"
+        f" FROM jobs j LEFT JOIN leases l ON l.id = j.lease_id"
         f" WHERE j.parent_id = ? AND j.state IN ({','.join('?' * len(LIVE))}) ORDER BY j.part",
         [endpoint_id, *LIVE])
     cols = [d[0] for d in cur.description]
