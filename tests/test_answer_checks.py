@@ -187,9 +187,10 @@ def end_window(w: World, lease: dict, answered: list[tuple[bytes, Final]]) -> st
     blobs = {lease["id"]: answers.window_blobs(window.lease_id, window.answers,
                                                window.samples)}
     w.now += 60_000
+    before = set(checks(w, lease["job_id"]))
     w.write(endpoints.settle_running, w.now, blobs, {lease["provider_id"]: CHECK})
     (check_id,) = [c for c, row in checks(w, lease["job_id"]).items()
-                   if row["state"] == "queued" and row["role"] == "check"]
+                   if c not in before and row["role"] == "check"]
     return check_id
 
 
@@ -280,7 +281,29 @@ def test_a_check_of_honest_answers_passes_and_the_held_pay_is_paid(w, tmp_path, 
     assert ledger.balance(w.db, ledger.provider("h1")) > 0
     assert verification.record(w.db, "h1") == (1, 1, 0)
     assert w.job("ep-r1")["state"] == pb.JOB_STATE_RUNNING      # it serves on
+    # what it compared is not kept for the endpoint's lifetime once the check ended
+    assert evidence(w) == set()
     assert ledger.audit(w.db) == []
+
+
+def evidence(w: World) -> set[str]:
+    return {r[0] for r in w.db.execute("SELECT sha256 FROM artifact_refs WHERE job_id = 'ep'"
+                                       " AND role = 'evidence'").fetchall()}
+
+
+def test_an_ended_answer_check_leaves_evidence_another_open_check_compares(w, served):
+    """Two windows of the same answers (one blob): the first check's end keeps the blob
+    the second still compares; the second's end lets it go."""
+    lease = serve_on(w, "ep-r1", "h1")
+    first = end_window(w, lease, served["right"])
+    second = end_window(w, lease, served["right"])
+    shared = json.loads(verification.check_row(w.db, first)["expect"])[ANSWERS]["sha256"]
+    assert shared == json.loads(verification.check_row(w.db, second)["expect"])[ANSWERS][
+        "sha256"]
+    w.write(disputes.skip, first, "test", w.now)
+    assert shared in evidence(w)
+    w.write(disputes.skip, second, "test", w.now)
+    assert evidence(w) == set()
 
 
 def convict(w: World, tmp_path: Path, models, check_id: str, replica: str):

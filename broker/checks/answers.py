@@ -96,3 +96,21 @@ def _dtype(db: Database, top: dict) -> str:
     from gpumarket.broker.serving.endpoints import settings_of
 
     return settings_of(top["spec"]).get("dtype", "")
+
+
+def forget_evidence(db: Database, c: dict) -> None:
+    """An answer check ``c`` (a checks row) ended: what it compared is no longer the
+    endpoint's evidence (an endpoint lives long, and a window is checked every minute; a
+    job's evidence stays until the job ends). A blob another open check of the endpoint
+    still compares stays."""
+    first = verification.check_row(db, c["first_check"]) if c["first_check"] else None
+    shas = {ref["sha256"] for row in (c, first) if row for field in ("expect", "outputs")
+            for ref in json.loads(row[field] or "{}").values()}
+    for sha in shas:
+        if db.execute(f"SELECT 1 FROM checks WHERE top_id = ? AND id != ? AND state IN"
+                      f" ({', '.join('?' * len(verification.OPEN))}) AND (expect LIKE ? OR"
+                      f" outputs LIKE ?)", [c["top_id"], c["id"], *verification.OPEN,
+                                            f"%{sha}%", f"%{sha}%"]).fetchone():
+            continue
+        db.execute("DELETE FROM artifact_refs WHERE job_id = ? AND sha256 = ? AND role ="
+                   " 'evidence'", [c["top_id"], sha])
