@@ -185,7 +185,7 @@ def end_window(w: World, lease: dict, answered: list[tuple[bytes, Final]]) -> st
         answer(samples, r, request, fin)
     (window,) = samples.take()
     blobs = {lease["id"]: answers.window_blobs(window.lease_id, window.answers,
-                                               window.samples)}
+                                               window.samples, window.drawn)}
     w.now += 60_000
     before = set(checks(w, lease["job_id"]))
     w.write(endpoints.settle_running, w.now, blobs, {lease["provider_id"]: CHECK})
@@ -455,3 +455,23 @@ def test_the_serve_runner_in_check_mode_replays_the_claimed_answers(tmp_path, mo
     agrees, detail = kinds.get(pb.JOB_KIND_ENDPOINT).compare(
         {ANSWERS: expect}, {ANSWERS: work / "outputs" / ANSWERS}, {"dtype": ""})
     assert agrees, detail
+
+
+def test_a_window_checked_only_because_its_provider_is_new_is_its_warm_up(w, served):
+    """Paid for by the provider (disputes.charge_warmups when the endpoint ends), not by the
+    client; a window the rate drew is the client's."""
+    lease = serve_on(w, "ep-r1", "h1")
+    samples = AnswerSamples(0.0)                 # no answer drawn: the window's minimum only
+    r = FakeReplica("h1", lease["id"], "ep-r1")
+    for request, fin in served["right"]:
+        answer(samples, r, request, fin)
+    (window,) = samples.take()
+    assert (len(window.samples), window.drawn) == (1, 0)
+    w.now += 60_000
+    w.write(endpoints.settle_running, w.now,
+            {lease["id"]: answers.window_blobs(lease["id"], window.answers, window.samples,
+                                               window.drawn)}, {"h1": CHECK})
+    (row,) = checks(w, "ep-r1").values()
+    assert row["paid_by"] == "h1"
+    drawn = end_window(w, lease, served["right"])          # drawn at the rate (1.0 there)
+    assert checks(w, "ep-r1")[drawn]["paid_by"] is None

@@ -46,6 +46,7 @@ class WindowBlobs:
     answers: int            # answers the replica gave in the window
     expect: Blob
     claimed: Blob
+    warmup: bool = False    # kept only because its provider is new (none drawn at the rate)
 
 
 def _blob(lines: list[dict]) -> Blob:
@@ -53,8 +54,10 @@ def _blob(lines: list[dict]) -> Blob:
     return Blob(hashlib.sha256(data).hexdigest(), data)
 
 
-def window_blobs(lease_id: str, answers: int, samples: list[dict]) -> WindowBlobs:
-    """The files of a window's ``samples`` (answer_samples.Window.samples)."""
+def window_blobs(lease_id: str, answers: int, samples: list[dict], drawn: int = 0
+                 ) -> WindowBlobs:
+    """The files of a window's ``samples`` (answer_samples.Window.samples, ``drawn`` of them
+    at the rate)."""
     expect, claimed = [], []
     for i, s in enumerate(samples):
         request = s["request"]
@@ -64,7 +67,7 @@ def window_blobs(lease_id: str, answers: int, samples: list[dict]) -> WindowBlob
         expect.append({"index": i, "token_ids": s["token_ids"],
                        "fingerprints": s["fingerprints"], "greedy": greedy})
         claimed.append({"index": i, "request": request, "token_ids": s["token_ids"] or []})
-    return WindowBlobs(lease_id, answers, _blob(expect), _blob(claimed))
+    return WindowBlobs(lease_id, answers, _blob(expect), _blob(claimed), warmup=not drawn)
 
 
 def check_window(db: Database, policy: verification.Policy, job: dict, lease: dict,
@@ -88,8 +91,12 @@ def check_window(db: Database, policy: verification.Policy, job: dict, lease: di
         ledger.dispute(db, seq, now)
     scope = {"answers": n, "of_answers": window.answers, "batch_size": 8,
              "dtype": _dtype(db, top), "claimed": window.claimed.ref}
+    # A window checked only because its provider is new is its warm-up: the provider pays
+    # for it when the endpoint ends, as for a job (disputes.charge_warmups); one the rate
+    # drew is the client's.
     return verification.queue(db, job, lease["provider_id"], lease["id"], seq, 0, 0, None,
-                              {ANSWERS: window.expect.ref}, scope, "check", None, now)
+                              {ANSWERS: window.expect.ref}, scope, "check", None, now,
+                              lease["provider_id"] if window.warmup else None)
 
 
 def _dtype(db: Database, top: dict) -> str:

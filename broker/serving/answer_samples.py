@@ -35,6 +35,7 @@ class Window:
     endpoint_id: str
     provider_id: str
     answers: int = 0                              # answers it gave in the window
+    drawn: int = 0                                # of the kept, those the rate drew
     samples: list[dict] = field(default_factory=list)
     bytes: int = 0
 
@@ -90,6 +91,7 @@ class AnswerSamples:
         if w.bytes + size > MAX_REPLICA_BYTES or held + size > MAX_ENDPOINT_BYTES:
             return False
         w.samples.append(sample)
+        w.drawn += drawn
         w.bytes += size
         self.endpoint_bytes[w.endpoint_id] = held + size
         return True
