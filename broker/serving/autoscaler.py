@@ -13,8 +13,10 @@ and their replicas, brings the router (broker/serving/router.py) in step, and de
   fails (endpoints.crash_loop; a provider failing its replicas is avoided for them, then left
   out: endpoints.steer).
 
-Every decision is an event on the endpoint. Replica leases are paid every SETTLE_EVERY_S
-(they have no checkpoints to settle at), and the tokens they served are written every pass.
+Every decision is an event on the endpoint. Replica leases are paid once a window (the
+broker's ``replica_window_s``, SETTLE_EVERY_S by default; they have no checkpoints to settle
+at), the windows whose answers were sampled held for a check of them (broker/checks/
+answers.py), and the tokens they served are written every pass.
 The price cap is the matcher's: a replica is only leased within the endpoint's max_price.
 """
 
@@ -174,7 +176,8 @@ class Autoscaler:
         usage = serving.take_usage()
         if usage:
             await store.write(endpoints.record_usage, usage, now_ms())
-        if now - self.last_settle >= SETTLE_EVERY_S:
+        if now - self.last_settle >= getattr(self.state.config, "replica_window_s",
+                                             SETTLE_EVERY_S):
             self.last_settle = now
             await self._settle()
         if changed:
