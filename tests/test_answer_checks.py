@@ -475,3 +475,24 @@ def test_a_window_checked_only_because_its_provider_is_new_is_its_warm_up(w, ser
     assert row["paid_by"] == "h1"
     drawn = end_window(w, lease, served["right"])          # drawn at the rate (1.0 there)
     assert checks(w, "ep-r1")[drawn]["paid_by"] is None
+
+
+def test_a_window_nobody_can_check_is_paid_and_said_once_an_hour(w):
+    """No other provider of its device class online: the window is paid unchecked, and the
+    endpoint's events say so once an hour, not once a window."""
+    lease = serve_on(w, "ep-r1", "h1")
+    alone = verification.Policy(enabled=True, others_online=frozenset(), draw=0.0)
+    for _ in range(3):
+        samples = AnswerSamples(1.0)
+        answer(samples, FakeReplica("h1", lease["id"], "ep-r1"),
+               encode_request(Complete(prompt="hi", max_tokens=3)))
+        (window,) = samples.take()
+        w.now += 60_000
+        w.write(endpoints.settle_running, w.now,
+                {lease["id"]: answers.window_blobs(lease["id"], 1, window.samples, 1)},
+                {"h1": alone})
+    assert checks(w, "ep-r1") == {}
+    assert ledger.balance(w.db, ledger.disputed("ep-r1", "h1")) == 0
+    notes = w.db.execute("SELECT message FROM events WHERE job_id = 'ep' AND message LIKE"
+                         " '%left unchecked%'").fetchall()
+    assert len(notes) == 1, notes
