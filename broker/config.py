@@ -34,6 +34,8 @@ class BrokerConfig:
     verify: bool = True                    # spot-check providers' work by replay
     check_wait_s: float = 600.0            # a check no provider took this long is skipped
     ban_after_failed_checks: int = 2       # failed checks that ban a provider; 0 = never
+    answer_check_rate: float = 0.02        # share of endpoint answers sampled for a check
+    replica_window_s: float = 60.0         # s: a replica is paid, its sample checked, once a window
     trusted_checkers: tuple[str, ...] = () # provider ids that alone may run tie-breaks (the
                                            # operator's referees); () = any provider
     api: str = ""                          # HTTP HOST:PORT of the endpoints' API alone; "" = none
@@ -89,6 +91,12 @@ class BrokerConfig:
                                   f" {self.listen} (TLS is on by default)")
         if not 0 <= self.market_fee <= 0.5:
             raise InvalidArgument(f"market_fee must be between 0 and 0.5, not {self.market_fee}")
+        if not 1 <= self.replica_window_s <= 3600:
+            raise InvalidArgument("replica_window_s must be between 1 and 3600, not"
+                                  f" {self.replica_window_s}")
+        if not 0 <= self.answer_check_rate <= 1:
+            raise InvalidArgument("answer_check_rate must be between 0 and 1, not"
+                                  f" {self.answer_check_rate}")
         if not self.max_held_bytes >= 1 << 20:
             raise InvalidArgument("max_held_mib must be at least 1")
         if self.provider_messages_per_s <= 0:
@@ -146,6 +154,9 @@ market_fee = 0.05                  # share of each settlement kept as the market
 verify = true                      # spot-check providers' work by replay on another provider
 check_wait = 600                   # seconds a check waits for a provider before it is skipped
 ban_after_failed_checks = 2        # failed checks that ban a provider (0 = never)
+answer_check_rate = 0.02           # share of endpoint answers kept and checked (0 to 1)
+replica_window_s = 60              # seconds: a replica is paid, and its sampled answers
+                                   # checked, once a window
 # Provider ids that alone run tie-breaks (docs/verification.md, Who checks): with them, only
 # a disagreement one of these referees confirms convicts a provider; [] = any provider.
 trusted_checkers = []
@@ -197,6 +208,8 @@ KEYS = {
     "verify": ("verify", bool, None),
     "check_wait": ("check_wait_s", float, None),
     "ban_after_failed_checks": ("ban_after_failed_checks", int, None),
+    "answer_check_rate": ("answer_check_rate", float, None),
+    "replica_window_s": ("replica_window_s", float, None),
     "trusted_checkers": ("trusted_checkers", tuple, None),
     "api": ("api", str, None), "public_url": ("public_url", str, None),
     "queue_wait": ("queue_wait_s", float, None), "cold_start": ("cold_start_s", float, None),

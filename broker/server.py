@@ -158,7 +158,8 @@ class BrokerServer:
             lambda: state.epoch or 0)
         serving = self.state.serving = Serving(self.state.sessions, metrics,
                                                cfg.queue_wait_s, cfg.cold_start_s,
-                                               cfg.request_timeout_s, cfg.max_held_bytes)
+                                               cfg.request_timeout_s, cfg.max_held_bytes,
+                                               cfg.answer_check_rate)
         metrics.endpoint_held_bytes.set_function(lambda: serving.shares.held)
         api = OpenAIApi(self.state, serving, cfg.body_timeout_s)
         if cfg.http:

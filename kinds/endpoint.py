@@ -5,6 +5,8 @@ own sessions and scales their number between ``min_replicas`` and ``max_replicas
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 from gpumarket.kinds.base import Kind
@@ -45,6 +47,86 @@ class Endpoint(Kind):
         # Only vLLM is an engine a provider must advertise; the others are transformers.
         return "vllm" if values.get("engine") == "vllm" else ""
 
+    # A check of a replica's answers (docs/verification.md): the checker prefills the sampled
+    # requests plus the replica's token ids (ANSWERS, without the fingerprints: those stay
+    # the broker's evidence) and returns the fingerprints and token gaps it saw; the broker
+    # compares them with the replica's by the generate kind's rule.
+    def evidence(self, names: set[str]) -> set[str]:
+        return names & {ANSWERS}
+
+    def compare(self, expect: dict[str, Path], got: dict[str, Path], scope: dict
+                ) -> tuple[bool, str]:
+        from gpumarket.kinds.generate import fingerprint_rule
+
+        if ANSWERS not in expect:
+            return False, "no answers to compare"
+        if ANSWERS not in got:
+            return False, f"the replay returned no {ANSWERS}"
+        try:
+            want, have = answer_rows(expect[ANSWERS]), answer_rows(got[ANSWERS])
+        except (OSError, ValueError, TypeError) as exc:
+            return False, f"{ANSWERS} is unreadable ({exc})"[:300]
+        if not want:
+            return False, "no answers to compare"
+        dtype = str(scope.get("dtype", ""))
+        for i in sorted(want):
+            if i not in have:
+                return False, f"answer {i}: the replay has none"
+            if have[i].get("error"):
+                return False, f"answer {i}: {str(have[i]['error'])[:200]}"
+            # Two replays (a tie-break) agree on fingerprints; the token gap judges the
+            # replica's tokens, which both replays see.
+            rule = fingerprint_rule(dtype, bool(want[i].get("greedy"))
+                                    and not scope.get("replays"))
+            agrees, why = rule({"completion": "", "fingerprints": want[i].get("fingerprints")},
+                               {"completion": "", "fingerprints": have[i].get("fingerprints"),
+                                "token_gap": have[i].get("token_gap")})
+            if not agrees:
+                return False, f"answer {i}: {why}"
+        return True, f"{len(want)} answers agree (fingerprints within the {dtype or 'auto'}" \
+                     " tolerance)"
+
+
+ANSWERS = "answers.jsonl"     # a check's sampled answers (broker/checks/answers.py)
+MAX_ANSWER_ROWS = 64
+
+
+def answer_rows(path: Path) -> dict[int, dict]:
+    """The records of an answers file by their ``index`` (at most MAX_ANSWER_ROWS, the rest
+    ignored; a line that is not an object with an integer index raises ValueError)."""
+    out: dict[int, dict] = {}
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            record = json.loads(line)
+            index = record.get("index") if isinstance(record, dict) else None
+            if type(index) is not int:
+                raise ValueError("an answer without an integer index")
+            if len(out) < MAX_ANSWER_ROWS:
+                out[index] = record
+    return out
+
+
+# How the batch engine describes its fallback for a model whose cache cannot be joined step
+# by step (sliding-window or linear-attention layers: provider/runners/batching.py): one
+# model.generate call at a time, which records no fingerprints yet.
+CALLS_FALLBACK = "batch (one transformers generate call at a time"
+
+
+def fingerprinted(settings: dict, accelerator: int, engine_said: str = "") -> bool:
+    """Whether a replica of an endpoint with these ``settings``, leased on this device class,
+    runs an engine that commits to each answer's fingerprints (the batch engine: "batch", or
+    "auto" on a CPU), so that every completion it answers must carry them. Not where the
+    replica said (``engine_said``, its ReplicaReady) that its batch engine fell back to
+    generate calls: that path records none, and an honest replica of such a model would
+    fail every check (docs/verification.md: a replica may say so to go unchecked; its
+    engine is shown in `endpoint show`)."""
+    if settings.get("task") != "generate" or engine_said.startswith(CALLS_FALLBACK):
+        return False
+    engine = settings.get("engine", "")
+    return engine == "batch" or (engine in ("", "auto") and accelerator == pb.ACCELERATOR_CPU)
+
 
 def model_positions(config: dict) -> int:
     """The longest sequence a transformers config says its model takes (its text model's,
@@ -66,12 +148,13 @@ def settings(values: dict[str, Any]) -> dict[str, Any]:
             "max_concurrency": concurrency, "target": values["target"] or concurrency,
             "window_s": values["scale_window_s"] or DEFAULT_WINDOW_S,
             "idle_s": values["idle_s"] or DEFAULT_IDLE_S,
-            "max_tokens": values["max_tokens"], "max_seq_len": values["max_seq_len"]}
+            "max_tokens": values["max_tokens"], "max_seq_len": values["max_seq_len"],
+            "engine": values["engine"], "dtype": values["dtype"]}
 
 
 KIND = Endpoint(
     name="endpoint", number=pb.JOB_KIND_ENDPOINT, runner="gpumarket.provider.runners.serve",
-    sizing="inference", serves=True,
+    sizing="inference", serves=True, verify="answers",
     params=(
         Param("model", "file_or_dir", input_name="model.tar", dir_needs="config.json",
               doc="a model directory (config, safetensors, tokenizer) sent with the endpoint"),

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from sqlite_utils import Database
 
-from gpumarket.broker.checks import verification
+from gpumarket.broker.checks import answers, verification
 from gpumarket.broker.jobs import transitions as jobs
 from gpumarket.broker.money import ledger
 from gpumarket.broker.market import providers
@@ -148,6 +148,8 @@ def _close(db: Database, c: dict, state: str, detail: str, liar: str | None, now
     db.execute("UPDATE checks SET state = ?, detail = ?, liar = ?, ended_at_ms = ? WHERE id = ?",
                [state, detail, liar, now, c["id"]])
     db.execute("DELETE FROM artifact_refs WHERE job_id = ?", [c["id"]])
+    if json.loads(c["scope"]).get("answers"):
+        answers.forget_evidence(db, _row(db, c["id"]))
     seq = c["settle_seq"]
     if liar is None and seq is not None and ledger.posted(db, f"resolve:{seq}") is None \
             and not _still_checked(db, seq):
@@ -207,7 +209,9 @@ def _convict(db: Database, c: dict, detail: str, now: int, ban_after: int) -> Ou
     if paid:
         ledger.slash(db, liar, job["client_id"], job_id, paid, now)
     step, start = clean_point(db, job_id)
-    if _tainted(db, job, step):
+    if job["state"] in jobs.TERMINAL_STATES:
+        pass    # an endpoint's replica that ended meanwhile: nothing left to re-run
+    elif _tainted(db, job, step):
         db.execute("UPDATE checkpoint_history SET dropped = 1 WHERE job_id = ? AND step > ?",
                    [job_id, step])
         # Checks of work past the clean point check work the job no longer keeps.

@@ -190,6 +190,10 @@ def queue(db: Database, job: dict, provider_id: str, lease_id: str, seq: int | N
 
 
 def what(step_from: int, step_to: int, scope: dict) -> str:
+    if scope.get("answers"):
+        return (f"{scope['answers']} sampled answer{'s' if scope['answers'] > 1 else ''} of"
+                f" {scope.get('of_answers', scope['answers'])} in a window, prefilled:"
+                " fingerprints")
     if scope.get("batch_size"):
         how = ", prefilled: fingerprints" if scope.get("claimed") else ""
         return f"a batch of {scope['batch_size']} rows from row {step_from} on{how}"

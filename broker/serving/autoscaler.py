@@ -13,8 +13,10 @@ and their replicas, brings the router (broker/serving/router.py) in step, and de
   fails (endpoints.crash_loop; a provider failing its replicas is avoided for them, then left
   out: endpoints.steer).
 
-Every decision is an event on the endpoint. Replica leases are paid every SETTLE_EVERY_S
-(they have no checkpoints to settle at), and the tokens they served are written every pass.
+Every decision is an event on the endpoint. Replica leases are paid once a window (the
+broker's ``replica_window_s``, SETTLE_EVERY_S by default; they have no checkpoints to settle
+at), the windows whose answers were sampled held for a check of them (broker/checks/
+answers.py), and the tokens they served are written every pass.
 The price cap is the matcher's: a replica is only leased within the endpoint's max_price.
 """
 
@@ -25,6 +27,7 @@ import logging
 import time
 from dataclasses import dataclass
 
+from gpumarket.broker.checks import answers, verdicts, verification
 from gpumarket.broker.jobs import endings
 from gpumarket.broker.serving import endpoints
 from gpumarket.broker.serving.router import Endpoint, Serving
@@ -122,6 +125,12 @@ def decide(ep: Endpoint, rows: list[dict], watch: Watch, now: float, wanted: boo
     return Decision()
 
 
+def _providers_of(db, lease_ids: list[str]) -> list[str]:
+    return [r[0] for r in db.execute(
+        f"SELECT DISTINCT provider_id FROM leases WHERE id IN ({','.join('?' * len(lease_ids))})",
+        lease_ids).fetchall()] if lease_ids else []
+
+
 class Autoscaler:
     def __init__(self, state: BrokerState, serving: Serving) -> None:
         self.state = state
@@ -167,12 +176,33 @@ class Autoscaler:
         usage = serving.take_usage()
         if usage:
             await store.write(endpoints.record_usage, usage, now_ms())
-        if now - self.last_settle >= SETTLE_EVERY_S:
+        if now - self.last_settle >= getattr(self.state.config, "replica_window_s",
+                                             SETTLE_EVERY_S):
             self.last_settle = now
-            await store.write(endpoints.settle_running, now_ms())
+            await self._settle()
         if changed:
             self.state.events.notify()
             self.state.placement.notify()
+
+    async def _settle(self) -> None:
+        """Pay the replicas for the window now ending; the windows whose answers were sampled
+        have their pay held and a check queued (broker/checks/answers.py)."""
+        store, samples = self.state.store, self.serving.samples
+        taken = samples.take()
+        if not getattr(self.state.config, "verify", False):
+            taken = []          # checks are off: nothing is held or stored
+        windows = {w.lease_id: answers.window_blobs(w.lease_id, w.answers, w.samples, w.drawn)
+                   for w in taken}
+        blobs = [(b.sha256, b.data) for w in windows.values() for b in (w.expect, w.claimed)]
+        if blobs:
+            artifacts = self.state.artifacts
+            staged = await asyncio.to_thread(artifacts.stage_blobs, blobs)
+            await asyncio.to_thread(artifacts.publish_blobs, staged)
+        policies = {p: verdicts.policy(self.state, p, 0.0)
+                    for p in await store.read(_providers_of, list(windows))}
+        await store.write(endpoints.settle_running, now_ms(), windows, policies)
+        standings = await store.read(verification.standings)
+        samples.settled = frozenset(p for p, (rate, _, _) in standings.items() if rate < 1)
 
     async def _late(self, ep: Endpoint, rows: list[dict]) -> bool:
         """A replica leased more than cold_start ago that never became ready is lost (its

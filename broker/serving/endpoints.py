@@ -13,6 +13,8 @@ import secrets
 from sqlite_utils import Database
 
 from gpumarket import kinds
+from gpumarket.broker.checks import answers
+from gpumarket.broker.checks.policy import OFF
 from gpumarket.broker.jobs import endings
 from gpumarket.broker.jobs import transitions as jobs
 from gpumarket.broker.money import ledger
@@ -46,7 +48,8 @@ def check_name(db: Database, client_id: str, name: str) -> None:
         raise InvalidArgument(f"name: {name!r} is not a plain name (letters, digits, . _ -);"
                               " an endpoint's name is the model name its API answers to")
     if db.execute(f"SELECT 1 FROM jobs WHERE client_id = ? AND kind = ? AND name = ?"
-                  f" AND parent_id IS NULL AND state NOT IN ({','.join('?' * 3)})",
+                  f" AND parent_id IS NULL AND check_of IS NULL"
+                  f" AND state NOT IN ({','.join('?' * 3)})",
                   [client_id, KIND, name, *TERMINAL_STATES]).fetchone():
         raise FailedPrecondition(f"you already have a live endpoint named {name!r}"
                                  " (gpumarket endpoint delete it first)")
@@ -176,7 +179,7 @@ def mark_ready(db: Database, job_id: str, epoch: int, provider_id: str, engine: 
 def live(db: Database) -> list[dict]:
     """Every serving endpoint with its settings and its live replicas."""
     tops = db.execute("SELECT id, client_id, name, spec, created_at_ms FROM jobs WHERE kind = ?"
-                      " AND parent_id IS NULL AND state = ?",
+                      " AND parent_id IS NULL AND check_of IS NULL AND state = ?",
                       [KIND, pb.JOB_STATE_RUNNING]).fetchall()
     out = []
     for endpoint_id, client_id, name, spec, created_ms in tops:
@@ -189,7 +192,8 @@ def live(db: Database) -> list[dict]:
 def replicas(db: Database, endpoint_id: str) -> list[dict]:
     cur = db.execute(
         f"SELECT j.id, j.part, j.state, j.epoch, j.provider_id, j.progress_step, j.attempt,"
-        f" j.lease_id, l.issued_at_ms FROM jobs j LEFT JOIN leases l ON l.id = j.lease_id"
+        f" j.lease_id, l.issued_at_ms, l.accelerator"
+        f" FROM jobs j LEFT JOIN leases l ON l.id = j.lease_id"
         f" WHERE j.parent_id = ? AND j.state IN ({','.join('?' * len(LIVE))}) ORDER BY j.part",
         [endpoint_id, *LIVE])
     cols = [d[0] for d in cur.description]
@@ -200,6 +204,7 @@ def find(db: Database, client_id: str, name_or_id: str) -> dict:
     """The caller's endpoint of that name (the live one, else the latest) or id."""
     row = db.execute(
         "SELECT id FROM jobs WHERE client_id = ? AND kind = ? AND parent_id IS NULL"
+        " AND check_of IS NULL"
         " AND (id = ? OR name = ?) ORDER BY state = ? DESC, created_at_ms DESC LIMIT 1",
         [client_id, KIND, name_or_id, name_or_id, pb.JOB_STATE_RUNNING]).fetchone()
     if row is None:
@@ -209,6 +214,7 @@ def find(db: Database, client_id: str, name_or_id: str) -> dict:
 
 def mine(db: Database, client_id: str) -> list[dict]:
     cur = db.execute("SELECT * FROM jobs WHERE client_id = ? AND kind = ? AND parent_id IS NULL"
+                     " AND check_of IS NULL"
                      " ORDER BY created_at_ms DESC LIMIT 200", [client_id, KIND])
     cols = [d[0] for d in cur.description]
     return [dict(zip(cols, r)) for r in cur.fetchall()]
@@ -216,9 +222,15 @@ def mine(db: Database, client_id: str) -> list[dict]:
 
 # -- money and usage ---------------------------------------------------------------------
 
-def settle_running(db: Database, now: int) -> int:
+def settle_running(db: Database, now: int, windows: dict | None = None,
+                   policies: dict | None = None) -> int:
     """Pay every running replica lease for its time since its last settlement (replicas have
-    no checkpoints to settle at). Returns how many were paid."""
+    no checkpoints to settle at): one settlement a window. A window whose answers were
+    sampled (``windows``: answers.WindowBlobs by lease id) has its pay held and a check of
+    them queued (broker/checks/answers.py; ``policies``: the checks' Policy by provider) —
+    also a lease that ended within the window (its last settlement is the one held).
+    Returns how many were paid."""
+    windows, policies = windows or {}, policies or {}
     rows = db.execute("SELECT id, lease_id FROM jobs WHERE kind = ? AND parent_id IS NOT NULL"
                       " AND state = ? AND lease_id IS NOT NULL",
                       [KIND, pb.JOB_STATE_RUNNING]).fetchall()
@@ -228,6 +240,17 @@ def settle_running(db: Database, now: int) -> int:
         if lease["state"] == "active" and ledger.settle(
                 db, job, lease, job["settled_step"], now, tag=f"serve{now}").paid:
             paid += 1
+    for lease_id, window in windows.items():
+        lease = db.execute("SELECT * FROM leases WHERE id = ?", [lease_id]).fetchone()
+        if lease is None:
+            continue
+        lease = jobs.lease_row(db, lease_id)
+        seq = ledger.posted(db, f"settle:{lease_id}:serve{now}") or ledger.posted(
+            db, f"settle:{lease_id}:end")
+        if seq is not None and ledger.posted(db, f"resolve:{seq}") is not None:
+            seq = None      # already settled for good (its lease ended long ago)
+        answers.check_window(db, policies.get(lease["provider_id"], OFF),
+                             jobs.job_row(db, lease["job_id"]), lease, seq, window, now)
     return paid
 
 

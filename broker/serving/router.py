@@ -19,7 +19,9 @@ from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 
+from gpumarket.broker.serving.answer_samples import AnswerSamples
 from gpumarket.broker.serving.request_shares import Hold, NoRoom, RequestShares
+from gpumarket.kinds import endpoint as endpoint_kind
 from gpumarket.kinds.engine_protocol import (
     Answer, Complete, Final, Malformed, Request, decode_answer, encode_request,
 )
@@ -66,6 +68,7 @@ class Replica:
     failures: int = 0           # server errors in a row
     benched_until: float = 0.0  # after BENCH_AFTER of them: chosen last until then
     usage: list[int] = field(default_factory=lambda: [0, 0, 0, 0])  # req, err, in, out
+    fingerprinted: bool = False  # its engine commits to fingerprints: its answers are sampled
 
     def failed(self) -> None:
         self.failures += 1
@@ -145,7 +148,8 @@ class Pending:
 
 class Serving:
     def __init__(self, sessions, metrics, queue_wait_s: float, cold_start_s: float,
-                 request_timeout_s: float, max_held_bytes: int = MAX_HELD_BYTES) -> None:
+                 request_timeout_s: float, max_held_bytes: int = MAX_HELD_BYTES,
+                 answer_check_rate: float = 0.0) -> None:
         self.sessions = sessions
         self.metrics = metrics
         self.queue_wait_s = queue_wait_s
@@ -162,6 +166,8 @@ class Serving:
         # Request bodies held until their answer begins, shared fairly between clients
         # and their endpoints; what is over its share gives way when others need room.
         self.shares = RequestShares(max_held_bytes, self._evicted)
+        # answers kept for a check of them (docs/verification.md), taken per settle window
+        self.samples = AnswerSamples(answer_check_rate)
         self.kick = asyncio.Event()
         self.keys: dict[str, tuple[str | None, float]] = {}   # openai_api's key lookups
         self.keys_generation = 0             # bumped by forget_keys
@@ -189,6 +195,8 @@ class Serving:
                                                           row["created_at_ms"])
             active = {(r["id"], r["epoch"]): r["provider_id"] for r in row["replicas"]
                       if r["state"] == pb.JOB_STATE_RUNNING and r["provider_id"]}
+            accelerators = {(r["id"], r["epoch"]): r.get("accelerator") or 0
+                            for r in row["replicas"]}
             for job_id, replica in list(ep.replicas.items()):
                 if (job_id, replica.epoch) not in active:
                     self.drop(replica, "the replica stopped")
@@ -196,6 +204,11 @@ class Serving:
                 if key in active and key[0] not in ep.replicas and \
                         active[key] == provider_id:
                     self._add(ep, provider_id, key[0], key[1], ready)
+            for job_id, replica in ep.replicas.items():
+                # from the spec and the lease's device class (and the batch engine's
+                # fallback, which records none: kinds/endpoint.py)
+                replica.fingerprinted = endpoint_kind.fingerprinted(
+                    ep.settings, accelerators.get((job_id, replica.epoch), 0), replica.engine)
         for key in list(self.announced):
             if not any(key[0] == r["id"] and key[1] == r["epoch"]
                        for row in live for r in row["replicas"]):
@@ -404,9 +417,15 @@ class Serving:
             raise Refused(429, f"endpoint {ep.name}: {exc.message}; retry later",
                           retry_after=1) from exc
         limits = Limits(len(data), request.max_tokens if isinstance(request, Complete) else 0)
+        # Drawn now, before a replica is chosen; its bytes kept to the answer only if it may
+        # be sampled (answer_samples.py bounds what is kept).
+        drawn = self.samples.wants(ep.id, ep.ready()) if isinstance(request, Complete) \
+            else False
+        sample = data if drawn is not False else None
         del data, request               # the hold has it, until the answer begins
         deadline = began + DEADLINE_TIMEOUTS * self.request_timeout_s
-        attempts = self._attempts(ep, hold, limits, deadline, set(), began)
+        attempts = self._attempts(ep, hold, limits, deadline, set(), began,
+                                  (sample, bool(drawn)))
         try:
             async for message in attempts:
                 yield message
@@ -415,7 +434,9 @@ class Serving:
             self.shares.release(hold)
 
     async def _attempts(self, ep: Endpoint, hold: Hold, limits: "Limits", deadline: float,
-                        tried: set[str], began: float) -> AsyncIterator[Answer]:
+                        tried: set[str], began: float,
+                        sample: tuple[bytes | None, bool] = (None, False)
+                        ) -> AsyncIterator[Answer]:
         first: float | None = None
         for attempt in range(RETRIES + 1):
             replica = await self._acquire(ep, hold, tried)
@@ -456,6 +477,8 @@ class Serving:
                         streamed = True
                         self.shares.release(hold)   # no retry from here: the body is done
                     if last:
+                        if message.error is None and message.embeddings is None:
+                            self.samples.offer(replica, sample[0], message, sample[1])
                         message = self._account(ep, replica, message, began, first, limits)
                     yield message
                     if last:

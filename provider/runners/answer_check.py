@@ -7,21 +7,29 @@ endpoint's dtype, greedy requests by the token gap too."""
 
 from __future__ import annotations
 
+import json
+import time
+from pathlib import Path
+
+from gpumarket.kinds.endpoint import ANSWERS, answer_rows
 from gpumarket.kinds.engine_protocol import BadRequest, Complete
 from gpumarket.kinds.generate import fingerprint_rule
 from gpumarket.provider.runners import fingerprint
+from gpumarket.provider.runners.base import JobError
 from gpumarket.provider.runners.engine import RequestError, parse_completion
 
 MAX_SAMPLES = 64      # answers one check prefills (in batches of BATCH)
 BATCH = 8
 
 
-def check_answers(tokenizer, model, device, max_seq_len: int, samples: list[dict],
-                  dtype: str) -> list[tuple[bool, str]]:
-    """Per sample ({"request": a Complete as a dict, "token_ids": [...], "fingerprints":
-    [...]}): (agrees, where it differs). A sample that is not one (a request the engine
-    would refuse, ids outside the vocabulary) disagrees."""
-    out: list[tuple[bool, str] | None] = [None] * len(samples)
+def replay_answers(tokenizer, model, device, max_seq_len: int, samples: list[dict]
+                   ) -> list[dict]:
+    """The checker's side: per sample ({"request": a Complete as a dict, "token_ids":
+    [...]}; never the replica's fingerprints), one prefill pass of the request's prompt plus
+    those ids: {"fingerprints": [...], "token_gap": x, "greedy": bool}, or {"error": why} for
+    a sample that is not one (a request the engine would refuse, ids outside the
+    vocabulary). At most MAX_SAMPLES; the rest {"error": ...}."""
+    out: list[dict | None] = [None] * len(samples)
     todo = []
     for n, sample in enumerate(samples[:MAX_SAMPLES]):
         try:
@@ -31,16 +39,74 @@ def check_answers(tokenizer, model, device, max_seq_len: int, samples: list[dict
             if not isinstance(ids, list) or not all(
                     type(t) is int and 0 <= t < len(tokenizer) for t in ids):
                 raise ValueError("token ids outside the vocabulary")
+            if len(prompt_ids) + len(ids) > max_seq_len:
+                raise ValueError(f"longer than the endpoint's max_seq_len {max_seq_len}")
         except (BadRequest, RequestError, KeyError, TypeError, ValueError) as exc:
-            out[n] = (False, f"not a sample that can be checked ({exc})")
+            out[n] = {"error": f"not a sample that can be checked ({exc})"[:300]}
             continue
         todo.append((n, prompt_ids, ids, sampling.temperature <= 0))
     for start in range(0, len(todo), BATCH):
         batch = todo[start:start + BATCH]
         checked = fingerprint.prefill(model, [(p, g) for _, p, g, _ in batch], device)
         for (n, _, _, greedy), (prints, gap) in zip(batch, checked):
-            same = fingerprint_rule(dtype, greedy)
-            out[n] = same({"completion": "", "fingerprints": samples[n].get("fingerprints")},
-                          {"completion": "", "fingerprints": prints, "token_gap": gap})
-    return [o if o is not None else (False, "not checked: too many samples")
-            for o in out]
+            out[n] = {"fingerprints": prints, "token_gap": gap, "greedy": greedy}
+    return [o if o is not None else {"error": "not checked: too many samples"} for o in out]
+
+
+def check_answers(tokenizer, model, device, max_seq_len: int, samples: list[dict],
+                  dtype: str) -> list[tuple[bool, str]]:
+    """Per sample (as replay_answers takes, with the replica's "fingerprints"): (agrees,
+    where it differs), by the generate kind's fingerprint rule for ``dtype`` (the broker's
+    comparison, kinds/endpoint.py, applies the same rule)."""
+    out = []
+    for sample, replayed in zip(samples, replay_answers(tokenizer, model, device,
+                                                        max_seq_len, samples)):
+        if "error" in replayed:
+            out.append((False, replayed["error"]))
+            continue
+        same = fingerprint_rule(dtype, replayed["greedy"])
+        out.append(same({"completion": "", "fingerprints": sample.get("fingerprints")},
+                        {"completion": "", "fingerprints": replayed["fingerprints"],
+                         "token_gap": replayed["token_gap"]}))
+    return out
+
+
+def run_check(job, workdir: Path, report) -> None:
+    """A check lease of an endpoint (its ``check_claimed``: the sampled requests and the
+    replica's token ids, answers.jsonl): load the endpoint's model as a replica would, replay
+    each answer by one prefill, and write outputs/answers.jsonl (index, fingerprints,
+    token gap; or an error) and metrics.json. Raises JobError."""
+    from gpumarket.provider.runners.engine import Settings
+    from gpumarket.provider.runners.generate import load, torch_float_bits
+    from gpumarket.provider.runners.inference import torch_device, torch_dtype, unpack_model
+
+    if not job.check_claimed:
+        raise JobError("a check of answers needs the sampled answers (check_claimed)")
+    try:
+        claimed = answer_rows(Path(job.check_claimed))
+    except (OSError, ValueError, TypeError) as exc:
+        raise JobError(f"the sampled answers are unreadable ({exc})") from exc
+    settings = Settings.from_params(job.params)
+    device = torch_device(job)
+    model_dir = unpack_model(job, "model", workdir)
+    tokenizer, model = load(model_dir, device, torch_dtype(settings.dtype, device),
+                            settings.trust_remote_code)
+    if not fingerprint.usable(model):
+        raise JobError("model: no fingerprints can be made of it (no output embedding)")
+    from gpumarket.provider.runners.engine import model_seq_len
+
+    seq = model_seq_len(settings, model.config)
+    order = sorted(claimed)
+    began = time.perf_counter()
+    replayed = replay_answers(tokenizer, model, device, seq, [claimed[i] for i in order])
+    elapsed = time.perf_counter() - began
+    out_dir = workdir / "outputs"
+    out_dir.mkdir(exist_ok=True)
+    with open(out_dir / ANSWERS, "w", encoding="utf-8") as f:
+        for i, record in zip(order, replayed):
+            f.write(json.dumps({"index": i, **record}) + "\n")
+    metrics = {"answers": float(len(order)), "prefill_seconds": elapsed,
+               "float_bits": float(torch_float_bits(model))}
+    (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
+    print(f"answer check: {len(order)} answers prefilled in {elapsed:.2f}s", flush=True)
+    report.done(**metrics)

@@ -224,6 +224,12 @@ def main() -> int:
         for note in apply_share():      # its cores, or its share of a GPU
             print(f"note: {note}", file=sys.stderr)
         job = read_job(workdir)
+        if job.check_of:    # a check of another replica's answers (answer_check.py)
+            from gpumarket.provider.runners.answer_check import run_check
+            from gpumarket.provider.runners.report import Reporter
+
+            run_check(job, workdir, Reporter())
+            return 0
         began = time.perf_counter()
         print("loading the model", flush=True)
         engine = load_engine(job, workdir)
