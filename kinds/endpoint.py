@@ -152,6 +152,12 @@ def settings(values: dict[str, Any]) -> dict[str, Any]:
             "engine": values["engine"], "dtype": values["dtype"]}
 
 
+def settings_of(spec_envelope: bytes) -> dict[str, Any]:
+    """An endpoint's settings (``settings``) from its stored signed spec."""
+    envelope = pb.Envelope.FromString(spec_envelope)
+    return settings(KIND.values_of(pb.JobSpec.FromString(envelope.payload)))
+
+
 KIND = Endpoint(
     name="endpoint", number=pb.JOB_KIND_ENDPOINT, runner="gpumarket.provider.runners.serve",
     sizing="inference", serves=True, verify="answers",

@@ -21,7 +21,7 @@ from gpumarket.broker.checks import verification
 from gpumarket.broker.jobs import transitions as jobs
 from gpumarket.broker.money import ledger
 from gpumarket.broker.store import blob_holdings
-from gpumarket.kinds.endpoint import ANSWERS
+from gpumarket.kinds.endpoint import ANSWERS, settings_of
 
 OWNER = "broker"        # whose the sample blobs are (the broker wrote them)
 UNCHECKED_NOTE_MS = 3_600_000   # how often an endpoint's events say a replica went unchecked
@@ -106,8 +106,6 @@ def check_window(db: Database, policy: verification.Policy, job: dict, lease: di
 
 
 def _dtype(db: Database, top: dict) -> str:
-    from gpumarket.broker.serving.endpoints import settings_of
-
     return settings_of(top["spec"]).get("dtype", "")
 
 

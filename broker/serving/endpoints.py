@@ -12,7 +12,6 @@ import secrets
 
 from sqlite_utils import Database
 
-from gpumarket import kinds
 from gpumarket.broker.checks import answers
 from gpumarket.broker.checks.policy import OFF
 from gpumarket.broker.jobs import endings
@@ -32,13 +31,7 @@ CRASH_PROVIDERS = 2     # ... this many providers: the endpoint fails
 STEER_WINDOW_S = 3600   # how long a provider's failures of an endpoint's replicas steer them
 
 
-def settings_of(spec_envelope: bytes) -> dict:
-    """The endpoint's settings (kinds/endpoint.py) from its stored signed spec."""
-    envelope = pb.Envelope()
-    envelope.ParseFromString(spec_envelope)
-    spec = pb.JobSpec()
-    spec.ParseFromString(envelope.payload)
-    return endpoint_kind.settings(kinds.get(KIND).values_of(spec))
+settings_of = endpoint_kind.settings_of    # the endpoint's settings from its stored spec
 
 
 def check_name(db: Database, client_id: str, name: str) -> None:
