@@ -107,6 +107,38 @@ def test_the_fewest_leases_losing_the_least_work_yield():
     assert preemption.choose(book, needs("s", gpus=2), leases) == [leases[2]]
 
 
+def sliced(pid: str = "p1", busy=frozenset({1, 2})) -> list[OfferView]:
+    """A provider offering card 0 whole and as two slices (1 and 2): its two views, as
+    offers.offer_views makes them."""
+    cards = ((0, None), (1, 0), (2, 0))
+    whole = dataclasses.replace(offer(pid), cards=cards, busy=frozenset(busy))
+    half = dataclasses.replace(whole, device_indices=(1, 2), price_per_gpu_hour=0.5,
+                               interruptible_price_per_gpu_hour=0.2,
+                               device_memory_bytes=2**33, flops=5e11, slices=True)
+    return [whole, half]
+
+
+def test_a_whole_card_frees_every_slice_lease_of_it_in_one_pass():
+    """Fixed: preemption read the whole-device view's free count, so a whole-card job
+    waiting on a card two slice leases hold freed one of them per pass (the card stayed
+    busy through the other)."""
+    leases = [held("a.1", devices=(1,), unsaved_ms=5_000),
+              held("b.1", devices=(2,), unsaved_ms=1_000)]
+    whole = dataclasses.replace(needs("s"), min_memory_bytes=2**34)   # more than a slice
+    chosen = preemption.choose(Book(sliced()), whole, leases)
+    assert sorted(x.lease_id for x in chosen) == ["a.1", "b.1"]
+    # A slice is enough: one slice lease yields, the one losing the least work.
+    assert preemption.choose(Book(sliced()), needs("s"), leases) == [leases[1]]
+    # A slice job where the card is leased whole: that lease yields.
+    card = [held("c.1", devices=(0,), unsaved_ms=9_000)]
+    assert preemption.choose(Book(sliced(busy={0})), needs("s"), card) == card
+    # One slice held by a standard lease (not in the list): the card cannot be freed, the
+    # other slice can.
+    only = [leases[0]]
+    assert preemption.choose(Book(sliced()), whole, only) == []
+    assert preemption.choose(Book(sliced()), needs("s"), only) == only
+
+
 # -- PREEMPTED on the broker's store -----------------------------------------------------------
 
 @pytest.fixture

@@ -415,11 +415,24 @@ class Book:
     def fitting(self, job: JobNeeds) -> set[str]:
         """The providers whose offers could run ``job`` if enough of their devices were
         free (every constraint but free devices and the deadline)."""
+        return {self.offers[i].provider_id for i in self.fitting_views(job)}
+
+    def fitting_views(self, job: JobNeeds) -> list[int]:
+        """The offers (views: a provider's whole devices, its slices) that could run ``job``
+        if enough of their devices were free."""
         static, _ = self._static_masks(job)
         mask = static & (self.count >= max(1, job.gpus))
         if job.exclude:
             mask &= self._excluded(job)
-        return {self.offers[i].provider_id for i in np.flatnonzero(mask)}
+        return [int(i) for i in np.flatnonzero(mask)]
+
+    def leased_on(self, i: int) -> set[int]:
+        """The devices of offer ``i``'s provider leased now (those of every view of a
+        provider offering slices; of this view otherwise)."""
+        pid = self.offers[i].provider_id
+        if pid in self.leased:
+            return set(self.leased[pid])
+        return set(self.offers[i].device_indices) - set(self.free_devices[i])
 
     def exclusions(self, job: JobNeeds) -> Counter:
         """How many offers each constraint excludes (first failing constraint counted)."""
