@@ -488,3 +488,96 @@ def test_a_leased_job_is_timed_on_the_provider_running_it(tmp_path):
         asyncio.run(scenario())
     finally:
         store.close()
+
+
+def test_an_interruptible_job_is_leased_only_where_it_meets_its_deadline(tmp_path):
+    """Fixed (bench/tiers.py: jobs waited for devices, then got a slow provider whose run time
+    was already past the deadline): an interruptible job's deadline was weighed only when
+    its objective was ``deadline``; now, whatever its objective, placement leaves out the
+    offers on which its calibrated time (x MARGIN + SLACK_S: the rule that promotes it) does
+    not fit before the deadline."""
+    from gpumarket.broker.market import deadlines, placement
+    from gpumarket.proto.jobspec import now_ms
+
+    store = Store(tmp_path / "broker.db")
+    store.open()
+    # 1e13 FLOPs: about 30,000 s calibrated on p1 (1e9 FLOP/s, the cheaper), 300 s on p2.
+    slow = dataclasses.replace(offer("p1", 0.5, 0.2), claimed_flops=1e9, flops=1e9)
+    fast = dataclasses.replace(offer("p2", 1.0, 0.4), claimed_flops=1e11, flops=1e11)
+
+    def book(busy_fast: bool) -> Book:
+        return Book([slow, dataclasses.replace(fast, busy=frozenset({0}) if busy_fast
+                                               else frozenset())])
+
+    def passes(busy_fast: bool):
+        b = book(busy_fast)
+        queued = asyncio.run(store.read(placement.read_queue, b, now_ms()))
+        return queued, placement.plan(queued, b, {}, {"p1", "p2"}, 60_000)
+
+    try:
+        asyncio.run(store.write(ledger.credit, "ca", 10**8, "client", "", "op", "k", 1))
+        job = new_job("late", "ca", 20_000_000, True)
+        asyncio.run(store.write(jobs.submit, dataclasses.replace(job, needs=dataclasses.replace(
+            job.needs, tier="interruptible", deadline_s=20_000, work_flops=1e13)), now_ms()))
+        queued, p = passes(busy_fast=True)
+        assert queued[0].needs.too_slow == frozenset({0})       # p1's view
+        # It waits for p2 (busy) rather than take p1, the cheapest but late from the start.
+        assert p.leases == [] and "not expected to finish before the deadline" \
+            in p.reasons["late"]
+        assert [job.id for job, _ in p.blocked] == ["late"]
+        _, p = passes(busy_fast=False)
+        assert [x.terms.provider_id for x in p.leases] == ["p2"]
+        # Nothing to weigh for a job without a deadline, or one of another tier.
+        assert deadlines.too_slow(None, book(True), None, dataclasses.replace(
+            queued[0].needs, deadline_s=0)) == frozenset()
+        assert deadlines.too_slow(None, book(True), None, dataclasses.replace(
+            queued[0].needs, tier="standard")) == frozenset()
+    finally:
+        store.close()
+
+
+def test_a_deadline_no_offer_could_meet_is_refused_at_submission(tmp_path):
+    """An interruptible job whose deadline is shorter than its calibrated time on the
+    fastest offer that fits it is refused (FailedPrecondition, one line, nothing written);
+    a deadline some offer can meet is admitted, and so is any deadline while no offer fits
+    (it waits, as any job)."""
+    import grpc
+
+    from gpumarket.broker.market import providers
+    from gpumarket.proto.envelope import open_envelope, seal
+    from gpumarket.proto.identity import Identity
+
+    from tests.helpers import signed_offer, training_job
+    from tests.servicers import Refused, Servicers
+
+    broker = Servicers(tmp_path / "broker")
+    try:
+        alice = Identity.generate()
+        broker.credit(alice, 10_000)
+
+        def spec(name: str, deadline: str):
+            return broker.spec(alice, training_job(
+                tmp_path / f"{name}.toml", steps=3000,
+                extra=f'tier = "interruptible"\ndeadline = "{deadline}"'))
+
+        broker.submit(alice, spec("alone", "1s"))      # no offer yet: queued, it waits
+        provider = Identity.generate()
+        offer = signed_offer(provider, flops=1e6)       # a very slow CPU: hours for it
+        parsed, _ = open_envelope(offer, pb.Offer)
+        broker.write(providers.online, provider.id, provider.public_key, 1)
+        broker.write(providers.store_offer, provider.id, offer.SerializeToString(), parsed, 1)
+        session = broker.state.sessions.open(provider.id)
+        session.offer, session.offer_envelope = parsed, seal(provider, parsed)
+        before = broker.counts()
+        with pytest.raises(Refused) as caught:
+            broker.submit(alice, spec("short", "60s"))
+        assert caught.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        assert caught.value.message.startswith("deadline: 60 s is too short: this job would"
+                                               " take about ")
+        assert "on the fastest offer that fits it" in caught.value.message
+        assert "\n" not in caught.value.message
+        assert broker.counts() == before
+        broker.submit(alice, spec("ample", "30d"))
+        assert broker.counts()["jobs"] == before["jobs"] + 1
+    finally:
+        broker.close()

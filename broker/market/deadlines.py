@@ -14,6 +14,7 @@ import json
 import logging
 
 from gpumarket.broker.jobs import preemption as rows
+from gpumarket.broker.market import calibration
 from gpumarket.broker.market import matcher
 from gpumarket.broker.market.admission import needs_of
 from gpumarket.broker.money import credit_holds
@@ -37,6 +38,33 @@ def due(left_s: float, remaining: float) -> bool:
     """Whether a job with ``left_s`` seconds before its deadline and ``remaining`` seconds
     of work must run as standard to finish in time."""
     return left_s < remaining * MARGIN + SLACK_S
+
+
+def too_slow(db, book: matcher.Book, job, needs: matcher.JobNeeds,
+             fitted: dict | None = None) -> frozenset[int]:
+    """The Book's offers (views) on which an interruptible ``job`` with a deadline would not
+    finish in time — its calibrated wall time there, for what it has left, times ``MARGIN``
+    plus ``SLACK_S``, does not fit before its deadline (``due``, the rule that promotes it):
+    placement leaves them out whatever its objective, so it is never leased where it is
+    late from the start. ``fitted``: calibration models by job kind, shared by one pass."""
+    if needs.tier != "interruptible" or needs.deadline_s <= 0:
+        return frozenset()
+    views = book.fitting_views(needs)
+    if not views:
+        return frozenset()
+    fitted = {} if fitted is None else fitted
+    models = fitted.get(needs.kind)
+    if models is None:
+        models = fitted[needs.kind] = calibration.models(
+            db, {o.provider_id: o.accelerator for o in book.offers}, needs.kind)
+    out = set()
+    for i in views:
+        view = book.offers[i]
+        seconds = models[view.provider_id].seconds(
+            credit_holds.raw_seconds(needs.work_flops, view, needs.gpus))
+        if due(needs.deadline_s, remaining_s(seconds, job.checkpoint_step, job.progress_total)):
+            out.add(i)
+    return frozenset(out)
 
 
 async def promote_due(state, book: matcher.Book) -> int:

@@ -29,6 +29,7 @@ from gpumarket.broker.jobs import arrays
 from gpumarket.broker.jobs import transitions
 from gpumarket.broker.jobs import views
 from gpumarket.broker.jobs.job import Job, LeaseTerms
+from gpumarket.broker.market import deadlines
 from gpumarket.broker.market import matcher
 from gpumarket.broker.market import preemption
 from gpumarket.broker.market import reliability
@@ -111,6 +112,7 @@ def read_queue(db: Database, book: matcher.Book, now: int,
     """The queued jobs (oldest first, at most ``limit``), each in its placement context, read
     in one transaction."""
     out = []
+    fitted: dict = {}       # calibration models by job kind, for the deadlines of this pass
     for job in views.queued_jobs(db, limit):
         avoid: frozenset[str] = frozenset()
         if job.attempt > 1:
@@ -132,6 +134,10 @@ def read_queue(db: Database, book: matcher.Book, now: int,
             failing, left_out = endpoints.steer(db, job.top_id, now)
             avoid, exclude = avoid | failing, exclude | left_out
         needs = needs_of(job, avoid, stored, exclude)
+        if stored.tier == "interruptible" and stored.deadline_s:
+            # Never leased where it would be late from the start, whatever its objective.
+            needs = dataclasses.replace(needs, too_slow=deadlines.too_slow(
+                db, book, job, needs, fitted))
         if job.sort == "check":
             needs = check_needs(db, book, job.id, needs, trusted_checkers)
         hold_left = None
