@@ -581,3 +581,43 @@ def test_a_deadline_no_offer_could_meet_is_refused_at_submission(tmp_path):
         assert broker.counts()["jobs"] == before["jobs"] + 1
     finally:
         broker.close()
+
+
+def test_a_job_waiting_for_several_devices_keeps_slack_for_the_wait(tmp_path):
+    """A queued interruptible job that a pass found no devices for, needing several at once,
+    keeps its own run (x MARGIN) again for the wait: promoted that much earlier (then it may
+    preempt). Fresh, leased, or of one device: the plain rule."""
+    from gpumarket.broker.market import deadlines
+    from gpumarket.proto.jobspec import now_ms
+
+    assert deadlines.wait_s(2, True, 1000) == 1000 * deadlines.MARGIN
+    assert deadlines.wait_s(1, True, 1000) == deadlines.wait_s(2, False, 1000) == 0.0
+    store = Store(tmp_path / "broker.db")
+    store.open()
+    state = SimpleNamespace(store=store)
+
+    async def scenario():
+        await store.write(ledger.credit, "ca", 10**8, "client", "", "op", "k", 1)
+        # 1e12 FLOPs on two devices of 1e9 FLOP/s: 500 s raw, ~1506 s calibrated; due at
+        # 2319 s left, 4578 s waiting for two devices. 3000 s to the deadline.
+        for job_id, gpus in (("pair", 2), ("fresh", 2), ("one", 1)):
+            job = new_job(job_id, "ca", 20_000_000, True, gpus=gpus)
+            work = 1e12 if gpus == 2 else 5e11
+            await store.write(jobs.submit, dataclasses.replace(job, needs=dataclasses.replace(
+                job.needs, tier="interruptible", deadline_s=3000, work_flops=work)), now_ms())
+        await store.write(jobs.set_queue_reasons, {
+            "pair": "waiting: of 1 offers, 1 are busy with other jobs",
+            "one": "waiting: of 1 offers, 1 are busy with other jobs"}, now_ms())
+        book = Book([dataclasses.replace(offer("p1", devices=2, busy=frozenset({0, 1})),
+                                         claimed_flops=1e9, flops=1e9)])
+        assert await deadlines.promote_due(state, book) == 1
+        for job_id, tier in (("pair", "standard"), ("fresh", "interruptible"),
+                             ("one", "interruptible")):
+            assert f'"tier": "{tier}"' in (await store.read(jobs.job_row, job_id))["needs"]
+        events = await store.read(views.events_after, "pair", 0)
+        assert "to wait for 2 devices" in events[-1].message
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        store.close()

@@ -34,10 +34,21 @@ def remaining_s(wall_s: float, done_steps: int, total_steps: int) -> float:
     return wall_s * max(0.0, 1.0 - min(done_steps, total_steps) / total_steps)
 
 
-def due(left_s: float, remaining: float) -> bool:
+def due(left_s: float, remaining: float, wait_s: float = 0.0) -> bool:
     """Whether a job with ``left_s`` seconds before its deadline and ``remaining`` seconds
-    of work must run as standard to finish in time."""
-    return left_s < remaining * MARGIN + SLACK_S
+    of work (and ``wait_s`` to wait for its devices first) must run as standard to finish
+    in time."""
+    return left_s < remaining * MARGIN + SLACK_S + wait_s
+
+
+def wait_s(gpus: int, waiting: bool, remaining: float) -> float:
+    """The wait a job keeps slack for before it runs: none unless it is ``waiting`` (queued,
+    and a placement pass found it no device: its queue_reason says why) for several devices
+    at once on one provider (one device turns free often); such a job may wait as long as a
+    job like it runs, so it keeps its own run (``remaining`` x MARGIN) again — promoted that
+    much earlier, it may then preempt the interruptible leases that hold the devices it
+    waits for."""
+    return remaining * MARGIN if waiting and gpus > 1 else 0.0
 
 
 def too_slow(db, book: matcher.Book, job, needs: matcher.JobNeeds,
@@ -106,8 +117,10 @@ def due_jobs(db, book: matcher.Book) -> list[tuple[str, str, float | None]]:
             found = [book.estimate(needs, i)]
         timed = credit_holds.timed(db, book, needs, found)
         left = remaining_s(timed[0].seconds, job.checkpoint_step, job.progress_total)
-        if due(needs.deadline_s, left):
+        wait = wait_s(needs.gpus, not job.lease_id and bool(job.queue_reason), left)
+        if due(needs.deadline_s, left, wait):
             why = (f"{needs.deadline_s:.0f} s left before its deadline, about {left:.0f} s of"
-                   f" work left ({timed[0].basis}; x{MARGIN:g} + {SLACK_S:.0f} s)")
+                   f" work left ({timed[0].basis}; x{MARGIN:g} + {SLACK_S:.0f} s")
+            why += f" + {wait:.0f} s to wait for {needs.gpus} devices)" if wait else ")"
             out.append((job.id, why, lease_price))
     return out
