@@ -198,7 +198,7 @@ class Sim:
         self.late_checkpoints = 0                # preemption checkpoints past grace + timeout
         store = Store(root / "broker.db")
         store.open()
-        config = BrokerConfig(data_dir=root)
+        config = BrokerConfig(data_dir=root, serving_reserve=args.serving_reserve)
         self.state = BrokerState(config=config, identity=Identity.generate(), store=store,
                                  artifacts=ArtifactStore(root / "artifacts", 2**30))
         self.passes = 0
@@ -827,6 +827,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--cold-start", type=float, default=40.0,
                         help="a serving replica's cold start, seconds (the target's base)")
+    parser.add_argument("--serving-reserve", type=int, default=12,
+                        help="the broker's serving_reserve: devices standard jobs leave free"
+                             " or interruptible for replicas (12: the largest spike; 0: none)")
     parser.add_argument("--ignore-share", type=float, default=0.05,
                         help="share of jobs that ignore a preemption's checkpoint request")
     parser.add_argument("--quick", action="store_true",

@@ -147,14 +147,27 @@ def read_queue(db: Database, book: matcher.Book, now: int,
     return out
 
 
+def spare_devices(book: matcher.Book, interruptible: int) -> int:
+    """Devices a replica could have now or within a checkpoint: the whole devices free in
+    ``book`` and the ``interruptible`` ones interruptible leases hold."""
+    return int(sum(book.free[i] for i in book.index.values())) + interruptible
+
+
 def plan(queued: list[Queued], book: matcher.Book, running: dict[str, int],
-         online: Collection[str], accept_within_ms: int) -> Plan:
+         online: Collection[str], accept_within_ms: int, reserve: int = 0,
+         interruptible: int = 0) -> Plan:
     """Decide one pass: which queued jobs are leased where, on what terms. Higher tiers
     first (serving, standard, interruptible), each in fair order, so that devices an
     interruptible lease gave back go to the job it yielded to. ``book`` is taken from as the
     plan places (its devices are the plan's); ``online``: the providers with a session now.
-    Reads no store: everything it weighs is in ``queued``."""
+    Reads no store: everything it weighs is in ``queued``.
+
+    ``reserve`` (config serving_reserve): a standard job is leased devices, or preempts
+    interruptible leases for them, only while ``reserve`` devices stay free or held by
+    interruptible leases (``interruptible``: how many they hold now) — what an endpoint's
+    replicas take at once under a spike, with no standard job's end to wait for."""
     out = Plan()
+    spare = spare_devices(book, interruptible) if reserve else 0
     placed: dict[str, set[str]] = defaultdict(set)     # top job: providers of its planned rows
     by_id = {q.job.id: q for q in queued}
     ordered = sorted(fair_order([q.job for q in queued], running),
@@ -165,6 +178,13 @@ def plan(queued: list[Queued], book: matcher.Book, running: dict[str, int],
         if job.parent_id and placed[job.parent_id]:
             # A sibling planned in this pass is busy there now, as one leased before is.
             needs = dataclasses.replace(needs, avoid=needs.avoid | placed[job.parent_id])
+        held_back = reserve and q.stored.tier == "standard" and spare - needs.gpus < reserve
+        if held_back:
+            reason = (f"waiting: {reserve} devices are kept free or interruptible for endpoint"
+                      f" replicas ({spare} are)")
+            if reason != job.queue_reason:
+                out.reasons[job.id] = reason
+            continue
         placement, excluded = book.place(needs)
         if placement is None:
             reason = matcher.explain(excluded, len(book))
@@ -172,6 +192,8 @@ def plan(queued: list[Queued], book: matcher.Book, running: dict[str, int],
                 out.reasons[job.id] = reason
             if "busy" in excluded:
                 out.blocked.append((job, needs))
+                if q.stored.tier != "interruptible":
+                    spare -= needs.gpus         # what it preempts is no longer spare
             continue
         if placement.provider_id not in online:
             continue
@@ -196,6 +218,8 @@ def plan(queued: list[Queued], book: matcher.Book, running: dict[str, int],
             raw_runtime_s=credit_holds.raw_seconds(q.stored.work_flops, offer, q.stored.gpus),
             accelerator=offer.accelerator)
         out.leases.append(PlannedLease(job, terms, placement.estimate, q.stored.objective))
+        if q.stored.tier != "interruptible":
+            spare -= len(placement.device_indices)
         if job.parent_id:
             placed[job.parent_id].add(placement.provider_id)
     return out
