@@ -5,6 +5,11 @@ its steps not checkpointed yet, times ``MARGIN``, plus ``SLACK_S`` — is moved 
 tier, so that it is not preempted, and pays the standard price from then on: a running lease
 from its last checkpoint (a job whose max_price is below that price stays interruptible).
 Interruptible is cheaper and still on time.
+
+The same estimate keeps it off the offers where it would be late from the start
+(``too_slow``: placement, whatever its objective), and keeps slack for the wait of a queued
+job needing several devices (``wait_s``); admission refuses a deadline no offer could meet
+even now (admission.check_deadline). The rules: docs/tiers.md.
 """
 
 from __future__ import annotations
