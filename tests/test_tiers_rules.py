@@ -585,12 +585,12 @@ def test_a_deadline_no_offer_could_meet_is_refused_at_submission(tmp_path):
 
 def test_a_job_waiting_for_several_devices_keeps_slack_for_the_wait(tmp_path):
     """A queued interruptible job that a pass found no devices for, needing several at once,
-    keeps its own run (x MARGIN) again for the wait: promoted that much earlier (then it may
+    keeps half its run again for the wait: promoted that much earlier (then it may
     preempt). Fresh, leased, or of one device: the plain rule."""
     from gpumarket.broker.market import deadlines
     from gpumarket.proto.jobspec import now_ms
 
-    assert deadlines.wait_s(2, True, 1000) == 1000 * deadlines.MARGIN
+    assert deadlines.wait_s(2, True, 1000) == 1000 * deadlines.WAIT_SHARE
     assert deadlines.wait_s(1, True, 1000) == deadlines.wait_s(2, False, 1000) == 0.0
     store = Store(tmp_path / "broker.db")
     store.open()
@@ -599,7 +599,7 @@ def test_a_job_waiting_for_several_devices_keeps_slack_for_the_wait(tmp_path):
     async def scenario():
         await store.write(ledger.credit, "ca", 10**8, "client", "", "op", "k", 1)
         # 1e12 FLOPs on two devices of 1e9 FLOP/s: 500 s raw, ~1506 s calibrated; due at
-        # 2319 s left, 4578 s waiting for two devices. 3000 s to the deadline.
+        # 2319 s left, 3072 s waiting for two devices. 3000 s to the deadline.
         for job_id, gpus in (("pair", 2), ("fresh", 2), ("one", 1)):
             job = new_job(job_id, "ca", 20_000_000, True, gpus=gpus)
             work = 1e12 if gpus == 2 else 5e11

@@ -51,6 +51,7 @@ class Needs:
     verify_rate: float = 0.0            # share of segments to check at least (verify)
     tier: str = "standard"              # "standard", "interruptible" or "serving" (endpoints)
     preemptible: bool = False           # interruptible without checkpoints: restarts accepted
+    promoted: bool = False              # moved from interruptible to standard by its deadline
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)

@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 
 MARGIN = 1.5        # the estimate's error, and a preemption's lost interval and restart
 SLACK_S = 60.0      # a lease's start and its last upload
+WAIT_SHARE = 0.5    # of its remaining run: the slack a job waiting for several devices keeps
 
 
 def remaining_s(wall_s: float, done_steps: int, total_steps: int) -> float:
@@ -53,7 +54,7 @@ def wait_s(gpus: int, waiting: bool, remaining: float) -> float:
     job like it runs, so it keeps its own run (``remaining`` x MARGIN) again — promoted that
     much earlier, it may then preempt the interruptible leases that hold the devices it
     waits for."""
-    return remaining * MARGIN if waiting and gpus > 1 else 0.0
+    return remaining * WAIT_SHARE if waiting and gpus > 1 else 0.0
 
 
 def too_slow(db, book: matcher.Book, job, needs: matcher.JobNeeds,

@@ -165,7 +165,8 @@ def plan(queued: list[Queued], book: matcher.Book, running: dict[str, int],
     ``reserve`` (config serving_reserve): a standard job is leased devices, or preempts
     interruptible leases for them, only while ``reserve`` devices stay free or held by
     interruptible leases (``interruptible``: how many they hold now) — what an endpoint's
-    replicas take at once under a spike, with no standard job's end to wait for."""
+    replicas take at once under a spike, with no standard job's end to wait for. A job its
+    deadline promoted to standard is not held back."""
     out = Plan()
     spare = spare_devices(book, interruptible) if reserve else 0
     placed: dict[str, set[str]] = defaultdict(set)     # top job: providers of its planned rows
@@ -178,7 +179,9 @@ def plan(queued: list[Queued], book: matcher.Book, running: dict[str, int],
         if job.parent_id and placed[job.parent_id]:
             # A sibling planned in this pass is busy there now, as one leased before is.
             needs = dataclasses.replace(needs, avoid=needs.avoid | placed[job.parent_id])
-        held_back = reserve and q.stored.tier == "standard" and spare - needs.gpus < reserve
+        # (a job its deadline promoted is not held back: it is standard to be on time)
+        held_back = reserve and q.stored.tier == "standard" and not q.stored.promoted \
+            and spare - needs.gpus < reserve
         if held_back:
             reason = (f"waiting: {reserve} devices are kept free or interruptible for endpoint"
                       f" replicas ({spare} are)")
