@@ -130,6 +130,12 @@ def test_standard_jobs_leave_the_serving_reserve_free_or_interruptible():
     # Two devices held by interruptible leases count as spare: s2 is leased too.
     p = plan(jobs(), [offer("p", n=4)], reserve=2, interruptible=2)
     assert sorted(x.job.id for x in p.leases) == ["i", "r", "s1", "s2"]
+    # A job its deadline promoted to standard is not held back: it is standard to be on time.
+    promoted = jobs()
+    promoted[1] = queued(job("s2", created=2), promoted=True)
+    p = plan(promoted, [offer("p", n=4)], reserve=2)
+    assert sorted(x.job.id for x in p.leases) == ["i", "r", "s1", "s2"]
+    assert "s2" not in p.reasons
     # No reserve (the default): first come, first served, as before.
     p = plan(jobs(), [offer("p", n=4)])
     assert sorted(x.job.id for x in p.leases) == ["i", "r", "s1", "s2"]
