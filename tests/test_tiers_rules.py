@@ -313,6 +313,36 @@ def test_the_scheduler_preempts_for_a_waiting_standard_job_once(tmp_path):
         store.close()
 
 
+def test_a_replica_preempts_a_second_lease_and_takes_the_first_to_yield(tmp_path):
+    """A replica under a spike waits for the first of two interruptible leases to yield,
+    not for the slower (bench/tiers.py: its long waits were one job's big checkpoint on a
+    slow uplink, or a job letting its grace run out); a standard job preempts one."""
+    store = Store(tmp_path / "broker.db")
+    store.open()
+    session = Session()
+    state = SimpleNamespace(store=store, config=SimpleNamespace(preempt_grace_s=30.0),
+                            sessions=SimpleNamespace(get=lambda pid: session))
+
+    async def scenario():
+        await store.write(ledger.credit, "ca", 10**8, "client", "", "op", "k", 1)
+        for job_id in ("i1", "i2", "i3"):
+            job = new_job(job_id, "ca", 20_000_000, True)
+            await store.write(jobs.submit, dataclasses.replace(
+                job, needs=dataclasses.replace(job.needs, tier="interruptible")), 1)
+        for job_id, provider in (("i1", "p1"), ("i2", "p2"), ("i3", "p3")):
+            await store.write(jobs.create_lease, LeaseTerms(job_id, provider, (0,), 0.4,
+                                                            60_000, 10), 2, sign)
+        book = Book([offer(p, busy=frozenset({0})) for p in ("p1", "p2", "p3")])
+        assert await preemption.preempt_for_waiting(state, book, [needs("r", "serving")]) == 2
+        assert await preemption.preempt_for_waiting(state, book, [needs("s", "standard")]) == 1
+        assert len(session.sent) == 3
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        store.close()
+
+
 # -- what a spec may say -----------------------------------------------------------------------
 
 def spec(**fields) -> pb.JobSpec:
@@ -527,6 +557,14 @@ def test_an_interruptible_job_is_leased_only_where_it_meets_its_deadline(tmp_pat
         assert [job.id for job, _ in p.blocked] == ["late"]
         _, p = passes(busy_fast=False)
         assert [x.terms.provider_id for x in p.leases] == ["p2"]
+        # Promoted to standard, it is weighed the same (bench/tiers.py: promoted jobs went to
+        # the cheapest offer, however slow, and missed).
+        standard = dataclasses.replace(queued[0].needs, tier="standard")
+        assert asyncio.run(store.read(deadlines.too_slow, book(True), queued[0].job,
+                                      standard, None, True)) == frozenset({0})
+        # Every offer that fits too slow: none left out, it runs where it can.
+        assert asyncio.run(store.read(deadlines.too_slow, Book([slow]), queued[0].job,
+                                      queued[0].needs)) == frozenset()
         # Nothing to weigh for a job without a deadline, or one of another tier.
         assert deadlines.too_slow(None, book(True), None, dataclasses.replace(
             queued[0].needs, deadline_s=0)) == frozenset()
@@ -581,43 +619,3 @@ def test_a_deadline_no_offer_could_meet_is_refused_at_submission(tmp_path):
         assert broker.counts()["jobs"] == before["jobs"] + 1
     finally:
         broker.close()
-
-
-def test_a_job_waiting_for_several_devices_keeps_slack_for_the_wait(tmp_path):
-    """A queued interruptible job that a pass found no devices for, needing several at once,
-    keeps half its run again for the wait: promoted that much earlier (then it may
-    preempt). Fresh, leased, or of one device: the plain rule."""
-    from gpumarket.broker.market import deadlines
-    from gpumarket.proto.jobspec import now_ms
-
-    assert deadlines.wait_s(2, True, 1000) == 1000 * deadlines.WAIT_SHARE
-    assert deadlines.wait_s(1, True, 1000) == deadlines.wait_s(2, False, 1000) == 0.0
-    store = Store(tmp_path / "broker.db")
-    store.open()
-    state = SimpleNamespace(store=store)
-
-    async def scenario():
-        await store.write(ledger.credit, "ca", 10**8, "client", "", "op", "k", 1)
-        # 1e12 FLOPs on two devices of 1e9 FLOP/s: 500 s raw, ~1506 s calibrated; due at
-        # 2319 s left, 3072 s waiting for two devices. 3000 s to the deadline.
-        for job_id, gpus in (("pair", 2), ("fresh", 2), ("one", 1)):
-            job = new_job(job_id, "ca", 20_000_000, True, gpus=gpus)
-            work = 1e12 if gpus == 2 else 5e11
-            await store.write(jobs.submit, dataclasses.replace(job, needs=dataclasses.replace(
-                job.needs, tier="interruptible", deadline_s=3000, work_flops=work)), now_ms())
-        await store.write(jobs.set_queue_reasons, {
-            "pair": "waiting: of 1 offers, 1 are busy with other jobs",
-            "one": "waiting: of 1 offers, 1 are busy with other jobs"}, now_ms())
-        book = Book([dataclasses.replace(offer("p1", devices=2, busy=frozenset({0, 1})),
-                                         claimed_flops=1e9, flops=1e9)])
-        assert await deadlines.promote_due(state, book) == 1
-        for job_id, tier in (("pair", "standard"), ("fresh", "interruptible"),
-                             ("one", "interruptible")):
-            assert f'"tier": "{tier}"' in (await store.read(jobs.job_row, job_id))["needs"]
-        events = await store.read(views.events_after, "pair", 0)
-        assert "to wait for 2 devices" in events[-1].message
-
-    try:
-        asyncio.run(scenario())
-    finally:
-        store.close()

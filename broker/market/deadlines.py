@@ -6,10 +6,10 @@ tier, so that it is not preempted, and pays the standard price from then on: a r
 from its last checkpoint (a job whose max_price is below that price stays interruptible).
 Interruptible is cheaper and still on time.
 
-The same estimate keeps it off the offers where it would be late from the start
-(``too_slow``: placement, whatever its objective), and keeps slack for the wait of a queued
-job needing several devices (``wait_s``); admission refuses a deadline no offer could meet
-even now (admission.check_deadline). The rules: docs/tiers.md.
+The same estimate keeps it off the offers where it would be late from the start, before
+and after its promotion (``too_slow``: placement, whatever its objective); admission
+refuses a deadline no offer could meet even now (admission.check_deadline). The rules:
+docs/tiers.md.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ log = logging.getLogger(__name__)
 
 MARGIN = 1.5        # the estimate's error, and a preemption's lost interval and restart
 SLACK_S = 60.0      # a lease's start and its last upload
-WAIT_SHARE = 0.5    # of its remaining run: the slack a job waiting for several devices keeps
 
 
 def remaining_s(wall_s: float, done_steps: int, total_steps: int) -> float:
@@ -40,31 +39,23 @@ def remaining_s(wall_s: float, done_steps: int, total_steps: int) -> float:
     return wall_s * max(0.0, 1.0 - min(done_steps, total_steps) / total_steps)
 
 
-def due(left_s: float, remaining: float, wait_s: float = 0.0) -> bool:
+def due(left_s: float, remaining: float) -> bool:
     """Whether a job with ``left_s`` seconds before its deadline and ``remaining`` seconds
-    of work (and ``wait_s`` to wait for its devices first) must run as standard to finish
-    in time."""
-    return left_s < remaining * MARGIN + SLACK_S + wait_s
-
-
-def wait_s(gpus: int, waiting: bool, remaining: float) -> float:
-    """The wait a job keeps slack for before it runs: none unless it is ``waiting`` (queued,
-    and a placement pass found it no device: its queue_reason says why) for several devices
-    at once on one provider (one device turns free often); such a job may wait as long as a
-    job like it runs, so it keeps its own run (``remaining`` x MARGIN) again — promoted that
-    much earlier, it may then preempt the interruptible leases that hold the devices it
-    waits for."""
-    return remaining * WAIT_SHARE if waiting and gpus > 1 else 0.0
+    of work must run as standard to finish in time."""
+    return left_s < remaining * MARGIN + SLACK_S
 
 
 def too_slow(db, book: matcher.Book, job, needs: matcher.JobNeeds,
-             fitted: dict | None = None) -> frozenset[int]:
+             fitted: dict | None = None, promoted: bool = False) -> frozenset[int]:
     """The Book's offers (views) on which an interruptible ``job`` with a deadline would not
     finish in time — its calibrated wall time there, for what it has left, times ``MARGIN``
     plus ``SLACK_S``, does not fit before its deadline (``due``, the rule that promotes it):
     placement leaves them out whatever its objective, so it is never leased where it is
-    late from the start. ``fitted``: calibration models by job kind, shared by one pass."""
-    if needs.tier != "interruptible" or needs.deadline_s <= 0:
+    late from the start. A job its deadline promoted to standard is weighed the same (or
+    the cheapest offer takes it, however slow). Where every offer that fits is too slow,
+    none is left out: it runs where it can (promoted first where its price allows).
+    ``fitted``: calibration models by job kind, shared by one pass."""
+    if needs.tier != "interruptible" and not promoted or needs.deadline_s <= 0:
         return frozenset()
     views = book.fitting_views(needs)
     if not views:
@@ -81,7 +72,7 @@ def too_slow(db, book: matcher.Book, job, needs: matcher.JobNeeds,
             credit_holds.raw_seconds(needs.work_flops, view, needs.gpus))
         if due(needs.deadline_s, remaining_s(seconds, job.checkpoint_step, job.progress_total)):
             out.add(i)
-    return frozenset(out)
+    return frozenset(out) if len(out) < len(views) else frozenset()
 
 
 async def promote_due(state, book: matcher.Book) -> int:
@@ -123,10 +114,8 @@ def due_jobs(db, book: matcher.Book) -> list[tuple[str, str, float | None]]:
             found = [book.estimate(needs, i)]
         timed = credit_holds.timed(db, book, needs, found)
         left = remaining_s(timed[0].seconds, job.checkpoint_step, job.progress_total)
-        wait = wait_s(needs.gpus, not job.lease_id and bool(job.queue_reason), left)
-        if due(needs.deadline_s, left, wait):
+        if due(needs.deadline_s, left):
             why = (f"{needs.deadline_s:.0f} s left before its deadline, about {left:.0f} s of"
-                   f" work left ({timed[0].basis}; x{MARGIN:g} + {SLACK_S:.0f} s")
-            why += f" + {wait:.0f} s to wait for {needs.gpus} devices)" if wait else ")"
+                   f" work left ({timed[0].basis}; x{MARGIN:g} + {SLACK_S:.0f} s)")
             out.append((job.id, why, lease_price))
     return out

@@ -25,6 +25,7 @@ from gpumarket.proto.v1 import gateway_pb2 as gw
 log = logging.getLogger(__name__)
 
 TIER_RANK = {"serving": 0, "standard": 1, "interruptible": 2}   # placed in this order
+SERVING_BACKUP = True   # a replica preempts a second set of leases, the first to yield its
 
 
 def outranks(tier: str) -> bool:
@@ -123,6 +124,12 @@ async def preempt_for_waiting(state, book: matcher.Book,
         if job.job_id in served:
             continue        # leases yield to it already: it is placed when they have
         chosen = choose(book, job, leases)
+        if chosen and job.tier == "serving" and SERVING_BACKUP:
+            # A replica waits for the first of two to yield, not for the slower of them (a
+            # big checkpoint on a slow uplink, a job that lets its grace run out): the
+            # other's device goes to the next job waiting, the spike's next replica first.
+            rest = [x for x in leases if x not in chosen]
+            chosen = chosen + choose(book, job, rest)
         for lease in chosen:
             ended = await state.store.write(rows.preempt, lease.lease_id, job.job_id, job.tier,
                                             grace, now)
