@@ -29,13 +29,17 @@ What is simulated, and what each assumption is:
   updates reach (``jobs.mark_started``, ``record_progress``, ``record_checkpoint``,
   ``preemption.release``, ``jobs.succeed``; ``endpoints.add_replica``, ``retire``,
   ``mark_ready``, ``settle_running``). A pass runs after every change and every 60 s while
-  jobs wait (the real loop: every 1 s). Spot checks are off (their own benchmark).
+  jobs wait (the real loop: every 1 s). Spot checks are off (their own benchmark). The
+  broker keeps a serving reserve of ``--serving-reserve`` devices (12, the largest spike;
+  config serving_reserve, docs/tiers.md): standard jobs leave that many free or
+  interruptible.
 - **Cold start** of a serving replica (``--cold-start``, 40 s): an 8B model in bf16 (16 GB)
   read from the provider's cache at about 2 GB/s, plus an engine's start-up (CUDA graphs,
   KV cache sizing) of about half a minute. A replica's wait is queued to leased, read from
   the job events; the target is that wait's p99 during spikes <= cold start + 5 s.
 
     .venv/bin/python bench/tiers.py [--days 7] [--providers 20] [--seed 1] [--quick]
+                                    [--serving-reserve 12]
 
 Prints its figures; the last line is one JSON object: interruptible_cost_ratio,
 deadlines_met, lost_intervals_per_preemption, serving_wait_p99_s, the counts and
@@ -198,7 +202,7 @@ class Sim:
         self.late_checkpoints = 0                # preemption checkpoints past grace + timeout
         store = Store(root / "broker.db")
         store.open()
-        config = BrokerConfig(data_dir=root)
+        config = BrokerConfig(data_dir=root, serving_reserve=args.serving_reserve)
         self.state = BrokerState(config=config, identity=Identity.generate(), store=store,
                                  artifacts=ArtifactStore(root / "artifacts", 2**30))
         self.passes = 0
@@ -827,6 +831,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--cold-start", type=float, default=40.0,
                         help="a serving replica's cold start, seconds (the target's base)")
+    parser.add_argument("--serving-reserve", type=int, default=12,
+                        help="the broker's serving_reserve: devices standard jobs leave free"
+                             " or interruptible for replicas (12: the largest spike; 0: none)")
     parser.add_argument("--ignore-share", type=float, default=0.05,
                         help="share of jobs that ignore a preemption's checkpoint request")
     parser.add_argument("--quick", action="store_true",

@@ -17,6 +17,8 @@ class BrokerConfig:
     max_attempts: int = 5                  # leases a job may lose before it fails
     preempt_grace_s: float = 60.0          # a preempted lease has this long to checkpoint
                                            # and stop (then it ends PREEMPTED all the same)
+    serving_reserve: int = 0               # devices standard jobs leave free or interruptible,
+                                           # for endpoint replicas under a spike (docs/tiers.md)
     artifact_grace_s: float = 24 * 3600    # unreferenced blobs older than this are deleted
     gc_interval_s: float = 60.0            # how often to look for them
     max_artifact_bytes: int = 64 << 30     # largest blob accepted
@@ -136,6 +138,7 @@ lease_timeout = 15.0               # seconds without heartbeats before a lease i
 heartbeat_interval = 3.0           # seconds between provider heartbeats
 max_attempts = 5                   # leases a job may lose before it fails
 preempt_grace = 60                 # seconds a preempted interruptible lease has to checkpoint
+serving_reserve = 0                # devices standard jobs leave free or interruptible (for replicas)
 artifact_grace = 86400.0           # seconds an unreferenced blob is kept
 max_artifact_gib = 64              # largest blob accepted, GiB
 # Key ids (`gpumarket keys show`) that may run the admin commands (providers, jobs, ban,
@@ -194,6 +197,7 @@ KEYS = {
     "heartbeat_interval": ("heartbeat_interval_s", float, None),
     "max_attempts": ("max_attempts", int, None),
     "preempt_grace": ("preempt_grace_s", float, None),
+    "serving_reserve": ("serving_reserve", int, None),
     "artifact_grace": ("artifact_grace_s", float, None),
     "max_artifact_gib": ("max_artifact_bytes", int, 2**30),
     "operators": ("operators", tuple, None),

@@ -42,10 +42,10 @@ def offer(pid: str, price: float = 1.0, n: int = 1, busy=(), mtbf: float = 86400
                      "NVIDIA H100", 1e14, 0.9, mtbf, Policy(), frozenset(busy), 0)
 
 
-def plan(jobs, offers, online=None, running=None):
+def plan(jobs, offers, online=None, running=None, **reserve):
     book = Book(offers)
     online = {o.provider_id for o in offers} if online is None else online
-    return placement.plan(jobs, book, running or {}, online, ACCEPT_MS)
+    return placement.plan(jobs, book, running or {}, online, ACCEPT_MS, **reserve)
 
 
 def test_a_planned_lease_carries_its_terms():
@@ -110,3 +110,32 @@ def test_the_plan_only_reads_what_it_is_given():
     assert [dataclasses.astuple(x.terms) for x in once.leases] == \
         [dataclasses.astuple(x.terms) for x in twice.leases]
     assert len(once.leases) == 6
+
+
+def test_standard_jobs_leave_the_serving_reserve_free_or_interruptible():
+    """config serving_reserve: a standard job is leased (or preempts) only while that many
+    devices stay free or held by interruptible leases, for an endpoint's replicas under a
+    spike; a replica and an interruptible job take them."""
+    def jobs():
+        return [queued(job("s1", created=1)), queued(job("s2", created=2)),
+                queued(job("r", created=3), tier="serving"),
+                queued(job("i", created=4), tier="interruptible")]
+
+    # Four free: the replica takes one, s1 one (two left), s2 would leave one: it waits.
+    p = plan(jobs(), [offer("p", n=4)], reserve=2)
+    assert sorted(x.job.id for x in p.leases) == ["i", "r", "s1"]
+    assert p.reasons["s2"] == ("waiting: 2 devices are kept free or interruptible for"
+                               " endpoint replicas (2 are)")
+    assert not p.blocked
+    # Two devices held by interruptible leases count as spare: s2 is leased too.
+    p = plan(jobs(), [offer("p", n=4)], reserve=2, interruptible=2)
+    assert sorted(x.job.id for x in p.leases) == ["i", "r", "s1", "s2"]
+    # A job its deadline promoted to standard is not held back: it is standard to be on time.
+    promoted = jobs()
+    promoted[1] = queued(job("s2", created=2), promoted=True)
+    p = plan(promoted, [offer("p", n=4)], reserve=2)
+    assert sorted(x.job.id for x in p.leases) == ["i", "r", "s1", "s2"]
+    assert "s2" not in p.reasons
+    # No reserve (the default): first come, first served, as before.
+    p = plan(jobs(), [offer("p", n=4)])
+    assert sorted(x.job.id for x in p.leases) == ["i", "r", "s1", "s2"]

@@ -107,6 +107,38 @@ def test_the_fewest_leases_losing_the_least_work_yield():
     assert preemption.choose(book, needs("s", gpus=2), leases) == [leases[2]]
 
 
+def sliced(pid: str = "p1", busy=frozenset({1, 2})) -> list[OfferView]:
+    """A provider offering card 0 whole and as two slices (1 and 2): its two views, as
+    offers.offer_views makes them."""
+    cards = ((0, None), (1, 0), (2, 0))
+    whole = dataclasses.replace(offer(pid), cards=cards, busy=frozenset(busy))
+    half = dataclasses.replace(whole, device_indices=(1, 2), price_per_gpu_hour=0.5,
+                               interruptible_price_per_gpu_hour=0.2,
+                               device_memory_bytes=2**33, flops=5e11, slices=True)
+    return [whole, half]
+
+
+def test_a_whole_card_frees_every_slice_lease_of_it_in_one_pass():
+    """Fixed: preemption read the whole-device view's free count, so a whole-card job
+    waiting on a card two slice leases hold freed one of them per pass (the card stayed
+    busy through the other)."""
+    leases = [held("a.1", devices=(1,), unsaved_ms=5_000),
+              held("b.1", devices=(2,), unsaved_ms=1_000)]
+    whole = dataclasses.replace(needs("s"), min_memory_bytes=2**34)   # more than a slice
+    chosen = preemption.choose(Book(sliced()), whole, leases)
+    assert sorted(x.lease_id for x in chosen) == ["a.1", "b.1"]
+    # A slice is enough: one slice lease yields, the one losing the least work.
+    assert preemption.choose(Book(sliced()), needs("s"), leases) == [leases[1]]
+    # A slice job where the card is leased whole: that lease yields.
+    card = [held("c.1", devices=(0,), unsaved_ms=9_000)]
+    assert preemption.choose(Book(sliced(busy={0})), needs("s"), card) == card
+    # One slice held by a standard lease (not in the list): the card cannot be freed, the
+    # other slice can.
+    only = [leases[0]]
+    assert preemption.choose(Book(sliced()), whole, only) == []
+    assert preemption.choose(Book(sliced()), needs("s"), only) == only
+
+
 # -- PREEMPTED on the broker's store -----------------------------------------------------------
 
 @pytest.fixture
@@ -274,6 +306,36 @@ def test_the_scheduler_preempts_for_a_waiting_standard_job_once(tmp_path):
             state, book, [needs("u", "standard")]) == 0
         events = await store.read(views.events_after, "i", 0)
         assert events[-1].type == "preempting"
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        store.close()
+
+
+def test_a_replica_preempts_a_second_lease_and_takes_the_first_to_yield(tmp_path):
+    """A replica under a spike waits for the first of two interruptible leases to yield,
+    not for the slower (bench/tiers.py: its long waits were one job's big checkpoint on a
+    slow uplink, or a job letting its grace run out); a standard job preempts one."""
+    store = Store(tmp_path / "broker.db")
+    store.open()
+    session = Session()
+    state = SimpleNamespace(store=store, config=SimpleNamespace(preempt_grace_s=30.0),
+                            sessions=SimpleNamespace(get=lambda pid: session))
+
+    async def scenario():
+        await store.write(ledger.credit, "ca", 10**8, "client", "", "op", "k", 1)
+        for job_id in ("i1", "i2", "i3"):
+            job = new_job(job_id, "ca", 20_000_000, True)
+            await store.write(jobs.submit, dataclasses.replace(
+                job, needs=dataclasses.replace(job.needs, tier="interruptible")), 1)
+        for job_id, provider in (("i1", "p1"), ("i2", "p2"), ("i3", "p3")):
+            await store.write(jobs.create_lease, LeaseTerms(job_id, provider, (0,), 0.4,
+                                                            60_000, 10), 2, sign)
+        book = Book([offer(p, busy=frozenset({0})) for p in ("p1", "p2", "p3")])
+        assert await preemption.preempt_for_waiting(state, book, [needs("r", "serving")]) == 2
+        assert await preemption.preempt_for_waiting(state, book, [needs("s", "standard")]) == 1
+        assert len(session.sent) == 3
 
     try:
         asyncio.run(scenario())
@@ -456,3 +518,104 @@ def test_a_leased_job_is_timed_on_the_provider_running_it(tmp_path):
         asyncio.run(scenario())
     finally:
         store.close()
+
+
+def test_an_interruptible_job_is_leased_only_where_it_meets_its_deadline(tmp_path):
+    """Fixed (bench/tiers.py: jobs waited for devices, then got a slow provider whose run time
+    was already past the deadline): an interruptible job's deadline was weighed only when
+    its objective was ``deadline``; now, whatever its objective, placement leaves out the
+    offers on which its calibrated time (x MARGIN + SLACK_S: the rule that promotes it) does
+    not fit before the deadline."""
+    from gpumarket.broker.market import deadlines, placement
+    from gpumarket.proto.jobspec import now_ms
+
+    store = Store(tmp_path / "broker.db")
+    store.open()
+    # 1e13 FLOPs: about 30,000 s calibrated on p1 (1e9 FLOP/s, the cheaper), 300 s on p2.
+    slow = dataclasses.replace(offer("p1", 0.5, 0.2), claimed_flops=1e9, flops=1e9)
+    fast = dataclasses.replace(offer("p2", 1.0, 0.4), claimed_flops=1e11, flops=1e11)
+
+    def book(busy_fast: bool) -> Book:
+        return Book([slow, dataclasses.replace(fast, busy=frozenset({0}) if busy_fast
+                                               else frozenset())])
+
+    def passes(busy_fast: bool):
+        b = book(busy_fast)
+        queued = asyncio.run(store.read(placement.read_queue, b, now_ms()))
+        return queued, placement.plan(queued, b, {}, {"p1", "p2"}, 60_000)
+
+    try:
+        asyncio.run(store.write(ledger.credit, "ca", 10**8, "client", "", "op", "k", 1))
+        job = new_job("late", "ca", 20_000_000, True)
+        asyncio.run(store.write(jobs.submit, dataclasses.replace(job, needs=dataclasses.replace(
+            job.needs, tier="interruptible", deadline_s=20_000, work_flops=1e13)), now_ms()))
+        queued, p = passes(busy_fast=True)
+        assert queued[0].needs.too_slow == frozenset({0})       # p1's view
+        # It waits for p2 (busy) rather than take p1, the cheapest but late from the start.
+        assert p.leases == [] and "not expected to finish before the deadline" \
+            in p.reasons["late"]
+        assert [job.id for job, _ in p.blocked] == ["late"]
+        _, p = passes(busy_fast=False)
+        assert [x.terms.provider_id for x in p.leases] == ["p2"]
+        # Promoted to standard, it is weighed the same (bench/tiers.py: promoted jobs went to
+        # the cheapest offer, however slow, and missed).
+        standard = dataclasses.replace(queued[0].needs, tier="standard")
+        assert asyncio.run(store.read(deadlines.too_slow, book(True), queued[0].job,
+                                      standard, None, True)) == frozenset({0})
+        # Every offer that fits too slow: none left out, it runs where it can.
+        assert asyncio.run(store.read(deadlines.too_slow, Book([slow]), queued[0].job,
+                                      queued[0].needs)) == frozenset()
+        # Nothing to weigh for a job without a deadline, or one of another tier.
+        assert deadlines.too_slow(None, book(True), None, dataclasses.replace(
+            queued[0].needs, deadline_s=0)) == frozenset()
+        assert deadlines.too_slow(None, book(True), None, dataclasses.replace(
+            queued[0].needs, tier="standard")) == frozenset()
+    finally:
+        store.close()
+
+
+def test_a_deadline_no_offer_could_meet_is_refused_at_submission(tmp_path):
+    """An interruptible job whose deadline is shorter than its calibrated time on the
+    fastest offer that fits it is refused (FailedPrecondition, one line, nothing written);
+    a deadline some offer can meet is admitted, and so is any deadline while no offer fits
+    (it waits, as any job)."""
+    import grpc
+
+    from gpumarket.broker.market import providers
+    from gpumarket.proto.envelope import open_envelope, seal
+    from gpumarket.proto.identity import Identity
+
+    from tests.helpers import signed_offer, training_job
+    from tests.servicers import Refused, Servicers
+
+    broker = Servicers(tmp_path / "broker")
+    try:
+        alice = Identity.generate()
+        broker.credit(alice, 10_000)
+
+        def spec(name: str, deadline: str):
+            return broker.spec(alice, training_job(
+                tmp_path / f"{name}.toml", steps=3000,
+                extra=f'tier = "interruptible"\ndeadline = "{deadline}"'))
+
+        broker.submit(alice, spec("alone", "1s"))      # no offer yet: queued, it waits
+        provider = Identity.generate()
+        offer = signed_offer(provider, flops=1e6)       # a very slow CPU: hours for it
+        parsed, _ = open_envelope(offer, pb.Offer)
+        broker.write(providers.online, provider.id, provider.public_key, 1)
+        broker.write(providers.store_offer, provider.id, offer.SerializeToString(), parsed, 1)
+        session = broker.state.sessions.open(provider.id)
+        session.offer, session.offer_envelope = parsed, seal(provider, parsed)
+        before = broker.counts()
+        with pytest.raises(Refused) as caught:
+            broker.submit(alice, spec("short", "60s"))
+        assert caught.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        assert caught.value.message.startswith("deadline: 60 s is too short: this job would"
+                                               " take about ")
+        assert "on the fastest offer that fits it" in caught.value.message
+        assert "\n" not in caught.value.message
+        assert broker.counts() == before
+        broker.submit(alice, spec("ample", "30d"))
+        assert broker.counts()["jobs"] == before["jobs"] + 1
+    finally:
+        broker.close()

@@ -149,7 +149,7 @@ def promote(db: Database, job_id: str, why: str, now: int,
     needs = json.loads(job.needs)
     if needs.get("tier") != "interruptible":
         return False
-    needs["tier"] = "standard"
+    needs["tier"], needs["promoted"] = "standard", True
     db.execute("UPDATE jobs SET needs = ? WHERE id = ?",
                [json.dumps(needs, sort_keys=True), job_id])
     repriced = ""

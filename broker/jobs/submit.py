@@ -64,6 +64,12 @@ async def submit(state: BrokerState, envelope: pb.Envelope, spec: pb.JobSpec, cl
         if not spec.array.per_lease:        # spread over the devices that fit it
             book = await scheduler.offer_book(state)
             job = dataclasses.replace(job, lanes=book.lanes(job.needs.view("quote", client_id)))
+    if job.needs.tier == "interruptible" and job.needs.deadline_s:
+        # A deadline no offer could meet even now is refused, nothing written (timed on
+        # the fastest offers that fit it).
+        fastest = dataclasses.replace(job.needs, objective="fastest")
+        book, found, _ = await timed(state, fastest, client_id, CANDIDATES, book)
+        admission.check_deadline(job.needs, found)
     held, basis = await hold(state, job.needs, client_id, job.runs_at_once, spec.budget, book)
     job = dataclasses.replace(job, hold=held, hold_basis=basis, fee_ppm=cfg.fee_ppm,
                               enforce_funds=cfg.billing)

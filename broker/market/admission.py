@@ -15,6 +15,7 @@ from gpumarket.broker.jobs.job import Job
 from gpumarket.broker.market import matcher
 from gpumarket.broker.market.estimates import JobEstimate
 from gpumarket.proto.envelope import payload_sha256
+from gpumarket.proto.errors import FailedPrecondition
 from gpumarket.proto.jobspec import OBJECTIVE_NAMES, now_ms, tier_name
 from gpumarket.proto.v1 import types_pb2 as pb
 
@@ -50,6 +51,7 @@ class Needs:
     verify_rate: float = 0.0            # share of segments to check at least (verify)
     tier: str = "standard"              # "standard", "interruptible" or "serving" (endpoints)
     preemptible: bool = False           # interruptible without checkpoints: restarts accepted
+    promoted: bool = False              # moved from interruptible to standard by its deadline
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -175,6 +177,26 @@ def shape(spec: pb.JobSpec, values: dict) -> Shape:
     if kind.serves:
         return "endpoint"
     return "split" if kind.parts(values) > 1 else "job"
+
+
+def check_deadline(needs: Needs, timed: list) -> None:
+    """Refuse (FailedPrecondition) an interruptible job whose deadline no offer could meet
+    even if it started now: ``timed`` holds the live offers that fit it (credit_holds.Timed,
+    busy or not; the submission times the fastest 50), and on the fastest its calibrated
+    wall time is already past the deadline.
+    FailedPrecondition, not InvalidArgument: the spec is well formed, today's market cannot
+    run it in time (a faster provider online later could). No offer fitting at all is not a
+    deadline's fault: such a job is queued and waits, as any job. A deadline some offer
+    could meet only without the margin deadlines.py keeps is admitted and runs as standard
+    from its first pass (promoted)."""
+    if needs.tier != "interruptible" or needs.deadline_s <= 0 or not timed:
+        return
+    fastest = min(timed, key=lambda t: t.seconds)
+    if fastest.seconds > needs.deadline_s:
+        raise FailedPrecondition(
+            f"deadline: {needs.deadline_s:,} s is too short: this job would take about"
+            f" {fastest.seconds:,.0f} s on the fastest offer that fits it ({fastest.basis});"
+            " give it at least that long, or no deadline")
 
 
 def needs_of(job: Job, avoid: frozenset[str] = frozenset(),

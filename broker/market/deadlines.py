@@ -5,6 +5,11 @@ its steps not checkpointed yet, times ``MARGIN``, plus ``SLACK_S`` — is moved 
 tier, so that it is not preempted, and pays the standard price from then on: a running lease
 from its last checkpoint (a job whose max_price is below that price stays interruptible).
 Interruptible is cheaper and still on time.
+
+The same estimate keeps it off the offers where it would be late from the start, before
+and after its promotion (``too_slow``: placement, whatever its objective); admission
+refuses a deadline no offer could meet even now (admission.check_deadline). The rules:
+docs/tiers.md.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import json
 import logging
 
 from gpumarket.broker.jobs import preemption as rows
+from gpumarket.broker.market import calibration
 from gpumarket.broker.market import matcher
 from gpumarket.broker.market.admission import needs_of
 from gpumarket.broker.money import credit_holds
@@ -37,6 +43,36 @@ def due(left_s: float, remaining: float) -> bool:
     """Whether a job with ``left_s`` seconds before its deadline and ``remaining`` seconds
     of work must run as standard to finish in time."""
     return left_s < remaining * MARGIN + SLACK_S
+
+
+def too_slow(db, book: matcher.Book, job, needs: matcher.JobNeeds,
+             fitted: dict | None = None, promoted: bool = False) -> frozenset[int]:
+    """The Book's offers (views) on which an interruptible ``job`` with a deadline would not
+    finish in time — its calibrated wall time there, for what it has left, times ``MARGIN``
+    plus ``SLACK_S``, does not fit before its deadline (``due``, the rule that promotes it):
+    placement leaves them out whatever its objective, so it is never leased where it is
+    late from the start. A job its deadline promoted to standard is weighed the same (or
+    the cheapest offer takes it, however slow). Where every offer that fits is too slow,
+    none is left out: it runs where it can (promoted first where its price allows).
+    ``fitted``: calibration models by job kind, shared by one pass."""
+    if needs.tier != "interruptible" and not promoted or needs.deadline_s <= 0:
+        return frozenset()
+    views = book.fitting_views(needs)
+    if not views:
+        return frozenset()
+    fitted = {} if fitted is None else fitted
+    models = fitted.get(needs.kind)
+    if models is None:
+        models = fitted[needs.kind] = calibration.models(
+            db, {o.provider_id: o.accelerator for o in book.offers}, needs.kind)
+    out = set()
+    for i in views:
+        view = book.offers[i]
+        seconds = models[view.provider_id].seconds(
+            credit_holds.raw_seconds(needs.work_flops, view, needs.gpus))
+        if due(needs.deadline_s, remaining_s(seconds, job.checkpoint_step, job.progress_total)):
+            out.add(i)
+    return frozenset(out) if len(out) < len(views) else frozenset()
 
 
 async def promote_due(state, book: matcher.Book) -> int:

@@ -146,6 +146,9 @@ class JobNeeds:
     draw: float | None = None            # a spot check: its provider is drawn, this uniform
                                          # in [0, 1) picking among those that fit (``drawn``)
     tier: str = "standard"               # "standard", "interruptible", "serving": its price
+    too_slow: frozenset[int] = frozenset()  # the Book's offers (views) a deadline rules out:
+                                         # calibrated, they would not finish it in time
+                                         # (deadlines.too_slow; counted as "deadline")
 
 
 @dataclass(frozen=True)
@@ -397,7 +400,16 @@ class Book:
         if job.objective == "deadline" and job.deadline_s:
             t = _work(job) / (self.flops * job.gpus) * factor
             mask &= t <= job.deadline_s
+        if job.too_slow:
+            mask &= self._in_time(job)
         return mask, factor, static
+
+    def _in_time(self, job: JobNeeds) -> np.ndarray:
+        mask = self._all_true.copy()
+        for i in job.too_slow:
+            if 0 <= i < len(mask):
+                mask[i] = False
+        return mask
 
     def lanes(self, job: JobNeeds) -> int:
         """How many leases of ``job``'s shape the offers that fit it could run at once, their
@@ -415,11 +427,24 @@ class Book:
     def fitting(self, job: JobNeeds) -> set[str]:
         """The providers whose offers could run ``job`` if enough of their devices were
         free (every constraint but free devices and the deadline)."""
+        return {self.offers[i].provider_id for i in self.fitting_views(job)}
+
+    def fitting_views(self, job: JobNeeds) -> list[int]:
+        """The offers (views: a provider's whole devices, its slices) that could run ``job``
+        if enough of their devices were free."""
         static, _ = self._static_masks(job)
         mask = static & (self.count >= max(1, job.gpus))
         if job.exclude:
             mask &= self._excluded(job)
-        return {self.offers[i].provider_id for i in np.flatnonzero(mask)}
+        return [int(i) for i in np.flatnonzero(mask)]
+
+    def leased_on(self, i: int) -> set[int]:
+        """The devices of offer ``i``'s provider leased now (those of every view of a
+        provider offering slices; of this view otherwise)."""
+        pid = self.offers[i].provider_id
+        if pid in self.leased:
+            return set(self.leased[pid])
+        return set(self.offers[i].device_indices) - set(self.free_devices[i])
 
     def exclusions(self, job: JobNeeds) -> Counter:
         """How many offers each constraint excludes (first failing constraint counted)."""
@@ -428,6 +453,8 @@ class Book:
         t = _work(job) / (self.flops * job.gpus) * factor
         deadline = (t <= job.deadline_s) if job.objective == "deadline" and job.deadline_s \
             else np.ones(len(self.offers), dtype=bool)
+        if job.too_slow:
+            deadline = deadline & self._in_time(job)
         remaining = np.ones(len(self.offers), dtype=bool)
         out: Counter = Counter()
         for name, m in zip(CONSTRAINTS, [*masks, deadline, self._excluded(job),

@@ -29,6 +29,7 @@ from gpumarket.broker.jobs import arrays
 from gpumarket.broker.jobs import transitions
 from gpumarket.broker.jobs import views
 from gpumarket.broker.jobs.job import Job, LeaseTerms
+from gpumarket.broker.market import deadlines
 from gpumarket.broker.market import matcher
 from gpumarket.broker.market import preemption
 from gpumarket.broker.market import reliability
@@ -111,6 +112,7 @@ def read_queue(db: Database, book: matcher.Book, now: int,
     """The queued jobs (oldest first, at most ``limit``), each in its placement context, read
     in one transaction."""
     out = []
+    fitted: dict = {}       # calibration models by job kind, for the deadlines of this pass
     for job in views.queued_jobs(db, limit):
         avoid: frozenset[str] = frozenset()
         if job.attempt > 1:
@@ -132,6 +134,10 @@ def read_queue(db: Database, book: matcher.Book, now: int,
             failing, left_out = endpoints.steer(db, job.top_id, now)
             avoid, exclude = avoid | failing, exclude | left_out
         needs = needs_of(job, avoid, stored, exclude)
+        if (stored.tier == "interruptible" or stored.promoted) and stored.deadline_s:
+            # Never leased where it would be late from the start, whatever its objective.
+            needs = dataclasses.replace(needs, too_slow=deadlines.too_slow(
+                db, book, job, needs, fitted, stored.promoted))
         if job.sort == "check":
             needs = check_needs(db, book, job.id, needs, trusted_checkers)
         hold_left = None
@@ -141,14 +147,28 @@ def read_queue(db: Database, book: matcher.Book, now: int,
     return out
 
 
+def spare_devices(book: matcher.Book, interruptible: int) -> int:
+    """Devices a replica could have now or within a checkpoint: the whole devices free in
+    ``book`` and the ``interruptible`` ones interruptible leases hold."""
+    return int(sum(book.free[i] for i in book.index.values())) + interruptible
+
+
 def plan(queued: list[Queued], book: matcher.Book, running: dict[str, int],
-         online: Collection[str], accept_within_ms: int) -> Plan:
+         online: Collection[str], accept_within_ms: int, reserve: int = 0,
+         interruptible: int = 0) -> Plan:
     """Decide one pass: which queued jobs are leased where, on what terms. Higher tiers
     first (serving, standard, interruptible), each in fair order, so that devices an
     interruptible lease gave back go to the job it yielded to. ``book`` is taken from as the
     plan places (its devices are the plan's); ``online``: the providers with a session now.
-    Reads no store: everything it weighs is in ``queued``."""
+    Reads no store: everything it weighs is in ``queued``.
+
+    ``reserve`` (config serving_reserve): a standard job is leased devices, or preempts
+    interruptible leases for them, only while ``reserve`` devices stay free or held by
+    interruptible leases (``interruptible``: how many they hold now) — what an endpoint's
+    replicas take at once under a spike, with no standard job's end to wait for. A job its
+    deadline promoted to standard is not held back."""
     out = Plan()
+    spare = spare_devices(book, interruptible) if reserve else 0
     placed: dict[str, set[str]] = defaultdict(set)     # top job: providers of its planned rows
     by_id = {q.job.id: q for q in queued}
     ordered = sorted(fair_order([q.job for q in queued], running),
@@ -159,6 +179,15 @@ def plan(queued: list[Queued], book: matcher.Book, running: dict[str, int],
         if job.parent_id and placed[job.parent_id]:
             # A sibling planned in this pass is busy there now, as one leased before is.
             needs = dataclasses.replace(needs, avoid=needs.avoid | placed[job.parent_id])
+        # (a job its deadline promoted is not held back: it is standard to be on time)
+        held_back = reserve and q.stored.tier == "standard" and not q.stored.promoted \
+            and spare - needs.gpus < reserve
+        if held_back:
+            reason = (f"waiting: {reserve} devices are kept free or interruptible for endpoint"
+                      f" replicas ({spare} are)")
+            if reason != job.queue_reason:
+                out.reasons[job.id] = reason
+            continue
         placement, excluded = book.place(needs)
         if placement is None:
             reason = matcher.explain(excluded, len(book))
@@ -166,6 +195,8 @@ def plan(queued: list[Queued], book: matcher.Book, running: dict[str, int],
                 out.reasons[job.id] = reason
             if "busy" in excluded:
                 out.blocked.append((job, needs))
+                if q.stored.tier != "interruptible":
+                    spare -= needs.gpus         # what it preempts is no longer spare
             continue
         if placement.provider_id not in online:
             continue
@@ -190,6 +221,8 @@ def plan(queued: list[Queued], book: matcher.Book, running: dict[str, int],
             raw_runtime_s=credit_holds.raw_seconds(q.stored.work_flops, offer, q.stored.gpus),
             accelerator=offer.accelerator)
         out.leases.append(PlannedLease(job, terms, placement.estimate, q.stored.objective))
+        if q.stored.tier != "interruptible":
+            spare -= len(placement.device_indices)
         if job.parent_id:
             placed[job.parent_id].add(placement.provider_id)
     return out

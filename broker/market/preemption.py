@@ -19,11 +19,13 @@ from gpumarket.broker.jobs import preemption as rows
 from gpumarket.broker.jobs.preemption import Interruptible
 from gpumarket.broker.market import matcher
 from gpumarket.proto.jobspec import now_ms
+from gpumarket.proto.slices import blocked
 from gpumarket.proto.v1 import gateway_pb2 as gw
 
 log = logging.getLogger(__name__)
 
 TIER_RANK = {"serving": 0, "standard": 1, "interruptible": 2}   # placed in this order
+SERVING_BACKUP = True   # a replica preempts a second set of leases, the first to yield its
 
 
 def outranks(tier: str) -> bool:
@@ -37,31 +39,70 @@ def choose(book: matcher.Book, job: matcher.JobNeeds, leases: list[Interruptible
     cannot (or may not preempt). The provider is one whose offer meets every constraint of
     the job but free devices; of those, the one where the fewest leases lose the least
     unsaved work (then the job's own objective: its book order); leases already yielding
-    are not counted twice."""
+    are not counted twice.
+
+    Devices are weighed as proto/slices leases them: a card is free only once every lease
+    of its slices has ended, a slice once the lease of its card has, so a whole-card job
+    waiting on a card its slices' leases hold frees all of them in one pass, and a job a
+    slice is enough for frees one slice (or the card's lease), whichever view of the
+    provider (its whole devices, its slices) costs the fewest leases."""
     if not outranks(job.tier) or not leases:
         return []
-    fits = book.fitting(job)
-    best: tuple[tuple, list[Interruptible]] | None = None
+    views = book.fitting_views(job)
+    providers = {book.offers[i].provider_id for i in views}
     by_provider: dict[str, list[Interruptible]] = {}
     for lease in leases:
-        if lease.provider_id in fits and not lease.preempt_for:
+        if lease.provider_id in providers and not lease.preempt_for:
             by_provider.setdefault(lease.provider_id, []).append(lease)
-    for provider_id, theirs in by_provider.items():
-        i = book.index[provider_id]
-        free = int(book.free[i])
-        picked: list[Interruptible] = []
-        for lease in sorted(theirs, key=lambda x: (x.unsaved_ms, x.lease_id)):
-            if free >= job.gpus:
-                break
-            picked.append(lease)
-            free += len(lease.devices)
-        if free < job.gpus or not picked:
+    best: tuple[tuple, list[Interruptible]] | None = None
+    for i in views:
+        theirs = by_provider.get(book.offers[i].provider_id)
+        if not theirs:
+            continue
+        picked = _freeing(book.offers[i], book.leased_on(i), theirs, max(1, job.gpus))
+        if not picked:
             continue
         key = (len(picked), sum(x.unsaved_ms for x in picked),
-               float(book.prices(job.tier)[i]), provider_id)
+               float(book.prices(job.tier)[i]), book.offers[i].provider_id, i)
         if best is None or key < best[0]:
             best = (key, picked)
     return best[1] if best else []
+
+
+def _freeing(view: matcher.OfferView, leased: set[int], theirs: list[Interruptible],
+             wanted: int) -> list[Interruptible]:
+    """The fewest of ``theirs`` (the provider's interruptible leases, least unsaved work
+    first) that leave ``wanted`` of ``view``'s devices free, or [] if they cannot (a device
+    a lease of another tier holds, or one yielding already, stays busy)."""
+    cards = view.cards
+
+    def closure(devices) -> set[int]:
+        return blocked(cards, devices) if cards else set(devices)
+
+    def free(picked: list[Interruptible]) -> set[int]:
+        rest = leased - {d for x in picked for d in x.devices}
+        taken = closure(rest)
+        return {d for d in view.device_indices if d not in taken}
+
+    holds = {x.lease_id: closure(x.devices) for x in theirs}
+    picked: list[Interruptible] = []
+    now_free = free(picked)
+    while len(now_free) < wanted:
+        options = []
+        for d in view.device_indices:
+            if d in now_free:
+                continue
+            more = [x for x in theirs if x not in picked and d in holds[x.lease_id]]
+            if not more or d not in free(picked + more):
+                continue
+            options.append(((len(more), sum(x.unsaved_ms for x in more),
+                             sorted(x.lease_id for x in more)), more))
+        if not options:
+            return []
+        more = min(options, key=lambda o: o[0])[1]
+        picked += sorted(more, key=lambda x: (x.unsaved_ms, x.lease_id))
+        now_free = free(picked)
+    return picked
 
 
 async def preempt_for_waiting(state, book: matcher.Book,
@@ -83,6 +124,12 @@ async def preempt_for_waiting(state, book: matcher.Book,
         if job.job_id in served:
             continue        # leases yield to it already: it is placed when they have
         chosen = choose(book, job, leases)
+        if chosen and job.tier == "serving" and SERVING_BACKUP:
+            # A replica waits for the first of two to yield, not for the slower of them (a
+            # big checkpoint on a slow uplink, a job that lets its grace run out): the
+            # other's device goes to the next job waiting, the spike's next replica first.
+            rest = [x for x in leases if x not in chosen]
+            chosen = chosen + choose(book, job, rest)
         for lease in chosen:
             ended = await state.store.write(rows.preempt, lease.lease_id, job.job_id, job.tier,
                                             grace, now)

@@ -26,6 +26,7 @@ from gpumarket import kinds
 from gpumarket.broker.checks import verdicts
 from gpumarket.broker.jobs import arrays
 from gpumarket.broker.jobs import endings
+from gpumarket.broker.jobs import preemption as preempt_rows
 from gpumarket.broker.jobs import transitions as jobs
 from gpumarket.broker.jobs import views
 from gpumarket.broker.jobs.job import Job
@@ -93,7 +94,12 @@ async def place_queued(state: BrokerState) -> int:
     queued = await store.read(placement.read_queue, book, now_ms(), trusted)
     running = await store.read(views.running_by_client)
     online = {o.provider_id for o in state.sessions.offers()}
-    plan = placement.plan(queued, book, running, online, int(cfg.accept_within_s * 1000))
+    held = 0
+    if cfg.serving_reserve:     # devices interruptible leases hold: a replica's within a checkpoint
+        held = sum(len(x.devices) for x in await store.read(preempt_rows.interruptible_leases,
+                                                            now_ms()))
+    plan = placement.plan(queued, book, running, online, int(cfg.accept_within_s * 1000),
+                          cfg.serving_reserve, held)
     made = await apply(state, plan)
     if plan.reasons:
         await store.write(jobs.set_queue_reasons, plan.reasons, now_ms())
