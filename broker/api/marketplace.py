@@ -14,7 +14,6 @@ from gpumarket.broker.jobs import endings
 from gpumarket.broker.jobs import submit as submission
 from gpumarket.broker.jobs import transitions as jobs
 from gpumarket.broker.jobs import views
-from gpumarket.broker.market import figures
 from gpumarket.broker.market import matcher
 from gpumarket.broker.market import offers
 from gpumarket.broker.market import reliability
@@ -213,7 +212,7 @@ class MarketplaceServicer(marketplace_pb2_grpc.MarketplaceServicer):
             free = offers.free_devices(offer, held)
             h = hist[offer.provider_id]
             done = achieved.get((offer.provider_id, pb.JOB_KIND_TRAINING), 0.0)
-            judged = figures.check(offer, done, offers.claimed_flops(offer, capped=False))
+            judged = offers.check_figures(offer, done, offers.claimed_flops(offer, capped=False))
             out.append(mp.OfferListing(
                 offer=env, online=True, free_devices=free,
                 reliability=reliability.score(h), mtbf_s=reliability.mtbf_s(h),
