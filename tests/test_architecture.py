@@ -300,16 +300,20 @@ JOB_READERS = ("broker/jobs/transitions.py", "broker/jobs/endings.py",
                "broker/market/placement.py", "broker/market/admission.py",
                "broker/market/calibration.py", "broker/market/deadlines.py",
                "broker/money/ledger.py", "broker/money/credit_holds.py",
-               "broker/api/gateway.py")
+               "broker/api/gateway.py", "broker/api/marketplace.py", "broker/jobs/logs.py",
+               "broker/serving/endpoints.py", "broker/serving/autoscaler.py",
+               "broker/serving/router.py", "broker/serving/openai_api.py",
+               "broker/serving/request_shares.py")
 
 
 def test_the_domain_reads_a_job_by_attribute():
     """A job row is read into a typed ``jobs.job.Job`` in one place (``Job.from_row``); the
     state machine, job arrays, the views, the scheduler, placement, admission, calibration,
-    the ledger and the provider gateway read its fields by name (``job.state``), never by key (``job["state"]``),
-    so that a column renamed or gone fails where the Job is made. (checks/ and serving/
-    still read by key.)"""
-    names = {"job", "parent", "p", "part", "failed", "top"}
+    the ledger, the provider gateway, the marketplace's views and serving read its fields
+    by name (``job.state``), never by key (``job["state"]``), so that a column renamed or
+    gone fails where the Job is made. (checks/ still reads by key; serving's summaries of
+    an endpoint's live replicas, joined with their leases, are dicts of their own.)"""
+    names = {"job", "parent", "p", "part", "failed", "top", "replica"}
     found = []
     for rel in JOB_READERS:
         for node in ast.walk(ast.parse((ROOT / rel).read_text())):
