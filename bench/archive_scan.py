@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from gpumarket.broker.market import estimates
+from gpumarket.broker.market import admission
 from gpumarket.proto.errors import InvalidArgument  # noqa: E402
 
 
@@ -43,7 +43,7 @@ def main() -> None:
         every = time.process_time() - began
         began = time.process_time()
         try:
-            estimates._config_from_blob(path, archive=True)
+            admission._config_from_blob(path, archive=True)
             outcome = "read"
         except InvalidArgument as exc:
             outcome = f"refused: {exc.message}"

@@ -36,7 +36,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from serving import create, key_for, open_loop, pct, ready_count, timing
+from percentiles import alone_vs_colocated, pct
+from serving import create, key_for, open_loop, ready_count, timing
 
 from tests.helpers import LEASE_ARGS, Marketplace, training_job, wait_until
 from tests.models import tiny_causal_lm
@@ -180,11 +181,7 @@ def direct(model: Path, rounds: int, duration: float, rate: float, tokens: int) 
             trainer.wait()
         print(f"direct round {r + 1}: alone p99 {pct(alone, 0.99) * 1000:.0f} ms, colocated"
               f" p99 {pct(colocated, 0.99) * 1000:.0f} ms", flush=True)
-    return {"direct_ttft_p99_ratio": round(pct(colocated, 0.99) / pct(alone, 0.99), 3),
-            "direct_alone_ttft_p99_ms": round(pct(alone, 0.99) * 1000, 1),
-            "direct_colocated_ttft_p99_ms": round(pct(colocated, 0.99) * 1000, 1),
-            "direct_alone_ttft_p50_ms": round(pct(alone, 0.5) * 1000, 1),
-            "direct_colocated_ttft_p50_ms": round(pct(colocated, 0.5) * 1000, 1),
+    return {**alone_vs_colocated(alone, colocated, "direct_", "direct_ttft_p99_ratio"),
             "direct_engine_cores": list(first.cores), "direct_training_cores": list(second.cores)}
 
 
@@ -254,11 +251,7 @@ def main() -> None:
                                                  args.tokens)
     load_after = load_average()
     out = {
-        "colocated_ttft_p99_ratio": round(pct(colocated, 0.99) / pct(alone, 0.99), 3),
-        "alone_ttft_p99_ms": round(pct(alone, 0.99) * 1000, 1),
-        "colocated_ttft_p99_ms": round(pct(colocated, 0.99) * 1000, 1),
-        "alone_ttft_p50_ms": round(pct(alone, 0.5) * 1000, 1),
-        "colocated_ttft_p50_ms": round(pct(colocated, 0.5) * 1000, 1),
+        **alone_vs_colocated(alone, colocated),
         "requests_per_side": len(alone),
         "replica_devices": replica_devices,
         "training_devices": training_devices,

@@ -39,19 +39,16 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gpumarket.kinds.engine_protocol import Complete, Final, Message  # noqa: E402
 from gpumarket.kinds.runner_job import RunnerJob  # noqa: E402
 from tests.helpers import LEASE_ARGS, Marketplace, wait_until  # noqa: E402
 from tests.models import tiny_causal_lm  # noqa: E402
+from percentiles import p50_p99_ms  # noqa: E402
 
 PROMPTS = ["the quick brown fox", "a marketplace for idle gpus", "providers advertise devices",
            "checkpoints let a job resume", "the broker matches each job"]
-
-
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))] if ordered else 0.0
 
 
 def summary(samples: list[dict], window_s: float) -> dict:
@@ -59,10 +56,8 @@ def summary(samples: list[dict], window_s: float) -> dict:
     tokens = sum(s["tokens"] for s in ok)
     return {"requests": len(samples), "errors": len(samples) - len(ok),
             "tokens_per_s": tokens / window_s,
-            "ttft_p50_ms": pct([s["ttft"] for s in ok], 0.5) * 1000,
-            "ttft_p99_ms": pct([s["ttft"] for s in ok], 0.99) * 1000,
-            "tpot_p50_ms": pct([s["tpot"] for s in ok if s["tokens"] > 1], 0.5) * 1000,
-            "tpot_p99_ms": pct([s["tpot"] for s in ok if s["tokens"] > 1], 0.99) * 1000}
+            **p50_p99_ms([s["ttft"] for s in ok], "ttft"),
+            **p50_p99_ms([s["tpot"] for s in ok if s["tokens"] > 1], "tpot")}
 
 
 async def open_loop(send, rate: float, duration: float, seed: int) -> tuple[list[dict], float]:
@@ -200,8 +195,7 @@ async def join_case(model: Path, engine_name: str, streams: int, tokens: int,
     out = summary(samples, window)
     # the engine's own: to its first token (the first text piece may wait for a whole
     # character: the tiny model's random bytes often are not one)
-    out["engine_ttft_p50_ms"] = pct([s["engine_ttft"] for s in samples], 0.5) * 1000
-    out["engine_ttft_p99_ms"] = pct([s["engine_ttft"] for s in samples], 0.99) * 1000
+    out.update(p50_p99_ms([s["engine_ttft"] for s in samples], "engine_ttft"))
     # CPU time of this process (the engine's thread and the loop) per token: on a host
     # shared with other work a steadier measure of the engine's cost than tokens/s
     out["cpu_ms_per_token"] = cpu * 1000 / max(1, sum(s["tokens"] for s in samples))

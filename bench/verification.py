@@ -272,20 +272,11 @@ def simulate_jobs(p: float, jobs: int, trials: int, seed: int) -> float:
 def simulate_frames(frames: int, doctored: int, jobs: int, trials: int, seed: int) -> float:
     """``trials`` new providers that doctor ``doctored`` of the ``frames`` frames of each of
     their ``jobs`` render jobs (one lease each), checked at the real rate, each check
-    rendering the real sample of frames again (kinds/render.py): the share caught."""
+    rendering the real sample of frames again (kinds/render.py): the share caught
+    (``simulate_jobs`` with a check's chance of catching such a job)."""
     from gpumarket.kinds import render
 
-    rng = np.random.default_rng(seed)
-    p = render.catch_probability(frames, doctored)
-    rates = np.array([verification.rate(n) for n in range(jobs + 1)])
-    streak = np.zeros(trials, dtype=np.int64)
-    fails = np.zeros(trials, dtype=np.int64)
-    for _ in range(jobs):
-        checked = rng.random(trials) < rates[streak]
-        caught = checked & (rng.random(trials) < p)
-        fails += caught
-        streak = np.where(caught, 0, streak + checked)
-    return float((fails > 0).mean())
+    return simulate_jobs(render.catch_probability(frames, doctored), jobs, trials, seed)
 
 
 def sybil_framing(share: float, jobs: int, per_job: int, trials: int, seed: int,

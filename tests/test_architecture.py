@@ -121,13 +121,63 @@ SQL_WORDS = re.compile(r"^\s*(SELECT\s|INSERT\s|UPDATE\s+\w+\s+SET|DELETE\s+FROM
                        r"DROP\s|ALTER\s|PRAGMA\s|VACUUM\b|WITH\s+\w+\s+AS)")
 
 
-def test_the_jobs_table_is_inserted_into_by_one_module():
-    """A job row is made in one place (jobs/transitions: ``submit``, and ``spawn`` for a part,
-    a batch, a replica or a check), so what a child inherits is decided once."""
-    pattern = re.compile(r"""\[["']jobs["']\]\.(insert|upsert)"""
-                         r"|INSERT\s+(OR\s+\w+\s+)?INTO\s+jobs\b", re.IGNORECASE)
-    makers = {str(p.relative_to(ROOT)) for p in sources("broker") if pattern.search(p.read_text())}
-    assert makers == {"broker/jobs/transitions.py"}, makers
+ROWS_LAYER = "broker/jobs/job.py"
+# A write of the jobs table or its events table, in SQL or through sqlite-utils' API.
+JOB_TABLE_WRITE = re.compile(
+    r"""\[["'](jobs|events)["']\]\.(insert|upsert|update|delete)"""
+    r"""|\.table\(\s*["'](jobs|events)["']"""
+    r"|(INSERT|REPLACE)\s+(OR\s+\w+\s+)?INTO\s+(jobs|events)\b"
+    r"|UPDATE\s+(OR\s+\w+\s+)?(jobs|events)\s+SET\b"
+    r"|DELETE\s+FROM\s+(jobs|events)\b", re.IGNORECASE)
+
+
+def test_jobs_and_their_events_are_written_only_by_the_rows_layer():
+    """The bottom layer of rows and events (jobs/job.py: ``insert_job``, ``update_job``,
+    ``add_to_job``, ``start_billing``, ``set_queue_reasons``, ``insert_event``) is the only
+    code that writes the ``jobs`` and ``events`` tables; the state machine above it decides
+    what a change causes. (broker/store/ is left out: its migrations and a store's copy own
+    the tables' shape, not what a row means.)"""
+    writers = {str(p.relative_to(ROOT)) for p in sources("broker")
+               if p.relative_to(ROOT).parts[1] != "store"
+               and JOB_TABLE_WRITE.search(p.read_text())}
+    assert writers == {ROWS_LAYER}, writers
+    # The check sees a write where there is one.
+    assert JOB_TABLE_WRITE.search('db.conn.execute("UPDATE jobs SET log_lines = 1")')
+    assert JOB_TABLE_WRITE.search("db['events'].insert(row)")
+    assert not JOB_TABLE_WRITE.search("SELECT * FROM jobs WHERE id = ?")
+
+
+def test_the_rows_layer_has_no_side_effects():
+    """What the rows layer does is write a row or an event: it imports nothing of the broker
+    (so it cannot react, post money or notify anyone), and its SQL names no other table."""
+    path = ROOT / ROWS_LAYER
+    broker = {i for i in imports(path) if i.startswith("gpumarket.broker")}
+    assert not broker, f"{ROWS_LAYER} imports {sorted(broker)}"
+    tables = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) \
+                and SQL_WORDS.match(node.value):
+            tables |= {m.lower() for m in re.findall(
+                r"\b(?:INTO|UPDATE|FROM|JOIN)\s+(\w+)", node.value, re.IGNORECASE)}
+    assert tables <= {"jobs", "events"}, tables
+
+
+def test_a_job_row_is_made_in_one_place():
+    """A job row is made by the state machine only (jobs/transitions: ``submit``, and
+    ``spawn`` for a part, a batch, a replica or a check), through the rows layer's
+    ``insert_job``: what a child inherits is decided once."""
+    callers = set()
+    for path in sources("broker"):
+        rel = str(path.relative_to(ROOT))
+        for fn in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(fn):
+                if isinstance(node, ast.Call) and "insert_job" in (
+                        getattr(node.func, "id", None), getattr(node.func, "attr", None)):
+                    callers.add(f"{rel}:{fn.name}")
+    assert callers == {"broker/jobs/transitions.py:submit",
+                       "broker/jobs/transitions.py:spawn"}, callers
 
 
 def test_no_sql_in_the_servicers():
@@ -250,16 +300,20 @@ JOB_READERS = ("broker/jobs/transitions.py", "broker/jobs/endings.py",
                "broker/market/placement.py", "broker/market/admission.py",
                "broker/market/calibration.py", "broker/market/deadlines.py",
                "broker/money/ledger.py", "broker/money/credit_holds.py",
-               "broker/api/gateway.py")
+               "broker/api/gateway.py", "broker/api/marketplace.py", "broker/jobs/logs.py",
+               "broker/serving/endpoints.py", "broker/serving/autoscaler.py",
+               "broker/serving/router.py", "broker/serving/openai_api.py",
+               "broker/serving/request_shares.py")
 
 
 def test_the_domain_reads_a_job_by_attribute():
     """A job row is read into a typed ``jobs.job.Job`` in one place (``Job.from_row``); the
     state machine, job arrays, the views, the scheduler, placement, admission, calibration,
-    the ledger and the provider gateway read its fields by name (``job.state``), never by key (``job["state"]``),
-    so that a column renamed or gone fails where the Job is made. (checks/ and serving/
-    still read by key.)"""
-    names = {"job", "parent", "p", "part", "failed", "top"}
+    the ledger, the provider gateway, the marketplace's views and serving read its fields
+    by name (``job.state``), never by key (``job["state"]``), so that a column renamed or
+    gone fails where the Job is made. (checks/ still reads by key; serving's summaries of
+    an endpoint's live replicas, joined with their leases, are dicts of their own.)"""
+    names = {"job", "parent", "p", "part", "failed", "top", "replica"}
     found = []
     for rel in JOB_READERS:
         for node in ast.walk(ast.parse((ROOT / rel).read_text())):

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from gpumarket import kinds
-from gpumarket.broker.market import estimates
+from gpumarket.broker.market import admission
 from gpumarket.broker.money import credit_holds
 from gpumarket.client import jobfile
 from gpumarket.proto.errors import InvalidArgument, JobFileError
@@ -69,16 +69,16 @@ def test_the_broker_checks_the_limits_against_the_config_in_the_archive(tmp_path
     blob.write_bytes(buf.getvalue())
     with pytest.raises(InvalidArgument, match="endpoint.max_seq_len: 512 is over the model's"
                                               " max_position_embeddings 256"):
-        estimates.estimate(kind, kind.values_of(spec), spec, lambda sha: blob)
+        admission.estimate(kind, kind.values_of(spec), spec, lambda sha: blob)
     kind.write(spec, {"model": "model.tar", "max_seq_len": 128})
-    assert estimates.estimate(kind, kind.values_of(spec), spec, lambda sha: blob).params > 0
+    assert admission.estimate(kind, kind.values_of(spec), spec, lambda sha: blob).params > 0
 
 
 def test_the_least_hold_is_never_more_than_the_brokers(tmp_path):
     assert (jobfile.MIN_HOLD_S, jobfile.DEFAULT_HOLD_S) == (credit_holds.MIN_HOLD_S,
                                                           credit_holds.DEFAULT_HOLD_S)
     # Only the training rule estimates work; with it unknown the hold is max_runtime or 1 h.
-    assert set(estimates.SIZING) == {"training", "inference"}
+    assert set(admission.SIZING) == {"training", "inference"}
     ep = jobfile.load(endpoint_file(tmp_path, max_replicas=3))
     # An endpoint's work is not known ahead: its hold is an hour of every replica.
     assert jobfile.least_hold(ep)[0] == units(1.0) * 3

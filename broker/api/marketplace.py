@@ -14,7 +14,6 @@ from gpumarket.broker.jobs import endings
 from gpumarket.broker.jobs import submit as submission
 from gpumarket.broker.jobs import transitions as jobs
 from gpumarket.broker.jobs import views
-from gpumarket.broker.market import figures
 from gpumarket.broker.market import matcher
 from gpumarket.broker.market import offers
 from gpumarket.broker.market import reliability
@@ -213,7 +212,7 @@ class MarketplaceServicer(marketplace_pb2_grpc.MarketplaceServicer):
             free = offers.free_devices(offer, held)
             h = hist[offer.provider_id]
             done = achieved.get((offer.provider_id, pb.JOB_KIND_TRAINING), 0.0)
-            judged = figures.check(offer, done, offers.claimed_flops(offer, capped=False))
+            judged = offers.check_figures(offer, done, offers.claimed_flops(offer, capped=False))
             out.append(mp.OfferListing(
                 offer=env, online=True, free_devices=free,
                 reliability=reliability.score(h), mtbf_s=reliability.mtbf_s(h),
@@ -279,13 +278,13 @@ def endpoint_view(state: BrokerState, info: dict) -> mp.Endpoint:
     """An endpoint as `endpoint list/show` print it: the database's view joined with the
     router's (which replicas serve, their load, the latest TTFT and TPOT)."""
     top, s, usage = info["top"], info["settings"], info["usage"]
-    live = state.serving.endpoints.get(top["id"]) if state.serving is not None else None
+    live = state.serving.endpoints.get(top.id) if state.serving is not None else None
     base = state.config.public_url.rstrip("/") or state.api_base
     out = mp.Endpoint(
-        job_id=top["id"], name=top["name"], state=top["state"], task=s["task"],
+        job_id=top.id, name=top.name, state=top.state, task=s["task"],
         min_replicas=s["min_replicas"], max_replicas=s["max_replicas"], target=s["target"],
-        api_base=f"{base}/v1" if base else "", error=top["error"] or "",
-        created_at_ms=top["created_at_ms"])
+        api_base=f"{base}/v1" if base else "", error=top.error or "",
+        created_at_ms=top.created_at_ms)
     for r in info["replicas"]:
         ready = live.replicas.get(r["id"]) if live is not None else None
         if ready is not None and (r["state"] != pb.JOB_STATE_RUNNING or ready.epoch != r["epoch"]

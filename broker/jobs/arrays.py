@@ -13,7 +13,7 @@ import json
 from sqlite_utils import Database
 
 from gpumarket.broker.jobs import transitions as jobs
-from gpumarket.broker.jobs.job import Job
+from gpumarket.broker.jobs.job import Job, add_to_job, update_job
 from gpumarket.broker.market.admission import NewJob
 from gpumarket.broker.store import blob_holdings
 from gpumarket.kinds import arrays
@@ -46,8 +46,8 @@ def submit(db: Database, job: NewJob, now: int, lanes: int = 0) -> None:
     jobs.submit(db, job, now)
     tasks = arrays.task_indices(spec)
     count = len(tasks)
-    db.execute("UPDATE jobs SET tasks = ?, parts = 0, progress_total = ?, lanes = ?"
-               " WHERE id = ?", [count, count, max(0, min(lanes, count)), job.id])
+    update_job(db, job.id, None, tasks=count, parts=0, progress_total=count,
+               lanes=max(0, min(lanes, count)))
     db.conn.executemany("INSERT INTO array_tasks (array_id, task, state, updated_at_ms)"
                    " VALUES (?, ?, ?, ?)", [(job.id, t, QUEUED, now) for t in tasks])
     add_batches(db, job.id, now)
@@ -73,7 +73,7 @@ def add_batches(db: Database, array_id: str, now: int) -> int:
                        [(batch_id, now, array_id, t) for t in batch])
         jobs.append_event(db, batch_id, "submitted", QUEUED, 1, now, mirror=False,
                           message=f"{len(batch)} tasks of array {array_id}")
-    db.execute("UPDATE jobs SET parts = ? WHERE id = ?", [made, array_id])
+    update_job(db, array_id, None, parts=made)
     return made - (top.parts or 0)
 
 
@@ -189,8 +189,7 @@ def record_results(db: Database, batch_id: str, epoch: int, provider_id: str,
             _task_failed(db, array_id, r.task, row[1], batch.max_attempts,
                          r.error[:1000] or "failed", provider_id, now, seconds)
     # The lease's progress is its tasks reported (its provider sends no progress beside them).
-    db.execute("UPDATE jobs SET progress_step = progress_step + ?, updated_at_ms = ? WHERE id = ?",
-               [told, now, batch_id])
+    add_to_job(db, batch_id, now, progress_step=told)
     _follow(db, array_id, now)
 
 

@@ -12,15 +12,26 @@ Every sort shares the ``jobs`` table (docs/architecture.md, The broker's rooms):
   from ``pays_from``'s hold).
 
 A ``Job`` also answers ``job["column"]`` (it is a read-only Mapping of its columns) for the
-modules that still read rows by key (checks/, serving/, the endpoint views of api/): they
-take a ``Job`` or a dict alike. No imports of the broker here.
+modules that still read rows by key (checks/): they take a ``Job`` or a dict alike.
+
+This is also the bottom layer of rows and events, under the state machine: the only code
+that writes the ``jobs`` table and the ``events`` table (``insert_job``, ``update_job``,
+``add_to_job``, ``set_queue_reasons``, ``insert_event``; tests/test_architecture.py checks
+it). Each writes a row change or an event and nothing else, inside the caller's transaction:
+no reactions, no money, no notifications — what a change causes is the state machine's
+(jobs/transitions: ``set_job``, ``append_event``, ``spawn``). No imports of the broker here.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, fields
 from typing import Any, Literal
+
+from sqlite_utils import Database
+
+from gpumarket.proto.v1 import types_pb2 as pb
 
 Sort = Literal["job", "part", "batch", "replica", "check"]
 
@@ -134,3 +145,70 @@ class LeaseTerms:
     checkpoint_interval_s: float = 0.0  # the checkpoint interval for that MTBF (0: none)
     raw_runtime_s: float = 0.0      # the job's uncalibrated runtime estimate on this offer
     accelerator: int = 0            # the offer's device class (Accelerator)
+
+
+# The rows layer: writes of ``jobs`` and ``events``, nothing else.
+
+def _columns(values: Mapping[str, object]) -> None:
+    """Raise ValueError unless every name is a column of ``jobs`` (they become SQL)."""
+    unknown = set(values) - _COLUMN_SET
+    if unknown:
+        raise ValueError(f"no such column of jobs: {sorted(unknown)}")
+
+
+def insert_job(db: Database, row: Mapping[str, object]) -> None:
+    """Insert a job's row (jobs/transitions.submit and spawn are its only callers, so that
+    what a row holds, and what a child inherits, is decided there once)."""
+    _columns(row)
+    db["jobs"].insert(dict(row))
+
+
+def update_job(db: Database, job_id: str, now: int | None, **values: object) -> None:
+    """Set columns of a job's row, and its ``updated_at_ms`` to ``now`` (None: left)."""
+    if now is not None:
+        values["updated_at_ms"] = now
+    _columns(values)
+    sets = ", ".join(f"{k} = ?" for k in values)
+    db.execute(f"UPDATE jobs SET {sets} WHERE id = ?", [*values.values(), job_id])
+
+
+def add_to_job(db: Database, job_id: str, now: int | None, **amounts: int) -> None:
+    """Add to counters of a job's row (``log_lines=3``), and set its ``updated_at_ms`` to
+    ``now`` (None: left)."""
+    _columns(amounts)
+    sets = [f"{k} = {k} + ?" for k in amounts]
+    args: list[object] = list(amounts.values())
+    if now is not None:
+        sets.append("updated_at_ms = ?")
+        args.append(now)
+    db.execute(f"UPDATE jobs SET {', '.join(sets)} WHERE id = ?", [*args, job_id])
+
+
+def start_billing(db: Database, job_id: str, now: int) -> None:
+    """Its current lease is paid from ``now`` on, unless it already was from earlier (a
+    re-attached job reporting again changes nothing)."""
+    db.execute("UPDATE jobs SET settled_to_ms = coalesce(settled_to_ms, ?) WHERE id = ?",
+               [now, job_id])
+
+
+def set_queue_reasons(db: Database, reasons: Mapping[str, str]) -> None:
+    """Why each job (by id) still waits, on its row and on its top job's, where each is
+    still queued."""
+    for job_id, reason in reasons.items():
+        db.execute("UPDATE jobs SET queue_reason = ? WHERE id = ? AND state = ?",
+                   [reason, job_id, pb.JOB_STATE_QUEUED])
+        db.execute("UPDATE jobs SET queue_reason = ? WHERE state = ? AND id ="
+                   " (SELECT parent_id FROM jobs WHERE id = ?)",
+                   [reason, pb.JOB_STATE_QUEUED, job_id])
+
+
+def insert_event(db: Database, job_id: str, type_: str, state: int, attempt: int, now: int,
+                 *, provider_id: str = "", message: str = "",
+                 progress: dict | None = None) -> None:
+    """Append one event to a job's history (what ``watch`` streams)."""
+    db.execute(
+        "INSERT INTO events (job_id, at_ms, type, state, attempt, provider_id, message, progress)"
+        " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+        [job_id, now, type_, state, attempt, provider_id, message,
+         json.dumps(progress) if progress is not None else None],
+    )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from sqlite_utils import Database
 
+from gpumarket.broker.jobs.job import add_to_job
 from gpumarket.broker.jobs.transitions import current
 from gpumarket.proto.jobspec import LOG_LINE_CHARS, LOG_LINES_PER_UPDATE
 from gpumarket.proto.v1 import types_pb2 as pb
@@ -17,16 +18,16 @@ def append(db: Database, job_id: str, epoch: int, provider_id: str, lines: list[
     """Keep the lines from the lease holder of the current epoch; return how many were kept.
     Past MAX_LINES_PER_JOB one last line says the log was cut."""
     job, _ = current(db, job_id, epoch, provider_id)
-    room = MAX_LINES_PER_JOB - job["log_lines"]
+    room = MAX_LINES_PER_JOB - job.log_lines
     if room <= 0:
         return 0
     lines = [line[:LOG_LINE_CHARS] for line in lines[:LOG_LINES_PER_UPDATE]]
     if len(lines) >= room:
         lines = lines[:room - 1] + [f"[gpumarket: log cut at {MAX_LINES_PER_JOB} lines]"]
     db["job_logs"].insert_all(
-        {"job_id": job_id, "attempt": job["attempt"], "at_ms": now, "text": text}
+        {"job_id": job_id, "attempt": job.attempt, "at_ms": now, "text": text}
         for text in lines)
-    db.execute("UPDATE jobs SET log_lines = log_lines + ? WHERE id = ?", [len(lines), job_id])
+    add_to_job(db, job_id, None, log_lines=len(lines))
     return len(lines)
 
 

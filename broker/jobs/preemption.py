@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from gpumarket.broker.checks import verification
 from gpumarket.broker.jobs import endings
 from gpumarket.broker.jobs import transitions as jobs
-from gpumarket.broker.jobs.job import Job
+from gpumarket.broker.jobs.job import Job, update_job
 from gpumarket.proto.errors import FailedPrecondition
 from gpumarket.proto.v1 import types_pb2 as pb
 from sqlite_utils import Database
@@ -150,8 +150,7 @@ def promote(db: Database, job_id: str, why: str, now: int,
     if needs.get("tier") != "interruptible":
         return False
     needs["tier"], needs["promoted"] = "standard", True
-    db.execute("UPDATE jobs SET needs = ? WHERE id = ?",
-               [json.dumps(needs, sort_keys=True), job_id])
+    update_job(db, job_id, None, needs=json.dumps(needs, sort_keys=True))
     repriced = ""
     if lease_price is not None and job.lease_id:
         db.execute("UPDATE leases SET price_per_gpu_hour = ? WHERE id = ? AND state = 'active'",

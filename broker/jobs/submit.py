@@ -1,6 +1,6 @@
 """Submitting a job: ``api/marketplace.SubmitJob``'s one domain call. A spec signed by its
 client becomes a stored job — its parameters and freshness checked, its inputs the client's
-to use, sized (market/estimates), admitted (market/admission: its needs and its shape), its
+to use, sized and admitted (market/admission: its size, its needs and its shape), its
 hold sized from the live offers (money/credit_holds) — written in the shape admission chose
 (``store``): one job or a split job and its parts (jobs/transitions.submit), a job array and
 its batches (jobs/arrays.submit), an endpoint and its replicas (serving/endpoints.submit).
@@ -23,7 +23,6 @@ from gpumarket.broker.jobs import transitions
 from gpumarket.broker.jobs import views
 from gpumarket.broker.jobs.job import Job
 from gpumarket.broker.market import admission
-from gpumarket.broker.market import estimates
 from gpumarket.broker.market import matcher
 from gpumarket.broker.market import scheduler
 from gpumarket.broker.money import credit_holds
@@ -55,7 +54,7 @@ async def submit(state: BrokerState, envelope: pb.Envelope, spec: pb.JobSpec, cl
                                 " per client; wait for some to start, or cancel some",
                                 reason="quota")
     await check_inputs(state, spec, client_id)
-    est = await asyncio.to_thread(estimates.estimate, kinds.get(spec.kind), values, spec,
+    est = await asyncio.to_thread(admission.estimate, kinds.get(spec.kind), values, spec,
                                   state.artifacts.blob_path)
     job = admission.admit(envelope, spec, client_id, values, est, cfg)
     book = None
@@ -156,7 +155,7 @@ async def quote(state: BrokerState, spec: pb.JobSpec, client_id: str) -> Quote:
     values = check_spec_for_quote(spec)
     kind = kinds.get(spec.kind)
     await check_inputs(state, spec, client_id)   # the broker sizes the job from its inputs
-    est = await asyncio.to_thread(estimates.estimate, kind, values, spec,
+    est = await asyncio.to_thread(admission.estimate, kind, values, spec,
                                   state.artifacts.blob_path)
     needs = admission.needs(spec, values, est)
     book, found, excluded = await timed(state, needs, client_id, CANDIDATES)

@@ -13,6 +13,7 @@ from typing import Any
 from sqlite_utils import Database
 
 from gpumarket.broker.checks.policy import OFF, Policy
+from gpumarket.broker.jobs import job as rows
 from gpumarket.broker.jobs.job import Job, LeaseTerms
 from gpumarket.broker.jobs.reactions import hooks
 from gpumarket.broker.market import calibration
@@ -62,12 +63,8 @@ def append_event(
     """Append a job event. An event of a split job's part also updates the parent (its
     state follows its parts) and is repeated on it; returns the leases of sibling parts
     that this ended (a part failed or was cancelled), to tell their providers."""
-    db.execute(
-        "INSERT INTO events (job_id, at_ms, type, state, attempt, provider_id, message, progress)"
-        " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-        [job_id, now, type_, state, attempt, provider_id, message,
-         json.dumps(progress) if progress is not None else None],
-    )
+    rows.insert_event(db, job_id, type_, state, attempt, now, provider_id=provider_id,
+                      message=message, progress=progress)
     if not mirror or type_ == "submitted":
         return []
     job = job_row(db, job_id)
@@ -169,9 +166,8 @@ def job_row(db: Database, job_id: str) -> Job:
 
 
 def set_job(db: Database, job_id: str, now: int, **values: object) -> None:
-    values["updated_at_ms"] = now
-    sets = ", ".join(f"{k} = ?" for k in values)
-    db.execute(f"UPDATE jobs SET {sets} WHERE id = ?", [*values.values(), job_id])
+    """Change a job's row (jobs/job.update_job); a job that ends gives back its hold."""
+    rows.update_job(db, job_id, now, **values)
     if values.get("state") in TERMINAL_STATES:
         # A job that ended (a whole job, or a split job once its parts did) gives back
         # what its hold has left, in the same transaction.
@@ -219,7 +215,7 @@ def spawn(db: Database, of: Mapping[str, Any], sort: str, child_id: str, name: s
     else:
         raise ValueError(f"no such sort of job row: {sort!r}")
     row.update(fields)
-    db["jobs"].insert(row)
+    rows.insert_job(db, row)
 
 
 def submit(db: Database, job: NewJob, now: int) -> None:
@@ -245,7 +241,7 @@ def submit(db: Database, job: NewJob, now: int) -> None:
     }
     if len(job.part_sizes) > 1:
         row.update(parts=len(job.part_sizes), progress_total=sum(job.part_sizes))
-    db["jobs"].insert(row)
+    rows.insert_job(db, row)
     for i, size in enumerate(job.part_sizes if len(job.part_sizes) > 1 else (), 1):
         part_id = f"{job.id}-{i}"
         spawn(db, row, "part", part_id, f"{job.name} part {i}", now, part=i,
@@ -337,9 +333,7 @@ def mark_started(db: Database, job_id: str, epoch: int, provider_id: str, now: i
     job, lease = current(db, job_id, epoch, provider_id)
     db.execute("UPDATE leases SET started_at_ms = coalesce(started_at_ms, ?), renewed_at_ms = ?"
                " WHERE id = ?", [now, now, lease["id"]])
-    # Billing starts here (once: a re-attached job reporting again changes nothing).
-    db.execute("UPDATE jobs SET settled_to_ms = coalesce(settled_to_ms, ?) WHERE id = ?",
-               [now, job_id])
+    rows.start_billing(db, job_id, now)      # (once: a re-attach changes nothing)
     if job.state == LEASED:
         set_job(db, job_id, now, state=RUNNING)
         where = f", resumed from step {resumed_from_step}" if resumed_from_step else ""
@@ -385,7 +379,7 @@ def record_checkpoint(
     db.execute("DELETE FROM artifact_refs WHERE job_id = ? AND role = 'checkpoint'", [job_id])
     blob_holdings.refer(db, artifact.sha256, job_id, "checkpoint")
     paid = ledger.settle(db, job, lease, step, now)
-    db.execute("UPDATE jobs SET hold_needed = 0 WHERE id = ?", [job_id])
+    rows.update_job(db, job_id, None, hold_needed=0)
     hooks().checkpoint_stored(db, policy, job, lease, step, ref, now)
     append_event(db, job_id, "checkpoint", job.state, job.attempt, now,
                  provider_id=provider_id,
@@ -555,11 +549,3 @@ def finished(db: Database, job: Job, now: int, message: str) -> None:
                    [job.id])
     append_event(db, job.id, "succeeded", SUCCEEDED, job.attempt, now,
                  provider_id=job.provider_id or "", message=message)
-
-
-def set_queue_reasons(db: Database, reasons: dict[str, str], now: int) -> None:
-    for job_id, reason in reasons.items():
-        db.execute("UPDATE jobs SET queue_reason = ? WHERE id = ? AND state = ?",
-                   [reason, job_id, QUEUED])
-        db.execute("UPDATE jobs SET queue_reason = ? WHERE state = ? AND id ="
-                   " (SELECT parent_id FROM jobs WHERE id = ?)", [reason, QUEUED, job_id])

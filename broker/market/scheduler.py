@@ -29,7 +29,7 @@ from gpumarket.broker.jobs import endings
 from gpumarket.broker.jobs import preemption as preempt_rows
 from gpumarket.broker.jobs import transitions as jobs
 from gpumarket.broker.jobs import views
-from gpumarket.broker.jobs.job import Job
+from gpumarket.broker.jobs.job import Job, set_queue_reasons
 from gpumarket.broker.market import deadlines
 from gpumarket.broker.market import matcher
 from gpumarket.broker.market import placement
@@ -102,7 +102,7 @@ async def place_queued(state: BrokerState) -> int:
                           cfg.serving_reserve, held)
     made = await apply(state, plan)
     if plan.reasons:
-        await store.write(jobs.set_queue_reasons, plan.reasons, now_ms())
+        await store.write(set_queue_reasons, plan.reasons)
     if plan.blocked:
         await preemption.preempt_for_waiting(state, book, [needs for _, needs in plan.blocked])
         await ask_to_yield(state, book, plan.blocked, running)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from sqlite_utils import Database
 
-from gpumarket.broker.jobs.job import Job
+from gpumarket.broker.jobs.job import Job, update_job
 from gpumarket.proto.errors import FailedPrecondition, InsufficientFunds, InvalidArgument
 from gpumarket.proto.money import UNIT, fmt, units  # noqa: F401  (part of this module's API)
 
@@ -238,8 +238,8 @@ def settle(db: Database, job: Job, lease: dict, step_to: int, now: int, *,
          job_id=job.id, lease_id=lease["id"], provider_id=pid, step_from=step_from,
          step_to=max(step_to, step_from), seconds=elapsed / 1000,
          memo="" if paid == amount else f"hold exhausted: {fmt(amount - paid)} not covered")
-    db.conn.execute("UPDATE jobs SET settled_to_ms = ?, settled_step = ? WHERE id = ?",
-                    [started + elapsed, max(step_to, step_from), job.id])
+    update_job(db, job.id, None, settled_to_ms=started + elapsed,
+               settled_step=max(step_to, step_from))
     return Settlement(amount, paid, left - paid)
 
 

@@ -16,6 +16,7 @@ from gpumarket.broker.checks import answers
 from gpumarket.broker.checks.policy import OFF
 from gpumarket.broker.jobs import endings
 from gpumarket.broker.jobs import transitions as jobs
+from gpumarket.broker.jobs.job import Job
 from gpumarket.broker.money import ledger
 from gpumarket.kinds import endpoint as endpoint_kind
 from gpumarket.kinds.schema import NAME_RE
@@ -50,12 +51,12 @@ def check_name(db: Database, client_id: str, name: str) -> None:
 
 def created(db: Database, endpoint_id: str, now: int) -> None:
     """A just-submitted endpoint serves (RUNNING) and starts its ``min_replicas``."""
-    row = jobs.job_row(db, endpoint_id)
-    s = settings_of(row["spec"])
+    job = jobs.job_row(db, endpoint_id)
+    s = settings_of(job.spec)
     jobs.set_job(db, endpoint_id, now, state=pb.JOB_STATE_RUNNING, parts=s["max_replicas"],
                  progress_total=0)
     jobs.append_event(db, endpoint_id, "serving", pb.JOB_STATE_RUNNING, 1, now,
-                      message=f"endpoint {row['name']}: {s['min_replicas']} to"
+                      message=f"endpoint {job.name}: {s['min_replicas']} to"
                       f" {s['max_replicas']} replicas, scaling out over {s['target']} requests"
                       f" in flight per replica")
     for _ in range(s["min_replicas"]):
@@ -66,18 +67,18 @@ def add_replica(db: Database, endpoint_id: str, now: int, why: str, limit: int =
     """A new QUEUED replica row under the endpoint (refused when it has ``limit`` live
     replicas already, 0 = its max_replicas); returns its id."""
     top = jobs.job_row(db, endpoint_id)
-    if top["state"] != pb.JOB_STATE_RUNNING:
+    if top.state != pb.JOB_STATE_RUNNING:
         raise FailedPrecondition(f"endpoint {endpoint_id} is not serving")
-    limit = limit or settings_of(top["spec"])["max_replicas"]
+    limit = limit or settings_of(top.spec)["max_replicas"]
     if len(replicas(db, endpoint_id)) >= limit:
         raise FailedPrecondition(f"endpoint {endpoint_id} has {limit} live replicas already")
     n = db.execute("SELECT coalesce(max(part), 0) + 1 FROM jobs WHERE parent_id = ?",
                    [endpoint_id]).fetchone()[0]
     replica_id = f"{endpoint_id}-r{n}"
-    jobs.spawn(db, top, "replica", replica_id, f"{top['name']} replica {n}", now, part=n)
+    jobs.spawn(db, top, "replica", replica_id, f"{top.name} replica {n}", now, part=n)
     jobs.append_event(db, replica_id, "submitted", pb.JOB_STATE_QUEUED, 1, now,
-                      message=f"replica {n} of endpoint {top['name']}: {why}")
-    jobs.append_event(db, endpoint_id, "scaled", pb.JOB_STATE_RUNNING, top["attempt"], now,
+                      message=f"replica {n} of endpoint {top.name}: {why}")
+    jobs.append_event(db, endpoint_id, "scaled", pb.JOB_STATE_RUNNING, top.attempt, now,
                       message=f"replica {n} added: {why}")
     return replica_id
 
@@ -85,15 +86,15 @@ def add_replica(db: Database, endpoint_id: str, now: int, why: str, limit: int =
 def retire(db: Database, replica_id: str, why: str, now: int) -> jobs.EndedLease | None:
     """Stop a replica for good (scaled in, or moved off a draining provider): its lease is
     paid up to now. Returns the lease to tell its provider about, if it had one."""
-    row = jobs.job_row(db, replica_id)
-    if row["state"] in TERMINAL_STATES:
+    replica = jobs.job_row(db, replica_id)
+    if replica.state in TERMINAL_STATES:
         return None
     ended = None
-    if row["state"] in jobs.ACTIVE_STATES and row["lease_id"]:
-        jobs.stop_lease(db, row, "cancelled", why, now)
-        ended = jobs.EndedLease(row["id"], row["epoch"], row["provider_id"])
+    if replica.state in jobs.ACTIVE_STATES and replica.lease_id:
+        jobs.stop_lease(db, replica, "cancelled", why, now)
+        ended = jobs.EndedLease(replica.id, replica.epoch, replica.provider_id)
     jobs.set_job(db, replica_id, now, state=pb.JOB_STATE_CANCELLED, error=why)
-    jobs.append_event(db, replica_id, "cancelled", pb.JOB_STATE_CANCELLED, row["attempt"], now,
+    jobs.append_event(db, replica_id, "cancelled", pb.JOB_STATE_CANCELLED, replica.attempt, now,
                       message=why)
     return ended
 
@@ -104,7 +105,7 @@ def fail(db: Database, endpoint_id: str, error: str, now: int) -> list[jobs.Ende
     ended = [e for r in replicas(db, endpoint_id) if (e := retire(db, r["id"], error, now))]
     top = jobs.job_row(db, endpoint_id)
     jobs.set_job(db, endpoint_id, now, state=pb.JOB_STATE_FAILED, error=error)
-    jobs.append_event(db, endpoint_id, "failed", pb.JOB_STATE_FAILED, top["attempt"], now,
+    jobs.append_event(db, endpoint_id, "failed", pb.JOB_STATE_FAILED, top.attempt, now,
                       message=error)
     return ended
 
@@ -155,16 +156,16 @@ def steer(db: Database, endpoint_id: str, now: int) -> tuple[frozenset[str], fro
 
 
 def mark_ready(db: Database, job_id: str, epoch: int, provider_id: str, engine: str,
-               now: int) -> dict:
+               now: int) -> Job:
     """A replica's engine loaded its model (the first time for this lease: an event)."""
     job, _ = jobs.current(db, job_id, epoch, provider_id)
-    if job["kind"] != KIND or not job["parent_id"]:
+    if job.kind != KIND or not job.parent_id:
         raise InvalidArgument(f"job {job_id} is not an endpoint replica")
-    if job["progress_step"] != 1 or job["state"] != pb.JOB_STATE_RUNNING:
-        if job["state"] == pb.JOB_STATE_LEASED:
+    if job.progress_step != 1 or job.state != pb.JOB_STATE_RUNNING:
+        if job.state == pb.JOB_STATE_LEASED:
             jobs.set_job(db, job_id, now, state=pb.JOB_STATE_RUNNING)
         jobs.set_job(db, job_id, now, progress_step=1, progress_total=1)
-        jobs.append_event(db, job_id, "ready", pb.JOB_STATE_RUNNING, job["attempt"], now,
+        jobs.append_event(db, job_id, "ready", pb.JOB_STATE_RUNNING, job.attempt, now,
                           provider_id=provider_id, message=f"serving on {provider_id}: {engine}")
     return job
 
@@ -193,7 +194,7 @@ def replicas(db: Database, endpoint_id: str) -> list[dict]:
     return [dict(zip(cols, r)) for r in cur.fetchall()]
 
 
-def find(db: Database, client_id: str, name_or_id: str) -> dict:
+def find(db: Database, client_id: str, name_or_id: str) -> Job:
     """The caller's endpoint of that name (the live one, else the latest) or id."""
     row = db.execute(
         "SELECT id FROM jobs WHERE client_id = ? AND kind = ? AND parent_id IS NULL"
@@ -205,12 +206,13 @@ def find(db: Database, client_id: str, name_or_id: str) -> dict:
     return jobs.job_row(db, row[0])
 
 
-def mine(db: Database, client_id: str) -> list[dict]:
+def mine(db: Database, client_id: str) -> list[Job]:
+    """The client's endpoints, newest first (at most 200)."""
     cur = db.execute("SELECT * FROM jobs WHERE client_id = ? AND kind = ? AND parent_id IS NULL"
                      " AND check_of IS NULL"
                      " ORDER BY created_at_ms DESC LIMIT 200", [client_id, KIND])
     cols = [d[0] for d in cur.description]
-    return [dict(zip(cols, r)) for r in cur.fetchall()]
+    return [Job.from_row(dict(zip(cols, r))) for r in cur.fetchall()]
 
 
 # -- money and usage ---------------------------------------------------------------------
@@ -231,7 +233,7 @@ def settle_running(db: Database, now: int, windows: dict | None = None,
     for job_id, lease_id in rows:
         job, lease = jobs.job_row(db, job_id), jobs.lease_row(db, lease_id)
         if lease["state"] == "active" and ledger.settle(
-                db, job, lease, job["settled_step"], now, tag=f"serve{now}").paid:
+                db, job, lease, job.settled_step, now, tag=f"serve{now}").paid:
             paid += 1
     for lease_id, window in windows.items():
         lease = db.execute("SELECT * FROM leases WHERE id = ?", [lease_id]).fetchone()
@@ -280,13 +282,13 @@ def create_key(db: Database, client_id: str, name_or_id: str, now: int) -> tuple
     """A new bearer key for the caller's live endpoint: (its row, the secret, shown once;
     only its sha256 is kept)."""
     top = find(db, client_id, name_or_id)
-    if top["state"] != pb.JOB_STATE_RUNNING:
-        raise FailedPrecondition(f"endpoint {top['name']} is not serving")
+    if top.state != pb.JOB_STATE_RUNNING:
+        raise FailedPrecondition(f"endpoint {top.name} is not serving")
     secret = KEY_PREFIX + secrets.token_urlsafe(32)
     row = {"key_id": "k" + secrets.token_hex(6), "secret_sha256": secret_sha256(secret),
-           "endpoint_id": top["id"], "client_id": client_id, "created_at_ms": now}
+           "endpoint_id": top.id, "client_id": client_id, "created_at_ms": now}
     db["endpoint_keys"].insert(row)
-    jobs.append_event(db, top["id"], "key", top["state"], top["attempt"], now,
+    jobs.append_event(db, top.id, "key", top.state, top.attempt, now,
                       message=f"API key {row['key_id']} created")
     return row, secret
 
@@ -294,12 +296,12 @@ def create_key(db: Database, client_id: str, name_or_id: str, now: int) -> tuple
 def revoke_key(db: Database, client_id: str, name_or_id: str, key_id: str, now: int) -> dict:
     top = find(db, client_id, name_or_id)
     row = db.execute("SELECT key_id, created_at_ms, revoked_at_ms FROM endpoint_keys"
-                     " WHERE key_id = ? AND endpoint_id = ?", [key_id, top["id"]]).fetchone()
+                     " WHERE key_id = ? AND endpoint_id = ?", [key_id, top.id]).fetchone()
     if row is None:
-        raise NotFound(f"endpoint {top['name']} has no key {key_id!r}")
+        raise NotFound(f"endpoint {top.name} has no key {key_id!r}")
     if row[2] is None:
         db.execute("UPDATE endpoint_keys SET revoked_at_ms = ? WHERE key_id = ?", [now, key_id])
-        jobs.append_event(db, top["id"], "key", top["state"], top["attempt"], now,
+        jobs.append_event(db, top.id, "key", top.state, top.attempt, now,
                           message=f"API key {key_id} revoked")
     return {"key_id": row[0], "created_at_ms": row[1], "revoked_at_ms": row[2] or now}
 
@@ -336,10 +338,10 @@ def submit(db: Database, job, now: int) -> None:
     created(db, job.id, now)
 
 
-def overview(db: Database, top: dict, events: int) -> dict:
+def overview(db: Database, top: Job, events: int) -> dict:
     """What `endpoint show` tells of an endpoint from the database: its settings, live
     replica rows, durable usage, keys and latest events (``events`` = 0: none)."""
-    return {"top": top, "settings": settings_of(top["spec"]),
-            "replicas": replicas(db, top["id"]), "usage": usage_of(db, top["id"]),
-            "keys": keys_of(db, top["id"]) if events else [],
-            "events": events_of(db, top["id"], events) if events else []}
+    return {"top": top, "settings": settings_of(top.spec),
+            "replicas": replicas(db, top.id), "usage": usage_of(db, top.id),
+            "keys": keys_of(db, top.id) if events else [],
+            "events": events_of(db, top.id, events) if events else []}

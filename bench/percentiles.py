@@ -1,0 +1,30 @@
+"""Percentiles as bench/serving.py and bench/colocated.py report them: one nearest-rank
+percentile (``pct``), a latency's p50 and p99 in milliseconds (``p50_p99_ms``), and the same
+latency measured alone and beside other work (``alone_vs_colocated``). Imported by those
+scripts (bench/ is on their ``sys.path``); prints nothing."""
+
+from __future__ import annotations
+
+
+def pct(values: list[float], q: float) -> float:
+    """The ``q`` quantile (0..1) of ``values`` by nearest rank; 0.0 if there are none."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))] if ordered else 0.0
+
+
+def p50_p99_ms(seconds: list[float], name: str) -> dict[str, float]:
+    """``{name}_p50_ms`` and ``{name}_p99_ms`` of latencies given in seconds."""
+    return {f"{name}_p50_ms": pct(seconds, 0.5) * 1000,
+            f"{name}_p99_ms": pct(seconds, 0.99) * 1000}
+
+
+def alone_vs_colocated(alone: list[float], colocated: list[float], prefix: str = "",
+                       ratio_key: str = "colocated_ttft_p99_ratio") -> dict[str, float]:
+    """TTFTs (seconds) measured alone and colocated: the ratio of their p99s (``ratio_key``),
+    then each side's p99 and p50 in milliseconds (to 0.1 ms), keys starting with
+    ``prefix``."""
+    return {ratio_key: round(pct(colocated, 0.99) / pct(alone, 0.99), 3),
+            f"{prefix}alone_ttft_p99_ms": round(pct(alone, 0.99) * 1000, 1),
+            f"{prefix}colocated_ttft_p99_ms": round(pct(colocated, 0.99) * 1000, 1),
+            f"{prefix}alone_ttft_p50_ms": round(pct(alone, 0.5) * 1000, 1),
+            f"{prefix}colocated_ttft_p50_ms": round(pct(colocated, 0.5) * 1000, 1)}
