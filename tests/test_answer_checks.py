@@ -384,6 +384,76 @@ def test_a_window_is_not_held_without_a_sample_nor_when_checks_are_off(w):
     assert ledger.balance(w.db, ledger.disputed("ep-r1", "h1")) == 0
 
 
+def test_kept_answers_survive_a_broker_restart_and_their_window_is_still_checked(w, served):
+    """Each kept answer is written to the store as it is kept: a broker that restarts (or a
+    new leader) with an empty router still queues the window's check and holds its pay, and
+    the store keeps the router's bounds though a fresh router counts from nothing."""
+    lease = serve_on(w, "ep-r1", "h1")
+    r = FakeReplica("h1", lease["id"], "ep-r1")
+    samples = AnswerSamples(1.0, keep=lambda kept: w.write(answer_samples.keep, kept, w.now))
+    for request, fin in served["right"]:
+        assert answer(samples, r, request, fin)
+    del samples                                 # the broker stops: its router is gone ...
+    w.db.conn.close()
+    now, w = w.now, World(w.path)               # ... and the next opens the same file
+    w.now = now
+    restarted = AnswerSamples(1.0, keep=lambda kept: w.write(answer_samples.keep, kept, w.now))
+    assert restarted.take() == []
+    # it keeps more of the same window, up to the bounds as stored
+    request, fin = served["right"][0]
+    for _ in range(answer_samples.MAX_PER_WINDOW):
+        answer(restarted, r, request, fin)
+    restarted.take()                            # its memory says nothing of the first three
+    (window,) = w.write(answer_samples.take_stored)
+    assert window.lease_id == lease["id"] and window.provider_id == "h1"
+    assert len(window.samples) == answer_samples.MAX_PER_WINDOW      # not 3 + 64
+    assert [s["request"] for s in window.samples[:3]] == \
+        [json.loads(q) for q, _ in served["right"]]
+    assert window.samples[0]["token_ids"] == served["right"][0][1].token_ids
+    assert w.write(answer_samples.take_stored) == []        # taken: a new window begins
+    w.now += 60_000
+    blobs = {lease["id"]: answers.window_blobs(window.lease_id, window.answers,
+                                               window.samples, window.drawn)}
+    w.write(endpoints.settle_running, w.now, blobs, {"h1": CHECK})
+    (check_id,) = checks(w, "ep-r1")
+    assert verification.check_row(w.db, check_id)["state"] == "queued"
+    assert ledger.balance(w.db, ledger.disputed("ep-r1", "h1")) > 0     # its pay held
+    assert ledger.balance(w.db, ledger.provider("h1")) == 0
+
+
+def test_the_broker_s_writer_stores_each_kept_answer_and_the_settle_pass_takes_them(
+        tmp_path, served):
+    """The broker's path: StoreWriter writes a kept answer in a transaction of its own on the
+    store's writer; take_kept (the autoscaler's settle pass) waits for those writes and takes
+    the windows as stored, counting the answers the router saw; an answer not kept is never
+    written."""
+    from gpumarket.broker.store.store import Store
+
+    async def main():
+        store = Store(tmp_path / "broker.db")
+        store.open()
+        try:
+            samples = AnswerSamples(0.0, keep=answer_samples.StoreWriter(store))
+            samples.settled = frozenset({"p1"})     # past its warm-up: nothing drawn, none kept
+            r = FakeReplica()
+            request, fin = served["right"][0]
+            assert not answer(samples, r, request, fin)
+            samples.rate = 1.0
+            for request, fin in served["right"]:
+                assert answer(samples, r, request, fin)
+            (window,) = await samples.take_kept(store)
+            stored = await store.read(lambda db: db.execute(
+                "SELECT count(*) FROM answer_samples").fetchone()[0])
+            return window, stored
+        finally:
+            store.close()
+
+    window, stored = asyncio.run(main())
+    assert (window.lease_id, len(window.samples), window.drawn) == ("ep-r1.1", 3, 3)
+    assert window.answers == 4          # the router's count: one answered but not kept
+    assert stored == 0                  # taken
+
+
 def test_a_replica_that_stops_before_its_window_ends_is_still_checked_and_not_revived(
         w, tmp_path, models, served):
     """A replica scaled in (or drained) during its window: its last settlement is held and
