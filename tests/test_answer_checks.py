@@ -366,6 +366,30 @@ def test_a_replica_that_omits_its_fingerprints_fails_its_check(w, tmp_path, mode
     assert ledger.balance(w.db, ledger.provider("liar")) <= 0
 
 
+def test_an_answer_check_lease_names_neither_the_replica_nor_its_provider(w, served):
+    """The checker of a window's answers gets the sampled requests and token ids as a
+    content-addressed ref it alone may read, under a name of the check's own: nothing in its
+    lease names the replica (or its lease) whose answers they are, nor its provider."""
+    from gpumarket.broker.jobs import views
+    from tests.test_verification_rules import _strings
+
+    lease = serve_on(w, "ep-r1", "h1")
+    check_id = end_window(w, lease, served["right"])
+    w.now += 1000
+    w.write(jobs.create_lease, LeaseTerms(check_id, "h2", (0,), 1.0, 60_000, 0,
+                                          accelerator=pb.ACCELERATOR_CPU), w.now, sign)
+    envelope = w.db.execute("SELECT envelope FROM leases WHERE job_id = ?",
+                            [check_id]).fetchone()[0]
+    got = pb.Lease.FromString(pb.Envelope.FromString(envelope).payload)
+    assert got.HasField("check") and got.check.claimed.sha256
+    assert not [s for s in _strings(got) if "ep-r1" in s or "h1" in s]
+    got.ClearField("job_spec")          # the endpoint's signed spec, which it must run
+    assert b"ep-r1" not in got.SerializeToString() and b"h1" not in got.SerializeToString()
+    assert b"h1" not in BLOBS[got.check.claimed.sha256]
+    assert views.may_read(w.db, "h2", got.check.claimed.sha256)
+    assert not views.may_read(w.db, "h3", got.check.claimed.sha256)
+
+
 def test_a_window_is_not_held_without_a_sample_nor_when_checks_are_off(w):
     lease = serve_on(w, "ep-r1", "h1")
     w.now += 60_000
