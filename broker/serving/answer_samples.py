@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 from sqlite_utils import Database
 
+from gpumarket.kinds.endpoint import tokens_only
 from gpumarket.proto.jobspec import now_ms
 
 log = logging.getLogger(__name__)
@@ -113,6 +114,8 @@ class AnswerSamples:
         # None where the replica sent none: judged a failed check (it was asked for them)
         sample = {"request": as_dict, "token_ids": final.token_ids,
                   "fingerprints": final.fingerprints}
+        if tokens_only(getattr(replica, "engine", "")):
+            sample["tokens_only"] = True    # its engine's fallback: judged by its tokens
         size = len(request) + 8 * len(final.token_ids or ()) + sum(
             len(p) for p in final.fingerprints or ())
         held = self.endpoint_bytes.get(w.endpoint_id, 0)
