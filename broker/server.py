@@ -29,6 +29,7 @@ from gpumarket.broker.jobs import arrays
 from gpumarket.broker.jobs import reactions
 from gpumarket.broker.market import providers
 from gpumarket.broker.market import scheduler
+from gpumarket.broker.serving import answer_samples
 from gpumarket.broker.serving.autoscaler import Autoscaler
 from gpumarket.broker.store.artifact_store import ArtifactStore
 from gpumarket.broker.api.listeners import (
@@ -161,6 +162,8 @@ class BrokerServer:
                                                cfg.request_timeout_s, cfg.max_held_bytes,
                                                cfg.answer_check_rate)
         metrics.endpoint_held_bytes.set_function(lambda: serving.shares.held)
+        if cfg.verify:      # each answer kept for a check is stored as it is kept
+            serving.samples.keep = answer_samples.StoreWriter(self.state.store)
         api = OpenAIApi(self.state, serving, cfg.body_timeout_s)
         if cfg.http:
             self.http = BrokerHttp(self.state, lambda: self.server is not None)

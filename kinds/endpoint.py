@@ -69,11 +69,19 @@ class Endpoint(Kind):
         if not want:
             return False, "no answers to compare"
         dtype = str(scope.get("dtype", ""))
+        unjudged = 0
         for i in sorted(want):
             if i not in have:
                 return False, f"answer {i}: the replay has none"
             if have[i].get("error"):
                 return False, f"answer {i}: {str(have[i]['error'])[:200]}"
+            if want[i].get("tokens_only") and not scope.get("replays"):
+                # the batch engine's fallback commits to its token ids alone
+                agrees, why = _tokens_agree(dtype, want[i], have[i])
+                if not agrees:
+                    return False, f"answer {i}: {why}"
+                unjudged += why == UNJUDGED
+                continue
             # Two replays (a tie-break) agree on fingerprints; the token gap judges the
             # replica's tokens, which both replays see.
             rule = fingerprint_rule(dtype, bool(want[i].get("greedy"))
@@ -83,8 +91,34 @@ class Endpoint(Kind):
                                 "token_gap": have[i].get("token_gap")})
             if not agrees:
                 return False, f"answer {i}: {why}"
+        if unjudged:
+            return True, (f"{len(want) - unjudged} of {len(want)} answers agree; {unjudged}"
+                          " sampled (temperature > 0) of an engine that records no"
+                          " fingerprints could not be judged")
         return True, f"{len(want)} answers agree (fingerprints within the {dtype or 'auto'}" \
                      " tolerance)"
+
+
+UNJUDGED = "not judged"
+
+
+def _tokens_agree(dtype: str, want: dict, have: dict) -> tuple[bool, str]:
+    """An answer that committed to its token ids alone (no fingerprints): greedy, each token
+    must be the replay's top one up to the dtype's rounding (the replay's token gap, as for
+    fingerprints); sampled, nothing can be judged (UNJUDGED). No token ids: it commits to
+    nothing, and is wrong."""
+    from gpumarket.kinds import fingerprints as fp
+
+    if not isinstance(want.get("token_ids"), list) or not want["token_ids"]:
+        return False, "the answer commits to no token ids"
+    if not want.get("greedy"):
+        return True, UNJUDGED
+    gap, limit = have.get("token_gap"), fp.token_gap_limit(dtype)
+    if not (type(gap) in (int, float) and gap <= limit):
+        said = f"{gap:.2f}" if type(gap) in (int, float) else "?"
+        return False, (f"a greedy token is not the replay's top one (its logit {said}"
+                       f" standard deviations below; at most {limit:g})")
+    return True, ""
 
 
 ANSWERS = "answers.jsonl"     # a check's sampled answers (broker/checks/answers.py)
@@ -116,16 +150,23 @@ CALLS_FALLBACK = "batch (one transformers generate call at a time"
 
 def fingerprinted(settings: dict, accelerator: int, engine_said: str = "") -> bool:
     """Whether a replica of an endpoint with these ``settings``, leased on this device class,
-    runs an engine that commits to each answer's fingerprints (the batch engine: "batch", or
-    "auto" on a CPU), so that every completion it answers must carry them. Not where the
-    replica said (``engine_said``, its ReplicaReady) that its batch engine fell back to
-    generate calls: that path records none, and an honest replica of such a model would
-    fail every check (docs/verification.md: a replica may say so to go unchecked; its
-    engine is shown in `endpoint show`)."""
-    if settings.get("task") != "generate" or engine_said.startswith(CALLS_FALLBACK):
+    runs the batch engine ("batch", or "auto" on a CPU), whose answers are sampled and
+    checked: every completion it answers must carry its token ids and, unless the replica
+    said (``engine_said``, its ReplicaReady) that the engine fell back to generate calls
+    (``tokens_only``), its fingerprints. A replica cannot go unchecked by saying it fell back
+    (docs/verification.md)."""
+    if settings.get("task") != "generate":
         return False
     engine = settings.get("engine", "")
     return engine == "batch" or (engine in ("", "auto") and accelerator == pb.ACCELERATOR_CPU)
+
+
+def tokens_only(engine_said: str) -> bool:
+    """Whether a replica's answers commit to their token ids alone: its batch engine said it
+    fell back to generate calls, which record no fingerprints. Such an answer is judged by
+    its tokens only: greedy, each must be the replay's top token (the token gap); sampled,
+    it cannot be judged."""
+    return engine_said.startswith(CALLS_FALLBACK)
 
 
 def model_positions(config: dict) -> int:

@@ -314,8 +314,10 @@ class Final:
         out = {"done": True, "finish_reason": self.finish_reason,
                "prompt_tokens": self.prompt_tokens, "output_tokens": self.output_tokens,
                "ttft_s": self.ttft_s, "tpot_s": self.tpot_s}
-        if self.token_ids is not None and self.fingerprints is not None:
-            out.update(token_ids=self.token_ids, fingerprints=self.fingerprints)
+        if self.token_ids is not None:
+            out["token_ids"] = self.token_ids
+            if self.fingerprints is not None:
+                out["fingerprints"] = self.fingerprints
         return out
 
 
@@ -355,18 +357,21 @@ def _vectors(value) -> list[list[float]] | None:
 
 
 def _committed(obj: dict, output_tokens: int) -> tuple[list[int] | None, list[str] | None]:
-    """A final answer's token ids and fingerprints if both are there and fit its
+    """A final answer's token ids and fingerprints if they are there and fit its
     ``output_tokens`` (one id a token, one fingerprint per kinds.fingerprints.positions);
-    (None, None) otherwise: an answer that commits to nothing, which a check of it judges
-    wrong."""
+    (ids, None) where it gives its token ids alone (an engine that records no fingerprints:
+    the batch engine's fallback); (None, None) otherwise: an answer that commits to nothing,
+    which a check of it judges wrong."""
     from gpumarket.kinds import fingerprints as fp
 
     ids, prints = obj.get("token_ids"), obj.get("fingerprints")
-    if not isinstance(ids, list) or not isinstance(prints, list) or len(ids) != output_tokens:
+    if not isinstance(ids, list) or len(ids) != output_tokens:
         return None, None
     if not all(type(t) is int and 0 <= t < MAX_COUNT for t in ids):
         return None, None
-    if len(prints) != len(fp.positions(len(ids))) or not all(
+    if prints is None and "fingerprints" not in obj:
+        return ids, None
+    if not isinstance(prints, list) or len(prints) != len(fp.positions(len(ids))) or not all(
             isinstance(x, str) and len(x) <= fp.MAX_TEXT for x in prints):
         return None, None
     return ids, prints

@@ -64,7 +64,8 @@ class RunnerJob:
     part: int = 0                      # a split job's part (0: not split) ...
     parts: int = 0                     # ... of this many
     # A check lease (a replay of another provider's work); empty for any other job:
-    check_of: str = ""                 # the job it checks
+    check_of: str = ""                 # set: this is a check; its own name (never the
+                                       # checked job's: a check lease does not say it)
     stop_at: int = 0                   # training: the step to train up to and stop at
     check_position: float = 0.0        # inference: where in the range the batch checked is
     check_batch_size: int = 0          # ... the batch size of the checked job

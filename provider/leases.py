@@ -151,13 +151,15 @@ def array_tasks(a: Assignment, kind: job_kinds.Kind, base: dict, inputs: dict[st
 
 
 def check_config(lease: pb.Lease) -> dict:
-    """What a check lease (a replay of another provider's work) tells its runner: train up to
-    ``stop_at`` and return the state there; redo only ``rows`` (in batches of
-    ``check_batch_size``); render only ``frames``. RunnerJob's check fields, by name."""
-    c = lease.check
-    if not c.checked_job_id:
+    """What a check lease (a replay of another provider's work: its ``check`` is set) tells
+    its runner: train up to ``stop_at`` and return the state there; redo only ``rows`` (in
+    batches of ``check_batch_size``); render only ``frames``. RunnerJob's check fields, by
+    name; ``check_of`` is the check's own name (the lease's job_id): a check lease does not
+    say which job it checks."""
+    if not lease.HasField("check"):
         return {}
-    out: dict = {"check_of": c.checked_job_id}
+    c = lease.check
+    out: dict = {"check_of": lease.job_id}
     if c.batch_size:
         out.update(check_position=c.position, check_batch_size=c.batch_size,
                    check_from_row=c.step_from)

@@ -23,7 +23,9 @@ from gpumarket.broker.money import ledger
 from gpumarket.broker.serving import answer_samples, endpoints
 from gpumarket.broker.serving.answer_samples import AnswerSamples
 from gpumarket.kinds.endpoint import ANSWERS
-from gpumarket.kinds.engine_protocol import Complete, Final, encode_request
+from gpumarket.kinds.engine_protocol import (
+    Complete, Final, decode_answer, encode_answer, encode_request,
+)
 from gpumarket.proto.v1 import types_pb2 as pb
 from tests.serving_fakes import AnsweringSession, collect, ready, router
 from tests.test_ledger import World, sign
@@ -40,6 +42,7 @@ class FakeReplica:
     job_id: str = "ep-r1"
     endpoint_id: str = "ep"
     fingerprinted: bool = True
+    engine: str = ""                # as its ReplicaReady said
 
 
 def final(tokens: int = 3, prints: bool = True) -> Final:
@@ -176,11 +179,12 @@ def serve_on(w: World, replica: str, provider: str) -> dict:
     return jobs.lease_row(w.db, w.job(replica)["lease_id"])
 
 
-def end_window(w: World, lease: dict, answered: list[tuple[bytes, Final]]) -> str:
+def end_window(w: World, lease: dict, answered: list[tuple[bytes, Final]],
+               engine: str = "") -> str:
     """The replica answered these in a window (each sampled, as at rate 1); the autoscaler's
     settle pass ends the window. Returns the check queued."""
     samples = AnswerSamples(1.0)
-    r = FakeReplica(lease["provider_id"], lease["id"], lease["job_id"])
+    r = FakeReplica(lease["provider_id"], lease["id"], lease["job_id"], engine=engine)
     for request, fin in answered:
         answer(samples, r, request, fin)
     (window,) = samples.take()
@@ -366,6 +370,30 @@ def test_a_replica_that_omits_its_fingerprints_fails_its_check(w, tmp_path, mode
     assert ledger.balance(w.db, ledger.provider("liar")) <= 0
 
 
+def test_an_answer_check_lease_names_neither_the_replica_nor_its_provider(w, served):
+    """The checker of a window's answers gets the sampled requests and token ids as a
+    content-addressed ref it alone may read, under a name of the check's own: nothing in its
+    lease names the replica (or its lease) whose answers they are, nor its provider."""
+    from gpumarket.broker.jobs import views
+    from tests.test_verification_rules import _strings
+
+    lease = serve_on(w, "ep-r1", "h1")
+    check_id = end_window(w, lease, served["right"])
+    w.now += 1000
+    w.write(jobs.create_lease, LeaseTerms(check_id, "h2", (0,), 1.0, 60_000, 0,
+                                          accelerator=pb.ACCELERATOR_CPU), w.now, sign)
+    envelope = w.db.execute("SELECT envelope FROM leases WHERE job_id = ?",
+                            [check_id]).fetchone()[0]
+    got = pb.Lease.FromString(pb.Envelope.FromString(envelope).payload)
+    assert got.HasField("check") and got.check.claimed.sha256
+    assert not [s for s in _strings(got) if "ep-r1" in s or "h1" in s]
+    got.ClearField("job_spec")          # the endpoint's signed spec, which it must run
+    assert b"ep-r1" not in got.SerializeToString() and b"h1" not in got.SerializeToString()
+    assert b"h1" not in BLOBS[got.check.claimed.sha256]
+    assert views.may_read(w.db, "h2", got.check.claimed.sha256)
+    assert not views.may_read(w.db, "h3", got.check.claimed.sha256)
+
+
 def test_a_window_is_not_held_without_a_sample_nor_when_checks_are_off(w):
     lease = serve_on(w, "ep-r1", "h1")
     w.now += 60_000
@@ -382,6 +410,76 @@ def test_a_window_is_not_held_without_a_sample_nor_when_checks_are_off(w):
             {"h1": verification.OFF})
     assert checks(w, "ep-r1") == {}
     assert ledger.balance(w.db, ledger.disputed("ep-r1", "h1")) == 0
+
+
+def test_kept_answers_survive_a_broker_restart_and_their_window_is_still_checked(w, served):
+    """Each kept answer is written to the store as it is kept: a broker that restarts (or a
+    new leader) with an empty router still queues the window's check and holds its pay, and
+    the store keeps the router's bounds though a fresh router counts from nothing."""
+    lease = serve_on(w, "ep-r1", "h1")
+    r = FakeReplica("h1", lease["id"], "ep-r1")
+    samples = AnswerSamples(1.0, keep=lambda kept: w.write(answer_samples.keep, kept, w.now))
+    for request, fin in served["right"]:
+        assert answer(samples, r, request, fin)
+    del samples                                 # the broker stops: its router is gone ...
+    w.db.conn.close()
+    now, w = w.now, World(w.path)               # ... and the next opens the same file
+    w.now = now
+    restarted = AnswerSamples(1.0, keep=lambda kept: w.write(answer_samples.keep, kept, w.now))
+    assert restarted.take() == []
+    # it keeps more of the same window, up to the bounds as stored
+    request, fin = served["right"][0]
+    for _ in range(answer_samples.MAX_PER_WINDOW):
+        answer(restarted, r, request, fin)
+    restarted.take()                            # its memory says nothing of the first three
+    (window,) = w.write(answer_samples.take_stored)
+    assert window.lease_id == lease["id"] and window.provider_id == "h1"
+    assert len(window.samples) == answer_samples.MAX_PER_WINDOW      # not 3 + 64
+    assert [s["request"] for s in window.samples[:3]] == \
+        [json.loads(q) for q, _ in served["right"]]
+    assert window.samples[0]["token_ids"] == served["right"][0][1].token_ids
+    assert w.write(answer_samples.take_stored) == []        # taken: a new window begins
+    w.now += 60_000
+    blobs = {lease["id"]: answers.window_blobs(window.lease_id, window.answers,
+                                               window.samples, window.drawn)}
+    w.write(endpoints.settle_running, w.now, blobs, {"h1": CHECK})
+    (check_id,) = checks(w, "ep-r1")
+    assert verification.check_row(w.db, check_id)["state"] == "queued"
+    assert ledger.balance(w.db, ledger.disputed("ep-r1", "h1")) > 0     # its pay held
+    assert ledger.balance(w.db, ledger.provider("h1")) == 0
+
+
+def test_the_broker_s_writer_stores_each_kept_answer_and_the_settle_pass_takes_them(
+        tmp_path, served):
+    """The broker's path: StoreWriter writes a kept answer in a transaction of its own on the
+    store's writer; take_kept (the autoscaler's settle pass) waits for those writes and takes
+    the windows as stored, counting the answers the router saw; an answer not kept is never
+    written."""
+    from gpumarket.broker.store.store import Store
+
+    async def main():
+        store = Store(tmp_path / "broker.db")
+        store.open()
+        try:
+            samples = AnswerSamples(0.0, keep=answer_samples.StoreWriter(store))
+            samples.settled = frozenset({"p1"})     # past its warm-up: nothing drawn, none kept
+            r = FakeReplica()
+            request, fin = served["right"][0]
+            assert not answer(samples, r, request, fin)
+            samples.rate = 1.0
+            for request, fin in served["right"]:
+                assert answer(samples, r, request, fin)
+            (window,) = await samples.take_kept(store)
+            stored = await store.read(lambda db: db.execute(
+                "SELECT count(*) FROM answer_samples").fetchone()[0])
+            return window, stored
+        finally:
+            store.close()
+
+    window, stored = asyncio.run(main())
+    assert (window.lease_id, len(window.samples), window.drawn) == ("ep-r1.1", 3, 3)
+    assert window.answers == 4          # the router's count: one answered but not kept
+    assert stored == 0                  # taken
 
 
 def test_a_replica_that_stops_before_its_window_ends_is_still_checked_and_not_revived(
@@ -403,7 +501,7 @@ def test_a_replica_that_stops_before_its_window_ends_is_still_checked_and_not_re
 
 
 def test_which_replicas_must_fingerprint_their_answers():
-    from gpumarket.kinds.endpoint import fingerprinted
+    from gpumarket.kinds.endpoint import fingerprinted, tokens_only
 
     cpu, cuda = pb.ACCELERATOR_CPU, pb.ACCELERATOR_CUDA
     generate = {"task": "generate", "engine": ""}
@@ -412,8 +510,82 @@ def test_which_replicas_must_fingerprint_their_answers():
     assert not fingerprinted(generate, cuda)                          # continuous
     assert not fingerprinted({**generate, "engine": "vllm"}, cpu)
     assert not fingerprinted({"task": "embed", "engine": ""}, cpu)
-    assert not fingerprinted(generate, cpu, "batch (one transformers generate call at a time:"
-                             " its cache is not made of plain full-attention layers) on cpu")
+    # the batch engine's fallback is sampled all the same, judged by its tokens
+    fallback = ("batch (one transformers generate call at a time: its cache is not made of"
+                " plain full-attention layers) on cpu")
+    assert fingerprinted(generate, cpu, fallback)
+    assert tokens_only(fallback) and not tokens_only("batch (step-wise decode) on cpu")
+
+
+FALLBACK = "batch (one transformers generate call at a time: asked for) on cpu"
+
+
+def fallback_answers(model_dir: Path) -> list[tuple[bytes, Final]]:
+    """PROMPTS answered together by the batch engine's fallback (left-padded generate calls,
+    no fingerprints), as a replica whose engine fell back answers them."""
+    from gpumarket.kinds.runner_job import RunnerJob
+    from gpumarket.provider.runners.batching import BatchEngine
+    from gpumarket.provider.runners.engine import Settings, load_engine
+    from tests.test_fingerprints import ENGINE_PARAMS
+
+    job = RunnerJob(params=ENGINE_PARAMS, model_dir=str(model_dir))
+
+    async def run():
+        loaded = load_engine(job, model_dir)
+        engine = BatchEngine(loaded.tokenizer, loaded.model, Settings.from_params(job.params),
+                             loaded.max_seq_len, stepwise=False)
+        assert engine.description.startswith(FALLBACK[:40])
+        out = {}
+
+        async def one(i):
+            request = Complete(prompt=PROMPTS[i], max_tokens=33 + i, temperature=0)
+            async for event in engine.complete(f"r{i}", request):
+                if isinstance(event, Final):
+                    out[i] = (encode_request(request), event)
+        try:
+            await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(len(PROMPTS)))), 300)
+        finally:
+            await engine.close()
+        return [out[i] for i in range(len(PROMPTS))]
+
+    return asyncio.run(run())
+
+
+def test_a_replica_saying_its_engine_fell_back_is_still_checked_by_its_greedy_tokens(
+        w, tmp_path, models, served):
+    """A replica that says its batch engine fell back to generate calls (no fingerprints)
+    commits to its token ids: its greedy answers are judged by the token gap, so saying so
+    does not let a replica answer without the model unchecked. An honest one passes; one
+    whose tokens are another model's is found wrong; one that sends no token ids commits to
+    nothing."""
+    honest = fallback_answers(models["right"])
+    # through the wire as the engine writes it: token ids without fingerprints
+    for _, f in honest:
+        back = decode_answer(encode_answer(f))
+        assert back.token_ids == f.token_ids and len(f.token_ids) == f.output_tokens > 0
+        assert back.fingerprints is None
+    # a cheat's: another model's tokens, said to come from the fallback
+    cheat = [(q, replace(f, fingerprints=None)) for q, f in served["other"]]
+    results = {}
+    for name, provider, answered in (("right", "h1", honest), ("other", "liar", cheat)):
+        replica = "ep-r1" if name == "right" else "ep-r2"
+        lease = serve_on(w, replica, provider)
+        check_id = end_window(w, lease, answered, FALLBACK)
+        expect = BLOBS[json.loads(verification.check_row(w.db, check_id)["expect"])
+                       [ANSWERS]["sha256"]]
+        assert b'"tokens_only":true' in expect and b"AAAA" not in expect
+        got = replay(w, tmp_path, models, check_id, "h2" if name == "right" else "h3")
+        results[name] = compare(w, check_id, got, tmp_path)
+    assert results["right"][0], results["right"][1]
+    assert not results["other"][0] and "greedy token" in results["other"][1]
+    # no token ids: commits to nothing
+    rows = [{"index": 0, "token_ids": None, "fingerprints": None, "greedy": True,
+             "tokens_only": True}]
+    want, have = tmp_path / "want.jsonl", tmp_path / "have.jsonl"
+    want.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    have.write_text(json.dumps({"index": 0, "fingerprints": [], "token_gap": 0.0}) + "\n")
+    agrees, why = kinds.get(pb.JOB_KIND_ENDPOINT).compare({ANSWERS: want}, {ANSWERS: have}, {})
+    assert not agrees and "no token ids" in why
 
 
 def test_the_serve_runner_in_check_mode_replays_the_claimed_answers(tmp_path, models, served):

@@ -4,6 +4,7 @@ runs (jobs, verification, ledger): who is paid, who is found wrong, where a job 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 
 import pytest
 
@@ -11,6 +12,7 @@ from gpumarket.broker.checks import disputes
 from gpumarket.broker.checks import verification
 from gpumarket.broker.jobs import endings
 from gpumarket.broker.jobs import transitions as jobs
+from gpumarket.broker.jobs import views
 from gpumarket.broker.jobs.job import LeaseTerms
 from gpumarket.broker.money import ledger
 from gpumarket.proto.v1 import types_pb2 as pb
@@ -92,6 +94,61 @@ def test_the_rate_falls_with_a_record_and_never_below_the_floor():
     assert rates[-1] == verification.FLOOR
 
 
+def _strings(message) -> list[str]:
+    """Every string and the name of every ArtifactRef in a message, its sub-messages too."""
+    out = []
+    for field, value in message.ListFields():
+        single = isinstance(value, (str, bytes)) or hasattr(value, "ListFields") or \
+            not hasattr(value, "__iter__")
+        values = [value] if single else value
+        for v in values:
+            if isinstance(v, str):
+                out.append(v)
+            elif hasattr(v, "ListFields"):
+                out += _strings(v)
+    return out
+
+
+def test_a_check_lease_says_neither_which_job_nor_whose_work_it_replays(w):
+    """A Sybil checker must not recognise its partner's work (to pass it) or an honest
+    provider's (to frame it) by what its lease says: the lease as the checker gets it names
+    neither the checked job, nor the checked provider, nor an artifact that maps back to
+    them; what it replays from (the checkpoint) comes as a content-addressed ref that this
+    lease's provider alone may read."""
+    job_id, honest = "5ac1e0d9b2f47a36", "honest-provider-key-9e2d"
+    w.db["providers"].insert({"id": honest, "public_key": b"", "first_seen_ms": 0,
+                              "last_seen_ms": 0, "online": 1})
+    w.write(jobs.submit, new_job(job_id, "ca", 500_000, True), w.now)
+    start(w, job_id, honest)
+    sha = {}
+    for step, policy in ((10, NO_CHECK), (20, CHECK)):
+        w.now += 60_000
+        sha[step] = hashlib.sha256(b"checkpoint %d" % step).hexdigest()
+        w.db.execute("INSERT INTO artifacts (sha256, size_bytes, created_at_ms) VALUES (?, ?,"
+                     " ?)", [sha[step], 10, w.now])
+        w.db.execute("INSERT INTO artifact_owners (sha256, owner_id, size_bytes, created_at_ms)"
+                     " VALUES (?, ?, ?, ?)", [sha[step], honest, 10, w.now])
+        ref = pb.ArtifactRef(name="checkpoint.tar", sha256=sha[step], size_bytes=10)
+        w.write(jobs.record_checkpoint, job_id, w.job(job_id)["epoch"], honest, step, ref,
+                0.1, w.now, policy)
+    (check_id,) = checks(w, job_id)
+    start(w, check_id, "h2")
+    envelope = w.db.execute("SELECT envelope FROM leases WHERE job_id = ?",
+                            [check_id]).fetchone()[0]
+    lease = pb.Lease.FromString(pb.Envelope.FromString(envelope).payload)
+    assert lease.HasField("check")      # it is a check: replay steps 10 to 20
+    assert (lease.check.step_from, lease.check.step_to) == (10, 20)
+    assert lease.resume_from.sha256 == sha[10]
+    said = _strings(lease)
+    assert said and not [s for s in said if job_id in s or honest in s]
+    # nor anywhere in its bytes but the client's signed spec, which it must run
+    lease.ClearField("job_spec")
+    data = lease.SerializeToString()
+    assert job_id.encode() not in data and honest.encode() not in data
+    # the checkpoint it resumes from is readable by this lease's provider
+    assert views.may_read(w.db, "h2", sha[10]) and not views.may_read(w.db, "h3", sha[10])
+
+
 def test_a_passed_check_pays_the_held_segment_on(w):
     w.write(jobs.submit, new_job("j", "ca", 500_000, True), w.now)
     start(w, "j", "h1")
@@ -102,7 +159,7 @@ def test_a_passed_check_pays_the_held_segment_on(w):
     # The check never goes to the provider it checks.
     assert verification.excluded(w.db, check_id) == {"h1"}
     lease = verification.scope_of(w.db, check_id)
-    assert (lease.step_from, lease.step_to, lease.checked_job_id) == (0, 10, "j")
+    assert (lease.step_from, lease.step_to) == (0, 10)
     replay(w, check_id, "h2")
     w.write(disputes.conclude, check_id, True, False, "identical", w.now)
     assert checks(w, "j")[check_id]["state"] == "passed"
@@ -291,7 +348,7 @@ def test_hostile_results_disagree_instead_of_crashing_the_comparison(tmp_path):
 
 def settlement_of(w: World, check_id: str) -> tuple[int, str]:
     """The held settlement a check decides, and how its resolution was posted."""
-    seq = checks(w, check_id.split("~")[0])[check_id]["settle_seq"]
+    seq = w.db.execute("SELECT settle_seq FROM checks WHERE id = ?", [check_id]).fetchone()[0]
     row = w.db.execute("SELECT type, memo FROM ledger_postings WHERE key = ?",
                        [f"resolve:{seq}"]).fetchone()
     return seq, row

@@ -66,7 +66,8 @@ def window_blobs(lease_id: str, answers: int, samples: list[dict], drawn: int = 
                                                           (int, float)) \
             and request["temperature"] <= 0
         expect.append({"index": i, "token_ids": s["token_ids"],
-                       "fingerprints": s["fingerprints"], "greedy": greedy})
+                       "fingerprints": s["fingerprints"], "greedy": greedy,
+                       **({"tokens_only": True} if s.get("tokens_only") else {})})
         claimed.append({"index": i, "request": request, "token_ids": s["token_ids"] or []})
     return WindowBlobs(lease_id, answers, _blob(expect), _blob(claimed), warmup=not drawn)
 

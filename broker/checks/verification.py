@@ -18,6 +18,7 @@ job's ``verify_rate`` raises it.
 from __future__ import annotations
 
 import json
+import secrets
 
 from sqlite_utils import Database
 
@@ -72,9 +73,10 @@ def client_share(job: dict) -> float:
     return max(float(json.loads(job["needs"]).get("verify_rate", 0.0)), FLOOR)
 
 
-def _new_id(db: Database, job_id: str) -> str:
-    n = db.execute("SELECT count(*) FROM checks WHERE job_id = ?", [job_id]).fetchone()[0]
-    return f"{job_id}~c{n + 1}"
+def _new_id() -> str:
+    """A check's name: fresh and random, the form of a job's id, saying nothing of the job it
+    checks. It is its job row's id, so the lease's job_id and lease_id the checker sees."""
+    return secrets.token_hex(8)
 
 
 def _ref(ref: dict | None) -> str | None:
@@ -151,7 +153,7 @@ def choose_final(db: Database, policy: Policy, job: dict, lease: dict, total: in
 def queue(db: Database, job: dict, provider_id: str, lease_id: str, seq: int | None,
            step_from: int, step_to: int, start: dict | None, expect: dict, scope: dict,
            role: str, first: str | None, now: int, paid_by: str | None = None) -> str:
-    check_id = _new_id(db, job["id"])
+    check_id = _new_id()
     top = job["parent_id"] or job["id"]
     db["checks"].insert({
         "id": check_id, "job_id": job["id"], "top_id": top, "provider_id": provider_id,
@@ -222,12 +224,13 @@ def role(db: Database, check_id: str) -> str | None:
 
 
 def scope_of(db: Database, check_id: str) -> pb.CheckScope | None:
-    """The CheckScope a lease of this check's job row carries (None: not a check)."""
+    """The CheckScope a lease of this check's job row carries (None: not a check): what to
+    replay, never whose work or which job's (docs/verification.md, What a checker learns)."""
     c = check_row(db, check_id)
     if c is None:
         return None
     scope = json.loads(c["scope"])
-    return pb.CheckScope(checked_job_id=c["job_id"], step_from=c["step_from"],
+    return pb.CheckScope(step_from=c["step_from"],
                          step_to=c["step_to"], frames=scope.get("frames", []),
                          position=scope.get("position", 0.0),
                          batch_size=scope.get("batch_size", 0),

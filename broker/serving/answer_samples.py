@@ -1,8 +1,11 @@
 """A sample of each endpoint's answers, kept for a check of them (docs/verification.md,
 Endpoint answers): the request as its replica's engine got it, the token ids the replica says
-it generated and the fingerprints it committed to in its final message. In memory; the
-autoscaler takes what a replica's window gathered when it settles the replica's pay
-(broker/checks/answers.py turns it into a check). No grpc here.
+it generated and the fingerprints it committed to in its final message. The router draws and
+bounds the sample in memory (no write for an answer not kept); each answer kept is written
+to the store as it is kept (``keep``, table ``answer_samples``, one small transaction by
+``StoreWriter``), and the autoscaler takes a window's kept answers from there when it settles
+the replica's pay (``take_stored``; broker/checks/answers.py turns them into a check), so a
+broker restart or a new leader still checks the window. No grpc here.
 
 Which answers: each with probability ``rate`` (the broker's ``answer_check_rate``), drawn
 from the system's random source when the request arrives, before any replica is chosen, and
@@ -16,9 +19,18 @@ fit is not kept (a later, smaller one may be)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import random
 from dataclasses import dataclass, field
+
+from sqlite_utils import Database
+
+from gpumarket.kinds.endpoint import tokens_only
+from gpumarket.proto.jobspec import now_ms
+
+log = logging.getLogger(__name__)
 
 MAX_PER_WINDOW = 64               # answers kept per replica per window (answer_check.MAX_SAMPLES)
 MAX_REPLICA_BYTES = 2 << 20       # request + token ids + fingerprints kept per replica per window
@@ -40,10 +52,27 @@ class Window:
     bytes: int = 0
 
 
+@dataclass(frozen=True)
+class Kept:
+    """One answer kept, as it is written to the store (``keep``)."""
+
+    lease_id: str
+    job_id: str
+    endpoint_id: str
+    provider_id: str
+    answers: int            # answers the replica had given in its window when this was kept
+    drawn: bool             # drawn at the rate (False: kept as a warm-up window's first)
+    sample: dict            # {"request", "token_ids", "fingerprints"}
+    bytes: int              # its size as the bounds count it
+
+
 class AnswerSamples:
-    def __init__(self, rate: float = DEFAULT_RATE, draw=None) -> None:
+    def __init__(self, rate: float = DEFAULT_RATE, draw=None, keep=None) -> None:
         self.rate = rate
         self.draw = draw or random.SystemRandom().random
+        # Called with each Kept as it is kept (None: held in memory only): the broker's
+        # StoreWriter, which writes it to the store.
+        self.keep = keep
         self.windows: dict[str, Window] = {}      # by replica lease id
         self.endpoint_bytes: dict[str, int] = {}
         # Providers past their warm-up (set by the autoscaler from their check records): only
@@ -85,6 +114,8 @@ class AnswerSamples:
         # None where the replica sent none: judged a failed check (it was asked for them)
         sample = {"request": as_dict, "token_ids": final.token_ids,
                   "fingerprints": final.fingerprints}
+        if tokens_only(getattr(replica, "engine", "")):
+            sample["tokens_only"] = True    # its engine's fallback: judged by its tokens
         size = len(request) + 8 * len(final.token_ids or ()) + sum(
             len(p) for p in final.fingerprints or ())
         held = self.endpoint_bytes.get(w.endpoint_id, 0)
@@ -94,6 +125,9 @@ class AnswerSamples:
         w.drawn += drawn
         w.bytes += size
         self.endpoint_bytes[w.endpoint_id] = held + size
+        if self.keep is not None:
+            self.keep(Kept(w.lease_id, w.job_id, w.endpoint_id, w.provider_id, w.answers,
+                           bool(drawn), sample, size))
         return True
 
     def take(self) -> list[Window]:
@@ -105,3 +139,86 @@ class AnswerSamples:
 
     def held_bytes(self, endpoint_id: str) -> int:
         return self.endpoint_bytes.get(endpoint_id, 0)
+
+    async def take_kept(self, store) -> list[Window]:
+        """The windows that kept answers, ended now, as the store holds them (``take_stored``:
+        what this broker kept, and what a broker before a restart or another leader kept),
+        once the writes of answers kept so far are done; each window's answer count is the
+        larger of the store's and this broker's. ``store`` None: ``take`` (memory only)."""
+        here = self.take()
+        if store is None:
+            return here
+        if isinstance(self.keep, StoreWriter):
+            await self.keep.flush()
+        counted = {w.lease_id: w.answers for w in here}
+        stored = await store.write(take_stored)
+        for w in stored:
+            w.answers = max(w.answers, counted.get(w.lease_id, 0))
+        return stored
+
+
+class StoreWriter:
+    """AnswerSamples' ``keep`` in the broker: writes each kept answer to ``store`` (``keep``)
+    as it is kept, in a transaction of its own on the store's writer, without holding up the
+    answer's stream. Kept answers are few (``answer_check_rate`` of the answers, and a window's
+    first of a new provider's replica), so a write each is cheap; an answer not kept is never
+    written."""
+
+    def __init__(self, store) -> None:
+        self.store = store
+        self.writing: set[asyncio.Task] = set()
+
+    def __call__(self, kept: Kept) -> None:
+        task = asyncio.get_running_loop().create_task(self.store.write(keep, kept, now_ms()))
+        self.writing.add(task)
+        task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task) -> None:
+        self.writing.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("a sampled answer was not stored (its window goes unchecked if the"
+                        " broker restarts before it ends): %r", task.exception())
+
+    async def flush(self) -> None:
+        """Wait for the writes begun so far."""
+        if self.writing:
+            await asyncio.gather(*self.writing, return_exceptions=True)
+
+
+def keep(db: Database, kept: Kept, now: int) -> bool:
+    """Store one kept answer of a replica lease's current window, within the same bounds as
+    the router's (which a fresh router, after a restart, counts from nothing): False, and
+    nothing written, where the window or the endpoint is full."""
+    count, held = db.execute("SELECT count(*), coalesce(sum(bytes), 0) FROM answer_samples"
+                             " WHERE lease_id = ?", [kept.lease_id]).fetchone()
+    endpoint = db.execute("SELECT coalesce(sum(bytes), 0) FROM answer_samples WHERE"
+                          " endpoint_id = ?", [kept.endpoint_id]).fetchone()[0]
+    if count >= MAX_PER_WINDOW or held + kept.bytes > MAX_REPLICA_BYTES or \
+            endpoint + kept.bytes > MAX_ENDPOINT_BYTES:
+        return False
+    db.execute("INSERT INTO answer_samples (lease_id, job_id, endpoint_id, provider_id,"
+               " answers, drawn, sample, bytes, kept_at_ms) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+               [kept.lease_id, kept.job_id, kept.endpoint_id, kept.provider_id, kept.answers,
+                int(kept.drawn), json.dumps(kept.sample, separators=(",", ":")), kept.bytes,
+                now])
+    return True
+
+
+def take_stored(db: Database) -> list[Window]:
+    """Every window's stored answers, as Windows in the order they were kept, removed from
+    the store (a new window begins for each replica)."""
+    rows = db.execute("SELECT id, lease_id, job_id, endpoint_id, provider_id, answers, drawn,"
+                      " sample, bytes FROM answer_samples ORDER BY id").fetchall()
+    if not rows:
+        return []
+    db.execute("DELETE FROM answer_samples WHERE id <= ?", [rows[-1][0]])
+    windows: dict[str, Window] = {}
+    for _, lease_id, job_id, endpoint_id, provider_id, answers, drawn, sample, size in rows:
+        w = windows.get(lease_id)
+        if w is None:
+            w = windows[lease_id] = Window(lease_id, job_id, endpoint_id, provider_id)
+        w.answers = max(w.answers, answers)
+        w.drawn += drawn
+        w.samples.append(json.loads(sample))
+        w.bytes += size
+    return list(windows.values())

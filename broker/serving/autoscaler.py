@@ -188,7 +188,8 @@ class Autoscaler:
         """Pay the replicas for the window now ending; the windows whose answers were sampled
         have their pay held and a check queued (broker/checks/answers.py)."""
         store, samples = self.state.store, self.serving.samples
-        taken = samples.take()
+        # as stored: a window this broker did not see begin (a restart, a new leader) too
+        taken = await samples.take_kept(store)
         if not getattr(self.state.config, "verify", False):
             taken = []          # checks are off: nothing is held or stored
         windows = {w.lease_id: answers.window_blobs(w.lease_id, w.answers, w.samples, w.drawn)

@@ -68,7 +68,7 @@ class Replica:
     failures: int = 0           # server errors in a row
     benched_until: float = 0.0  # after BENCH_AFTER of them: chosen last until then
     usage: list[int] = field(default_factory=lambda: [0, 0, 0, 0])  # req, err, in, out
-    fingerprinted: bool = False  # its engine commits to fingerprints: its answers are sampled
+    fingerprinted: bool = False  # the batch engine: its answers are sampled and checked
 
     def failed(self) -> None:
         self.failures += 1
@@ -205,8 +205,8 @@ class Serving:
                         active[key] == provider_id:
                     self._add(ep, provider_id, key[0], key[1], ready)
             for job_id, replica in ep.replicas.items():
-                # from the spec and the lease's device class (and the batch engine's
-                # fallback, which records none: kinds/endpoint.py)
+                # from the spec and the lease's device class (the batch engine's fallback
+                # too, judged by its tokens: kinds/endpoint.py)
                 replica.fingerprinted = endpoint_kind.fingerprinted(
                     ep.settings, accelerators.get((job_id, replica.epoch), 0), replica.engine)
         for key in list(self.announced):

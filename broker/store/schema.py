@@ -557,3 +557,28 @@ def m021_leadership(db: Database) -> None:
             fenced_at_ms INTEGER NOT NULL DEFAULT 0   -- the last write its epoch let through
         )"""
     )
+
+
+@migrations()
+def m022_answer_samples(db: Database) -> None:
+    """An endpoint's sampled answers, written as the router keeps them (broker/serving/
+    answer_samples.py ``keep``) and taken by the autoscaler when it settles the window
+    (``take_stored``): a broker restart or a new leader still checks the window. Bounded as
+    the router bounds them (64 answers and 2 MiB a replica lease, 8 MiB an endpoint)."""
+    db.execute(
+        """
+        CREATE TABLE answer_samples (
+            id INTEGER PRIMARY KEY,
+            lease_id TEXT NOT NULL,          -- the replica lease whose window kept it
+            job_id TEXT NOT NULL,            -- the replica job row
+            endpoint_id TEXT NOT NULL,
+            provider_id TEXT NOT NULL,
+            answers INTEGER NOT NULL,        -- answers the replica had given in the window
+            drawn INTEGER NOT NULL,          -- 1: drawn at the rate; 0: a warm-up minimum
+            sample TEXT NOT NULL,            -- {"request", "token_ids", "fingerprints"} (JSON)
+            bytes INTEGER NOT NULL,          -- its size as the bounds count it
+            kept_at_ms INTEGER NOT NULL
+        )"""
+    )
+    db.execute("CREATE INDEX answer_samples_lease ON answer_samples (lease_id)")
+    db.execute("CREATE INDEX answer_samples_endpoint ON answer_samples (endpoint_id)")

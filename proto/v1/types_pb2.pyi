@@ -500,22 +500,20 @@ class Lease(_message.Message):
     def __init__(self, lease_id: _Optional[str] = ..., job_id: _Optional[str] = ..., attempt: _Optional[int] = ..., epoch: _Optional[int] = ..., provider_id: _Optional[str] = ..., client_id: _Optional[str] = ..., price_per_gpu_hour: _Optional[float] = ..., checkpoint_every: _Optional[int] = ..., resume_from: _Optional[_Union[ArtifactRef, _Mapping]] = ..., device_indices: _Optional[_Iterable[int]] = ..., issued_at_ms: _Optional[int] = ..., expires_at_ms: _Optional[int] = ..., job_spec: _Optional[_Union[Envelope, _Mapping]] = ..., provider_mtbf_s: _Optional[float] = ..., checkpoint_interval_s: _Optional[float] = ..., part: _Optional[int] = ..., parts: _Optional[int] = ..., check: _Optional[_Union[CheckScope, _Mapping]] = ..., tasks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CheckScope(_message.Message):
-    __slots__ = ("checked_job_id", "step_from", "step_to", "frames", "position", "batch_size", "claimed")
-    CHECKED_JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("step_from", "step_to", "frames", "position", "batch_size", "claimed")
     STEP_FROM_FIELD_NUMBER: _ClassVar[int]
     STEP_TO_FIELD_NUMBER: _ClassVar[int]
     FRAMES_FIELD_NUMBER: _ClassVar[int]
     POSITION_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     CLAIMED_FIELD_NUMBER: _ClassVar[int]
-    checked_job_id: str
     step_from: int
     step_to: int
     frames: _containers.RepeatedScalarFieldContainer[int]
     position: float
     batch_size: int
     claimed: ArtifactRef
-    def __init__(self, checked_job_id: _Optional[str] = ..., step_from: _Optional[int] = ..., step_to: _Optional[int] = ..., frames: _Optional[_Iterable[int]] = ..., position: _Optional[float] = ..., batch_size: _Optional[int] = ..., claimed: _Optional[_Union[ArtifactRef, _Mapping]] = ...) -> None: ...
+    def __init__(self, step_from: _Optional[int] = ..., step_to: _Optional[int] = ..., frames: _Optional[_Iterable[int]] = ..., position: _Optional[float] = ..., batch_size: _Optional[int] = ..., claimed: _Optional[_Union[ArtifactRef, _Mapping]] = ...) -> None: ...
 
 class Progress(_message.Message):
     __slots__ = ("step", "total", "metrics")

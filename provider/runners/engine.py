@@ -218,14 +218,16 @@ class Stream:
         if not (self.finished or self.cancelled):
             self.finished = True
             n, first = self.tokens, self.first - self.arrived if self.first else 0.0
-            committed = {}
+            # its token ids always: a check prefills them (a greedy answer's are judged by
+            # the token gap where the engine records no fingerprints, docs/verification.md)
+            committed: dict = {"token_ids": list(self.ids[:n])}
             if self.prints is not None:
                 prints = list(self.prints)
                 if self.last_state is not None:
                     from gpumarket.provider.runners.fingerprint import encode_state
 
                     prints.append(encode_state(self.last_state, self.k))
-                committed = {"token_ids": list(self.ids[:n]), "fingerprints": prints}
+                committed["fingerprints"] = prints
             self._post(Final(finish_reason=finish, prompt_tokens=len(self.prompt_ids),
                              output_tokens=n, ttft_s=first,
                              tpot_s=(self.last - self.first) / (n - 1) if n > 1 else 0.0,
