@@ -6,6 +6,13 @@ leads its own process group, so a cancel reaches everything it started: SIGTERM,
 SIGKILL. Because reports go to a file, a restarted daemon can re-attach to a job that
 outlived the daemon before it (``JobProcess.attach``). A job of a kind with a forkserver
 (provider/forkservers.py) is forked from it rather than started cold.
+
+A job's end is noticed by an event, not by polling: our own child's through asyncio's child
+watcher, a forked one's through its forkserver's message, and a process that is not our
+child (a re-attached job, or a forked one whose forkserver died) through a pidfd
+(``os.pidfd_open``) the event loop watches; only where no pidfd can be had is its pid polled
+every POLL_S. Its log and reports are read every DRAIN_S while it runs and once more, to the
+end, when it has ended: a job that only runs costs the daemon a few reads a second.
 """
 
 from __future__ import annotations
@@ -47,7 +54,8 @@ REPORTS_READ_BYTES = reports.MAX_LINE   # ... and of the reports
 ENDER = keyrings.Ender()
 
 REPORTS = "reports.jsonl"
-POLL_S = 0.05
+DRAIN_S = 0.25                 # how often a running job's log and reports are read
+POLL_S = 0.05                  # how often a process is polled where no pidfd can be had
 DISK_CHECK_S = 2.0             # how often a job's work directory is measured against its quota
 
 # Only what a job needs from the daemon's environment; never the daemon's secrets.
@@ -235,9 +243,48 @@ class ForkedChild:
 
     async def wait(self) -> int | None:
         await self._known.wait()
-        while self.running():
-            await asyncio.sleep(POLL_S)
+        if self.returncode is None:
+            await pid_gone(self.pid, self.running)
         return self.returncode
+
+
+async def pid_gone(pid: int, running: Callable[[], bool]) -> None:
+    """Return once ``running()`` is false: checked when the process ``pid`` exits, which its
+    pidfd tells the event loop (a pidfd serves any process, our child or not); polled every
+    POLL_S where no pidfd can be had (no pidfd_open, or the kernel refuses it)."""
+    try:
+        fd = os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        fd = -1         # gone already (checked below), or no pidfds here
+    try:
+        # The pidfd was opened before this check: if the process was the one asked about
+        # then, its pidfd is this process's, and its exit is not missed.
+        while running():
+            if fd < 0:
+                await asyncio.sleep(POLL_S)
+                continue
+            loop = asyncio.get_running_loop()
+            readable = loop.create_future()
+            try:
+                loop.add_reader(fd, _settle, readable)
+            except (OSError, ValueError):
+                os.close(fd)
+                fd = -1
+                continue
+            try:
+                await readable
+            finally:
+                loop.remove_reader(fd)
+            os.close(fd)
+            fd = -1     # it exited: should the pid still look alive, it is polled
+    finally:
+        if fd >= 0:
+            os.close(fd)
+
+
+def _settle(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 _NOT_ENDED = object()
@@ -274,6 +321,7 @@ class JobProcess:
         self._stop_reason = ""
         self._reader = ReportReader(workdir)
         self._ended_for: object = _NOT_ENDED    # the pid end_all() last ended everything of
+        self._exit: asyncio.Task | None = None  # ends when the job's process has (exited())
         # The daemon reads the job's log and reports through descriptors it opened itself:
         # whatever the job later puts under those names is never read.
         self._log_fd = self._reports_fd = -1
@@ -353,6 +401,28 @@ class JobProcess:
             return self.proc.returncode is None
         return self.pid is not None and pid_runs_in(self.pid, self.workdir)
 
+    def exited(self) -> asyncio.Task:
+        """A task that ends when the job's process has ended (one for the job, shared by its
+        follower and stop()): our child's exit, its forkserver's word, or the pidfd of a
+        process that is not our child."""
+        if self._exit is None:
+            self._exit = asyncio.create_task(self._wait_exit())
+        return self._exit
+
+    async def _wait_exit(self) -> None:
+        if self.proc is not None:
+            await self.proc.wait()
+        elif self.pid is not None:
+            await pid_gone(self.pid, self.alive)
+
+    async def _ended_within(self, seconds: float | None) -> bool:
+        """Wait at most ``seconds`` (None: as long as it takes) for the job's process to
+        end; whether it has."""
+        exited = self.exited()
+        if not exited.done():
+            await asyncio.wait({exited}, timeout=seconds)
+        return exited.done()
+
     async def run(self) -> Outcome:
         """Follow the job to its end; its outcome. Every way this ends (a result, a stop,
         an exception, a cancel) it ends all of the job first."""
@@ -373,6 +443,7 @@ class JobProcess:
             await self.stop()
             await self._drain_reports(state)
         code = await self.proc.wait() if self.proc is not None else None
+        await self._ended_within(None)
         wall = time.monotonic() - started
         if not self._all_ended():
             await asyncio.to_thread(self.end_all)
@@ -434,8 +505,11 @@ class JobProcess:
             await asyncio.to_thread(self.cgroup.remove)
 
     async def _follow(self, state: dict) -> None:
+        """Read the job's reports and log every DRAIN_S, and at once to their end when its
+        process ends (woken by that, not by a poll)."""
+        exited = self.exited()
         while True:
-            running = self.alive()
+            running = not exited.done() and self.alive()
             await self._drain_reports(state)
             await self._drain_log()
             if running and self.disk_quota_bytes and await self._over_quota():
@@ -446,7 +520,7 @@ class JobProcess:
                 await self._drain_reports(state)
                 await self._drain_log(final=True)
                 return
-            await asyncio.sleep(POLL_S)
+            await asyncio.wait({exited}, timeout=DRAIN_S)
 
     async def _drain_log(self, final: bool = False) -> None:
         """Hand the job's new stdout/stderr lines on as ``{"event": "log", "lines": [...]}``
@@ -519,15 +593,9 @@ class JobProcess:
         if self.pid is not None and self.alive():
             self._killed = True
             signal_group(self.pid, signal.SIGTERM)
-            deadline = time.monotonic() + self.grace_s
-            while self.alive() and time.monotonic() < deadline:
-                await asyncio.sleep(POLL_S)
-            signal_group(self.pid, signal.SIGKILL)
-            if self.proc is not None:
-                await self.proc.wait()
-            else:
-                while self.alive():
-                    await asyncio.sleep(POLL_S)
+            await self._ended_within(self.grace_s)     # woken by its end, if it comes
+            signal_group(self.pid, signal.SIGKILL)     # (its group may outlive its leader)
+            await self._ended_within(None)
         # A stopped job's follower (run) may be cancelled next: end everything here.
         await self.end()
 
