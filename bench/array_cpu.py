@@ -8,11 +8,11 @@ on a real broker and two real providers, every result then fetched and checked.
 
 Per case: tasks_per_s, lost outputs, the load average before and after, and the broker's and
 each provider daemon's CPU (user + system, its own threads; not its jobs' processes) divided
-by the tasks. ``--idle S``: a job that sleeps S seconds (one script job, not an array), and
-the CPU seconds of the provider daemon that runs it over its run (what following one idle
-job costs). ``--profile DIR``: the broker and the providers run under cProfile, each
-writing DIR/<name>-<pid>.prof when it stops (read with ``python -m pstats``). The last line
-is one JSON object of them.
+by the tasks. ``--idle S``: one script job (not an array) that sleeps S seconds, and each
+daemon's CPU seconds over its run (one provider follows it, the other is the baseline
+beside it). ``--profile DIR``: the broker and the providers run under cProfile (each of
+their threads), each writing DIR/<name>-<pid>.prof when it stops (``python -m pstats``).
+The last line is one JSON object of them.
 """
 
 from __future__ import annotations
@@ -38,13 +38,31 @@ TICK = os.sysconf("SC_CLK_TCK")
 # Imported by each daemon at its start (PYTHONPATH) where --profile is given: the daemon
 # runs under cProfile, its profile written when it exits (a stop by SIGTERM exits).
 PROFILE_HOOK = """
-import atexit, cProfile, os, sys
+import atexit, cProfile, os, sys, threading
 _dir = os.environ.get("ARRAY_CPU_PROFILE")
 if _dir and os.path.basename(sys.argv[0]) in ("gpumarket-broker", "gpumarket-provider"):
-    _prof = cProfile.Profile()
+    _profiles = [cProfile.Profile()]
     _name = os.path.basename(sys.argv[0]) + "-" + str(os.getpid())
-    atexit.register(lambda: _prof.dump_stats(os.path.join(_dir, _name + ".prof")))
-    _prof.enable()
+
+    def _in_thread(frame, event, arg):      # a new thread's first event: profile it too
+        _profiles.append(cProfile.Profile())
+        _profiles[-1].enable()
+
+    def _dump():
+        import pstats
+        for p in _profiles:
+            p.disable()
+        stats = pstats.Stats(_profiles[0])
+        for p in _profiles[1:]:
+            try:
+                stats.add(p)
+            except (TypeError, ValueError):     # a thread's profile that holds nothing
+                pass
+        stats.dump_stats(os.path.join(_dir, _name + ".prof"))
+
+    atexit.register(_dump)
+    threading.setprofile(_in_thread)
+    _profiles[0].enable()
 """
 IDLE_JOB = ("import sys, time\nfrom gpumarket.provider.runners import task\n"
             "task.output_dir()\ntime.sleep(float(sys.argv[1]))\n")
