@@ -9,10 +9,10 @@ outlived the daemon before it (``JobProcess.attach``). A job of a kind with a fo
 
 A job's end is noticed by an event, not by polling: our own child's through asyncio's child
 watcher, a forked one's through its forkserver's message, and a process that is not our
-child (a re-attached job, or a forked one whose forkserver died) through a pidfd
-(``os.pidfd_open``) the event loop watches; only where no pidfd can be had is its pid polled
-every POLL_S. Its log and reports are read every DRAIN_S while it runs and once more, to the
-end, when it has ended: a job that only runs costs the daemon a few reads a second.
+child (a re-attached job, or a forked one whose forkserver died) through a pidfd the event
+loop watches (provider/exits.py; only where no pidfd can be had is its pid polled). Its log
+and reports are read every DRAIN_S while it runs and once more, to the end, when it has
+ended: a job that only runs costs the daemon a few reads a second.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 from gpumarket.proto.jobspec import LOG_LINES_PER_UPDATE
 from gpumarket.provider import jobfiles, keyrings, reports
 from gpumarket.provider.cgroups import CgroupError, JobCgroup
+from gpumarket.provider.exits import ForkedChild, pid_gone, pid_runs_in
 from gpumarket.provider.reports import (
     Checkpoint,
     Done,
@@ -55,7 +56,6 @@ ENDER = keyrings.Ender()
 
 REPORTS = "reports.jsonl"
 DRAIN_S = 0.25                 # how often a running job's log and reports are read
-POLL_S = 0.05                  # how often a process is polled where no pidfd can be had
 DISK_CHECK_S = 2.0             # how often a job's work directory is measured against its quota
 
 # Only what a job needs from the daemon's environment; never the daemon's secrets.
@@ -199,92 +199,6 @@ def read_reports(workdir: Path, owner: int, tasks: frozenset[int] | set[int] = f
     finally:
         os.close(fd)
     return out
-
-
-def pid_runs_in(pid: int, workdir: Path) -> bool:
-    """True if ``pid`` is alive and is a job process for ``workdir`` (started for it, or a
-    forkserver's child that moved into it)."""
-    try:
-        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        cwd = os.readlink(f"/proc/{pid}/cwd")
-    except OSError:
-        return False
-    if state == "Z" or b"gpumarket.provider.runners" not in b" ".join(cmd):
-        return False
-    return str(workdir).encode() in cmd or cwd == str(workdir)
-
-
-class ForkedChild:
-    """A job process forked by a forkserver (provider/forkservers.py), as much of an
-    ``asyncio.subprocess.Process`` as JobProcess uses. The forkserver, its parent, reports
-    its end; if the forkserver dies first, the child is followed by pid until it is gone,
-    and ``wait()`` returns None (its exit code went with its parent)."""
-
-    def __init__(self, pid: int, workdir: Path) -> None:
-        self.pid = pid
-        self.workdir = workdir
-        self.returncode: int | None = None
-        self._orphaned = False
-        self._known = asyncio.Event()    # its end was reported, or its forkserver is gone
-
-    def exited(self, code: int) -> None:
-        self.returncode = code
-        self._known.set()
-
-    def orphaned(self) -> None:
-        self._orphaned = True
-        self._known.set()
-
-    def running(self) -> bool:
-        if self.returncode is not None:
-            return False
-        return not self._orphaned or pid_runs_in(self.pid, self.workdir)
-
-    async def wait(self) -> int | None:
-        await self._known.wait()
-        if self.returncode is None:
-            await pid_gone(self.pid, self.running)
-        return self.returncode
-
-
-async def pid_gone(pid: int, running: Callable[[], bool]) -> None:
-    """Return once ``running()`` is false: checked when the process ``pid`` exits, which its
-    pidfd tells the event loop (a pidfd serves any process, our child or not); polled every
-    POLL_S where no pidfd can be had (no pidfd_open, or the kernel refuses it)."""
-    try:
-        fd = os.pidfd_open(pid)
-    except (AttributeError, OSError):
-        fd = -1         # gone already (checked below), or no pidfds here
-    try:
-        # The pidfd was opened before this check: if the process was the one asked about
-        # then, its pidfd is this process's, and its exit is not missed.
-        while running():
-            if fd < 0:
-                await asyncio.sleep(POLL_S)
-                continue
-            loop = asyncio.get_running_loop()
-            readable = loop.create_future()
-            try:
-                loop.add_reader(fd, _settle, readable)
-            except (OSError, ValueError):
-                os.close(fd)
-                fd = -1
-                continue
-            try:
-                await readable
-            finally:
-                loop.remove_reader(fd)
-            os.close(fd)
-            fd = -1     # it exited: should the pid still look alive, it is polled
-    finally:
-        if fd >= 0:
-            os.close(fd)
-
-
-def _settle(future: asyncio.Future) -> None:
-    if not future.done():
-        future.set_result(None)
 
 
 _NOT_ENDED = object()

@@ -1,8 +1,8 @@
-"""A job's end is noticed by an event, not a poll (provider/executor.py): our own child's,
-a process that is not our child (a re-attached job, a forked one whose forkserver died)
-through its pidfd, and the stop path's SIGTERM/SIGKILL on the same event. Each test sets
-the poll and the drain tick to an hour: only an event can end it within its bound. Every
-log line and report still arrives, in order, with the final read at the end."""
+"""A job's end is noticed by an event, not a poll (provider/executor.py, exits.py): our own
+child's, a process that is not our child (a re-attached job, a forked one whose forkserver
+died) through its pidfd, and the stop path's SIGTERM/SIGKILL on the same event. Each test
+sets the poll and the drain tick to an hour: only an event can end it within its bound.
+Every log line and report still arrives, in order, with the final read at the end."""
 
 from __future__ import annotations
 
@@ -16,8 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from gpumarket.provider import executor
-from gpumarket.provider.executor import ForkedChild, JobProcess, job_env, pid_gone
+from gpumarket.provider import executor, exits
+from gpumarket.provider.executor import JobProcess, job_env
+from gpumarket.provider.exits import ForkedChild, pid_gone, pid_runs_in
 from gpumarket.provider.reports import Log, Progress
 
 HOUR = 3600.0
@@ -26,7 +27,7 @@ BOUND = 30.0        # generous: a loaded machine; a poll or tick would take an h
 
 @pytest.fixture
 def no_polls(monkeypatch):
-    monkeypatch.setattr(executor, "POLL_S", HOUR)
+    monkeypatch.setattr(exits, "POLL_S", HOUR)
     monkeypatch.setattr(executor, "DRAIN_S", HOUR)
 
 
@@ -44,16 +45,16 @@ def _job(tmp_path: Path, source: str, on_report, grace: float = 1.0) -> JobProce
 
 def _orphan(workdir: Path, seconds: float) -> int:
     """A process that is not this one's child (its parent exits at once: it is reparented),
-    that looks like a job of ``workdir`` (executor.pid_runs_in) and ends after
-    ``seconds``; its pid."""
+    that looks like a job of ``workdir`` (pid_runs_in) and ends after ``seconds``; its
+    pid."""
+    line = (f'{sys.executable} -c "import sys, time; time.sleep(float(sys.argv[1]))"'
+            f' {seconds} gpumarket.provider.runners {workdir} >/dev/null 2>&1 & echo $!')
     r = subprocess.run(
-        ["sh", "-c", f'{sys.executable} -c "import sys, time; time.sleep(float(sys.argv[1]))"'
-                     f' {seconds} gpumarket.provider.runners {workdir} >/dev/null 2>&1 &'
-                     ' echo $!'],
+        ["sh", "-c", line],
         capture_output=True, text=True, check=True, start_new_session=True)
     pid = int(r.stdout.split()[0])
     deadline = time.monotonic() + BOUND
-    while not executor.pid_runs_in(pid, workdir):   # until it has exec'd (a moment)
+    while not pid_runs_in(pid, workdir):   # until it has exec'd (a moment)
         assert time.monotonic() < deadline, "the orphan did not start"
         time.sleep(0.01)
     return pid
@@ -126,11 +127,11 @@ def test_the_exit_of_a_process_not_our_child_is_noticed_by_its_pidfd(tmp_path, n
         os.waitpid(pid, os.WNOHANG)     # not ours: no child watcher can wait for it
 
     async def scenario():
-        await asyncio.wait_for(pid_gone(pid, lambda: executor.pid_runs_in(pid, workdir)),
+        await asyncio.wait_for(pid_gone(pid, lambda: pid_runs_in(pid, workdir)),
                                BOUND)
 
     asyncio.run(scenario())
-    assert not executor.pid_runs_in(pid, workdir)
+    assert not pid_runs_in(pid, workdir)
 
 
 def test_a_reattached_job_and_an_orphaned_forked_one_end_on_their_pidfd(tmp_path, no_polls):
@@ -168,13 +169,13 @@ def test_without_pidfds_the_pid_is_polled(tmp_path, monkeypatch):
     def refused(pid, flags=0):
         raise OSError(38, "Function not implemented")
 
-    monkeypatch.setattr(executor.os, "pidfd_open", refused, raising=False)
+    monkeypatch.setattr(exits.os, "pidfd_open", refused, raising=False)
     workdir = tmp_path / "work"
     workdir.mkdir()
     pid = _orphan(workdir, 0.5)
 
     async def scenario():
-        await asyncio.wait_for(pid_gone(pid, lambda: executor.pid_runs_in(pid, workdir)),
+        await asyncio.wait_for(pid_gone(pid, lambda: pid_runs_in(pid, workdir)),
                                BOUND)
 
     asyncio.run(scenario())
