@@ -3,11 +3,16 @@
 outputs case (about 1 ms of hashing and one result.json a task) and heavy case (about 35 ms),
 on a real broker and two real providers, every result then fetched and checked.
 
-    .venv/bin/python bench/array_cpu.py [--outputs 1000] [--heavy 200]
+    .venv/bin/python bench/array_cpu.py [--outputs 1000] [--heavy 200] [--idle 30]
+                                        [--profile DIR]
 
 Per case: tasks_per_s, lost outputs, the load average before and after, and the broker's and
 each provider daemon's CPU (user + system, its own threads; not its jobs' processes) divided
-by the tasks. The last line is one JSON object of them.
+by the tasks. ``--idle S``: one script job (not an array) that sleeps S seconds, and each
+daemon's CPU seconds over its run (one provider follows it, the other is the baseline
+beside it). ``--profile DIR``: the broker and the providers run under cProfile (each of
+their threads), each writing DIR/<name>-<pid>.prof when it stops (``python -m pstats``).
+The last line is one JSON object of them.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -29,6 +35,37 @@ _spec = importlib.util.spec_from_file_location("throughput", ROOT / "bench" / "t
 throughput = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(throughput)
 TICK = os.sysconf("SC_CLK_TCK")
+# Imported by each daemon at its start (PYTHONPATH) where --profile is given: the daemon
+# runs under cProfile, its profile written when it exits (a stop by SIGTERM exits).
+PROFILE_HOOK = """
+import atexit, cProfile, os, sys, threading
+_dir = os.environ.get("ARRAY_CPU_PROFILE")
+if _dir and os.path.basename(sys.argv[0]) in ("gpumarket-broker", "gpumarket-provider"):
+    _profiles = [cProfile.Profile()]
+    _name = os.path.basename(sys.argv[0]) + "-" + str(os.getpid())
+
+    def _in_thread(frame, event, arg):      # a new thread's first event: profile it too
+        _profiles.append(cProfile.Profile())
+        _profiles[-1].enable()
+
+    def _dump():
+        import pstats
+        for p in _profiles:
+            p.disable()
+        stats = pstats.Stats(_profiles[0])
+        for p in _profiles[1:]:
+            try:
+                stats.add(p)
+            except (TypeError, ValueError):     # a thread's profile that holds nothing
+                pass
+        stats.dump_stats(os.path.join(_dir, _name + ".prof"))
+
+    atexit.register(_dump)
+    threading.setprofile(_in_thread)
+    _profiles[0].enable()
+"""
+IDLE_JOB = ("import sys, time\nfrom gpumarket.provider.runners import task\n"
+            "task.output_dir()\ntime.sleep(float(sys.argv[1]))\n")
 
 
 def cpu_s(pid: int) -> float:
@@ -41,9 +78,21 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--outputs", type=int, default=1000, help="tasks of the outputs case")
     ap.add_argument("--heavy", type=int, default=200, help="tasks of the heavy case")
+    ap.add_argument("--idle", type=float, default=0,
+                    help="seconds of a job that sleeps: its provider daemon's CPU over them")
+    ap.add_argument("--profile", type=Path, default=None,
+                    help="write each daemon's cProfile here when it stops")
     args = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="gpumarket-array-cpu-"))
     market = Marketplace(root)
+    if args.profile is not None:
+        args.profile.mkdir(parents=True, exist_ok=True)
+        hook = root / "profile-hook"
+        hook.mkdir()
+        (hook / "sitecustomize.py").write_text(PROFILE_HOOK)
+        path = os.pathsep.join(filter(None, (str(hook), os.environ.get("PYTHONPATH"))))
+        market.extra_env.update({"PYTHONPATH": path,
+                                 "ARRAY_CPU_PROFILE": str(args.profile.resolve())})
     out: dict[str, dict] = {}
     try:
         market.start_broker("--heartbeat-interval", "1")
@@ -72,10 +121,44 @@ def main() -> None:
                          **{f"{k}_cpu_ms_per_task": round((after[k] - before[k]) / tasks * 1e3, 3)
                             for k in pids}}
             print(case, ", ".join(f"{k} {v}" for k, v in out[case].items()), flush=True)
+        if args.idle:
+            out["idle"] = idle_job(market, root, args.idle, pids)
+            print("idle", ", ".join(f"{k} {v}" for k, v in out["idle"].items()), flush=True)
         out["stale_lease_cancels"] = market.broker.text().count("that are no longer its")
     finally:
         market.close()
     print(json.dumps(out))
+
+
+def idle_job(market: Marketplace, root: Path, seconds: float, pids: dict[str, int]) -> dict:
+    """One script job that sleeps ``seconds``: each daemon's CPU seconds from its start to
+    its end (one provider runs it; the other, with no job, is the baseline beside it)."""
+    code = root / "idle.py"
+    code.write_text(IDLE_JOB)
+    path = root / "idle.toml"
+    path.write_text(f'''
+name = "idle"
+kind = "script"
+max_price = 2.0
+budget = 100
+max_attempts = 1
+
+[script]
+code = "{code}"
+args = ["{seconds}"]
+''')
+    r = market.cli("submit", str(path))
+    if r.returncode != 0:
+        raise SystemExit(f"submit failed: {r.stderr.strip()}")
+    job_id = r.stdout.split()[0]
+    wait_until(lambda: market.job(job_id)["state"] == "RUNNING", "the idle job running",
+               timeout=120)
+    before, began = {k: cpu_s(p) for k, p in pids.items()}, time.monotonic()
+    wait_until(lambda: market.job(job_id)["state"] in ("SUCCEEDED", "FAILED"),
+               "the idle job's end", timeout=seconds + 120)
+    after, wall = {k: cpu_s(p) for k, p in pids.items()}, time.monotonic() - began
+    return {"wall_s": round(wall, 1), "state": market.job(job_id)["state"],
+            **{f"{k}_cpu_s": round(after[k] - before[k], 3) for k in pids}}
 
 
 if __name__ == "__main__":

@@ -6,6 +6,13 @@ leads its own process group, so a cancel reaches everything it started: SIGTERM,
 SIGKILL. Because reports go to a file, a restarted daemon can re-attach to a job that
 outlived the daemon before it (``JobProcess.attach``). A job of a kind with a forkserver
 (provider/forkservers.py) is forked from it rather than started cold.
+
+A job's end is noticed by an event, not by polling: our own child's through asyncio's child
+watcher, a forked one's through its forkserver's message, and a process that is not our
+child (a re-attached job, or a forked one whose forkserver died) through a pidfd the event
+loop watches (provider/exits.py; only where no pidfd can be had is its pid polled). Its log
+and reports are read every DRAIN_S while it runs and once more, to the end, when it has
+ended: a job that only runs costs the daemon a few reads a second.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from typing import TYPE_CHECKING
 from gpumarket.proto.jobspec import LOG_LINES_PER_UPDATE
 from gpumarket.provider import jobfiles, keyrings, reports
 from gpumarket.provider.cgroups import CgroupError, JobCgroup
+from gpumarket.provider.exits import ForkedChild, pid_gone, pid_runs_in
 from gpumarket.provider.reports import (
     Checkpoint,
     Done,
@@ -47,7 +55,7 @@ REPORTS_READ_BYTES = reports.MAX_LINE   # ... and of the reports
 ENDER = keyrings.Ender()
 
 REPORTS = "reports.jsonl"
-POLL_S = 0.05
+DRAIN_S = 0.25                 # how often a running job's log and reports are read
 DISK_CHECK_S = 2.0             # how often a job's work directory is measured against its quota
 
 # Only what a job needs from the daemon's environment; never the daemon's secrets.
@@ -193,53 +201,6 @@ def read_reports(workdir: Path, owner: int, tasks: frozenset[int] | set[int] = f
     return out
 
 
-def pid_runs_in(pid: int, workdir: Path) -> bool:
-    """True if ``pid`` is alive and is a job process for ``workdir`` (started for it, or a
-    forkserver's child that moved into it)."""
-    try:
-        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        cwd = os.readlink(f"/proc/{pid}/cwd")
-    except OSError:
-        return False
-    if state == "Z" or b"gpumarket.provider.runners" not in b" ".join(cmd):
-        return False
-    return str(workdir).encode() in cmd or cwd == str(workdir)
-
-
-class ForkedChild:
-    """A job process forked by a forkserver (provider/forkservers.py), as much of an
-    ``asyncio.subprocess.Process`` as JobProcess uses. The forkserver, its parent, reports
-    its end; if the forkserver dies first, the child is followed by pid until it is gone,
-    and ``wait()`` returns None (its exit code went with its parent)."""
-
-    def __init__(self, pid: int, workdir: Path) -> None:
-        self.pid = pid
-        self.workdir = workdir
-        self.returncode: int | None = None
-        self._orphaned = False
-        self._known = asyncio.Event()    # its end was reported, or its forkserver is gone
-
-    def exited(self, code: int) -> None:
-        self.returncode = code
-        self._known.set()
-
-    def orphaned(self) -> None:
-        self._orphaned = True
-        self._known.set()
-
-    def running(self) -> bool:
-        if self.returncode is not None:
-            return False
-        return not self._orphaned or pid_runs_in(self.pid, self.workdir)
-
-    async def wait(self) -> int | None:
-        await self._known.wait()
-        while self.running():
-            await asyncio.sleep(POLL_S)
-        return self.returncode
-
-
 _NOT_ENDED = object()
 
 
@@ -274,6 +235,7 @@ class JobProcess:
         self._stop_reason = ""
         self._reader = ReportReader(workdir)
         self._ended_for: object = _NOT_ENDED    # the pid end_all() last ended everything of
+        self._exit: asyncio.Task | None = None  # ends when the job's process has (exited())
         # The daemon reads the job's log and reports through descriptors it opened itself:
         # whatever the job later puts under those names is never read.
         self._log_fd = self._reports_fd = -1
@@ -353,6 +315,28 @@ class JobProcess:
             return self.proc.returncode is None
         return self.pid is not None and pid_runs_in(self.pid, self.workdir)
 
+    def exited(self) -> asyncio.Task:
+        """A task that ends when the job's process has ended (one for the job, shared by its
+        follower and stop()): our child's exit, its forkserver's word, or the pidfd of a
+        process that is not our child."""
+        if self._exit is None:
+            self._exit = asyncio.create_task(self._wait_exit())
+        return self._exit
+
+    async def _wait_exit(self) -> None:
+        if self.proc is not None:
+            await self.proc.wait()
+        elif self.pid is not None:
+            await pid_gone(self.pid, self.alive)
+
+    async def _ended_within(self, seconds: float | None) -> bool:
+        """Wait at most ``seconds`` (None: as long as it takes) for the job's process to
+        end; whether it has."""
+        exited = self.exited()
+        if not exited.done():
+            await asyncio.wait({exited}, timeout=seconds)
+        return exited.done()
+
     async def run(self) -> Outcome:
         """Follow the job to its end; its outcome. Every way this ends (a result, a stop,
         an exception, a cancel) it ends all of the job first."""
@@ -373,6 +357,7 @@ class JobProcess:
             await self.stop()
             await self._drain_reports(state)
         code = await self.proc.wait() if self.proc is not None else None
+        await self._ended_within(None)
         wall = time.monotonic() - started
         if not self._all_ended():
             await asyncio.to_thread(self.end_all)
@@ -434,8 +419,11 @@ class JobProcess:
             await asyncio.to_thread(self.cgroup.remove)
 
     async def _follow(self, state: dict) -> None:
+        """Read the job's reports and log every DRAIN_S, and at once to their end when its
+        process ends (woken by that, not by a poll)."""
+        exited = self.exited()
         while True:
-            running = self.alive()
+            running = not exited.done() and self.alive()
             await self._drain_reports(state)
             await self._drain_log()
             if running and self.disk_quota_bytes and await self._over_quota():
@@ -446,7 +434,7 @@ class JobProcess:
                 await self._drain_reports(state)
                 await self._drain_log(final=True)
                 return
-            await asyncio.sleep(POLL_S)
+            await asyncio.wait({exited}, timeout=DRAIN_S)
 
     async def _drain_log(self, final: bool = False) -> None:
         """Hand the job's new stdout/stderr lines on as ``{"event": "log", "lines": [...]}``
@@ -519,15 +507,9 @@ class JobProcess:
         if self.pid is not None and self.alive():
             self._killed = True
             signal_group(self.pid, signal.SIGTERM)
-            deadline = time.monotonic() + self.grace_s
-            while self.alive() and time.monotonic() < deadline:
-                await asyncio.sleep(POLL_S)
-            signal_group(self.pid, signal.SIGKILL)
-            if self.proc is not None:
-                await self.proc.wait()
-            else:
-                while self.alive():
-                    await asyncio.sleep(POLL_S)
+            await self._ended_within(self.grace_s)     # woken by its end, if it comes
+            signal_group(self.pid, signal.SIGKILL)     # (its group may outlive its leader)
+            await self._ended_within(None)
         # A stopped job's follower (run) may be cancelled next: end everything here.
         await self.end()
 
