@@ -92,3 +92,26 @@ def test_a_deposed_leaders_pass_of_several_leases_is_refused_whole(pg_store, tmp
         assert pg_store.groups - groups <= 4       # refused pass, leases, queue reasons
 
     asyncio.run(scenario())
+
+
+def test_a_replayed_submission_is_refused_by_its_one_read(store):
+    """submit checks the nonce and the job id in one statement (one round trip on
+    PostgreSQL): a reused nonce and a reused id are each still refused, on both stores."""
+    import dataclasses
+
+    from gpumarket.broker.jobs import transitions
+    from gpumarket.proto.errors import Replay
+
+    client = Identity.generate()
+    job = array_job(client, "r1", 1, 1)
+
+    async def main():
+        await store.write(transitions.submit, job, 1)
+        with pytest.raises(Replay, match="already submitted as job r1"):
+            await store.write(transitions.submit, dataclasses.replace(job, id="r2"), 2)
+        with pytest.raises(Replay, match="job r1 already exists"):
+            await store.write(transitions.submit, dataclasses.replace(job, nonce="f" * 32), 3)
+        assert await store.read(lambda db: db.execute("SELECT count(*) FROM jobs")
+                                .fetchone()[0]) == 1
+
+    asyncio.run(main())

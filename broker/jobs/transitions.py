@@ -224,12 +224,14 @@ def spawn(db: Database, of: Mapping[str, Any], sort: str, child_id: str, name: s
 
 def submit(db: Database, job: NewJob, now: int) -> None:
     """Store a new QUEUED job; raise Replay if its nonce was used before."""
-    seen = db.execute(
-        "SELECT job_id FROM nonces WHERE signer_id = ? AND nonce = ?", [job.client_id, job.nonce]
+    # Both checks in one statement: on PostgreSQL each read is a round trip.
+    seen, exists = db.execute(
+        "SELECT (SELECT job_id FROM nonces WHERE signer_id = ? AND nonce = ?),"
+        " EXISTS (SELECT 1 FROM jobs WHERE id = ?)", [job.client_id, job.nonce, job.id]
     ).fetchone()
     if seen is not None:
-        raise Replay(f"this signed spec was already submitted as job {seen[0]} (nonce reused)")
-    if db.execute("SELECT 1 FROM jobs WHERE id = ?", [job.id]).fetchone():
+        raise Replay(f"this signed spec was already submitted as job {seen} (nonce reused)")
+    if exists:
         raise Replay(f"job {job.id} already exists")
     db["nonces"].insert(
         {"signer_id": job.client_id, "nonce": job.nonce, "expires_at_ms": job.expires_at_ms,
