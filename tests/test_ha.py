@@ -297,3 +297,81 @@ def test_a_provider_drops_a_lease_it_was_sent_twice(tmp_path):
     assert not session._again(lease("j", 1))
     assert session._again(lease("j", 1))
     assert not session._again(lease("j", 2))          # a new epoch is a new lease
+
+
+async def open_session(state: BrokerState, key: Identity):
+    """What the gateway writes as a provider's session on ``state``'s broker opens: online
+    (the handshake), the session's row, then its offer."""
+    offer = signed_offer(key, kinds=(pb.JOB_KIND_SCRIPT,))
+    parsed, _ = open_envelope(offer, pb.Offer)
+    await state.store.write(providers.online, key.id, key.public_key, now_ms())
+    session = state.sessions.open(key.id)
+    session.row_id = await state.store.write(providers.session_started, key.id, now_ms())
+    await state.store.write(providers.store_offer, key.id, offer.SerializeToString(), parsed,
+                            now_ms())
+    session.offer, session.offer_envelope = parsed, offer
+    return session
+
+
+def test_a_broker_ending_an_old_session_leaves_a_moved_provider_to_its_new_broker(
+        pg_cluster, tmp_path):
+    """Brokers a, b and c on one PostgreSQL store. A provider moved from a to b; a ends its
+    old session late (a stopping cleanly, or a session it lost late): the provider stays
+    online with its offer, and c (the leader, say) still sees it. The same where a ends it
+    between b's handshake and b's session row. A provider whose latest session ends goes
+    offline, its offer withdrawn."""
+    from gpumarket.broker.api.gateway import ProviderGatewayServicer
+    from gpumarket.broker.state import live_offers, refresh_offers
+    from gpumarket.broker.store.store import open_store
+
+    url = pg_cluster.database(template=pg_cluster.template)
+    stores = [open_store(url, None) for _ in range(3)]
+    for s in stores:
+        s.open()
+    broker = Identity.generate()
+    a, b, c = (broker_state(tmp_path, s, broker, n) for s, n in zip(stores, "abc"))
+    moved, racing = Identity.generate(), Identity.generate()
+
+    async def offered(state: BrokerState) -> set[str]:
+        await state.store.write(providers.heartbeats, {moved.id: now_ms(),
+                                                       racing.id: now_ms()}, {})
+        await refresh_offers(state)
+        return {o.provider_id for o in state.sessions.offers()}
+
+    async def scenario():
+        for s in (a, b, c):
+            share(s, url)
+        old = await open_session(a, moved)
+        await open_session(b, moved)
+        await ProviderGatewayServicer(a)._closed(old)
+        assert await offered(c) == {moved.id}
+        assert await stores[2].read(live_offers, 0) == [(moved.id, ANY_INT)]
+
+        # a's old session ends between b's handshake (online) and b's session row.
+        old = await open_session(a, racing)
+        await stores[1].write(providers.online, racing.id, racing.public_key, now_ms())
+        await ProviderGatewayServicer(a)._closed(old)
+        session = b.sessions.open(racing.id)
+        session.row_id = await stores[1].write(providers.session_started, racing.id, now_ms())
+        offer = signed_offer(racing, kinds=(pb.JOB_KIND_SCRIPT,))
+        await stores[1].write(providers.store_offer, racing.id, offer.SerializeToString(),
+                              open_envelope(offer, pb.Offer)[0], now_ms())
+        assert await offered(c) == {moved.id, racing.id}
+
+        # Its latest session ending takes the provider off the market.
+        await ProviderGatewayServicer(b)._closed(b.sessions.here(moved.id))
+        assert await offered(c) == {racing.id}
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        for s in stores:
+            s.close()
+
+
+class _AnyInt:
+    def __eq__(self, other) -> bool:
+        return isinstance(other, int)
+
+
+ANY_INT = _AnyInt()

@@ -201,7 +201,13 @@ class ProviderGatewayServicer(gateway_pb2_grpc.ProviderGatewayServicer):
         log.info("provider %s disconnected", session.provider_id)
         if self.state.serving is not None:
             self.state.serving.provider_gone(session.provider_id)
-        await self.state.store.write(providers.offline, session.provider_id, now_ms())
+        # Only while this session is the provider's latest: one it opened since on another
+        # broker of a shared store is that broker's, offer and all.
+        if not await self.state.store.write(providers.offline, session.provider_id, now_ms(),
+                                            session.row_id or None):
+            log.info("provider %s has a newer session (on another broker): its offer stays",
+                     session.provider_id)
+            return
         self.state.events.notify()
         self.state.placement.notify()
 

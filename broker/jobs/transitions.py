@@ -59,15 +59,19 @@ def append_event(
     message: str = "",
     progress: dict | None = None,
     mirror: bool = True,
+    job: Job | None = None,
 ) -> list[EndedLease]:
     """Append a job event. An event of a split job's part also updates the parent (its
     state follows its parts) and is repeated on it; returns the leases of sibling parts
-    that this ended (a part failed or was cancelled), to tell their providers."""
+    that this ended (a part failed or was cancelled), to tell their providers. ``job``: the
+    job as read in this transaction, where the caller has it (only what never changes of it,
+    its sort and place, is used: not read again)."""
     rows.insert_event(db, job_id, type_, state, attempt, now, provider_id=provider_id,
                       message=message, progress=progress)
     if not mirror or type_ == "submitted":
         return []
-    job = job_row(db, job_id)
+    if job is None:
+        job = job_row(db, job_id)
     if job.sort == "batch":     # a batch of a job array: its tasks follow it, and the array them
         hooks().batch_moved(db, job.top_id, job_id, type_, now)
     elif job.sort == "replica":
@@ -220,12 +224,14 @@ def spawn(db: Database, of: Mapping[str, Any], sort: str, child_id: str, name: s
 
 def submit(db: Database, job: NewJob, now: int) -> None:
     """Store a new QUEUED job; raise Replay if its nonce was used before."""
-    seen = db.execute(
-        "SELECT job_id FROM nonces WHERE signer_id = ? AND nonce = ?", [job.client_id, job.nonce]
+    # Both checks in one statement: on PostgreSQL each read is a round trip.
+    seen, exists = db.execute(
+        "SELECT (SELECT job_id FROM nonces WHERE signer_id = ? AND nonce = ?),"
+        " EXISTS (SELECT 1 FROM jobs WHERE id = ?)", [job.client_id, job.nonce, job.id]
     ).fetchone()
     if seen is not None:
-        raise Replay(f"this signed spec was already submitted as job {seen[0]} (nonce reused)")
-    if db.execute("SELECT 1 FROM jobs WHERE id = ?", [job.id]).fetchone():
+        raise Replay(f"this signed spec was already submitted as job {seen} (nonce reused)")
+    if exists:
         raise Replay(f"job {job.id} already exists")
     db["nonces"].insert(
         {"signer_id": job.client_id, "nonce": job.nonce, "expires_at_ms": job.expires_at_ms,
@@ -257,12 +263,14 @@ def submit(db: Database, job: NewJob, now: int) -> None:
 
 
 def create_lease(db: Database, terms: LeaseTerms, now: int,
-                 sign: Callable[[pb.Lease], pb.Envelope]) -> pb.Envelope:
+                 sign: Callable[[pb.Lease], pb.Envelope], job: Job | None = None) -> pb.Envelope:
     """Lease a QUEUED job to a provider on ``terms``; return the signed Lease envelope.
-    Raises FailedPrecondition if the job is no longer QUEUED."""
+    Raises FailedPrecondition if the job is no longer QUEUED. ``job``: its row as read in
+    this transaction, where the caller read several at once (placement.write_leases)."""
     job_id, provider_id = terms.job_id, terms.provider_id
     price_per_gpu_hour, device_indices = terms.price_per_gpu_hour, list(terms.device_indices)
-    job = job_row(db, job_id)
+    if job is None:
+        job = job_row(db, job_id)
     if job.state != QUEUED:
         raise FailedPrecondition(f"job {job_id} is {state_name(job.state)}, not QUEUED")
     epoch = job.epoch + 1
@@ -306,7 +314,7 @@ def create_lease(db: Database, terms: LeaseTerms, now: int,
     resume = f", resuming from step {job.checkpoint_step}" if job.resume_from else ""
     append_event(db, job_id, "leased", LEASED, lease.attempt, now, provider_id=provider_id,
                  message=f"leased to {provider_id} at {price_per_gpu_hour:g}/GPU-hour"
-                 f" (attempt {lease.attempt}{resume})")
+                 f" (attempt {lease.attempt}{resume})", job=job)
     return envelope
 
 

@@ -51,12 +51,26 @@ def withdraw_offer(db: Database, provider_id: str) -> None:
     db.execute("DELETE FROM offers WHERE provider_id = ?", [provider_id])
 
 
-def offline(db: Database, provider_id: str, now: int) -> None:
+def offline(db: Database, provider_id: str, now: int, session_row: int | None = None) -> bool:
     """The session ended: its offer expires. Its leases stay until they miss heartbeats for
     the lease timeout, so a provider that reconnects in time (a restarted daemon, a network
-    blip, a restarted broker) re-attaches to its running jobs instead of losing them."""
-    db.execute("UPDATE providers SET online = 0, last_seen_ms = ? WHERE id = ?", [now, provider_id])
+    blip, a restarted broker) re-attaches to its running jobs instead of losing them.
+
+    ``session_row`` (the ended session's provider_sessions row): only while that session is
+    still the provider's latest. Brokers sharing a store each end their own sessions; a
+    provider that has since opened one on another broker is that broker's, and a broker
+    stopping (or losing an old session late) must not take its offer from the market.
+    Returns whether the provider was marked offline."""
+    latest = ""
+    params: list = []
+    if session_row is not None:
+        latest = (" AND (SELECT max(id) FROM provider_sessions WHERE provider_id = ?) = ?")
+        params = [provider_id, session_row]
+    if db.execute("UPDATE providers SET online = 0, last_seen_ms = ? WHERE id = ?" + latest,
+                  [now, provider_id, *params]).rowcount == 0:
+        return False
     withdraw_offer(db, provider_id)
+    return True
 
 
 def heartbeats(db: Database, seen: dict[str, int], running: dict[str, list[tuple[str, int]]]
@@ -75,6 +89,10 @@ def heartbeats(db: Database, seen: dict[str, int], running: dict[str, list[tuple
 
 
 def session_started(db: Database, provider_id: str, now: int) -> int:
+    """Record a session of the provider (its row id: the session's place in the provider's
+    order of sessions, across the brokers of a store) and mark it online again: a broker
+    whose older session of it ended between ``online`` and here marked it offline."""
+    db.execute("UPDATE providers SET online = 1 WHERE id = ?", [provider_id])
     return db["provider_sessions"].insert({"provider_id": provider_id, "started_ms": now}).last_pk
 
 

@@ -23,6 +23,7 @@ function), and applied migrations are recorded in ``_gpumarket_migrations``.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -140,14 +141,74 @@ def _quote(name: str) -> str:
     return '"' + name.replace('"', '""') + '"'
 
 
+class PipelinedCursor:
+    """The cursor of a statement sent in pipeline mode (``PgConnection.pipelined``): sent,
+    not yet answered. Reading its rows waits for them (psycopg flushes the pipeline); so does
+    reading ``rowcount`` or ``description``, which psycopg would give before the answer came
+    (-1, None): a module's conditional UPDATE (the leader's fence) reads its real rowcount."""
+
+    __slots__ = ("cur", "pipeline")
+
+    def __init__(self, cur: Any, pipeline: Any) -> None:
+        self.cur = cur
+        self.pipeline = pipeline
+
+    def _answered(self) -> Any:
+        if self.cur.pgresult is None:
+            self.pipeline.sync()
+        return self.cur
+
+    @property
+    def rowcount(self) -> int:
+        return self._answered().rowcount
+
+    @property
+    def description(self) -> Any:
+        return self._answered().description
+
+    def fetchone(self) -> Any:
+        return self.cur.fetchone()
+
+    def fetchall(self) -> list:
+        return self.cur.fetchall()
+
+    def fetchmany(self, size: int = 0) -> list:
+        return self.cur.fetchmany(size)
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.cur)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._answered(), name)
+
+
 class PgConnection:
-    """What ``db.conn`` is to the modules: execute, executemany, in_transaction, close."""
+    """What ``db.conn`` is to the modules: execute, executemany, in_transaction, close.
+
+    Inside ``pipelined()`` (the store's write transactions) a statement is sent without
+    waiting for its answer: only a statement whose result is read waits, and then for every
+    statement sent before it in the same round trip (psycopg 3's pipeline mode). A write's
+    INSERTs and UPDATEs whose results nobody reads so cost no round trip of their own."""
 
     def __init__(self, conn: Any) -> None:
         self.raw = conn
+        self.pipeline: Any = None       # psycopg's Pipeline while pipelined
 
     def execute(self, sql: str, params: Sequence[Any] | Mapping[str, Any] | None = None) -> Any:
-        return self.raw.execute(*_bind(sql, params))
+        cur = self.raw.execute(*_bind(sql, params))
+        return cur if self.pipeline is None else PipelinedCursor(cur, self.pipeline)
+
+    @contextlib.contextmanager
+    def pipelined(self) -> Iterator[Any]:
+        """Pipeline mode for the block; yields psycopg's Pipeline (``sync()``: send what is
+        queued, wait for every answer, raise the first error among them). Leaving the block
+        syncs."""
+        with self.raw.pipeline() as pipeline:
+            self.pipeline = pipeline
+            try:
+                yield pipeline
+            finally:
+                self.pipeline = None
 
     def executemany(self, sql: str, rows: Iterable[Sequence[Any]]) -> Any:
         cur = self.raw.cursor()

@@ -269,6 +269,52 @@ class PgStore(Store):
         self._begin(db, "BEGIN")
         db.conn.execute("SELECT pg_advisory_xact_lock(?)", [WRITE_LOCK])
 
+    def _commit_group(self, db: Database, group: list) -> None:
+        """The group commit of ``Store``, its statements pipelined (psycopg 3's pipeline
+        mode, ``PgConnection.pipelined``): a statement whose result a write does not read
+        waits for no answer, so a write costs the round trips of what it reads, plus one at
+        its end (``sync``) where the errors of what it sent are raised — in its own savepoint,
+        so a write that fails is still rolled back alone and told so. Each caller is answered
+        once the COMMIT has been answered (durable, as on SQLite)."""
+        import psycopg
+
+        from gpumarket.broker.store.postgres import WRITE_LOCK
+
+        outcomes = []
+        try:
+            self._begin(db, "BEGIN")    # not pipelined: a dropped connection is opened again
+            with db.conn.pipelined() as pipeline:
+                db.conn.execute("SELECT pg_advisory_xact_lock(?)", [WRITE_LOCK])
+                for fn, args, _, _, _ in group:
+                    db.conn.execute("SAVEPOINT write")
+                    try:
+                        result = fn(db, *args)
+                        pipeline.sync()
+                    except BaseException as exc:
+                        try:
+                            pipeline.sync()     # the pipeline takes statements again
+                        except psycopg.Error:
+                            pass                # what the write's error aborted
+                        db.conn.execute("ROLLBACK TO write")
+                        outcomes.append((None, exc))
+                    else:
+                        outcomes.append((result, None))
+                    db.conn.execute("RELEASE write")
+                db.conn.execute("COMMIT")
+                pipeline.sync()
+        except BaseException as exc:     # the transaction itself failed: nothing was written
+            try:
+                if db.conn.in_transaction:
+                    db.conn.execute("ROLLBACK")
+            except psycopg.Error:
+                log.warning("the store's connection failed; it is opened again for the"
+                            " next transaction")
+            outcomes = [(None, exc)] * len(group)
+        self.groups += 1
+        self.grouped += len(group)
+        for (_, _, loop, future, _), (result, exc) in zip(group, outcomes):
+            loop.call_soon_threadsafe(_settle, future, result, exc)
+
     def _begin_read(self, db: Database) -> None:
         self._begin(db, "BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
 
