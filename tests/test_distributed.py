@@ -36,6 +36,34 @@ def run(work: Path) -> subprocess.CompletedProcess:
                            str(work)], capture_output=True, text=True, timeout=600)
 
 
+def refusal(work: Path) -> str:
+    """What the runner refuses ``work``'s job with: its train() called in this process, the
+    refusal a JobError (run_main, every runner's, makes a JobError one line on stderr and
+    exit 1: tests/test_runner_job.py). A process per refusal cost a torch import each, about a minute of
+    this test's time at load 20 here. What train() sets for the whole process (its seeds,
+    torch's deterministic mode) is put back."""
+    import random
+
+    import numpy as np
+    import torch
+
+    from gpumarket.provider.runners import training
+    from gpumarket.provider.runners.report import Reporter
+
+    kept = (random.getstate(), np.random.get_state(), torch.get_rng_state(),
+            torch.are_deterministic_algorithms_enabled(),
+            torch.is_deterministic_algorithms_warn_only_enabled())
+    try:
+        with pytest.raises(training.JobError) as refused:
+            training.train(work, Reporter())
+    finally:
+        random.setstate(kept[0])
+        np.random.set_state(kept[1])
+        torch.set_rng_state(kept[2])
+        torch.use_deterministic_algorithms(kept[3], warn_only=kept[4])
+    return str(refused.value)
+
+
 def losses(work: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in
             (work / "outputs" / "loss.jsonl").read_text().splitlines()]
@@ -62,14 +90,10 @@ def test_two_gloo_processes_train_what_one_would_and_resume(tmp_path):
     assert losses(resumed) == pytest.approx(losses(two), abs=2e-4)
 
     other = runner_job(tmp_path / "other", 1, resume=two / "checkpoints" / "step-00000006")
-    r = run(other)
-    assert r.returncode == 1
-    assert r.stderr.strip().splitlines()[-1] == (
-        "error: the checkpoint was written by 2 processes; this attempt has 1")
+    assert refusal(other) == "the checkpoint was written by 2 processes; this attempt has 1"
 
     odd = runner_job(tmp_path / "odd", 3)
-    r = run(odd)
-    assert r.returncode == 1 and "batch_size 4 does not split evenly over 3 devices" in r.stderr
+    assert "batch_size 4 does not split evenly over 3 devices" in refusal(odd)
 
 
 @pytest.mark.e2e

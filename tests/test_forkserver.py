@@ -19,10 +19,10 @@ import pytest
 
 from gpumarket.provider.executor import ForkedChild, JobProcess, job_env, pid_runs_in
 from gpumarket.provider.forkservers import ForkServers
-from tests import test_isolation
-# base, groups and reaper are test_isolation's fixtures: a jobs dir job uids can reach, a
+from tests import isolation_kit, test_isolation
+# base, groups and reaper are tests/isolation_kit.py's fixtures: a jobs dir job uids can reach, a
 # control-group directory, and the end of whatever a job of these uids left behind.
-from tests.test_isolation import (  # noqa: F401
+from tests.isolation_kit import (  # noqa: F401
     FEATURES, JOB_UID, base, box, groups, needs_root, reaper,
 )
 
@@ -468,6 +468,7 @@ class ForkedJobProcess(JobProcess):
 
 @pytest.fixture
 def forked(monkeypatch):
+    monkeypatch.setattr(isolation_kit, "JobProcess", ForkedJobProcess)     # run_hostile's
     monkeypatch.setattr(test_isolation, "JobProcess", ForkedJobProcess)
 
 

