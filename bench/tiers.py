@@ -39,7 +39,7 @@ What is simulated, and what each assumption is:
   the job events; the target is that wait's p99 during spikes <= cold start + 5 s.
 
     .venv/bin/python bench/tiers.py [--days 7] [--providers 20] [--seed 1] [--quick]
-                                    [--serving-reserve 12]
+                                    [--serving-reserve 12] [--[no-]serving-backup]
 
 The code: this file drives the market (the event queue, the scheduler's pass, a provider's
 side of a lease); tiers_world.py is the simulated world (clock, jobs, runs, providers),
@@ -74,7 +74,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from gpumarket.broker.config import BrokerConfig
 from gpumarket.broker.jobs import preemption as preempt_rows
 from gpumarket.broker.jobs import transitions as jobs
-from gpumarket.broker.market import scheduler
+from gpumarket.broker.market import preemption, scheduler
 from gpumarket.broker.server import install_reactions
 from gpumarket.broker.serving import endpoints
 from gpumarket.broker.state import BrokerState
@@ -424,6 +424,9 @@ def main() -> None:
                              " or interruptible for replicas (12: the largest spike; 0: none)")
     parser.add_argument("--ignore-share", type=float, default=0.05,
                         help="share of jobs that ignore a preemption's checkpoint request")
+    parser.add_argument("--serving-backup", action=argparse.BooleanOptionalAction,
+                        default=None, help="a replica preempts a second set of leases, the first"
+                        " to yield its (preemption.SERVING_BACKUP; default: as built)")
     parser.add_argument("--quick", action="store_true",
                         help="a smoke run: half a day, 12 providers, no colocated run")
     parser.add_argument("--no-colocated", action="store_true",
@@ -434,6 +437,8 @@ def main() -> None:
     if args.quick:
         args.days, args.drain_days, args.providers = 0.5, 1.0, 12
         args.no_colocated = True
+    if args.serving_backup is not None:
+        preemption.SERVING_BACKUP = args.serving_backup
     install_reactions()     # as the broker does when it starts
     out = asyncio.run(simulate(args))
     if not args.no_colocated:
