@@ -26,7 +26,7 @@ from gpumarket.proto.v1 import gateway_pb2 as gw
 log = logging.getLogger(__name__)
 
 TIER_RANK = {"serving": 0, "standard": 1, "interruptible": 2}   # placed in this order
-SERVING_BACKUP = False  # True: a replica preempts a second set of leases, the first to yield its
+SERVING_BACKUP = True  # True: a replica preempts a second set of leases, the first to yield its
 
 
 def outranks(tier: str) -> bool:
