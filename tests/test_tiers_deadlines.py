@@ -158,15 +158,15 @@ def test_an_interruptible_job_is_leased_only_where_it_meets_its_deadline(tmp_pat
         # the cheapest offer, however slow, and missed).
         standard = dataclasses.replace(queued[0].needs, tier="standard")
         assert asyncio.run(store.read(deadlines.too_slow, book(True), queued[0].job,
-                                      standard, None, True)) == frozenset({0})
+                                      standard)) == frozenset({0})
         # Every offer that fits too slow: none left out, it runs where it can.
         assert asyncio.run(store.read(deadlines.too_slow, Book([slow]), queued[0].job,
                                       queued[0].needs)) == frozenset()
-        # Nothing to weigh for a job without a deadline, or one of another tier.
+        # Nothing to weigh for a job without a deadline, or a replica (serving).
         assert deadlines.too_slow(None, book(True), None, dataclasses.replace(
             queued[0].needs, deadline_s=0)) == frozenset()
         assert deadlines.too_slow(None, book(True), None, dataclasses.replace(
-            queued[0].needs, tier="standard")) == frozenset()
+            queued[0].needs, tier="serving")) == frozenset()
     finally:
         store.close()
 

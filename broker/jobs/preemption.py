@@ -118,6 +118,20 @@ def release(db: Database, job_id: str, epoch: int, provider_id: str, reason: str
     endings.release(db, job_id, epoch, provider_id, reason, now)
 
 
+def freed_for_waiting(db: Database, since_ms: int
+                      ) -> list[tuple[str, str, tuple[int, ...], int]]:
+    """Devices that leases preempted for a job since ``since_ms`` freed, while that job is
+    still queued and another of its provider's leases still yields to it: (job, provider,
+    devices, the job's devices wanted) per ended lease."""
+    rows = db.execute(
+        "SELECT l.preempt_for, l.provider_id, l.device_indices, json_extract(j.needs, '$.gpus')"
+        " FROM leases l JOIN jobs j ON j.id = l.preempt_for WHERE l.state = 'preempted'"
+        " AND l.preempt_at_ms >= ? AND j.state = ? AND EXISTS (SELECT 1 FROM leases a"
+        " WHERE a.state = 'active' AND a.preempt_for = l.preempt_for"
+        " AND a.provider_id = l.provider_id)", [since_ms, pb.JOB_STATE_QUEUED]).fetchall()
+    return [(r[0], r[1], tuple(json.loads(r[2])), int(r[3] or 1)) for r in rows]
+
+
 def overdue(db: Database, before_ms: int) -> list[tuple[str, str, int, str]]:
     """Leases asked to yield before ``before_ms`` that are still active: (lease, job, epoch,
     provider) each (the broker ends them itself)."""

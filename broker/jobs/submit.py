@@ -63,7 +63,7 @@ async def submit(state: BrokerState, envelope: pb.Envelope, spec: pb.JobSpec, cl
         if not spec.array.per_lease:        # spread over the devices that fit it
             book = await scheduler.offer_book(state)
             job = dataclasses.replace(job, lanes=book.lanes(job.needs.view("quote", client_id)))
-    if job.needs.tier == "interruptible" and job.needs.deadline_s:
+    if job.needs.tier in ("interruptible", "standard") and job.needs.deadline_s:
         # A deadline no offer could meet even now is refused, nothing written (timed on
         # the fastest offers that fit it).
         fastest = dataclasses.replace(job.needs, objective="fastest")

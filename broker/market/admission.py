@@ -190,16 +190,16 @@ def shape(spec: pb.JobSpec, values: dict) -> Shape:
 
 
 def check_deadline(needs: Needs, timed: list) -> None:
-    """Refuse (FailedPrecondition) an interruptible job whose deadline no offer could meet
-    even if it started now: ``timed`` holds the live offers that fit it (credit_holds.Timed,
+    """Refuse (FailedPrecondition) a job (interruptible or standard) whose deadline no offer
+    could meet even if it started now: ``timed`` holds the live offers that fit it (credit_holds.Timed,
     busy or not; the submission times the fastest 50), and on the fastest its calibrated
     wall time is already past the deadline.
     FailedPrecondition, not InvalidArgument: the spec is well formed, today's market cannot
     run it in time (a faster provider online later could). No offer fitting at all is not a
     deadline's fault: such a job is queued and waits, as any job. A deadline some offer
     could meet only without the margin deadlines.py keeps is admitted and runs as standard
-    from its first pass (promoted)."""
-    if needs.tier != "interruptible" or needs.deadline_s <= 0 or not timed:
+    from its first pass (promoted), or a standard one where it is expected in time."""
+    if needs.tier not in ("interruptible", "standard") or needs.deadline_s <= 0 or not timed:
         return
     fastest = min(timed, key=lambda t: t.seconds)
     if fastest.seconds > needs.deadline_s:

@@ -8,8 +8,9 @@ Interruptible is cheaper and still on time.
 
 The same estimate keeps it off the offers where it would be late from the start, before
 and after its promotion (``too_slow``: placement, whatever its objective); admission
-refuses a deadline no offer could meet even now (admission.check_deadline). The rules:
-docs/tiers.md.
+refuses a deadline no offer could meet even now (admission.check_deadline). A standard job
+with a deadline is weighed the same way by both (never preempted, it is never promoted).
+The rules: docs/tiers.md.
 """
 
 from __future__ import annotations
@@ -45,17 +46,23 @@ def due(left_s: float, remaining: float) -> bool:
     return left_s < remaining * MARGIN + SLACK_S
 
 
+def weighs(tier: str, deadline_s: float) -> bool:
+    """Whether a job's deadline is weighed (placement, admission): a training job's, of
+    either tier; an endpoint's replicas (serving) have none."""
+    return deadline_s > 0 and tier in ("interruptible", "standard")
+
+
 def too_slow(db, book: matcher.Book, job, needs: matcher.JobNeeds,
-             fitted: dict | None = None, promoted: bool = False) -> frozenset[int]:
-    """The Book's offers (views) on which an interruptible ``job`` with a deadline would not
-    finish in time — its calibrated wall time there, for what it has left, times ``MARGIN``
-    plus ``SLACK_S``, does not fit before its deadline (``due``, the rule that promotes it):
-    placement leaves them out whatever its objective, so it is never leased where it is
-    late from the start. A job its deadline promoted to standard is weighed the same (or
+             fitted: dict | None = None) -> frozenset[int]:
+    """The Book's offers (views) on which a ``job`` with a deadline (interruptible or
+    standard, promoted or not) would not finish in time — its calibrated wall time there,
+    for what it has left, times ``MARGIN`` plus ``SLACK_S``, does not fit before its
+    deadline (``due``, the rule that promotes an interruptible job): placement leaves them
+    out whatever its objective, so it is never leased where it is late from the start (or
     the cheapest offer takes it, however slow). Where every offer that fits is too slow,
     none is left out: it runs where it can (promoted first where its price allows).
     ``fitted``: calibration models by job kind, shared by one pass."""
-    if needs.tier != "interruptible" and not promoted or needs.deadline_s <= 0:
+    if not weighs(needs.tier, needs.deadline_s):
         return frozenset()
     views = book.fitting_views(needs)
     if not views:

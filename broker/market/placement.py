@@ -135,10 +135,10 @@ def read_queue(db: Database, book: matcher.Book, now: int,
             failing, left_out = endpoints.steer(db, job.top_id, now)
             avoid, exclude = avoid | failing, exclude | left_out
         needs = needs_of(job, avoid, stored, exclude)
-        if (stored.tier == "interruptible" or stored.promoted) and stored.deadline_s:
+        if deadlines.weighs(stored.tier, stored.deadline_s):
             # Never leased where it would be late from the start, whatever its objective.
             needs = dataclasses.replace(needs, too_slow=deadlines.too_slow(
-                db, book, job, needs, fitted, stored.promoted))
+                db, book, job, needs, fitted))
         if job.sort == "check":
             needs = check_needs(db, book, job.id, needs, trusted_checkers)
         hold_left = None

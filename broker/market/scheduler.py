@@ -88,7 +88,7 @@ async def place_queued(state: BrokerState) -> int:
         return 0
     if state.shared:    # the offers of providers connected to other brokers, as of now
         await shared.refresh_offers(state)
-    book = await offer_book(state)
+    book = await preemption.hold_freed(state, await offer_book(state))
     await deadlines.promote_due(state, book)
     trusted = frozenset(cfg.trusted_checkers)
     queued = await store.read(placement.read_queue, book, now_ms(), trusted)
