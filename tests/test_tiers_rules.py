@@ -316,8 +316,8 @@ def test_the_scheduler_preempts_for_a_waiting_standard_job_once(tmp_path):
 def test_a_replica_preempts_a_second_lease_and_takes_the_first_to_yield(tmp_path, monkeypatch):
     """A replica under a spike waits for the first of two interruptible leases to yield,
     not for the slower (bench/tiers.py: its long waits were one job's big checkpoint on a
-    slow uplink, or a job letting its grace run out); a standard job preempts one. (Off by
-    default: docs/tiers.md says why.)"""
+    slow uplink, or a job letting its grace run out); a standard job preempts one. (On by
+    default; set here so that the test holds whatever the default: docs/tiers.md.)"""
     from gpumarket.broker.market import preemption as market_preemption
 
     monkeypatch.setattr(market_preemption, "SERVING_BACKUP", True)
