@@ -111,9 +111,26 @@ def conclude(db: Database, check_id: str, agrees: bool, agrees_first: bool, deta
                    [f"{first['detail']}: the tie-break {check_id} agreed with this replay", now,
                     first["id"]])
         return _convict(db, c, detail, now, ban_after)
+    if json.loads(c["scope"]).get("outputs"):
+        _not_deterministic(db, c, first, detail, now)
+        return Outcome()
     _unresolved(db, c, first, f"{detail}; no two of the three results agree", now,
                 ran=True)
     return Outcome()
+
+
+def _not_deterministic(db: Database, c: dict, first: dict, detail: str, now: int) -> None:
+    """Three runs of a script whose client declared its outputs comparable, three different
+    results: the script is not deterministic as its client said (two cheats would have to
+    differ from each other and from an honest run). The client's word was wrong, not a
+    provider's: the held pay is paid on, the replays are paid, nobody is counted against,
+    and the work reads "unverified" (not what an inconclusive check of a built-in kind does,
+    where the client could not have made the runs differ and so gets the pay back)."""
+    why = (f"{detail}; no two of the three results agree: the script is not deterministic"
+           " as its outputs_compare says, so it is paid as run and unverified")
+    db.execute("UPDATE checks SET state = 'inconclusive', ended_at_ms = ? WHERE id = ?",
+               [now, first["id"]])
+    _close(db, c, "inconclusive", why, None, now, held_paid=True)
 
 
 UNRESOLVED = ("unresolved: pay returned, the work unverified (a checker disagreed and no"
@@ -141,10 +158,11 @@ def _job(db: Database, job_id: str) -> dict:
 
 
 def _close(db: Database, c: dict, state: str, detail: str, liar: str | None, now: int,
-           finish: bool = True) -> None:
-    """End a check: its held settlement is paid on (unless its provider was found wrong), and
-    a job waiting for its checks finished when none is left (what it compared stays, as the
-    job's evidence, until the job ends)."""
+           finish: bool = True, held_paid: bool = False) -> None:
+    """End a check: its held settlement is paid on (unless its provider was found wrong, or
+    the check was inconclusive and not ``held_paid``), and a job waiting for its checks
+    finished when none is left (what it compared stays, as the job's evidence, until the job
+    ends)."""
     db.execute("UPDATE checks SET state = ?, detail = ?, liar = ?, ended_at_ms = ? WHERE id = ?",
                [state, detail, liar, now, c["id"]])
     db.execute("DELETE FROM artifact_refs WHERE job_id = ?", [c["id"]])
@@ -153,7 +171,7 @@ def _close(db: Database, c: dict, state: str, detail: str, liar: str | None, now
     seq = c["settle_seq"]
     if liar is None and seq is not None and ledger.posted(db, f"resolve:{seq}") is None \
             and not _still_checked(db, seq):
-        if state == "inconclusive":
+        if state == "inconclusive" and not held_paid:
             ledger.resolve(db, seq, False, now, why=UNRESOLVED)
         else:
             ledger.resolve(db, seq, True, now)
@@ -161,6 +179,8 @@ def _close(db: Database, c: dict, state: str, detail: str, liar: str | None, now
     word = {"passed": "passed", "skipped": "skipped", "cancelled": "cancelled",
             "inconclusive": "was inconclusive (its held pay returned to the client, the"
                             " replays that disagreed unpaid)"}.get(state, state)
+    if state == "inconclusive" and held_paid:
+        word = "was inconclusive (paid as run, the work unverified)"
     if state != "failed":
         part = verification.what(c["step_from"], c["step_to"], json.loads(c["scope"]))
         verification.note(db, job, f"check {c['id']} of {part} {word}: {detail}", now)
