@@ -133,6 +133,32 @@ def test_a_cheating_script_provider_is_caught_unpaid_and_its_job_re_run(w, tmp_p
     assert ledger.audit(w.db) == []
 
 
+def test_a_script_conviction_costs_the_job_and_the_record_never_the_stake_or_a_ban(w):
+    """A client's script can behave differently on one provider's host and have two honest
+    checkers convict it: a conviction on a client's declared rule costs the pay and resets
+    the record (checked at rate 1 again), but takes no stake and never bans; two of them on
+    the same provider leave it unbanned, its stake whole."""
+    w.write(ledger.credit, "liar", 10**6, "stake", "", "op", "stake-liar", 1)
+    for job_id in ("j", "k"):
+        w.write(jobs.submit, script_job(job_id, "exact"), w.now)
+        start(w, job_id, "liar")
+        finish(w, job_id, "liar")
+        (first,) = checks(w, job_id)
+        replay(w, first, "h1")
+        w.write(disputes.conclude, first, False, False, "result.json differs", w.now)
+        tiebreak = next(c for c, r in checks(w, job_id).items() if r["first_check"] == first)
+        replay(w, tiebreak, "h2")
+        out = w.write(disputes.conclude, tiebreak, False, True, "tie-break", w.now)
+        assert checks(w, job_id)[tiebreak]["liar"] == "liar"
+        assert not out.banned
+        assert ledger.balance(w.db, ledger.provider("liar")) == 0
+    assert ledger.balance(w.db, ledger.stake("liar")) == 10**6
+    assert w.db.execute("SELECT banned FROM providers WHERE id = 'liar'").fetchone()[0] == 0
+    assert verification.record(w.db, "liar")[2] == 2
+    assert verification.provider_rate(w.db, "liar") == 1.0
+    assert ledger.audit(w.db) == []
+
+
 def test_three_different_runs_pay_the_script_as_run_and_read_unverified(w):
     """No two of three runs agree: the script is not deterministic as its client declared.
     Its provider and the replays are paid, nobody is counted against, and the work is

@@ -98,7 +98,7 @@ def conclude(db: Database, check_id: str, agrees: bool, agrees_first: bool, deta
         # ... and costs its checker up to the pay it put in dispute, from its stake: a
         # checker found wrong loses more than its replay would have earned.
         disputed = ledger.settled_to(db, c["settle_seq"]) if c["settle_seq"] is not None else 0
-        if disputed:
+        if disputed and not _client_ruled(c):
             ledger.slash(db, first["checker_id"], _job(db, c["job_id"])["client_id"],
                          first["id"], disputed, now)
         _close(db, c, "passed", f"{detail}; the first checker ({first['checker_id']}) was"
@@ -226,7 +226,7 @@ def _convict(db: Database, c: dict, detail: str, now: int, ban_after: int) -> Ou
         _reverse(db, other, liar, now)
     job = _job(db, job_id)
     paid = ledger.settled_to(db, c["settle_seq"]) if c["settle_seq"] is not None else 0
-    if paid:
+    if paid and not _client_ruled(c):
         ledger.slash(db, liar, job["client_id"], job_id, paid, now)
     step, start = clean_point(db, job_id)
     if job["state"] in jobs.TERMINAL_STATES:
@@ -298,8 +298,21 @@ def _tainted(db: Database, job: dict, clean_step: int) -> bool:
     return False
 
 
+def _client_ruled(c: dict) -> bool:
+    """Whether the check judged a script's outputs by the rule its client declared. The
+    client wrote the code, and code can behave differently on one provider's host (its
+    name, its CPU, the time): two honest checkers would then convict that provider. So a
+    conviction there costs the provider what a cheat gains — the job's pay, re-checked at
+    rate 1 from then on (its warm-up checks its own to pay) — but never its stake (which
+    would go to the very client that could have framed it) nor a step towards a ban."""
+    return bool(json.loads(c["scope"]).get("outputs"))
+
+
 def _maybe_ban(db: Database, provider_id: str, ban_after: int, now: int) -> tuple[str, ...]:
-    fails = db.execute("SELECT count(*) FROM checks WHERE liar = ?", [provider_id]).fetchone()[0]
+    # (convictions on a client's declared rule do not count: _client_ruled)
+    fails = db.execute("SELECT count(*) FROM checks WHERE liar = ? AND"
+                       " json_extract(scope, '$.outputs') IS NULL",
+                       [provider_id]).fetchone()[0]
     if fails < ban_after:
         return ()
     banned = db.execute("SELECT banned FROM providers WHERE id = ?", [provider_id]).fetchone()
