@@ -24,11 +24,23 @@ from gpumarket.kinds.schema import ParamError
 from gpumarket.proto.errors import JobFileError
 from gpumarket.proto.v1 import types_pb2 as pb
 from tests.helpers import BIN
-from tests.test_ledger import new_job
+from tests.test_ledger import World, new_job
 from tests.test_verification_rules import (CHECK, NO_CHECK, checkpoint, checks, receipt,
-                                           replay, start, w)  # noqa: F401 (w: a fixture)
+                                           replay, start)
 
 OUTPUTS = ["result.json", "samples.bin"]
+
+
+@pytest.fixture
+def w(tmp_path):
+    """The broker's store with a client in funds and four providers online (as
+    tests/test_verification_rules.py's)."""
+    world = World(tmp_path / "broker.db")
+    for p in ("liar", "h1", "h2", "h3"):
+        world.db["providers"].insert({"id": p, "public_key": b"", "first_seen_ms": 0,
+                                      "last_seen_ms": 0, "online": 1})
+    world.write(ledger.credit, "ca", 10**7, "client", "", "op", "k", 1)
+    return world
 
 
 def script_job(job_id: str, rule: str, **more):
@@ -183,6 +195,19 @@ def test_three_different_runs_pay_the_script_as_run_and_read_unverified(w):
     assert ledger.audit(w.db) == []
 
 
+def test_a_script_run_that_delivered_nothing_is_checked_all_the_same(w):
+    """A cheat that skips the work and delivers no file at all is still checked: the
+    replay's files are compared with none."""
+    w.write(jobs.submit, script_job("j", "exact"), w.now)
+    start(w, "j", "liar")
+    w.now += 60_000
+    w.write(jobs.succeed, "j", w.job("j")["epoch"], "liar", receipt("j", "liar", [], w),
+            w.now, CHECK)
+    (check_id,) = checks(w, "j")
+    assert json.loads(checks(w, "j")[check_id]["expect"]) == {}
+    assert w.job("j")["state"] == verification.VERIFYING
+
+
 def test_a_resumed_script_is_replayed_from_the_checkpoint_its_lease_started_at(w):
     """The last lease resumed from another provider's checkpoint: its work (step 10 on) is
     replayed from that checkpoint, and only the last lease's provider answers for it."""
@@ -231,7 +256,9 @@ def test_outputs_compare_every_file_by_the_declared_rule(tmp_path):
     assert not agrees and why == "the replay returned no raw.bin"
     agrees, why = compare(missing, base, exact)
     assert not agrees and why == "the checked result has no raw.bin"
-    assert not compare({}, {}, exact)[0]
+    assert compare({}, {}, exact)[0]                        # nothing, as the replay
+    agrees, why = compare({}, base, exact)                  # a run that delivered nothing
+    assert not agrees and why.startswith("the checked result has no "), why
 
 
 @pytest.mark.parametrize("table, problem", [

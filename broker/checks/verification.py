@@ -90,7 +90,9 @@ def choose(db: Database, policy: Policy, job: dict, lease: dict, step_from: int,
     """Decide whether to check the segment (step_from, step_to] of ``lease``'s work on
     ``job`` (its result: ``expect``, {name: ArtifactRef as a dict}); if so, hold its
     settlement and queue the check. Returns the check's id, or None."""
-    if not policy.enabled or job["check_of"] or not expect:
+    # (a script's run is checked even where it delivered nothing: the replay's files say
+    # whether it should have)
+    if not policy.enabled or job["check_of"] or not (expect or scope.get("outputs")):
         return None
     if json.loads(job["needs"]).get("remote_code"):
         return None     # its model's own code runs: a replay need not behave the same
@@ -136,7 +138,7 @@ def choose_final(db: Database, policy: Policy, job: dict, lease: dict, total: in
     names = kind.evidence(set(outputs))
     if kind.verify == "replay":
         return _replay(db, policy, job, lease, total, {n: outputs[n] for n in names}, now)
-    if not kind.verify or not names:
+    if not kind.verify or not names and kind.verify != "outputs":
         return None
     values = _values(kind, job)
     if not kind.checked(values):
