@@ -26,8 +26,8 @@ class Script(Kind):
                 or entry.suffix != ".py":
             raise ParamError("script.entry", f"{values['entry']!r} is not a .py file inside"
                                              " the code")
-        rule = values["outputs_compare"]
-        if rule != "json" and (values["outputs_rtol"] or values["outputs_atol"]):
+        rule = values.get("outputs_compare", "none")
+        if rule != "json" and (values.get("outputs_rtol") or values.get("outputs_atol")):
             raise ParamError("script.outputs_rtol", "a tolerance needs outputs_compare ="
                                                     f" \"json\" (it is {rule!r})")
 
@@ -35,14 +35,15 @@ class Script(Kind):
     # or the start) on another provider and compares every file it delivered by the job's
     # declared rule; "none" (the default) is never checked and reads "unverified".
     def checked(self, values: dict[str, Any]) -> bool:
-        return values["outputs_compare"] in RULES
+        return values.get("outputs_compare", "none") in RULES
 
     def check_scope(self, values: dict[str, Any], part: int, parts: int,
                     metrics: dict[str, float], done_before: int) -> dict:
         if not self.checked(values):
             return {}
-        return {"outputs": values["outputs_compare"], "rtol": values["outputs_rtol"],
-                "atol": values["outputs_atol"]}
+        return {"outputs": values["outputs_compare"],
+                "rtol": float(values.get("outputs_rtol", 0.0)),
+                "atol": float(values.get("outputs_atol", 0.0))}
 
     def evidence(self, names: set[str]) -> set[str]:
         return set(names)
