@@ -117,6 +117,96 @@ def real_checks(steps: int, every: int) -> dict:
             "real_replay_startup_s": round(float(np.median(startup)), 2)}
 
 
+SCRIPT = """
+import json
+import numpy as np
+from gpumarket.provider.runners import task
+rng = np.random.default_rng(11)
+a = rng.standard_normal((384, 384))
+for _ in range(6):                      # a little linear algebra: BLAS, threads
+    a = np.tanh(a @ a.T / 384.0 + rng.standard_normal((384, 384)) * 0.01)
+out = task.output_dir()
+np.save(out / "state.npy", a)
+(out / "result.json").write_text(json.dumps({"mean": float(a.mean()), "norm":
+                                             float(np.linalg.norm(a)), "first": a[0, :8].tolist()}))
+(out / "lines.jsonl").write_text("".join(json.dumps({"row": i, "sum": float(a[i].sum())})
+                                         + "\\n" for i in range(16)))
+task.progress(1, 1)
+"""
+
+
+def run_script(workdir: Path, threads: int) -> tuple[dict[str, Path], float]:
+    """Run the provider's script runner on SCRIPT in ``workdir`` with ``threads`` BLAS
+    threads; (its output files by name, its wall seconds)."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir.parent / "main.py").write_text(SCRIPT)
+    job = {"job_id": "bench", "attempt": 1, "kind": "script",
+           "params": {"code": "code", "entry": "main.py", "args": [], "steps": 0,
+                      "checkpoint_every": 0, "outputs_compare": "exact", "outputs_rtol": 0.0,
+                      "outputs_atol": 0.0},
+           "inputs": {"code": str(workdir.parent / "main.py")},
+           "checkpoint_every": 0, "checkpoint_interval_s": 0, "provider_mtbf_s": 0,
+           "device": "cpu", "resume_from": None, "world_size": 1, "model_dir": None,
+           "part": 0, "parts": 0}
+    (workdir / "job.json").write_text(json.dumps(job))
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "OPENBLAS_NUM_THREADS": str(threads),
+           "MKL_NUM_THREADS": str(threads)}
+    began = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "gpumarket.provider.runners.script", str(workdir)],
+                   check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    took = time.perf_counter() - began
+    return {p.name: p for p in sorted((workdir / "outputs").iterdir())}, took
+
+
+def _doctored(honest: dict[str, Path], root: Path) -> dict[str, dict[str, Path]]:
+    """Each way a cheat could alter a script's delivery, as the files it would upload."""
+    def copy(name: str, change: dict[str, bytes | None]) -> dict[str, Path]:
+        d = root / name
+        d.mkdir()
+        out = {}
+        for fname, path in {**honest, **{k: None for k in change}}.items():
+            data = change.get(fname, path.read_bytes() if path else None)
+            if data is not None:
+                out[fname] = d / fname
+                out[fname].write_bytes(data)
+        return out
+
+    state = bytearray(honest["state.npy"].read_bytes())
+    state[-1] ^= 1                                        # the lowest bit of one float64
+    figures = json.loads(honest["result.json"].read_text())
+    figures["norm"] *= 1 + 1e-4                           # one figure off by 1e-4
+    return {"one_bit_of_a_binary_file": copy("bit", {"state.npy": bytes(state)}),
+            "one_json_number": copy("number", {"result.json": json.dumps(figures).encode()}),
+            "made_up_json": copy("made_up", {"result.json": b'{"made_up": true}'}),
+            "a_file_dropped": copy("dropped", {"lines.jsonl": None}),
+            "a_file_added": copy("added", {"extra.txt": b"x"})}
+
+
+def script_checks() -> dict:
+    """Honest replays of a numpy script (1 and 2 BLAS threads) against an honest run, by
+    each rule a job can declare; and every doctored delivery against an honest replay."""
+    from gpumarket.kinds import script
+
+    rules = {"exact": {"outputs": "exact"},
+             "json": {"outputs": "json", "rtol": 1e-9, "atol": 1e-12}}
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        honest, run_s = run_script(root / "run" / "w", 1)
+        replays = [run_script(root / f"replay{t}" / "w", t)[0] for t in (1, 2)]
+        false_pos = {r: sum(not script.KIND.compare(honest, got, scope)[0] for got in replays)
+                     for r, scope in rules.items()}
+        caught = {}
+        for name, files in _doctored(honest, root).items():
+            caught[name] = all(not script.KIND.compare(files, got, scope)[0]
+                               for got in replays for scope in rules.values())
+    return {"script_run_s": round(run_s, 2), "script_honest_replays": len(replays),
+            "script_false_positives_exact": false_pos["exact"],
+            "script_false_positives_json": false_pos["json"],
+            "script_doctorings": len(caught),
+            "script_doctorings_caught": sum(caught.values()),
+            "script_missed": sorted(n for n, c in caught.items() if not c)}
+
+
 def fingerprint_checks(rows: int = 16, tokens: int = 128, batch: int = 8) -> dict:
     """Checks of generated text by fingerprints (kinds/fingerprints.py) on the wider random
     Llama of bench/fingerprint_spread.py: the seconds an honest float32 provider takes to
@@ -407,6 +497,23 @@ def main() -> None:
               f" a new replica serving another model caught within 20 windows with p ="
               f" {caught:.4f}; after a long record, with 5 or 50 answers a window:"
               f" {late[5]}, {late[50]}")
+    if not args.skip_real:
+        sc = script_checks()
+        figures.update(sc)
+        # A cheat that alters any delivered file of every script job it runs: each check of
+        # one catches it when every doctoring above was caught (p = 1).
+        p = 1.0 if sc["script_doctorings_caught"] == sc["script_doctorings"] else 0.0
+        caught = simulate_jobs(p, 20, args.trials, 6)
+        figures["detection_p_20_jobs_script_any_output_file"] = round(caught, 4)
+        late = 1 - (1 - verification.rate(10**9) * p) ** 20
+        figures["detection_p_20_jobs_script_any_output_file_after_long_record"] = round(late, 4)
+        print(f"script (outputs_compare): {sc['script_honest_replays']} honest replays (1 and 2"
+              f" BLAS threads) judged wrong: exact {sc['script_false_positives_exact']}, json"
+              f" {sc['script_false_positives_json']}; doctored deliveries caught by every"
+              f" replay under both rules: {sc['script_doctorings_caught']} of"
+              f" {sc['script_doctorings']}; a provider altering any output file of every job"
+              f" caught within 20 jobs with p = {caught:.4f} (new), {late:.4f} (after a long"
+              " record)")
     for share in (0.01, 0.05, 0.10, 0.25, 1.0):
         r = simulate(share, 20, s, args.trials, 1, verification.BAN_AFTER)
         print(f"cheats on {share:>4.0%} of segments: caught within 20 jobs with p ="
@@ -448,7 +555,17 @@ def main() -> None:
                    false_positives=figures.get("real_false_positives", 0)
                    + figures.get("fingerprint_false_positives", 0)
                    + figures.get("endpoint_false_positives", 0)
+                   + figures.get("script_false_positives_json", 0)
+                   + figures.get("script_false_positives_exact", 0)
                    + int(honest["caught"] > 0))
+    # One figure per doctoring class (a new provider doctoring every job of that class;
+    # training: 10 % of its segments), and the least of them.
+    classes = {k: v for k, v in figures.items() if k.startswith("detection_p_20_jobs")
+               and "_at_" not in k and not k.endswith("after_long_record")}
+    least = min(classes, key=classes.get)
+    figures.update(detection_min=classes[least], detection_min_class=least)
+    print(f"least detection within 20 jobs over {len(classes)} classes: {classes[least]}"
+          f" ({least})")
     print(json.dumps(figures))
 
 

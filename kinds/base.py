@@ -29,7 +29,9 @@ class Kind:
     runner_path: tuple[str, ...] = field(default=(), compare=False)  # import roots of a plugin
     opt_in: bool = False              # a provider runs it only where its operator names it
     verify: str = ""                  # how its work is spot-checked: "replay" (segments between
-                                      # checkpoints), "rows", "frames"; "" = not checked
+                                      # checkpoints), "rows", "frames", "outputs" (its last
+                                      # lease's work replayed, every output compared by the
+                                      # job's declared rule); "" = not checked
     serves: bool = False              # a long-lived service: its replicas are child jobs, its
                                       # engine talks over the runner's stdin (the endpoint)
     checkpoints: bool = False         # its runner checkpoints (on a drain or preemption too)
@@ -133,12 +135,18 @@ class Kind:
 
     # -- spot checks (docs/verification.md) -----------------------------------------------
 
+    def checked(self, values: dict[str, Any]) -> bool:
+        """Whether a job with these parameters is spot-checked at all (a script: only where
+        it declares how its outputs compare)."""
+        return bool(self.verify)
+
     def check_scope(self, values: dict[str, Any], part: int, parts: int,
                     metrics: dict[str, float], done_before: int) -> dict:
         """What a check of a finished lease's work replays, picked at random where the
         provider cannot predict it, among what it did itself (``done_before``: the steps done
         before it resumed): {"position": u, "batch_size": n} (a batch of rows the checker's
-        runner picks from the input it reads) or {"frames": [...]}; {} for none."""
+        runner picks from the input it reads), {"frames": [...]}, or {"outputs": rule, ...}
+        (the whole of it, every output compared by the job's rule); {} for none."""
         return {}
 
     def evidence(self, names: set[str]) -> set[str]:

@@ -6,6 +6,7 @@ real provider daemon whose uploads are doctored at a chosen rate before they lea
 CHEAT_MODE: ``weights`` flips one bit of the weights in the checkpoints and final weights it
 uploads (the state still loads and trains on, as a lazy or sloppy provider's would);
 ``text`` replaces its completions with another model's text; ``blank`` uploads black frames;
+``output`` replaces each JSON output file (``*.json``) a script wrote with made-up figures;
 ``fail`` reports every job it runs as failed by the job's own code (exit status 1, its real
 log, and the error CHEAT_FAILURE), once the job ends or after CHEAT_FAIL_AFTER seconds (an
 endpoint's replica never ends), signed like an honest provider's report.
@@ -54,6 +55,8 @@ def doctor(name: str, data: bytes) -> bytes | None:
             return flip_weight_bit(data, 512, size)
     if MODE == "weights" and name == "model.safetensors":
         return flip_weight_bit(data, 0, len(data))
+    if MODE == "output" and name.endswith(".json"):
+        return b'{"made_up": true}'
     if MODE == "text" and name == "completions.jsonl":
         lines = [json.loads(x) for x in data.decode().splitlines() if x.strip()]
         for r in lines:

@@ -195,3 +195,48 @@ def test_a_provider_that_renders_blank_frames_is_caught_on_its_part(tmp_path):
         assert audit(market, tmp_path)["ok"]
     finally:
         market.close()
+
+
+DETERMINISTIC = """
+import hashlib, json
+from gpumarket.provider.runners import task
+digest = hashlib.sha256()
+for i in range(20000):
+    digest.update(str(i * i).encode())
+task.progress(1, 1)
+(task.output_dir() / "result.json").write_text(json.dumps({"digest": digest.hexdigest()}))
+(task.output_dir() / "notes.txt").write_text("squares hashed\\n")
+"""
+
+
+def test_a_script_provider_that_makes_up_its_output_is_caught_and_unpaid(tmp_path):
+    """A script that declares its outputs exact (outputs_compare): the cheat's made-up
+    result.json disagrees with an honest replay, a tie-break agrees with the replay, and the
+    job is re-run by an honest provider, whose result the client gets."""
+    market = Marketplace(tmp_path)
+    try:
+        market.start_broker(*LEASE_ARGS, verify=True)
+        market.start_provider("cheat", 0.1, "--kinds", "script", cheat="output")
+        market.start_provider("h1", 1.0, "--kinds", "script")
+        market.start_provider("h2", 1.5, "--kinds", "script")
+        market.wait_for_offers(3)
+        cheat = market.provider_id("cheat")
+        (tmp_path / "main.py").write_text(DETERMINISTIC)
+        job = tmp_path / "job.toml"
+        job.write_text('name = "squares"\nkind = "script"\nmax_price = 2.0\n\n[script]\n'
+                       'code = "main.py"\noutputs_compare = "exact"\n')
+        job_id, final = run_to_end(market, job)
+        v = final["verification"]
+        assert v["status"] == "disputed -> re-run", v
+        caught = [c for c in v["checks"] if c["provider_id"] == cheat and c["state"] == "failed"]
+        assert caught and "every output file, compared exact" in caught[0]["what"], v
+        assert "result.json differs" in caught[0]["detail"], caught
+        assert final["provider_id"] != cheat
+        assert ledger_balance(tmp_path, f"provider:{cheat}") == 0
+        r = market.cli("results", job_id, "-o", str(tmp_path / "out"), "--json")
+        assert r.returncode == 0, r.stderr
+        got = json.loads((tmp_path / "out" / "result.json").read_text())
+        assert set(got) == {"digest"}, got
+        assert audit(market, tmp_path)["ok"]
+    finally:
+        market.close()

@@ -98,7 +98,7 @@ def conclude(db: Database, check_id: str, agrees: bool, agrees_first: bool, deta
         # ... and costs its checker up to the pay it put in dispute, from its stake: a
         # checker found wrong loses more than its replay would have earned.
         disputed = ledger.settled_to(db, c["settle_seq"]) if c["settle_seq"] is not None else 0
-        if disputed:
+        if disputed and not _client_ruled(c):
             ledger.slash(db, first["checker_id"], _job(db, c["job_id"])["client_id"],
                          first["id"], disputed, now)
         _close(db, c, "passed", f"{detail}; the first checker ({first['checker_id']}) was"
@@ -111,9 +111,26 @@ def conclude(db: Database, check_id: str, agrees: bool, agrees_first: bool, deta
                    [f"{first['detail']}: the tie-break {check_id} agreed with this replay", now,
                     first["id"]])
         return _convict(db, c, detail, now, ban_after)
+    if json.loads(c["scope"]).get("outputs"):
+        _not_deterministic(db, c, first, detail, now)
+        return Outcome()
     _unresolved(db, c, first, f"{detail}; no two of the three results agree", now,
                 ran=True)
     return Outcome()
+
+
+def _not_deterministic(db: Database, c: dict, first: dict, detail: str, now: int) -> None:
+    """Three runs of a script whose client declared its outputs comparable, three different
+    results: the script is not deterministic as its client said (two cheats would have to
+    differ from each other and from an honest run). The client's word was wrong, not a
+    provider's: the held pay is paid on, the replays are paid, nobody is counted against,
+    and the work reads "unverified" (not what an inconclusive check of a built-in kind does,
+    where the client could not have made the runs differ and so gets the pay back)."""
+    why = (f"{detail}; no two of the three results agree: the script is not deterministic"
+           " as its outputs_compare says, so it is paid as run and unverified")
+    db.execute("UPDATE checks SET state = 'inconclusive', ended_at_ms = ? WHERE id = ?",
+               [now, first["id"]])
+    _close(db, c, "inconclusive", why, None, now, held_paid=True)
 
 
 UNRESOLVED = ("unresolved: pay returned, the work unverified (a checker disagreed and no"
@@ -141,10 +158,11 @@ def _job(db: Database, job_id: str) -> dict:
 
 
 def _close(db: Database, c: dict, state: str, detail: str, liar: str | None, now: int,
-           finish: bool = True) -> None:
-    """End a check: its held settlement is paid on (unless its provider was found wrong), and
-    a job waiting for its checks finished when none is left (what it compared stays, as the
-    job's evidence, until the job ends)."""
+           finish: bool = True, held_paid: bool = False) -> None:
+    """End a check: its held settlement is paid on (unless its provider was found wrong, or
+    the check was inconclusive and not ``held_paid``), and a job waiting for its checks
+    finished when none is left (what it compared stays, as the job's evidence, until the job
+    ends)."""
     db.execute("UPDATE checks SET state = ?, detail = ?, liar = ?, ended_at_ms = ? WHERE id = ?",
                [state, detail, liar, now, c["id"]])
     db.execute("DELETE FROM artifact_refs WHERE job_id = ?", [c["id"]])
@@ -153,7 +171,7 @@ def _close(db: Database, c: dict, state: str, detail: str, liar: str | None, now
     seq = c["settle_seq"]
     if liar is None and seq is not None and ledger.posted(db, f"resolve:{seq}") is None \
             and not _still_checked(db, seq):
-        if state == "inconclusive":
+        if state == "inconclusive" and not held_paid:
             ledger.resolve(db, seq, False, now, why=UNRESOLVED)
         else:
             ledger.resolve(db, seq, True, now)
@@ -161,6 +179,8 @@ def _close(db: Database, c: dict, state: str, detail: str, liar: str | None, now
     word = {"passed": "passed", "skipped": "skipped", "cancelled": "cancelled",
             "inconclusive": "was inconclusive (its held pay returned to the client, the"
                             " replays that disagreed unpaid)"}.get(state, state)
+    if state == "inconclusive" and held_paid:
+        word = "was inconclusive (paid as run, the work unverified)"
     if state != "failed":
         part = verification.what(c["step_from"], c["step_to"], json.loads(c["scope"]))
         verification.note(db, job, f"check {c['id']} of {part} {word}: {detail}", now)
@@ -206,7 +226,7 @@ def _convict(db: Database, c: dict, detail: str, now: int, ban_after: int) -> Ou
         _reverse(db, other, liar, now)
     job = _job(db, job_id)
     paid = ledger.settled_to(db, c["settle_seq"]) if c["settle_seq"] is not None else 0
-    if paid:
+    if paid and not _client_ruled(c):
         ledger.slash(db, liar, job["client_id"], job_id, paid, now)
     step, start = clean_point(db, job_id)
     if job["state"] in jobs.TERMINAL_STATES:
@@ -278,8 +298,21 @@ def _tainted(db: Database, job: dict, clean_step: int) -> bool:
     return False
 
 
+def _client_ruled(c: dict) -> bool:
+    """Whether the check judged a script's outputs by the rule its client declared. The
+    client wrote the code, and code can behave differently on one provider's host (its
+    name, its CPU, the time): two honest checkers would then convict that provider. So a
+    conviction there costs the provider what a cheat gains — the job's pay, re-checked at
+    rate 1 from then on (its warm-up checks its own to pay) — but never its stake (which
+    would go to the very client that could have framed it) nor a step towards a ban."""
+    return bool(json.loads(c["scope"]).get("outputs"))
+
+
 def _maybe_ban(db: Database, provider_id: str, ban_after: int, now: int) -> tuple[str, ...]:
-    fails = db.execute("SELECT count(*) FROM checks WHERE liar = ?", [provider_id]).fetchone()[0]
+    # (convictions on a client's declared rule do not count: _client_ruled)
+    fails = db.execute("SELECT count(*) FROM checks WHERE liar = ? AND"
+                       " json_extract(scope, '$.outputs') IS NULL",
+                       [provider_id]).fetchone()[0]
     if fails < ban_after:
         return ()
     banned = db.execute("SELECT banned FROM providers WHERE id = ?", [provider_id]).fetchone()

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import secrets
 
+from google.protobuf.message import DecodeError
 from sqlite_utils import Database
 
 from gpumarket import kinds
@@ -27,6 +28,7 @@ from gpumarket.broker.checks.policy import BAN_AFTER, OFF, Policy  # noqa: F401 
 from gpumarket.broker.jobs import transitions as jobs
 from gpumarket.broker.money import ledger
 from gpumarket.broker.store import blob_holdings
+from gpumarket.kinds.schema import ParamError
 from gpumarket.proto.errors import InvalidArgument
 from gpumarket.proto.v1 import types_pb2 as pb
 
@@ -88,7 +90,9 @@ def choose(db: Database, policy: Policy, job: dict, lease: dict, step_from: int,
     """Decide whether to check the segment (step_from, step_to] of ``lease``'s work on
     ``job`` (its result: ``expect``, {name: ArtifactRef as a dict}); if so, hold its
     settlement and queue the check. Returns the check's id, or None."""
-    if not policy.enabled or job["check_of"] or not expect:
+    # (a script's run is checked even where it delivered nothing: the replay's files say
+    # whether it should have)
+    if not policy.enabled or job["check_of"] or not (expect or scope.get("outputs")):
         return None
     if json.loads(job["needs"]).get("remote_code"):
         return None     # its model's own code runs: a replay need not behave the same
@@ -134,20 +138,51 @@ def choose_final(db: Database, policy: Policy, job: dict, lease: dict, total: in
     names = kind.evidence(set(outputs))
     if kind.verify == "replay":
         return _replay(db, policy, job, lease, total, {n: outputs[n] for n in names}, now)
-    if not kind.verify or not names:
+    if not kind.verify or not names and kind.verify != "outputs":
         return None
-    spec = pb.Envelope.FromString(job["spec"])
-    values = kind.values_of(pb.JobSpec.FromString(spec.payload))
+    values = _values(kind, job)
+    if not kind.checked(values):
+        return None
     # Only this lease's own work: rows or frames done before it resumed were another's.
     scope = kind.check_scope(values, job["part"], job["parts"], dict(receipt.metrics),
                              lease["start_step"])
     if not scope:
         return None
+    if kind.verify == "outputs":
+        # The whole of the lease's work, replayed from where it started: the checkpoint it
+        # resumed from (another lease's), or the start; every file it delivered compared.
+        start = resumed_from(db, job["id"], lease)
+        if lease["start_step"] and start is None:
+            note(db, job, f"steps {lease['start_step']}-{total} left unchecked: the"
+                 " checkpoint they resumed from is no longer kept", now)
+            return None
+        # (A script need report no progress: its run ends no earlier than it started.)
+        return choose(db, policy, job, lease, lease["start_step"],
+                      max(total, lease["start_step"]), start, {n: outputs[n] for n in names},
+                      scope, now)
     claimed = kind.check_claimed(outputs)
     if claimed:
         scope["claimed"] = claimed     # the check prefills its tokens (it may read them)
     return choose(db, policy, job, lease, lease["start_step"], total, None,
                   {n: outputs[n] for n in names}, scope, now)
+
+
+def _values(kind: kinds.Kind, job: dict) -> dict:
+    """The job's parameters, from its signed spec."""
+    spec = pb.Envelope.FromString(job["spec"])
+    return kind.values_of(pb.JobSpec.FromString(spec.payload))
+
+
+def resumed_from(db: Database, job_id: str, lease: dict) -> dict | None:
+    """The checkpoint (ArtifactRef as a dict) ``lease`` resumed the job from: the latest kept
+    one at its start step written by another lease; None for a lease that started at 0 or
+    one whose start is no longer kept."""
+    if not lease["start_step"]:
+        return None
+    row = db.execute("SELECT ref FROM checkpoint_history WHERE job_id = ? AND step = ? AND"
+                     " lease_id != ? AND dropped = 0 ORDER BY seq DESC LIMIT 1",
+                     [job_id, lease["start_step"], lease["id"]]).fetchone()
+    return json.loads(row[0]) if row else None
 
 
 def queue(db: Database, job: dict, provider_id: str, lease_id: str, seq: int | None,
@@ -192,6 +227,9 @@ def queue(db: Database, job: dict, provider_id: str, lease_id: str, seq: int | N
 
 
 def what(step_from: int, step_to: int, scope: dict) -> str:
+    if scope.get("outputs"):
+        start = f"from step {step_from}" if step_from else "from the start"
+        return f"the run {start}: every output file, compared {scope['outputs']}"
     if scope.get("answers"):
         return (f"{scope['answers']} sampled answer{'s' if scope['answers'] > 1 else ''} of"
                 f" {scope.get('of_answers', scope['answers'])} in a window, prefilled:"
@@ -329,11 +367,12 @@ def summary(db: Database, job_id: str) -> str:
 
 def view(db: Database, job_id: str) -> pb.JobVerification:
     out = pb.JobVerification(status=summary(db, job_id))
-    job = db.execute("SELECT provider_id, needs, kind, tasks FROM jobs WHERE id = ?",
+    job = db.execute("SELECT provider_id, needs, kind, tasks, spec FROM jobs WHERE id = ?",
                      [job_id]).fetchone()
     # A rate only for work a check can replay: none for a kind that is never checked (a
-    # script), an array, or a model's own code (docs/verification.md, What is not checked).
-    if job is not None and job[0] and _checkable(job[2]) and not job[3] \
+    # script that declares no outputs_compare), an array, or a model's own code
+    # (docs/verification.md, What is not checked).
+    if job is not None and job[0] and _checkable(job[2], job[4]) and not job[3] \
             and not json.loads(job[1]).get("remote_code"):
         asked = json.loads(job[1]).get("verify_rate", 0.0)
         out.rate = max(float(asked), provider_rate(db, job[0]))
@@ -349,12 +388,15 @@ def view(db: Database, job_id: str) -> pb.JobVerification:
     return out
 
 
-def _checkable(kind: int) -> bool:
-    """Whether work of this kind can be checked (False for a kind this broker no longer
-    knows)."""
+def _checkable(kind: int, spec: bytes) -> bool:
+    """Whether work of this kind, with the parameters of this signed spec, can be checked
+    (False for a kind this broker no longer knows, or a spec it cannot read)."""
     try:
-        return bool(kinds.get(kind).verify)
-    except InvalidArgument:
+        k = kinds.get(kind)
+        if not k.verify:
+            return False
+        return k.checked(_values(k, {"spec": spec})) if k.verify == "outputs" else True
+    except (InvalidArgument, ParamError, DecodeError):
         return False
 
 
