@@ -18,8 +18,8 @@ from gpumarket.broker.market.admission import NewJob
 from gpumarket.broker.store import blob_holdings
 from gpumarket.kinds import arrays
 from gpumarket.proto.envelope import open_envelope
-from gpumarket.proto.errors import BadSignature, InvalidArgument
-from gpumarket.proto.jobspec import TERMINAL_STATES
+from gpumarket.proto.errors import BadSignature, FailedPrecondition, InvalidArgument
+from gpumarket.proto.jobspec import TERMINAL_STATES, check_artifact_name, check_sha256
 from gpumarket.proto.v1 import gateway_pb2 as gw
 from gpumarket.proto.v1 import types_pb2 as pb
 
@@ -129,9 +129,8 @@ def inline_outputs(update: gw.TaskResults, receipts: dict[int, pb.Receipt]
     return list(found.items())
 
 
-def _task_outputs(db: Database, batch: Job, epoch: int, provider_id: str, task: int,
-                  receipt: pb.Receipt) -> list[dict]:
-    """A task's outputs as its own receipt names them, each one the provider uploaded."""
+def _task_outputs(batch: Job, epoch: int, task: int, receipt: pb.Receipt) -> None:
+    """Raise unless a task's own receipt is for this lease and names its outputs alone."""
     if receipt.job_id != batch.id or receipt.epoch != epoch or \
             receipt.spec_sha256 != batch.spec_sha256:
         raise BadSignature(f"task {task}: its receipt names another lease or spec")
@@ -142,9 +141,28 @@ def _task_outputs(db: Database, batch: Job, epoch: int, provider_id: str, task: 
         named = arrays.output_task(ref.name)
         if named is None or named[0] != task:
             raise InvalidArgument(f"task {task}: its receipt names {ref.name}, not its own")
-    blob_holdings.check_outputs(db, provider_id, receipt.outputs, f"task {task}: ")
-    return [{"name": ref.name, "sha256": ref.sha256, "size_bytes": ref.size_bytes}
-            for ref in receipt.outputs]
+
+
+def _outputs(db: Database, batch: Job, epoch: int, provider_id: str,
+             receipts: dict[int, pb.Receipt]) -> dict[int, list[dict]]:
+    """The outputs of these succeeded tasks as their own receipts name them, each one a
+    blob the provider uploaded intact (checked for all of them in one query)."""
+    for task, receipt in receipts.items():
+        _task_outputs(batch, epoch, task, receipt)
+        for i, ref in enumerate(receipt.outputs):
+            check_artifact_name(ref.name, f"task {task}: receipt.outputs[{i}].name")
+            check_sha256(ref.sha256, f"task {task}: receipt.outputs[{i}].sha256")
+    held = blob_holdings.held_sizes(db, provider_id, [ref.sha256 for r in receipts.values()
+                                                      for ref in r.outputs])
+    out: dict[int, list[dict]] = {}
+    for task, receipt in receipts.items():
+        for ref in receipt.outputs:
+            if held.get(ref.sha256) != ref.size_bytes:
+                raise FailedPrecondition(f"task {task}: output {ref.name} was not uploaded"
+                                         " intact by this provider")
+        out[task] = [{"name": ref.name, "sha256": ref.sha256, "size_bytes": ref.size_bytes}
+                     for ref in receipt.outputs]
+    return out
 
 
 def record_results(db: Database, batch_id: str, epoch: int, provider_id: str,
@@ -156,41 +174,55 @@ def record_results(db: Database, batch_id: str, epoch: int, provider_id: str,
     with its own receipt (``task_receipts``, checked) has its outputs from it at once.
     ``blobs`` (sha256, size): outputs that came with the results (``inline_outputs``),
     stored already; the provider holds them from here on as if it had uploaded them
-    (counted against its ``quota`` of bytes: ResourceExhausted, nothing recorded, over it)."""
+    (counted against its ``quota`` of bytes: ResourceExhausted, nothing recorded, over it).
+    A task's first result in the update counts; one of a task that is not this batch's, or
+    ended already, is ignored. A few statements for the whole update, not a few a task."""
     batch, _ = jobs.current(db, batch_id, epoch, provider_id)
     if len(results) > arrays.MAX_PER_LEASE:
         raise InvalidArgument(f"at most {arrays.MAX_PER_LEASE:,} task results at once")
     if blobs:
         blob_holdings.record_many(db, list(blobs), provider_id, quota, now)
     array_id = batch.parent_id
-    told = 0
+    open_rows = dict(_open_tasks(db, array_id, batch_id, [r.task for r in results]))
+    told: list[gw.TaskResult] = []
+    attempts: dict[int, int] = {}
     for r in results:
-        row = db.execute("SELECT state, attempts FROM array_tasks WHERE array_id = ?"
-                         " AND task = ? AND batch_id = ?", [array_id, r.task, batch_id]
-                         ).fetchone()
-        if row is None or row[0] not in OPEN:
-            continue            # not a task of this batch, or told already
-        told += 1
+        if r.task in open_rows and r.task not in attempts:
+            attempts[r.task] = open_rows[r.task]
+            told.append(r)
+    receipts = receipts or {}
+    outputs = _outputs(db, batch, epoch, provider_id,
+                       {r.task: receipts[r.task] for r in told if r.ok and r.task in receipts})
+    # The client's to read, kept from garbage collection.
+    blob_holdings.refer_many(db, sorted({ref["sha256"] for refs in outputs.values()
+                                         for ref in refs}), batch_id, "output")
+    succeeded = []
+    for r in told:
         seconds = max(0.0, min(float(r.seconds), 1e9)) if r.seconds == r.seconds else 0.0
         if r.ok:
-            receipt = (receipts or {}).get(r.task)
-            outputs = envelope = None
-            if receipt is not None:
-                refs = _task_outputs(db, batch, epoch, provider_id, r.task, receipt)
-                for ref in refs:        # the client's to read, kept from garbage collection
-                    blob_holdings.refer(db, ref["sha256"], batch_id, "output")
-                outputs, envelope = json.dumps(refs), r.receipt.SerializeToString()
-            db.execute("UPDATE array_tasks SET state = ?, provider_id = ?, error = '',"
-                       " seconds = ?, updated_at_ms = ?, outputs = ?, receipt = ?, yielded = 0"
-                       " WHERE array_id = ? AND task = ?",
-                       [SUCCEEDED, provider_id, seconds, now, outputs, envelope, array_id,
-                        r.task])
+            refs = outputs.get(r.task)
+            succeeded.append((SUCCEEDED, provider_id, seconds, now,
+                              None if refs is None else json.dumps(refs),
+                              None if refs is None else r.receipt.SerializeToString(),
+                              array_id, r.task))
         else:
-            _task_failed(db, array_id, r.task, row[1], batch.max_attempts,
+            _task_failed(db, array_id, r.task, attempts[r.task], batch.max_attempts,
                          r.error[:1000] or "failed", provider_id, now, seconds)
+    db.conn.executemany("UPDATE array_tasks SET state = ?, provider_id = ?, error = '',"
+                        " seconds = ?, updated_at_ms = ?, outputs = ?, receipt = ?,"
+                        " yielded = 0 WHERE array_id = ? AND task = ?", succeeded)
     # The lease's progress is its tasks reported (its provider sends no progress beside them).
-    add_to_job(db, batch_id, now, progress_step=told)
+    add_to_job(db, batch_id, now, progress_step=len(told))
     _follow(db, array_id, now)
+
+
+def _open_tasks(db: Database, array_id: str, batch_id: str, tasks: list[int]) -> list[tuple]:
+    """(task, attempts) of those of these tasks that the batch runs and that have not
+    ended yet."""
+    return db.execute(
+        "SELECT task, attempts FROM array_tasks WHERE array_id = ? AND batch_id = ? AND"
+        " state IN (?, ?) AND task IN (SELECT CAST(value AS INTEGER) FROM json_each(?))",
+        [array_id, batch_id, *OPEN, json.dumps(sorted(set(tasks)))]).fetchall()
 
 
 def _task_failed(db: Database, array_id: str, task: int, attempts: int, max_attempts: int,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import itertools
 import os
@@ -88,9 +89,12 @@ class ArtifactStore:
     def stage_blobs(self, blobs: list[tuple[str, bytes]]) -> list[tuple[Path, Path]]:
         """Write whole small blobs (sha256, bytes; each hash-checked by the caller) that are
         not stored yet, each to a temporary file of its own, synced; return (temporary,
-        final) paths for publish_blobs or discard_blobs. The files are synced at once: one
-        fsync after another costs a journal commit each (several ms here), at once they
-        share one."""
+        final) paths for publish_blobs or discard_blobs. The files are synced together, by
+        one sync of their file system where the platform has it (syncfs): staging 500
+        small files cost 185 ms of CPU and 0.46-0.57 s with an fsync each (at once, in
+        threads), 19 ms and 60-76 ms with one sync (load 11 here); elsewhere an fsync each,
+        all at once (in threads, sharing journal commits). One sync waits for every dirty
+        page of that file system, a large upload's being written beside it included."""
         staged: list[tuple[int, Path, Path]] = []
         try:
             for sha, data in dict(blobs).items():
@@ -104,7 +108,8 @@ class ArtifactStore:
                 view = memoryview(data)
                 while view:
                     view = view[os.write(fd, view):]
-            list(self._syncs.map(os.fsync, [fd for fd, _, _ in staged]))
+            if staged and not _sync_file_system(staged[0][0]):
+                list(self._syncs.map(os.fsync, [fd for fd, _, _ in staged]))
         except BaseException:
             self.discard_blobs([(tmp, target) for _, tmp, target in staged])
             raise
@@ -114,14 +119,24 @@ class ArtifactStore:
         return [(tmp, target) for _, tmp, target in staged]
 
     def publish_blobs(self, staged: list[tuple[Path, Path]]) -> None:
-        """Move staged blobs into place (each one atomically), their directories synced."""
+        """Move staged blobs into place (each one atomically), their directories synced:
+        once this returns, every blob the caller staged or found stored is durable. (A blob
+        found stored may be another call's, moved into place and not yet synced: the one
+        sync of the file system covers it too. Without syncfs, the directories of this
+        call's blobs are synced, at once, as the files were.)"""
         dirs: set[Path] = set()
         for tmp, target in staged:
             if target.parent not in dirs:
                 target.parent.mkdir(exist_ok=True)
                 dirs.add(target.parent)
             os.replace(tmp, target)
-        list(self._syncs.map(_sync_dir, dirs))    # at once, as the files were
+        fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            synced = _sync_file_system(fd)
+        finally:
+            os.close(fd)
+        if not synced:
+            list(self._syncs.map(_sync_dir, dirs))
 
     @staticmethod
     def discard_blobs(staged: list[tuple[Path, Path]]) -> None:
@@ -242,6 +257,26 @@ def _touch(path: Path) -> None:
         os.utime(path)
     except FileNotFoundError:
         pass
+
+
+_syncfs: list = []      # libc's syncfs, looked up on first use; [None] where there is none
+
+
+def _sync_file_system(fd: int) -> bool:
+    """Make everything written to the file system that holds ``fd`` durable, with one
+    syncfs(2) (OSError if it fails); False where the platform has no syncfs (the caller
+    syncs each file then)."""
+    if not _syncfs:
+        try:
+            _syncfs.append(getattr(ctypes.CDLL(None, use_errno=True), "syncfs", None))
+        except OSError:
+            _syncfs.append(None)
+    if _syncfs[0] is None:
+        return False
+    if _syncfs[0](fd) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"syncfs: {os.strerror(err)}")
+    return True
 
 
 def _sync_dir(path: Path) -> None:
