@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import asdict
 
 from gpumarket.broker.api.auth import caller
 from gpumarket.broker.api.rpc import streaming, unary
@@ -325,7 +326,7 @@ def account_view(db, key_id: str, job_id: str, limit: int, before_seq: int
                  ) -> mp.GetAccountResponse:
     out = mp.GetAccountResponse(key_id=key_id, **ledger.summary(db, key_id))
     for line in ledger.lines(db, key_id, job_id, limit, before_seq):
-        out.lines.append(pb.LedgerLine(**line))
+        out.lines.append(pb.LedgerLine(**asdict(line)))
     return out
 
 
