@@ -284,12 +284,13 @@ def create_key(db: Database, client_id: str, name_or_id: str, now: int
     if top.state != pb.JOB_STATE_RUNNING:
         raise FailedPrecondition(f"endpoint {top.name} is not serving")
     secret = KEY_PREFIX + secrets.token_urlsafe(32)
-    row = {"key_id": "k" + secrets.token_hex(6), "secret_sha256": secret_sha256(secret),
-           "endpoint_id": top.id, "client_id": client_id, "created_at_ms": now}
-    db["endpoint_keys"].insert(row)
+    key = EndpointKey("k" + secrets.token_hex(6), now)
+    db["endpoint_keys"].insert({"key_id": key.key_id, "secret_sha256": secret_sha256(secret),
+                                "endpoint_id": top.id, "client_id": client_id,
+                                "created_at_ms": now})
     jobs.append_event(db, top.id, "key", top.state, top.attempt, now,
-                      message=f"API key {row['key_id']} created")
-    return EndpointKey(row["key_id"], now), secret
+                      message=f"API key {key.key_id} created")
+    return key, secret
 
 
 def revoke_key(db: Database, client_id: str, name_or_id: str, key_id: str,
