@@ -59,11 +59,22 @@ max_replicas = 3
 """
 
 
+@pytest.fixture(scope="module", params=["sqlite", "postgresql"])
+def database(request) -> str:
+    """"" for a fresh SQLite file per test; else one PostgreSQL database (the broker's schema
+    applied) that this file's tests share: each test's keys are its own, so no test sees
+    another's jobs or money, and a database made once spares each test its making."""
+    if request.param == "sqlite":
+        return ""
+    cluster = request.getfixturevalue("pg_cluster")
+    return cluster.database(template=cluster.template)
+
+
 @pytest.fixture
-def broker(tmp_path, store_location):
+def broker(tmp_path, database):
     """The servicers over SQLite, then over PostgreSQL (skipped where it is not installed):
     the same calls answer the same on either store."""
-    s = Servicers(tmp_path / "broker", store_location)
+    s = Servicers(tmp_path / "broker", database)
     yield s
     s.close()
 
