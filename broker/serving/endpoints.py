@@ -298,11 +298,11 @@ def revoke_key(db: Database, client_id: str, name_or_id: str, key_id: str,
     """Revoke one of the caller's endpoint's keys (once: a second revoke changes nothing);
     returns the key as revoked. Raises NotFound if the endpoint has no such key."""
     top = find(db, client_id, name_or_id)
-    row = db.execute("SELECT key_id, created_at_ms, revoked_at_ms FROM endpoint_keys"
+    row = db.execute(f"SELECT {', '.join(EndpointKey.COLUMNS)} FROM endpoint_keys"
                      " WHERE key_id = ? AND endpoint_id = ?", [key_id, top.id]).fetchone()
     if row is None:
         raise NotFound(f"endpoint {top.name} has no key {key_id!r}")
-    key = EndpointKey.from_row(dict(zip(("key_id", "created_at_ms", "revoked_at_ms"), row)))
+    key = EndpointKey.from_row(dict(zip(EndpointKey.COLUMNS, row)))
     if not key.revoked_at_ms:
         db.execute("UPDATE endpoint_keys SET revoked_at_ms = ? WHERE key_id = ?", [now, key_id])
         jobs.append_event(db, top.id, "key", top.state, top.attempt, now,
@@ -313,9 +313,9 @@ def revoke_key(db: Database, client_id: str, name_or_id: str, key_id: str,
 
 def keys_of(db: Database, endpoint_id: str) -> tuple[EndpointKey, ...]:
     """The endpoint's API keys, revoked ones too, oldest first."""
-    cur = db.execute("SELECT key_id, created_at_ms, revoked_at_ms FROM endpoint_keys"
+    cur = db.execute(f"SELECT {', '.join(EndpointKey.COLUMNS)} FROM endpoint_keys"
                      " WHERE endpoint_id = ? ORDER BY created_at_ms", [endpoint_id])
-    return tuple(EndpointKey.from_row(dict(zip(("key_id", "created_at_ms", "revoked_at_ms"), r)))
+    return tuple(EndpointKey.from_row(dict(zip(EndpointKey.COLUMNS, r)))
                  for r in cur.fetchall())
 
 

@@ -92,6 +92,8 @@ class EndpointKey:
     created_at_ms: int
     revoked_at_ms: int = 0          # 0: not revoked
 
+    COLUMNS = ("key_id", "created_at_ms", "revoked_at_ms")    # of endpoint_keys
+
     @classmethod
     def from_row(cls, row: Mapping[str, Any]) -> EndpointKey:
         """The key of an ``endpoint_keys`` row (a NULL ``revoked_at_ms`` is 0)."""
