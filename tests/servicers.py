@@ -20,7 +20,7 @@ from gpumarket.broker.config import BrokerConfig
 from gpumarket.broker.money import ledger
 from gpumarket.broker.state import BrokerState
 from gpumarket.broker.store.artifact_store import ArtifactStore
-from gpumarket.broker.store.store import Store
+from gpumarket.broker.store.store import Store, is_postgres, open_store
 from gpumarket.client import jobfile
 from gpumarket.client.submit import build_spec
 from gpumarket.proto.envelope import seal
@@ -53,11 +53,14 @@ class Context:
 
 
 class Servicers:
-    """One broker's state over a fresh SQLite store in ``where``, and its servicers. One
-    event loop serves every call (``close`` ends it)."""
+    """One broker's state over a fresh store, and its servicers: SQLite in ``where``, or
+    the PostgreSQL database at ``location`` (a ``postgresql://`` URL, the broker's schema
+    applied: conftest's ``store_location``); its artifacts in ``where``. One event loop
+    serves every call (``close`` ends it)."""
 
-    def __init__(self, where: Path, **config) -> None:
-        self.store = Store(where / "broker.db")
+    def __init__(self, where: Path, location: str = "", **config) -> None:
+        self.store = open_store(location, None) if is_postgres(location) \
+            else Store(where / "broker.db")
         self.store.open()
         self.state = BrokerState(BrokerConfig(data_dir=where, **config), Identity.generate(),
                                  self.store, ArtifactStore(where / "artifacts", 1 << 30))

@@ -10,6 +10,7 @@ import json
 
 from gpumarket.broker.metrics import BrokerMetrics
 from gpumarket.broker.serving.router import Endpoint, Serving
+from gpumarket.broker.serving.rows import LiveEndpoint
 from gpumarket.kinds.engine_protocol import Complete
 from gpumarket.proto.v1 import gateway_pb2 as gw
 from gpumarket.proto.v1 import types_pb2 as pb
@@ -63,9 +64,8 @@ def router(sessions: dict[str, AnsweringSession], queue_wait_s: float = 0.5,
     return serving, serving.endpoints["ep"]
 
 
-def live_row(**settings) -> dict:
-    return {"id": "ep", "client_id": "c1", "name": "tiny", "created_at_ms": 0,
-            "settings": {**SETTINGS, **settings}, "replicas": []}
+def live_row(**settings) -> LiveEndpoint:
+    return LiveEndpoint("ep", "c1", "tiny", {**SETTINGS, **settings})
 
 
 def ready(serving: Serving, provider: str, job: str, concurrency: int = 4,

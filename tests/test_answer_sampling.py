@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from gpumarket.broker.serving import answer_samples
 from gpumarket.broker.serving.answer_samples import AnswerSamples
+from gpumarket.broker.serving.rows import LiveEndpoint, LiveReplica
 from gpumarket.kinds.engine_protocol import Complete, Final, encode_request
 from gpumarket.proto.v1 import types_pb2 as pb
 from tests.serving_fakes import AnsweringSession, collect, ready, router
@@ -101,10 +102,9 @@ def test_the_router_keeps_what_the_replica_committed_to_or_that_it_committed_to_
         serving, ep = router(sessions)
         serving.samples.rate = 1.0
         ready(serving, "p1", "ep-r1")
-        serving.sync([{"id": "ep", "client_id": "c1", "name": "tiny", "created_at_ms": 0,
-                       "settings": ep.settings, "replicas": [
-                           {"id": "ep-r1", "epoch": 1, "provider_id": "p1",
-                            "state": pb.JOB_STATE_RUNNING, "accelerator": pb.ACCELERATOR_CPU}]}])
+        serving.sync([LiveEndpoint("ep", "c1", "tiny", ep.settings, replicas=(
+            LiveReplica("ep-r1", 1, pb.JOB_STATE_RUNNING, epoch=1, provider_id="p1",
+                        accelerator=pb.ACCELERATOR_CPU),))])
         assert ep.replicas["ep-r1"].fingerprinted
         for n in range(3):
             await collect(serving.run(ep, Complete(prompt=f"q{n}", max_tokens=4)))

@@ -311,8 +311,8 @@ def test_the_domain_reads_a_job_by_attribute():
     state machine, job arrays, the views, the scheduler, placement, admission, calibration,
     the ledger, the provider gateway, the marketplace's views and serving read its fields
     by name (``job.state``), never by key (``job["state"]``), so that a column renamed or
-    gone fails where the Job is made. (checks/ still reads by key; serving's summaries of
-    an endpoint's live replicas, joined with their leases, are dicts of their own.)"""
+    gone fails where the Job is made. (checks/ still reads by key; serving's rows and the
+    ledger's postings are typed values of their own: tests/test_typed_rows.py.)"""
     names = {"job", "parent", "p", "part", "failed", "top", "replica"}
     found = []
     for rel in JOB_READERS:

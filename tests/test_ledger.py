@@ -4,8 +4,8 @@ PostgreSQL (``store_location``)."""
 
 from __future__ import annotations
 
-import json
 import sqlite3
+from dataclasses import asdict
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -369,10 +369,11 @@ def test_a_failed_check_returns_the_pay_to_the_job(store_location):
     assert ledger.job_money(w.db, "j")["charged"] == 0
     assert ledger.audit(w.db) == []
     lines = ledger.lines(w.db, "pa")
-    assert [(x["type"], x["account"], x["amount"]) for x in lines] == [
+    assert [(x.type, x.account, x.amount) for x in lines] == [
         ("reverse", "disputed", -100_000), ("dispute", "disputed", 100_000),
         ("dispute", "earned", -95_000), ("settle", "earned", 95_000)]
-    assert json.dumps(lines)     # plain data
+    # each is what GetAccount sends, field for field
+    assert [pb.LedgerLine(**asdict(x)).memo for x in lines] == [x.memo for x in lines]
 
 
 def test_a_job_asking_for_a_stake_goes_only_to_staked_providers_and_a_slash_pays_the_client(

@@ -1,7 +1,8 @@
-"""The Marketplace servicer called in-process over a real SQLite store (tests/servicers.py):
-SubmitJob in each shape a job takes (one job, a split job, a job array, an endpoint), a bad
-submission refused with its status and one line and nothing written, CancelJob, GetJob and
-ListJobs, Quote — what a client would get back, and what the broker stored."""
+"""The Marketplace servicer called in-process over a real store, SQLite and PostgreSQL
+(tests/servicers.py): SubmitJob in each shape a job takes (one job, a split job, a job array,
+an endpoint), a bad submission refused with its status and one line and nothing written,
+CancelJob, GetJob and ListJobs, Quote, an endpoint's keys, a client's ledger lines — what a
+client would get back, and what the broker stored."""
 
 from __future__ import annotations
 
@@ -58,9 +59,22 @@ max_replicas = 3
 """
 
 
+@pytest.fixture(scope="module", params=["sqlite", "postgresql"])
+def database(request) -> str:
+    """"" for a fresh SQLite file per test; else one PostgreSQL database (the broker's schema
+    applied) that this file's tests share: each test's keys are its own, so no test sees
+    another's jobs or money, and a database made once spares each test its making."""
+    if request.param == "sqlite":
+        return ""
+    cluster = request.getfixturevalue("pg_cluster")
+    return cluster.database(template=cluster.template)
+
+
 @pytest.fixture
-def broker(tmp_path):
-    s = Servicers(tmp_path / "broker")
+def broker(tmp_path, database):
+    """The servicers over SQLite, then over PostgreSQL (skipped where it is not installed):
+    the same calls answer the same on either store."""
+    s = Servicers(tmp_path / "broker", database)
     yield s
     s.close()
 
@@ -159,6 +173,32 @@ def test_an_endpoint_is_stored_serving_with_its_first_replicas(broker, alice, tm
     assert get(broker, alice, resp.job_id).billing.hold == 3 * 1_000_000
     again = broker.spec(alice, job_file(tmp_path, ENDPOINT.replace("tiny", "tiny2")))
     assert broker.call("Quote", mp.QuoteRequest(spec=again, limit=5), alice).hold == 3 * 1_000_000
+
+
+def test_an_endpoints_keys_are_made_shown_and_revoked_by_its_client_alone(broker, alice,
+                                                                           tmp_path):
+    broker.submit(alice, broker.spec(alice, job_file(tmp_path, ENDPOINT)))
+    made = broker.call("CreateEndpointKey", mp.EndpointKeyRequest(endpoint="tiny"), alice)
+    key = made.key
+    assert made.secret.startswith("gm-") and key.key_id and key.created_at_ms
+    assert not key.revoked_at_ms
+    revoke = mp.EndpointKeyRequest(endpoint="tiny", key_id=key.key_id)
+    with pytest.raises(Refused) as caught:     # another client's endpoint is not there
+        broker.call("RevokeEndpointKey", revoke, Identity.generate())
+    assert caught.value.code == grpc.StatusCode.NOT_FOUND
+    gone = broker.call("RevokeEndpointKey", revoke, alice).key
+    assert (gone.key_id, gone.created_at_ms) == (key.key_id, key.created_at_ms)
+    assert gone.revoked_at_ms >= key.created_at_ms
+    assert broker.call("RevokeEndpointKey", revoke, alice).key == gone    # again: the same
+    ep = broker.call("GetEndpoint", mp.GetEndpointRequest(endpoint="tiny"), alice).endpoint
+    assert list(ep.keys) == [gone]
+    assert [e.message for e in ep.events][-2:] == [f"API key {key.key_id} created",
+                                                   f"API key {key.key_id} revoked"]
+    # Its client's ledger lines, newest first: the endpoint's hold, then the credit.
+    lines = broker.call("GetAccount", mp.GetAccountRequest(), alice).lines
+    assert [(x.type, x.account, x.amount, x.job_id) for x in lines] == [
+        ("hold", "available", -3_000_000, ep.job_id), ("hold", "held", 3_000_000, ep.job_id),
+        ("credit", "available", 1_000_000_000, "")]
 
 
 def bad_kind_value(spec: pb.JobSpec) -> None:

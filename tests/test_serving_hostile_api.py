@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import replace
 
 import grpc
 import pytest
@@ -62,7 +63,7 @@ def api_for(sessions: dict[str, AnsweringSession], **settings):
     """(api, serving, store): endpoint "tiny" (id ep) of client c1 opened by KEY, and
     endpoint "theirs" (id ep2) of client c2 opened by OTHER_KEY, with no replica."""
     serving, _ = router(sessions, **settings)
-    theirs = {**live_row(), "id": "ep2", "client_id": "c2", "name": "theirs"}
+    theirs = replace(live_row(), id="ep2", client_id="c2", name="theirs")
     store = FakeStore({KEY: "ep", OTHER_KEY: "ep2"}, [live_row(**settings), theirs])
     serving.sync(store.live)
     return OpenAIApi(FakeState(store), serving), serving, store
@@ -330,7 +331,7 @@ def test_a_key_opens_its_own_endpoint_and_no_other():
             assert status == 401, body
             store.keys[KEY] = "ep"           # the key is fine, but its endpoint was deleted
             serving.keys.clear()
-            store.live = [r for r in store.live if r["id"] != "ep"]
+            store.live = [r for r in store.live if r.id != "ep"]
             serving.sync(store.live)
             status, body = await post(client, "/v1/chat/completions", chat(), KEY)
             assert status == 401, body

@@ -13,6 +13,7 @@ import pytest
 from gpumarket.broker.metrics import BrokerMetrics
 from gpumarket.broker.serving.autoscaler import Watch, decide
 from gpumarket.broker.serving.router import MAX_BUFFER, Endpoint, Refused, Serving
+from gpumarket.broker.serving.rows import LiveEndpoint
 from gpumarket.kinds.engine_protocol import Complete, Final, Piece, encode_request
 from gpumarket.proto.v1 import gateway_pb2 as gw
 from gpumarket.proto.v1 import types_pb2 as pb
@@ -39,9 +40,7 @@ def router(**settings) -> tuple[Serving, FakeSessions]:
     sessions = FakeSessions(p1=FakeSession(), p2=FakeSession())
     serving = Serving(sessions, BrokerMetrics(), queue_wait_s=0.3, cold_start_s=0.3,
                       request_timeout_s=5)
-    row = {"id": "ep", "client_id": "c", "name": "tiny", "created_at_ms": 0,
-           "settings": {**SETTINGS, **settings}, "replicas": []}
-    serving.sync([row])
+    serving.sync([LiveEndpoint("ep", "c", "tiny", {**SETTINGS, **settings})])
     return serving, sessions
 
 

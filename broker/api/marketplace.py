@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import asdict
 
 from gpumarket.broker.api.auth import caller
 from gpumarket.broker.api.rpc import streaming, unary
@@ -21,6 +22,7 @@ from gpumarket.broker.market import standing
 from gpumarket.broker.money import ledger
 from gpumarket.broker.serving import endpoints
 from gpumarket.broker.serving import router as serving
+from gpumarket.broker.serving.rows import EndpointKey, Overview
 from gpumarket.broker.state import BrokerState
 from gpumarket.proto.envelope import open_envelope
 from gpumarket.proto.errors import (
@@ -151,20 +153,19 @@ class MarketplaceServicer(marketplace_pb2_grpc.MarketplaceServicer):
 
     @unary
     async def CreateEndpointKey(self, request: mp.EndpointKeyRequest, context):
-        row, secret = await self.state.store.write(endpoints.create_key, caller(),
+        key, secret = await self.state.store.write(endpoints.create_key, caller(),
                                                    request.endpoint, now_ms())
         self.state.events.notify()
-        return mp.EndpointKeyResponse(secret=secret, key=mp.EndpointKey(
-            key_id=row["key_id"], created_at_ms=row["created_at_ms"]))
+        return mp.EndpointKeyResponse(secret=secret, key=key_view(key))
 
     @unary
     async def RevokeEndpointKey(self, request: mp.EndpointKeyRequest, context):
-        row = await self.state.store.write(endpoints.revoke_key, caller(), request.endpoint,
+        key = await self.state.store.write(endpoints.revoke_key, caller(), request.endpoint,
                                            request.key_id, now_ms())
         if self.state.serving is not None:
             self.state.serving.forget_keys()     # a revoked key stops working at once
         self.state.events.notify()
-        return mp.EndpointKeyResponse(key=mp.EndpointKey(**row))
+        return mp.EndpointKeyResponse(key=key_view(key))
 
     @unary
     async def GetProvider(self, request: mp.GetProviderRequest, context):
@@ -274,10 +275,10 @@ class MarketplaceServicer(marketplace_pb2_grpc.MarketplaceServicer):
         return mp.TopUpResponse(state=state, billing=job.billing)
 
 
-def endpoint_view(state: BrokerState, info: dict) -> mp.Endpoint:
+def endpoint_view(state: BrokerState, info: Overview) -> mp.Endpoint:
     """An endpoint as `endpoint list/show` print it: the database's view joined with the
     router's (which replicas serve, their load, the latest TTFT and TPOT)."""
-    top, s, usage = info["top"], info["settings"], info["usage"]
+    top, s, usage = info.top, info.settings, info.usage
     live = state.serving.endpoints.get(top.id) if state.serving is not None else None
     base = state.config.public_url.rstrip("/") or state.api_base
     out = mp.Endpoint(
@@ -285,41 +286,47 @@ def endpoint_view(state: BrokerState, info: dict) -> mp.Endpoint:
         min_replicas=s["min_replicas"], max_replicas=s["max_replicas"], target=s["target"],
         api_base=f"{base}/v1" if base else "", error=top.error or "",
         created_at_ms=top.created_at_ms)
-    for r in info["replicas"]:
-        ready = live.replicas.get(r["id"]) if live is not None else None
-        if ready is not None and (r["state"] != pb.JOB_STATE_RUNNING or ready.epoch != r["epoch"]
-                                  or ready.provider_id != r["provider_id"]):
+    for r in info.replicas:
+        ready = live.replicas.get(r.id) if live is not None else None
+        if ready is not None and (r.state != pb.JOB_STATE_RUNNING or ready.epoch != r.epoch
+                                  or ready.provider_id != r.provider_id):
             ready = None    # the router still holds a lease the database has ended
         out.replicas.append(mp.EndpointReplica(
-            job_id=r["id"], state=r["state"], provider_id=r["provider_id"] or "",
+            job_id=r.id, state=r.state, provider_id=r.provider_id or "",
             ready=ready is not None, draining=bool(ready and ready.draining),
             in_flight=ready.in_flight if ready else 0,
             max_concurrency=ready.max_concurrency if ready else 0,
             tpot_ms=(ready.tpot_s * 1000) if ready else 0.0,
             requests=ready.requests if ready else 0, engine=ready.engine if ready else ""))
     out.load.CopyFrom(mp.EndpointLoad(
-        prompt_tokens=usage["prompt_tokens"], output_tokens=usage["output_tokens"],
-        requests=usage["requests"], errors=usage["errors"]))
+        prompt_tokens=usage.prompt_tokens, output_tokens=usage.output_tokens,
+        requests=usage.requests, errors=usage.errors))
     if live is not None:
         out.load.in_flight, out.load.queued = live.in_flight, len(live.waiting)
         out.load.ttft_p50_ms = serving.percentile(live.ttft, 0.5) * 1000
         out.load.ttft_p99_ms = serving.percentile(live.ttft, 0.99) * 1000
         out.load.tpot_p50_ms = serving.percentile(live.tpot, 0.5) * 1000
         out.load.tpot_p99_ms = serving.percentile(live.tpot, 0.99) * 1000
-    for k in info["keys"]:
-        out.keys.append(mp.EndpointKey(**k))
-    for e in info["events"]:
+    for k in info.keys:
+        out.keys.append(key_view(k))
+    for e in info.events:
         out.events.append(pb.JobEvent(seq=e["seq"], job_id=e["job_id"], at_ms=e["at_ms"],
                                       type=e["type"], state=e["state"], attempt=e["attempt"],
                                       provider_id=e["provider_id"], message=e["message"]))
     return out
 
 
+def key_view(key: EndpointKey) -> mp.EndpointKey:
+    """An endpoint's API key as a client reads it (never its secret)."""
+    return mp.EndpointKey(key_id=key.key_id, created_at_ms=key.created_at_ms,
+                          revoked_at_ms=key.revoked_at_ms)
+
+
 def account_view(db, key_id: str, job_id: str, limit: int, before_seq: int
                  ) -> mp.GetAccountResponse:
     out = mp.GetAccountResponse(key_id=key_id, **ledger.summary(db, key_id))
     for line in ledger.lines(db, key_id, job_id, limit, before_seq):
-        out.lines.append(pb.LedgerLine(**line))
+        out.lines.append(pb.LedgerLine(**asdict(line)))
     return out
 
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from sqlite_utils import Database
 
 from gpumarket.broker.jobs.job import Job, update_job
+from gpumarket.broker.money.rows import Line, Posting
 from gpumarket.proto.errors import FailedPrecondition, InsufficientFunds, InvalidArgument
 from gpumarket.proto.money import UNIT, fmt, units  # noqa: F401  (part of this module's API)
 
@@ -269,14 +270,13 @@ def release(db: Database, job_id: str, client_id: str, now: int) -> None:
 
 # -- verification's hooks (docs/ledger.md) -------------------------------------------------
 
-def _settlement(db: Database, seq: int) -> tuple[dict, dict[str, int]]:
-    row = db.execute("SELECT * FROM ledger_postings WHERE seq = ? AND type = 'settle'",
-                     [seq]).fetchone()
+def _settlement(db: Database, seq: int) -> Posting:
+    """The settlement posted as ``seq``; raises InvalidArgument if there is none."""
+    cur = db.execute("SELECT * FROM ledger_postings WHERE seq = ? AND type = 'settle'", [seq])
+    row = cur.fetchone()
     if row is None:
         raise InvalidArgument(f"no settlement {seq}")
-    cols = [d[0] for d in db.execute("SELECT * FROM ledger_postings LIMIT 0").description]
-    posting = dict(zip(cols, row))
-    return posting, json.loads(posting["entries"])
+    return Posting.from_row(dict(zip([d[0] for d in cur.description], row)))
 
 
 def _payer(db: Database, job_id: str) -> tuple[str, str, bool]:
@@ -289,22 +289,27 @@ def _payer(db: Database, job_id: str) -> tuple[str, str, bool]:
 
 def settled_to(db: Database, seq: int) -> int:
     """What a settlement paid its provider (after the fee), in units."""
-    posting, entries = _settlement(db, seq)
-    return entries.get(provider(posting["provider_id"]), 0)
+    posting = _settlement(db, seq)
+    return posting.amount(provider(posting.provider_id))
 
 
 def dispute(db: Database, seq: int, now: int) -> None:
     """Hold a settlement's pay (provider's and fee) while a check of its segment runs."""
-    posting, entries = _settlement(db, seq)
-    paid, fee = entries.get(provider(posting["provider_id"]), 0), entries.get("fee", 0)
-    post(db, f"dispute:{seq}", "dispute",
-         {provider(posting["provider_id"]): -paid, "fee": -fee,
-          disputed(posting["job_id"], posting["provider_id"]): paid + fee},
-         now, owners={disputed(posting["job_id"], posting["provider_id"]): posting["provider_id"]},
-         job_id=posting["job_id"], lease_id=posting["lease_id"],
-         provider_id=posting["provider_id"], step_from=posting["step_from"],
-         step_to=posting["step_to"], memo=f"settlement {seq} disputed",
-         may_go_negative=frozenset({provider(posting["provider_id"])}))
+    posting = _settlement(db, seq)
+    earner = provider(posting.provider_id)
+    paid, fee = posting.amount(earner), posting.amount("fee")
+    held = disputed(posting.job_id, posting.provider_id)
+    post(db, f"dispute:{seq}", "dispute", {earner: -paid, "fee": -fee, held: paid + fee},
+         now, owners={held: posting.provider_id}, **_about(posting),
+         memo=f"settlement {seq} disputed", may_go_negative=frozenset({earner}))
+
+
+def _about(posting: Posting) -> dict:
+    """What a posting that undoes or moves on a settlement says it is about: the
+    settlement's job, lease, provider and steps."""
+    return {"job_id": posting.job_id, "lease_id": posting.lease_id,
+            "provider_id": posting.provider_id, "step_from": posting.step_from,
+            "step_to": posting.step_to}
 
 
 def resolve(db: Database, seq: int, passed: bool, now: int, why: str = "") -> None:
@@ -313,17 +318,16 @@ def resolve(db: Database, seq: int, passed: bool, now: int, why: str = "") -> No
     does one left unresolved (``why`` says so in the memo)."""
     if posted(db, f"dispute:{seq}") is None:
         raise FailedPrecondition(f"settlement {seq} is not disputed")
-    posting, entries = _settlement(db, seq)
-    paid, fee = entries.get(provider(posting["provider_id"]), 0), entries.get("fee", 0)
-    held = disputed(posting["job_id"], posting["provider_id"])
-    top, client_id, ended = _payer(db, posting["job_id"])
+    posting = _settlement(db, seq)
+    paid, fee = posting.amount(provider(posting.provider_id)), posting.amount("fee")
+    held = disputed(posting.job_id, posting.provider_id)
+    top, client_id, ended = _payer(db, posting.job_id)
     # Back into the job's hold (its re-run is paid from there); if the job has ended, on to
     # its client, as its release would have.
-    lines = ({held: -(paid + fee), provider(posting["provider_id"]): paid, "fee": fee} if passed
+    lines = ({held: -(paid + fee), provider(posting.provider_id): paid, "fee": fee} if passed
              else {held: -(paid + fee), escrow(top): paid + fee})
     post(db, f"resolve:{seq}", "restore" if passed else "reverse", lines, now,
-         job_id=posting["job_id"], lease_id=posting["lease_id"], provider_id=posting["provider_id"],
-         step_from=posting["step_from"], step_to=posting["step_to"],
+         **_about(posting),
          memo=f"check of settlement {seq} "
               f"{why or ('passed' if passed else 'failed: pay returned')}")
     if not passed and ended:
@@ -342,16 +346,15 @@ def claw_back(db: Database, seq: int, now: int) -> None:
                            [f"resolve:{seq}"]).fetchone()[0] == "reverse"
     if reversed_:
         return
-    posting, entries = _settlement(db, seq)
-    paid, fee = entries.get(provider(posting["provider_id"]), 0), entries.get("fee", 0)
-    top, client_id, ended = _payer(db, posting["job_id"])
+    posting = _settlement(db, seq)
+    earner = provider(posting.provider_id)
+    paid, fee = posting.amount(earner), posting.amount("fee")
+    top, client_id, ended = _payer(db, posting.job_id)
     to = client(client_id) if ended else escrow(top)
-    post(db, f"clawback:{seq}", "reverse", {provider(posting["provider_id"]): -paid, "fee": -fee,
-                                              to: paid + fee}, now,
-         job_id=posting["job_id"], lease_id=posting["lease_id"], provider_id=posting["provider_id"],
-         step_from=posting["step_from"], step_to=posting["step_to"],
+    post(db, f"clawback:{seq}", "reverse", {earner: -paid, "fee": -fee, to: paid + fee}, now,
+         **_about(posting),
          memo=f"settlement {seq} taken back: its provider was found wrong on the job",
-         may_go_negative=frozenset({provider(posting["provider_id"])}))
+         may_go_negative=frozenset({earner}))
 
 
 def slash(db: Database, provider_id: str, client_id: str, job_id: str, amount: int,
@@ -419,7 +422,7 @@ ACCOUNT_LABELS = {"client": "available", "escrow": "held", "provider": "earned",
 
 
 def lines(db: Database, key_id: str, job_id: str = "", limit: int = 100,
-          before_seq: int = 0) -> list[dict]:
+          before_seq: int = 0) -> list[Line]:
     """Entries on ``key_id``'s accounts (as a client: available and its jobs' holds; as a
     provider: earned, stake, its disputed pay), newest first; ``job_id``: of that job (and
     its parts) only."""
@@ -432,17 +435,11 @@ def lines(db: Database, key_id: str, job_id: str = "", limit: int = 100,
         where.append("p.seq < ?")
         args.append(before_seq)
     cur = db.execute(
-        "SELECT p.seq, p.at_ms, p.type, a.type, e.amount, p.job_id, p.provider_id, p.step_from,"
-        " p.step_to, p.seconds, p.memo FROM ledger_entries e"
+        f"SELECT {Line.COLUMNS} FROM ledger_entries e"
         " JOIN ledger_postings p ON p.seq = e.posting_seq"
         " JOIN ledger_accounts a ON a.account = e.account"
         f" WHERE {' AND '.join(where)} ORDER BY p.seq DESC, a.type LIMIT ?", [*args, limit])
-    names = ("seq", "at_ms", "type", "account", "amount", "job_id", "provider_id", "step_from",
-             "step_to", "seconds", "memo")
-    out = [dict(zip(names, r)) for r in cur.fetchall()]
-    for line in out:
-        line["account"] = ACCOUNT_LABELS[line["account"]]
-    return out
+    return [Line.from_row(r, ACCOUNT_LABELS) for r in cur.fetchall()]
 
 
 def summary(db: Database, key_id: str) -> dict[str, int]:
@@ -482,13 +479,16 @@ def audit_report(db: Database) -> tuple[list[str], int, dict[str, int]]:
 def recent_page(db: Database, limit: int) -> dict:
     """The operator's view of the ledger, in credits: totals, the audit, the latest
     ``limit`` postings whole."""
-    postings = [dict(zip(("seq", "at_ms", "type", "job_id", "provider_id", "step_from",
-                          "step_to", "seconds", "memo", "actor", "entries"), r))
-                for r in db.execute(
-        "SELECT seq, at_ms, type, job_id, provider_id, step_from, step_to, seconds, memo, actor,"
-        " entries FROM ledger_postings ORDER BY seq DESC LIMIT ?", [limit]).fetchall()]
-    for posting in postings:
-        posting["entries"] = {a: v / UNIT for a, v in json.loads(posting["entries"]).items()}
+    cur = db.execute("SELECT * FROM ledger_postings ORDER BY seq DESC LIMIT ?", [limit])
+    cols = [d[0] for d in cur.description]
+    postings = []
+    for row in cur.fetchall():
+        p = Posting.from_row(dict(zip(cols, row)))
+        postings.append({"seq": p.seq, "at_ms": p.at_ms, "type": p.type, "job_id": p.job_id,
+                         "provider_id": p.provider_id, "step_from": p.step_from,
+                         "step_to": p.step_to, "seconds": p.seconds, "memo": p.memo,
+                         "actor": p.actor,
+                         "entries": {a: v / UNIT for a, v in p.entries.items()}})
     return {"totals": {k: v / UNIT for k, v in totals(db).items()},
             "problems": audit(db), "postings": postings}
 

@@ -18,6 +18,7 @@ from gpumarket.broker.jobs import endings
 from gpumarket.broker.jobs import transitions as jobs
 from gpumarket.broker.jobs.job import Job
 from gpumarket.broker.money import ledger
+from gpumarket.broker.serving.rows import EndpointKey, LiveEndpoint, LiveReplica, Overview, Usage
 from gpumarket.kinds import endpoint as endpoint_kind
 from gpumarket.kinds.schema import NAME_RE
 from gpumarket.proto.errors import FailedPrecondition, InvalidArgument, NotFound
@@ -102,7 +103,7 @@ def retire(db: Database, replica_id: str, why: str, now: int) -> jobs.EndedLease
 def fail(db: Database, endpoint_id: str, error: str, now: int) -> list[jobs.EndedLease]:
     """The endpoint cannot serve (its replicas keep failing before they are ready): it fails,
     its replicas stop, its hold's rest goes back to its client."""
-    ended = [e for r in replicas(db, endpoint_id) if (e := retire(db, r["id"], error, now))]
+    ended = [e for r in replicas(db, endpoint_id) if (e := retire(db, r.id, error, now))]
     top = jobs.job_row(db, endpoint_id)
     jobs.set_job(db, endpoint_id, now, state=pb.JOB_STATE_FAILED, error=error)
     jobs.append_event(db, endpoint_id, "failed", pb.JOB_STATE_FAILED, top.attempt, now,
@@ -170,28 +171,24 @@ def mark_ready(db: Database, job_id: str, epoch: int, provider_id: str, engine: 
     return job
 
 
-def live(db: Database) -> list[dict]:
+def live(db: Database) -> list[LiveEndpoint]:
     """Every serving endpoint with its settings and its live replicas."""
     tops = db.execute("SELECT id, client_id, name, spec, created_at_ms FROM jobs WHERE kind = ?"
                       " AND parent_id IS NULL AND check_of IS NULL AND state = ?",
                       [KIND, pb.JOB_STATE_RUNNING]).fetchall()
-    out = []
-    for endpoint_id, client_id, name, spec, created_ms in tops:
-        out.append({"id": endpoint_id, "client_id": client_id, "name": name,
-                    "settings": settings_of(spec), "created_at_ms": created_ms,
-                    "replicas": replicas(db, endpoint_id)})
-    return out
+    return [LiveEndpoint(endpoint_id, client_id, name, settings_of(spec), created_ms,
+                         tuple(replicas(db, endpoint_id)))
+            for endpoint_id, client_id, name, spec, created_ms in tops]
 
 
-def replicas(db: Database, endpoint_id: str) -> list[dict]:
+def replicas(db: Database, endpoint_id: str) -> list[LiveReplica]:
+    """The endpoint's live replicas, each with its current lease's columns, by number."""
     cur = db.execute(
-        f"SELECT j.id, j.part, j.state, j.epoch, j.provider_id, j.progress_step, j.attempt,"
-        f" j.lease_id, l.issued_at_ms, l.accelerator"
-        f" FROM jobs j LEFT JOIN leases l ON l.id = j.lease_id"
+        f"SELECT {LiveReplica.COLUMNS} FROM jobs j LEFT JOIN leases l ON l.id = j.lease_id"
         f" WHERE j.parent_id = ? AND j.state IN ({','.join('?' * len(LIVE))}) ORDER BY j.part",
         [endpoint_id, *LIVE])
     cols = [d[0] for d in cur.description]
-    return [dict(zip(cols, r)) for r in cur.fetchall()]
+    return [LiveReplica.from_row(dict(zip(cols, r))) for r in cur.fetchall()]
 
 
 def find(db: Database, client_id: str, name_or_id: str) -> Job:
@@ -265,11 +262,12 @@ def record_usage(db: Database, usage: list[tuple], now: int) -> None:
             [lease_id, endpoint_id, job_id, provider_id, requests, errors, prompt, output, now])
 
 
-def usage_of(db: Database, endpoint_id: str) -> dict[str, int]:
+def usage_of(db: Database, endpoint_id: str) -> Usage:
+    """What the endpoint's replica leases served, over all of them."""
     row = db.execute("SELECT coalesce(sum(requests), 0), coalesce(sum(errors), 0),"
                      " coalesce(sum(prompt_tokens), 0), coalesce(sum(output_tokens), 0)"
                      " FROM endpoint_usage WHERE endpoint_id = ?", [endpoint_id]).fetchone()
-    return dict(zip(("requests", "errors", "prompt_tokens", "output_tokens"), row))
+    return Usage(*row)
 
 
 # -- API keys ----------------------------------------------------------------------------
@@ -278,39 +276,47 @@ def secret_sha256(secret: str) -> str:
     return hashlib.sha256(secret.encode()).hexdigest()
 
 
-def create_key(db: Database, client_id: str, name_or_id: str, now: int) -> tuple[dict, str]:
-    """A new bearer key for the caller's live endpoint: (its row, the secret, shown once;
+def create_key(db: Database, client_id: str, name_or_id: str, now: int
+               ) -> tuple[EndpointKey, str]:
+    """A new bearer key for the caller's live endpoint: (the key, the secret, shown once;
     only its sha256 is kept)."""
     top = find(db, client_id, name_or_id)
     if top.state != pb.JOB_STATE_RUNNING:
         raise FailedPrecondition(f"endpoint {top.name} is not serving")
     secret = KEY_PREFIX + secrets.token_urlsafe(32)
-    row = {"key_id": "k" + secrets.token_hex(6), "secret_sha256": secret_sha256(secret),
-           "endpoint_id": top.id, "client_id": client_id, "created_at_ms": now}
-    db["endpoint_keys"].insert(row)
+    key = EndpointKey("k" + secrets.token_hex(6), now)
+    db["endpoint_keys"].insert({"key_id": key.key_id, "secret_sha256": secret_sha256(secret),
+                                "endpoint_id": top.id, "client_id": client_id,
+                                "created_at_ms": now})
     jobs.append_event(db, top.id, "key", top.state, top.attempt, now,
-                      message=f"API key {row['key_id']} created")
-    return row, secret
+                      message=f"API key {key.key_id} created")
+    return key, secret
 
 
-def revoke_key(db: Database, client_id: str, name_or_id: str, key_id: str, now: int) -> dict:
+def revoke_key(db: Database, client_id: str, name_or_id: str, key_id: str,
+               now: int) -> EndpointKey:
+    """Revoke one of the caller's endpoint's keys (once: a second revoke changes nothing);
+    returns the key as revoked. Raises NotFound if the endpoint has no such key."""
     top = find(db, client_id, name_or_id)
-    row = db.execute("SELECT key_id, created_at_ms, revoked_at_ms FROM endpoint_keys"
+    row = db.execute(f"SELECT {', '.join(EndpointKey.COLUMNS)} FROM endpoint_keys"
                      " WHERE key_id = ? AND endpoint_id = ?", [key_id, top.id]).fetchone()
     if row is None:
         raise NotFound(f"endpoint {top.name} has no key {key_id!r}")
-    if row[2] is None:
+    key = EndpointKey.from_row(dict(zip(EndpointKey.COLUMNS, row)))
+    if not key.revoked_at_ms:
         db.execute("UPDATE endpoint_keys SET revoked_at_ms = ? WHERE key_id = ?", [now, key_id])
         jobs.append_event(db, top.id, "key", top.state, top.attempt, now,
                           message=f"API key {key_id} revoked")
-    return {"key_id": row[0], "created_at_ms": row[1], "revoked_at_ms": row[2] or now}
+        key = EndpointKey(key.key_id, key.created_at_ms, now)
+    return key
 
 
-def keys_of(db: Database, endpoint_id: str) -> list[dict]:
-    cur = db.execute("SELECT key_id, created_at_ms, coalesce(revoked_at_ms, 0) FROM"
-                     " endpoint_keys WHERE endpoint_id = ? ORDER BY created_at_ms",
-                     [endpoint_id])
-    return [dict(zip(("key_id", "created_at_ms", "revoked_at_ms"), r)) for r in cur.fetchall()]
+def keys_of(db: Database, endpoint_id: str) -> tuple[EndpointKey, ...]:
+    """The endpoint's API keys, revoked ones too, oldest first."""
+    cur = db.execute(f"SELECT {', '.join(EndpointKey.COLUMNS)} FROM endpoint_keys"
+                     " WHERE endpoint_id = ? ORDER BY created_at_ms", [endpoint_id])
+    return tuple(EndpointKey.from_row(dict(zip(EndpointKey.COLUMNS, r)))
+                 for r in cur.fetchall())
 
 
 def key_endpoint(db: Database, secret: str) -> str | None:
@@ -338,10 +344,11 @@ def submit(db: Database, job, now: int) -> None:
     created(db, job.id, now)
 
 
-def overview(db: Database, top: Job, events: int) -> dict:
+def overview(db: Database, top: Job, events: int) -> Overview:
     """What `endpoint show` tells of an endpoint from the database: its settings, live
-    replica rows, durable usage, keys and latest events (``events`` = 0: none)."""
-    return {"top": top, "settings": settings_of(top.spec),
-            "replicas": replicas(db, top.id), "usage": usage_of(db, top.id),
-            "keys": keys_of(db, top.id) if events else [],
-            "events": events_of(db, top.id, events) if events else []}
+    replicas, durable usage, keys and latest events (``events`` = 0: neither keys nor
+    events)."""
+    return Overview(top, settings_of(top.spec), tuple(replicas(db, top.id)),
+                    usage_of(db, top.id),
+                    keys_of(db, top.id) if events else (),
+                    tuple(events_of(db, top.id, events)) if events else ())

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, replace
 
 from gpumarket.broker.serving.answer_samples import AnswerSamples
 from gpumarket.broker.serving.request_shares import Hold, NoRoom, RequestShares
+from gpumarket.broker.serving.rows import LiveEndpoint
 from gpumarket.kinds import endpoint as endpoint_kind
 from gpumarket.kinds.engine_protocol import (
     Answer, Complete, Final, Malformed, Request, decode_answer, encode_request,
@@ -182,21 +183,20 @@ class Serving:
 
     # -- kept in step with the database by the autoscaler ---------------------------------
 
-    def sync(self, live: list[dict]) -> None:
-        """Take the serving endpoints and their live replicas as read from the database:
-        forget what ended (its requests fail over), keep what is known."""
+    def sync(self, live: list[LiveEndpoint]) -> None:
+        """Take the serving endpoints and their live replicas as read from the database
+        (serving/endpoints.live): forget what ended (its requests fail over), keep what is
+        known."""
         seen = set()
         for row in live:
-            seen.add(row["id"])
-            ep = self.endpoints.get(row["id"])
+            seen.add(row.id)
+            ep = self.endpoints.get(row.id)
             if ep is None:
-                ep = self.endpoints[row["id"]] = Endpoint(row["id"], row["client_id"],
-                                                          row["name"], row["settings"],
-                                                          row["created_at_ms"])
-            active = {(r["id"], r["epoch"]): r["provider_id"] for r in row["replicas"]
-                      if r["state"] == pb.JOB_STATE_RUNNING and r["provider_id"]}
-            accelerators = {(r["id"], r["epoch"]): r.get("accelerator") or 0
-                            for r in row["replicas"]}
+                ep = self.endpoints[row.id] = Endpoint(row.id, row.client_id, row.name,
+                                                       row.settings, row.created_at_ms)
+            active = {(r.id, r.epoch): r.provider_id for r in row.replicas
+                      if r.state == pb.JOB_STATE_RUNNING and r.provider_id}
+            accelerators = {(r.id, r.epoch): r.accelerator or 0 for r in row.replicas}
             for job_id, replica in list(ep.replicas.items()):
                 if (job_id, replica.epoch) not in active:
                     self.drop(replica, "the replica stopped")
@@ -210,8 +210,8 @@ class Serving:
                 replica.fingerprinted = endpoint_kind.fingerprinted(
                     ep.settings, accelerators.get((job_id, replica.epoch), 0), replica.engine)
         for key in list(self.announced):
-            if not any(key[0] == r["id"] and key[1] == r["epoch"]
-                       for row in live for r in row["replicas"]):
+            if not any(key[0] == r.id and key[1] == r.epoch
+                       for row in live for r in row.replicas):
                 del self.announced[key]
         for endpoint_id in list(self.endpoints):
             if endpoint_id not in seen:

@@ -1,0 +1,99 @@
+"""Serving's and the ledger's rows read as typed values made in one place
+(broker/serving/rows.py, broker/money/rows.py), as a job is (broker/jobs/job.py): a column
+missing fails where the row is read, the readers use attributes, and the readers still by
+key (the autoscaler, the HTTP side) read the same values."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from gpumarket.broker.jobs import transitions as jobs
+from gpumarket.broker.money import ledger
+from gpumarket.broker.money.rows import Posting
+from gpumarket.broker.serving.rows import EndpointKey, LiveEndpoint, LiveReplica
+from gpumarket.proto.v1 import types_pb2 as pb
+from tests.test_ledger import World, artifact, running
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# The modules that read serving's rows and the ledger's postings, and the names they give
+# them: none of those names is read by key (``r["state"]``) there.
+ROW_READERS = {
+    "broker/serving/endpoints.py": {"r", "row", "key", "replica"},
+    "broker/serving/router.py": {"r", "row"},
+    "broker/api/marketplace.py": {"r", "info", "usage", "k", "key", "line"},
+    "broker/money/ledger.py": {"posting", "line"},
+}
+
+
+def test_serving_rows_and_ledger_postings_are_read_by_attribute():
+    found = []
+    for rel, names in ROW_READERS.items():
+        for node in ast.walk(ast.parse((ROOT / rel).read_text())):
+            if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) \
+                    and node.value.id in names and isinstance(node.slice, ast.Constant) \
+                    and isinstance(node.slice.value, str):
+                found.append(f"{rel}:{node.lineno}: {node.value.id}[{node.slice.value!r}]")
+    assert not found, "rows read by key:\n" + "\n".join(found)
+
+
+REPLICA_ROW = {"id": "ep-r1", "part": 1, "state": pb.JOB_STATE_RUNNING, "epoch": 2,
+               "provider_id": "p1", "progress_step": 1, "attempt": 2, "lease_id": "ep-r1.2",
+               "issued_at_ms": 5, "accelerator": None}
+
+
+def test_a_live_replica_is_made_from_its_whole_row_and_answers_by_key_too():
+    replica = LiveReplica.from_row(REPLICA_ROW)
+    assert (replica.id, replica.epoch, replica.provider_id) == ("ep-r1", 2, "p1")
+    # the autoscaler's and the HTTP side's reads by key see the same values
+    assert dict(replica) == REPLICA_ROW and replica.get("accelerator") is None
+    with pytest.raises(KeyError):
+        replica["no_such_column"]
+    with pytest.raises(KeyError, match="lease_id"):
+        LiveReplica.from_row({k: v for k, v in REPLICA_ROW.items() if k != "lease_id"})
+    endpoint = LiveEndpoint("ep", "c1", "tiny", {"max_replicas": 2}, 0, (replica,))
+    assert endpoint["replicas"][0]["state"] == endpoint.replicas[0].state
+
+
+def test_a_key_never_revoked_reads_as_revoked_at_zero():
+    assert EndpointKey.from_row({"key_id": "k1", "created_at_ms": 3, "revoked_at_ms": None}) \
+        == EndpointKey("k1", 3, 0)
+
+
+def test_a_posting_reads_its_entries_once_and_needs_every_column():
+    row = {"seq": 7, "key": "settle:l.1:10", "at_ms": 1, "type": "settle",
+           "entries": '{"escrow:j": -100, "fee": 5, "provider:pa": 95}', "job_id": "j",
+           "lease_id": "l.1", "provider_id": "pa", "step_from": 0, "step_to": 10,
+           "seconds": 360.0, "memo": "", "actor": ""}
+    posting = Posting.from_row(row)
+    assert posting.amount("provider:pa") == 95 and posting.amount("client:ca") == 0
+    with pytest.raises(KeyError, match="actor"):
+        Posting.from_row({k: v for k, v in row.items() if k != "actor"})
+
+
+def test_a_settlement_taken_back_after_its_check_passed_names_the_work_it_undoes(
+        store_location):
+    w = World(store_location)
+    running(w)
+    ref = w.write(artifact, "pa", 10, 0)
+    w.write(jobs.record_checkpoint, "j", 1, "pa", 10, ref, 0.1, 360_000)
+    seq = w.db.execute("SELECT seq FROM ledger_postings WHERE type = 'settle'").fetchone()[0]
+    assert w.write(ledger.settled_to, seq) == 95_000       # 6 min at 1.0/h, less the 5 % fee
+    w.write(ledger.dispute, seq, 400_000)
+    w.write(ledger.resolve, seq, True, 500_000)
+    assert ledger.balance(w.db, ledger.provider("pa")) == 95_000
+    w.write(ledger.claw_back, seq, 600_000)
+    w.write(ledger.claw_back, seq, 700_000)                # once only
+    assert ledger.balance(w.db, ledger.provider("pa")) == 0
+    assert ledger.balance(w.db, ledger.escrow("j")) == 500_000     # back in the job's hold
+    lease_id = w.db.execute("SELECT id FROM leases WHERE job_id = 'j'").fetchone()[0]
+    about = w.db.execute(
+        "SELECT type, job_id, lease_id, provider_id, step_from, step_to FROM ledger_postings"
+        " WHERE key IN (?, ?, ?) ORDER BY seq",
+        [f"dispute:{seq}", f"resolve:{seq}", f"clawback:{seq}"]).fetchall()
+    assert [tuple(r) for r in about] == [
+        (t, "j", lease_id, "pa", 0, 10) for t in ("dispute", "restore", "reverse")]
+    assert ledger.audit(w.db) == []
