@@ -467,6 +467,7 @@ def test_a_replica_saying_its_engine_fell_back_is_still_checked_by_its_greedy_to
     assert not agrees and "no token ids" in why
 
 
+@pytest.mark.slow     # the serve runner and its model in a child process (~45 s in the fast lane)
 def test_the_serve_runner_in_check_mode_replays_the_claimed_answers(tmp_path, models, served):
     """As a provider runs a check lease of an endpoint: job.json with the check's fields
     (check_of, check_claimed), the engine socket on stdin; the runner prefills the claimed
