@@ -172,34 +172,19 @@ def update_job(db: Database, job_id: str, now: int | None, **values: object) -> 
     db.execute(f"UPDATE jobs SET {sets} WHERE id = ?", [*values.values(), job_id])
 
 
-# Rows a bulk statement writes at most: within SQLite's and PostgreSQL's limits on a
-# statement's parameters (32,766; 65,535) for the widest row written so.
-BULK_ROWS = 500
-
-
 def update_jobs(db: Database, changes: Mapping[str, Mapping[str, object]], now: int) -> None:
     """``update_job`` of many jobs (by id; every job's changes name the same columns), each
-    row's ``updated_at_ms`` set to ``now``, in one statement per ``BULK_ROWS``: an UPDATE
-    ... FROM VALUES, which both databases read alike. A column set to one value on every row
-    is set by a parameter of its own (in VALUES, PostgreSQL would type a column of NULLs as
-    text)."""
+    row's ``updated_at_ms`` set to ``now``: one statement run for every row (executemany:
+    SQLite loops in C; on PostgreSQL the rows are sent in one pipeline, not a round trip, nor
+    a statement's preparation, a row)."""
     if not changes:
         return
     names = list(next(iter(changes.values())))
     _columns(dict.fromkeys(names))
-    rows = list(changes.values())
-    same = {n: rows[0][n] for n in names if all(r[n] == rows[0][n] for r in rows)}
-    same["updated_at_ms"] = now
-    varying = [n for n in names if n not in same]
-    sets = ", ".join([*(f"{n} = ?" for n in same),
-                      *(f"{n} = v.column{i + 2}" for i, n in enumerate(varying))])
-    items = [[job_id, *(values[n] for n in varying)] for job_id, values in changes.items()]
-    row = f"({', '.join('?' * (len(varying) + 1))})"
-    for at in range(0, len(items), BULK_ROWS):
-        chunk = items[at:at + BULK_ROWS]
-        db.execute(f"UPDATE jobs SET {sets} FROM (VALUES {', '.join([row] * len(chunk))})"
-                   " AS v WHERE jobs.id = v.column1",
-                   [*same.values(), *(value for item in chunk for value in item)])
+    sets = ", ".join(f"{k} = ?" for k in names)
+    db.conn.executemany(f"UPDATE jobs SET {sets}, updated_at_ms = ? WHERE id = ?",
+                        [[*(values[k] for k in names), now, job_id]
+                         for job_id, values in changes.items()])
 
 
 def add_to_job(db: Database, job_id: str, now: int | None, **amounts: int) -> None:
@@ -245,11 +230,9 @@ def insert_event(db: Database, job_id: str, type_: str, state: int, attempt: int
 
 
 def insert_events(db: Database, events: list[tuple]) -> None:
-    """``insert_event`` of many events, in order, in one statement per ``BULK_ROWS``: each
-    (job_id, at_ms, type, state, attempt, provider_id, message, progress as JSON or None)."""
-    for at in range(0, len(events), BULK_ROWS):
-        chunk = events[at:at + BULK_ROWS]
-        db.execute("INSERT INTO events (job_id, at_ms, type, state, attempt, provider_id,"
-                   " message, progress) VALUES "
-                   + ", ".join(["(?, ?, ?, ?, ?, ?, ?, ?)"] * len(chunk)),
-                   [value for event in chunk for value in event])
+    """``insert_event`` of many events, in order, as one statement run for every event
+    (executemany): each (job_id, at_ms, type, state, attempt, provider_id, message, progress
+    as JSON or None)."""
+    db.conn.executemany(
+        "INSERT INTO events (job_id, at_ms, type, state, attempt, provider_id, message, progress)"
+        " VALUES (?, ?, ?, ?, ?, ?, ?, ?)", events)

@@ -141,18 +141,12 @@ def _quote(name: str) -> str:
     return '"' + name.replace('"', '""') + '"'
 
 
-# Rows one INSERT of ``PgTable.insert_all`` carries at most (PostgreSQL takes at most 65,535
-# parameters a statement: 500 rows of up to 131 columns).
-INSERT_ROWS = 500
-
-
 @functools.lru_cache(maxsize=256)
-def _insert_sql(table: str, cols: tuple[str, ...], rows: int = 1) -> str:
-    """An INSERT of ``rows`` rows of ``cols`` into ``table`` (made once: a write inserts the
-    same rows again and again)."""
-    row = f"({', '.join(['%s'] * len(cols))})"
+def _insert_sql(table: str, cols: tuple[str, ...]) -> str:
+    """An INSERT of a row of ``cols`` into ``table`` (made once: the writes insert the same
+    rows again and again)."""
     return (f"INSERT INTO {_quote(table)} ({', '.join(map(_quote, cols))})"
-            f" VALUES {', '.join([row] * rows)}")
+            f" VALUES ({', '.join(['%s'] * len(cols))})")
 
 
 class PipelinedCursor:
@@ -264,12 +258,12 @@ class PgTable:
         return self
 
     def insert_all(self, rows: Iterable[dict[str, Any]]) -> PgTable:
-        """The rows inserted in order, in one statement per ``INSERT_ROWS`` rows of the same
-        columns, as sqlite-utils inserts them in batches (a pass's leases: a statement, not
-        a statement each). ``last_pk`` is not set."""
+        """The rows inserted in order, each run of rows with the same columns as one
+        executemany: on the store's pipelined connection, one statement prepared once and
+        its rows sent without a round trip each (a pass's leases). ``last_pk`` is not set."""
         batch: list[dict[str, Any]] = []
         for row in rows:
-            if batch and (len(batch) == INSERT_ROWS or row.keys() != batch[0].keys()):
+            if batch and row.keys() != batch[0].keys():
                 self._insert_rows(batch)
                 batch = []
             batch.append(row)
@@ -279,8 +273,8 @@ class PgTable:
 
     def _insert_rows(self, rows: list[dict[str, Any]]) -> None:
         cols = tuple(rows[0])
-        self.db.conn.raw.execute(_insert_sql(self.name, cols, len(rows)),
-                                 _params([row[c] for row in rows for c in cols]))
+        self.db.conn.raw.cursor().executemany(_insert_sql(self.name, cols),
+                                              [_params([row[c] for c in cols]) for row in rows])
 
     def upsert(self, row: dict[str, Any], pk: str | Sequence[str] | None = None) -> PgTable:
         keys = [pk] if isinstance(pk, str) else list(pk or self.db.primary_key(self.name))
