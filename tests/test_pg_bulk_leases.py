@@ -1,10 +1,10 @@
 """A placement pass writes its leases together (jobs/transitions.create_leases: three
-statements for the pass's plain jobs, where one ``create_lease`` each is three statements a
-lease). What that must not change: the rows. The same jobs leased on the same terms, one
-``create_lease`` each in one store and ``create_leases`` in another, leave the same rows in
-``leases``, ``jobs`` and ``events`` (the signed envelopes included: Ed25519 signs
-deterministically), on SQLite and on PostgreSQL; a job no longer queued is left out, as
-``create_lease`` refuses it."""
+statements for the pass's plain jobs, each run for all their rows at once, where one
+``create_lease`` each is three statements a lease). What that must not change: the rows.
+The same jobs leased on the same terms, one ``create_lease`` each in one store and
+``create_leases`` in another, leave the same rows in ``leases``, ``jobs`` and ``events``
+(the signed envelopes included: Ed25519 signs deterministically), on SQLite and on
+PostgreSQL; a job no longer queued is left out, as ``create_lease`` refuses it."""
 
 from __future__ import annotations
 
@@ -64,7 +64,8 @@ def queue(db) -> None:
         transitions.submit(db, new_job(i), NOW)
     transitions.submit(db, new_job(7, parts=(10, 20)), NOW)
     rows.update_job(db, "job002", NOW, attempt=2, epoch=1, checkpoint_step=40,
-                    resume_from=json.dumps({"name": "ckpt", "sha256": "ab" * 32, "size_bytes": 9}))
+                    resume_from=json.dumps({"name": "ckpt", "sha256": "ab" * 32,
+                                            "size_bytes": 9}))
     rows.update_job(db, "job004", NOW, state=pb.JOB_STATE_CANCELLED)
 
 
@@ -137,8 +138,8 @@ def test_leases_written_together_are_the_rows_written_one_by_one(two_stores):
 
 
 def test_update_jobs_sets_a_column_of_nulls_and_varying_values(two_stores):
-    """A column NULL on every row, and one that varies between NULL and a number, are set
-    as ``update_job`` sets them (PostgreSQL types a VALUES column of NULLs as text)."""
+    """``update_jobs`` sets each job's own values, a NULL among numbers and a column NULL on
+    every row included, as ``update_job`` would, and leaves the jobs it was not given."""
     store = two_stores[0]
 
     def change(db):
