@@ -27,7 +27,6 @@ The last line is one JSON object with the figures and the machine's load.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -55,6 +54,7 @@ from gpumarket.proto.v1 import gateway_pb2_grpc  # noqa: E402
 from gpumarket.proto.v1 import marketplace_pb2 as mp  # noqa: E402
 from gpumarket.proto.v1 import types_pb2 as pb  # noqa: E402
 from gpumarket.proto.wire import TOKEN_METADATA  # noqa: E402
+from bench import pg_bench  # noqa: E402
 from tests import pg  # noqa: E402
 from tests.helpers import (BIN, Marketplace, Process, free_port, signed_offer,  # noqa: E402
                            training_job, wait_until)
@@ -286,6 +286,16 @@ async def failover(root: Path, cluster: pg.Cluster, args) -> dict:
     leaders = [(0, addresses[0])]       # (from, ms; the leader's address): a leads first
     try:
         await asyncio.sleep(args.steady)
+        # The client uploads its inputs before it submits (seconds on a loaded machine): a
+        # kill before its first acknowledged submission would find nothing to place, or end
+        # its stream in the upload.
+        deadline = time.monotonic() + 120
+        while not stream.acknowledged:
+            if submitting.done():
+                raise SystemExit(f"the client's stream ended: {submitting.exception()!r}")
+            if time.monotonic() > deadline:
+                raise SystemExit("no submission acknowledged within 120 s")
+            await asyncio.sleep(0.1)
         for kill in range(args.kills):
             holder = query(url, "SELECT holder FROM leadership WHERE role = 'scheduler'")[0][0]
             name = next(n for n, (_, info) in brokers.items() if info["holder"] == holder)
@@ -348,7 +358,12 @@ def pct(values: list[float], q: float) -> float | None:
 
 # -- durable placements --------------------------------------------------------------------
 
-async def placements(store, root: Path, offers: int, count: int, fenced: bool) -> float:
+async def placements(store, root: Path, offers: int, count: int, fenced: bool,
+                     cluster: pg.Cluster | None = None) -> dict:
+    """Durable placements a second (``rate``) and what each cost in CPU (ms): this process's
+    (``cpu_ms``: the submissions, the passes, the writer) and, given the store's
+    ``cluster``, its server's (``server_cpu_ms``); on a loaded machine the CPU a placement
+    costs moves less than the rate."""
     from gpumarket.broker.config import BrokerConfig
     from gpumarket.broker.jobs import transitions as jobs
     from gpumarket.broker.market import providers, scheduler
@@ -391,6 +406,8 @@ async def placements(store, root: Path, offers: int, count: int, fenced: bool) -
     def leased(db) -> int:
         return db.execute("SELECT count(*) FROM leases").fetchone()[0]
 
+    server = pg_bench.server_cpu_s(cluster) if cluster else 0.0
+    cpu = time.process_time()
     began = time.perf_counter()
     submits = asyncio.gather(*(store.write(jobs.submit, job(i), now_ms()) for i in range(count)))
     while True:
@@ -398,7 +415,11 @@ async def placements(store, root: Path, offers: int, count: int, fenced: bool) -
         if submits.done() and await store.read(leased) >= count:
             break
     await submits
-    return count / (time.perf_counter() - began)
+    elapsed = time.perf_counter() - began
+    out = {"rate": count / elapsed, "cpu_ms": (time.process_time() - cpu) * 1000 / count}
+    if cluster:
+        out["server_cpu_ms"] = (pg_bench.server_cpu_s(cluster) - server) * 1000 / count
+    return out
 
 
 async def durable(root: Path, cluster: pg.Cluster, args) -> dict:
@@ -410,18 +431,25 @@ async def durable(root: Path, cluster: pg.Cluster, args) -> dict:
             else Store(root / f"place-{name}.db")
         store.open()
         try:
-            rate = await placements(store, root / f"place-{name}", args.offers, args.jobs,
-                                    fenced=name == "postgresql")
+            got = await placements(store, root / f"place-{name}", args.offers, args.jobs,
+                                   fenced=name == "postgresql",
+                                   cluster=cluster if name == "postgresql" else None)
         finally:
             store.close()
-        out[f"durable_placements_per_s_{name}"] = round(rate, 1)
-        print(f"{name}: {rate:.0f} durable placements/s ({args.jobs} jobs, {args.offers}"
-              f" offers)", flush=True)
+        out[f"durable_placements_per_s_{name}"] = round(got["rate"], 1)
+        out[f"cpu_ms_per_placement_{name}"] = round(got["cpu_ms"], 3)
+        server = ""
+        if "server_cpu_ms" in got:
+            out["server_cpu_ms_per_placement_postgresql"] = round(got["server_cpu_ms"], 3)
+            server = f", server {got['server_cpu_ms']:.2f}"
+        print(f"{name}: {got['rate']:.0f} durable placements/s ({args.jobs} jobs, {args.offers}"
+              f" offers); CPU ms a placement: this process {got['cpu_ms']:.2f}{server}",
+              flush=True)
     return out
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = pg_bench.parser(__doc__, offers=10_000, jobs=2_000)
     parser.add_argument("--kills", type=int, default=10)
     parser.add_argument("--providers", type=int, default=40)
     parser.add_argument("--rate", type=float, default=4.0, help="submissions a second")
@@ -430,12 +458,7 @@ def main() -> None:
     parser.add_argument("--lease-timeout", type=float, default=15.0)
     parser.add_argument("--steady", type=float, default=4.0,
                         help="seconds of the stream before each kill")
-    parser.add_argument("--offers", type=int, default=10_000)
-    parser.add_argument("--jobs", type=int, default=2_000)
-    args = parser.parse_args()
-    why = pg.missing()
-    if why:
-        raise SystemExit(why)
+    args = pg_bench.parse(parser)
     load_before = os.getloadavg()
     root = Path(tempfile.mkdtemp(prefix="gpumarket-ha-"))
     cluster = pg.Cluster(durable=True)

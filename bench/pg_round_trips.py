@@ -12,7 +12,6 @@ line is one JSON object.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import collections
 import json
@@ -25,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench import ha  # noqa: E402
+from bench import ha, pg_bench  # noqa: E402
 from tests import pg  # noqa: E402
 
 COUNT: collections.Counter = collections.Counter()
@@ -91,13 +90,7 @@ async def run(offers: int, jobs: int) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--offers", type=int, default=1000)
-    parser.add_argument("--jobs", type=int, default=500)
-    args = parser.parse_args()
-    why = pg.missing()
-    if why:
-        raise SystemExit(why)
+    args = pg_bench.parse(pg_bench.parser(__doc__, offers=1000, jobs=500))
     count_waits()
     asyncio.run(run(args.offers, args.jobs))
     total = sum(COUNT.values())

@@ -13,7 +13,6 @@ the ledger's audit; the last line is one JSON object with the figures.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import sys
@@ -25,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from gpumarket.broker.money import ledger
 from gpumarket.broker.store.store import PgStore, Store
+from bench import pg_bench
 from tests import pg
 
 
@@ -55,13 +55,10 @@ async def run(store: Store, writers: int, writes: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = pg_bench.parser(__doc__)
     parser.add_argument("--writers", type=int, default=100)
     parser.add_argument("--writes", type=int, default=20)
-    args = parser.parse_args()
-    why = pg.missing()
-    if why:
-        sys.exit(f"error: {why}")
+    args = pg_bench.parse(parser)
     out = {"writers": args.writers, "writes": args.writes}
     cluster = pg.Cluster(durable=True)
     try:

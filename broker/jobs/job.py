@@ -172,6 +172,21 @@ def update_job(db: Database, job_id: str, now: int | None, **values: object) -> 
     db.execute(f"UPDATE jobs SET {sets} WHERE id = ?", [*values.values(), job_id])
 
 
+def update_jobs(db: Database, changes: Mapping[str, Mapping[str, object]], now: int) -> None:
+    """``update_job`` of many jobs (by id; every job's changes name the same columns), each
+    row's ``updated_at_ms`` set to ``now``: one statement run for every row (executemany:
+    SQLite loops in C; on PostgreSQL the rows are sent in one pipeline, not a round trip, nor
+    a statement's preparation, a row)."""
+    if not changes:
+        return
+    names = list(next(iter(changes.values())))
+    _columns(dict.fromkeys(names))
+    sets = ", ".join(f"{k} = ?" for k in names)
+    db.conn.executemany(f"UPDATE jobs SET {sets}, updated_at_ms = ? WHERE id = ?",
+                        [[*(values[k] for k in names), now, job_id]
+                         for job_id, values in changes.items()])
+
+
 def add_to_job(db: Database, job_id: str, now: int | None, **amounts: int) -> None:
     """Add to counters of a job's row (``log_lines=3``), and set its ``updated_at_ms`` to
     ``now`` (None: left)."""
@@ -212,3 +227,12 @@ def insert_event(db: Database, job_id: str, type_: str, state: int, attempt: int
         [job_id, now, type_, state, attempt, provider_id, message,
          json.dumps(progress) if progress is not None else None],
     )
+
+
+def insert_events(db: Database, events: list[tuple]) -> None:
+    """``insert_event`` of many events, in order, as one statement run for every event
+    (executemany): each (job_id, at_ms, type, state, attempt, provider_id, message, progress
+    as JSON or None)."""
+    db.conn.executemany(
+        "INSERT INTO events (job_id, at_ms, type, state, attempt, provider_id, message, progress)"
+        " VALUES (?, ?, ?, ?, ?, ?, ?, ?)", events)

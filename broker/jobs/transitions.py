@@ -267,55 +267,96 @@ def create_lease(db: Database, terms: LeaseTerms, now: int,
     """Lease a QUEUED job to a provider on ``terms``; return the signed Lease envelope.
     Raises FailedPrecondition if the job is no longer QUEUED. ``job``: its row as read in
     this transaction, where the caller read several at once (placement.write_leases)."""
-    job_id, provider_id = terms.job_id, terms.provider_id
-    price_per_gpu_hour, device_indices = terms.price_per_gpu_hour, list(terms.device_indices)
     if job is None:
-        job = job_row(db, job_id)
+        job = job_row(db, terms.job_id)
+    lease = _lease(db, terms, now, job)
+    envelope = sign(lease)
+    db["leases"].insert(_lease_row(lease, terms, envelope, job))
+    set_job(db, job.id, now, **_leased_columns(lease, job))
+    append_event(db, job.id, "leased", LEASED, lease.attempt, now, provider_id=lease.provider_id,
+                 message=_leased_message(lease, job), job=job)
+    return envelope
+
+
+def create_leases(db: Database, leases: list[tuple[LeaseTerms, Job]], now: int,
+                  sign: Callable[[pb.Lease], pb.Envelope]) -> list[pb.Envelope | None]:
+    """``create_lease`` for each (terms, job as read in this transaction), in order; return
+    each one's envelope, None where the job is no longer QUEUED. The same rows as one
+    ``create_lease`` each (tests/test_pg_bulk_leases.py compares them), written in three
+    statements for the plain jobs among them — a lease's row, its job's row, its event; no
+    reaction — where a statement each would be three a lease; the sorts a lease moves more
+    for (parts, batches, replicas, checks) go through ``create_lease`` one by one."""
+    made: list[pb.Envelope | None] = []
+    plain: list[tuple[pb.Lease, LeaseTerms, pb.Envelope, Job]] = []
+    for terms, job in leases:
+        try:
+            if job.sort != "job" or job.tasks or job.parts:
+                made.append(create_lease(db, terms, now, sign, job))
+                continue
+            lease = _lease(db, terms, now, job)
+        except FailedPrecondition:
+            made.append(None)
+            continue
+        made.append(sign(lease))
+        plain.append((lease, terms, made[-1], job))
+    if plain:
+        db["leases"].insert_all([_lease_row(*p) for p in plain])
+        rows.update_jobs(db, {job.id: _leased_columns(lease, job)
+                              for lease, _, _, job in plain}, now)
+        rows.insert_events(db, [(job.id, now, "leased", LEASED, lease.attempt, lease.provider_id,
+                                 _leased_message(lease, job), None)
+                                for lease, _, _, job in plain])
+    return made
+
+
+def _lease(db: Database, terms: LeaseTerms, now: int, job: Job) -> pb.Lease:
+    """The Lease of ``job`` on ``terms``, unsigned; raises FailedPrecondition if the job is
+    no longer QUEUED. A check's scope is recorded as it is made (hooks().check_leased)."""
     if job.state != QUEUED:
-        raise FailedPrecondition(f"job {job_id} is {state_name(job.state)}, not QUEUED")
+        raise FailedPrecondition(f"job {job.id} is {state_name(job.state)}, not QUEUED")
     epoch = job.epoch + 1
     lease = pb.Lease(
-        lease_id=f"{job_id}.{epoch}",
-        job_id=job_id,
-        attempt=job.attempt,
-        epoch=epoch,
-        provider_id=provider_id,
-        client_id=job.client_id,
-        price_per_gpu_hour=price_per_gpu_hour,
-        checkpoint_every=terms.checkpoint_every,
-        device_indices=device_indices,
-        issued_at_ms=now,
-        expires_at_ms=now + terms.accept_within_ms,
-        provider_mtbf_s=terms.provider_mtbf_s,
+        lease_id=f"{job.id}.{epoch}", job_id=job.id, attempt=job.attempt, epoch=epoch,
+        provider_id=terms.provider_id, client_id=job.client_id,
+        price_per_gpu_hour=terms.price_per_gpu_hour, checkpoint_every=terms.checkpoint_every,
+        device_indices=list(terms.device_indices), issued_at_ms=now,
+        expires_at_ms=now + terms.accept_within_ms, provider_mtbf_s=terms.provider_mtbf_s,
         checkpoint_interval_s=terms.checkpoint_interval_s,
         part=0 if job.tasks else job.part,
         parts=job.parts if job.part and not job.tasks else 0,
-        tasks=hooks().batch_tasks(db, job_id) if job.sort == "batch" else (),
+        tasks=hooks().batch_tasks(db, job.id) if job.sort == "batch" else (),
     )
     if job.resume_from:
         lease.resume_from.CopyFrom(pb.ArtifactRef(**json.loads(job.resume_from)))
     if job.sort == "check":
-        lease.check.CopyFrom(hooks().check_leased(db, job_id, provider_id, now))
+        lease.check.CopyFrom(hooks().check_leased(db, job.id, terms.provider_id, now))
     lease.job_spec.ParseFromString(job.spec)
-    envelope = sign(lease)
-    db["leases"].insert(
-        {
-            "id": lease.lease_id, "job_id": job_id, "attempt": lease.attempt, "epoch": epoch,
-            "provider_id": provider_id, "device_indices": json.dumps(device_indices),
-            "price_per_gpu_hour": price_per_gpu_hour, "state": "active", "issued_at_ms": now,
-            "renewed_at_ms": now, "envelope": envelope.SerializeToString(),
+    return lease
+
+
+def _lease_row(lease: pb.Lease, terms: LeaseTerms, envelope: pb.Envelope, job: Job) -> dict:
+    """The ``leases`` row of a lease just made."""
+    return {"id": lease.lease_id, "job_id": job.id, "attempt": lease.attempt,
+            "epoch": lease.epoch, "provider_id": lease.provider_id,
+            "device_indices": json.dumps(list(terms.device_indices)),
+            "price_per_gpu_hour": terms.price_per_gpu_hour, "state": "active",
+            "issued_at_ms": lease.issued_at_ms, "renewed_at_ms": lease.issued_at_ms,
+            "envelope": envelope.SerializeToString(), "raw_runtime_s": terms.raw_runtime_s,
             "start_step": job.checkpoint_step if job.resume_from else 0,
-            "raw_runtime_s": terms.raw_runtime_s, "accelerator": terms.accelerator,
-        }
-    )
-    set_job(db, job_id, now, state=LEASED, epoch=epoch, provider_id=provider_id,
-             lease_id=lease.lease_id, queue_reason="", settled_to_ms=None,
-             settled_step=job.checkpoint_step if job.resume_from else 0)
+            "accelerator": terms.accelerator}
+
+
+def _leased_columns(lease: pb.Lease, job: Job) -> dict[str, object]:
+    """What a lease changes on its job's row."""
+    return {"state": LEASED, "epoch": lease.epoch, "provider_id": lease.provider_id,
+            "lease_id": lease.lease_id, "queue_reason": "", "settled_to_ms": None,
+            "settled_step": job.checkpoint_step if job.resume_from else 0}
+
+
+def _leased_message(lease: pb.Lease, job: Job) -> str:
     resume = f", resuming from step {job.checkpoint_step}" if job.resume_from else ""
-    append_event(db, job_id, "leased", LEASED, lease.attempt, now, provider_id=provider_id,
-                 message=f"leased to {provider_id} at {price_per_gpu_hour:g}/GPU-hour"
-                 f" (attempt {lease.attempt}{resume})", job=job)
-    return envelope
+    return (f"leased to {lease.provider_id} at {lease.price_per_gpu_hour:g}/GPU-hour"
+            f" (attempt {lease.attempt}{resume})")
 
 
 def current(db: Database, job_id: str, epoch: int, provider_id: str) -> tuple[Job, dict]:

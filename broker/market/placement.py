@@ -10,8 +10,8 @@ One pass of the scheduler:
    tier and fair order, the matcher places each on the Book of live offers, and the plan
    says which leases to make (``LeaseTerms``), why the others wait, and which wait for a busy
    device;
-3. **apply** (``write_leases``, one write transaction): ``jobs.transitions.create_lease``
-   for each lease planned; the scheduler then sends them.
+3. **apply** (``write_leases``, one write transaction): ``jobs.transitions.create_leases``
+   for the leases planned; the scheduler then sends them.
 """
 
 from __future__ import annotations
@@ -38,7 +38,6 @@ from gpumarket.broker.market.admission import Needs, needs_of
 from gpumarket.broker.money import credit_holds
 from gpumarket.broker.money import ledger
 from gpumarket.broker.serving import endpoints
-from gpumarket.proto.errors import FailedPrecondition
 from gpumarket.proto.v1 import types_pb2 as pb
 
 QUEUE_SCAN = 1000       # queued jobs read in one pass
@@ -235,18 +234,16 @@ def write_leases(db: Database, leases: list[PlannedLease], now: int, sign
     envelope (a job cancelled or changed since it was read is left out).
 
     The planned jobs are read again here, in this transaction, all in one statement (each
-    is leased at most once a pass, and a lease changes no other planned job's row); what
-    each lease then writes (its row, its job's, its event) needs no answer, so on PostgreSQL
-    (pipelined: broker/store/postgres.py) a pass costs a few round trips, not a few a lease."""
+    is leased at most once a pass, and a lease changes no other planned job's row); their
+    leases are then written together (``transitions.create_leases``: three statements for
+    the pass's plain jobs, not three a lease), and none of those writes needs an answer, so
+    on PostgreSQL (pipelined: broker/store/postgres.py) a pass costs a few round trips."""
     current = jobs_by_id(db, [planned.terms.job_id for planned in leases])
-    made = []
-    for planned in leases:
-        try:
-            made.append((planned, transitions.create_lease(
-                db, planned.terms, now, sign, current.get(planned.terms.job_id))))
-        except FailedPrecondition:
-            continue    # cancelled meanwhile (create_lease checks before it writes)
-    return made
+    found = [planned for planned in leases if planned.terms.job_id in current]
+    envelopes = transitions.create_leases(
+        db, [(planned.terms, current[planned.terms.job_id]) for planned in found], now, sign)
+    return [(planned, envelope) for planned, envelope in zip(found, envelopes)
+            if envelope is not None]
 
 
 def jobs_by_id(db: Database, ids: list[str]) -> dict[str, Job]:

@@ -141,6 +141,14 @@ def _quote(name: str) -> str:
     return '"' + name.replace('"', '""') + '"'
 
 
+@functools.lru_cache(maxsize=256)
+def _insert_sql(table: str, cols: tuple[str, ...]) -> str:
+    """An INSERT of a row of ``cols`` into ``table`` (made once: the writes insert the same
+    rows again and again)."""
+    return (f"INSERT INTO {_quote(table)} ({', '.join(map(_quote, cols))})"
+            f" VALUES ({', '.join(['%s'] * len(cols))})")
+
+
 class PipelinedCursor:
     """The cursor of a statement sent in pipeline mode (``PgConnection.pipelined``): sent,
     not yet answered. Reading its rows waits for them (psycopg flushes the pipeline); so does
@@ -239,22 +247,34 @@ class PgTable:
         self.last_pk: Any = None
 
     def insert(self, row: dict[str, Any]) -> PgTable:
-        cols = list(row)
         keys = self.db.primary_key(self.name)
-        sql = (f"INSERT INTO {_quote(self.name)} ({', '.join(map(_quote, cols))})"
-               f" VALUES ({', '.join(['%s'] * len(cols))})")
+        sql = _insert_sql(self.name, tuple(row))
         missing = [k for k in keys if k not in row]
         if missing:         # a generated key: what sqlite-utils gives as last_pk (the rowid)
             sql += f" RETURNING {', '.join(map(_quote, keys))}"
-        cur = self.db.conn.raw.execute(sql, _params([row[c] for c in cols]))
+        cur = self.db.conn.raw.execute(sql, _params(row.values()))
         got = cur.fetchone() if missing else tuple(row[k] for k in keys)
         self.last_pk = got[0] if len(keys) == 1 else tuple(got)
         return self
 
     def insert_all(self, rows: Iterable[dict[str, Any]]) -> PgTable:
+        """The rows inserted in order, each run of rows with the same columns as one
+        executemany: on the store's pipelined connection, one statement prepared once and
+        its rows sent without a round trip each (a pass's leases). ``last_pk`` is not set."""
+        batch: list[dict[str, Any]] = []
         for row in rows:
-            self.insert(row)
+            if batch and row.keys() != batch[0].keys():
+                self._insert_rows(batch)
+                batch = []
+            batch.append(row)
+        if batch:
+            self._insert_rows(batch)
         return self
+
+    def _insert_rows(self, rows: list[dict[str, Any]]) -> None:
+        cols = tuple(rows[0])
+        self.db.conn.raw.cursor().executemany(_insert_sql(self.name, cols),
+                                              [_params([row[c] for c in cols]) for row in rows])
 
     def upsert(self, row: dict[str, Any], pk: str | Sequence[str] | None = None) -> PgTable:
         keys = [pk] if isinstance(pk, str) else list(pk or self.db.primary_key(self.name))
