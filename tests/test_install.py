@@ -5,10 +5,11 @@ over it for a provider, as deploy.md's upgrade does — and each program started
 command's --help, a broker serving, and a provider from that environment connecting to that
 broker and offering its CPU.
 
-One environment and one wheel serve both tests (module fixtures): a second fresh environment
-re-installed every dependency of the base package that the first had just installed (about
-12 s of CPU of this module's 42). The broker's environment is looked at before the provider's
-extra is added (what it held then is kept), and the tests run in file order.
+One environment serves both tests (module fixtures): a second fresh environment re-installed
+every dependency of the base package that the first had just installed (about 11 s of this
+module's 49 s of CPU at load 10-15). The broker's environment is looked at before the
+provider's extra is added (what it held then is kept), and the tests run in file order; under
+xdist, a worker that gets the provider's test alone builds both layers itself.
 
 pip resolves the dependencies from its index: where that index cannot be reached (no
 network) the module is skipped, saying so, rather than failing after pip's retries."""
