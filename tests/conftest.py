@@ -140,6 +140,18 @@ def store(store_location):
     s.close()
 
 
+@pytest.fixture
+def pg_store(pg_cluster):
+    """A broker's store on a fresh database of the session's PostgreSQL cluster (the
+    broker's schema already applied): for the tests of what only PostgreSQL does."""
+    from gpumarket.broker.store.store import open_store
+
+    s = open_store(pg_cluster.database(template=pg_cluster.template), None)
+    s.open()
+    yield s
+    s.close()
+
+
 @pytest.fixture(autouse=True, scope="session")
 def broker_reactions():
     """The state machine's reactions (broker/jobs/reactions.py), installed as the broker

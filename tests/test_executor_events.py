@@ -31,7 +31,11 @@ def no_polls(monkeypatch):
     monkeypatch.setattr(executor, "DRAIN_S", HOUR)
 
 
-def _job(tmp_path: Path, source: str, on_report, grace: float = 1.0) -> JobProcess:
+def job_process(tmp_path: Path, source: str, on_report, grace: float = 1.0,
+                max_runtime_s: float = HOUR) -> JobProcess:
+    """A JobProcess (not yet started) that runs ``source`` as its runner module, in
+    ``tmp_path / "work"``, with a job's clean environment (job_env) and its reports sent
+    to ``on_report``."""
     pkg = tmp_path / "pkgs"
     pkg.mkdir(exist_ok=True)
     (pkg / "event_runner.py").write_text(source)
@@ -39,7 +43,7 @@ def _job(tmp_path: Path, source: str, on_report, grace: float = 1.0) -> JobProce
     workdir.mkdir(exist_ok=True)
     env = job_env(workdir, "", None)
     env["PYTHONPATH"] = str(pkg)
-    return JobProcess("event_runner", workdir, env, on_report, max_runtime_s=HOUR,
+    return JobProcess("event_runner", workdir, env, on_report, max_runtime_s=max_runtime_s,
                       grace_s=grace)
 
 
@@ -66,7 +70,7 @@ def test_a_jobs_exit_ends_its_follower_at_once_with_every_line_and_report(tmp_pa
     async def on_report(r):
         reports.append(r)
 
-    job = _job(tmp_path, """
+    job = job_process(tmp_path, """
 import json, os
 out = open(os.environ["GPUMARKET_REPORT_FILE"], "a")
 for step in range(1, 4):
@@ -95,7 +99,7 @@ def test_stop_waits_on_the_exit_event_then_kills(tmp_path, no_polls):
         pass
 
     async def stop_running(source: str, grace: float):
-        job = _job(tmp_path, source, on_report, grace=grace)
+        job = job_process(tmp_path, source, on_report, grace=grace)
         await job.start()
         followed = asyncio.create_task(job.run())
         log = job.workdir / "job.log"

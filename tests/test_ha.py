@@ -99,16 +99,6 @@ def test_a_broker_on_sqlite_always_leads(store, tmp_path, monkeypatch):
     asyncio.run(scenario())
 
 
-@pytest.fixture
-def pg_store(pg_cluster):
-    from gpumarket.broker.store.store import open_store
-
-    s = open_store(pg_cluster.database(template=pg_cluster.template), None)
-    s.open()
-    yield s
-    s.close()
-
-
 def test_a_follower_runs_no_loop_until_it_takes_over_and_steps_down_when_deposed(
         pg_store, tmp_path, monkeypatch):
     """Another broker holds the scheduler role: this one runs no pass of the loops while

@@ -20,16 +20,6 @@ from tests.test_array_rules import array_job
 from tests.test_ha import TTL, broker_state, connect, lease_rows
 
 
-@pytest.fixture
-def pg_store(pg_cluster):
-    from gpumarket.broker.store.store import open_store
-
-    s = open_store(pg_cluster.database(template=pg_cluster.template), None)
-    s.open()
-    yield s
-    s.close()
-
-
 def setup(db) -> None:
     db.execute("CREATE TABLE probe (n BIGINT PRIMARY KEY, note TEXT NOT NULL DEFAULT '')")
 

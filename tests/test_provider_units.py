@@ -18,11 +18,11 @@ from gpumarket.proto.errors import BadSignature, Expired, InvalidArgument
 from gpumarket.proto.identity import Identity
 from gpumarket.proto.jobspec import now_ms
 from gpumarket.proto.v1 import types_pb2 as pb
-from gpumarket.provider.executor import JobProcess, job_env
 from gpumarket.provider.inventory import detect
 from gpumarket.provider.leases import check_lease
 from gpumarket.provider.reports import Log, Progress
 from tests.helpers import EXAMPLES, ROOT
+from tests.test_executor_events import job_process
 from tests.test_protocol import spec as make_spec
 
 BROKER, CLIENT, PROVIDER = Identity.generate(), Identity.generate(), Identity.generate()
@@ -92,28 +92,21 @@ def test_nvml_sees_the_gpus():
 
 
 def _run_module(tmp_path: Path, source: str, stop_after: float | None = None, grace=1.0):
-    pkg = tmp_path / "pkgs"
-    pkg.mkdir(exist_ok=True)
-    (pkg / "fake_runner.py").write_text(source)
-    workdir = tmp_path / "work"
-    workdir.mkdir(exist_ok=True)
-    env = job_env(workdir, "", None)
-    env["PYTHONPATH"] = str(pkg)
     reports = []
 
     async def on_report(r):
         reports.append(r)
 
     async def scenario():
-        proc = JobProcess("fake_runner", workdir, env, on_report, max_runtime_s=60,
-                          grace_s=grace)
+        proc = job_process(tmp_path, source, on_report, grace=grace, max_runtime_s=60)
         task = asyncio.create_task(proc.run())
         if stop_after is not None:
             await asyncio.sleep(stop_after)
             await proc.stop("cancelled")
-        return await task
+        return await task, proc.workdir
 
-    return asyncio.run(scenario()), reports, workdir
+    outcome, workdir = asyncio.run(scenario())
+    return outcome, reports, workdir
 
 
 def test_executor_reports_a_crash_with_its_last_line(tmp_path):

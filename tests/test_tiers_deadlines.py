@@ -1,6 +1,7 @@
-"""Interruptible jobs with a deadline (tests/test_tiers_rules.py, continued): promoted to
-standard once their slack is short, timed on the provider running them, leased only where
-they meet their deadline, and a deadline no offer could meet refused at submission."""
+"""Jobs with a deadline (tests/test_tiers_rules.py, continued): an interruptible one promoted
+to standard once its slack is short and timed on the provider running it; an interruptible or
+a standard one leased only where it meets its deadline, and a deadline no offer could meet
+refused at submission."""
 
 from __future__ import annotations
 
@@ -117,12 +118,19 @@ def test_a_leased_job_is_timed_on_the_provider_running_it(tmp_path):
         store.close()
 
 
-def test_an_interruptible_job_is_leased_only_where_it_meets_its_deadline(tmp_path):
+# A standard job's deadline is weighed as an interruptible one's (docs/tiers.md, Deadlines):
+# before, it took the cheapest offer however slow, and a deadline no offer could meet was
+# admitted and missed. Each test below runs for both tiers.
+TIERS = pytest.mark.parametrize("tier", ["interruptible", "standard"])
+
+
+@TIERS
+def test_a_job_is_leased_only_where_it_meets_its_deadline(tmp_path, tier):
     """Fixed (bench/tiers.py: jobs waited for devices, then got a slow provider whose run time
     was already past the deadline): an interruptible job's deadline was weighed only when
-    its objective was ``deadline``; now, whatever its objective, placement leaves out the
-    offers on which its calibrated time (x MARGIN + SLACK_S: the rule that promotes it) does
-    not fit before the deadline."""
+    its objective was ``deadline``, a standard job's never; now, whatever its objective,
+    placement leaves out the offers on which its calibrated time (x MARGIN + SLACK_S: the
+    rule that promotes an interruptible job) does not fit before the deadline."""
     from gpumarket.broker.market import deadlines, placement
     from gpumarket.proto.jobspec import now_ms
 
@@ -145,8 +153,9 @@ def test_an_interruptible_job_is_leased_only_where_it_meets_its_deadline(tmp_pat
         asyncio.run(store.write(ledger.credit, "ca", 10**8, "client", "", "op", "k", 1))
         job = new_job("late", "ca", 20_000_000, True)
         asyncio.run(store.write(jobs.submit, dataclasses.replace(job, needs=dataclasses.replace(
-            job.needs, tier="interruptible", deadline_s=20_000, work_flops=1e13)), now_ms()))
+            job.needs, tier=tier, deadline_s=20_000, work_flops=1e13)), now_ms()))
         queued, p = passes(busy_fast=True)
+        assert queued[0].needs.tier == tier
         assert queued[0].needs.too_slow == frozenset({0})       # p1's view
         # It waits for p2 (busy) rather than take p1, the cheapest but late from the start.
         assert p.leases == [] and "not expected to finish before the deadline" \
@@ -171,11 +180,12 @@ def test_an_interruptible_job_is_leased_only_where_it_meets_its_deadline(tmp_pat
         store.close()
 
 
-def test_a_deadline_no_offer_could_meet_is_refused_at_submission(tmp_path):
-    """An interruptible job whose deadline is shorter than its calibrated time on the
-    fastest offer that fits it is refused (FailedPrecondition, one line, nothing written);
-    a deadline some offer can meet is admitted, and so is any deadline while no offer fits
-    (it waits, as any job)."""
+@TIERS
+def test_a_deadline_no_offer_could_meet_is_refused_at_submission(tmp_path, tier):
+    """A job whose deadline is shorter than its calibrated time on the fastest offer that
+    fits it is refused (FailedPrecondition, one line, nothing written); a deadline some offer
+    can meet is admitted, and so is any deadline while no offer fits (it waits, as any
+    job). Standard is the default tier: its job file names none."""
     import grpc
 
     from gpumarket.broker.market import providers
@@ -189,11 +199,11 @@ def test_a_deadline_no_offer_could_meet_is_refused_at_submission(tmp_path):
     try:
         alice = Identity.generate()
         broker.credit(alice, 10_000)
+        named = f'tier = "{tier}"\n' if tier != "standard" else ""
 
         def spec(name: str, deadline: str):
             return broker.spec(alice, training_job(
-                tmp_path / f"{name}.toml", steps=3000,
-                extra=f'tier = "interruptible"\ndeadline = "{deadline}"'))
+                tmp_path / f"{name}.toml", steps=3000, extra=f'{named}deadline = "{deadline}"'))
 
         broker.submit(alice, spec("alone", "1s"))      # no offer yet: queued, it waits
         provider = Identity.generate()
@@ -211,7 +221,7 @@ def test_a_deadline_no_offer_could_meet_is_refused_at_submission(tmp_path):
                                                " take about ")
         assert "on the fastest offer that fits it" in caught.value.message
         assert "\n" not in caught.value.message
-        assert broker.counts() == before
+        assert broker.counts() == before                     # nothing written or held
         broker.submit(alice, spec("ample", "30d"))
         assert broker.counts()["jobs"] == before["jobs"] + 1
     finally:

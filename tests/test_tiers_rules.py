@@ -278,15 +278,28 @@ class Session:
         self.sent.append(message)
 
 
-def test_the_scheduler_preempts_for_a_waiting_standard_job_once(tmp_path):
+@pytest.fixture
+def preempting(tmp_path):
+    """(the broker's state as the preemption pass reads it, the one provider session that
+    stands for every provider: ``.sent``, what it was told): a fresh store in which the
+    client "ca" is funded, a preempt grace of 30 s."""
     store = Store(tmp_path / "broker.db")
     store.open()
     session = Session()
     state = SimpleNamespace(store=store, config=SimpleNamespace(preempt_grace_s=30.0),
                             sessions=SimpleNamespace(get=lambda pid: session))
+    try:
+        asyncio.run(store.write(ledger.credit, "ca", 10**8, "client", "", "op", "k", 1))
+        yield state, session
+    finally:
+        store.close()
+
+
+def test_the_scheduler_preempts_for_a_waiting_standard_job_once(preempting):
+    state, session = preempting
+    store = state.store
 
     async def scenario():
-        await store.write(ledger.credit, "ca", 10**8, "client", "", "op", "k", 1)
         for job_id, tier in (("i", "interruptible"), ("s", "standard"), ("t", "standard")):
             job = new_job(job_id, "ca", 20_000_000, True)
             await store.write(jobs.submit, dataclasses.replace(
@@ -307,13 +320,11 @@ def test_the_scheduler_preempts_for_a_waiting_standard_job_once(tmp_path):
         events = await store.read(views.events_after, "i", 0)
         assert events[-1].type == "preempting"
 
-    try:
-        asyncio.run(scenario())
-    finally:
-        store.close()
+    asyncio.run(scenario())
 
 
-def test_a_replica_preempts_a_second_lease_and_takes_the_first_to_yield(tmp_path, monkeypatch):
+def test_a_replica_preempts_a_second_lease_and_takes_the_first_to_yield(preempting,
+                                                                         monkeypatch):
     """A replica under a spike waits for the first of two interruptible leases to yield,
     not for the slower (bench/tiers.py: its long waits were one job's big checkpoint on a
     slow uplink, or a job letting its grace run out); a standard job preempts one. (On by
@@ -321,14 +332,10 @@ def test_a_replica_preempts_a_second_lease_and_takes_the_first_to_yield(tmp_path
     from gpumarket.broker.market import preemption as market_preemption
 
     monkeypatch.setattr(market_preemption, "SERVING_BACKUP", True)
-    store = Store(tmp_path / "broker.db")
-    store.open()
-    session = Session()
-    state = SimpleNamespace(store=store, config=SimpleNamespace(preempt_grace_s=30.0),
-                            sessions=SimpleNamespace(get=lambda pid: session))
+    state, session = preempting
+    store = state.store
 
     async def scenario():
-        await store.write(ledger.credit, "ca", 10**8, "client", "", "op", "k", 1)
         for job_id in ("i1", "i2", "i3"):
             job = new_job(job_id, "ca", 20_000_000, True)
             await store.write(jobs.submit, dataclasses.replace(
@@ -341,10 +348,7 @@ def test_a_replica_preempts_a_second_lease_and_takes_the_first_to_yield(tmp_path
         assert await preemption.preempt_for_waiting(state, book, [needs("s", "standard")]) == 1
         assert len(session.sent) == 3
 
-    try:
-        asyncio.run(scenario())
-    finally:
-        store.close()
+    asyncio.run(scenario())
 
 
 # -- what a spec may say -----------------------------------------------------------------------
