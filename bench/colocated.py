@@ -17,8 +17,9 @@ replica's core while the training holds the other (``--no-direct`` leaves it out
 
 In its first colocated round it prints every process of the marketplace (the broker, the
 provider and all below it: forkservers, the replica's engine, the training job) with its
-nice value and its threads counted by the cores each may run on (Cpus_allowed_list): a
-thread of a slice's job allowed outside its slice's cores would show there.
+nice value, its session's scheduling group (/proc/PID/autogroup) and its threads counted by
+the cores each may run on (Cpus_allowed_list): a thread of a slice's job allowed outside its
+slice's cores would show there.
 
 Prints its figures and the host's load average (uptime) before and after; the last line is
 one JSON object: colocated_ttft_p99_ratio (colocated p99 / alone p99), both p99s and p50s in
@@ -74,8 +75,12 @@ def threads(pid: int) -> dict:
         cores = next(line.split(":", 1)[1].strip() for line in status.splitlines()
                      if line.startswith("Cpus_allowed_list"))
         allowed[cores] = allowed.get(cores, 0) + 1
+    try:    # its session's scheduling group, where the kernel has autogroups
+        group = (proc / "autogroup").read_text().split()
+    except OSError:
+        group = []
     return {"pid": pid, "cmd": cmd.split(" -m ")[-1][:60].strip() or cmd[:60], "nice": nice,
-            "threads_by_cores": allowed}
+            "autogroup": " ".join(group), "threads_by_cores": allowed}
 
 
 def process_tree(market: Marketplace) -> list[dict]:
@@ -286,6 +291,7 @@ def main() -> None:
                 if r == 0:      # every thread's cores, once: does anything spill?
                     for seen in process_tree(market):
                         print(f"  pid {seen['pid']:>7} nice {seen['nice']:>3}"
+                              f" ({seen['autogroup'] or 'no autogroup'})"
                               f" {seen['cmd']:<60} threads by allowed cores:"
                               f" {seen['threads_by_cores']}", flush=True)
                 colocated += asyncio.run(measure(base, key, "colo", args.rate,
