@@ -107,3 +107,23 @@ def test_a_job_leases_yield_to_is_not_held_back_by_the_serving_reserve():
     assert [x.job.id for x in p.leases] == ["s1", "i"] and "s2" in p.reasons
     p = plan(jobs_(), [cuda_offer("p", n=2)], reserve=1, yielded_to={"s2"})
     assert sorted(x.job.id for x in p.leases) == ["s1", "s2"] and "s2" not in p.reasons
+
+
+def test_a_job_preempts_only_where_it_would_be_placed_in_time():
+    """A standard job whose deadline rules an offer out (``too_slow``, as the placement pass
+    weighs it) preempts nothing there: the devices would go back to the interruptible job
+    just preempted from them, and the job would preempt again at the next pass."""
+    book = Book([offer("p1", busy=frozenset({0})), offer("p2", busy=frozenset({0}))])
+    leases = [rows.Interruptible("a.1", "a", 1, "p1", (0,), 0, ""),
+              rows.Interruptible("b.1", "b", 1, "p2", (0,), 5, "")]
+    job = needs("s", "standard")
+    assert preemption.choose(book, job, leases) == [leases[0]]      # the least unsaved work
+    slow_p1 = dataclasses.replace(job, too_slow=frozenset({0}))
+    assert preemption.placeable_views(book, slow_p1) == [1]
+    assert preemption.choose(book, slow_p1, leases) == [leases[1]]
+    neither = dataclasses.replace(job, too_slow=frozenset({0, 1}))
+    assert preemption.choose(book, neither, leases) == []
+    # The deadline objective's own test (expected time within the deadline) as well.
+    hurried = dataclasses.replace(job, objective="deadline", deadline_s=1e-3)
+    assert preemption.placeable_views(book, hurried) == []
+    assert preemption.choose(book, hurried, leases) == []
