@@ -19,7 +19,6 @@ from gpumarket.broker.store.store import Store
 from gpumarket.proto.jobspec import now_ms
 
 from tests.test_ledger import new_job, sign
-from tests.test_placement_plan import job, offer as cuda_offer, plan, queued
 from tests.test_tiers_rules import needs, offer
 
 
@@ -81,32 +80,15 @@ def test_a_replicas_second_set_goes_to_the_next_replica_not_back(tmp_path, monke
         assert len(session.sent) == sent
         held = await leases()
         assert held[second].preempt_for == "r2" and held[second].for_waiting
-        assert await store.read(rows.yielded_to, now_ms()) == {"r2"}
         # A standard job takes no lease yielding to a replica: it preempts the third.
         (third,) = set(held) - {second}
         assert await preemption.preempt_for_waiting(state, book, [needs("s", "standard")]) == 1
         assert (await leases())[third].preempt_for == "s"
-        assert await store.read(rows.yielded_to, now_ms()) == {"r2", "s"}
 
     try:
         asyncio.run(scenario())
     finally:
         store.close()
-
-
-def test_a_job_leases_yield_to_is_not_held_back_by_the_serving_reserve():
-    """A standard job that interruptible leases yield (or yielded) to is leased the devices
-    they free even where the reserve would hold a new standard job back: the reserve was
-    weighed when it preempted them (held back, those devices went back to the interruptible
-    job just preempted from them)."""
-    def jobs_():
-        return [queued(job("s1", created=1)), queued(job("s2", created=2)),
-                queued(job("i", created=3), tier="interruptible")]
-
-    p = plan(jobs_(), [cuda_offer("p", n=2)], reserve=1)
-    assert [x.job.id for x in p.leases] == ["s1", "i"] and "s2" in p.reasons
-    p = plan(jobs_(), [cuda_offer("p", n=2)], reserve=1, yielded_to={"s2"})
-    assert sorted(x.job.id for x in p.leases) == ["s1", "s2"] and "s2" not in p.reasons
 
 
 def test_a_job_preempts_only_where_it_would_be_placed_in_time():

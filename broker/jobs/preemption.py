@@ -154,16 +154,6 @@ def freed_for_waiting(db: Database, since_ms: int
     return [(r[0], r[1], tuple(json.loads(r[2])), int(r[3] or 1)) for r in rows]
 
 
-def yielded_to(db: Database, since_ms: int) -> set[str]:
-    """Queued jobs that leases yield to now, or yielded to since ``since_ms``: the devices
-    they wait for are theirs (placement.plan does not hold them back for the serving
-    reserve)."""
-    return {r[0] for r in db.execute(
-        "SELECT DISTINCT l.preempt_for FROM leases l JOIN jobs j ON j.id = l.preempt_for"
-        " WHERE l.preempt_for IS NOT NULL AND j.state = ? AND (l.state = 'active'"
-        " OR l.preempt_at_ms >= ?)", [pb.JOB_STATE_QUEUED, since_ms]).fetchall()}
-
-
 def overdue(db: Database, before_ms: int) -> list[tuple[str, str, int, str]]:
     """Leases asked to yield before ``before_ms`` that are still active: (lease, job, epoch,
     provider) each (the broker ends them itself)."""

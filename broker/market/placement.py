@@ -156,7 +156,7 @@ def spare_devices(book: matcher.Book, interruptible: int) -> int:
 
 def plan(queued: list[Queued], book: matcher.Book, running: dict[str, int],
          online: Collection[str], accept_within_ms: int, reserve: int = 0,
-         interruptible: int = 0, yielded_to: Collection[str] = ()) -> Plan:
+         interruptible: int = 0) -> Plan:
     """Decide one pass: which queued jobs are leased where, on what terms. Higher tiers
     first (serving, standard, interruptible), each in fair order, so that devices an
     interruptible lease gave back go to the job it yielded to. ``book`` is taken from as the
@@ -167,12 +167,7 @@ def plan(queued: list[Queued], book: matcher.Book, running: dict[str, int],
     interruptible leases for them, only while ``reserve`` devices stay free or held by
     interruptible leases (``interruptible``: how many they hold now) — what an endpoint's
     replicas take at once under a spike, with no standard job's end to wait for. A job its
-    deadline promoted to standard is not held back, nor one that interruptible leases
-    yield (or yielded) to (``yielded_to``, preemption.yielded_to): the reserve was weighed
-    when it preempted them, and their devices are its, not spare — held back then, they
-    went back to interruptible jobs, most often the one just preempted from them.
-    ``interruptible``: devices a replica may take within a checkpoint
-    (preemption.replica_may_take), the rule the preemption pass follows too."""
+    deadline promoted to standard is not held back."""
     out = Plan()
     spare = spare_devices(book, interruptible) if reserve else 0
     placed: dict[str, set[str]] = defaultdict(set)     # top job: providers of its planned rows
@@ -187,7 +182,7 @@ def plan(queued: list[Queued], book: matcher.Book, running: dict[str, int],
             needs = dataclasses.replace(needs, avoid=needs.avoid | placed[job.parent_id])
         # (a job its deadline promoted is not held back: it is standard to be on time)
         held_back = reserve and q.stored.tier == "standard" and not q.stored.promoted \
-            and job.id not in yielded_to and spare - needs.gpus < reserve
+            and spare - needs.gpus < reserve
         if held_back:
             reason = (f"waiting: {reserve} devices are kept free or interruptible for endpoint"
                       f" replicas ({spare} are)")

@@ -94,13 +94,12 @@ async def place_queued(state: BrokerState) -> int:
     queued = await store.read(placement.read_queue, book, now_ms(), trusted)
     running = await store.read(views.running_by_client)
     online = {o.provider_id for o in state.sessions.offers()}
-    held, yielded_to = 0, set()
+    held = 0
     if cfg.serving_reserve:     # devices a replica may have within a checkpoint (the pass's rule)
         held = sum(len(x.devices) for x in preemption.replica_may_take(
             await store.read(preempt_rows.interruptible_leases, now_ms())))
-        yielded_to = await store.read(preempt_rows.yielded_to, preemption.held_since(state))
     plan = placement.plan(queued, book, running, online, int(cfg.accept_within_s * 1000),
-                          cfg.serving_reserve, held, yielded_to)
+                          cfg.serving_reserve, held)
     made = await apply(state, plan)
     if plan.reasons:
         await store.write(set_queue_reasons, plan.reasons)
