@@ -15,6 +15,12 @@ trains the same model on the other slice's cores — what one slice's work does 
 apart from the broker's and the provider's own processes, which on this host share the
 replica's core while the training holds the other (``--no-direct`` leaves it out).
 
+In its first colocated round it prints every process of the marketplace (the broker, the
+provider and all below it: forkservers, the replica's engine, the training job) with its
+nice value, its session's scheduling group (/proc/PID/autogroup) and its threads counted by
+the cores each may run on (Cpus_allowed_list): a thread of a slice's job allowed outside its
+slice's cores would show there.
+
 Prints its figures and the host's load average (uptime) before and after; the last line is
 one JSON object: colocated_ttft_p99_ratio (colocated p99 / alone p99), both p99s and p50s in
 ms, the replica's and the training's devices, the loads, and the direct figures.
@@ -37,16 +43,65 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from percentiles import alone_vs_colocated, pct
-from serving import create, key_for, open_loop, ready_count, timing
+from serving import create, key_for, models_dir, open_loop, ready_count, timing
 
 from tests.helpers import LEASE_ARGS, Marketplace, training_job, wait_until
-from tests.models import tiny_causal_lm
 
 PROMPT = "a marketplace for idle gpus"
 
 
 def load_average() -> float:
     return os.getloadavg()[0]
+
+
+def threads(pid: int) -> dict:
+    """One process as the kernel schedules it: its command (shortened), nice value, and its
+    threads counted by the cores each may run on (/proc/PID/task/*/status Cpus_allowed_list):
+    a thread of a slice's job allowed outside the slice's cores would spill onto its
+    neighbour's."""
+    proc = Path(f"/proc/{pid}")
+    try:
+        cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        nice = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[16])
+        tasks = list((proc / "task").iterdir())
+    except OSError:
+        return {}
+    allowed: dict[str, int] = {}
+    for task in tasks:
+        try:
+            status = (task / "status").read_text()
+        except OSError:
+            continue
+        cores = next(line.split(":", 1)[1].strip() for line in status.splitlines()
+                     if line.startswith("Cpus_allowed_list"))
+        allowed[cores] = allowed.get(cores, 0) + 1
+    try:    # its session's scheduling group, where the kernel has autogroups
+        group = (proc / "autogroup").read_text().split()
+    except OSError:
+        group = []
+    return {"pid": pid, "cmd": cmd.split(" -m ")[-1][:60].strip() or cmd[:60], "nice": nice,
+            "autogroup": " ".join(group), "threads_by_cores": allowed}
+
+
+def process_tree(market: Marketplace) -> list[dict]:
+    """The marketplace's processes on this host (the broker, the provider and every process
+    below it: forkservers, the replica's engine, the training job) as ``threads`` sees them."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    roots = [market.broker.proc.pid, *(p.proc.pid for p in market.providers.values())]
+    out, todo = [], list(roots)
+    while todo:
+        pid = todo.pop(0)
+        if seen := threads(pid):
+            out.append(seen)
+        todo += children.get(pid, [])
+    return out
 
 
 def leases(market: Marketplace) -> dict[str, list[int]]:
@@ -198,10 +253,7 @@ def main() -> None:
     print(f"load average before: {load_before:.2f} ({os.cpu_count()} CPUs)", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        model = tiny_causal_lm(root / "models" / "tiny-llama")
-        root.chmod(0o755)
-        for path in (root / "models", model, *model.iterdir()):
-            path.chmod(0o755 if path.is_dir() else 0o644)   # readable by the jobs' own uids
+        model = models_dir(root)
         (root / "market").mkdir()
         # The provider on every core (its slices are a core each), not one (tests' taskset).
         market = Marketplace(root / "market", {"TESTS_PROVIDER_CPUS": "all"})
@@ -236,6 +288,12 @@ def main() -> None:
                 wait_until(lambda j=job_id: int(market.job(j).get("progress", {})
                                                 .get("step", 0)) > 0, "training steps", 120, 0.2)
                 training_devices = leases(market)[job_id]
+                if r == 0:      # every thread's cores, once: does anything spill?
+                    for seen in process_tree(market):
+                        print(f"  pid {seen['pid']:>7} nice {seen['nice']:>3}"
+                              f" ({seen['autogroup'] or 'no autogroup'})"
+                              f" {seen['cmd']:<60} threads by allowed cores:"
+                              f" {seen['threads_by_cores']}", flush=True)
                 colocated += asyncio.run(measure(base, key, "colo", args.rate,
                                                  args.duration, args.tokens, 10 + r))
                 still = market.job(job_id)["state"]

@@ -223,6 +223,16 @@ def join_cases(model: Path, rounds: int, streams: int, tokens: int, gap_s: float
     return out
 
 
+def models_dir(root: Path) -> Path:
+    """The tiny 2-layer Llama (tests/models.py) under ``root``/models/tiny-llama, the whole
+    tree readable by the jobs' own uids (a provider's --models-dir); returns its directory."""
+    model = tiny_causal_lm(root / "models" / "tiny-llama")
+    root.chmod(0o755)
+    for path in (root / "models", model, *model.iterdir()):
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    return model
+
+
 def endpoint_file(path: Path, name: str, **params) -> str:
     lines = "\n".join(f"{k} = {json.dumps(v)}" for k, v in params.items())
     path.write_text(f'kind = "endpoint"\nname = "{name}"\nmax_price = 5.0\n\n[endpoint]\n'
@@ -285,10 +295,7 @@ def main() -> None:
     rates = [float(r) for r in args.rates.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        model = tiny_causal_lm(root / "models" / "tiny-llama")
-        root.chmod(0o755)
-        for path in (root / "models", model, *model.iterdir()):
-            path.chmod(0o755 if path.is_dir() else 0o644)   # readable by the jobs' own uids
+        model = models_dir(root)
         print(f"case 4: 16 streams of {args.join_tokens} tokens, the later 15"
               f" {args.join_gap_ms:g} ms apart, max_concurrency 16", flush=True)
         join = join_cases(model, args.join_rounds, 16, args.join_tokens,

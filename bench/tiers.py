@@ -47,8 +47,9 @@ tiers_demand.py the week (churn, demand, endpoints and their spikes), tiers_figu
 figures.
 
 Prints its figures; the last line is one JSON object: interruptible_cost_ratio,
-deadlines_met, lost_intervals_per_preemption, serving_wait_p99_s, the counts and
-ledger_audit_ok, and colocated_ttft_p99_ratio: not simulated, measured with real processes
+deadlines_met, lost_intervals_per_preemption, serving_wait_p99_s, the counts (among them
+preemptions_undone: preempted leases whose devices went back to an interruptible job within
+15 minutes, tiers_figures.undone_preemptions) and ledger_audit_ok, and colocated_ttft_p99_ratio: not simulated, measured with real processes
 by bench/colocated.py (an endpoint replica on one slice of this host's CPU, alone and beside
 a training job on the other slice; ``--no-colocated`` and ``--quick`` leave it out).
 """

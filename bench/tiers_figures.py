@@ -113,6 +113,7 @@ class Figures:
                 min(end or self.end_ms, self.end_ms) - start)
         promotions = db.execute("SELECT count(*) FROM events WHERE type = 'promoted'"
                                 ).fetchone()[0]
+        undone = undone_preemptions(db, {j.id: j.tier for j in self.jobs.values()})
         problems = ledger.audit(db)
         return {
             "interruptible_cost_ratio": round(on_demand / paid, 3) if paid else None,
@@ -126,6 +127,7 @@ class Figures:
             "standard_jobs": sum(1 for j in self.jobs.values() if j.tier == "standard"),
             "interruptible_jobs": len(inter), "with_deadline": len(with_deadline),
             "preemptions": lease_states.get("preempted", 0), "promotions": promotions,
+            **undone,
             "leases_lost": lease_states.get("lost", 0),
             "lost_intervals_per_lost_lease": round(
                 sum(self.lost_churn) / len(self.lost_churn), 4) if self.lost_churn else 0.0,
@@ -141,6 +143,46 @@ class Figures:
             "updates_refused": self.refused,
             "ledger_audit_ok": not problems, "ledger_problems": problems[:5],
         }
+
+
+UNDONE_WITHIN_MS = 15 * 60_000     # a preempted device back with an interruptible job this soon
+
+
+def undone_preemptions(db, tiers: dict[str, str]) -> dict:
+    """Preemptions undone soon after (churn): a preempted lease whose devices the next lease
+    on them (issued within UNDONE_WITHIN_MS of its end) gave to an interruptible job again,
+    not to the job it yielded for nor another of a higher tier: its checkpoint, restart and
+    lost interval bought nothing. ``preemptions_undone``, and of those
+    ``preemptions_undone_same_job`` (the preempted job itself placed back on its devices)
+    and ``preemptions_undone_for_serving`` (it had yielded to a replica)."""
+    leases: dict[str, list[tuple]] = {}
+    for lease_id, job_id, provider_id, devices, issued, ended, state, preempt_for in \
+            db.execute("SELECT id, job_id, provider_id, device_indices, issued_at_ms,"
+                       " ended_at_ms, state, preempt_for FROM leases ORDER BY issued_at_ms"):
+        leases.setdefault(provider_id, []).append(
+            (lease_id, job_id, set(json.loads(devices)), issued, ended, state, preempt_for))
+    first_leased = {}       # job -> (provider, issued) of each of its leases
+    for rows in leases.values():
+        for r in rows:
+            first_leased.setdefault(r[1], []).append((r[3], r[0]))
+    undone = same = for_serving = elsewhere = 0
+    for rows in leases.values():
+        for i, (_, job_id, devices, _, ended, state, preempt_for) in enumerate(rows):
+            if state != "preempted" or ended is None:
+                continue
+            after = next((r for r in rows[i + 1:] if r[3] >= ended and r[2] & devices), None)
+            if after is None or after[3] - ended > UNDONE_WITHIN_MS \
+                    or after[1] == preempt_for or tiers.get(after[1]) != "interruptible":
+                continue
+            undone += 1
+            same += after[1] == job_id
+            # The job it yielded to leased on another provider's devices before these freed.
+            elsewhere += any(issued <= ended for issued, _ in first_leased.get(preempt_for, ())
+                             if issued >= rows[i][3])
+            for_serving += tiers.get(preempt_for, "serving") == "serving"
+    return {"preemptions_undone": undone, "preemptions_undone_same_job": same,
+            "preemptions_undone_for_serving": for_serving,
+            "preemptions_undone_yielded_to_leased_first": elsewhere}
 
 
 def pct(values: list[float], q: float) -> float:

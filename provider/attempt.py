@@ -23,7 +23,7 @@ from gpumarket.proto.v1 import types_pb2 as pb
 from gpumarket.provider import checkpoints, failures, receipts
 from gpumarket.provider.checkpoint_upload import CheckpointUploads
 from gpumarket.provider.config import ProviderConfig
-from gpumarket.provider.executor import JobProcess, job_env, slice_env
+from gpumarket.provider.executor import JobProcess, job_env, job_priority, slice_env
 from gpumarket.provider.forkservers import ForkServers
 from gpumarket.provider.inventory import DeviceInfo, local_models
 from gpumarket.provider.isolation import Isolation
@@ -197,7 +197,8 @@ class Attempt:
             stdin = self.engine.child_fd
         return JobProcess(self.kind.runner, self.workdir, env, self.on_report, limit,
                           config.cancel_grace_s, forks, box,
-                          int(config.job_disk_gib * 2**30), group, stdin)
+                          int(config.job_disk_gib * 2**30), group, stdin,
+                          job_priority(self.assignment.spec.tier, self.kind.serves))
 
     def on_ready(self, ready: gw.ReplicaReady) -> None:
         log.info("replica %s ready: %s", self.key[0], ready.engine)

@@ -35,19 +35,24 @@ class Interruptible:
     devices: tuple[int, ...]
     unsaved_ms: int                  # run since its last checkpoint (what a preemption loses)
     preempt_for: str                 # the job it yields to; "" = not asked to yield
+    for_waiting: bool = True         # the job it yields to still waits for it (is queued)
 
 
 def interruptible_leases(db: Database, now: int) -> list[Interruptible]:
     """The active leases of interruptible jobs (a spot check's excepted: it stays where its
-    checker was drawn), with the work each has not checkpointed yet."""
+    checker was drawn), with the work each has not checkpointed yet, and, for one yielding,
+    whether the job it yields to is still queued (one that is not, a replica leased the
+    first device another lease freed, leaves this one's devices to whoever waits next)."""
     rows = db.execute(
         "SELECT l.id, l.job_id, l.epoch, l.provider_id, l.device_indices,"
         " coalesce(j.settled_to_ms, l.started_at_ms, l.issued_at_ms),"
-        " coalesce(l.preempt_for, '') FROM leases l JOIN jobs j ON j.id = l.job_id"
+        " coalesce(l.preempt_for, ''), EXISTS (SELECT 1 FROM jobs w WHERE w.id = l.preempt_for"
+        " AND w.state = ?) FROM leases l JOIN jobs j ON j.id = l.job_id"
         " AND j.lease_id = l.id WHERE l.state = 'active' AND j.check_of IS NULL"
-        " AND json_extract(j.needs, '$.tier') = 'interruptible'").fetchall()
+        " AND json_extract(j.needs, '$.tier') = 'interruptible'",
+        [pb.JOB_STATE_QUEUED]).fetchall()
     return [Interruptible(r[0], r[1], r[2], r[3], tuple(json.loads(r[4])),
-                          max(0, now - (r[5] or now)), r[6]) for r in rows]
+                          max(0, now - (r[5] or now)), r[6], bool(r[7])) for r in rows]
 
 
 def waiting_for(db: Database) -> set[str]:
@@ -77,6 +82,23 @@ def preempt(db: Database, lease_id: str, for_job_id: str, tier: str, grace_s: in
                       message=f"preempted by a {tier} job: checkpoint within {grace_s} s, then"
                       " resume from it (this costs the job nothing)")
     return jobs.EndedLease(job.id, lease["epoch"], lease["provider_id"])
+
+
+def retarget(db: Database, lease_id: str, from_job_id: str, for_job_id: str, now: int) -> bool:
+    """A lease yielding to ``from_job_id``, which no longer waits for it, yields to
+    ``for_job_id`` (a replica waiting now) instead: nothing new is preempted, its grace
+    period runs on from when it was asked. False if it is no longer active or yields to
+    another job by now."""
+    done = db.execute("UPDATE leases SET preempt_for = ? WHERE id = ? AND state = 'active'"
+                      " AND preempt_for = ?", [for_job_id, lease_id, from_job_id]).rowcount
+    if done:
+        lease = jobs.lease_row(db, lease_id)
+        job = jobs.job_row(db, lease["job_id"])
+        jobs.append_event(db, job.id, "preempting", job.state, job.attempt, now,
+                          provider_id=lease["provider_id"], mirror=False,
+                          message=f"its devices go to {for_job_id} (serving) instead: the job"
+                          f" it was yielding to, {from_job_id}, no longer waits for them")
+    return bool(done)
 
 
 def tier_of(job: Job) -> str:

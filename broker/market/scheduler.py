@@ -95,9 +95,9 @@ async def place_queued(state: BrokerState) -> int:
     running = await store.read(views.running_by_client)
     online = {o.provider_id for o in state.sessions.offers()}
     held = 0
-    if cfg.serving_reserve:     # devices interruptible leases hold: a replica's within a checkpoint
-        held = sum(len(x.devices) for x in await store.read(preempt_rows.interruptible_leases,
-                                                            now_ms()))
+    if cfg.serving_reserve:     # devices a replica may have within a checkpoint (the pass's rule)
+        held = sum(len(x.devices) for x in preemption.replica_may_take(
+            await store.read(preempt_rows.interruptible_leases, now_ms())))
     plan = placement.plan(queued, book, running, online, int(cfg.accept_within_s * 1000),
                           cfg.serving_reserve, held)
     made = await apply(state, plan)
