@@ -45,7 +45,7 @@ def compare_outputs(expect: dict[str, Path], got: dict[str, Path], rule: str,
 
 
 def _same_file(a: Path, b: Path, rule: str, rtol: float, atol: float) -> tuple[bool, str]:
-    if _sha256(a) == _sha256(b):
+    if sha256_file(a) == sha256_file(b):
         return True, ""
     if rule == "exact":
         return False, " (bytes)"
@@ -109,7 +109,8 @@ def _number(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: Path) -> str:
+    """A file's sha256 (hex), read a MiB at a time."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(1 << 20):

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from gpumarket.kinds.base import Kind
+from gpumarket.kinds.output_compare import sha256_file
 from gpumarket.kinds.schema import UINT32, Param, ParamError
 from gpumarket.proto.v1 import types_pb2 as pb
 
@@ -79,18 +80,10 @@ BY_MEANING = {"config.json": _config, "generation_config.json": _config,
 
 def _meaning(name: str, path: Path) -> str:
     rule = BY_MEANING.get(name)
-    return rule(path) if rule else _sha256(path)
+    return rule(path) if rule else sha256_file(path)
 
 
 CHECKPOINT_FILES = ("model.safetensors", "state.safetensors", "state.json")
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _tar_hashes(path: Path) -> dict[str, str]:

@@ -24,23 +24,16 @@ from gpumarket.kinds.schema import ParamError
 from gpumarket.proto.errors import JobFileError
 from gpumarket.proto.v1 import types_pb2 as pb
 from tests.helpers import BIN
-from tests.test_ledger import World, new_job
+from tests.test_ledger import new_job
+from tests import test_verification_rules as verification_rules
 from tests.test_verification_rules import (CHECK, NO_CHECK, checkpoint, checks, receipt,
                                            replay, start)
 
 OUTPUTS = ["result.json", "samples.bin"]
 
 
-@pytest.fixture
-def w(tmp_path):
-    """The broker's store with a client in funds and four providers online (as
-    tests/test_verification_rules.py's)."""
-    world = World(tmp_path / "broker.db")
-    for p in ("liar", "h1", "h2", "h3"):
-        world.db["providers"].insert({"id": p, "public_key": b"", "first_seen_ms": 0,
-                                      "last_seen_ms": 0, "online": 1})
-    world.write(ledger.credit, "ca", 10**7, "client", "", "op", "k", 1)
-    return world
+# The broker's store with a client in funds and four providers online.
+w = verification_rules.w
 
 
 def script_job(job_id: str, rule: str, **more):
