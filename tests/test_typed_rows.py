@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 
 from gpumarket.broker.jobs import transitions as jobs
+from gpumarket.broker.market import providers, standing
+from gpumarket.broker.market.standing import Provider
 from gpumarket.broker.money import ledger
 from gpumarket.broker.money.rows import Posting
 from gpumarket.broker.serving.rows import EndpointKey, LiveEndpoint, LiveReplica
@@ -28,6 +30,7 @@ ROW_READERS = {
     "broker/api/marketplace.py": {"r", "info", "usage", "k", "key", "line"},
     "broker/money/ledger.py": {"posting", "line"},
     "bench/tiers_demand.py": {"r", "rows"},
+    "broker/market/standing.py": {"provider", "p", "found"},
 }
 
 
@@ -114,3 +117,20 @@ def test_a_settlement_taken_back_after_its_check_passed_names_the_work_it_undoes
     assert [tuple(r) for r in about] == [
         (t, "j", lease_id, "pa", 0, 10) for t in ("dispute", "restore", "reverse")]
     assert ledger.audit(w.db) == []
+
+
+def test_a_provider_row_is_read_whole_into_a_provider_and_its_standing_from_that(
+        store_location):
+    w = World(store_location)
+    w.write(providers.online, "pa", b"key-a", 1_000, 30_000)
+    w.write(providers.online, "pb", b"key-b", 2_000)
+    w.db.execute("UPDATE providers SET banned = 1, online = 0 WHERE id = 'pb'")
+    assert standing.providers(w.db, None) == [       # the latest seen first
+        Provider("pb", 2_000, 2_000, online=False, banned=True),
+        Provider("pa", 1_000, 1_000, online=True, banned=False, reconnect_within_ms=30_000)]
+    assert standing.providers(w.db, ["pa"])[0].online is True
+    [a] = standing.standings(w.db, ["pa"], 5_000)
+    assert (a.provider_id, a.online, a.banned, a.first_seen_ms) == ("pa", True, False, 1_000)
+    with pytest.raises(KeyError, match="banned"):
+        Provider.from_row({"id": "pc", "first_seen_ms": 0, "last_seen_ms": 0, "online": 1,
+                           "reconnect_within_ms": 0})
