@@ -30,7 +30,7 @@ ROW_READERS = {
     "broker/api/marketplace.py": {"r", "info", "usage", "k", "key", "line"},
     "broker/money/ledger.py": {"posting", "line"},
     "bench/tiers_demand.py": {"r", "rows"},
-    "broker/market/standing.py": {"provider", "p", "found"},
+    "broker/market/standing.py": {"row", "provider", "p", "found"},
 }
 
 
