@@ -186,8 +186,8 @@ class Demand:
         if len(rows) <= 2:
             return
         # The one queued longest goes first, else the newest.
-        rows.sort(key=lambda r: (r["state"] != pb.JOB_STATE_QUEUED, -r["part"]))
-        ended = await self.write(endpoints.retire, rows[0]["id"], "scale in", self.clock.ms)
+        rows.sort(key=lambda r: (r.state != pb.JOB_STATE_QUEUED, -r.part))
+        ended = await self.write(endpoints.retire, rows[0].id, "scale in", self.clock.ms)
         if ended is not None:
             self.state.stop_lease(ended.job_id, ended.epoch, ended.provider_id, "scale in")
         self.dirty = True

@@ -258,7 +258,7 @@ def test_a_database_from_before_job_needs_keeps_its_jobs(tmp_path):
 
 
 def test_heartbeats_are_noted_in_memory_and_written_before_leases_expire(store, tmp_path):
-    """A heartbeat costs no write of its own: broker/market/liveness.py notes it, and the scheduler
+    """A heartbeat costs no write of its own: broker/state.py (Liveness) notes it, and the scheduler
     writes all that were heard in one transaction, before it looks for overdue leases (a
     lease renewed only in memory is not lost) and telling a provider to stop a lease that
     is no longer its."""

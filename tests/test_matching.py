@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gpumarket.broker.market import admission
 from gpumarket.broker.market import matcher
-from gpumarket.broker.market import model_size
 from gpumarket.broker.market import reliability
 from gpumarket.broker.market.matcher import Book, JobNeeds, OfferView, Policy, Window
 from gpumarket.broker.market.placement import fair_order
@@ -294,35 +294,35 @@ GPT2 = {"model_type": "gpt2", "n_embd": 768, "n_layer": 12, "n_head": 12, "vocab
 
 
 def test_parameter_counts_of_known_models():
-    assert model_size.shape(LLAMA2_7B).params == pytest.approx(6.74e9, rel=0.01)
-    assert model_size.shape(LLAMA2_70B).params == pytest.approx(69.0e9, rel=0.01)
-    assert model_size.shape(GPT2).params == pytest.approx(124e6, rel=0.02)
+    assert admission.model_shape(LLAMA2_7B).params == pytest.approx(6.74e9, rel=0.01)
+    assert admission.model_shape(LLAMA2_70B).params == pytest.approx(69.0e9, rel=0.01)
+    assert admission.model_shape(GPT2).params == pytest.approx(124e6, rel=0.02)
 
 
 def test_weight_memory_of_known_models():
     gb = 1e9
-    assert model_size.weights_bytes(model_size.shape(LLAMA2_7B), "bf16") / gb == \
+    assert admission.weights_bytes(admission.model_shape(LLAMA2_7B), "bf16") / gb == \
         pytest.approx(13.5, abs=0.6)     # "about 14 GB"
-    assert model_size.weights_bytes(model_size.shape(LLAMA2_70B), "int4") / gb == \
+    assert admission.weights_bytes(admission.model_shape(LLAMA2_70B), "int4") / gb == \
         pytest.approx(34.5, abs=1.0)     # "about 35 GB"
-    assert model_size.weights_bytes(model_size.shape(LLAMA2_7B), "fp32") == \
-        2 * model_size.weights_bytes(model_size.shape(LLAMA2_7B), "bf16")
+    assert admission.weights_bytes(admission.model_shape(LLAMA2_7B), "fp32") == \
+        2 * admission.weights_bytes(admission.model_shape(LLAMA2_7B), "bf16")
 
 
 def test_kv_cache_and_training_memory():
-    s7 = model_size.shape(LLAMA2_7B)
+    s7 = admission.model_shape(LLAMA2_7B)
     # 2 x 32 layers x 32 heads x 128 x 2 bytes x 4096 tokens = 2 GiB per sequence
-    assert model_size.kv_cache_bytes(s7, 4096, 1) == 2 * 2**30
-    s70 = model_size.shape(LLAMA2_70B)  # grouped-query attention: 8 KV heads
-    assert model_size.kv_cache_bytes(s70, 4096, 1) == 2 * 80 * 8 * 128 * 2 * 4096
-    inference = model_size.inference_bytes(s7, "bf16", 4096, 8)
+    assert admission.kv_cache_bytes(s7, 4096, 1) == 2 * 2**30
+    s70 = admission.model_shape(LLAMA2_70B)  # grouped-query attention: 8 KV heads
+    assert admission.kv_cache_bytes(s70, 4096, 1) == 2 * 80 * 8 * 128 * 2 * 4096
+    inference = admission.inference_bytes(s7, "bf16", 4096, 8)
     assert 13.5e9 + 16 * 2**30 < inference < 35e9
-    training = model_size.training_bytes(s7, "bf16", 1, 2048)
+    training = admission.training_bytes(s7, "bf16", 1, 2048)
     assert training > 16 * s7.params  # weights, grads, AdamW moments, fp32 master copy
     with pytest.raises(Exception, match="dtype"):
-        model_size.weights_bytes(s7, "fp6")
+        admission.weights_bytes(s7, "fp6")
     with pytest.raises(Exception, match="hidden_size"):
-        model_size.shape({"vocab_size": 10})
+        admission.model_shape({"vocab_size": 10})
 
 
 def test_a_checker_is_drawn_by_stake_and_record_not_price():

@@ -10,6 +10,7 @@ import asyncio
 import json
 import os
 import socket
+from dataclasses import replace
 
 import pytest
 
@@ -25,6 +26,7 @@ from gpumarket.broker.money import ledger
 from gpumarket.broker.serving import endpoints
 from gpumarket.broker.serving.autoscaler import Autoscaler, Decision, Watch, decide
 from gpumarket.broker.serving.router import Endpoint, Refused, Serving
+from gpumarket.broker.serving.rows import LiveReplica
 from gpumarket.kinds.engine_protocol import Final, encode_request
 from gpumarket.proto.envelope import seal
 from gpumarket.proto.errors import FailedPrecondition, InvalidArgument
@@ -42,9 +44,9 @@ from tests.serving_fakes import (
 
 # -- the autoscaler ---------------------------------------------------------------------------
 
-def replica_row(i: int, state: int = RUNNING, ready_: bool = True) -> dict:
-    return {"id": f"r{i}", "part": i, "state": state, "epoch": 1, "provider_id": f"p{i}",
-            "progress_step": int(ready_), "attempt": 1}
+def replica_row(i: int, state: int = RUNNING, ready_: bool = True) -> LiveReplica:
+    return LiveReplica(f"r{i}", i, state, epoch=1, provider_id=f"p{i}",
+                       progress_step=int(ready_))
 
 
 def test_a_replica_that_never_becomes_ready_is_never_replaced():
@@ -75,10 +77,10 @@ def test_a_replica_that_never_becomes_ready_is_never_replaced():
                             stop_lease=lambda *lease: stopped.append(lease))
     ep = Endpoint("ep", "c1", "tiny", {**SETTINGS, "min_replicas": 1, "max_replicas": 3})
     scaler = Autoscaler(state, Serving({}, BrokerMetrics(), 1, 1, 1))
-    fresh = {**replica_row(1, ready_=False), "lease_id": "r1.1", "issued_at_ms": now_ms()}
-    stale = {**replica_row(2, ready_=False), "lease_id": "r2.1",
-             "issued_at_ms": now_ms() - 301_000}
-    served = {**replica_row(3), "lease_id": "r3.1", "issued_at_ms": now_ms() - 10**9}
+    fresh = replace(replica_row(1, ready_=False), lease_id="r1.1", issued_at_ms=now_ms())
+    stale = replace(replica_row(2, ready_=False), lease_id="r2.1",
+                    issued_at_ms=now_ms() - 301_000)
+    served = replace(replica_row(3), lease_id="r3.1", issued_at_ms=now_ms() - 10**9)
     assert asyncio.run(scaler._late(ep, [fresh, stale, served]))
     assert [(fn.__name__, args[0]) for fn, args in store.calls] == [("lose_lease", "r2.1")]
     assert [lease[:2] for lease in stopped] == [("r2", 1)]     # its provider is told to stop it
@@ -226,14 +228,14 @@ def test_a_top_up_after_the_hold_ran_out_resumes_past_max_replicas(store):
         for lease_id in await store.read(views.leases_over_hold, hour):
             await w(jobs.exhaust, lease_id, hour)
         rows = await store.read(endpoints.replicas, "ep")
-        assert [r["state"] for r in rows] == [pb.JOB_STATE_PAUSED] * 2
-        ep = Endpoint("ep", CLIENT.id, "tiny", (await store.read(endpoints.live))[0]["settings"])
+        assert [r.state for r in rows] == [pb.JOB_STATE_PAUSED] * 2
+        ep = Endpoint("ep", CLIENT.id, "tiny", (await store.read(endpoints.live))[0].settings)
         d = decide(ep, rows, Watch(last_change=0.0), 1.0, wanted=False)
         for _ in range(d.add):
             await w(endpoints.add_replica, "ep", hour, d.add_why)
         await w(jobs.top_up, "ep", CLIENT.id, ledger.units(100.0), hour + 1)
         live = [r for r in await store.read(endpoints.replicas, "ep")
-                if r["state"] != pb.JOB_STATE_PAUSED]
+                if r.state != pb.JOB_STATE_PAUSED]
         assert len(live) <= 2, f"{len(live)} live replicas for max_replicas 2: {live}"
     asyncio.run(main())
 

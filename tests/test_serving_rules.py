@@ -13,7 +13,7 @@ import pytest
 from gpumarket.broker.metrics import BrokerMetrics
 from gpumarket.broker.serving.autoscaler import Watch, decide
 from gpumarket.broker.serving.router import MAX_BUFFER, Endpoint, Refused, Serving
-from gpumarket.broker.serving.rows import LiveEndpoint
+from gpumarket.broker.serving.rows import LiveEndpoint, LiveReplica
 from gpumarket.kinds.engine_protocol import Complete, Final, Piece, encode_request
 from gpumarket.proto.v1 import gateway_pb2 as gw
 from gpumarket.proto.v1 import types_pb2 as pb
@@ -190,9 +190,9 @@ def endpoint(**settings) -> Endpoint:
     return Endpoint("ep", "c", "tiny", {**SETTINGS, **settings})
 
 
-def rows(*states: int) -> list[dict]:
-    return [{"id": f"r{i}", "part": i, "state": s, "epoch": 1, "provider_id": f"p{i}",
-             "progress_step": 1, "attempt": 1} for i, s in enumerate(states, 1)]
+def rows(*states: int) -> list[LiveReplica]:
+    return [LiveReplica(f"r{i}", i, s, epoch=1, provider_id=f"p{i}", progress_step=1)
+            for i, s in enumerate(states, 1)]
 
 
 def serving_replicas(ep: Endpoint, *ids: str, in_flight: int = 0) -> None:

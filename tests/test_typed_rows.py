@@ -1,7 +1,6 @@
 """Serving's and the ledger's rows read as typed values made in one place
 (broker/serving/rows.py, broker/money/rows.py), as a job is (broker/jobs/job.py): a column
-missing fails where the row is read, the readers use attributes, and the readers still by
-key (the autoscaler, the HTTP side) read the same values."""
+missing fails where the row is read, and every reader uses attributes."""
 
 from __future__ import annotations
 
@@ -11,6 +10,8 @@ from pathlib import Path
 import pytest
 
 from gpumarket.broker.jobs import transitions as jobs
+from gpumarket.broker.market import providers, standing
+from gpumarket.broker.market.standing import Provider
 from gpumarket.broker.money import ledger
 from gpumarket.broker.money.rows import Posting
 from gpumarket.broker.serving.rows import EndpointKey, LiveEndpoint, LiveReplica
@@ -24,20 +25,39 @@ ROOT = Path(__file__).resolve().parent.parent
 ROW_READERS = {
     "broker/serving/endpoints.py": {"r", "row", "key", "replica"},
     "broker/serving/router.py": {"r", "row"},
+    "broker/serving/autoscaler.py": {"r", "row", "rows", "live", "victim"},
+    "broker/api/http.py": {"row", "live"},
     "broker/api/marketplace.py": {"r", "info", "usage", "k", "key", "line"},
     "broker/money/ledger.py": {"posting", "line"},
+    "bench/tiers_demand.py": {"r", "rows"},
+    "broker/market/standing.py": {"row", "provider", "p", "found"},
 }
 
 
-def test_serving_rows_and_ledger_postings_are_read_by_attribute():
+def _read_by_key(source: str, names: set[str]) -> list[tuple[int, str]]:
+    """Where ``source`` reads one of ``names`` by a string key: ``row["state"]``, or an
+    element of it, ``rows[0]["id"]``."""
     found = []
-    for rel, names in ROW_READERS.items():
-        for node in ast.walk(ast.parse((ROOT / rel).read_text())):
-            if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) \
-                    and node.value.id in names and isinstance(node.slice, ast.Constant) \
-                    and isinstance(node.slice.value, str):
-                found.append(f"{rel}:{node.lineno}: {node.value.id}[{node.slice.value!r}]")
+    for node in ast.walk(ast.parse(source)):
+        if not (isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant)
+                and isinstance(node.slice.value, str)):
+            continue
+        held = node.value.value if isinstance(node.value, ast.Subscript) else node.value
+        if isinstance(held, ast.Name) and held.id in names:
+            found.append((node.lineno, f"{ast.unparse(node.value)}[{node.slice.value!r}]"))
+    return found
+
+
+def test_serving_rows_and_ledger_postings_are_read_by_attribute():
+    found = [f"{rel}:{line}: {what}" for rel, names in ROW_READERS.items()
+             for line, what in _read_by_key((ROOT / rel).read_text(), names)]
     assert not found, "rows read by key:\n" + "\n".join(found)
+
+
+def test_the_source_check_finds_a_row_and_a_row_of_a_list_read_by_key():
+    found = _read_by_key('x = row["state"]\ny = rows[0]["id"]\nz = row.state\n'
+                         's = settings["max_replicas"]\n', {"row", "rows"})
+    assert found == [(1, "row['state']"), (2, "rows[0]['id']")]
 
 
 REPLICA_ROW = {"id": "ep-r1", "part": 1, "state": pb.JOB_STATE_RUNNING, "epoch": 2,
@@ -45,17 +65,17 @@ REPLICA_ROW = {"id": "ep-r1", "part": 1, "state": pb.JOB_STATE_RUNNING, "epoch":
                "issued_at_ms": 5, "accelerator": None}
 
 
-def test_a_live_replica_is_made_from_its_whole_row_and_answers_by_key_too():
+def test_a_live_replica_is_made_from_its_whole_row_and_is_read_by_attribute_only():
     replica = LiveReplica.from_row(REPLICA_ROW)
     assert (replica.id, replica.epoch, replica.provider_id) == ("ep-r1", 2, "p1")
-    # the autoscaler's and the HTTP side's reads by key see the same values
-    assert dict(replica) == REPLICA_ROW and replica.get("accelerator") is None
-    with pytest.raises(KeyError):
-        replica["no_such_column"]
+    assert {name: getattr(replica, name) for name in REPLICA_ROW} == REPLICA_ROW
     with pytest.raises(KeyError, match="lease_id"):
         LiveReplica.from_row({k: v for k, v in REPLICA_ROW.items() if k != "lease_id"})
     endpoint = LiveEndpoint("ep", "c1", "tiny", {"max_replicas": 2}, 0, (replica,))
-    assert endpoint["replicas"][0]["state"] == endpoint.replicas[0].state
+    # no reader by key is left: a row["column"] would be a TypeError, not a silent read
+    for row in (replica, endpoint):
+        with pytest.raises(TypeError):
+            row["id"]
 
 
 def test_a_key_never_revoked_reads_as_revoked_at_zero():
@@ -97,3 +117,20 @@ def test_a_settlement_taken_back_after_its_check_passed_names_the_work_it_undoes
     assert [tuple(r) for r in about] == [
         (t, "j", lease_id, "pa", 0, 10) for t in ("dispute", "restore", "reverse")]
     assert ledger.audit(w.db) == []
+
+
+def test_a_provider_row_is_read_whole_into_a_provider_and_its_standing_from_that(
+        store_location):
+    w = World(store_location)
+    w.write(providers.online, "pa", b"key-a", 1_000, 30_000)
+    w.write(providers.online, "pb", b"key-b", 2_000)
+    w.db.execute("UPDATE providers SET banned = 1, online = 0 WHERE id = 'pb'")
+    assert standing.providers(w.db, None) == [       # the latest seen first
+        Provider("pb", 2_000, 2_000, online=False, banned=True),
+        Provider("pa", 1_000, 1_000, online=True, banned=False, reconnect_within_ms=30_000)]
+    assert standing.providers(w.db, ["pa"])[0].online is True
+    [a] = standing.standings(w.db, ["pa"], 5_000)
+    assert (a.provider_id, a.online, a.banned, a.first_seen_ms) == ("pa", True, False, 1_000)
+    with pytest.raises(KeyError, match="banned"):
+        Provider.from_row({"id": "pc", "first_seen_ms": 0, "last_seen_ms": 0, "online": 1,
+                           "reconnect_within_ms": 0})

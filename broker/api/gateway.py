@@ -240,7 +240,7 @@ class ProviderGatewayServicer(gateway_pb2_grpc.ProviderGatewayServicer):
                 return
             running = [(r.job_id, r.epoch) for r in message.heartbeat.running
                        if r.epoch <= MAX_EPOCH]   # no lease has a larger one
-            # Written with the others in the next scheduler pass (broker/market/liveness.py), which
+            # Written with the others in the next scheduler pass (broker/state.py, Liveness), which
             # tells the provider to stop any of them that is no longer its.
             self.state.liveness.heard(session.provider_id, running, now_ms())
         elif kind == "job_update":

@@ -200,13 +200,13 @@ class BrokerHttp:
         serving = self.state.serving
         out = []
         for row in live:
-            ep = serving.endpoints.get(row["id"]) if serving is not None else None
-            last = await self.state.store.read(endpoints.events_of, row["id"], 1)
-            s = row["settings"]
+            ep = serving.endpoints.get(row.id) if serving is not None else None
+            last = await self.state.store.read(endpoints.events_of, row.id, 1)
+            s = row.settings
             out.append({
-                "job_id": row["id"], "name": row["name"], "state": "SERVING",
+                "job_id": row.id, "name": row.name, "state": "SERVING",
                 "min_replicas": s["min_replicas"], "max_replicas": s["max_replicas"],
-                "live": len(row["replicas"]), "ready": len(ep.ready()) if ep else 0,
+                "live": len(row.replicas), "ready": len(ep.ready()) if ep else 0,
                 "in_flight": ep.in_flight if ep else 0, "queued": len(ep.waiting) if ep else 0,
                 "requests": ep.requests if ep else 0,
                 "ttft_p50_ms": percentile(ep.ttft, 0.5) * 1000 if ep else 0.0,

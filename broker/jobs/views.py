@@ -144,7 +144,7 @@ def overdue_leases(db: Database, renewed_before_ms: int) -> list[str]:
 
 def held_devices(db: Database, pairs: dict[str, list[tuple[str, int]]]) -> dict[str, set[int]]:
     """The devices of ended leases that their providers may still run (``pairs``, by
-    provider: broker/market/liveness.py): not free to lease again yet."""
+    provider: broker/state.py, Liveness): not free to lease again yet."""
     held: dict[str, set[int]] = {}
     for provider_id, listed in pairs.items():
         for job_id, epoch in listed:

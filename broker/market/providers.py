@@ -75,7 +75,7 @@ def offline(db: Database, provider_id: str, now: int, session_row: int | None = 
 
 def heartbeats(db: Database, seen: dict[str, int], running: dict[str, list[tuple[str, int]]]
                ) -> dict[str, list[tuple[str, int]]]:
-    """The heartbeats heard since the last write (broker/market/liveness.py): each provider was
+    """The heartbeats heard since the last write (broker/state.py, Liveness): each provider was
     alive at ``seen[provider]`` and ran ``running[provider]``; renew those of its leases.
     Return, by provider, the (job, epoch) pairs it runs that are no longer its to run."""
     db.conn.executemany("UPDATE providers SET last_seen_ms = max(last_seen_ms, ?) WHERE id = ?",

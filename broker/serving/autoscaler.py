@@ -25,12 +25,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from gpumarket.broker.checks import answers, verdicts, verification
 from gpumarket.broker.jobs import endings
 from gpumarket.broker.serving import endpoints
 from gpumarket.broker.serving.router import Endpoint, Serving
+from gpumarket.broker.serving.rows import LiveReplica
 from gpumarket.broker.state import BrokerState
 from gpumarket.proto.errors import FailedPrecondition
 from gpumarket.proto.jobspec import now_ms
@@ -59,8 +61,10 @@ class Watch:
     replacing: dict[str, str] | None = None    # draining replica -> its replacement
 
 
-def decide(ep: Endpoint, rows: list[dict], watch: Watch, now: float, wanted: bool) -> Decision:
-    """What to do for one endpoint now (pure, but for ``watch``)."""
+def decide(ep: Endpoint, rows: Sequence[LiveReplica], watch: Watch, now: float,
+           wanted: bool) -> Decision:
+    """What to do for one endpoint now, given its live replicas ``rows`` (pure, but for
+    ``watch``)."""
     s = ep.settings
     live = rows     # paused ones (their hold spent) count: a top-up resumes them
     ready = ep.ready()
@@ -68,7 +72,7 @@ def decide(ep: Endpoint, rows: list[dict], watch: Watch, now: float, wanted: boo
     serving_ids = {r.job_id for r in ready}
     replacing = watch.replacing if watch.replacing is not None else {}
     watch.replacing = replacing
-    live_ids = {r["id"] for r in live}
+    live_ids = {r.id for r in live}
     for old, new in list(replacing.items()):
         if old not in live_ids:
             del replacing[old]
@@ -87,7 +91,7 @@ def decide(ep: Endpoint, rows: list[dict], watch: Watch, now: float, wanted: boo
         watch.last_change = now
         return Decision(add=1, add_why=f"replacing replica {unreplaced[0].job_id} (its provider"
                         " drains)", retire=(unreplaced[0].job_id,), retire_why="")
-    steady = [r for r in live if r["id"] not in replacing]
+    steady = [r for r in live if r.id not in replacing]
     if len(steady) < s["min_replicas"]:
         watch.last_change = now
         return Decision(add=s["min_replicas"] - len(steady),
@@ -118,9 +122,9 @@ def decide(ep: Endpoint, rows: list[dict], watch: Watch, now: float, wanted: boo
     if len(live) > s["min_replicas"] and idle >= s["idle_s"] and ep.in_flight == 0 \
             and not ep.waiting and not wanted and not replacing:
         # One still starting goes before one serving; then the newest.
-        victim = sorted(live, key=lambda r: (r["id"] in serving_ids, r["part"]))[0]
+        victim = sorted(live, key=lambda r: (r.id in serving_ids, r.part))[0]
         watch.last_change = now
-        return Decision(retire=(victim["id"],), retire_why=f"scale in: idle for"
+        return Decision(retire=(victim.id,), retire_why=f"scale in: idle for"
                         f" {idle:.0f} s (idle_s {s['idle_s']})")
     return Decision()
 
@@ -159,7 +163,7 @@ class Autoscaler:
         now = time.monotonic()
         changed = False
         for row in live:
-            ep = serving.endpoints[row["id"]]
+            ep = serving.endpoints[row.id]
             self.state.metrics.endpoint_replicas.labels(endpoint=ep.id).set(len(ep.ready()))
             broken = "" if ep.ready() else await store.read(endpoints.crash_loop, ep.id)
             if broken:
@@ -167,11 +171,11 @@ class Autoscaler:
                 self._stop(ended, broken)
                 changed = True
                 continue
-            changed |= await self._late(ep, row["replicas"])
+            changed |= await self._late(ep, row.replicas)
             watch = self.watches.setdefault(ep.id, Watch(last_change=now))
-            d = decide(ep, row["replicas"], watch, now, ep.id in serving.want)
+            d = decide(ep, row.replicas, watch, now, ep.id in serving.want)
             changed |= await self.apply(ep, watch, d)
-        for gone in set(self.watches) - {r["id"] for r in live}:
+        for gone in set(self.watches) - {r.id for r in live}:
             del self.watches[gone]
         usage = serving.take_usage()
         if usage:
@@ -205,20 +209,20 @@ class Autoscaler:
         standings = await store.read(verification.standings)
         samples.settled = frozenset(p for p, (rate, _, _) in standings.items() if rate < 1)
 
-    async def _late(self, ep: Endpoint, rows: list[dict]) -> bool:
+    async def _late(self, ep: Endpoint, rows: Sequence[LiveReplica]) -> bool:
         """A replica leased more than cold_start ago that never became ready is lost (its
         provider's fault, as a missed heartbeat is): it is leased again elsewhere, and no
         longer counts as one still starting."""
         limit_ms = int(self.state.config.cold_start_s * 1000)
         late = False
         for r in rows:
-            if r["state"] in (pb.JOB_STATE_LEASED, pb.JOB_STATE_RUNNING) and \
-                    r["progress_step"] != 1 and r["issued_at_ms"] and \
-                    now_ms() - r["issued_at_ms"] > limit_ms and r["id"] not in ep.replicas:
+            if r.state in (pb.JOB_STATE_LEASED, pb.JOB_STATE_RUNNING) and \
+                    r.progress_step != 1 and r.issued_at_ms and \
+                    now_ms() - r.issued_at_ms > limit_ms and r.id not in ep.replicas:
                 why = f"not ready within {self.state.config.cold_start_s:.0f} s of its lease"
-                if await self.state.store.write(endings.lose_lease, r["lease_id"], why, now_ms()):
-                    log.warning("endpoint %s: replica %s %s", ep.name, r["id"], why)
-                    self.state.stop_lease(r["id"], r["epoch"], r["provider_id"], why)
+                if await self.state.store.write(endings.lose_lease, r.lease_id, why, now_ms()):
+                    log.warning("endpoint %s: replica %s %s", ep.name, r.id, why)
+                    self.state.stop_lease(r.id, r.epoch, r.provider_id, why)
                     late = True
         return late
 

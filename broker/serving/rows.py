@@ -13,41 +13,22 @@ job).
   (``endpoint_usage``, summed);
 - ``Overview``: what ``endpoint list``/``show`` tell of an endpoint from the database.
 
-``LiveReplica`` and ``LiveEndpoint`` also answer ``row["column"]`` (read-only Mappings of
-their fields) for the modules that still read them by key: serving/autoscaler.py and the
-HTTP side's endpoints page (broker/api/http.py). Of the broker, only ``jobs/job`` is
-imported here."""
+None of them answers ``row["column"]``: every reader (the router, the autoscaler, the
+HTTP side's endpoints page, the marketplace's views) names the field, which a type checker
+and a reader can follow (``tests/test_typed_rows.py`` checks their source for reads by
+key). Of the broker, only ``jobs/job`` is imported here."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
 from gpumarket.broker.jobs.job import Job
 
 
-class _ByKey(Mapping):
-    """A frozen dataclass's fields as a read-only Mapping, for the readers by key."""
-
-    def __getitem__(self, name: str) -> Any:
-        if name not in self._names():
-            raise KeyError(name)
-        return getattr(self, name)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._names())
-
-    def __len__(self) -> int:
-        return len(self._names())
-
-    @classmethod
-    def _names(cls) -> tuple[str, ...]:
-        return tuple(f.name for f in fields(cls))
-
-
 @dataclass(frozen=True)
-class LiveReplica(_ByKey):
+class LiveReplica:
     """A live replica (QUEUED, LEASED, RUNNING or PAUSED): its job row's columns and its
     current lease's (None where it has no lease)."""
 
@@ -69,11 +50,11 @@ class LiveReplica(_ByKey):
     def from_row(cls, row: Mapping[str, Any]) -> LiveReplica:
         """The replica of a row selected with ``COLUMNS`` (``jobs j`` left-joined with
         ``leases l``); raises KeyError if a column is missing."""
-        return cls(**{name: row[name] for name in cls._names()})
+        return cls(**{f.name: row[f.name] for f in fields(cls)})
 
 
 @dataclass(frozen=True)
-class LiveEndpoint(_ByKey):
+class LiveEndpoint:
     """A serving endpoint (its top job RUNNING), as the router keeps it."""
 
     id: str                         # the endpoint's top job id
