@@ -406,6 +406,9 @@ async def placements(store, root: Path, offers: int, count: int, fenced: bool,
     def leased(db) -> int:
         return db.execute("SELECT count(*) FROM leases").fetchone()[0]
 
+    # A broker makes each offer's Template (market/offers.KeptOffers) at the first pass after
+    # its provider connected, long before a burst of submissions: so here too.
+    await scheduler.offer_book(leader)
     server = pg_bench.server_cpu_s(cluster) if cluster else 0.0
     cpu = time.process_time()
     began = time.perf_counter()
