@@ -430,11 +430,17 @@ async def placements(store, root: Path, offers: int, count: int, fenced: bool,
     server = pg_bench.server_cpu_s(cluster) if cluster else 0.0
     cpu = time.process_time()
     began = time.perf_counter()
-    submits = asyncio.gather(*(store.write(jobs.submit, job(i), now_ms()) for i in range(count)))
-    while True:
+    async def submitted(i: int) -> None:
+        await store.write(jobs.submit, job(i), now_ms())
+        state.placement.notify()        # as the Marketplace servicer does after a submission
+
+    submits = asyncio.gather(*(submitted(i) for i in range(count)))
+    while True:     # the placement loop's turns (scheduler.repeat): a pass, then a change
+        seen = state.placement.seen()
         await scheduler.place_queued(leader)
         if submits.done() and await store.read(leased) >= count:
             break
+        await state.placement.wait(state.config.schedule_interval_s, since=seen)
     await submits
     elapsed = time.perf_counter() - began
     out = {"rate": count / elapsed, "cpu_ms": (time.process_time() - cpu) * 1000 / count}

@@ -115,6 +115,8 @@ class OfferView:
 
     @property
     def free(self) -> tuple[int, ...]:
+        if not self.busy:       # most offers, each pass: nothing to take out
+            return self.device_indices
         taken = blocked(self.cards, self.busy) if self.cards else self.busy
         return tuple(i for i in self.device_indices if i not in taken)
 
