@@ -19,8 +19,10 @@ the client was answered for that the store does not hold).
 **Durable placements.** In process, on the real placement code and store: ``--offers``
 simulated providers' offers (sessions held in memory, as the broker holds them; no gRPC),
 ``--jobs`` jobs submitted at once, and the leader's placement passes (fenced writes, on
-PostgreSQL) until every job's lease is committed: jobs / seconds from the first submission to
-the last lease committed, on PostgreSQL and on SQLite in the same run.
+PostgreSQL; a pass, then a wait for the next submission, as the broker's loop) until every
+job's lease is committed: jobs / seconds from the first submission to the last lease
+committed, on PostgreSQL and on SQLite in the same run. The offers' Templates
+(market/offers.KeptOffers) are made before the clock starts.
 
 The last line is one JSON object with the figures and the machine's load.
 """
