@@ -19,8 +19,10 @@ the client was answered for that the store does not hold).
 **Durable placements.** In process, on the real placement code and store: ``--offers``
 simulated providers' offers (sessions held in memory, as the broker holds them; no gRPC),
 ``--jobs`` jobs submitted at once, and the leader's placement passes (fenced writes, on
-PostgreSQL) until every job's lease is committed: jobs / seconds from the first submission to
-the last lease committed, on PostgreSQL and on SQLite in the same run.
+PostgreSQL; a pass, then a wait for the next submission, as the broker's loop) until every
+job's lease is committed: jobs / seconds from the first submission to the last lease
+committed, on PostgreSQL and on SQLite in the same run. The offers' Templates
+(market/offers.KeptOffers) are made before the clock starts.
 
 The last line is one JSON object with the figures and the machine's load.
 """
@@ -255,22 +257,42 @@ def start_broker(root: Path, name: str, port: int, url: str, args) -> tuple[Proc
                     "--heartbeat-interval", "1", "--rate-limit", "0", "--max-queued-jobs",
                     "10000", "--log-level", "warning"], root / f"{name}.log",
                    {**os.environ, "GPUMARKET_HOME": str(root / "client-home")})
-    wait_until(lambda: info.exists() or not proc.alive(), f"broker {name}", 120)
-    if not proc.alive():
-        raise SystemExit(f"broker {name} did not start:\n{proc.text()[-3000:]}")
-    return proc, json.loads(info.read_text())
+    try:
+        wait_until(lambda: info.exists() or not proc.alive(), f"broker {name}", 120)
+        if not proc.alive():
+            raise SystemExit(f"broker {name} did not start:\n{proc.text()[-3000:]}")
+        return proc, json.loads(info.read_text())
+    except BaseException:
+        proc.stop(timeout=30)       # not yet the caller's to stop
+        raise
 
 
 async def failover(root: Path, cluster: pg.Cluster, args) -> dict:
-    url = cluster.database()
+    """The failover figures; every broker process it started is stopped before it returns
+    or raises (a kill no broker took over from, an interrupt): none outlives the run and
+    its cluster, as three did once, found long after, their store gone."""
     market = Marketplace(root)
+    brokers: dict[str, tuple[Process, dict]] = {}
+    try:
+        return await kill_leaders(root, cluster, args, market, brokers)
+    finally:
+        for proc in [market.broker, *(proc for proc, _ in brokers.values())]:
+            if proc is not None:
+                proc.stop(timeout=30)
+
+
+async def kill_leaders(root: Path, cluster: pg.Cluster, args, market: Marketplace,
+                       brokers: dict[str, tuple[Process, dict]]) -> dict:
+    """Two brokers (``brokers``, by name), the providers and the client's stream; kill the
+    leader ``args.kills`` times; return the figures."""
+    url = cluster.database()
     ports = [free_port(), free_port()]
     market.start_broker("--store", url, "--leader-ttl", str(args.leader_ttl),
                         "--lease-timeout", str(args.lease_timeout), "--heartbeat-interval", "1",
                         "--rate-limit", "0", "--max-queued-jobs", "10000",
                         listen=f"127.0.0.1:{ports[0]}", credit=1_000_000)
-    brokers: dict[str, tuple[Process, dict]] = {
-        "broker": (market.broker, json.loads((root / "broker" / "broker.json").read_text()))}
+    brokers["broker"] = (market.broker,
+                         json.loads((root / "broker" / "broker.json").read_text()))
     (root / "broker-b").mkdir(mode=0o700)
     shutil.copy2(root / "broker" / "broker.key", root / "broker-b" / "broker.key")
     (root / "broker-b" / "artifacts").symlink_to(root / "broker" / "artifacts")
@@ -338,8 +360,6 @@ async def failover(root: Path, cluster: pg.Cluster, args) -> dict:
             got, address = sim.received[(job_id, epoch)]
             leader = [a for since, a in leaders if since <= issued][-1]
             (direct if address == leader else relayed).append(got - issued)
-    for proc, _ in brokers.values():
-        proc.stop(timeout=30)
     return {"failover_s": round(statistics.mean(times), 2),
             "failover_s_max": round(max(times), 2), "kills": len(times),
             "double_leases": overlapping, "lost_acknowledged": len(lost),
@@ -406,14 +426,23 @@ async def placements(store, root: Path, offers: int, count: int, fenced: bool,
     def leased(db) -> int:
         return db.execute("SELECT count(*) FROM leases").fetchone()[0]
 
+    # A broker makes each offer's Template (market/offers.KeptOffers) at the first pass after
+    # its provider connected, long before a burst of submissions: so here too.
+    await scheduler.offer_book(leader)
     server = pg_bench.server_cpu_s(cluster) if cluster else 0.0
     cpu = time.process_time()
     began = time.perf_counter()
-    submits = asyncio.gather(*(store.write(jobs.submit, job(i), now_ms()) for i in range(count)))
-    while True:
+    async def submitted(i: int) -> None:
+        await store.write(jobs.submit, job(i), now_ms())
+        state.placement.notify()        # as the Marketplace servicer does after a submission
+
+    submits = asyncio.gather(*(submitted(i) for i in range(count)))
+    while True:     # the placement loop's turns (scheduler.repeat): a pass, then a change
+        seen = state.placement.seen()
         await scheduler.place_queued(leader)
         if submits.done() and await store.read(leased) >= count:
             break
+        await state.placement.wait(state.config.schedule_interval_s, since=seen)
     await submits
     elapsed = time.perf_counter() - began
     out = {"rate": count / elapsed, "cpu_ms": (time.process_time() - cpu) * 1000 / count}
@@ -459,6 +488,9 @@ def main() -> None:
     parser.add_argument("--steady", type=float, default=4.0,
                         help="seconds of the stream before each kill")
     args = pg_bench.parse(parser)
+    # A SIGTERM (``timeout``, a CI runner's cancel) ends the run as an exception does, through
+    # the ``finally``s that stop its brokers and then its cluster.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     load_before = os.getloadavg()
     root = Path(tempfile.mkdtemp(prefix="gpumarket-ha-"))
     cluster = pg.Cluster(durable=True)

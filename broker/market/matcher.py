@@ -115,6 +115,8 @@ class OfferView:
 
     @property
     def free(self) -> tuple[int, ...]:
+        if not self.busy:       # most offers, each pass: nothing to take out
+            return self.device_indices
         taken = blocked(self.cards, self.busy) if self.cards else self.busy
         return tuple(i for i in self.device_indices if i not in taken)
 
@@ -271,7 +273,8 @@ class Book:
         self.price = np.array([x.price_per_gpu_hour for x in o], dtype=float)
         self.interruptible_price = np.array([x.price("interruptible") for x in o], dtype=float)
         self.count = np.array([len(x.device_indices) for x in o], dtype=np.int64)
-        self.free = np.array([len(x.free) for x in o], dtype=np.int64)
+        self.free_devices = [list(x.free) for x in o]
+        self.free = np.array([len(x) for x in self.free_devices], dtype=np.int64)
         self.load = np.array([x.load for x in o], dtype=np.int64)
         self.accel = np.array([x.accelerator for x in o], dtype=np.int64)
         self.memory = np.array([x.device_memory_bytes for x in o], dtype=np.int64)
@@ -288,7 +291,6 @@ class Book:
                               dtype=np.int64)
         self.restricted = np.array([bool(x.policy.allowed_clients or x.policy.denied_clients)
                                     for x in o], dtype=bool)
-        self.free_devices = [list(x.free) for x in o]
         self._restricted_idx = np.flatnonzero(self.restricted)
         self._capped_idx = np.flatnonzero(self.max_job > 0)
         self._all_true = np.ones(len(o), dtype=bool)

@@ -15,6 +15,7 @@ allows (``device_bound``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from dataclasses import dataclass
 from functools import lru_cache
@@ -206,47 +207,136 @@ def offer_views(offer: pb.Offer, history: reliability.ProviderHistory, achieved_
     provider/offering.py). ``busy``: the devices leased; every view knows the offer's
     slices (``cards``), so a card with a slice leased is busy, and so are the slices of a
     card leased whole."""
+    return views_of(offer_template(offer), history, achieved_flops, busy, load, efficiency,
+                    stake)
+
+
+@dataclass(frozen=True)
+class Template:
+    """What an offer's views take from the signed offer alone (devices, prices, kinds,
+    policy, slices): most of the cost of ``offer_views``, and unchanged until the provider
+    advertises again, so a placement pass over 10,000 offers keeps it (``KeptOffers``)
+    and adds only what the broker observed since."""
+
+    base: OfferView             # the whole devices' view, observed figures at their defaults
+    claimed: float              # claimed_flops(offer)
+    # One entry a slice share, in the views' order: (memory share, compute share, device
+    # indices, smallest memory, smallest compute capability).
+    shares: tuple[tuple[float, float, tuple[int, ...], int, float], ...]
+
+    @functools.cached_property
+    def fields(self) -> dict[str, object]:
+        """``base``'s fields that the offer decides, as keywords of OfferView (a view made
+        from them costs a third of a ``dataclasses.replace``: 10,000 of them a pass)."""
+        return {f.name: getattr(self.base, f.name) for f in dataclasses.fields(OfferView)
+                if f.name not in OBSERVED}
+
+
+# The fields of an OfferView that the broker's observations set (``views_of``).
+OBSERVED = frozenset({"flops", "claimed_flops", "stake", "reliability", "mtbf_s", "busy",
+                      "load"})
+
+
+def offer_template(offer: pb.Offer) -> Template:
+    """The part of ``offer_views`` that depends on the offer only."""
     whole = whole_devices(offer)
     cuda = [d for d in whole if d.accelerator == pb.ACCELERATOR_CUDA]
-    accel = pb.ACCELERATOR_CUDA if cuda else pb.ACCELERATOR_CPU
-    claimed = claimed_flops(offer)
+    standard, interruptible = offer_prices(offer)
     base = OfferView(
         provider_id=offer.provider_id,
-        price_per_gpu_hour=offer_price(offer),
-        interruptible_price_per_gpu_hour=interruptible_price(offer),
+        price_per_gpu_hour=standard,
+        interruptible_price_per_gpu_hour=interruptible,
         kinds=frozenset(offer.kinds),
         engines=frozenset(offer.engines),
         models=frozenset(offer.models),
         cached=frozenset(offer.cached),
         device_indices=tuple(d.index for d in whole),
-        accelerator=accel,
+        accelerator=pb.ACCELERATOR_CUDA if cuda else pb.ACCELERATOR_CPU,
         device_memory_bytes=min(d.memory_bytes for d in whole),
         compute_capability=min(compute_capability(d) for d in whole),
         gpu_name=whole[0].name if whole else "",
+        policy=Policy.from_message(offer.policy),
+        cards=cards(offer),
+    )
+    groups: dict[tuple[float, float], list[pb.Device]] = {}
+    for d in offer.devices:
+        if d.HasField("slice_of"):
+            groups.setdefault((d.memory_share, d.compute_share), []).append(d)
+    shares = tuple((memory, compute, tuple(d.index for d in group),
+                    min(d.memory_bytes for d in group),
+                    min(compute_capability(d) for d in group))
+                   for (memory, compute), group in sorted(groups.items(), reverse=True))
+    return Template(base, claimed_flops(offer), shares)
+
+
+def views_of(template: Template, history: reliability.ProviderHistory,
+             achieved_flops: float, busy: frozenset[int] = frozenset(), load: int = 0,
+             efficiency: float = CLAIM_EFFICIENCY, stake: int = 0) -> list[OfferView]:
+    """``offer_views`` of the offer ``template`` was made from, given what the broker
+    observed of its provider."""
+    claimed = template.claimed
+    base = OfferView(
+        **template.fields,
         flops=achieved_flops if achieved_flops > 0 else max(claimed * efficiency, 1e6),
         claimed_flops=claimed,
         stake=stake,
         reliability=reliability.score(history),
         mtbf_s=reliability.mtbf_s(history),
-        policy=Policy.from_message(offer.policy),
         busy=busy,
-        load=load,
-        cards=cards(offer),
-    )
+        load=load)
     views = [base]
-    groups: dict[tuple[float, float], list[pb.Device]] = {}
-    for d in offer.devices:
-        if d.HasField("slice_of"):
-            groups.setdefault((d.memory_share, d.compute_share), []).append(d)
-    for (memory, compute), group in sorted(groups.items(), reverse=True):
+    for memory, compute, indices, memory_bytes, capability in template.shares:
         views.append(dataclasses.replace(
             base,
             price_per_gpu_hour=base.price_per_gpu_hour * memory,
             interruptible_price_per_gpu_hour=base.interruptible_price_per_gpu_hour * memory,
-            device_indices=tuple(d.index for d in group),
-            device_memory_bytes=min(d.memory_bytes for d in group),
-            compute_capability=min(compute_capability(d) for d in group),
+            device_indices=indices,
+            device_memory_bytes=memory_bytes,
+            compute_capability=capability,
             flops=max(base.flops * compute, 1e6),
             claimed_flops=claimed * compute,
             slices=True))
     return views
+
+
+class KeptOffers:
+    """Each live offer's ``Template``, kept between placement passes and made again only
+    for an offer that is new or changed (a provider that connected or advertised again);
+    an offer gone (its session closed) is forgotten at the next pass. What the broker
+    observed (reliability, leases, busy devices, stake) is applied every pass
+    (``views``), so the views are always those ``offer_views`` would make now."""
+
+    def __init__(self) -> None:
+        self._by_provider: dict[str, tuple[pb.Offer, Template]] = {}
+
+    def template(self, offer: pb.Offer) -> Template:
+        """``offer``'s Template: the kept one where the offer is the one it was made from
+        (the same message, or an equal one: a remote offer read again), else a new one."""
+        kept = self._by_provider.get(offer.provider_id)
+        if kept is not None and (kept[0] is offer or kept[0] == offer):
+            return kept[1]
+        made = offer_template(offer)
+        self._by_provider[offer.provider_id] = (offer, made)
+        return made
+
+    def views(self, offers: list[pb.Offer],
+              histories: dict[str, reliability.ProviderHistory],
+              achieved: dict[str, float], busy: dict[str, set[int]],
+              loads: dict[str, int], efficiency: float,
+              stakes: dict[str, int]) -> list[OfferView]:
+        """The views of ``offers`` (``offer_views`` of each, in order), forgetting the
+        Templates of offers no longer among them."""
+        out: list[OfferView] = []
+        for o in offers:
+            p = o.provider_id
+            out.extend(views_of(self.template(o), histories[p], achieved.get(p, 0.0),
+                                frozenset(busy.get(p, ())), loads.get(p, 0), efficiency,
+                                stakes.get(p, 0)))
+        if len(self._by_provider) > len(offers):
+            live = {o.provider_id for o in offers}
+            for gone in [p for p in self._by_provider if p not in live]:
+                del self._by_provider[gone]
+        return out
+
+    def __len__(self) -> int:
+        return len(self._by_provider)

@@ -16,6 +16,7 @@ import asyncio
 import dataclasses
 import logging
 import time
+import weakref
 from collections import defaultdict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -35,7 +36,7 @@ from gpumarket.broker.market import matcher
 from gpumarket.broker.market import placement
 from gpumarket.broker.market import preemption
 from gpumarket.broker.market import providers
-from gpumarket.broker.market.offers import claim_efficiency, offer_views
+from gpumarket.broker.market.offers import KeptOffers, claim_efficiency
 from gpumarket.broker.config import BrokerConfig
 from gpumarket.broker import state as shared
 from gpumarket.broker.state import BrokerState
@@ -56,6 +57,19 @@ ORPHAN_MIN_AGE_S = 3600   # ... that were last written at least this long ago (w
 RUNTIME_GRACE_S = 60      # past a job's max_runtime, before the broker takes the lease back
 
 
+# Each broker's offers' Templates (market/offers.KeptOffers), kept with its sessions for as
+# long as they live: a pass over 10,000 offers makes again only those of new or changed offers.
+_kept: weakref.WeakKeyDictionary[Any, KeptOffers] = weakref.WeakKeyDictionary()
+
+
+def kept_offers(state: BrokerState) -> KeptOffers:
+    """The Templates kept for ``state``'s live offers."""
+    kept = _kept.get(state.sessions)
+    if kept is None:
+        kept = _kept[state.sessions] = KeptOffers()
+    return kept
+
+
 async def offer_book(state: BrokerState) -> matcher.Book:
     """The live offers, corrected by what the broker observed, as one Book."""
     store = state.store
@@ -71,13 +85,8 @@ async def offer_book(state: BrokerState) -> matcher.Book:
                 if kind in trained}
     efficiency = claim_efficiency(offers, achieved)
     stakes = await store.read(views.stakes)
-    return matcher.Book([
-        view for o in offers
-        for view in offer_views(o, hist[o.provider_id], achieved.get(o.provider_id, 0.0),
-                                frozenset(busy.get(o.provider_id, ())),
-                                loads.get(o.provider_id, 0), efficiency,
-                                stakes.get(o.provider_id, 0))
-    ])
+    return matcher.Book(kept_offers(state).views(offers, hist, achieved, busy, loads,
+                                                 efficiency, stakes))
 
 
 async def place_queued(state: BrokerState) -> int:

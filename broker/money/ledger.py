@@ -171,15 +171,21 @@ def hold(db: Database, job_id: str, client_id: str, amount: int, basis: str, enf
     """Move a new job's hold from its client's available balance into the job's escrow;
     raise InsufficientFunds, naming the amount short, if the client cannot cover it (a broker
     that does not enforce funds lets the balance go below zero: it records usage)."""
-    available = balance(db, client(client_id))
+    account = client(client_id)
+    latest = _latest(db, account)
+    available = latest[0] if latest else 0
     if enforce and available < amount:
         raise InsufficientFunds(
             f"insufficient funds: this job holds {fmt(amount)} credits ({basis}); your"
             f" available balance is {fmt(available)}, {fmt(amount - available)} short"
             " (ask the broker's operator for credit, or set a smaller budget in the job file)")
-    post(db, f"hold:{job_id}", "hold", {client(client_id): -amount, escrow(job_id): amount},
+    # The balance just read is the one the posting runs from (one read a submission fewer:
+    # a round trip on PostgreSQL); an account with no entry yet is not "known", so that
+    # ``post`` records it.
+    post(db, f"hold:{job_id}", "hold", {account: -amount, escrow(job_id): amount},
          now, owners={escrow(job_id): client_id}, job_id=job_id, memo=basis,
-         may_go_negative=frozenset() if enforce else frozenset({client(client_id)}))
+         may_go_negative=frozenset() if enforce else frozenset({account}),
+         known={account: latest[0]} if latest else None)
 
 
 def top_up(db: Database, job_id: str, client_id: str, amount: int, enforce: bool,
