@@ -358,6 +358,11 @@ def test_a_render_check_previews_every_frame_and_catches_one_not_rendered_outsid
                                            tmp_path / "blank-preview.png"},
                                   {**scope, "replays": True})
     assert not ok and "preview_000002.png: its preview differs" in why
+    # Previews past the broker's time for them are not compared, and say so: a lease of
+    # large frames is checked in part, never timed out into a disagreement.
+    monkeypatch.setattr(render, "PREVIEW_COMPARE_S", -1.0)
+    ok, why = render.KIND.compare(other, replay, scope)
+    assert ok and "0 of 10 frames" in why and "not compared within" in why
 
 
 def test_a_render_check_previews_only_what_the_lease_rendered_and_no_lease_too_long():
