@@ -46,7 +46,8 @@ scene.render.threads_mode, scene.render.threads = "FIXED", 1
 r.use_device(scene, "cpu", False)
 for f in job["frames"]:
     r.render_frame(scene, f, out, r.frame_name(f))
-r.render_previews(scene, range(job["first"], job["last"] + 1), out)
+r.render_previews(scene, range(job["first"], job["last"] + 1), out,
+                  r.png_size(out / r.frame_name(job["frames"][0])))
 """
 
 

@@ -204,11 +204,14 @@ def render_frame(scene, frame: int, out: Path, name: str) -> None:
     os.replace(out / ".rendering.png", out / name)
 
 
-def render_previews(scene, frames: range, out: Path) -> float:
+def render_previews(scene, frames: range, out: Path, frame_size: tuple[int, int]) -> float:
     """A check's cheap pass over every frame of the checked lease: each rendered again at
     kinds.render.preview_size of the job's resolution, with its samples and seed, into
     out/preview_NNNNNN.png; the broker compares each with the delivered frame reduced to the
-    same size (docs/verification.md, Frames). Returns its seconds."""
+    same size (docs/verification.md, Frames). ``frame_size``: the size Blender wrote a full
+    frame at (a sampled frame's); a preview that Blender's rounding (or a border crop) made
+    a pixel off is brought to exactly preview_size of it, since the broker accepts no other.
+    Returns its seconds."""
     began = time.perf_counter()
     r = scene.render
     # Blender's own rule for the size it renders at (integer percent of the resolution)
@@ -216,14 +219,35 @@ def render_previews(scene, frames: range, out: Path) -> float:
     height = r.resolution_y * r.resolution_percentage // 100
     r.resolution_x, r.resolution_y = preview_size(width, height)
     r.resolution_percentage = 100
+    want = preview_size(*frame_size)
     for frame in frames:
         if drain_requested():
             raise JobError("drained during the preview pass (a check renders it again)")
         render_frame(scene, frame, out, preview_name(frame))
+        fit(out / preview_name(frame), want)
     took = time.perf_counter() - began
     print(f"previews of frames {frames[0]}-{frames[-1]} at {r.resolution_x}x{r.resolution_y}"
           f" rendered in {took:.2f}s", flush=True)
     return took
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    """(width, height) from a PNG's header."""
+    data = path.read_bytes()[:24]
+    if data[:8] != b"\x89PNG\r\n\x1a\n":
+        raise JobError(f"{path.name}: Blender did not write a PNG")
+    return struct.unpack(">II", data[16:24])
+
+
+def fit(path: Path, size: tuple[int, int]) -> None:
+    """Bring a preview to exactly ``size`` (averaging) where it is not."""
+    if png_size(path) == size:
+        return
+    from PIL import Image
+
+    with Image.open(path) as img:
+        small = img.resize(size, Image.Resampling.BOX)
+    small.save(path)
 
 
 def render(workdir: Path, report: Reporter) -> None:
@@ -284,7 +308,8 @@ def render(workdir: Path, report: Reporter) -> None:
     if missing:
         raise JobError(f"{len(missing)} frames have no image (first: {missing[0]})")
     previews = previews_of(job)
-    preview_s = render_previews(scene, previews, out) if previews else 0.0
+    preview_s = render_previews(scene, previews, out, png_size(out / frame_name(frames[0]))
+                                ) if previews else 0.0
     rendered = len(seconds)
     mean = sum(seconds.values()) / rendered if rendered else 0.0
     metrics = {"frames": float(len(frames)), "frames_rendered": float(rendered),
