@@ -233,8 +233,8 @@ MAX_CHECK_FRAME = 2**31 - 1      # CheckScope.frames is int32
 # 1/PREVIEW_SCALE of its width and height with the job's own samples, and compared with the
 # delivered frame reduced to that size, block by block. The tolerance is on a 0-255 scale,
 # set from honest replays measured by bench/render_checks.py (the largest honest difference
-# of a block was 23.5 at 320 x 240 and 16 samples, 23.7 at 64 x 48 and 4: about half of it;
-# docs/verification.md, Frames).
+# of a block was 16.6 at 320 x 240 and 16 samples, 12.7 for a border-cropped scene at 8:
+# about a third of it; docs/verification.md, Frames).
 PREVIEW_SCALE = 4
 PREVIEW_BLOCK = 4                  # preview pixels a side (16 x 16 pixels of the frame)
 PREVIEW_TOLERANCE = 48.0
