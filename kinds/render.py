@@ -243,9 +243,9 @@ MAX_PREVIEW_FRAMES = 1000          # a longer lease is checked by the sample alo
                                    # a preview pass (a job split into parts keeps each part's
                                    # leases shorter)
 PREVIEW_COMPARE_S = 120.0          # of the broker's 300 s to compare a check: the previews'
-                                   # share (a 1920 x 1080 frame took 0.15 s to decode, reduce
-                                   # and compare on this 2-core machine at load 6; the exact
-                                   # sample's 32 frames keep the rest)
+                                   # share (a 1920 x 1080 frame took 0.15 to 0.23 s to
+                                   # decode, reduce and compare on this 2-core machine at
+                                   # load 6 to 8; the exact sample's 32 frames keep the rest)
 
 
 def check_frames(frames: int) -> int:
