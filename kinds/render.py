@@ -4,11 +4,13 @@ resumable per frame, split into parts that different providers render at once.""
 from __future__ import annotations
 
 import bisect
+import contextlib
 import math
 import re
 import secrets
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from gpumarket.kinds.base import Kind
 from gpumarket.kinds.schema import UINT32, Param, ParamError
@@ -57,29 +59,35 @@ class Render(Kind):
         return (f"{len(missing)} frames missing from its receipts (first: {missing[0]})"
                 if missing else "")
 
-    # A check renders a random sample of the frames the lease rendered itself again and
-    # compares their pixels: Cycles on the same device class with the same samples and seed
-    # gives the same image. A quarter of them (at most MAX_CHECK_FRAMES), so that a provider
-    # doctoring even one frame of a lease is caught by a check with p >= 1/4 (leases of up to
-    # 128 frames), within 20 checked jobs with p >= 0.997 (docs/verification.md).
+    # A check does two things. It renders a random sample of the frames the lease rendered
+    # itself again and compares their pixels: Cycles on the same device class with the same
+    # samples and seed gives the same image. A quarter of them (at most MAX_CHECK_FRAMES), so
+    # that a provider doctoring even one frame of a lease is caught by a check with p >= 1/4
+    # (leases of up to 128 frames). And it renders EVERY frame of the lease again at a
+    # quarter of the resolution each way (PREVIEW_SCALE: about 1/16 of the pixel work), which
+    # is compared within a measured tolerance with the delivered frame reduced to the same
+    # size: a frame not rendered at all (blank, noise, another frame's image, a large edit)
+    # is caught in a lease of any length, where the sample alone finds one doctored frame of
+    # 1,000 in 3 % of checks (docs/verification.md).
     def check_scope(self, values: dict[str, Any], part: int, parts: int,
                     metrics: dict[str, float], done_before: int) -> dict:
-        frames = self.part_steps(values, part, parts)[done_before:]
-        # Only frames a CheckScope can name (int32): a lease naming one past it could not be
-        # made, and its placement pass would fail again every time (Blender renders none
-        # past 1,048,574 anyway: only a provider returning made-up frames gets there).
-        frames = frames[:max(0, bisect.bisect_right(frames, MAX_CHECK_FRAME))]
+        frames = lease_frames(values, part, parts, done_before)
         if not frames:
             return {}
-        return {"frames": sorted(_draw.sample(frames, check_frames(len(frames))))}
+        scope = {"frames": sorted(_draw.sample(frames, check_frames(len(frames))))}
+        if preview := preview_frames(values, part, parts, done_before):
+            scope["preview"] = [preview[0], preview[-1]]
+        return scope
 
     def evidence(self, names: set[str]) -> set[str]:
-        return {n for n in names if FRAME_RE.match(n)}
+        # (a checker's previews too: a tie-break holds them against the first checker's)
+        return {n for n in names if FRAME_RE.match(n) or PREVIEW_RE.match(n)}
 
     def compare(self, expect: dict[str, Path], got: dict[str, Path], scope: dict
                 ) -> tuple[bool, str]:
-        for frame in scope.get("frames", []):
-            name = f"frame_{frame:06d}.png"
+        frames = scope.get("frames", [])
+        for frame in frames:
+            name = frame_name(frame)
             if name not in expect:
                 return False, f"the provider returned no {name}"
             if name not in got:
@@ -94,9 +102,124 @@ class Render(Kind):
                          .any(axis=-1).sum())
             if differ:
                 return False, f"{name}: {differ} of {want.shape[0] * want.shape[1]} pixels differ"
-        frames = scope.get("frames", [])
-        return True, (f"frame{'s' if len(frames) > 1 else ''}"
-                      f" {', '.join(str(f) for f in frames)}: pixels identical")
+        why = (f"frame{'s' if len(frames) > 1 else ''}"
+               f" {', '.join(str(f) for f in frames)}: pixels identical")
+        if not scope.get("preview"):
+            return True, why
+        same, worst = compare_previews(expect, got, scope["preview"], scope.get("replays"))
+        if not same:
+            return False, worst
+        return True, f"{why}; {worst}"
+
+
+def lease_frames(values: dict[str, Any], part: int, parts: int, done_before: int) -> range:
+    """The frames a lease that started after ``done_before`` frames of its part rendered
+    itself: what a check of it covers. Only frames a CheckScope can name (int32): a lease
+    naming one past it could not be made, and its placement pass would fail again every time
+    (Blender renders none past 1,048,574 anyway: only a provider returning made-up frames
+    gets there). The checker's runner computes the same range from the lease's step_from."""
+    frames = part_frames(values["frame_start"], values["frame_end"], part, parts)[done_before:]
+    return frames[:max(0, bisect.bisect_right(frames, MAX_CHECK_FRAME))]
+
+
+def preview_frames(values: dict[str, Any], part: int, parts: int, done_before: int
+                   ) -> range:
+    """The frames a check of such a lease previews: all of them, or none past
+    MAX_PREVIEW_FRAMES (the broker's check_scope and the checker's runner both ask here)."""
+    frames = lease_frames(values, part, parts, done_before)
+    return frames if len(frames) <= MAX_PREVIEW_FRAMES else range(0)
+
+
+def frame_name(frame: int) -> str:
+    return f"frame_{frame:06d}.png"
+
+
+def preview_name(frame: int) -> str:
+    """The file a checker writes a frame's preview to (PREVIEW_SCALE smaller each way)."""
+    return f"preview_{frame:06d}.png"
+
+
+def preview_size(width: int, height: int) -> tuple[int, int]:
+    """The pixels of a preview of a frame of ``width`` x ``height``: what a checker renders
+    it at, and what the delivered frame is reduced to."""
+    return max(1, width // PREVIEW_SCALE), max(1, height // PREVIEW_SCALE)
+
+
+def compare_previews(expect: dict[str, Path], got: dict[str, Path], first_last: list[int],
+                     replays: bool = False) -> tuple[bool, str]:
+    """Every frame ``first_last`` spans, delivered (``expect``: frame_*.png), against the
+    checker's preview of it (``got``: preview_*.png) by ``preview_difference``; with
+    ``replays`` (a tie-break), two checkers' previews against each other. (agrees, the first
+    frame beyond the tolerance or the largest difference seen, and how many frames were
+    compared within PREVIEW_COMPARE_S)."""
+    first, last = int(first_last[0]), int(first_last[1])
+    worst = 0.0
+    # In an order the provider cannot predict, for at most PREVIEW_COMPARE_S: a lease of
+    # large frames is then compared in part (said in the detail), never timed out into a
+    # disagreement that would hold an honest provider's pay.
+    order = list(range(first, last + 1))
+    _draw.shuffle(order)
+    until = time.monotonic() + PREVIEW_COMPARE_S
+    for done, frame in enumerate(order):
+        if time.monotonic() > until:
+            return True, (f"{done} of {len(order)} frames, drawn at random, within their"
+                          f" previews' tolerance (largest difference {worst:.1f} of 255 in a"
+                          f" block); the rest not compared within {PREVIEW_COMPARE_S:g}s")
+        mine = preview_name(frame) if replays else frame_name(frame)
+        if mine not in expect:
+            return False, f"the {'first replay' if replays else 'provider'} returned no {mine}"
+        if preview_name(frame) not in got:
+            return False, f"the replay returned no {preview_name(frame)}"
+        try:
+            block = preview_difference(got[preview_name(frame)], expect[mine],
+                                       reduce=not replays)
+        except ValueError as exc:
+            return False, f"{mine}: {exc}"
+        if block > PREVIEW_TOLERANCE:
+            return False, (f"{mine}: its preview differs by {block:.1f} of 255 in a"
+                           f" {PREVIEW_BLOCK}x{PREVIEW_BLOCK} block (tolerance"
+                           f" {PREVIEW_TOLERANCE:g})")
+        worst = max(worst, block)
+    return True, (f"{last - first + 1} frames within their previews' tolerance (largest"
+                  f" difference {worst:.1f} of 255 in a block)")
+
+
+def preview_difference(preview: Path, frame: Path, reduce: bool = True) -> float:
+    """How far a frame is from a preview of it, on a 0-255 scale: the frame is reduced to
+    the preview's size by averaging (a box filter), both are split into blocks of
+    PREVIEW_BLOCK x PREVIEW_BLOCK preview pixels, and the figure is the largest difference
+    of one block's mean in one channel. Averaging is what makes a cheap low-resolution
+    render comparable at all: single pixels of two renders differ by their sampling noise,
+    denoiser and pixel filter; block means much less. (The whole image's mean is not judged
+    on its own: on a 16 x 12 preview of a 4-sample frame it differed by 7.9 honestly, as
+    much as a tint would.) Without ``reduce`` (``frame`` is another
+    checker's preview) the two are compared at their size. ValueError: not a readable PNG,
+    or the preview is not ``preview_size`` of the frame."""
+    import numpy as np
+
+    small = _decoded(preview)
+    with open_png(frame) as img:
+        want = preview_size(*img.size) if reduce else img.size
+        if small.size != want:
+            raise ValueError(f"a preview of {small.size[0]}x{small.size[1]} pixels for a frame"
+                             f" of {img.size[0]}x{img.size[1]} ({want[0]}x{want[1]} expected)")
+        reduced = _rgba(img.resize(want, _box()) if img.size != want else img)
+    mine = _rgba(small)
+    h, w = mine.shape[:2]
+    b = min(PREVIEW_BLOCK, h, w)
+    # Each block at its best of the nine alignments one preview pixel apart: a frame's edges
+    # fall a fraction of a preview pixel apart between the two resolutions (a border crop's
+    # corner is rounded at each), which at a hard edge is a large difference that says
+    # nothing; any change a cheat could gain by is larger than a pixel's shift.
+    padded = np.pad(reduced, ((1, 1), (1, 1), (0, 0)), mode="edge")
+    best = None
+    for dy in (0, 1, 2):
+        for dx in (0, 1, 2):
+            diff = mine - padded[dy:dy + h, dx:dx + w]
+            blocks = np.abs(diff[:h // b * b, :w // b * b]
+                            .reshape(h // b, b, w // b, b, -1).mean(axis=(1, 3))).max(axis=-1)
+            best = blocks if best is None else np.minimum(best, blocks)
+    return float(best.max())
 
 
 CHECK_SHARE = 0.25          # of a lease's frames, a check renders again ...
@@ -105,6 +228,24 @@ MAX_CHECK_FRAMES = 32       # ... but no more than this many: a check's cost, an
                             # compare, both PNGs decoded, on this 2-core machine at load 7)
 _draw = secrets.SystemRandom()   # which frames: from a source the provider cannot predict
 MAX_CHECK_FRAME = 2**31 - 1      # CheckScope.frames is int32
+
+# The preview pass (docs/verification.md, Frames): each frame of the lease rendered again at
+# 1/PREVIEW_SCALE of its width and height with the job's own samples, and compared with the
+# delivered frame reduced to that size, block by block. The tolerance is on a 0-255 scale,
+# set from honest replays measured by bench/render_checks.py (the largest honest difference
+# of a block was 16.6 at 320 x 240 and 16 samples, 12.7 for a border-cropped scene at 8:
+# about a third of it; docs/verification.md, Frames).
+PREVIEW_SCALE = 4
+PREVIEW_BLOCK = 4                  # preview pixels a side (16 x 16 pixels of the frame)
+PREVIEW_TOLERANCE = 48.0
+MAX_PREVIEW_FRAMES = 1000          # a longer lease is checked by the sample alone: the
+                                   # checker renders, and the broker decodes, every frame of
+                                   # a preview pass (a job split into parts keeps each part's
+                                   # leases shorter)
+PREVIEW_COMPARE_S = 120.0          # of the broker's 300 s to compare a check: the previews'
+                                   # share (a 1920 x 1080 frame took 0.15 to 0.23 s to
+                                   # decode, reduce and compare on this 2-core machine at
+                                   # load 6 to 8; the exact sample's 32 frames keep the rest)
 
 
 def check_frames(frames: int) -> int:
@@ -122,6 +263,7 @@ def catch_probability(frames: int, doctored: int) -> float:
 
 
 FRAME_RE = re.compile(r"^frame_\d{6}\.png$")
+PREVIEW_RE = re.compile(r"^preview_\d{6}\.png$")
 MAX_PIXELS = 1 << 26                 # 67 Mpixel (8K x 8K): larger frames are not compared
 MAX_PNG_BYTES = 1 << 30
 
@@ -130,6 +272,16 @@ def png_pixels(path: Path) -> Any:
     """The pixels of a PNG as an (height, width, 4) RGBA array (decoded by Pillow, in C);
     ValueError for anything that is not a PNG of at most MAX_PIXELS pixels."""
     import numpy as np
+
+    with open_png(path) as img:
+        return np.asarray(img.convert("RGBA") if img.mode in ("RGB", "RGBA", "P", "L", "LA")
+                          else img.convert("I;16"))
+
+
+@contextlib.contextmanager
+def open_png(path: Path) -> Iterator[Any]:
+    """A PNG opened and decoded by Pillow; ValueError for anything that is not a PNG of at
+    most MAX_PIXELS pixels (and of at most MAX_PNG_BYTES)."""
     from PIL import Image
 
     if Path(path).stat().st_size > MAX_PNG_BYTES:
@@ -140,10 +292,30 @@ def png_pixels(path: Path) -> Any:
             if width * height > MAX_PIXELS:
                 raise ValueError(f"{width}x{height} pixels is more than a check compares")
             img.load()
-            return np.asarray(img.convert("RGBA" if img.mode in ("RGB", "RGBA", "P", "L", "LA")
-                                          else "I;16"))
+            yield img
     except (OSError, Image.DecompressionBombError, SyntaxError) as exc:
         raise ValueError(f"not a readable PNG ({exc})") from exc
+
+
+def _decoded(path: Path) -> Any:
+    with open_png(path) as img:
+        return img.copy()
+
+
+def _rgba(img: Any) -> Any:
+    """An image's pixels as float32 RGBA on a 0-255 scale (16-bit grey scaled down)."""
+    import numpy as np
+
+    if img.mode in ("I", "I;16", "I;16B", "I;16L"):
+        grey = np.asarray(img, dtype=np.float32) / 257.0
+        return np.stack([grey, grey, grey, np.full_like(grey, 255.0)], axis=-1)
+    return np.asarray(img.convert("RGBA"), dtype=np.float32)
+
+
+def _box() -> Any:
+    from PIL import Image
+
+    return Image.Resampling.BOX
 
 
 KIND = Render(

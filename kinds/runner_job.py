@@ -69,7 +69,8 @@ class RunnerJob:
     stop_at: int = 0                   # training: the step to train up to and stop at
     check_position: float = 0.0        # inference: where in the range the batch checked is
     check_batch_size: int = 0          # ... the batch size of the checked job
-    check_from_row: int = 0            # ... and the row its range starts at
+    check_from_row: int = 0            # ... and the row its range starts at (render: the
+                                       # frames of its part done before the checked lease)
     check_claimed: str = ""            # generate: the checked provider's completions (a
                                        # path): prefill their tokens, do not generate
     check_frames: tuple[int, ...] = ()  # render: the frames to render again
@@ -140,7 +141,8 @@ class RunnerJob:
             if self.check_claimed:
                 check["check_claimed"] = self.check_claimed
         elif self.check_frames:
-            check["check_frames"] = list(self.check_frames)
+            check.update(check_frames=list(self.check_frames),
+                         check_from_row=self.check_from_row)
         else:
             check["stop_at"] = self.stop_at
         for name in ("check_of", "stop_at", "check_position", "check_batch_size",

@@ -164,7 +164,8 @@ def check_config(lease: pb.Lease) -> dict:
         out.update(check_position=c.position, check_batch_size=c.batch_size,
                    check_from_row=c.step_from)
     elif c.frames:
-        out["check_frames"] = tuple(c.frames)
+        # (step_from: the frames the checked lease resumed with; it previews the rest)
+        out.update(check_frames=tuple(c.frames), check_from_row=c.step_from)
     else:
         out["stop_at"] = c.step_to
     return out

@@ -163,6 +163,7 @@ def test_a_render_check_replays_a_quarter_of_the_frames_and_catches_two_doctored
     expect = {f"frame_{f:06d}.png": p for f, p in provider.items()}
     monkeypatch.setattr(render, "_draw", random.Random(2))
     scope = render.KIND.check_scope(RENDER, 0, 1, {}, 0)
+    del scope["preview"]          # the exact sample alone here (previews: the test below)
     assert len(scope["frames"]) == 3 == len(set(scope["frames"]))
     assert set(scope["frames"]) & {4, 9}, scope          # this draw holds a doctored frame
     got = {f"frame_{f:06d}.png": honest[f] for f in scope["frames"]}
@@ -262,3 +263,120 @@ def test_a_training_result_is_compared_file_by_file_every_file(tmp_path):
                           (result("drop", drop="loss.jsonl"), "no loss.jsonl")]:
         ok, said = kind.compare(doctored, result(f"r-{why[:4]}-{len(why)}"), {})
         assert not ok and why in said, said
+
+
+def rendered(path, frame: int, size=(64, 48), seed: int = 0):
+    """A stand-in for a rendered frame: a gradient, a bright square that moves with the
+    frame, and per-pixel noise (a render's samples)."""
+    import numpy as np
+    from PIL import Image
+
+    w, h = size
+    rng = np.random.default_rng(seed * 1000 + frame)
+    y, x = np.mgrid[0:h, 0:w]
+    rgb = np.stack([40 + 2 * x, 60 + 2 * y, np.full_like(x, 90)], axis=-1).astype(float)
+    left = 4 * frame % (w - 16)
+    rgb[8:24, left:left + 16] = (240, 230, 200)
+    rgb += rng.normal(0, 6, rgb.shape)
+    pixels = np.concatenate([np.clip(rgb, 0, 255), np.full((h, w, 1), 255.0)], axis=-1)
+    Image.fromarray(pixels.astype(np.uint8), "RGBA").save(path)
+    return path
+
+
+def previewed(path, frame_png, seed: int):
+    """A checker's preview of a frame: the frame reduced, with noise of its own (fewer
+    pixels, the same samples: a render of its own, not a copy)."""
+    import numpy as np
+    from PIL import Image
+
+    from gpumarket.kinds import render
+
+    with Image.open(frame_png) as img:
+        small = np.asarray(img.resize(render.preview_size(*img.size), Image.Resampling.BOX),
+                           dtype=float)
+    rng = np.random.default_rng(seed)
+    small[..., :3] = np.clip(small[..., :3] + rng.normal(0, 8, small[..., :3].shape), 0, 255)
+    Image.fromarray(small.astype(np.uint8), "RGBA").save(path)
+    return path
+
+
+def test_a_render_check_previews_every_frame_and_catches_one_not_rendered_outside_its_sample(
+        tmp_path, monkeypatch):
+    """Issue 34: a check that renders a sample of frames finds one doctored frame of 1,000
+    in 3 % of checks. Every frame of the lease is also rendered again as a preview (a
+    quarter of the resolution each way) and held against the delivered frame reduced to the
+    same size: a blank frame outside the exact sample is caught; honest frames whose pixels
+    differ from the preview by noise pass; a preview missing, of the wrong size or a
+    checker's previews held against another's (a tie-break) are judged too."""
+    from gpumarket.kinds import render
+
+    names = {f: render.frame_name(f) for f in range(1, 11)}
+    honest = {names[f]: rendered(tmp_path / f"h{f}.png", f) for f in names}
+    monkeypatch.setattr(render, "_draw", random.Random(3))
+    scope = render.KIND.check_scope(RENDER, 0, 1, {}, 0)
+    assert scope["preview"] == [1, 10] and len(scope["frames"]) == 3
+    outside = min(set(names) - set(scope["frames"]))
+    # The checker: the sampled frames bitwise (same device class, samples and seed), every
+    # frame as a preview; a second checker's previews differ from the first's by noise.
+    replay = {names[f]: honest[names[f]] for f in scope["frames"]}
+    second = dict(replay)
+    for f in names:
+        replay[render.preview_name(f)] = previewed(tmp_path / f"p{f}.png", honest[names[f]], f)
+        second[render.preview_name(f)] = previewed(tmp_path / f"q{f}.png", honest[names[f]],
+                                                   100 + f)
+    ok, why = render.KIND.compare(honest, replay, scope)
+    assert ok, why
+    assert "10 frames within their previews' tolerance" in why
+    ok, why = render.KIND.compare(replay, second, {**scope, "replays": True})
+    assert ok, why
+
+    blank = rendered(tmp_path / "blank.png", outside)
+    from PIL import Image
+    Image.new("RGBA", (64, 48), (0, 0, 0, 255)).save(blank)
+    other = {**honest, names[outside]: blank}
+    assert render.KIND.compare(other, replay, {"frames": scope["frames"]})[0]  # sample alone
+    ok, why = render.KIND.compare(other, replay, scope)
+    assert not ok and why.startswith(f"{names[outside]}: ") and "not a readable" not in why
+    # The same frame of another size is not a frame of this job: its preview cannot match.
+    ok, why = render.KIND.compare({**honest, names[outside]: rendered(
+        tmp_path / "big.png", outside, size=(96, 48))}, replay, scope)
+    assert not ok and "expected" in why
+    # Another frame of the job delivered in its place (the square elsewhere): caught.
+    ok, why = render.KIND.compare({**honest, names[outside]: honest[names[outside + 5]]},
+                                  replay, scope)
+    assert not ok and names[outside] in why
+    # A checker that renders no preview, or one of another size, does not agree.
+    ok, why = render.KIND.compare(honest, {k: v for k, v in replay.items()
+                                           if k != render.preview_name(7)}, scope)
+    assert not ok and "no preview_000007.png" in why
+    ok, why = render.KIND.compare(honest, {**replay, render.preview_name(7): honest[names[7]]},
+                                  scope)
+    assert not ok and "64x48 pixels for a frame of 64x48" in why
+    # A tie-break holds previews against previews: a checker's blank one disagrees.
+    Image.new("RGBA", (16, 12), (0, 0, 0, 255)).save(tmp_path / "blank-preview.png")
+    ok, why = render.KIND.compare(replay, {**second, render.preview_name(2):
+                                           tmp_path / "blank-preview.png"},
+                                  {**scope, "replays": True})
+    assert not ok and "preview_000002.png: its preview differs" in why
+    # Previews past the broker's time for them are not compared, and say so: a lease of
+    # large frames is checked in part, never timed out into a disagreement.
+    monkeypatch.setattr(render, "PREVIEW_COMPARE_S", -1.0)
+    ok, why = render.KIND.compare(other, replay, scope)
+    assert ok and "0 of 10 frames" in why and "not compared within" in why
+
+
+def test_a_render_check_previews_only_what_the_lease_rendered_and_no_lease_too_long():
+    from gpumarket.kinds import render
+
+    # A lease that resumed after 6 frames: its own 4 are previewed (the runner asks the same).
+    scope = render.KIND.check_scope(RENDER, 0, 1, {}, 6)
+    assert scope["preview"] == [7, 10]
+    assert list(render.preview_frames(RENDER, 0, 1, 6)) == [7, 8, 9, 10]
+    # Past MAX_PREVIEW_FRAMES the broker would decode too many frames within its 300 s:
+    # the sample alone.
+    long = {**RENDER, "frame_end": render.MAX_PREVIEW_FRAMES + 1}
+    assert "preview" not in render.KIND.check_scope(long, 0, 1, {}, 0)
+    assert not render.preview_frames(long, 0, 1, 0)
+    assert render.KIND.check_scope(long, 0, 1, {}, 1)["preview"] == [
+        2, render.MAX_PREVIEW_FRAMES + 1]
+    assert render.preview_size(320, 240) == (80, 60) and render.preview_size(3, 2) == (1, 1)

@@ -150,3 +150,38 @@ def test_render_killed_mid_run_renders_only_missing_frames(market, tmp_path):
     for f in range(1, last + 1):
         name = f"frame_{f:06d}.png"
         assert (out / name).read_bytes() == (work / "outputs" / name).read_bytes(), name
+
+
+def test_a_render_check_lease_previews_the_frames_its_checked_lease_rendered(tmp_path):
+    """Issue 34: the runner of a check lease renders its sampled frames exactly and every
+    frame the checked lease rendered itself (those after the frames it resumed with: the
+    lease's step_from, here 1) as a preview at kinds.render.preview_size, which the broker's
+    compare finds within tolerance of the full frame and a blank frame far from it."""
+    from PIL import Image
+
+    from gpumarket.kinds import render
+
+    scene = make_scene(tmp_path / "scene.blend", 4, tmp_path / "marker")
+    work = tmp_path / "check"
+    work.mkdir()
+    (work / "job.json").write_text(json.dumps({
+        "job_id": "c0ffee", "attempt": 1, "kind": "render", "device": "cpu",
+        "params": {"scene": "scene.blend", "frame_start": 1, "frame_end": 3,
+                   "resolution_x": 64, "resolution_y": 48, "samples": 4},
+        "inputs": {"scene.blend": str(scene)}, "checkpoint_every": 0, "resume_from": None,
+        "check_of": "c0ffee", "check_frames": [2], "check_from_row": 1}))
+    r = subprocess.run([sys.executable, "-m", "gpumarket.provider.runners.render", str(work)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    out = work / "outputs"
+    assert sorted(p.name for p in out.glob("*.png")) == [
+        "frame_000002.png", "preview_000002.png", "preview_000003.png"]
+    assert png_size(out / "preview_000003.png") == render.preview_size(64, 48) == (16, 12)
+    assert render.preview_difference(out / "preview_000002.png", out / "frame_000002.png"
+                                     ) <= render.PREVIEW_TOLERANCE
+    Image.new("RGBA", (64, 48), (0, 0, 0, 255)).save(tmp_path / "blank.png")
+    assert render.preview_difference(out / "preview_000002.png", tmp_path / "blank.png"
+                                     ) > render.PREVIEW_TOLERANCE
+    summary = json.loads(next(out.glob("render-*.json")).read_text())
+    assert summary["preview_frames"] == 2 and summary["frames_rendered"] == 1
+    assert not (tmp_path / "marker").exists()

@@ -45,9 +45,11 @@ def test_the_daemon_s_job_json_round_trips_with_the_keys_runners_read(tmp_path):
 def test_a_check_lease_tells_only_what_its_check_needs():
     a = checksum_assignment(b"x")
     a.lease.check.frames.extend([3, 1])
+    a.lease.check.step_from = 2          # the lease it checks resumed after 2 frames
     raw = json.loads(runner_config(a, {"data.bin": "/x"}, None, cuda=True).to_json())
-    assert set(raw) == KEYS | {"check_of", "check_frames"}
+    assert set(raw) == KEYS | {"check_of", "check_frames", "check_from_row"}
     assert raw["check_frames"] == [3, 1] and raw["device"] == "cuda"
+    assert raw["check_from_row"] == 2
     back = RunnerJob.from_json(json.dumps(raw))
     # a check, named by its own job id: the lease does not say which job it checks
     assert back.check_of == a.lease.job_id != "" and back.check_frames == (3, 1)

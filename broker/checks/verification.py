@@ -239,7 +239,11 @@ def what(step_from: int, step_to: int, scope: dict) -> str:
         return f"a batch of {scope['batch_size']} rows from row {step_from} on{how}"
     if scope.get("frames"):
         frames = scope["frames"]
-        return f"frame{'s' if len(frames) > 1 else ''} " + ", ".join(str(f) for f in frames)
+        out = f"frame{'s' if len(frames) > 1 else ''} " + ", ".join(str(f) for f in frames)
+        if scope.get("preview"):
+            first, last = scope["preview"]
+            out += f"; frames {first}-{last} at a quarter's resolution"
+        return out
     return f"steps {step_from}-{step_to}"
 
 

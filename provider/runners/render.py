@@ -30,7 +30,9 @@ from pathlib import Path  # noqa: E402
 from typing import TYPE_CHECKING  # noqa: E402
 
 from gpumarket.proto.errors import InvalidArgument  # noqa: E402
-from gpumarket.kinds.render import part_frames  # noqa: E402
+from gpumarket.kinds.render import (  # noqa: E402
+    part_frames, preview_frames, preview_name, preview_size,
+)
 from gpumarket.provider.runners.base import (  # noqa: E402
     Cadence, JobError, drain_requested, publish_checkpoint, run_main,
 )
@@ -53,6 +55,20 @@ def frames_of(job: RunnerJob) -> list[int]:
     try:
         return list(part_frames(int(p.get("frame_start", 0)), int(p.get("frame_end", 0)),
                                 job.part, job.parts))
+    except InvalidArgument as exc:
+        raise JobError(str(exc)) from exc
+
+
+def previews_of(job: RunnerJob) -> range:
+    """A check's preview pass: every frame the checked lease rendered itself (its part's
+    frames after the ``check_from_row`` it resumed with), or none (not a check of frames, or
+    a lease too long to preview: kinds.render decides, as the broker's check_scope does)."""
+    if not job.check_frames:
+        return range(0)
+    p = job.params
+    values = {"frame_start": int(p.get("frame_start", 0)), "frame_end": int(p.get("frame_end", 0))}
+    try:
+        return preview_frames(values, job.part, job.parts, job.check_from_row)
     except InvalidArgument as exc:
         raise JobError(str(exc)) from exc
 
@@ -172,6 +188,68 @@ def quiet():
         os.close(devnull)
 
 
+def render_frame(scene, frame: int, out: Path, name: str) -> None:
+    """Render ``frame`` of the scene as it is set up now into out/``name`` (through a
+    temporary name, its text chunks dropped)."""
+    import bpy
+
+    scene.frame_set(frame)
+    scene.render.filepath = str(out / ".rendering")
+    try:
+        with quiet():
+            bpy.ops.render.render(write_still=True)
+    except RuntimeError as exc:
+        raise JobError(f"frame {frame}: Blender failed ({str(exc).splitlines()[0]})") from exc
+    strip_text_chunks(out / ".rendering.png")
+    os.replace(out / ".rendering.png", out / name)
+
+
+def render_previews(scene, frames: range, out: Path, frame_size: tuple[int, int]) -> float:
+    """A check's cheap pass over every frame of the checked lease: each rendered again at
+    kinds.render.preview_size of the job's resolution, with its samples and seed, into
+    out/preview_NNNNNN.png; the broker compares each with the delivered frame reduced to the
+    same size (docs/verification.md, Frames). ``frame_size``: the size Blender wrote a full
+    frame at (a sampled frame's); a preview that Blender's rounding (or a border crop) made
+    a pixel off is brought to exactly preview_size of it, since the broker accepts no other.
+    Returns its seconds."""
+    began = time.perf_counter()
+    r = scene.render
+    # Blender's own rule for the size it renders at (integer percent of the resolution)
+    width = r.resolution_x * r.resolution_percentage // 100
+    height = r.resolution_y * r.resolution_percentage // 100
+    r.resolution_x, r.resolution_y = preview_size(width, height)
+    r.resolution_percentage = 100
+    want = preview_size(*frame_size)
+    for frame in frames:
+        if drain_requested():
+            raise JobError("drained during the preview pass (a check renders it again)")
+        render_frame(scene, frame, out, preview_name(frame))
+        fit(out / preview_name(frame), want)
+    took = time.perf_counter() - began
+    print(f"previews of frames {frames[0]}-{frames[-1]} at {r.resolution_x}x{r.resolution_y}"
+          f" rendered in {took:.2f}s", flush=True)
+    return took
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    """(width, height) from a PNG's header."""
+    data = path.read_bytes()[:24]
+    if data[:8] != b"\x89PNG\r\n\x1a\n":
+        raise JobError(f"{path.name}: Blender did not write a PNG")
+    return struct.unpack(">II", data[16:24])
+
+
+def fit(path: Path, size: tuple[int, int]) -> None:
+    """Bring a preview to exactly ``size`` (averaging) where it is not."""
+    if png_size(path) == size:
+        return
+    from PIL import Image
+
+    with Image.open(path) as img:
+        small = img.resize(size, Image.Resampling.BOX)
+    small.save(path)
+
+
 def render(workdir: Path, report: Reporter) -> None:
     job = read_job(workdir)
     p = job.params
@@ -213,15 +291,7 @@ def render(workdir: Path, report: Reporter) -> None:
             report.drained(len(done))
             return
         start = time.perf_counter()
-        scene.frame_set(frame)
-        scene.render.filepath = str(out / ".rendering")
-        try:
-            with quiet():
-                bpy.ops.render.render(write_still=True)
-        except RuntimeError as exc:
-            raise JobError(f"frame {frame}: Blender failed ({str(exc).splitlines()[0]})") from exc
-        strip_text_chunks(out / ".rendering.png")
-        os.replace(out / ".rendering.png", out / frame_name(frame))
+        render_frame(scene, frame, out, frame_name(frame))
         seconds[frame] = time.perf_counter() - start
         done.add(frame)
         mean = sum(seconds.values()) / len(seconds)
@@ -237,6 +307,9 @@ def render(workdir: Path, report: Reporter) -> None:
     missing = [f for f in frames if not (out / frame_name(f)).is_file()]
     if missing:
         raise JobError(f"{len(missing)} frames have no image (first: {missing[0]})")
+    previews = previews_of(job)
+    preview_s = render_previews(scene, previews, out, png_size(out / frame_name(frames[0]))
+                                ) if previews else 0.0
     rendered = len(seconds)
     mean = sum(seconds.values()) / rendered if rendered else 0.0
     metrics = {"frames": float(len(frames)), "frames_rendered": float(rendered),
@@ -245,6 +318,8 @@ def render(workdir: Path, report: Reporter) -> None:
                "frames_per_hour": rendered * 3600 / elapsed if elapsed > 0 else 0.0,
                "render_seconds": elapsed, "checkpoint_seconds": checkpoint_s,
                "gpu": 1.0 if on_gpu else 0.0}
+    if previews:
+        metrics.update(preview_frames=float(len(previews)), preview_seconds=preview_s)
     summary = {"frames": [frames[0], frames[-1]], "device": device, "seconds": {
         str(f): round(s, 4) for f, s in sorted(seconds.items())}, **metrics}
     (out / f"render-{frames[0]:06d}-{frames[-1]:06d}.json").write_text(
