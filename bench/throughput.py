@@ -152,10 +152,25 @@ def run_array(market: Marketplace, root: Path, name: str, tasks: int,
     job = market.job(job_id)
     if job["state"] != "SUCCEEDED":
         raise SystemExit(f"the {name} array ended {job['state']}: {job.get('error')}")
-    lat = [(t["updated_at_ms"] - began_ms) / 1000 for t in all_tasks(market, job_id, tasks)]
+    rows = all_tasks(market, job_id, tasks)
+    lat = [(t["updated_at_ms"] - began_ms) / 1000 for t in rows]
     return {"job_id": job_id, "wall_s": wall, "tasks_per_s": tasks / wall,
             "p50_ms": pct(lat, 0.5) * 1000, "p99_ms": pct(lat, 0.99) * 1000,
-            "batches": len(job.get("parts", []))}
+            "batches": len(job.get("parts", [])), "lanes": lanes(rows, began_ms)}
+
+
+def lanes(rows: list[dict], began_ms: float) -> list[dict]:
+    """Each provider's share of an array, from its tasks' rows: tasks, when its last one
+    ended (s after submission) and the seconds its tasks ran themselves (the rest of a lane's
+    time is the lease's and the provider's, or a core taken by something else)."""
+    by: dict[str, dict] = {}
+    for t in rows:
+        lane = by.setdefault(t["provider_id"][:8], {"tasks": 0, "end_s": 0.0, "task_s": 0.0})
+        lane["tasks"] += 1
+        lane["end_s"] = max(lane["end_s"], (t["updated_at_ms"] - began_ms) / 1000)
+        lane["task_s"] += t.get("seconds") or 0.0
+    return [{"provider": k, **{f: round(v, 2) for f, v in lane.items()}}
+            for k, lane in sorted(by.items())]
 
 
 def lost_outputs(market: Marketplace, root: Path, job_id: str, tasks: int,
@@ -207,6 +222,9 @@ def compare(label: str, tasks: int, ours: dict, ray: dict | None) -> float | Non
     print(f"{label}, {tasks:,} tasks on 2 providers: {ours['wall_s']:.1f}s,"
           f" {ours['tasks_per_s']:,.0f} tasks/s, submit->done p50 {ours['p50_ms']:,.0f} ms"
           f" p99 {ours['p99_ms']:,.0f} ms, {ours['batches']} leases")
+    for lane in ours["lanes"]:
+        print(f"  lane {lane['provider']}: {lane['tasks']:,} tasks, last ended at"
+              f" {lane['end_s']:.2f}s, {lane['task_s']:.2f}s inside its tasks")
     if ray is None:
         print(f"ray, {label}: skipped (set RAY_PYTHON to a Python that imports ray)")
         return None
@@ -356,6 +374,8 @@ def main() -> None:
         "ray_heavy_tasks_per_s": rounded(ray_heavy and ray_heavy["tasks_per_s"], 2),
         "ratio_vs_ray_heavy": rounded(ratio_heavy, 3),
         "lost_outputs": lost,
+        "outputs_lane_end_s": [lane["end_s"] for lane in light["lanes"]],
+        "heavy_lane_end_s": [lane["end_s"] for lane in heavy["lanes"]],
         "small_array_wait_s": round(max(waits), 3),
         "small_array_wait_light_s": round(waits[0], 3),
         "small_array_wait_heavy_s": round(waits[1], 3),
