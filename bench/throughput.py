@@ -6,6 +6,7 @@ same trainings submitted as separate jobs.
 
     .venv/bin/python bench/throughput.py [--tasks 10000] [--outputs 2000] [--heavy 1000]
                                          [--sweep 100] [--separate 6] [--cpu-devices 1]
+                                         [--unpinned]
 
 The cases: no-op tasks (``--tasks``); tasks that each do a little hashing (about 1 ms) and
 write one small ``result.json`` through ``task.output_dir()`` (``--outputs``), every one then
@@ -309,17 +310,28 @@ def main() -> None:
     ap.add_argument("--separate", type=int, default=6,
                     help="one-step trainings submitted as separate jobs (the baseline)")
     ap.add_argument("--cpu-devices", type=int, default=1,
-                    help="devices each of the two providers offers its core as (lanes)")
+                    help="devices each of the two providers offers its cores as (lanes)")
+    ap.add_argument("--unpinned", action="store_true",
+                    help="start the providers on every core, not each on one of its own")
     args = ap.parse_args()
+    if args.unpinned:
+        # Ray's two workers may run on either core; with this, so may the providers' job
+        # processes. Pinned each to one core (the default, as tests start providers), a lane
+        # whose core the broker or anything else takes cannot move to the other one: 35 ms
+        # tasks at load 6 ran at 28 and 20 tasks/s pinned, 38 and 33 not (alternating). But
+        # a CPU job then gets both cores' threads: two one-step trainings at once
+        # oversubscribe them (docs/provider.md): the sweep at 47.5 jobs/s pinned, 3.2 not
+        # (one full run each, load 8-10).
+        os.environ["TESTS_PROVIDER_CPUS"] = "all"
     root = Path(tempfile.mkdtemp(prefix="gpumarket-throughput-"))
     market = Marketplace(root)
     try:
         market.start_broker("--heartbeat-interval", "1")
         market.cli("keys", "init")
         for name in ("p1", "p2"):
-            # Each provider runs on one of this machine's cores (tests/helpers.py one_cpu)
-            # and offers it as --cpu-devices devices: one lane each by default, as Ray's
-            # num_cpus=2 gives it two workers (two devices each put two lanes on a core).
+            # Each provider runs on one of this machine's cores (tests/helpers.py one_cpu;
+            # every core with --unpinned) and offers them as --cpu-devices devices: one lane
+            # each by default, as Ray's num_cpus=2 gives it two workers.
             market.start_provider(name, 1.0, "--kinds", "script,training",
                                   "--cpu-devices", str(args.cpu_devices))
         market.wait_for_offers(2)
@@ -360,6 +372,7 @@ def main() -> None:
     finally:
         market.close()
     print(json.dumps({
+        "pinned": not args.unpinned,
         "tasks": args.tasks, "tasks_per_s": round(noop["tasks_per_s"], 1),
         "submit_to_done_p50_ms": round(noop["p50_ms"], 1),
         "submit_to_done_p99_ms": round(noop["p99_ms"], 1),

@@ -30,9 +30,9 @@ STATE_FIELDS = {QUEUED: "queued", RUNNING: "running", SUCCEEDED: "succeeded",
                 FAILED: "failed", CANCELLED: "cancelled"}
 # Work stealing (``_steal``): a lease of an array yields the rest of its tasks to a lane of the
 # array gone idle when they would take it at least this long (two new leases cost 0.1-0.3 s
-# each), its tasks' time read from the results it reports (each at least the floor: a task's
-# report and record beside its own run).
-STEAL_MIN_S = 1.0
+# each; its reports come up to a second apart), at its pace: its tasks' own time as reported
+# or its wall time a task reported since it started, the larger (and at least the floor).
+STEAL_MIN_S = 0.75
 STEAL_TASK_FLOOR_S = 0.001
 
 
@@ -190,7 +190,7 @@ def record_results(db: Database, batch_id: str, epoch: int, provider_id: str,
     ended already, is ignored. A few statements for the whole update, not a few a task.
     Returns how many of the lease's tasks it yields to a lane of the array gone idle
     (``_steal``; 0: none): its provider is to be asked to stop after its current task."""
-    batch, _ = jobs.current(db, batch_id, epoch, provider_id)
+    batch, lease = jobs.current(db, batch_id, epoch, provider_id)
     if len(results) > arrays.MAX_PER_LEASE:
         raise InvalidArgument(f"at most {arrays.MAX_PER_LEASE:,} task results at once")
     if blobs:
@@ -227,18 +227,22 @@ def record_results(db: Database, batch_id: str, epoch: int, provider_id: str,
     # The lease's progress is its tasks reported (its provider sends no progress beside them).
     add_to_job(db, batch_id, now, progress_step=len(told))
     _follow(db, array_id, now)
-    return _steal(db, batch, epoch, [row[2] for row in succeeded], now)
+    if not succeeded:
+        return 0
+    # The lease's wall time a task reported: what a task costs it beside its own run.
+    wall = (now - (lease["started_at_ms"] or now)) / 1000 / max(
+        1, batch.progress_step + len(told))
+    return _steal(db, batch, epoch, max(wall, sum(row[2] for row in succeeded)
+                                        / len(succeeded)), now)
 
 
-def _steal(db: Database, batch: Job, epoch: int, seconds: list[float], now: int) -> int:
+def _steal(db: Database, batch: Job, epoch: int, pace: float, now: int) -> int:
     """Work stealing: where fewer of the array's batches are open than it has lanes, none of
     them waiting for a device (a lane ended its lease and has nothing left to take), this
     lease yields the tasks it has not run yet if they would take it at least STEAL_MIN_S at
-    the pace of ``seconds`` (its tasks just reported): they go back to the queue as
-    ``lanes`` batches (``add_batches``), one for the idle lane, one for this one. Returns how
-    many were marked (``yield_lease``)."""
-    if not seconds:
-        return 0
+    ``pace`` (seconds a task): they go back to the queue as ``lanes`` batches
+    (``add_batches``), one for the idle lane, one for this one. Returns how many were
+    marked (``yield_lease``)."""
     top = jobs.job_row(db, batch.parent_id)
     if top.state in TERMINAL_STATES or top.lanes < 2:
         return 0
@@ -251,8 +255,7 @@ def _steal(db: Database, batch: Job, epoch: int, seconds: list[float], now: int)
         return 0
     left = db.execute("SELECT count(*) FROM array_tasks WHERE batch_id = ? AND state = ?"
                       " AND yielded = 0", [batch.id, RUNNING]).fetchone()[0]
-    pace = max(STEAL_TASK_FLOOR_S, sum(seconds) / len(seconds))
-    if left < 2 or left * pace < STEAL_MIN_S:
+    if left < 2 or left * max(STEAL_TASK_FLOOR_S, pace) < STEAL_MIN_S:
         return 0
     return yield_lease(db, batch.id, epoch, now,
                        why=f"a lane of the array is idle ({open_batches} of its {top.lanes}"
