@@ -6,6 +6,7 @@ same trainings submitted as separate jobs.
 
     .venv/bin/python bench/throughput.py [--tasks 10000] [--outputs 2000] [--heavy 1000]
                                          [--sweep 100] [--separate 6] [--cpu-devices 1]
+                                         [--unpinned]
 
 The cases: no-op tasks (``--tasks``); tasks that each do a little hashing (about 1 ms) and
 write one small ``result.json`` through ``task.output_dir()`` (``--outputs``), every one then
@@ -152,10 +153,25 @@ def run_array(market: Marketplace, root: Path, name: str, tasks: int,
     job = market.job(job_id)
     if job["state"] != "SUCCEEDED":
         raise SystemExit(f"the {name} array ended {job['state']}: {job.get('error')}")
-    lat = [(t["updated_at_ms"] - began_ms) / 1000 for t in all_tasks(market, job_id, tasks)]
+    rows = all_tasks(market, job_id, tasks)
+    lat = [(t["updated_at_ms"] - began_ms) / 1000 for t in rows]
     return {"job_id": job_id, "wall_s": wall, "tasks_per_s": tasks / wall,
             "p50_ms": pct(lat, 0.5) * 1000, "p99_ms": pct(lat, 0.99) * 1000,
-            "batches": len(job.get("parts", []))}
+            "batches": len(job.get("parts", [])), "lanes": lanes(rows, began_ms)}
+
+
+def lanes(rows: list[dict], began_ms: float) -> list[dict]:
+    """Each provider's share of an array, from its tasks' rows: tasks, when its last one
+    ended (s after submission) and the seconds its tasks ran themselves (the rest of a lane's
+    time is the lease's and the provider's, or a core taken by something else)."""
+    by: dict[str, dict] = {}
+    for t in rows:
+        lane = by.setdefault(t["provider_id"][:8], {"tasks": 0, "end_s": 0.0, "task_s": 0.0})
+        lane["tasks"] += 1
+        lane["end_s"] = max(lane["end_s"], (t["updated_at_ms"] - began_ms) / 1000)
+        lane["task_s"] += t.get("seconds") or 0.0
+    return [{"provider": k, **{f: round(v, 2) for f, v in lane.items()}}
+            for k, lane in sorted(by.items())]
 
 
 def lost_outputs(market: Marketplace, root: Path, job_id: str, tasks: int,
@@ -207,6 +223,9 @@ def compare(label: str, tasks: int, ours: dict, ray: dict | None) -> float | Non
     print(f"{label}, {tasks:,} tasks on 2 providers: {ours['wall_s']:.1f}s,"
           f" {ours['tasks_per_s']:,.0f} tasks/s, submit->done p50 {ours['p50_ms']:,.0f} ms"
           f" p99 {ours['p99_ms']:,.0f} ms, {ours['batches']} leases")
+    for lane in ours["lanes"]:
+        print(f"  lane {lane['provider']}: {lane['tasks']:,} tasks, last ended at"
+              f" {lane['end_s']:.2f}s, {lane['task_s']:.2f}s inside its tasks")
     if ray is None:
         print(f"ray, {label}: skipped (set RAY_PYTHON to a Python that imports ray)")
         return None
@@ -291,17 +310,28 @@ def main() -> None:
     ap.add_argument("--separate", type=int, default=6,
                     help="one-step trainings submitted as separate jobs (the baseline)")
     ap.add_argument("--cpu-devices", type=int, default=1,
-                    help="devices each of the two providers offers its core as (lanes)")
+                    help="devices each of the two providers offers its cores as (lanes)")
+    ap.add_argument("--unpinned", action="store_true",
+                    help="start the providers on every core, not each on one of its own")
     args = ap.parse_args()
+    if args.unpinned:
+        # Ray's two workers may run on either core; with this, so may the providers' job
+        # processes. Pinned each to one core (the default, as tests start providers), a lane
+        # whose core the broker or anything else takes cannot move to the other one: 35 ms
+        # tasks at load 6 ran at 28 and 20 tasks/s pinned, 38 and 33 not (alternating). But
+        # a CPU job then gets both cores' threads: two one-step trainings at once
+        # oversubscribe them (docs/provider.md): the sweep at 47.5 jobs/s pinned, 3.2 not
+        # (one full run each, load 8-10).
+        os.environ["TESTS_PROVIDER_CPUS"] = "all"
     root = Path(tempfile.mkdtemp(prefix="gpumarket-throughput-"))
     market = Marketplace(root)
     try:
         market.start_broker("--heartbeat-interval", "1")
         market.cli("keys", "init")
         for name in ("p1", "p2"):
-            # Each provider runs on one of this machine's cores (tests/helpers.py one_cpu)
-            # and offers it as --cpu-devices devices: one lane each by default, as Ray's
-            # num_cpus=2 gives it two workers (two devices each put two lanes on a core).
+            # Each provider runs on one of this machine's cores (tests/helpers.py one_cpu;
+            # every core with --unpinned) and offers them as --cpu-devices devices: one lane
+            # each by default, as Ray's num_cpus=2 gives it two workers.
             market.start_provider(name, 1.0, "--kinds", "script,training",
                                   "--cpu-devices", str(args.cpu_devices))
         market.wait_for_offers(2)
@@ -342,6 +372,7 @@ def main() -> None:
     finally:
         market.close()
     print(json.dumps({
+        "pinned": not args.unpinned,
         "tasks": args.tasks, "tasks_per_s": round(noop["tasks_per_s"], 1),
         "submit_to_done_p50_ms": round(noop["p50_ms"], 1),
         "submit_to_done_p99_ms": round(noop["p99_ms"], 1),
@@ -356,6 +387,8 @@ def main() -> None:
         "ray_heavy_tasks_per_s": rounded(ray_heavy and ray_heavy["tasks_per_s"], 2),
         "ratio_vs_ray_heavy": rounded(ratio_heavy, 3),
         "lost_outputs": lost,
+        "outputs_lane_end_s": [lane["end_s"] for lane in light["lanes"]],
+        "heavy_lane_end_s": [lane["end_s"] for lane in heavy["lanes"]],
         "small_array_wait_s": round(max(waits), 3),
         "small_array_wait_light_s": round(waits[0], 3),
         "small_array_wait_heavy_s": round(waits[1], 3),

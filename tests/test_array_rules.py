@@ -442,3 +442,71 @@ def test_a_heartbeat_heard_before_a_lease_ended_does_not_cancel_it_again(store):
         return before, after
 
     assert asyncio.run(scenario()) == ({}, {"p1": [("a6-1", 1)]})
+
+
+def test_a_lane_gone_idle_steals_the_rest_of_a_slower_lease_split_between_them(store):
+    """Work stealing: an array over two lanes; one lease ends while the other has 18 tasks
+    left at 0.1 s each. That lease is asked to yield (not before the first ended, not where
+    what is left is quicker than two new leases); its last task reported meanwhile counts;
+    the rest go back as two batches, one a lane, without an attempt; each task succeeds
+    once, none is lost, and a result the yielded lease sends for a task moved on is not
+    recorded."""
+    import asyncio
+
+    from gpumarket.broker.jobs import arrays as broker_arrays
+    from gpumarket.broker.jobs import transitions as jobs
+    from gpumarket.proto.envelope import seal
+    from gpumarket.proto.errors import FailedPrecondition
+    from gpumarket.proto.identity import Identity
+    from gpumarket.proto.v1 import gateway_pb2 as gw
+    from gpumarket.proto.v1 import types_pb2 as pb
+
+    broker, client, provider = Identity.generate(), Identity.generate(), Identity.generate()
+    sign = lambda lease: seal(broker, lease)
+    w, r = store.write, store.read
+    ok = lambda tasks, s=0.1: [gw.TaskResult(task=t, ok=True, seconds=s) for t in tasks]
+
+    async def run_lease(batch: str, provider_id: str, at: int) -> None:
+        await w(jobs.create_lease, LeaseTerms(batch, provider_id, (0,), 1.0, 60_000, 0), at,
+                sign)
+        await w(jobs.mark_started, batch, 1, provider_id, at + 1)
+
+    async def end_lease(batch: str, provider_id: str, at: int) -> None:
+        receipt = seal(provider, pb.Receipt(job_id=batch, epoch=1, provider_id=provider_id))
+        await w(jobs.succeed, batch, 1, provider_id, receipt.SerializeToString(), at)
+
+    def tasks(db):
+        return {t: (state, attempts, batch) for t, state, attempts, batch in db.execute(
+            "SELECT task, state, attempts, batch_id FROM array_tasks ORDER BY task")}
+
+    async def scenario():
+        await w(broker_arrays.submit, array_job(client, "a9", 40, 0), 1, 2)   # two lanes
+        await run_lease("a9-1", "p1", 2)
+        await run_lease("a9-2", "p2", 2)
+        # Both lanes busy: nothing to steal for.
+        assert await w(broker_arrays.record_results, "a9-2", 1, "p2", ok([20]), 4) == 0
+        assert await w(broker_arrays.record_results, "a9-1", 1, "p1", ok(range(20)), 5) == 0
+        await end_lease("a9-1", "p1", 6)
+        # Lane p1 idle; a9-2 has 18 left: at 1 ms a task, quicker than two new leases.
+        assert await w(broker_arrays.record_results, "a9-2", 1, "p2", ok([21], 0.001), 7) == 0
+        assert await w(broker_arrays.record_results, "a9-2", 1, "p2", ok([22]), 8) == 17
+        assert await w(broker_arrays.record_results, "a9-2", 1, "p2", ok([23]), 9) == 0
+        await end_lease("a9-2", "p2", 10)
+        got = await r(tasks)
+        S, Q = pb.JOB_STATE_SUCCEEDED, pb.JOB_STATE_QUEUED
+        assert all(got[t] == (S, 0, "a9-2") for t in range(20, 24))
+        assert {t: got[t] for t in range(24, 40)} == \
+            {t: (Q, 0, "a9-3" if t < 32 else "a9-4") for t in range(24, 40)}
+        with pytest.raises(FailedPrecondition):     # that lease is over: its late results
+            await w(broker_arrays.record_results, "a9-2", 1, "p2", ok([30]), 11)
+        await run_lease("a9-3", "p1", 12)
+        await run_lease("a9-4", "p2", 12)
+        await w(broker_arrays.record_results, "a9-3", 1, "p1", ok(range(24, 32)), 14)
+        await w(broker_arrays.record_results, "a9-4", 1, "p2", ok(range(32, 40)), 14)
+        await end_lease("a9-3", "p1", 15)
+        await end_lease("a9-4", "p2", 15)
+        got = await r(tasks)
+        assert [got[t][:2] for t in range(40)] == [(S, 0)] * 40
+        assert (await r(jobs.job_row, "a9"))["state"] == S
+
+    asyncio.run(scenario())

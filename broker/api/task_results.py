@@ -27,7 +27,8 @@ async def record(state: BrokerState, provider_id: str, update: gw.JobUpdate, now
     """Record the update's task results (arrays.record_results); its outputs' bytes are
     stored first, so no task is SUCCEEDED without them, and only while the lease is the
     provider's. Raises what refuses it (nothing of it is recorded then; outputs stored before
-    a refusal — the lease ended in between — stay on disk with no row)."""
+    a refusal — the lease ended in between — stay on disk with no row). A lease the
+    results show should yield to an idle lane of its array is asked to (``arrays._steal``)."""
     tasks = update.tasks
     if sum(1 for r in tasks.results if r.receipt.payload) + len(tasks.blobs) > THREAD_FROM:
         results, receipts, blobs = await asyncio.to_thread(_checked, update, provider_id)
@@ -40,8 +41,16 @@ async def record(state: BrokerState, provider_id: str, update: gw.JobUpdate, now
         # held by no row, out of the garbage collector's reach (a disk a provider could fill).
         await state.store.read(jobs.current, update.job_id, update.epoch, provider_id)
         await _store(state, provider_id, blobs, limit)
-    await state.store.write(arrays.record_results, update.job_id, update.epoch, provider_id,
-                            results, now, receipts, sizes, limit)
+    stolen = await state.store.write(arrays.record_results, update.job_id, update.epoch,
+                                     provider_id, results, now, receipts, sizes, limit)
+    if stolen:
+        # A lane of the array went idle: this lease stops after its current task and the
+        # rest of its tasks are split between the lanes (arrays._steal).
+        session = state.sessions.get(provider_id)
+        if session is not None:
+            session.send(gw.BrokerMessage(yield_lease=gw.YieldLease(
+                job_id=update.job_id, epoch=update.epoch,
+                reason=f"a lane of the array is idle: {stolen} tasks go to it")))
 
 
 async def _store(state: BrokerState, provider_id: str, blobs: list[tuple[str, bytes]],

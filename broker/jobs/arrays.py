@@ -28,6 +28,12 @@ SUCCEEDED, FAILED, CANCELLED = pb.JOB_STATE_SUCCEEDED, pb.JOB_STATE_FAILED, pb.J
 OPEN = (QUEUED, RUNNING)            # a task's states before it ends
 STATE_FIELDS = {QUEUED: "queued", RUNNING: "running", SUCCEEDED: "succeeded",
                 FAILED: "failed", CANCELLED: "cancelled"}
+# Work stealing (``_steal``): a lease of an array yields the rest of its tasks to a lane of the
+# array gone idle when they would take it at least this long (two new leases cost 0.1-0.3 s
+# each; its reports come up to a second apart), at its pace: its tasks' own time as reported
+# or its wall time a task reported since it started, the larger (and at least the floor).
+STEAL_MIN_S = 0.75
+STEAL_TASK_FLOOR_S = 0.001
 
 
 def spec_of(envelope: bytes) -> pb.JobSpec:
@@ -62,6 +68,11 @@ def add_batches(db: Database, array_id: str, now: int) -> int:
         return 0
     top = jobs.job_row(db, array_id)
     size = arrays.per_lease(spec_of(top.spec), top.lanes)
+    if top.parts and top.lanes:
+        # Tasks back in the queue (yielded to an idle lane or another client, or failed)
+        # spread over the array's lanes, not one batch that one device runs while the others
+        # idle.
+        size = min(size, -(-len(waiting) // (top.lanes or 8)))
     made = top.parts or 0
     for batch in arrays.batches(waiting, size):
         made += 1
@@ -168,7 +179,7 @@ def _outputs(db: Database, batch: Job, epoch: int, provider_id: str,
 def record_results(db: Database, batch_id: str, epoch: int, provider_id: str,
                    results: list[gw.TaskResult], now: int,
                    receipts: dict[int, pb.Receipt] | None = None,
-                   blobs: list[tuple[str, int]] = (), quota: int = 0) -> None:
+                   blobs: list[tuple[str, int]] = (), quota: int = 0) -> int:
     """Tasks of the provider's current lease of the batch ended (``gw.TaskResult``s): each
     succeeded, or failed and runs again later while it has attempts left. A succeeded task
     with its own receipt (``task_receipts``, checked) has its outputs from it at once.
@@ -176,8 +187,10 @@ def record_results(db: Database, batch_id: str, epoch: int, provider_id: str,
     stored already; the provider holds them from here on as if it had uploaded them
     (counted against its ``quota`` of bytes: ResourceExhausted, nothing recorded, over it).
     A task's first result in the update counts; one of a task that is not this batch's, or
-    ended already, is ignored. A few statements for the whole update, not a few a task."""
-    batch, _ = jobs.current(db, batch_id, epoch, provider_id)
+    ended already, is ignored. A few statements for the whole update, not a few a task.
+    Returns how many of the lease's tasks it yields to a lane of the array gone idle
+    (``_steal``; 0: none): its provider is to be asked to stop after its current task."""
+    batch, lease = jobs.current(db, batch_id, epoch, provider_id)
     if len(results) > arrays.MAX_PER_LEASE:
         raise InvalidArgument(f"at most {arrays.MAX_PER_LEASE:,} task results at once")
     if blobs:
@@ -214,6 +227,39 @@ def record_results(db: Database, batch_id: str, epoch: int, provider_id: str,
     # The lease's progress is its tasks reported (its provider sends no progress beside them).
     add_to_job(db, batch_id, now, progress_step=len(told))
     _follow(db, array_id, now)
+    if not succeeded:
+        return 0
+    # The lease's wall time a task reported: what a task costs it beside its own run.
+    wall = (now - (lease["started_at_ms"] or now)) / 1000 / max(
+        1, batch.progress_step + len(told))
+    return _steal(db, batch, epoch, max(wall, sum(row[2] for row in succeeded)
+                                        / len(succeeded)), now)
+
+
+def _steal(db: Database, batch: Job, epoch: int, pace: float, now: int) -> int:
+    """Work stealing: where fewer of the array's batches are open than it has lanes, none of
+    them waiting for a device (a lane ended its lease and has nothing left to take), this
+    lease yields the tasks it has not run yet if they would take it at least STEAL_MIN_S at
+    ``pace`` (seconds a task): they go back to the queue as ``lanes`` batches
+    (``add_batches``), one for the idle lane, one for this one. Returns how many were
+    marked (``yield_lease``)."""
+    top = jobs.job_row(db, batch.parent_id)
+    if top.state in TERMINAL_STATES or top.lanes < 2:
+        return 0
+    open_batches, waiting = db.execute(
+        f"SELECT count(*), coalesce(sum(CASE WHEN state = ? THEN 1 ELSE 0 END), 0) FROM jobs"
+        f" WHERE parent_id = ? AND"
+        f" state NOT IN ({', '.join(str(s) for s in TERMINAL_STATES)})",
+        [QUEUED, top.id]).fetchone()
+    if waiting or open_batches >= top.lanes:
+        return 0
+    left = db.execute("SELECT count(*) FROM array_tasks WHERE batch_id = ? AND state = ?"
+                      " AND yielded = 0", [batch.id, RUNNING]).fetchone()[0]
+    if left < 2 or left * max(STEAL_TASK_FLOOR_S, pace) < STEAL_MIN_S:
+        return 0
+    return yield_lease(db, batch.id, epoch, now,
+                       why=f"a lane of the array is idle ({open_batches} of its {top.lanes}"
+                           f" lanes busy)")
 
 
 def _open_tasks(db: Database, array_id: str, batch_id: str, tasks: list[int]) -> list[tuple]:
@@ -244,7 +290,8 @@ def failed_on(db: Database, batch_id: str) -> set[str]:
         " AND provider_id != ''", [batch_id])}
 
 
-def yield_lease(db: Database, batch_id: str, epoch: int, now: int) -> int:
+def yield_lease(db: Database, batch_id: str, epoch: int, now: int,
+                why: str = "another client waits") -> int:
     """The broker asks the batch's running lease (of ``epoch``) to yield its device after
     its current task: its tasks not reported yet are marked to go back to the queue when it
     ends, without counting an attempt (a task that still reports meanwhile is recorded as
@@ -259,7 +306,7 @@ def yield_lease(db: Database, batch_id: str, epoch: int, now: int) -> int:
     if marked:
         jobs.append_event(db, batch_id, "yielding", RUNNING, batch.attempt, now,
                           mirror=False, message=f"asked to stop after its current task:"
-                          f" another client waits; {marked} tasks go back to the queue")
+                          f" {why}; {marked} tasks go back to the queue")
     return marked
 
 
