@@ -119,7 +119,8 @@ async def timed(state: BrokerState, needs: admission.Needs, client_id: str, limi
                 book: matcher.Book | None = None
                 ) -> tuple[matcher.Book, list[credit_holds.Timed], dict[str, int]]:
     """The offers that fit a job not stored yet, best first, each with the job's calibrated
-    wall time, and what excluded the others (``book``: the live offers, if read already)."""
+    wall time, and what excluded the others (``book``: the live offers, if read already;
+    else the Book the submissions share, scheduler.recent_book: up to a second old)."""
     if book is None:
         book = await scheduler.recent_book(state)
     view = needs.view("quote", client_id)

@@ -96,14 +96,16 @@ class BuiltBook:
 
 async def recent_book(state: BrokerState, max_age_s: float = BOOK_REUSE_S,
                       clock: Callable[[], float] = time.monotonic) -> matcher.Book:
-    """A Book for a price estimate (a submission's hold, its array's lanes, its deadline
-    check): the last one built, while younger than ``max_age_s`` and no offer came, went or
-    changed since; else a new one (kept for the next). A hold is an estimate of what the job
-    will cost, sized from the cheapest offers that fit it; within a second only the devices
-    leased or freed and the observed histories can have moved, and a hold that proves short
-    or long is settled against the real lease's price anyway (money/credit_holds). What must
-    not use a stale Book is anything that leases: the placement pass builds its own
-    (``place_queued``), and so does preemption's choice of leases."""
+    """A Book for an estimate (a submission's hold, its array's lanes, its deadline check;
+    a quote): the last one built, while younger than ``max_age_s`` and no offer came, went
+    or changed since; else a new one (kept for the next). A hold is a bound, not a price:
+    the job's max price times twice its wall time on the offers that fit it (money/
+    credit_holds), and the job is charged for its real leases; within a second only the
+    devices leased or freed and the providers' records can have moved, which change that
+    wall time little, and a hold that proves short pauses the job, it does not lose it.
+    What must not use a Book this old is anything that leases or takes a lease back: the
+    placement pass builds its own each pass (``place_queued``; preemption and the deadline
+    promotions use that one) and leaves it here for the submissions."""
     kept = _books.get(state.sessions)
     if kept is not None and kept.reusable(state.sessions.offers(), clock(), max_age_s):
         return kept.book
