@@ -61,7 +61,7 @@ async def submit(state: BrokerState, envelope: pb.Envelope, spec: pb.JobSpec, cl
     if job.shape == "array":                # every task runs, or the submission says which not
         await asyncio.to_thread(check_tasks, state, spec, values)
         if not spec.array.per_lease:        # spread over the devices that fit it
-            book = await scheduler.offer_book(state)
+            book = await scheduler.recent_book(state)
             job = dataclasses.replace(job, lanes=book.lanes(job.needs.view("quote", client_id)))
     if job.needs.tier in ("interruptible", "standard") and job.needs.deadline_s:
         # A deadline no offer could meet even now is refused, nothing written (timed on
@@ -119,9 +119,10 @@ async def timed(state: BrokerState, needs: admission.Needs, client_id: str, limi
                 book: matcher.Book | None = None
                 ) -> tuple[matcher.Book, list[credit_holds.Timed], dict[str, int]]:
     """The offers that fit a job not stored yet, best first, each with the job's calibrated
-    wall time, and what excluded the others (``book``: the live offers, if read already)."""
+    wall time, and what excluded the others (``book``: the live offers, if read already;
+    else the Book the submissions share, scheduler.recent_book: up to a second old)."""
     if book is None:
-        book = await scheduler.offer_book(state)
+        book = await scheduler.recent_book(state)
     view = needs.view("quote", client_id)
     found, excluded = book.candidates(view, limit)
     return book, await state.store.read(credit_holds.timed, book, view, found), excluded

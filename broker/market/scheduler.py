@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import operator
 import time
 import weakref
 from collections import defaultdict
@@ -47,6 +48,7 @@ from gpumarket.broker.store.leadership import Deposed
 from gpumarket.proto.envelope import seal
 from gpumarket.proto.jobspec import now_ms
 from gpumarket.proto.v1 import gateway_pb2 as gw
+from gpumarket.proto.v1 import types_pb2 as pb
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -70,9 +72,52 @@ def kept_offers(state: BrokerState) -> KeptOffers:
     return kept
 
 
-async def offer_book(state: BrokerState) -> matcher.Book:
-    """The live offers, corrected by what the broker observed, as one Book."""
+# The last Book each broker built (``offer_book``), for the submissions' price estimates
+# (``recent_book``): at 10,000 offers a Book takes ~100 ms to build, once per Submit RPC
+# before (issue 36).
+BOOK_REUSE_S = 1.0
+_books: weakref.WeakKeyDictionary[Any, BuiltBook] = weakref.WeakKeyDictionary()
+
+
+@dataclass(frozen=True)
+class BuiltBook:
+    """A Book with the offers it was built from and when (``time.monotonic``)."""
+
+    book: matcher.Book
+    offers: list[pb.Offer]
+    built_at: float
+
+    def reusable(self, offers: list[pb.Offer], now: float, max_age_s: float) -> bool:
+        """Young enough, and built from the same offers: the same Offer objects in the same
+        order — a session opened, closed or drained, or an offer replaced, changes them."""
+        return (now - self.built_at < max_age_s and len(offers) == len(self.offers)
+                and all(map(operator.is_, offers, self.offers)))
+
+
+async def recent_book(state: BrokerState, max_age_s: float = BOOK_REUSE_S,
+                      clock: Callable[[], float] = time.monotonic) -> matcher.Book:
+    """A Book for an estimate (a submission's hold, its array's lanes, its deadline check;
+    a quote): the last one built, while younger than ``max_age_s`` and no offer came, went
+    or changed since; else a new one (kept for the next). A hold is a bound, not a price:
+    the job's max price times twice its wall time on the offers that fit it (money/
+    credit_holds), and the job is charged for its real leases; within a second only the
+    devices leased or freed and the providers' records can have moved, which change that
+    wall time little, and a hold that proves short pauses the job, it does not lose it.
+    What must not use a Book this old is anything that leases or takes a lease back: the
+    placement pass builds its own each pass (``place_queued``; preemption and the deadline
+    promotions use that one) and leaves it here for the submissions."""
+    kept = _books.get(state.sessions)
+    if kept is not None and kept.reusable(state.sessions.offers(), clock(), max_age_s):
+        return kept.book
+    return await offer_book(state, clock)
+
+
+async def offer_book(state: BrokerState,
+                     clock: Callable[[], float] = time.monotonic) -> matcher.Book:
+    """The live offers, corrected by what the broker observed, as one Book (kept for
+    ``recent_book``)."""
     store = state.store
+    built_at = clock()
     offers = state.sessions.offers()
     now = now_ms()
     busy = await state.busy_devices()
@@ -85,8 +130,10 @@ async def offer_book(state: BrokerState) -> matcher.Book:
                 if kind in trained}
     efficiency = claim_efficiency(offers, achieved)
     stakes = await store.read(views.stakes)
-    return matcher.Book(kept_offers(state).views(offers, hist, achieved, busy, loads,
+    book = matcher.Book(kept_offers(state).views(offers, hist, achieved, busy, loads,
                                                  efficiency, stakes))
+    _books[state.sessions] = BuiltBook(book, offers, built_at)
+    return book
 
 
 async def place_queued(state: BrokerState) -> int:
