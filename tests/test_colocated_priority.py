@@ -1,6 +1,8 @@
-"""A lower tier's job process runs at a lower CPU priority (provider/executor.job_priority,
+"""A lower tier's job process runs at a lower CPU priority (provider/priority.job_priority,
 lower_priority): every thread of every process of the job's group, so that a replica and the
-marketplace's own processes win a core it shares with them (bench/colocated.py)."""
+marketplace's own processes win a core it shares with them (bench/colocated.py); and a job on
+a slice of the CPU is held to its cores from its start, below the serving tier at SCHED_IDLE
+(``settle``), so that the marketplace's threads take its core rather than a replica's."""
 
 from __future__ import annotations
 
@@ -10,7 +12,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from gpumarket.provider.executor import job_priority, lower_priority
+import pytest
+
+from gpumarket.provider.executor import job_priority
+from gpumarket.provider.priority import lower_priority, settle
 from gpumarket.proto.v1 import types_pb2 as pb
 
 # A process with a second thread and a child process (itself with a thread), all started
@@ -56,6 +61,46 @@ def test_lower_tiers_run_at_a_lower_priority_every_thread_of_the_group():
             assert Path("/proc/self/autogroup").read_text().split()[-1:] in ([], ["0"])
         lower_priority(job.pid, 0)      # a replica's: left as it is
         assert set(nices(job.pid)) == {want}
+    finally:
+        os.killpg(job.pid, signal.SIGKILL)
+        job.wait()
+
+
+def threads_of(*pids: int) -> list[int]:
+    return [int(t.name) for pid in pids for t in Path(f"/proc/{pid}/task").iterdir()]
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="a slice needs a second core")
+def test_a_job_on_a_cpu_slice_is_held_to_its_cores_and_below_serving_runs_idle():
+    """Every thread of both processes (started before it was settled) on the slice's core
+    and SCHED_IDLE; a replica's (nice 0) on its core at the normal policy; a job on every
+    core the daemon has (a whole CPU, no neighbour) left as it is."""
+    mine = sorted(os.sched_getaffinity(0))
+    core = {mine[-1]}
+    env = {"GPUMARKET_CPU_CORES": str(mine[-1])}
+    for nice, policy in ((job_priority(pb.TIER_STANDARD, False), os.SCHED_IDLE),
+                         (job_priority(pb.TIER_SERVING, False), os.SCHED_OTHER)):
+        job = subprocess.Popen([sys.executable, "-c", JOB], stdout=subprocess.PIPE,
+                               text=True, start_new_session=True)
+        try:
+            child = int(job.stdout.readline())
+            tids = threads_of(job.pid, child)
+            assert len(tids) >= 4
+            assert all(os.sched_getaffinity(t) == set(mine) for t in tids)
+            settle(job.pid, nice, env)
+            assert all(os.sched_getaffinity(t) == core for t in tids)
+            assert {os.sched_getscheduler(t) for t in tids} == {policy}
+        finally:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait()
+    whole = {"GPUMARKET_CPU_CORES": ",".join(map(str, mine))}
+    job = subprocess.Popen([sys.executable, "-c", JOB], stdout=subprocess.PIPE, text=True,
+                           start_new_session=True)
+    try:
+        child = int(job.stdout.readline())
+        settle(job.pid, job_priority(pb.TIER_INTERRUPTIBLE, False), whole)
+        assert {os.sched_getscheduler(t) for t in threads_of(job.pid, child)} == \
+            {os.SCHED_OTHER}
     finally:
         os.killpg(job.pid, signal.SIGKILL)
         job.wait()
