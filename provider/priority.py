@@ -1,19 +1,19 @@
 """A job process's claim on the host's CPUs beside an endpoint's replica: its nice value by
-tier, and, for a job on a slice of the CPU, its cores and its scheduling policy.
+tier, and, for a job on a slice of the CPU, its cores from its very start.
 
 A lower tier's job runs at a lower priority (nice): where it shares cores with a replica's
-engine, the broker's or this daemon's threads, they win the core first. On a slice of the
-CPU (a job held to some of the daemon's cores, the rest being another slice's) that is not
-enough: the replica's requests pass through the broker and this daemon, which may run on any
-core, and while a slice's job keeps its own core busy the kernel puts their threads on the
-replica's core, where they queue behind its engine. A lower tier's job on a CPU slice
-therefore runs SCHED_IDLE: the kernel counts its core as idle when it places a waking
-thread, and any other thread takes the core from it at once — so the marketplace's own
-threads go to the job's core rather than the replica's. It still has all of its core the
-rest of the time. And it is held to its slice's cores from its start (before the runner
-pins itself, runners/base.apply_share): a forked job by its forkserver before it runs
-anything, one started cold here as soon as it is spawned, so not even its imports run on the
-replica's core. bench/colocated.py measures it (``colocated_ttft_p99_ratio``).
+engine, the broker's or this daemon's threads, they win the core first. A job on a slice of
+the CPU (held to some of the daemon's cores, the rest another slice's) is held to its cores
+before anything of it runs, not only once its runner pins itself (runners/base.apply_share,
+after the runner's imports): a forked job by its forkserver's child, its sandbox's
+processes included; one started cold here as soon as it is spawned — so neither a
+training's imports nor its sandbox's wrappers run on a replica's core.
+
+Tried and left out: running a lower tier's job on a CPU slice SCHED_IDLE (its core then
+counts as idle where the kernel places a waking thread of the broker or this daemon), and
+that at nice 19 on its session's group as well. bench/colocated.py, three pairs alternating
+with and without at load average 5-7 on the 2-core machine: colocated_ttft_p99_ratio 1.98,
+2.42 (SCHED_IDLE), 2.96 (and nice 19) against 1.61, 0.83, 1.44 without (docs/broker.md).
 """
 
 from __future__ import annotations
@@ -65,24 +65,20 @@ def group_threads(pgid: int) -> list[int]:
     return tids
 
 
-def hold_to_slice(pgid: int, cores: frozenset[int], idle: bool) -> None:
-    """Hold the job whose session leader is ``pgid`` to ``cores``, each of its threads, and
-    with ``idle`` to SCHED_IDLE (threads and processes it starts later inherit both). A job
-    cannot leave SCHED_IDLE again without privilege (RLIMIT_NICE). What cannot be done is a
-    note in the daemon's log: the runner still pins itself to its cores."""
+def hold_to_slice(pgid: int, cores: frozenset[int]) -> None:
+    """Hold each thread of the job whose session leader is ``pgid`` to ``cores`` (threads and
+    processes it starts later inherit them). What cannot be done is a note in the daemon's
+    log: the runner still pins itself to its cores when it starts."""
     failed = ""
     for tid in group_threads(pgid):
         try:
-            if cores:
-                os.sched_setaffinity(tid, cores)
-            if idle:
-                os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+            os.sched_setaffinity(tid, cores)
         except ProcessLookupError:
             continue
         except OSError as exc:
             failed = exc.strerror or str(exc)
     if failed:
-        log.warning("job process group %d: not held to its slice (%s)", pgid, failed)
+        log.warning("job process group %d: not held to its slice's cores (%s)", pgid, failed)
 
 
 def lower_priority(pgid: int, nice: int) -> None:
@@ -115,10 +111,9 @@ def lower_priority(pgid: int, nice: int) -> None:
 
 
 def settle(pgid: int, nice: int, env: dict[str, str]) -> None:
-    """A job process just started (``pgid``, its environment ``env``) put in its place: its
-    tier's ``nice`` (job_priority), and on a slice of the CPU its cores and, below the
-    serving tier (``nice`` > 0), SCHED_IDLE."""
+    """A job process just started (``pgid``, its environment ``env``) put in its place: on a
+    slice of the CPU held to its cores, and at its tier's ``nice`` (job_priority)."""
     cores = job_cores(env)
     if on_a_slice(cores):
-        hold_to_slice(pgid, cores, idle=nice > 0)
+        hold_to_slice(pgid, cores)
     lower_priority(pgid, nice)

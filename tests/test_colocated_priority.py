@@ -1,8 +1,8 @@
 """A lower tier's job process runs at a lower CPU priority (provider/priority.job_priority,
 lower_priority): every thread of every process of the job's group, so that a replica and the
 marketplace's own processes win a core it shares with them (bench/colocated.py); and a job on
-a slice of the CPU is held to its cores from its start, below the serving tier at SCHED_IDLE
-(``settle``), so that the marketplace's threads take its core rather than a replica's."""
+a slice of the CPU is held to its cores from its start (``settle``), every thread of it, not
+only once its runner pins itself."""
 
 from __future__ import annotations
 
@@ -71,15 +71,12 @@ def threads_of(*pids: int) -> list[int]:
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="a slice needs a second core")
-def test_a_job_on_a_cpu_slice_is_held_to_its_cores_and_below_serving_runs_idle():
-    """Every thread of both processes (started before it was settled) on the slice's core
-    and SCHED_IDLE; a replica's (nice 0) on its core at the normal policy; a job on every
-    core the daemon has (a whole CPU, no neighbour) left as it is."""
+def test_a_job_on_a_cpu_slice_is_held_to_its_cores_every_thread_of_the_group():
+    """Every thread of both processes (started before it was settled) on the slice's core, at
+    its tier's nice; a job on every core the daemon has (a whole CPU) left on them."""
     mine = sorted(os.sched_getaffinity(0))
-    core = {mine[-1]}
-    env = {"GPUMARKET_CPU_CORES": str(mine[-1])}
-    for nice, policy in ((job_priority(pb.TIER_STANDARD, False), os.SCHED_IDLE),
-                         (job_priority(pb.TIER_SERVING, False), os.SCHED_OTHER)):
+    nice = job_priority(pb.TIER_STANDARD, False)
+    for cores, want in (({mine[-1]}, {mine[-1]}), (set(mine), set(mine))):
         job = subprocess.Popen([sys.executable, "-c", JOB], stdout=subprocess.PIPE,
                                text=True, start_new_session=True)
         try:
@@ -87,20 +84,9 @@ def test_a_job_on_a_cpu_slice_is_held_to_its_cores_and_below_serving_runs_idle()
             tids = threads_of(job.pid, child)
             assert len(tids) >= 4
             assert all(os.sched_getaffinity(t) == set(mine) for t in tids)
-            settle(job.pid, nice, env)
-            assert all(os.sched_getaffinity(t) == core for t in tids)
-            assert {os.sched_getscheduler(t) for t in tids} == {policy}
+            settle(job.pid, nice, {"GPUMARKET_CPU_CORES": ",".join(map(str, sorted(cores)))})
+            assert all(os.sched_getaffinity(t) == want for t in tids)
+            assert set(nices(job.pid)) == set(nices(child)) == {nice}
         finally:
             os.killpg(job.pid, signal.SIGKILL)
             job.wait()
-    whole = {"GPUMARKET_CPU_CORES": ",".join(map(str, mine))}
-    job = subprocess.Popen([sys.executable, "-c", JOB], stdout=subprocess.PIPE, text=True,
-                           start_new_session=True)
-    try:
-        child = int(job.stdout.readline())
-        settle(job.pid, job_priority(pb.TIER_INTERRUPTIBLE, False), whole)
-        assert {os.sched_getscheduler(t) for t in threads_of(job.pid, child)} == \
-            {os.SCHED_OTHER}
-    finally:
-        os.killpg(job.pid, signal.SIGKILL)
-        job.wait()
