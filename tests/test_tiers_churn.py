@@ -1,7 +1,7 @@
 """What a serving replica may take, one rule for the serving reserve and the preemption pass
 (broker/market/preemption.replica_may_take), and a preemption not undone by either: devices
-freed for a job go to that job or to the next replica or standard job, not back to an
-interruptible job (bench/tiers.py ``preemptions_undone``)."""
+freed for a job go to that job or to the next replica, not back to an interruptible job
+(bench/tiers.py ``preemptions_undone``)."""
 
 from __future__ import annotations
 
@@ -109,48 +109,3 @@ def test_a_job_preempts_only_where_it_would_be_placed_in_time():
     hurried = dataclasses.replace(job, objective="deadline", deadline_s=1e-3)
     assert preemption.placeable_views(book, hurried) == []
     assert preemption.choose(book, hurried, leases) == []
-
-
-def test_a_lease_yielding_to_a_job_leased_elsewhere_goes_to_the_next_standard_job(tmp_path):
-    """A standard job preempts a lease, then is leased elsewhere before it has yielded: the
-    lease, still yielding, is the next waiting standard job's (nothing new preempted), not
-    its devices back to an interruptible job once it has (bench/tiers.py: most of the week's
-    undone preemptions were such leases)."""
-    store = Store(tmp_path / "broker.db")
-    store.open()
-    session = Session()
-    state = SimpleNamespace(store=store, config=SimpleNamespace(preempt_grace_s=30.0),
-                            sessions=SimpleNamespace(get=lambda pid: session))
-
-    async def leases() -> dict[str, rows.Interruptible]:
-        return {x.job_id: x for x in await store.read(rows.interruptible_leases, now_ms())}
-
-    async def scenario():
-        await store.write(ledger.credit, "ca", 10**8, "client", "", "op", "k", 1)
-        for job_id, tier in (("i1", "interruptible"), ("i2", "interruptible"),
-                             ("s1", "standard"), ("s2", "standard")):
-            j = new_job(job_id, "ca", 10_000_000, True)
-            await store.write(jobs.submit, dataclasses.replace(
-                j, needs=dataclasses.replace(j.needs, tier=tier)), 1)
-        for job_id, provider in (("i1", "p1"), ("i2", "p2")):
-            await store.write(jobs.create_lease, LeaseTerms(job_id, provider, (0,), 0.4,
-                                                            60_000, 10), 2, sign)
-        book = Book([offer(p, busy=frozenset({0})) for p in ("p1", "p2")])
-        assert await preemption.preempt_for_waiting(state, book, [needs("s1")]) == 1
-        (yielding,) = [x for x in (await leases()).values() if x.preempt_for == "s1"]
-        # s1 is leased elsewhere (a device freed there first); the lease still yields.
-        await store.write(jobs.create_lease, LeaseTerms("s1", "p3", (0,), 1.0, 60_000, 10),
-                          3, sign)
-        assert not (await leases())[yielding.job_id].for_waiting
-        sent = len(session.sent)
-        assert await preemption.preempt_for_waiting(state, book, [needs("s2")]) == 0
-        assert len(session.sent) == sent
-        held = await leases()
-        assert held[yielding.job_id].preempt_for == "s2" and held[yielding.job_id].for_waiting
-        (other,) = set(held) - {yielding.job_id}
-        assert held[other].preempt_for == ""
-
-    try:
-        asyncio.run(scenario())
-    finally:
-        store.close()

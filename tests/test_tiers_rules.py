@@ -336,12 +336,10 @@ def test_a_replica_preempts_a_second_lease_and_takes_the_first_to_yield(preempti
     store = state.store
 
     async def scenario():
-        # The replica is queued: the leases yielding to it are its own, no other job's.
-        for job_id, tier in (("i1", "interruptible"), ("i2", "interruptible"),
-                             ("i3", "interruptible"), ("r", "serving")):
+        for job_id in ("i1", "i2", "i3"):
             job = new_job(job_id, "ca", 20_000_000, True)
             await store.write(jobs.submit, dataclasses.replace(
-                job, needs=dataclasses.replace(job.needs, tier=tier)), 1)
+                job, needs=dataclasses.replace(job.needs, tier="interruptible")), 1)
         for job_id, provider in (("i1", "p1"), ("i2", "p2"), ("i3", "p3")):
             await store.write(jobs.create_lease, LeaseTerms(job_id, provider, (0,), 0.4,
                                                             60_000, 10), 2, sign)

@@ -37,14 +37,12 @@ def outranks(tier: str) -> bool:
 def replica_may_take(leases: list[Interruptible]) -> list[Interruptible]:
     """The interruptible leases whose devices a serving replica may have within a checkpoint:
     those not asked to yield, and those yielding to a job that no longer waits for them (a
-    replica's second set, once it took the first device freed, or the leases a job leased
-    elsewhere first had preempted: docs/tiers.md). A lease yielding to a job still queued is
-    that job's. The one rule of both sides: the serving reserve counts these leases' devices
-    as a replica's (scheduler.place_queued), and the preemption pass hands a waiting replica
-    the second kind before it preempts anything new (``preempt_for_waiting``; then a
-    waiting standard job, which the reserve let through) — else those devices go back to an
-    interruptible job, often the one just preempted from them (bench/tiers.py
-    ``preemptions_undone``)."""
+    replica's second set, once it took the first device freed: docs/tiers.md). A lease
+    yielding to a job still queued is that job's. The one rule of both sides: the serving
+    reserve counts these leases' devices as a replica's (scheduler.place_queued), and the
+    preemption pass hands a waiting replica the second kind before it preempts anything
+    new (``preempt_for_waiting``) — else those devices go back to an interruptible job,
+    often the one just preempted from them (bench/tiers.py ``preemptions_undone``)."""
     return [x for x in leases if not x.preempt_for or not x.for_waiting]
 
 
@@ -142,10 +140,9 @@ def _freeing(view: matcher.OfferView, leased: set[int], theirs: list[Interruptib
 
 async def preempt_for_waiting(state, book: matcher.Book,
                               waiting: list[matcher.JobNeeds]) -> int:
-    """For each waiting job of a higher tier (in placement order: replicas first) that no
-    lease yields to yet, hand it the leases yielding already to a job that no longer waits
-    (``spare_yielding``) where they are enough, else preempt the interruptible leases
-    ``choose`` names and tell their providers. Returns how many leases were asked anew."""
+    """For each waiting job of a higher tier (in placement order) that no lease yields to
+    yet, preempt the interruptible leases ``choose`` names and tell their providers. Returns
+    how many leases were asked."""
     waiting = [job for job in waiting if outranks(job.tier)]
     if not waiting:
         return 0
@@ -160,18 +157,15 @@ async def preempt_for_waiting(state, book: matcher.Book,
     for job in waiting:
         if job.job_id in served:
             continue        # leases yield to it already: it is placed when they have
-        if kept := choose(book, job, spare):
-            # Leases yielding already to a job leased since (most often elsewhere, before
-            # they had yielded): this job's now, a replica's or a standard job's, not a new
-            # preemption — else their devices go back to an interruptible job, and the
-            # checkpoint and restart were for nothing (bench/tiers.py preemptions_undone).
+        if job.tier == "serving" and (kept := choose(book, job, spare)):
+            # Leases yielding already to a job leased since: theirs, not a new preemption.
             by_id = {x.lease_id: x for x in leases}
             for lease in kept:
                 was = by_id[lease.lease_id].preempt_for
                 if await state.store.write(rows.retarget, lease.lease_id, was, job.job_id,
-                                           job.tier, now):
-                    log.info("lease %s (yielding to %s) now yields to %s job %s",
-                             lease.lease_id, was, job.tier, job.job_id)
+                                           now):
+                    log.info("lease %s (yielding to %s) now yields to replica %s",
+                             lease.lease_id, was, job.job_id)
             taken = {x.lease_id for x in kept}
             spare = [x for x in spare if x.lease_id not in taken]
             leases = [x for x in leases if x.lease_id not in taken]
