@@ -19,7 +19,8 @@ In its first colocated round it prints every process of the marketplace (the bro
 provider and all below it: forkservers, the replica's engine, the training job) with its
 nice value, its session's scheduling group (/proc/PID/autogroup) and its threads counted by
 the cores each may run on (Cpus_allowed_list): a thread of a slice's job allowed outside its
-slice's cores would show there.
+slice's cores would show there. It also prints, each round, the share of a core the broker and
+the provider daemon used on each side.
 
 Prints its figures and the host's load average (uptime) before and after; the last line is
 one JSON object: colocated_ttft_p99_ratio (colocated p99 / alone p99), both p99s and p50s in
@@ -54,6 +55,9 @@ def load_average() -> float:
     return os.getloadavg()[0]
 
 
+POLICIES = {0: "normal", 3: "batch", 5: "idle"}   # /proc/PID/stat's policy (sched(7))
+
+
 def threads(pid: int) -> dict:
     """One process as the kernel schedules it: its command (shortened), nice value, and its
     threads counted by the cores each may run on (/proc/PID/task/*/status Cpus_allowed_list):
@@ -62,7 +66,8 @@ def threads(pid: int) -> dict:
     proc = Path(f"/proc/{pid}")
     try:
         cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        nice = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[16])
+        stat = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+        nice, policy = int(stat[16]), POLICIES.get(int(stat[38]), stat[38])
         tasks = list((proc / "task").iterdir())
     except OSError:
         return {}
@@ -80,7 +85,7 @@ def threads(pid: int) -> dict:
     except OSError:
         group = []
     return {"pid": pid, "cmd": cmd.split(" -m ")[-1][:60].strip() or cmd[:60], "nice": nice,
-            "autogroup": " ".join(group), "threads_by_cores": allowed}
+            "policy": policy, "autogroup": " ".join(group), "threads_by_cores": allowed}
 
 
 def process_tree(market: Marketplace) -> list[dict]:
@@ -102,6 +107,29 @@ def process_tree(market: Marketplace) -> list[dict]:
             out.append(seen)
         todo += children.get(pid, [])
     return out
+
+
+def cpu_seconds(market: Marketplace) -> dict[str, float]:
+    """CPU time (user + system, s) the broker and the provider daemon have used so far, each
+    process alone (not its children): read before and after a side, what they spent on it —
+    their own work for the training job (its reports, logs, heartbeats) shows as the
+    colocated side's excess over the alone side's."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for name, proc in [("broker", market.broker.proc),
+                       *((f"provider {n}", p.proc) for n, p in market.providers.items())]:
+        try:
+            fields = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            out[name] = (int(fields[11]) + int(fields[12])) / tick
+        except (OSError, ValueError, IndexError):
+            out[name] = 0.0
+    return out
+
+
+def spent(before: dict[str, float], after: dict[str, float], seconds: float) -> str:
+    """Each process's share of a core over a side, from two ``cpu_seconds``."""
+    return ", ".join(f"{name} {(after[name] - before[name]) / seconds * 100:.0f} %"
+                     for name in after)
 
 
 def leases(market: Marketplace) -> dict[str, list[int]]:
@@ -276,8 +304,10 @@ def main() -> None:
             colocated: list[float] = []
             training_devices: list[int] = []
             for r in range(args.rounds):
+                cpu, began = cpu_seconds(market), time.monotonic()
                 alone += asyncio.run(measure(base, key, "colo", args.rate, args.duration,
                                              args.tokens, 10 + r))
+                cpu_alone = spent(cpu, cpu_seconds(market), time.monotonic() - began)
                 job_file = training_job(root / f"train{r}.toml", steps=1_000_000,
                                         checkpoint_every=1_000_000, max_price=5.0)
                 done = market.cli("submit", str(job_file))
@@ -291,18 +321,22 @@ def main() -> None:
                 if r == 0:      # every thread's cores, once: does anything spill?
                     for seen in process_tree(market):
                         print(f"  pid {seen['pid']:>7} nice {seen['nice']:>3}"
+                              f" {seen['policy']:<6}"
                               f" ({seen['autogroup'] or 'no autogroup'})"
                               f" {seen['cmd']:<60} threads by allowed cores:"
                               f" {seen['threads_by_cores']}", flush=True)
+                cpu, began = cpu_seconds(market), time.monotonic()
                 colocated += asyncio.run(measure(base, key, "colo", args.rate,
                                                  args.duration, args.tokens, 10 + r))
+                cpu_colocated = spent(cpu, cpu_seconds(market), time.monotonic() - began)
                 still = market.job(job_id)["state"]
                 market.cli("cancel", job_id)
                 market.wait_state(job_id, "CANCELLED", timeout=120)
                 wait_until(lambda j=job_id: j not in leases(market), "the training's lease", 60)
                 print(f"round {r + 1}: alone p99 {pct(alone, 0.99) * 1000:.0f} ms,"
                       f" colocated p99 {pct(colocated, 0.99) * 1000:.0f} ms (training"
-                      f" {still.lower()} throughout)", flush=True)
+                      f" {still.lower()} throughout); CPU alone: {cpu_alone}; colocated:"
+                      f" {cpu_colocated}", flush=True)
         finally:
             market.close()
         split = {} if args.no_direct else direct(model, args.rounds, args.duration, args.rate,

@@ -29,10 +29,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gpumarket.proto.jobspec import LOG_LINES_PER_UPDATE
-from gpumarket.proto.v1 import types_pb2 as pb
 from gpumarket.provider import jobfiles, keyrings, reports
 from gpumarket.provider.cgroups import CgroupError, JobCgroup
 from gpumarket.provider.exits import ForkedChild, pid_gone, pid_runs_in
+from gpumarket.provider.priority import job_priority, settle
 from gpumarket.provider.reports import (
     Checkpoint,
     Done,
@@ -48,6 +48,9 @@ if TYPE_CHECKING:
     from gpumarket.provider.forkservers import ForkServers
 
 log = logging.getLogger(__name__)
+
+# job_priority lives in provider/priority.py; its callers (attempt.py) import it from here.
+__all__ = ["JobProcess", "job_env", "job_priority", "slice_env"]
 
 LOG_READ_BYTES = 1 << 20       # read at most this much of job.log per poll
 REPORTS_READ_BYTES = reports.MAX_LINE   # ... and of the reports
@@ -142,46 +145,6 @@ def slice_env(devices) -> dict[str, str]:
     return env
 
 
-# A lower tier's job process runs at a lower CPU priority (nice): where it shares cores
-# with a replica's engine, the broker's or this daemon's threads (on the CPU, a slice's job
-# beside the slice a replica is on), they win the core first. bench/colocated.py measures it.
-TIER_NICE = {pb.TIER_STANDARD: 5, pb.TIER_UNSPECIFIED: 5, pb.TIER_INTERRUPTIBLE: 10}
-
-
-def job_priority(tier: int, serves: bool) -> int:
-    """The nice value of a job process of ``tier`` (an endpoint's replica, ``serves``: 0)."""
-    return 0 if serves or tier == pb.TIER_SERVING else TIER_NICE.get(tier, 5)
-
-
-def lower_priority(pgid: int, nice: int) -> None:
-    """Lower the CPU priority of the job whose session leader is ``pgid`` to ``nice``: every
-    thread of every process of its group (setpriority PRIO_PGRP reaches each thread; later
-    ones inherit it), and its session's scheduling group. With the kernel's autogroup
-    scheduling (sched_autogroup_enabled, the default of desktop and many server kernels)
-    each session is a group of its own and a thread's nice value is weighed only inside
-    it: against the broker's, this daemon's or a replica's threads, the job's session
-    weighs as /proc/PID/autogroup says, which is what is set here. A job cannot raise
-    either back without privilege. Where it is not allowed, the job runs at the daemon's
-    priority (a note in the daemon's log)."""
-    if nice <= 0:
-        return
-    try:
-        os.setpriority(os.PRIO_PGRP, pgid, nice)
-    except OSError as exc:
-        log.warning("job process group %d left at the daemon's priority: %s", pgid,
-                    exc.strerror)
-        return
-    try:
-        session = int(Path(f"/proc/{pgid}/stat").read_text().rsplit(")", 1)[1].split()[3])
-        if session == pgid:     # its own session (a forked job's setsid done): its group
-            Path(f"/proc/{pgid}/autogroup").write_text(str(nice))
-    except FileNotFoundError:
-        pass                    # no autogroups in this kernel (or the job has ended)
-    except (OSError, ValueError, IndexError) as exc:
-        log.warning("job session %d: its scheduling group left at the daemon's priority:"
-                    " %s", pgid, exc)
-
-
 def log_tail(fd: int, lines: int = 5) -> str:
     """The last lines of an open job log."""
     try:
@@ -255,7 +218,7 @@ class JobProcess:
                  sandbox: Sandbox | None = None, disk_quota_bytes: int = 0,
                  cgroup: JobCgroup | None = None, stdin: int | None = None,
                  nice: int = 0) -> None:
-        self.nice = nice            # its processes' CPU priority (job_priority)
+        self.nice = nice            # its processes' CPU priority (priority.job_priority)
         self.forks = forks          # None: start cold
         self.stdin = stdin          # a descriptor for the job's stdin (an endpoint's engine
                                     # socket), closed here once the child has it; such a
@@ -321,7 +284,7 @@ class JobProcess:
                 log.info("job in %s: forked by the %s forkserver, pid %d", self.workdir.name,
                          self.module, child.pid)
                 self.proc, self.pid = child, child.pid
-                lower_priority(self.pid, self.nice)
+                settle(self.pid, self.nice, self.env)
                 return self.pid
         args, env = ["-m", self.module, str(self.workdir)], self.env
         if self.sandbox is not None:
@@ -336,7 +299,7 @@ class JobProcess:
             os.close(self.stdin)
             self.stdin = None
         self.pid = self.proc.pid
-        lower_priority(self.pid, self.nice)
+        settle(self.pid, self.nice, self.env)
         return self.pid
 
     def attach(self, pid: int) -> None:

@@ -15,8 +15,8 @@ Its stdin is the daemon's end of a Unix SOCK_SEQPACKET socket, one message each 
 A child leads a process group of its own, takes on the job's work directory, environment
 (with the paths its imports kept from the server's own, e.g. Hugging Face's cache, moved to
 the job's own: ``IMPORT_TIME_PATHS``) and log, and enters the job's sandbox
-(provider/sandbox.py: cgroup, namespaces, limits, the job's uid, keyrings) before it runs
-anything of the job; then it runs ``RUNNER_MODULE.main()`` as if started
+(provider/sandbox.py: cgroup, namespaces, limits, the job's uid, keyrings), on its CPU cores
+where it has some (GPUMARKET_CPU_CORES), before it runs anything of the job; then it runs ``RUNNER_MODULE.main()`` as if started
 as ``python -m RUNNER_MODULE WORKDIR``. Two jobs never share a process: each is its own child.
 
 EOF on the socket (the daemon stopped or died) ends the server but none of its children: a job
@@ -46,6 +46,7 @@ import weakref
 from typing import NoReturn
 
 from gpumarket.provider import sandbox
+from gpumarket.provider.priority import job_cores
 
 MAX_ORDER = 1 << 20        # bytes of one order; a longer one is refused
 # Modules that keep paths made from the server's $HOME and cache variables at import (its
@@ -186,6 +187,13 @@ class Server:
         code = 1
         try:
             os.setsid()
+            if cores := job_cores(order["env"]):
+                # On its cores before anything of it runs (its sandbox's processes too),
+                # never on a neighbouring slice's (provider/priority.py).
+                try:
+                    os.sched_setaffinity(0, cores)
+                except OSError:
+                    pass            # the runner's apply_share says why, in the job's log
             signal.set_wakeup_fd(-1)
             for signum, handler in self.saved.items():
                 signal.signal(signum, handler)
