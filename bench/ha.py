@@ -384,31 +384,12 @@ async def placements(store, root: Path, offers: int, count: int, fenced: bool,
     (``cpu_ms``: the submissions, the passes, the writer) and, given the store's
     ``cluster``, its server's (``server_cpu_ms``); on a loaded machine the CPU a placement
     costs moves less than the rate."""
-    from gpumarket.broker.config import BrokerConfig
     from gpumarket.broker.jobs import transitions as jobs
-    from gpumarket.broker.market import providers, scheduler
+    from gpumarket.broker.market import scheduler
     from gpumarket.broker.market.admission import Needs, NewJob
-    from gpumarket.broker.state import BrokerState
     from gpumarket.broker.store import leadership
-    from gpumarket.broker.store.artifact_store import ArtifactStore
-    from gpumarket.proto.envelope import open_envelope
 
-    state = BrokerState(BrokerConfig(data_dir=root, billing=False), Identity.generate(), store,
-                        ArtifactStore(root / "artifacts", 1 << 20))
-    keys = [Identity.generate() for _ in range(offers)]
-    made = [(k, signed_offer(k, kinds=(pb.JOB_KIND_TRAINING,))) for k in keys]
-
-    def connect_all(db):
-        for key, env in made:
-            parsed = pb.Offer.FromString(env.payload)
-            providers.online(db, key.id, key.public_key, now_ms())
-            providers.store_offer(db, key.id, env.SerializeToString(), parsed, now_ms())
-
-    await store.write(connect_all)
-    for key, env in made:
-        session = state.sessions.open(key.id)
-        session.offer, session.offer_envelope = open_envelope(env, pb.Offer)[0], env
-        session.outbox = asyncio.Queue()        # unbounded: nobody reads it here
+    state = await pg_bench.simulated_market(root, store, offers)
     leader = state
     if fenced:
         epoch = await store.write(leadership.take, "bench", now_ms(), 600_000)

@@ -1,7 +1,8 @@
 """What the PostgreSQL benchmarks (bench/ha.py, bench/pg_round_trips.py, bench/pg_store.py)
 share: the opening of their command line, the check that PostgreSQL is here (one line and
-exit 1 where it is not), and the CPU a throwaway cluster's server used (what a figure of
-this 2-core machine's placements costs the server beside the broker's process).
+exit 1 where it is not), the CPU a throwaway cluster's server used (what a figure of
+this 2-core machine's placements costs the server beside the broker's process), and a
+broker's state with thousands of simulated providers connected (bench/submit_book.py too).
 """
 
 from __future__ import annotations
@@ -59,3 +60,39 @@ def server_cpu_s(cluster: pg.Cluster) -> float:
         if int(entry.name) == postmaster or int(fields[1]) == postmaster:
             ticks += int(fields[11]) + int(fields[12])
     return ticks / os.sysconf("SC_CLK_TCK")
+
+
+async def simulated_market(root: Path, store, offers: int):
+    """A broker's state over ``store`` with ``offers`` providers connected, each offering one
+    CPU device for training (signed offers, stored and open in sessions whose outboxes nobody
+    reads), and its offers' Templates made, as a live broker made them long before."""
+    import asyncio
+
+    from gpumarket.broker.config import BrokerConfig
+    from gpumarket.broker.market import providers, scheduler
+    from gpumarket.broker.state import BrokerState
+    from gpumarket.broker.store.artifact_store import ArtifactStore
+    from gpumarket.proto.envelope import open_envelope
+    from gpumarket.proto.identity import Identity
+    from gpumarket.proto.jobspec import now_ms
+    from gpumarket.proto.v1 import types_pb2 as pb
+    from tests.helpers import signed_offer
+
+    state = BrokerState(BrokerConfig(data_dir=root, billing=False), Identity.generate(), store,
+                        ArtifactStore(root / "artifacts", 1 << 20))
+    made = [(k, signed_offer(k, kinds=(pb.JOB_KIND_TRAINING,)))
+            for k in (Identity.generate() for _ in range(offers))]
+
+    def connect_all(db) -> None:
+        for key, env in made:
+            parsed = pb.Offer.FromString(env.payload)
+            providers.online(db, key.id, key.public_key, now_ms())
+            providers.store_offer(db, key.id, env.SerializeToString(), parsed, now_ms())
+
+    await store.write(connect_all)
+    for key, env in made:
+        session = state.sessions.open(key.id)
+        session.offer, session.offer_envelope = open_envelope(env, pb.Offer)[0], env
+        session.outbox = asyncio.Queue()        # unbounded: nobody reads it here
+    await scheduler.offer_book(state)           # the Templates, made at the first pass
+    return state

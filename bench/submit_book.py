@@ -26,39 +26,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from gpumarket.broker.config import BrokerConfig  # noqa: E402
+from bench import pg_bench  # noqa: E402
 from gpumarket.broker.jobs import submit  # noqa: E402
-from gpumarket.broker.market import providers, scheduler  # noqa: E402
+from gpumarket.broker.market import scheduler  # noqa: E402
 from gpumarket.broker.market.admission import Needs  # noqa: E402
 from gpumarket.broker.state import BrokerState  # noqa: E402
-from gpumarket.broker.store.artifact_store import ArtifactStore  # noqa: E402
 from gpumarket.broker.store.store import Store  # noqa: E402
-from gpumarket.proto.envelope import open_envelope  # noqa: E402
-from gpumarket.proto.identity import Identity  # noqa: E402
-from gpumarket.proto.jobspec import now_ms  # noqa: E402
 from gpumarket.proto.v1 import types_pb2 as pb  # noqa: E402
-from tests.helpers import signed_offer  # noqa: E402
-
-
-async def market(root: Path, store: Store, offers: int) -> BrokerState:
-    """A broker's state with ``offers`` providers connected, each offering one CPU device."""
-    state = BrokerState(BrokerConfig(data_dir=root, billing=False), Identity.generate(), store,
-                        ArtifactStore(root / "artifacts", 1 << 20))
-    made = [(k, signed_offer(k, kinds=(pb.JOB_KIND_TRAINING,)))
-            for k in (Identity.generate() for _ in range(offers))]
-
-    def connect_all(db) -> None:
-        for key, env in made:
-            parsed = pb.Offer.FromString(env.payload)
-            providers.online(db, key.id, key.public_key, now_ms())
-            providers.store_offer(db, key.id, env.SerializeToString(), parsed, now_ms())
-
-    await store.write(connect_all)
-    for key, env in made:
-        session = state.sessions.open(key.id)
-        session.offer, session.offer_envelope = open_envelope(env, pb.Offer)[0], env
-    await scheduler.offer_book(state)       # the Templates, made at the first pass
-    return state
 
 
 async def holds(state: BrokerState, count: int, fresh: bool) -> float:
@@ -85,7 +59,7 @@ async def main() -> None:
         store = Store(root / "book.db")
         store.open()
         try:
-            state = await market(root, store, args.offers)
+            state = await pg_bench.simulated_market(root, store, args.offers)
             for name, fresh in (("fresh_book", True), ("recent_book", False),
                                 ("fresh_book_again", True)):
                 count = args.holds if fresh else args.shared_holds
