@@ -59,24 +59,10 @@ ORPHAN_MIN_AGE_S = 3600   # ... that were last written at least this long ago (w
 RUNTIME_GRACE_S = 60      # past a job's max_runtime, before the broker takes the lease back
 
 
-# Each broker's offers' Templates (market/offers.KeptOffers), kept with its sessions for as
-# long as they live: a pass over 10,000 offers makes again only those of new or changed offers.
-_kept: weakref.WeakKeyDictionary[Any, KeptOffers] = weakref.WeakKeyDictionary()
-
-
-def kept_offers(state: BrokerState) -> KeptOffers:
-    """The Templates kept for ``state``'s live offers."""
-    kept = _kept.get(state.sessions)
-    if kept is None:
-        kept = _kept[state.sessions] = KeptOffers()
-    return kept
-
-
 # The last Book each broker built (``offer_book``), for the submissions' price estimates
 # (``recent_book``): at 10,000 offers a Book takes ~100 ms to build, once per Submit RPC
 # before (issue 36).
 BOOK_REUSE_S = 1.0
-_books: weakref.WeakKeyDictionary[Any, BuiltBook] = weakref.WeakKeyDictionary()
 
 
 @dataclass(frozen=True)
@@ -94,6 +80,27 @@ class BuiltBook:
                 and all(map(operator.is_, offers, self.offers)))
 
 
+@dataclass
+class BookParts:
+    """What a broker keeps between Books, for as long as its sessions live: its offers'
+    Templates (market/offers.KeptOffers: a pass over 10,000 offers makes again only those of
+    new or changed offers) and the last Book it built."""
+
+    templates: KeptOffers = dataclasses.field(default_factory=KeptOffers)
+    last: BuiltBook | None = None
+
+
+_parts: weakref.WeakKeyDictionary[Any, BookParts] = weakref.WeakKeyDictionary()
+
+
+def book_parts(state: BrokerState) -> BookParts:
+    """What ``state``'s broker keeps between Books."""
+    parts = _parts.get(state.sessions)
+    if parts is None:
+        parts = _parts[state.sessions] = BookParts()
+    return parts
+
+
 async def recent_book(state: BrokerState, max_age_s: float = BOOK_REUSE_S,
                       clock: Callable[[], float] = time.monotonic) -> matcher.Book:
     """A Book for an estimate (a submission's hold, its array's lanes, its deadline check;
@@ -106,9 +113,9 @@ async def recent_book(state: BrokerState, max_age_s: float = BOOK_REUSE_S,
     What must not use a Book this old is anything that leases or takes a lease back: the
     placement pass builds its own each pass (``place_queued``; preemption and the deadline
     promotions use that one) and leaves it here for the submissions."""
-    kept = _books.get(state.sessions)
-    if kept is not None and kept.reusable(state.sessions.offers(), clock(), max_age_s):
-        return kept.book
+    last = book_parts(state).last
+    if last is not None and last.reusable(state.sessions.offers(), clock(), max_age_s):
+        return last.book
     return await offer_book(state, clock)
 
 
@@ -130,9 +137,10 @@ async def offer_book(state: BrokerState,
                 if kind in trained}
     efficiency = claim_efficiency(offers, achieved)
     stakes = await store.read(views.stakes)
-    book = matcher.Book(kept_offers(state).views(offers, hist, achieved, busy, loads,
-                                                 efficiency, stakes))
-    _books[state.sessions] = BuiltBook(book, offers, built_at)
+    parts = book_parts(state)
+    book = matcher.Book(parts.templates.views(offers, hist, achieved, busy, loads,
+                                              efficiency, stakes))
+    parts.last = BuiltBook(book, offers, built_at)
     return book
 
 
