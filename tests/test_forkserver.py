@@ -37,6 +37,14 @@ def write_job(workdir: Path, **job) -> Path:
     return workdir
 
 
+def publish(path: Path, text: str) -> None:
+    """Write ``path`` whole at once (a job that waits for it to appear reads it at once: a
+    file written in place can be seen created but still empty)."""
+    part = path.with_name(path.name + ".part")
+    part.write_text(text)
+    part.rename(path)
+
+
 def open_log(workdir: Path) -> int:
     return os.open(workdir / "job.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC,
                    0o644)
@@ -331,6 +339,19 @@ def run_forked(workdir: Path, box_, forks: ForkServers):
     return JobProcess(RUNNER, workdir, env_of(workdir), ignore, 120, 2.0, forks, box_)
 
 
+async def until(seen, runs, dirs, forks, timeout_s: float = 60.0) -> None:
+    """Wait for ``seen()`` while both jobs run; fail with what each job and the forkserver
+    came to if one ends first or it takes ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not seen():
+        if any(r.done() for r in runs) or time.monotonic() > deadline:
+            server = forks._servers[RUNNER]
+            pytest.fail(f"forkserver gone {server.gone} exit {server.proc.returncode}; jobs "
+                        f"{[r.result() if r.done() else 'running' for r in runs]}; logs "
+                        f"{[(d / 'job.log').read_text()[-500:] for d in dirs]}")
+        await asyncio.sleep(0.02)
+
+
 @needs_root
 def test_two_clients_jobs_never_share_a_process(base):  # noqa: F811
     """Two jobs at once, each in its own sandbox with its own uid: two processes, neither the
@@ -347,15 +368,12 @@ def test_two_clients_jobs_never_share_a_process(base):  # noqa: F811
         runs = [asyncio.create_task(p.run()) for p in procs]
         server_pid = forks._servers[RUNNER].proc.pid
         for d in dirs:
-            while not (d / "running").exists():
-                assert not any(r.done() for r in runs), [r.result() for r in runs if r.done()]
-                await asyncio.sleep(0.02)
+            await until(lambda: (d / "running").exists(), runs, dirs, forks)
         status = [Path(f"/proc/{pid}/status").read_text() for pid in pids]
         for d, other in zip(dirs, reversed(pids)):
-            (d / "peer").write_text(str(other))
+            publish(d / "peer", str(other))
         for d in dirs:
-            while "peer:" not in (d / "job.log").read_text():
-                await asyncio.sleep(0.02)
+            await until(lambda: "peer:" in (d / "job.log").read_text(), runs, dirs, forks)
             (d / "stop").touch()
         outcomes = await asyncio.gather(*runs)
         await forks.close()
