@@ -130,6 +130,15 @@ class Sessions:
             return True
         return False
 
+    def ask_to_yield(self, provider_id: str, job_id: str, epoch: int, reason: str) -> None:
+        """Ask the provider to stop its lease ``job_id`` (of ``epoch``) after its current
+        task, wherever its session is (an array's lease yielding to another client's job, or
+        to an idle lane of its array: broker/jobs/arrays.py ``yield_lease``)."""
+        session = self.get(provider_id)
+        if session is not None:
+            session.send(gw.BrokerMessage(yield_lease=gw.YieldLease(
+                job_id=job_id, epoch=epoch, reason=reason)))
+
     def end(self, provider_id: str) -> None:
         """End the provider's session (its handler then cleans up as after a disconnect)."""
         session = self._by_provider.get(provider_id)

@@ -46,11 +46,8 @@ async def record(state: BrokerState, provider_id: str, update: gw.JobUpdate, now
     if stolen:
         # A lane of the array went idle: this lease stops after its current task and the
         # rest of its tasks are split between the lanes (arrays._steal).
-        session = state.sessions.get(provider_id)
-        if session is not None:
-            session.send(gw.BrokerMessage(yield_lease=gw.YieldLease(
-                job_id=update.job_id, epoch=update.epoch,
-                reason=f"a lane of the array is idle: {stolen} tasks go to it")))
+        state.sessions.ask_to_yield(provider_id, update.job_id, update.epoch,
+                                    f"a lane of the array is idle: {stolen} tasks go to it")
 
 
 async def _store(state: BrokerState, provider_id: str, blobs: list[tuple[str, bytes]],

@@ -72,7 +72,7 @@ def add_batches(db: Database, array_id: str, now: int) -> int:
         # Tasks back in the queue (yielded to an idle lane or another client, or failed)
         # spread over the array's lanes, not one batch that one device runs while the others
         # idle.
-        size = min(size, -(-len(waiting) // (top.lanes or 8)))
+        size = min(size, -(-len(waiting) // top.lanes))
     made = top.parts or 0
     for batch in arrays.batches(waiting, size):
         made += 1

@@ -248,12 +248,10 @@ async def ask_to_yield(state: BrokerState, book: matcher.Book,
             held[lease["client_id"]] -= 1
             wanted -= lease["devices"]
             asked += 1
-            session = state.sessions.get(lease["provider_id"])
-            if session is not None:
-                session.send(gw.BrokerMessage(yield_lease=gw.YieldLease(
-                    job_id=lease["id"], epoch=lease["epoch"],
-                    reason=f"a job of another client waits for a device (fair share:"
-                           f" {share} devices a client)")))
+            state.sessions.ask_to_yield(
+                lease["provider_id"], lease["id"], lease["epoch"],
+                f"a job of another client waits for a device (fair share: {share} devices"
+                f" a client)")
             log.info("lease %s.%d of client %s asked to yield for client %s", lease["id"],
                      lease["epoch"], lease["client_id"], client)
     return asked
