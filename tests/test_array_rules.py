@@ -510,3 +510,47 @@ def test_a_lane_gone_idle_steals_the_rest_of_a_slower_lease_split_between_them(s
         assert (await r(jobs.job_row, "a9"))["state"] == S
 
     asyncio.run(scenario())
+
+
+def test_a_lease_ending_asks_the_busiest_lease_of_its_array_to_yield_at_once(store):
+    """The steal for a lane gone idle is made when its lease ends (gateway: a batch's
+    receipt), not at the other lease's next report: the running lease with the most tasks
+    left yields them; none while every lane is busy, none for a lease that has reported no
+    task yet (no pace), and a lease asked once is not asked again."""
+    import asyncio
+
+    from gpumarket.broker.jobs import arrays as broker_arrays
+    from gpumarket.broker.jobs import transitions as jobs
+    from gpumarket.proto.envelope import seal
+    from gpumarket.proto.identity import Identity
+    from gpumarket.proto.v1 import gateway_pb2 as gw
+    from gpumarket.proto.v1 import types_pb2 as pb
+
+    broker, client, provider = Identity.generate(), Identity.generate(), Identity.generate()
+    w = store.write
+    ok = lambda tasks: [gw.TaskResult(task=t, ok=True, seconds=0.1) for t in tasks]
+
+    async def two_lanes(array: str, at: int) -> None:
+        await w(broker_arrays.submit, array_job(client, array, 40, 0), at, 2)
+        for batch, p in ((f"{array}-1", "p1"), (f"{array}-2", "p2")):
+            await w(jobs.create_lease, LeaseTerms(batch, p, (0,), 1.0, 60_000, 0), at,
+                    lambda lease: seal(broker, lease))
+            await w(jobs.mark_started, batch, 1, p, at + 1)
+
+    async def first_lane_ends(array: str, at: int) -> None:
+        await w(broker_arrays.record_results, f"{array}-1", 1, "p1", ok(range(20)), at)
+        receipt = seal(provider, pb.Receipt(job_id=f"{array}-1", epoch=1, provider_id="p1"))
+        await w(jobs.succeed, f"{array}-1", 1, "p1", receipt.SerializeToString(), at + 1)
+
+    async def scenario():
+        await two_lanes("a8", 1)
+        assert await w(broker_arrays.steal_for_idle_lane, "a8", 3) is None     # both busy
+        assert await w(broker_arrays.record_results, "a8-2", 1, "p2", ok([20]), 4) == 0
+        await first_lane_ends("a8", 5)
+        assert await w(broker_arrays.steal_for_idle_lane, "a8", 7) == ("p2", "a8-2", 1, 19)
+        assert await w(broker_arrays.steal_for_idle_lane, "a8", 8) is None     # asked once
+        await two_lanes("a7", 10)
+        await first_lane_ends("a7", 12)
+        assert await w(broker_arrays.steal_for_idle_lane, "a7", 14) is None    # no pace yet
+
+    asyncio.run(scenario())

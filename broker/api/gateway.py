@@ -24,6 +24,7 @@ from gpumarket.broker.jobs import logs
 from gpumarket.broker.jobs import preemption
 from gpumarket.broker.jobs import endings
 from gpumarket.broker.jobs import transitions as jobs
+from gpumarket.broker.jobs.job import Job
 from gpumarket.broker.market import offers
 from gpumarket.broker.market import providers
 from gpumarket.broker.serving import endpoints
@@ -252,6 +253,7 @@ class ProviderGatewayServicer(gateway_pb2_grpc.ProviderGatewayServicer):
     async def _job_update(self, session: ProviderSession, update: gw.JobUpdate) -> None:
         store, pid, now = self.state.store, session.provider_id, now_ms()
         which = update.WhichOneof("update")
+        ended = None        # the job whose lease a receipt ended
         final = which in ("failed", "receipt", "rejected", "released")
         try:
             if update.epoch > MAX_EPOCH:
@@ -286,7 +288,7 @@ class ProviderGatewayServicer(gateway_pb2_grpc.ProviderGatewayServicer):
                                   f"provider refused the lease: {update.rejected.reason[:500]}",
                                   now, "rejected")
             elif which == "receipt":
-                await self._receipt(pid, update, now)
+                ended = await self._receipt(pid, update, now)
             elif which == "ready":
                 job = await store.write(endpoints.mark_ready, update.job_id, update.epoch, pid,
                                         update.ready.engine[:200], now)
@@ -318,6 +320,14 @@ class ProviderGatewayServicer(gateway_pb2_grpc.ProviderGatewayServicer):
             session.send(gw.BrokerMessage(settled=gw.UpdateSettled(
                 job_id=update.job_id, epoch=update.epoch, accepted=True)))
             self.state.placement.notify()
+            if ended is not None and ended.parent_id and ended.tasks:
+                # A lane of its array may be idle now: another lease yields to it at once.
+                # (The lease's end is settled already: a steal that fails here is left to
+                # the other lease's next report, arrays.record_results.)
+                try:
+                    await task_results.lane_freed(self.state, ended.parent_id, now)
+                except Exception:
+                    log.exception("array %s: no steal for its idle lane", ended.parent_id)
         elif which == "tasks" and update.tasks.seq:
             session.send(task_results.settled(update))
         self.state.events.notify()
@@ -343,7 +353,8 @@ class ProviderGatewayServicer(gateway_pb2_grpc.ProviderGatewayServicer):
         tail = tuple(printable(line)[:TAIL_CHARS] for line in report.log_tail[-endings.TAIL_LINES:])
         return report.job_ran, error, tail
 
-    async def _receipt(self, provider_id: str, update: gw.JobUpdate, now: int) -> None:
+    async def _receipt(self, provider_id: str, update: gw.JobUpdate, now: int) -> Job:
+        """Check the receipt and end the lease with it; the job as it was before."""
         store = self.state.store
         try:
             receipt, signer = open_envelope(update.receipt, pb.Receipt)
@@ -366,3 +377,4 @@ class ProviderGatewayServicer(gateway_pb2_grpc.ProviderGatewayServicer):
         await store.write(jobs.succeed, update.job_id, update.epoch, provider_id,
                           update.receipt.SerializeToString(), now,
                           verdicts.policy(self.state, provider_id, DRAW.random()))
+        return job

@@ -50,6 +50,17 @@ async def record(state: BrokerState, provider_id: str, update: gw.JobUpdate, now
                                     f"a lane of the array is idle: {stolen} tasks go to it")
 
 
+async def lane_freed(state: BrokerState, array_id: str, now: int) -> None:
+    """A lease of the array ``array_id`` ended: if that left a lane of it idle, the running
+    lease with the most tasks left yields the rest to it now (arrays.steal_for_idle_lane),
+    not at its next report."""
+    stolen = await state.store.write(arrays.steal_for_idle_lane, array_id, now)
+    if stolen:
+        provider_id, batch_id, epoch, marked = stolen
+        state.sessions.ask_to_yield(provider_id, batch_id, epoch,
+                                    f"a lane of the array is idle: {marked} tasks go to it")
+
+
 async def _store(state: BrokerState, provider_id: str, blobs: list[tuple[str, bytes]],
                  limit: int) -> None:
     """Write the outputs' bytes to the artifact store (synced), as UploadBlobs does: within

@@ -262,6 +262,27 @@ def _steal(db: Database, batch: Job, epoch: int, pace: float, now: int) -> int:
                            f" lanes busy)")
 
 
+def steal_for_idle_lane(db: Database, array_id: str, now: int) -> tuple[str, str, int, int] | None:
+    """A lease of the array ended (a lane may be idle): the running lease of the array with
+    the most tasks not reported yet yields them (``_steal``'s rule, at its pace so far), at
+    once rather than at that lease's next report. Returns (provider, batch, epoch, tasks
+    marked) for the broker to ask its provider, or None."""
+    row = db.execute(
+        "SELECT j.id, j.epoch, l.started_at_ms, j.progress_step, count(t.task) FROM jobs j"
+        " JOIN leases l ON l.id = j.lease_id JOIN array_tasks t ON t.batch_id = j.id"
+        " AND t.state = ? AND t.yielded = 0 WHERE j.parent_id = ? AND j.state = ?"
+        " GROUP BY j.id, l.started_at_ms ORDER BY count(t.task) DESC, j.id LIMIT 1",
+        [RUNNING, array_id, RUNNING]).fetchone()
+    if row is None or not row[3] or row[2] is None:
+        return None        # no lease running, or none that has reported a task: no pace yet
+    batch = jobs.job_row(db, row[0])
+    done = db.execute("SELECT coalesce(avg(seconds), 0) FROM array_tasks WHERE batch_id = ?"
+                      " AND state = ?", [batch.id, SUCCEEDED]).fetchone()[0]
+    pace = max((now - row[2]) / 1000 / row[3], float(done))
+    marked = _steal(db, batch, row[1], pace, now)
+    return (batch.provider_id or "", batch.id, row[1], marked) if marked else None
+
+
 def _open_tasks(db: Database, array_id: str, batch_id: str, tasks: list[int]) -> list[tuple]:
     """(task, attempts) of those of these tasks that the batch runs and that have not
     ended yet."""
