@@ -164,7 +164,8 @@ async def place_queued(state: BrokerState) -> int:
     book = await preemption.hold_freed(state, await offer_book(state))
     await deadlines.promote_due(state, book)
     trusted = frozenset(cfg.trusted_checkers)
-    queued = await store.read(placement.read_queue, book, now_ms(), trusted)
+    scan = placement.QUEUE_SCAN
+    queued = await store.read(placement.read_queue, book, now_ms(), trusted, scan)
     running = await store.read(views.running_by_client)
     online = {o.provider_id for o in state.sessions.offers()}
     held = 0
@@ -181,6 +182,12 @@ async def place_queued(state: BrokerState) -> int:
         await ask_to_yield(state, book, plan.blocked, running)
     if made:
         state.events.notify()
+        if len(queued) >= scan:
+            # The pass read as many queued jobs as it reads at most, and leased some: more
+            # may wait behind them, and no submission may come to wake the loop for them
+            # (a burst wrote them all before this pass): the next pass comes at once, not a
+            # schedule interval later (bench/ha.py: a 1 s gap in 2,000 placements).
+            state.placement.notify_here()
     return made
 
 
