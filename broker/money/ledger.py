@@ -77,9 +77,14 @@ def balance(db: Database, account: str) -> int:
     return row[0] if row else 0
 
 
+# An account's balance (its one parameter: the account), as a statement of its own or a
+# caller's subquery (``hold``'s ``read``).
+BALANCE = ("SELECT balance FROM ledger_entries WHERE account = ?"
+           " ORDER BY posting_seq DESC LIMIT 1")
+
+
 def _latest(db: Database, account: str) -> tuple[int] | None:
-    return db.conn.execute("SELECT balance FROM ledger_entries WHERE account = ?"
-                           " ORDER BY posting_seq DESC LIMIT 1", [account]).fetchone()
+    return db.conn.execute(BALANCE, [account]).fetchone()
 
 
 LATEST = ("SELECT a.account, a.type, a.owner, e.balance FROM ledger_accounts a"
@@ -167,12 +172,20 @@ def credit(db: Database, key_id: str, amount: int, to: str, memo: str, operator:
 # -- a job's money -------------------------------------------------------------------------
 
 def hold(db: Database, job_id: str, client_id: str, amount: int, basis: str, enforce: bool,
-         now: int) -> None:
+         now: int, read: tuple[int | None] | None = None) -> None:
     """Move a new job's hold from its client's available balance into the job's escrow;
     raise InsufficientFunds, naming the amount short, if the client cannot cover it (a broker
-    that does not enforce funds lets the balance go below zero: it records usage)."""
+    that does not enforce funds lets the balance go below zero: it records usage).
+
+    ``read``: (the client's balance, None where its account has no entry yet) as the caller
+    read it in this transaction with ``BALANCE`` in a statement of its own (jobs/transitions.
+    submit, with its checks: one round trip a submission fewer on PostgreSQL), nothing of
+    that account written since; None: read here."""
     account = client(client_id)
-    latest = _latest(db, account)
+    if read is None:
+        latest = _latest(db, account)
+    else:
+        latest = None if read[0] is None else (read[0],)
     available = latest[0] if latest else 0
     if enforce and available < amount:
         raise InsufficientFunds(
