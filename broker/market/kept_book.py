@@ -9,7 +9,8 @@ closed, an offer advertised, a lease ended) or with the clock (a record's online
 - ``KeptHistories``: each provider's record as last read, read again for the providers
   whose offer is new or changed or one of whose leases ended since the last pass (its count
   of active leases fell), and for all of them every ``HISTORY_S``: a record is at most that
-  old in its online time and age, never in a lease it lost;
+  old (in its online time and age; in a lease it lost only where another was leased to it
+  since the last pass, its count unchanged);
 - market/offers.KeptOffers keeps each offer's views with what they were made from, and
   makes again only those whose inputs changed (the same view objects otherwise);
 - ``KeptBook``: the last Book's columns, the rows of changed views patched in place
