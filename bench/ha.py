@@ -2,7 +2,7 @@
 a second on PostgreSQL beside SQLite.
 
     .venv/bin/python bench/ha.py [--kills 10] [--providers 40] [--rate 4] [--leader-ttl 3]
-                                 [--offers 10000] [--jobs 2000]
+                                 [--offers 10000] [--jobs 2000] [--held 0]
 
 **Failover.** A throwaway PostgreSQL cluster (tests/pg.py, fsync on), two broker processes
 on it sharing the market's key and blobs, simulated providers (the real protocol over TLS:
@@ -379,11 +379,12 @@ def pct(values: list[float], q: float) -> float | None:
 # -- durable placements --------------------------------------------------------------------
 
 async def placements(store, root: Path, offers: int, count: int, fenced: bool,
-                     cluster: pg.Cluster | None = None) -> dict:
+                     cluster: pg.Cluster | None = None, held: int = 0) -> dict:
     """Durable placements a second (``rate``) and what each cost in CPU (ms): this process's
     (``cpu_ms``: the submissions, the passes, the writer) and, given the store's
     ``cluster``, its server's (``server_cpu_ms``); on a loaded machine the CPU a placement
-    costs moves less than the rate."""
+    costs moves less than the rate. ``held``: the units each job holds (0: none, no
+    posting; a real submission holds its bound, a posting in the ledger)."""
     from gpumarket.broker.jobs import transitions as jobs
     from gpumarket.broker.market import scheduler
     from gpumarket.broker.market.admission import Needs, NewJob
@@ -402,7 +403,7 @@ async def placements(store, root: Path, offers: int, count: int, fenced: bool,
     def job(i: int) -> NewJob:
         return NewJob(id=f"job{i:06d}", client_id=client.id, name="p", spec=spec,
                       spec_sha256="0" * 64, needs=needs, expires_at_ms=now_ms() + 3_600_000,
-                      max_attempts=3, nonce=f"{i:032x}")
+                      max_attempts=3, nonce=f"{i:032x}", hold=held, hold_basis="bench")
 
     def leased(db) -> int:
         return db.execute("SELECT count(*) FROM leases").fetchone()[0]
@@ -443,7 +444,8 @@ async def durable(root: Path, cluster: pg.Cluster, args) -> dict:
         try:
             got = await placements(store, root / f"place-{name}", args.offers, args.jobs,
                                    fenced=name == "postgresql",
-                                   cluster=cluster if name == "postgresql" else None)
+                                   cluster=cluster if name == "postgresql" else None,
+                                   held=args.held)
         finally:
             store.close()
         out[f"durable_placements_per_s_{name}"] = round(got["rate"], 1)
@@ -468,6 +470,9 @@ def main() -> None:
     parser.add_argument("--lease-timeout", type=float, default=15.0)
     parser.add_argument("--steady", type=float, default=4.0,
                         help="seconds of the stream before each kill")
+    parser.add_argument("--held", type=int, default=0,
+                        help="units each in-process placement's job holds (default 0: no"
+                             " ledger posting; a real submission holds its bound)")
     args = pg_bench.parse(parser)
     # A SIGTERM (``timeout``, a CI runner's cancel) ends the run as an exception does, through
     # the ``finally``s that stop its brokers and then its cluster.

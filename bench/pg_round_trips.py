@@ -3,7 +3,7 @@ real submission and placement code, the leader's fenced passes) on a throwaway c
 the store writer's waits for the server counted: statements sent outside a pipeline, and in
 one (broker/store/postgres.py) each sync and each fetch that had to wait for its answer.
 
-    .venv/bin/python bench/pg_round_trips.py [--offers 1000] [--jobs 500]
+    .venv/bin/python bench/pg_round_trips.py [--offers 1000] [--jobs 500] [--held 0]
 
 Counted from the first submission to the last lease committed, divided by the jobs; the
 figure does not depend on the machine's load (the time each round trip takes does). The last
@@ -65,7 +65,7 @@ def count_waits() -> None:
     Cursor._fetch_pipeline = counted_fetch
 
 
-async def run(offers: int, jobs: int) -> None:
+async def run(offers: int, jobs: int, held: int = 0) -> None:
     from gpumarket.broker.store.store import PgStore
 
     root = Path(tempfile.mkdtemp(prefix="gpumarket-rt-"))
@@ -80,7 +80,7 @@ async def run(offers: int, jobs: int) -> None:
 
     ha.time.perf_counter = first_submission
     try:
-        await ha.placements(store, root / "p", offers, jobs, fenced=True)
+        await ha.placements(store, root / "p", offers, jobs, fenced=True, held=held)
     finally:
         ha.time.perf_counter = clock
         COUNTING.clear()
@@ -90,9 +90,12 @@ async def run(offers: int, jobs: int) -> None:
 
 
 def main() -> None:
-    args = pg_bench.parse(pg_bench.parser(__doc__, offers=1000, jobs=500))
+    parser = pg_bench.parser(__doc__, offers=1000, jobs=500)
+    parser.add_argument("--held", type=int, default=0,
+                        help="units each job holds (bench/ha.py --held; default 0)")
+    args = pg_bench.parse(parser)
     count_waits()
-    asyncio.run(run(args.offers, args.jobs))
+    asyncio.run(run(args.offers, args.jobs, args.held))
     total = sum(COUNT.values())
     print(f"{total} round trips for {args.jobs} placements ({dict(COUNT)}):"
           f" {total / args.jobs:.2f} a placement")

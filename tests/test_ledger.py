@@ -310,6 +310,22 @@ def test_a_hold_the_client_cannot_cover_queues_nothing(store_location):
     assert ledger.audit(w.db) == []
 
 
+def test_a_hold_posted_unread_never_adds_to_a_posting_of_its_key(store_location):
+    """A new job's hold is posted without reading its key back (ledger.post's new_key: the
+    job did not exist, so neither did its hold): were a posting of that key there all the
+    same, the submission fails whole, and nothing is added to that posting."""
+    w = World(store_location)
+    w.write(ledger.credit, "ca", 10**6, "client", "", "op", "k1", 1)
+    w.write(lambda db: ledger.post(db, "hold:j", "hold", {"deposits": -5, "fee": 5}, 1))
+    refused = psycopg_error() if is_postgres(str(store_location)) else sqlite3.IntegrityError
+    with pytest.raises(refused):
+        w.write(jobs.submit, new_job("j", "ca", 300_000, True), 2)
+    assert w.db.execute("SELECT count(*) FROM jobs").fetchone()[0] == 0
+    assert ledger.balance(w.db, ledger.escrow("j")) == 0
+    assert ledger.balance(w.db, "fee") == 5
+    assert ledger.audit(w.db) == []
+
+
 def test_a_spent_hold_pauses_at_a_checkpoint_and_a_top_up_resumes(store_location):
     w = World(store_location)
     running(w, hold=150_000)            # 0.15 credit at 1 credit/h: 540 s of one device

@@ -224,19 +224,17 @@ def spawn(db: Database, of: Mapping[str, Any], sort: str, child_id: str, name: s
 
 def submit(db: Database, job: NewJob, now: int) -> None:
     """Store a new QUEUED job; raise Replay if its nonce was used before."""
-    # Both checks in one statement: on PostgreSQL each read is a round trip.
-    seen, exists = db.execute(
+    # Both checks and the balance its hold draws on, in one read (a round trip on PostgreSQL).
+    seen, exists, balance = db.execute(
         "SELECT (SELECT job_id FROM nonces WHERE signer_id = ? AND nonce = ?),"
-        " EXISTS (SELECT 1 FROM jobs WHERE id = ?)", [job.client_id, job.nonce, job.id]
-    ).fetchone()
+        f" EXISTS (SELECT 1 FROM jobs WHERE id = ?), ({ledger.BALANCE})",
+        [job.client_id, job.nonce, job.id, ledger.client(job.client_id)]).fetchone()
     if seen is not None:
         raise Replay(f"this signed spec was already submitted as job {seen} (nonce reused)")
     if exists:
         raise Replay(f"job {job.id} already exists")
-    db["nonces"].insert(
-        {"signer_id": job.client_id, "nonce": job.nonce, "expires_at_ms": job.expires_at_ms,
-         "job_id": job.id}
-    )
+    db["nonces"].insert({"signer_id": job.client_id, "nonce": job.nonce,
+                         "expires_at_ms": job.expires_at_ms, "job_id": job.id})
     row = {
         "id": job.id, "client_id": job.client_id, "name": job.name, "kind": job.kind,
         "state": QUEUED, "spec": job.spec, "spec_sha256": job.spec_sha256,
@@ -256,7 +254,8 @@ def submit(db: Database, job: NewJob, now: int) -> None:
                      message=f"part {i}/{len(job.part_sizes)} of job {job.id}")
     for sha in set(job.inputs):
         blob_holdings.refer(db, sha, job.id, "input")
-    ledger.hold(db, job.id, job.client_id, job.hold, job.hold_basis, job.enforce_funds, now)
+    ledger.hold(db, job.id, job.client_id, job.hold, job.hold_basis, job.enforce_funds, now,
+                read=(balance,))
     append_event(db, job.id, "submitted", QUEUED, 1, now,
                  message=f"submitted by {job.client_id}; {ledger.fmt(job.hold)} credits held"
                  f" ({job.hold_basis})")

@@ -249,6 +249,26 @@ def explain(excluded: Counter, total: int) -> str:
     return f"waiting: of {total} offers, " + "; ".join(parts)
 
 
+# The Book's columns of one value a view: (attribute, dtype, value); the rest are made in
+# ``Book.__init__``. A kept Book (market/kept_book.py) patches a changed row from this table.
+COLUMNS = (
+    ("is_slice", bool, lambda x: x.slices),
+    ("price", float, lambda x: x.price_per_gpu_hour),
+    ("interruptible_price", float, lambda x: x.price("interruptible")),
+    ("count", np.int64, lambda x: len(x.device_indices)),
+    ("load", np.int64, lambda x: x.load),
+    ("accel", np.int64, lambda x: x.accelerator),
+    ("memory", np.int64, lambda x: x.device_memory_bytes),
+    ("cc", float, lambda x: x.compute_capability),
+    ("flops", float, lambda x: max(x.flops, 1.0)),
+    ("rel", float, lambda x: x.reliability),
+    ("stake", np.int64, lambda x: x.stake),
+    ("mtbf", float, lambda x: max(x.mtbf_s, 1.0)),
+    ("max_job", float, lambda x: x.policy.max_job_s),
+    ("restricted", bool, lambda x: bool(x.policy.allowed_clients or x.policy.denied_clients)),
+)
+
+
 class Book:
     """Live offers as columns, for placing many jobs quickly.
 
@@ -267,30 +287,17 @@ class Book:
         for i, x in enumerate(o):
             self.views.setdefault(x.provider_id, []).append(i)
         self.index = {p: ix[0] for p, ix in self.views.items()}
-        self.is_slice = np.array([x.slices for x in o], dtype=bool)
+        for name, dtype, value in COLUMNS:
+            setattr(self, name, np.array([value(x) for x in o], dtype=dtype))
         # What each sliced provider has leased, across its views (``take``, ``release``).
         self.leased = {x.provider_id: set(x.busy) for x in o if x.cards}
-        self.price = np.array([x.price_per_gpu_hour for x in o], dtype=float)
-        self.interruptible_price = np.array([x.price("interruptible") for x in o], dtype=float)
-        self.count = np.array([len(x.device_indices) for x in o], dtype=np.int64)
         self.free_devices = [list(x.free) for x in o]
         self.free = np.array([len(x) for x in self.free_devices], dtype=np.int64)
-        self.load = np.array([x.load for x in o], dtype=np.int64)
-        self.accel = np.array([x.accelerator for x in o], dtype=np.int64)
-        self.memory = np.array([x.device_memory_bytes for x in o], dtype=np.int64)
-        self.cc = np.array([x.compute_capability for x in o], dtype=float)
-        self.flops = np.array([max(x.flops, 1.0) for x in o], dtype=float)
-        self.rel = np.array([x.reliability for x in o], dtype=float)
-        self.stake = np.array([x.stake for x in o], dtype=np.int64)
-        self.mtbf = np.array([max(x.mtbf_s, 1.0) for x in o], dtype=float)
-        self.max_job = np.array([x.policy.max_job_s for x in o], dtype=float)
         self.available = np.array([x.policy.available(self.now) for x in o], dtype=bool)
         kinds = sorted({k for x in o for k in x.kinds})
         self._kind_bit = {k: 1 << i for i, k in enumerate(kinds)}
         self.kinds = np.array([sum(self._kind_bit[k] for k in x.kinds) for x in o],
                               dtype=np.int64)
-        self.restricted = np.array([bool(x.policy.allowed_clients or x.policy.denied_clients)
-                                    for x in o], dtype=bool)
         self._restricted_idx = np.flatnonzero(self.restricted)
         self._capped_idx = np.flatnonzero(self.max_job > 0)
         self._all_true = np.ones(len(o), dtype=bool)

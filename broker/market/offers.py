@@ -301,13 +301,16 @@ def views_of(template: Template, history: reliability.ProviderHistory,
 
 class KeptOffers:
     """Each live offer's ``Template``, kept between placement passes and made again only
-    for an offer that is new or changed (a provider that connected or advertised again);
-    an offer gone (its session closed) is forgotten at the next pass. What the broker
-    observed (reliability, leases, busy devices, stake) is applied every pass
-    (``views``), so the views are always those ``offer_views`` would make now."""
+    for an offer that is new or changed (a provider that connected or advertised again),
+    and its views with what the broker had observed when they were made, made again only
+    where that changed (the same view objects otherwise: market/kept_book.KeptBook patches
+    the Book's rows of the others); an offer gone (its session closed) is forgotten at the
+    next pass. So the views are always those ``offer_views`` would make now."""
 
     def __init__(self) -> None:
         self._by_provider: dict[str, tuple[pb.Offer, Template]] = {}
+        # provider: (template, history, achieved, busy, load, efficiency, stake, its views)
+        self._views: dict[str, tuple] = {}
 
     def template(self, offer: pb.Offer) -> Template:
         """``offer``'s Template: the kept one where the offer is the one it was made from
@@ -327,15 +330,27 @@ class KeptOffers:
         """The views of ``offers`` (``offer_views`` of each, in order), forgetting the
         Templates of offers no longer among them."""
         out: list[OfferView] = []
+        kept_views = self._views
+        none: frozenset[int] = frozenset()
         for o in offers:
             p = o.provider_id
-            out.extend(views_of(self.template(o), histories[p], achieved.get(p, 0.0),
-                                frozenset(busy.get(p, ())), loads.get(p, 0), efficiency,
-                                stakes.get(p, 0)))
-        if len(self._by_provider) > len(offers):
+            t = self.template(o)
+            h, a, b = histories[p], achieved.get(p, 0.0), busy.get(p, none)
+            load, stake = loads.get(p, 0), stakes.get(p, 0)
+            kept = kept_views.get(p)
+            if kept is None or kept[0] is not t or (kept[1] is not h and kept[1] != h) \
+                    or kept[2] != a or kept[3] != b or kept[4] != load \
+                    or kept[5] != efficiency or kept[6] != stake:
+                b = frozenset(b)
+                kept = kept_views[p] = (t, h, a, b, load, efficiency, stake,
+                                        views_of(t, h, a, b, load, efficiency, stake))
+            out.extend(kept[7])
+        if len(self._by_provider) > len(offers) or len(kept_views) > len(offers):
             live = {o.provider_id for o in offers}
             for gone in [p for p in self._by_provider if p not in live]:
                 del self._by_provider[gone]
+            for gone in [p for p in kept_views if p not in live]:
+                del kept_views[gone]
         return out
 
     def __len__(self) -> int:

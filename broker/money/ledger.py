@@ -77,9 +77,14 @@ def balance(db: Database, account: str) -> int:
     return row[0] if row else 0
 
 
+# An account's balance (its one parameter: the account), as a statement of its own or a
+# caller's subquery (``hold``'s ``read``).
+BALANCE = ("SELECT balance FROM ledger_entries WHERE account = ?"
+           " ORDER BY posting_seq DESC LIMIT 1")
+
+
 def _latest(db: Database, account: str) -> tuple[int] | None:
-    return db.conn.execute("SELECT balance FROM ledger_entries WHERE account = ?"
-                           " ORDER BY posting_seq DESC LIMIT 1", [account]).fetchone()
+    return db.conn.execute(BALANCE, [account]).fetchone()
 
 
 LATEST = ("SELECT a.account, a.type, a.owner, e.balance FROM ledger_accounts a"
@@ -102,13 +107,22 @@ def post(db: Database, key: str, type_: str, lines: dict[str, int], now: int, *,
          owners: dict[str, str] | None = None, may_go_negative: frozenset[str] = frozenset(),
          job_id: str = "", lease_id: str = "", provider_id: str = "", step_from: int = 0,
          step_to: int = 0, seconds: float = 0.0, memo: str = "", actor: str = "",
-         known: dict[str, int] | None = None) -> int | None:
+         known: dict[str, int | None] | None = None, new_key: bool = False) -> int | None:
     """Post one balanced event; return its sequence number, or None if a posting with ``key``
     exists already (the event was posted before: nothing moves twice) or nothing moves.
 
     ``owners``: the owner recorded for accounts whose name does not say it (an escrow's
     client, a disputed account's provider). Raises FailedPrecondition if an account would go
     below zero that may not.
+
+    ``known``: balances the caller read in this transaction, nothing of those accounts
+    written since (one read fewer each); None for an account it found without an entry yet
+    (recorded in ``ledger_accounts`` as any such account). ``new_key``: the caller knows no
+    posting has ``key`` (a new job's hold: its job row did not exist in this transaction,
+    and rows of ``jobs`` are never deleted): the posting's sequence number is not read back
+    — its entries take it by key in their own statement, so that on PostgreSQL the posting
+    costs no round trip — and None is returned; a posting with ``key`` after all fails the
+    write (the key is unique), it is never added to.
     """
     lines = {a: v for a, v in lines.items() if v != 0}
     if any(not isinstance(v, int) or isinstance(v, bool) for v in lines.values()):
@@ -117,8 +131,8 @@ def post(db: Database, key: str, type_: str, lines: dict[str, int], now: int, *,
         raise ValueError(f"posting {key} does not balance: {lines}")
     if not lines:
         return None
-    # ``known``: balances the caller read in this transaction (one seek fewer each).
-    latest = {a: (known[a],) if known and a in known else _latest(db, a) for a in lines}
+    latest = {a: (None if known[a] is None else (known[a],)) if known and a in known
+              else _latest(db, a) for a in lines}
     after = {a: (latest[a][0] if latest[a] else 0) + v for a, v in lines.items()}
     for account, amount in lines.items():   # only what an entry takes out can overdraw
         if after[account] < 0 and amount < 0 and account not in may_go_negative \
@@ -128,16 +142,20 @@ def post(db: Database, key: str, type_: str, lines: dict[str, int], now: int, *,
     cur = db.conn.execute(
         "INSERT INTO ledger_postings (key, at_ms, type, entries, job_id, lease_id, provider_id,"
         " step_from, step_to, seconds, memo, actor) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
-        " ON CONFLICT(key) DO NOTHING RETURNING seq",
+        + ("" if new_key else " ON CONFLICT(key) DO NOTHING RETURNING seq"),
         [key, now, type_, json.dumps(lines, sort_keys=True), job_id, lease_id, provider_id,
          step_from, step_to, seconds, memo[:500], actor])
-    row = cur.fetchone()
-    if row is None:
-        return None          # posted before: the idempotency key holds
-    seq = row[0]
+    if new_key:
+        seq, value = None, "(?, (SELECT seq FROM ledger_postings WHERE key = ?), ?, ?)"
+        values = [x for a, v in lines.items() for x in (a, key, v, after[a])]
+    else:
+        row = cur.fetchone()
+        if row is None:
+            return None          # posted before: the idempotency key holds
+        seq, value = row[0], "(?, ?, ?, ?)"
+        values = [x for a, v in lines.items() for x in (a, seq, v, after[a])]
     db.conn.execute(f"INSERT INTO ledger_entries (account, posting_seq, amount, balance) VALUES"
-                    f" {', '.join(['(?, ?, ?, ?)'] * len(lines))}",
-                    [x for a, v in lines.items() for x in (a, seq, v, after[a])])
+                    f" {', '.join([value] * len(lines))}", values)
     new = [a for a in lines if latest[a] is None]   # accounts without entries yet
     if new:
         named = {a: account_type(a) for a in new}
@@ -167,12 +185,24 @@ def credit(db: Database, key_id: str, amount: int, to: str, memo: str, operator:
 # -- a job's money -------------------------------------------------------------------------
 
 def hold(db: Database, job_id: str, client_id: str, amount: int, basis: str, enforce: bool,
-         now: int) -> None:
+         now: int, read: tuple[int | None] | None = None) -> None:
     """Move a new job's hold from its client's available balance into the job's escrow;
     raise InsufficientFunds, naming the amount short, if the client cannot cover it (a broker
-    that does not enforce funds lets the balance go below zero: it records usage)."""
+    that does not enforce funds lets the balance go below zero: it records usage).
+
+    ``read``: (the client's balance, None where its account has no entry yet) as read in
+    this transaction with ``BALANCE`` in a statement of the caller's, nothing of that
+    account written since, by a caller that found in the same transaction that the job did
+    not exist (jobs/transitions.submit, with its replay checks): its escrow then has no entry
+    and no posting has its hold's key, so the hold reads nothing and waits for no answer
+    (``post``'s ``known`` and ``new_key``: on PostgreSQL two round trips a submission fewer).
+    None: the balance is read here, and the posting checks its key."""
     account = client(client_id)
-    latest = _latest(db, account)
+    if read is None:
+        latest = _latest(db, account)
+    else:
+        latest = None if read[0] is None else (read[0],)
+    new = read is not None      # the caller found the job new (see above)
     available = latest[0] if latest else 0
     if enforce and available < amount:
         raise InsufficientFunds(
@@ -180,12 +210,15 @@ def hold(db: Database, job_id: str, client_id: str, amount: int, basis: str, enf
             f" available balance is {fmt(available)}, {fmt(amount - available)} short"
             " (ask the broker's operator for credit, or set a smaller budget in the job file)")
     # The balance just read is the one the posting runs from (one read a submission fewer:
-    # a round trip on PostgreSQL); an account with no entry yet is not "known", so that
+    # a round trip on PostgreSQL); an account with no entry yet is known as None, so that
     # ``post`` records it.
+    known: dict[str, int | None] = {account: latest[0] if latest else None}
+    if new:
+        known[escrow(job_id)] = None
     post(db, f"hold:{job_id}", "hold", {account: -amount, escrow(job_id): amount},
          now, owners={escrow(job_id): client_id}, job_id=job_id, memo=basis,
          may_go_negative=frozenset() if enforce else frozenset({account}),
-         known={account: latest[0]} if latest else None)
+         known=known, new_key=new)
 
 
 def top_up(db: Database, job_id: str, client_id: str, amount: int, enforce: bool,
