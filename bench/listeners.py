@@ -32,7 +32,6 @@ import argparse
 import asyncio
 import errno
 import json
-import os
 import resource
 import select
 import socket
