@@ -49,11 +49,11 @@ class MarketplaceServicer(marketplace_pb2_grpc.MarketplaceServicer):
         spec, client_id = open_envelope(request.spec, pb.JobSpec)
         if client_id != caller():
             raise PermissionDenied("job spec is signed by another key than the call")
-        job = await submission.submit(self.state, request.spec, spec, client_id, now_ms())
-        log.info("job %s submitted by %s", job.id, client_id)
+        job_id = await submission.submit(self.state, request.spec, spec, client_id, now_ms())
+        log.info("job %s submitted by %s", job_id, client_id)
         self.state.events.notify()
         self.state.placement.notify()
-        return mp.SubmitJobResponse(job_id=job.id, state=pb.JOB_STATE_QUEUED)
+        return mp.SubmitJobResponse(job_id=job_id, state=pb.JOB_STATE_QUEUED)
 
     @unary
     async def ListTasks(self, request: mp.ListTasksRequest, context) -> mp.ListTasksResponse:

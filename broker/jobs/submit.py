@@ -21,7 +21,6 @@ from gpumarket import kinds
 from gpumarket.broker.jobs import arrays
 from gpumarket.broker.jobs import transitions
 from gpumarket.broker.jobs import views
-from gpumarket.broker.jobs.job import Job
 from gpumarket.broker.market import admission
 from gpumarket.broker.market import matcher
 from gpumarket.broker.market import scheduler
@@ -39,9 +38,9 @@ CANDIDATES = 50     # the offers a hold (and a quote) is sized from, best first
 
 
 async def submit(state: BrokerState, envelope: pb.Envelope, spec: pb.JobSpec, client_id: str,
-                 now: int) -> Job:
+                 now: int) -> str:
     """Store the job of ``spec`` (``envelope``'s payload, signed by ``client_id``) in the
-    shape its admission chose, with its hold and first event; return it as stored (QUEUED).
+    shape its admission chose, with its hold and first event, QUEUED; return its id.
     Raises InvalidArgument (the spec, its inputs or an array's tasks), FailedPrecondition
     (an input that is not the client's), ResourceExhausted (too many queued jobs),
     InsufficientFunds (the hold), Replay (a spec submitted before)."""
@@ -75,15 +74,16 @@ async def submit(state: BrokerState, envelope: pb.Envelope, spec: pb.JobSpec, cl
     return await state.store.write(store, job, now)
 
 
-def store(db: Database, job: admission.NewJob, now: int) -> Job:
-    """Write a new job in its shape, in one transaction; return its row."""
+def store(db: Database, job: admission.NewJob, now: int) -> str:
+    """Write a new job in its shape, in one transaction; return its id (not its row read
+    back: on PostgreSQL a round trip a submission, for the id the caller has)."""
     if job.shape == "array":
         arrays.submit(db, job, now, lanes=job.lanes)
     elif job.shape == "endpoint":
         endpoints.submit(db, job, now)
     else:                                   # one job, or a split job and its parts
         transitions.submit(db, job, now)
-    return transitions.job_row(db, job.id)
+    return job.id
 
 
 def check_tasks(state: BrokerState, spec: pb.JobSpec, values: dict) -> None:
