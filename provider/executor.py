@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 from gpumarket.proto.jobspec import LOG_LINES_PER_UPDATE
 from gpumarket.provider import jobfiles, keyrings, reports
 from gpumarket.provider.cgroups import CgroupError, JobCgroup
-from gpumarket.provider.exits import ForkedChild, pid_gone, pid_runs_in
+from gpumarket.provider.exits import ForkedChild, pid_gone, pid_runs_in, signal_group, started_at
 from gpumarket.provider.priority import job_priority, settle
 from gpumarket.provider.reports import (
     Checkpoint,
@@ -235,6 +235,7 @@ class JobProcess:
         self.grace_s = grace_s
         self.proc: asyncio.subprocess.Process | ForkedChild | None = None
         self.pid: int | None = None
+        self.leader_start: int | None = None  # when self.pid started (exits.started_at)
         self._offset = 0
         self._log_offset = 0
         self._killed = False
@@ -284,6 +285,7 @@ class JobProcess:
                 log.info("job in %s: forked by the %s forkserver, pid %d", self.workdir.name,
                          self.module, child.pid)
                 self.proc, self.pid = child, child.pid
+                self.leader_start = started_at(self.pid)
                 settle(self.pid, self.nice, self.env)
                 return self.pid
         args, env = ["-m", self.module, str(self.workdir)], self.env
@@ -299,6 +301,7 @@ class JobProcess:
             os.close(self.stdin)
             self.stdin = None
         self.pid = self.proc.pid
+        self.leader_start = started_at(self.pid)
         settle(self.pid, self.nice, self.env)
         return self.pid
 
@@ -306,7 +309,7 @@ class JobProcess:
         """Follow a job started by an earlier daemon, from the end of its reports so far
         (a log or reports file the job replaced by anything but its own plain file is not
         read: the job then ends without a result)."""
-        self.pid = pid
+        self.pid, self.leader_start = pid, started_at(pid)
         owner = job_owner(self.sandbox)
         try:
             self._reports_fd = jobfiles.open_under(self.workdir, REPORTS, owner=owner)
@@ -395,7 +398,7 @@ class JobProcess:
         are emptied."""
         pid = self.pid
         if pid is not None:
-            signal_group(pid, signal.SIGKILL)
+            signal_group(pid, signal.SIGKILL, self.leader_start)
         if self.cgroup is not None:
             try:
                 self.cgroup.kill()
@@ -514,9 +517,9 @@ class JobProcess:
             self._stop_reason = reason
         if self.pid is not None and self.alive():
             self._killed = True
-            signal_group(self.pid, signal.SIGTERM)
+            signal_group(self.pid, signal.SIGTERM, self.leader_start)
             await self._ended_within(self.grace_s)     # woken by its end, if it comes
-            signal_group(self.pid, signal.SIGKILL)     # (its group may outlive its leader)
+            signal_group(self.pid, signal.SIGKILL, self.leader_start)  # (it may outlive its leader)
             await self._ended_within(None)
         # A stopped job's follower (run) may be cancelled next: end everything here.
         await self.end()
@@ -555,9 +558,3 @@ def hand_over(workdir: Path, box: Sandbox) -> None:
         os.chown(path, box.uid, gid)
     os.chmod(workdir, 0o700)
 
-
-def signal_group(pgid: int, sig: int) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass

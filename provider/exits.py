@@ -29,6 +29,30 @@ def pid_runs_in(pid: int, workdir: Path) -> bool:
     return str(workdir).encode() in cmd or cwd == str(workdir)
 
 
+def started_at(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks after boot: /proc/PID/stat's field 22), None
+    if there is none. With its pid, what tells a process from a later one given that pid."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def signal_group(pgid: int, sig: int, started: int | None = None) -> None:
+    """Send ``sig`` to the process group ``pgid`` (a job's: its leader's pid). ``started``:
+    when that leader started (``started_at``). Where a process of that pid lives but started
+    at another time, the leader was reaped and its group emptied (the kernel gives no pid
+    away while a group still uses it) and the pid went to someone else: nothing is sent. On
+    a host of 32,768 pids, a late kill of a job's group (after its grace period, or at its
+    end) could otherwise end a stranger's process group."""
+    if started is not None and started_at(pgid) not in (None, started):
+        return
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
 class ForkedChild:
     """A job process forked by a forkserver (provider/forkservers.py), as much of an
     ``asyncio.subprocess.Process`` as JobProcess uses. The forkserver, its parent, reports

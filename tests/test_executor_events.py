@@ -183,3 +183,25 @@ def test_without_pidfds_the_pid_is_polled(tmp_path, monkeypatch):
                                BOUND)
 
     asyncio.run(scenario())
+
+
+def test_a_job_s_group_is_not_signalled_once_its_pid_is_another_process_s():
+    """A job's process group is killed by its leader's pid (its grace over, at its end).
+    Once that leader is reaped and its group empty, the pid can go to a stranger's new
+    group: signal_group sends nothing to a process that started at another time than the
+    leader it was given, and signals a group whose leader is the one it knows."""
+    from gpumarket.provider.exits import signal_group, started_at
+
+    proc = subprocess.Popen(["sleep", "30"], start_new_session=True)
+    try:
+        started = started_at(proc.pid)
+        assert started is not None and started_at(2 ** 22 + 1) is None
+        signal_group(proc.pid, signal.SIGKILL, started + 1)     # "the job" was another
+        time.sleep(0.2)
+        assert proc.poll() is None, "a stranger's group was killed"
+        signal_group(proc.pid, signal.SIGKILL, started)
+        assert proc.wait(BOUND) == -signal.SIGKILL
+        signal_group(proc.pid, signal.SIGKILL, started)         # gone: nothing to send
+    finally:
+        proc.kill()
+        proc.wait()
