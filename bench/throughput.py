@@ -108,11 +108,14 @@ def submit_and_watch(market: Marketplace, path: Path) -> dict:
     """``gpumarket submit --watch --json``: one client process that submits and follows the
     job's events to its end (what a user runs; no polling processes beside the work)."""
     r = market.cli("submit", str(path), "--watch", "--json", timeout=3600)
+    exited_ms = time.time() * 1000
     found = re.search(r'"job_id": "(\w+)"', r.stdout)
     if found is None:
         raise SystemExit(f"submit failed: {r.stderr.strip()}")
-    last = json.loads(r.stdout.strip().splitlines()[-1])      # its events: one a line
-    return {"job_id": found[1], "state": last["state"], "error": r.stderr.strip()[-300:]}
+    events = [json.loads(line) for line in r.stdout.splitlines()      # one a line (after
+              if line.startswith('{"')]                                # the indented id)
+    return {"job_id": found[1], "state": events[-1]["state"], "events": events,
+            "exited_ms": exited_ms, "error": r.stderr.strip()[-300:]}
 
 
 def all_tasks(market: Marketplace, job_id: str, count: int) -> list[dict]:
@@ -151,9 +154,9 @@ def run_array(market: Marketplace, root: Path, name: str, tasks: int,
     path = array_file(root, name, tasks, rounds)
     began_ms = time.time() * 1000
     began = time.perf_counter()
-    job = submit_and_watch(market, path)
+    watched = submit_and_watch(market, path)
     wall = time.perf_counter() - began
-    job_id = job["job_id"]
+    job_id = watched["job_id"]
     job = market.job(job_id)
     if job["state"] != "SUCCEEDED":
         raise SystemExit(f"the {name} array ended {job['state']}: {job.get('error')}")
@@ -161,7 +164,26 @@ def run_array(market: Marketplace, root: Path, name: str, tasks: int,
     lat = [(t["updated_at_ms"] - began_ms) / 1000 for t in rows]
     return {"job_id": job_id, "wall_s": wall, "tasks_per_s": tasks / wall,
             "p50_ms": pct(lat, 0.5) * 1000, "p99_ms": pct(lat, 0.99) * 1000,
-            "batches": len(job.get("parts", [])), "lanes": lanes(rows, began_ms)}
+            "batches": len(job.get("parts", [])), "lanes": lanes(rows, began_ms),
+            "ends": ends(watched, rows, began_ms)}
+
+
+def ends(watched: dict, rows: list[dict], began_ms: float) -> dict:
+    """Where an array's run went at its two ends, in ms on the client's clock (the broker
+    and the bench share this machine's): the ``submit --watch`` process's start to the
+    broker's submitted event (its imports, key, input upload), submitted to the first lease
+    (started), to the first task recorded; and the tail: the last task recorded to the
+    array's succeeded event, and to the process's exit (the watch stream seeing it, the
+    process ending). A task's time is when the broker took up the update that reports it:
+    "succeeded" includes recording that last update (its receipts checked, its outputs
+    stored) and the leases' receipts behind it."""
+    at = {e["type"]: int(e["at_ms"]) for e in reversed(watched["events"])}  # each's first
+    first = min(t["updated_at_ms"] for t in rows)
+    last = max(t["updated_at_ms"] for t in rows)
+    done = int(watched["events"][-1]["at_ms"])
+    return {"submit_ms": at["submitted"] - began_ms, "lease_ms": at["started"] - at["submitted"],
+            "first_task_ms": first - at["started"], "succeeded_ms": done - last,
+            "exit_ms": watched["exited_ms"] - last}
 
 
 def lanes(rows: list[dict], began_ms: float) -> list[dict]:
@@ -230,6 +252,10 @@ def compare(label: str, tasks: int, ours: dict, ray: dict | None) -> float | Non
     for lane in ours["lanes"]:
         print(f"  lane {lane['provider']}: {lane['tasks']:,} tasks, last ended at"
               f" {lane['end_s']:.2f}s, {lane['task_s']:.2f}s inside its tasks")
+    e = ours["ends"]
+    print(f"  ends (ms): process start -> submitted {e['submit_ms']:.0f}, -> first lease"
+          f" {e['lease_ms']:.0f}, -> first task recorded {e['first_task_ms']:.0f}; last task"
+          f" recorded -> succeeded {e['succeeded_ms']:.0f}, -> process exit {e['exit_ms']:.0f}")
     if ray is None:
         print(f"ray, {label}: skipped (set RAY_PYTHON to a Python that imports ray)")
         return None
@@ -392,6 +418,7 @@ def main() -> None:
         "ratio_vs_ray_heavy": rounded(ratio_heavy, 3),
         "lost_outputs": lost,
         "outputs_lane_end_s": [lane["end_s"] for lane in light["lanes"]],
+        "outputs_ends_ms": {k: round(v) for k, v in light["ends"].items()},
         "heavy_lane_end_s": [lane["end_s"] for lane in heavy["lanes"]],
         "small_array_wait_s": round(max(waits), 3),
         "small_array_wait_light_s": round(waits[0], 3),

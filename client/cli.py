@@ -15,7 +15,7 @@ import click
 
 from gpumarket import kinds
 from gpumarket.client import endpoints, jobs, money, offers, results, submit, tasks
-from gpumarket.client.console import key_path, load_identity
+from gpumarket.client.console import key_path, leave, load_identity
 from gpumarket.proto.errors import GpumarketError
 from gpumarket.proto.identity import Identity, home_dir
 
@@ -104,4 +104,7 @@ def main() -> None:
     except GpumarketError as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(1)
-    cli(prog_name="gpumarket")
+    try:
+        cli(prog_name="gpumarket")
+    except SystemExit as exc:
+        leave(exc.code)

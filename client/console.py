@@ -1,5 +1,5 @@
 """What every client command shares: the consoles, the client's key, the async-command
-wrapper (one line on stderr for a GpumarketError), JSON output, times."""
+wrapper (one line on stderr for a GpumarketError), JSON output, times, and the process's exit."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import asyncio
 import datetime as dt
 import functools
 import json
+import logging
+import os
 import sys
 from pathlib import Path
 
@@ -45,6 +47,24 @@ def command(fn):
             sys.exit(130)
 
     return wrapper
+
+
+def leave(code: int | str | None) -> None:
+    """End the ``gpumarket`` process with ``code`` (a SystemExit's). Where a command talked
+    to a broker (grpc imported), its output is flushed and the process ends at once: the
+    interpreter's finalization of grpc and the client's modules took 50-190 ms after the
+    last line (against 4-9 ms without it), on the clock of every `submit --watch` and
+    `watch` that waits for a job's end. Elsewhere (``--help``, ``keys init``, a caller
+    that imports ``main``) it is an ordinary SystemExit."""
+    if "grpc" not in sys.modules or not (code is None or isinstance(code, int)):
+        raise SystemExit(code)
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):   # a closed pipe (`| head`): nothing more to say
+            pass
+    os._exit(code or 0)
 
 
 def dump(obj) -> None:
