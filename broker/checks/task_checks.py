@@ -60,7 +60,7 @@ def rule(kind: kinds.Kind, values: dict) -> dict:
 def choose(db: Database, policy: Policy, batch, lease: dict, now: int) -> str | None:
     """An array's lease ended with its receipt (``batch``: its job row): perhaps check a
     sample of the tasks it ran and succeeded. Returns the check's id, or None."""
-    if not verification._checkable(batch["kind"], batch["spec"]):
+    if not policy.enabled or not verification._checkable(batch["kind"], batch["spec"]):
         return None      # (nor one whose spec this broker cannot read)
     kind = kinds.get(batch["kind"])
     scope = rule(kind, verification._values(kind, batch))
