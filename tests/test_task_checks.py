@@ -12,6 +12,8 @@ import dataclasses
 import hashlib
 import json
 import random
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -105,8 +107,7 @@ def compare(c: dict, doctored: int = -1) -> tuple[bool, str]:
 
 
 def task_checks_compare(expect: dict[str, str], got: dict[str, str], scope: dict):
-    import tempfile
-    from pathlib import Path
+    """script.KIND.compare of two sides' files (by name: their text) written to disk."""
     with tempfile.TemporaryDirectory() as d:
         paths = {}
         for side, files in (("e", expect), ("g", got)):
@@ -171,7 +172,8 @@ def test_an_honest_lease_has_a_sample_of_its_tasks_replayed_exactly_and_verified
     assert ledger.audit(w.db) == []
 
 
-def test_a_lease_that_doctored_a_task_is_caught_its_tasks_re_run_elsewhere_unpaid(w):
+def test_a_lease_that_doctored_a_task_is_caught_its_tasks_re_run_elsewhere_unpaid(
+        w, monkeypatch):
     """The cheat doctors one task, and that task is in the sample (the draw is the
     system's: the test takes the first drawn task as the one it doctored, before the
     receipt): the checker disagrees, a tie-break agrees with the checker, every task of the
@@ -180,13 +182,9 @@ def test_a_lease_that_doctored_a_task_is_caught_its_tasks_re_run_elsewhere_unpai
     w.write(broker_arrays.submit, array_job("a", "exact"), w.now)
     start(w, "a-1", "liar")
     drawn = task_checks.sample(list(range(TASKS)))
-    orig = task_checks.sample
-    task_checks.sample = lambda tasks, rng=None: drawn
-    try:
-        report(w, "a-1", "liar", list(range(TASKS)), doctored=drawn[0])
-        end(w, "a-1", "liar")
-    finally:
-        task_checks.sample = orig
+    monkeypatch.setattr(task_checks, "sample", lambda tasks, rng=None: drawn)
+    report(w, "a-1", "liar", list(range(TASKS)), doctored=drawn[0])
+    end(w, "a-1", "liar")
     (first,) = checks(w, "a-1")
     replay(w, first, "h1")
     agrees, detail = compare(checks(w, "a-1")[first], doctored=drawn[0])
