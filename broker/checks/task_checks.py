@@ -166,4 +166,5 @@ def second_runs(db: Database, array_id: str, tasks: list[int], now: int) -> None
             [array_id, json.dumps(tasks)]).fetchall():
         row = jobs.job_row(db, batch_id)
         if row.state == pb.JOB_STATE_QUEUED and row.attempt < 2:
-            jobs.set_job(db, batch_id, now, attempt=2)
+            # (one more allowed: the re-run uses none of the attempts its client gave it)
+            jobs.set_job(db, batch_id, now, attempt=2, max_attempts=row.max_attempts + 1)
