@@ -537,6 +537,16 @@ def main() -> None:
         figures.update(render_checks.detection(render_checks.render_checks(), args.trials,
                                                simulate_jobs, simulate_frames,
                                                verification.rate(10**9)))
+    sys.path.insert(0, str(ROOT / "bench"))
+    import array_checks
+
+    for n, p in array_checks.catch_rates(min(args.trials, 20_000)).items():
+        caught = simulate_jobs(p, 20, args.trials, 10)
+        figures[f"array_task_catch_p_per_check_{n}_tasks"] = round(p, 4)
+        if n == 100:    # a cheat doctoring one task of each lease of 100 (the class figure)
+            figures["detection_p_20_jobs_array_task"] = round(caught, 4)
+        print(f"array leases of {n} tasks, one doctored: one check replays it in {p:.4f}"
+              f" of draws; caught within 20 leases with p = {caught:.4f}")
     for frames in (10, 100, 1000):
         # the sample alone (what a check of a lease too long to preview has)
         caught = simulate_frames(frames, 1, 20, args.trials, 4)

@@ -22,7 +22,7 @@ from gpumarket.broker.api.artifacts import ArtifactsServicer
 from gpumarket.broker.api.auth import Authenticator
 from gpumarket.broker.api.gateway import ProviderGatewayServicer
 from gpumarket.broker.api.http import BrokerHttp
-from gpumarket.broker.checks import disputes
+from gpumarket.broker.checks import disputes, task_checks
 from gpumarket.broker.checks import verification
 from gpumarket.broker.config import BrokerConfig
 from gpumarket.broker.jobs import arrays
@@ -64,10 +64,10 @@ def install_reactions() -> None:
     """What job arrays and spot checks do when a job moves (broker/jobs/reactions.py): set
     once as the broker starts, so the state machine need not import them."""
     reactions.install(reactions.Reactions(
-        batch_moved=arrays.follow_batch, batch_tasks=arrays.lease_tasks,
+        batch_moved=arrays.follow_batch, batch_tasks=task_checks.lease_tasks,
         array_cancelled=arrays.cancelled, check_leased=verification.lease_scope,
         checkpoint_stored=verification.checkpoint_stored,
-        receipt_came=verification.choose_final, open_checks=verification.open_checks,
+        receipt_came=task_checks.receipt_came, open_checks=verification.open_checks,
         work_summary=verification.summary, check_returned=verification.returned,
         check_requeued=verification.requeued, check_failed=disputes.could_not_run,
         job_ended=disputes.drop))

@@ -21,8 +21,10 @@ TASK_OUTPUTS = 1_000             # files a task may leave (its own receipt names
 INLINE_OUTPUT_BYTES = 64 << 10   # a task output this small may travel in its task results
 INLINE_UPDATE_BYTES = 1 << 20    # update (not uploaded); one update carries at most this ...
 INLINE_UPDATE_BLOBS = 1_000      # ... many bytes and blobs of them
-# What a task may not change: what the broker matched and sized the whole array on.
-FIXED = frozenset({"model", "model_name", "engine", "trust_remote_code", "dtype", "split"})
+# What a task may not change: what the broker matched and sized the whole array on, and how
+# its tasks' outputs are compared when checked (docs/verification.md, Job arrays).
+FIXED = frozenset({"model", "model_name", "engine", "trust_remote_code", "dtype", "split",
+                   "outputs_compare", "outputs_rtol", "outputs_atol"})
 
 
 def is_array(spec: pb.JobSpec) -> bool:

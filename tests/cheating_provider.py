@@ -7,6 +7,8 @@ CHEAT_MODE: ``weights`` flips one bit of the weights in the checkpoints and fina
 uploads (the state still loads and trains on, as a lazy or sloppy provider's would);
 ``text`` replaces its completions with another model's text; ``blank`` uploads black frames;
 ``output`` replaces each JSON output file (``*.json``) a script wrote with made-up figures;
+``task`` replaces one JSON output file of the first task each job array lease reports with
+made-up figures (the small files a task's results carry, before they are hashed and signed);
 ``fail`` reports every job it runs as failed by the job's own code (exit status 1, its real
 log, and the error CHEAT_FAILURE), once the job ends or after CHEAT_FAIL_AFTER seconds (an
 endpoint's replica never ends), signed like an honest provider's report.
@@ -24,7 +26,10 @@ import tempfile
 import zlib
 from pathlib import Path
 
-from gpumarket.provider import daemon, executor
+import dataclasses
+import hashlib
+
+from gpumarket.provider import daemon, executor, task_results
 from gpumarket.provider.cli import main
 
 MODE = os.environ.get("CHEAT_MODE", "weights")
@@ -111,6 +116,29 @@ async def failing_run(self):
     return executor.Outcome(1, None, False, f"job exited with code 1: {FAILURE}",
                             outcome.wall_seconds, False)
 
+
+real_read_outputs = task_results.TaskResults.read_outputs
+
+
+def doctored_outputs(self, tasks):
+    """The lease's first task's first small JSON output made up (its siblings' left alone):
+    the receipt the provider signs for it names the made-up file."""
+    found = real_read_outputs(self, tasks)
+    if not hasattr(self, "cheat_task"):
+        self.cheat_task = min(tasks)        # the first task the lease reports
+    outs = found.get(self.cheat_task)
+    if isinstance(outs, list):
+        for i, o in enumerate(outs):
+            if o.data is not None and o.name.endswith(".json"):
+                data = b'{"made_up": true}'
+                outs[i] = dataclasses.replace(o, data=data, size=len(data),
+                                              sha256=hashlib.sha256(data).hexdigest())
+                break
+    return found
+
+
+if MODE == "task":
+    task_results.TaskResults.read_outputs = doctored_outputs
 
 if MODE == "fail":
     executor.JobProcess.run = failing_run

@@ -240,3 +240,49 @@ def test_a_script_provider_that_makes_up_its_output_is_caught_and_unpaid(tmp_pat
         assert audit(market, tmp_path)["ok"]
     finally:
         market.close()
+
+
+INDEXED = """
+import hashlib, json
+from gpumarket.provider.runners import task
+digest = hashlib.sha256()
+for i in range(5000 * (task.index() + 1)):
+    digest.update(str(i * i).encode())
+(task.output_dir() / "result.json").write_text(json.dumps({"digest": digest.hexdigest()}))
+"""
+
+
+def test_an_array_provider_that_doctors_a_task_is_caught_its_tasks_re_run_unpaid(tmp_path):
+    """A script array that declares its outputs exact, one task a lease: the cheat makes up
+    the result.json of the task each of its leases runs; the check of that lease replays the
+    task on another provider, disagrees, a tie-break agrees with the replay, and the task
+    runs again on an honest provider, whose result the client gets; the cheat is not paid."""
+    market = Marketplace(tmp_path)
+    try:
+        market.start_broker(*LEASE_ARGS, verify=True)
+        market.start_provider("cheat", 0.1, "--kinds", "script", cheat="task")
+        market.start_provider("h1", 1.0, "--kinds", "script")
+        market.start_provider("h2", 1.5, "--kinds", "script")
+        market.wait_for_offers(3)
+        cheat = market.provider_id("cheat")
+        (tmp_path / "main.py").write_text(INDEXED)
+        job = tmp_path / "job.toml"
+        job.write_text('name = "squares"\nkind = "script"\nmax_price = 2.0\n\n[script]\n'
+                       'code = "main.py"\noutputs_compare = "exact"\n\n[array]\n'
+                       'grid = { args = [["0"], ["1"], ["2"]] }\nper_lease = 1\n')
+        job_id, final = run_to_end(market, job)
+        v = final["verification"]
+        assert v["status"] == "disputed -> re-run", v
+        caught = [c for c in v["checks"] if c["provider_id"] == cheat and c["state"] == "failed"]
+        assert caught and "every output file, compared exact" in caught[0]["what"], v
+        assert caught[0]["what"].startswith("task "), caught
+        assert "result.json differs" in caught[0]["detail"], caught
+        assert ledger_balance(tmp_path, f"provider:{cheat}") == 0
+        r = market.cli("results", job_id, "-o", str(tmp_path / "out"), "--json")
+        assert r.returncode == 0, r.stderr
+        got = sorted((tmp_path / "out").rglob("result.json"))
+        assert len(got) == 3, got
+        assert all(set(json.loads(p.read_text())) == {"digest"} for p in got), got
+        assert audit(market, tmp_path)["ok"]
+    finally:
+        market.close()

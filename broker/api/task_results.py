@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 
+from gpumarket.broker.checks import task_checks
 from gpumarket.broker.jobs import arrays
 from gpumarket.broker.jobs import transitions as jobs
 from gpumarket.broker.state import BrokerState
@@ -24,7 +25,8 @@ def _checked(update: gw.JobUpdate, provider_id: str):
 
 
 async def record(state: BrokerState, provider_id: str, update: gw.JobUpdate, now: int) -> None:
-    """Record the update's task results (arrays.record_results); its outputs' bytes are
+    """Record the update's task results (arrays.record_results; a check's lease's, with its
+    check: task_checks.record_results); its outputs' bytes are
     stored first, so no task is SUCCEEDED without them, and only while the lease is the
     provider's. Raises what refuses it (nothing of it is recorded then; outputs stored before
     a refusal — the lease ended in between — stay on disk with no row). A lease the
@@ -41,7 +43,7 @@ async def record(state: BrokerState, provider_id: str, update: gw.JobUpdate, now
         # held by no row, out of the garbage collector's reach (a disk a provider could fill).
         await state.store.read(jobs.current, update.job_id, update.epoch, provider_id)
         await _store(state, provider_id, blobs, limit)
-    stolen = await state.store.write(arrays.record_results, update.job_id, update.epoch,
+    stolen = await state.store.write(task_checks.record_results, update.job_id, update.epoch,
                                      provider_id, results, now, receipts, sizes, limit)
     if stolen:
         # A lane of the array went idle: this lease stops after its current task and the

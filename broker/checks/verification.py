@@ -28,6 +28,7 @@ from gpumarket.broker.checks.policy import BAN_AFTER, OFF, Policy  # noqa: F401 
 from gpumarket.broker.jobs import transitions as jobs
 from gpumarket.broker.money import ledger
 from gpumarket.broker.store import blob_holdings
+from gpumarket.kinds import arrays as task_arrays
 from gpumarket.kinds.schema import ParamError
 from gpumarket.proto.errors import InvalidArgument
 from gpumarket.proto.v1 import types_pb2 as pb
@@ -227,6 +228,11 @@ def queue(db: Database, job: dict, provider_id: str, lease_id: str, seq: int | N
 
 
 def what(step_from: int, step_to: int, scope: dict) -> str:
+    if scope.get("tasks"):
+        tasks = scope["tasks"]
+        return (f"task{'s' if len(tasks) > 1 else ''} {task_arrays.format_indices(tasks)}"
+                f" ({len(tasks)} of the {scope.get('of_tasks', len(tasks))} a lease ran):"
+                f" every output file, compared {scope['outputs']}")
     if scope.get("outputs"):
         start = f"from step {step_from}" if step_from else "from the start"
         return f"the run {start}: every output file, compared {scope['outputs']}"
@@ -286,6 +292,11 @@ def excluded(db: Database, job_id: str) -> frozenset[str]:
     on it."""
     out = {r[0] for r in db.execute("SELECT liar FROM checks WHERE job_id = ? AND liar IS NOT"
                                     " NULL", [job_id]).fetchall()}
+    array = db.execute("SELECT parent_id FROM jobs WHERE id = ? AND tasks > 0 AND parent_id"
+                       " IS NOT NULL", [job_id]).fetchone()
+    if array:    # a batch of an array: nor a provider a check found wrong on another batch
+        out |= {r[0] for r in db.execute("SELECT liar FROM checks WHERE top_id = ? AND liar"
+                                         " IS NOT NULL", [array[0]]).fetchall()}
     c = check_row(db, job_id)
     if c is not None:
         out.add(c["provider_id"])
@@ -329,6 +340,9 @@ def requeued(db: Database, check_id: str) -> None:
 def returned(db: Database, check_id: str, outputs: dict[str, dict], now: int) -> None:
     """The checker's receipt came: keep what it returned for the verdict (the scheduler's
     loop compares it, see ``to_compare``)."""
+    # (a check of an array's tasks has them already: they came with its task results)
+    kept = db.execute("SELECT outputs FROM checks WHERE id = ?", [check_id]).fetchone()
+    outputs = {**json.loads(kept[0] if kept and kept[0] else "{}"), **outputs}
     db.execute("UPDATE checks SET outputs = ?, state = 'returned' WHERE id = ?",
                [json.dumps(outputs), check_id])
     top = db.execute("SELECT top_id FROM checks WHERE id = ?", [check_id]).fetchone()[0]
@@ -374,12 +388,16 @@ def view(db: Database, job_id: str) -> pb.JobVerification:
     job = db.execute("SELECT provider_id, needs, kind, tasks, spec FROM jobs WHERE id = ?",
                      [job_id]).fetchone()
     # A rate only for work a check can replay: none for a kind that is never checked (a
-    # script that declares no outputs_compare), an array, or a model's own code
-    # (docs/verification.md, What is not checked).
-    if job is not None and job[0] and _checkable(job[2], job[4]) and not job[3] \
+    # script that declares no outputs_compare, an array of a built-in kind), or a model's
+    # own code (docs/verification.md, What is not checked).
+    if job is not None and _checkable(job[2], job[4]) \
             and not json.loads(job[1]).get("remote_code"):
-        asked = json.loads(job[1]).get("verify_rate", 0.0)
-        out.rate = max(float(asked), provider_rate(db, job[0]))
+        asked = float(json.loads(job[1]).get("verify_rate", 0.0))
+        if job[3] and kinds.get(job[2]).verify == "outputs":
+            # an array's leases, each at its provider's rate: at least the client's share
+            out.rate = max(asked, FLOOR)
+        elif job[0] and not job[3]:
+            out.rate = max(asked, provider_rate(db, job[0]))
     for c in [check_row(db, r[0]) for r in db.execute(
             "SELECT id FROM checks WHERE top_id = ? OR job_id = ? ORDER BY created_at_ms, id",
             [job_id, job_id]).fetchall()]:

@@ -323,7 +323,7 @@ def _lease(db: Database, terms: LeaseTerms, now: int, job: Job) -> pb.Lease:
         checkpoint_interval_s=terms.checkpoint_interval_s,
         part=0 if job.tasks else job.part,
         parts=job.parts if job.part and not job.tasks else 0,
-        tasks=hooks().batch_tasks(db, job.id) if job.sort == "batch" else (),
+        tasks=hooks().batch_tasks(db, job.id) if job.sort in ("batch", "check") else (),
     )
     if job.resume_from:
         lease.resume_from.CopyFrom(pb.ArtifactRef(**json.loads(job.resume_from)))
@@ -575,8 +575,7 @@ def succeed(
     for out in receipt_msg.outputs:
         blob_holdings.refer(db, out.sha256, job_id, "output")
     calibration.record_throughput(db, job, provider_id, receipt_msg, now)
-    if not job.tasks:        # (a job array's tasks are not spot-checked)
-        hooks().receipt_came(db, policy, job, lease, total, outputs, receipt_msg, now)
+    hooks().receipt_came(db, policy, job, lease, total, outputs, receipt_msg, now)
     if hooks().open_checks(db, job_id):
         set_job(db, job_id, now, state=VERIFYING, receipt=receipt, progress_step=total)
         append_event(db, job_id, "verifying", VERIFYING, job.attempt, now,

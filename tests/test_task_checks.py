@@ -1,0 +1,208 @@
+"""Spot checks of job arrays' tasks (issue 34; broker/checks/task_checks.py): when an array's
+lease ends, a sample of the tasks it succeeded is replayed on another provider (a check lease
+naming exactly those tasks) and compared task by task by the array's declared rule; a
+mismatch goes the way of every check (tie-break, conviction: the lease's tasks run again
+elsewhere, its pay returned). On a real SQLite file through the broker's own transactions,
+as tests/test_script_checks.py runs a single script's checks; tests/test_verification.py has
+a cheating array provider end to end."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import random
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from gpumarket.broker.checks import disputes, task_checks, verification
+from gpumarket.broker.jobs import arrays as broker_arrays
+from gpumarket.broker.jobs import transitions as jobs
+from gpumarket.broker.jobs.job import LeaseTerms
+from gpumarket.broker.money import ledger
+from gpumarket.kinds import arrays, script
+from gpumarket.kinds.schema import ParamError
+from gpumarket.proto.v1 import gateway_pb2 as gw
+from gpumarket.proto.v1 import types_pb2 as pb
+from tests.test_ledger import new_job
+from tests import test_verification_rules as verification_rules
+from tests.test_verification_rules import CHECK, checks, receipt, sign, start
+
+TASKS = 8
+w = verification_rules.w
+
+
+def array_job(job_id: str, rule: str):
+    """A script array of TASKS tasks in one lease whose signed spec declares ``rule``."""
+    values = {"code": "code.tar", "entry": "main.py", "args": [], "steps": 0,
+              "checkpoint_every": 0, "outputs_compare": rule, "outputs_rtol": 0.0,
+              "outputs_atol": 0.0}
+    spec = pb.JobSpec()
+    script.KIND.write(spec, values)
+    spec.array.CopyFrom(pb.JobArray(count=TASKS, tasks_input="tasks.jsonl",
+                                    per_lease=TASKS))
+    job = new_job(job_id, "ca", 500_000, True)
+    return dataclasses.replace(
+        job, spec=pb.Envelope(payload=spec.SerializeToString()).SerializeToString(),
+        needs=dataclasses.replace(job.needs, kind=pb.JOB_KIND_SCRIPT))
+
+
+def output(text: str) -> tuple[str, int]:
+    return hashlib.sha256(text.encode()).hexdigest(), len(text.encode())
+
+
+def report(w, job_id: str, provider: str, tasks: list[int], doctored: int = -1) -> None:
+    """``provider``'s lease of ``job_id`` reports each task succeeded with one output file,
+    its content the task's own (another for the ``doctored`` task)."""
+    epoch = w.job(job_id)["epoch"]
+    results, receipts, blobs = [], {}, []
+    for t in tasks:
+        sha, size = output(f'{{"task": {t}}}' if t != doctored else '{"task": -1}')
+        blobs.append((sha, size))
+        receipts[t] = pb.Receipt(job_id=job_id, epoch=epoch, provider_id=provider,
+                                 spec_sha256="0" * 64, outputs=[pb.ArtifactRef(
+                                     name=arrays.output_name(t, "out.json"), sha256=sha,
+                                     size_bytes=size)])
+        results.append(gw.TaskResult(task=t, ok=True, seconds=0.1))
+    w.now += 1000
+    w.write(task_checks.record_results, job_id, epoch, provider, results, w.now, receipts,
+            blobs, 1 << 30)
+
+
+def end(w, job_id: str, provider: str) -> None:
+    """The lease's receipt: it names no outputs (each task's came with its own)."""
+    w.now += 1000
+    w.write(jobs.succeed, job_id, w.job(job_id)["epoch"], provider,
+            receipt(job_id, provider, [], w), w.now, CHECK)
+
+
+def run_array(w, rule: str, provider: str, doctored: int = -1) -> None:
+    w.write(broker_arrays.submit, array_job("a", rule), w.now)
+    start(w, "a-1", provider)
+    report(w, "a-1", provider, list(range(TASKS)), doctored)
+    end(w, "a-1", provider)
+
+
+def replay(w, check_id: str, checker: str) -> pb.Lease:
+    """The checker leases the check, runs the tasks its lease names and reports them."""
+    w.now += 1000
+    env = w.write(jobs.create_lease, LeaseTerms(check_id, checker, (0,), 1.0, 60_000, 10),
+                  w.now, sign)
+    lease = pb.Lease.FromString(env.payload)
+    w.write(jobs.mark_started, check_id, lease.epoch, checker, w.now)
+    report(w, check_id, checker, list(lease.tasks))
+    end(w, check_id, checker)
+    return lease
+
+
+def compare(c: dict, doctored: int = -1) -> tuple[bool, str]:
+    """The broker's comparison of the check's files (as verdicts.py gives them: by name)."""
+    def texts(refs: dict, bad: int) -> dict[str, str]:
+        return {name: '{"task": -1}' if arrays.output_task(name)[0] == bad else
+                f'{{"task": {arrays.output_task(name)[0]}}}' for name in refs}
+    return task_checks_compare(texts(json.loads(c["expect"]), doctored),
+                               texts(json.loads(c["outputs"]), -1), json.loads(c["scope"]))
+
+
+def task_checks_compare(expect: dict[str, str], got: dict[str, str], scope: dict):
+    """script.KIND.compare of two sides' files (by name: their text) written to disk."""
+    with tempfile.TemporaryDirectory() as d:
+        paths = {}
+        for side, files in (("e", expect), ("g", got)):
+            paths[side] = {}
+            for name, text in files.items():
+                p = Path(d) / side / name
+                p.parent.mkdir(exist_ok=True)
+                p.write_text(text)
+                paths[side][name] = p
+        return script.KIND.compare(paths["e"], paths["g"], scope)
+
+
+def test_a_quarter_of_a_leases_tasks_up_to_32_drawn_at_random():
+    assert [task_checks.sample_size(n) for n in (1, 4, 5, 8, 100, 128, 1000)] == \
+        [1, 1, 2, 2, 25, 32, 32]
+    draws = {tuple(task_checks.sample(list(range(10)), random.Random(i))) for i in range(50)}
+    assert len(draws) > 10 and all(len(d) == 3 and list(d) == sorted(d) for d in draws)
+
+
+def test_an_array_whose_kind_declares_no_rule_is_never_checked_and_reads_unverified(w):
+    run_array(w, "none", "h1")
+    assert checks(w, "a-1") == {}
+    assert w.job("a")["state"] == jobs.SUCCEEDED
+    v = verification.view(w.db, "a")
+    assert (v.status, v.rate) == ("unverified", 0)
+    assert ledger.balance(w.db, ledger.provider("h1")) > 0
+
+
+def test_a_task_cannot_change_the_arrays_rule():
+    with pytest.raises(ParamError, match="the same for every task"):
+        arrays.task_values(script.KIND, {"code": "code.tar", "outputs_compare": "exact"},
+                           {"outputs_compare": "none"}, {"code.tar"}, 3)
+
+
+def test_an_honest_lease_has_a_sample_of_its_tasks_replayed_exactly_and_verified(w):
+    run_array(w, "exact", "h1")
+    (check_id,) = checks(w, "a-1")
+    c = checks(w, "a-1")[check_id]
+    scope = json.loads(c["scope"])
+    assert len(scope["tasks"]) == 2 and scope["outputs"] == "exact"
+    assert set(json.loads(c["expect"])) == {arrays.output_name(t, "out.json")
+                                            for t in scope["tasks"]}
+    assert w.job("a-1")["state"] == verification.VERIFYING      # its pay held
+    assert ledger.balance(w.db, ledger.provider("h1")) == 0
+    assert verification.view(w.db, "a").rate >= verification.FLOOR
+    assert verification.excluded(w.db, check_id) == {"h1"}
+    lease = replay(w, check_id, "h2")
+    assert list(lease.tasks) == scope["tasks"]        # exactly those tasks, no others
+    assert lease.job_id == check_id and lease.part == 0
+    c = checks(w, "a-1")[check_id]
+    assert c["state"] == "returned" and set(json.loads(c["outputs"])) == set(
+        json.loads(c["expect"]))
+    agrees, detail = compare(c)
+    assert agrees, detail
+    w.write(disputes.conclude, check_id, agrees, False, detail, w.now)
+    assert w.job("a-1")["state"] == jobs.SUCCEEDED
+    assert w.job("a")["state"] == jobs.SUCCEEDED
+    v = verification.view(w.db, "a")
+    assert v.status == "verified" and [x.state for x in v.checks] == ["passed"]
+    assert v.checks[0].what.startswith(f"tasks {arrays.format_indices(scope['tasks'])} (2 of")
+    assert ledger.balance(w.db, ledger.provider("h1")) > 0
+    assert ledger.audit(w.db) == []
+
+
+def test_a_lease_that_doctored_a_task_is_caught_its_tasks_re_run_elsewhere_unpaid(
+        w, monkeypatch):
+    """The cheat doctors one task, and that task is in the sample (the draw is the
+    system's: the test takes the first drawn task as the one it doctored, before the
+    receipt): the checker disagrees, a tie-break agrees with the checker, every task of the
+    cheat's lease goes back to the queue in a new batch the cheat may not run, and its
+    pay on the lease is returned."""
+    w.write(broker_arrays.submit, array_job("a", "exact"), w.now)
+    start(w, "a-1", "liar")
+    drawn = task_checks.sample(list(range(TASKS)))
+    monkeypatch.setattr(task_checks, "sample", lambda tasks, rng=None: drawn)
+    report(w, "a-1", "liar", list(range(TASKS)), doctored=drawn[0])
+    end(w, "a-1", "liar")
+    (first,) = checks(w, "a-1")
+    replay(w, first, "h1")
+    agrees, detail = compare(checks(w, "a-1")[first], doctored=drawn[0])
+    assert not agrees and arrays.output_name(drawn[0], "out.json") in detail, detail
+    w.write(disputes.conclude, first, agrees, False, detail, w.now)
+    tiebreak = next(c for c, row in checks(w, "a-1").items() if row["first_check"] == first)
+    assert verification.excluded(w.db, tiebreak) == {"liar", "h1"}
+    replay(w, tiebreak, "h2")
+    w.write(disputes.conclude, tiebreak, False, True, "tie-break", w.now)
+    assert checks(w, "a-1")[tiebreak]["liar"] == "liar"
+    assert w.job("a-1")["state"] == jobs.SUCCEEDED         # the batch ended ...
+    queued = w.db.execute("SELECT count(*) FROM array_tasks WHERE array_id = 'a' AND"
+                          " state = ? AND batch_id = 'a-2'", [jobs.QUEUED]).fetchone()[0]
+    assert queued == TASKS                                  # ... its tasks run again
+    a2 = w.job("a-2")
+    assert (a2["state"], a2["attempt"]) == (jobs.QUEUED, 2)
+    assert a2["max_attempts"] == w.job("a-1")["max_attempts"] + 1    # none of the client's
+    assert "liar" in verification.excluded(w.db, "a-2")    # never by the cheat
+    assert ledger.balance(w.db, ledger.provider("liar")) == 0
+    assert verification.summary(w.db, "a") == "disputed -> re-run"
+    assert ledger.audit(w.db) == []
