@@ -44,6 +44,7 @@ from gpumarket.kinds import training
 from gpumarket.provider.checkpoints import pack
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))   # the modules of bench/ it imports
 EXAMPLES = ROOT / "examples" / "data"
 RUNNER = "gpumarket.provider.runners.training"
 
@@ -215,7 +216,6 @@ def fingerprint_checks(rows: int = 16, tokens: int = 128, batch: int = 8) -> dic
     checker's one prefill of the same rows takes (median of 3 each, one process, model
     loaded: start-up not counted); and the share of a swapped model's and of a
     bfloat16-rounded model's rows (passed off as float32) that one check finds wrong."""
-    sys.path.insert(0, str(ROOT / "bench"))
     import fingerprint_spread as fs
 
     prompts = (fs.PROMPTS * 4)[:rows]
@@ -257,7 +257,6 @@ def endpoint_checks(answers: int = 16, tokens: int = 128, rounds: int = 3) -> di
 
     import torch
 
-    sys.path.insert(0, str(ROOT / "bench"))
     import fingerprint_spread as fs
 
     from gpumarket.kinds.engine_protocol import Complete, Final
@@ -531,13 +530,11 @@ def main() -> None:
             figures["detection_p_20_jobs"] = round(r["caught"], 4)
             figures["ban_p_20_jobs"] = round(r["banned"], 4)
     if not args.skip_real:
-        sys.path.insert(0, str(ROOT / "bench"))
         import render_checks
 
         figures.update(render_checks.detection(render_checks.render_checks(), args.trials,
                                                simulate_jobs, simulate_frames,
                                                verification.rate(10**9)))
-    sys.path.insert(0, str(ROOT / "bench"))
     import array_checks
 
     for n, p in array_checks.catch_rates(min(args.trials, 20_000)).items():

@@ -209,22 +209,34 @@ task.progress(1, 1)
 """
 
 
+def start_script_market(market: Marketplace, cheat_mode: str) -> str:
+    """A verifying broker, a cheating script provider (tests/cheating_provider.py's
+    ``cheat_mode``, the cheapest) and two honest ones; the cheat's provider id."""
+    market.start_broker(*LEASE_ARGS, verify=True)
+    market.start_provider("cheat", 0.1, "--kinds", "script", cheat=cheat_mode)
+    market.start_provider("h1", 1.0, "--kinds", "script")
+    market.start_provider("h2", 1.5, "--kinds", "script")
+    market.wait_for_offers(3)
+    return market.provider_id("cheat")
+
+
+def script_job(tmp_path, code: str, more: str = ""):
+    """A script job running ``code``, its outputs compared exact, ``more`` TOML after it."""
+    (tmp_path / "main.py").write_text(code)
+    job = tmp_path / "job.toml"
+    job.write_text('name = "squares"\nkind = "script"\nmax_price = 2.0\n\n[script]\n'
+                   'code = "main.py"\noutputs_compare = "exact"\n' + more)
+    return job
+
+
 def test_a_script_provider_that_makes_up_its_output_is_caught_and_unpaid(tmp_path):
     """A script that declares its outputs exact (outputs_compare): the cheat's made-up
     result.json disagrees with an honest replay, a tie-break agrees with the replay, and the
     job is re-run by an honest provider, whose result the client gets."""
     market = Marketplace(tmp_path)
     try:
-        market.start_broker(*LEASE_ARGS, verify=True)
-        market.start_provider("cheat", 0.1, "--kinds", "script", cheat="output")
-        market.start_provider("h1", 1.0, "--kinds", "script")
-        market.start_provider("h2", 1.5, "--kinds", "script")
-        market.wait_for_offers(3)
-        cheat = market.provider_id("cheat")
-        (tmp_path / "main.py").write_text(DETERMINISTIC)
-        job = tmp_path / "job.toml"
-        job.write_text('name = "squares"\nkind = "script"\nmax_price = 2.0\n\n[script]\n'
-                       'code = "main.py"\noutputs_compare = "exact"\n')
+        cheat = start_script_market(market, "output")
+        job = script_job(tmp_path, DETERMINISTIC)
         job_id, final = run_to_end(market, job)
         v = final["verification"]
         assert v["status"] == "disputed -> re-run", v
@@ -259,17 +271,9 @@ def test_an_array_provider_that_doctors_a_task_is_caught_its_tasks_re_run_unpaid
     runs again on an honest provider, whose result the client gets; the cheat is not paid."""
     market = Marketplace(tmp_path)
     try:
-        market.start_broker(*LEASE_ARGS, verify=True)
-        market.start_provider("cheat", 0.1, "--kinds", "script", cheat="task")
-        market.start_provider("h1", 1.0, "--kinds", "script")
-        market.start_provider("h2", 1.5, "--kinds", "script")
-        market.wait_for_offers(3)
-        cheat = market.provider_id("cheat")
-        (tmp_path / "main.py").write_text(INDEXED)
-        job = tmp_path / "job.toml"
-        job.write_text('name = "squares"\nkind = "script"\nmax_price = 2.0\n\n[script]\n'
-                       'code = "main.py"\noutputs_compare = "exact"\n\n[array]\n'
-                       'grid = { args = [["0"], ["1"], ["2"]] }\nper_lease = 1\n')
+        cheat = start_script_market(market, "task")
+        job = script_job(tmp_path, INDEXED, '\n[array]\ngrid = { args = [["0"], ["1"], ["2"]] }\n'
+                         'per_lease = 1\n')
         job_id, final = run_to_end(market, job)
         v = final["verification"]
         assert v["status"] == "disputed -> re-run", v
