@@ -2,12 +2,23 @@
 processes on this machine — a broker, one provider offering its CPU whole and as two slices
 (``--slices 2``, a core each), an endpoint of one replica (the tiny 2-layer Llama of
 tests/models.py) that the broker places on one slice — measured through the broker's
-OpenAI-compatible API: TTFT p99 of streamed completions arriving as a Poisson process, alone,
-and while a training job (the same tiny model, placed on the other slice) runs. Rounds
-alternate alone / colocated, so that load from outside (other work on the host) falls on both
-sides alike; each side's p99 is over all of its rounds' requests.
+OpenAI-compatible API: TTFT of streamed completions arriving as a Poisson process, alone, and
+while a training job (the same tiny model, placed on the other slice) runs. One training job
+serves every round: on an alone side its processes are stopped (SIGSTOP: it keeps its lease
+and memory, takes no CPU, and the broker's and daemon's work for it stops with it), on a
+colocated side they run (the side fails unless the job's reported step moved). A side costs
+only its seconds, so rounds are many and short, and they alternate (alone first in odd
+rounds, colocated first in even ones, the same arrivals for both sides of a round) so that
+drift of the host's load falls on both sides alike. Each side's p50 and p99 are over all of
+its rounds' requests (the defaults, 12 rounds of 8 s a side at 8 requests/s of 8 tokens:
+about 770 requests a side, the same decode work per second as 4/s of 16 tokens).
 
-    .venv/bin/python bench/colocated.py [--rounds 3] [--duration 15] [--rate 4] [--tokens 16]
+    .venv/bin/python bench/colocated.py [--rounds 12] [--duration 8] [--rate 8] [--tokens 8]
+
+``--stand-in`` keeps the job stopped and runs, on colocated sides, a busy loop on the
+training's cores at its nice value in a session of its own: the training's use of its core
+and nothing else of it (no memory traffic, no reports, no broker or daemon work), to tell
+what of the colocated cost is the core taken and what the training's other effects.
 
 Then the same without the marketplace (``direct_*``): the endpoint's engine in a process of
 its own on one slice's cores, its requests made in that process, alone and while a process
@@ -15,19 +26,21 @@ trains the same model on the other slice's cores — what one slice's work does 
 apart from the broker's and the provider's own processes, which on this host share the
 replica's core while the training holds the other (``--no-direct`` leaves it out).
 
-In its first colocated round it prints every process of the marketplace (the broker, the
+Once the training runs it prints every process of the marketplace (the broker, the
 provider and all below it: forkservers, the replica's engine, the training job) with its
 nice value, its session's scheduling group (/proc/PID/autogroup) and its threads counted by
 the cores each may run on (Cpus_allowed_list): a thread of a slice's job allowed outside its
-slice's cores would show there. It also prints, each round, the share of a core the broker and
-the provider daemon used on each side.
+slice's cores would show there. It also prints each side of each round (p50, p99, requests,
+training steps) and the share of a core the broker and the provider daemon used.
 
 Prints its figures and the host's load average (uptime) before and after; the last line is
 one JSON object: colocated_ttft_p99_ratio (colocated p99 / alone p99) with its 90 % bootstrap
-interval (colocated_ttft_p99_ratio_ci90: both sides' requests resampled; with the default 180
-requests a side a p99 is one of the two slowest, and the interval is wide: ``--rounds`` more
-narrows it), the p50 ratio, both p99s and p50s in ms, the replica's and the training's
-devices, the loads, and the direct figures.
+interval (colocated_ttft_p99_ratio_ci90: both sides' requests resampled), the spread of the
+rounds' own ratios (round_ttft_p99_ratios, round_ttft_p50_ratios: min, median, max; with
+about 64 requests a round-side a round's p99 is its slowest request, so the median is what to
+read), the p50 ratio, both p99s and p50s in ms, requests_per_side, the replica's and the
+training's devices, the loads, and the direct figures (``--direct-rounds``, default 3: a
+fresh engine process a side).
 """
 
 from __future__ import annotations
@@ -133,6 +146,50 @@ def spent(before: dict[str, float], after: dict[str, float], seconds: float) -> 
     """Each process's share of a core over a side, from two ``cpu_seconds``."""
     return ", ".join(f"{name} {(after[name] - before[name]) / seconds * 100:.0f} %"
                      for name in after)
+
+
+def step(market: Marketplace, job_id: str) -> int:
+    """The last step the training job ``job_id`` reported."""
+    return int(market.job(job_id).get("progress", {}).get("step", 0))
+
+
+def pause(pids: list[int], stopped: bool) -> None:
+    """Stop (SIGSTOP) or continue (SIGCONT) the training job's processes ``pids``: stopped it
+    holds its lease, memory and files but takes no CPU, so the alone side is the replica with
+    no training beside it — and none of the broker's or provider's work for it (reports,
+    logs), which stops with it."""
+    import signal
+
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGSTOP if stopped else signal.SIGCONT)
+        except ProcessLookupError:
+            continue
+
+
+STAND_IN = """
+import os, sys
+os.sched_setaffinity(0, {cores})
+open(f"/proc/{{os.getpid()}}/autogroup", "w").write("{nice}")
+print("spinning", flush=True)
+while True:
+    pass
+"""
+
+
+def stand_in(pids: list[int]):
+    """A busy loop in place of the training (``--stand-in``): its own session, on the
+    training's cores, at its nice value (thread and session group) — the training's use of
+    its core and nothing else of it, no reports, no logs, no work of the broker or daemon."""
+    import subprocess
+
+    seen = threads(pids[-1])
+    cores = {int(c) for c in next(iter(seen["threads_by_cores"])).replace("-", ",").split(",")}
+    proc = subprocess.Popen(["nice", "-n", str(seen["nice"]), sys.executable, "-c",
+                             STAND_IN.format(cores=cores, nice=seen["nice"])],
+                            stdout=subprocess.PIPE, text=True, start_new_session=True)
+    assert proc.stdout.readline().strip() == "spinning"
+    return proc
 
 
 def leases(market: Marketplace) -> dict[str, list[int]]:
@@ -273,10 +330,16 @@ def direct(model: Path, rounds: int, duration: float, rate: float, tokens: int) 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=3, help="alone/colocated pairs")
-    parser.add_argument("--duration", type=float, default=15.0, help="seconds per side a round")
-    parser.add_argument("--rate", type=float, default=4.0, help="requests/s")
-    parser.add_argument("--tokens", type=int, default=16, help="max_tokens per request")
+    parser.add_argument("--rounds", type=int, default=12, help="alone/colocated pairs")
+    parser.add_argument("--duration", type=float, default=8.0, help="seconds per side a round")
+    parser.add_argument("--rate", type=float, default=8.0, help="requests/s")
+    parser.add_argument("--tokens", type=int, default=8, help="max_tokens per request")
+    parser.add_argument("--direct-rounds", type=int, default=3,
+                        help="alone/colocated pairs without the marketplace (a fresh engine"
+                        " process a side)")
+    parser.add_argument("--stand-in", action="store_true",
+                        help="colocated sides beside a busy loop on the training's cores at"
+                        " its nice value, the training job paused: its CPU use alone")
     parser.add_argument("--no-direct", action="store_true",
                         help="leave out the same measurement without the marketplace")
     args = parser.parse_args()
@@ -303,50 +366,66 @@ def main() -> None:
             key = key_for(market, "colo")
             (replica_devices,) = leases(market).values()
             asyncio.run(measure(base, key, "colo", args.rate, 3, args.tokens, 0))  # warm-up
-            alone: list[float] = []
-            colocated: list[float] = []
-            training_devices: list[int] = []
+            # One training job for every round, paused (SIGSTOP) on the alone sides: a side
+            # costs its seconds only, no submission, so rounds can be many and short.
+            before = {seen["pid"] for seen in process_tree(market)}
+            job_file = training_job(root / "train.toml", steps=1_000_000,
+                                    checkpoint_every=1_000_000, max_price=5.0)
+            done = market.cli("submit", str(job_file))
+            if done.returncode != 0:
+                raise SystemExit(done.stderr)
+            job_id = done.stdout.split()[0]
+            market.wait_state(job_id, "RUNNING", timeout=300)
+            wait_until(lambda: step(market, job_id) > 0, "training steps", 120, 0.2)
+            training_devices = leases(market)[job_id]
+            tree = process_tree(market)
+            for seen in tree:        # every thread's cores, once: does anything spill?
+                print(f"  pid {seen['pid']:>7} nice {seen['nice']:>3} {seen['policy']:<6}"
+                      f" ({seen['autogroup'] or 'no autogroup'}) {seen['cmd']:<60} threads"
+                      f" by allowed cores: {seen['threads_by_cores']}", flush=True)
+            training = [seen["pid"] for seen in tree if seen["pid"] not in before]
+            alone: list[list[float]] = []
+            colocated: list[list[float]] = []
             for r in range(args.rounds):
-                cpu, began = cpu_seconds(market), time.monotonic()
-                alone += asyncio.run(measure(base, key, "colo", args.rate, args.duration,
-                                             args.tokens, 10 + r))
-                cpu_alone = spent(cpu, cpu_seconds(market), time.monotonic() - began)
-                job_file = training_job(root / f"train{r}.toml", steps=1_000_000,
-                                        checkpoint_every=1_000_000, max_price=5.0)
-                done = market.cli("submit", str(job_file))
-                if done.returncode != 0:
-                    raise SystemExit(done.stderr)
-                job_id = done.stdout.split()[0]
-                market.wait_state(job_id, "RUNNING", timeout=300)
-                wait_until(lambda j=job_id: int(market.job(j).get("progress", {})
-                                                .get("step", 0)) > 0, "training steps", 120, 0.2)
-                training_devices = leases(market)[job_id]
-                if r == 0:      # every thread's cores, once: does anything spill?
-                    for seen in process_tree(market):
-                        print(f"  pid {seen['pid']:>7} nice {seen['nice']:>3}"
-                              f" {seen['policy']:<6}"
-                              f" ({seen['autogroup'] or 'no autogroup'})"
-                              f" {seen['cmd']:<60} threads by allowed cores:"
-                              f" {seen['threads_by_cores']}", flush=True)
-                cpu, began = cpu_seconds(market), time.monotonic()
-                colocated += asyncio.run(measure(base, key, "colo", args.rate,
-                                                 args.duration, args.tokens, 10 + r))
-                cpu_colocated = spent(cpu, cpu_seconds(market), time.monotonic() - began)
-                still = market.job(job_id)["state"]
-                market.cli("cancel", job_id)
-                market.wait_state(job_id, "CANCELLED", timeout=120)
-                wait_until(lambda j=job_id: j not in leases(market), "the training's lease", 60)
-                print(f"round {r + 1}: alone p99 {pct(alone, 0.99) * 1000:.0f} ms,"
-                      f" colocated p99 {pct(colocated, 0.99) * 1000:.0f} ms (training"
-                      f" {still.lower()} throughout); CPU alone: {cpu_alone}; colocated:"
-                      f" {cpu_colocated}", flush=True)
+                for side in (("alone", "colocated") if r % 2 == 0 else
+                             ("colocated", "alone")):
+                    pause(training, side == "alone" or args.stand_in)
+                    spinner = (stand_in(training) if args.stand_in and side == "colocated"
+                               else None)
+                    if side == "alone":     # reports already on their way land first
+                        time.sleep(1.0)
+                    first = step(market, job_id)
+                    cpu, began = cpu_seconds(market), time.monotonic()
+                    ttfts = asyncio.run(measure(base, key, "colo", args.rate, args.duration,
+                                                args.tokens, 10 + r))
+                    used = spent(cpu, cpu_seconds(market), time.monotonic() - began)
+                    if spinner is not None:
+                        spinner.kill()
+                        spinner.wait()
+                    steps = step(market, job_id) - first
+                    if side == "colocated" and steps <= 0 and not args.stand_in:
+                        raise SystemExit(f"round {r + 1}: the training made no steps")
+                    (alone if side == "alone" else colocated).append(ttfts)
+                    print(f"round {r + 1} {side}: TTFT p50 {pct(ttfts, 0.5) * 1000:.1f} ms,"
+                          f" p99 {pct(ttfts, 0.99) * 1000:.1f} ms ({len(ttfts)} requests,"
+                          f" {steps} training steps); CPU: {used}", flush=True)
+            pause(training, False)
+            if market.job(job_id)["state"] != "RUNNING":
+                raise SystemExit(f"the training ended {market.job(job_id)['state']}")
         finally:
             market.close()
-        split = {} if args.no_direct else direct(model, args.rounds, args.duration, args.rate,
-                                                 args.tokens)
+        split = {} if args.no_direct else direct(model, args.direct_rounds, args.duration,
+                                                 args.rate, args.tokens)
     load_after = load_average()
+    rounds = [round(pct(c, 0.99) / pct(a, 0.99), 3) for a, c in zip(alone, colocated)]
+    rounds_p50 = [round(pct(c, 0.5) / pct(a, 0.5), 3) for a, c in zip(alone, colocated)]
+    alone, colocated = sum(alone, []), sum(colocated, [])
     out = {
         **alone_vs_colocated(alone, colocated),
+        "round_ttft_p99_ratios": {"min": min(rounds), "median": pct(rounds, 0.5),
+                                  "max": max(rounds)},
+        "round_ttft_p50_ratios": {"min": min(rounds_p50), "median": pct(rounds_p50, 0.5),
+                                  "max": max(rounds_p50)},
         "requests_per_side": len(alone),
         "replica_devices": replica_devices,
         "training_devices": training_devices,
@@ -356,7 +435,8 @@ def main() -> None:
     }
     print(f"TTFT p99: alone {out['alone_ttft_p99_ms']} ms, with a training job on the other"
           f" slice {out['colocated_ttft_p99_ms']} ms: ratio {out['colocated_ttft_p99_ratio']}"
-          f" (90 % bootstrap interval {out['colocated_ttft_p99_ratio_ci90']}; target <= 1.2),"
+          f" (90 % bootstrap interval {out['colocated_ttft_p99_ratio_ci90']}; target <= 1.2;"
+          f" rounds' own p99 ratios {out['round_ttft_p99_ratios']}),"
           f" p50 ratio {out['ttft_p50_ratio']}; replica on device {replica_devices}, training on"
           f" {training_devices}; load average {load_before:.2f} before, {load_after:.2f}"
           " after", flush=True)
