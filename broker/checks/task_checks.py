@@ -123,7 +123,7 @@ def record_results(db: Database, job_id: str, epoch: int, provider_id: str,
     receipts = receipts or {}
     told = {r.task: receipts[r.task] for r in results
             if r.ok and r.task in wanted and r.task in receipts}
-    outputs = arrays._outputs(db, job, epoch, provider_id, told)
+    outputs = arrays.receipted_outputs(db, job, epoch, provider_id, told)
     c = verification.check_row(db, job_id)
     kept = json.loads(c["outputs"] or "{}")
     for refs in outputs.values():

@@ -154,8 +154,8 @@ def _task_outputs(batch: Job, epoch: int, task: int, receipt: pb.Receipt) -> Non
             raise InvalidArgument(f"task {task}: its receipt names {ref.name}, not its own")
 
 
-def _outputs(db: Database, batch: Job, epoch: int, provider_id: str,
-             receipts: dict[int, pb.Receipt]) -> dict[int, list[dict]]:
+def receipted_outputs(db: Database, batch: Job, epoch: int, provider_id: str,
+                      receipts: dict[int, pb.Receipt]) -> dict[int, list[dict]]:
     """The outputs of these succeeded tasks as their own receipts name them, each one a
     blob the provider uploaded intact (checked for all of them in one query)."""
     for task, receipt in receipts.items():
@@ -204,8 +204,8 @@ def record_results(db: Database, batch_id: str, epoch: int, provider_id: str,
             attempts[r.task] = open_rows[r.task]
             told.append(r)
     receipts = receipts or {}
-    outputs = _outputs(db, batch, epoch, provider_id,
-                       {r.task: receipts[r.task] for r in told if r.ok and r.task in receipts})
+    outputs = receipted_outputs(db, batch, epoch, provider_id, {
+        r.task: receipts[r.task] for r in told if r.ok and r.task in receipts})
     # The client's to read, kept from garbage collection.
     blob_holdings.refer_many(db, sorted({ref["sha256"] for refs in outputs.values()
                                          for ref in refs}), batch_id, "output")
@@ -229,11 +229,15 @@ def record_results(db: Database, batch_id: str, epoch: int, provider_id: str,
     _follow(db, array_id, now)
     if not succeeded:
         return 0
-    # The lease's wall time a task reported: what a task costs it beside its own run.
-    wall = (now - (lease["started_at_ms"] or now)) / 1000 / max(
-        1, batch.progress_step + len(told))
-    return _steal(db, batch, epoch, max(wall, sum(row[2] for row in succeeded)
-                                        / len(succeeded)), now)
+    return _steal(db, batch, epoch, _pace(lease["started_at_ms"], batch.progress_step
+                                          + len(told), sum(row[2] for row in succeeded)
+                                          / len(succeeded), now), now)
+
+
+def _pace(started_at_ms: int | None, reported: int, task_s: float, now: int) -> float:
+    """Seconds a task costs a lease: its tasks' own time (``task_s``) or its wall time a
+    task reported since it started (what a task costs it beside its own run), the larger."""
+    return max((now - (started_at_ms or now)) / 1000 / max(1, reported), task_s)
 
 
 def _steal(db: Database, batch: Job, epoch: int, pace: float, now: int) -> int:
@@ -278,8 +282,7 @@ def steal_for_idle_lane(db: Database, array_id: str, now: int) -> tuple[str, str
     batch = jobs.job_row(db, row[0])
     done = db.execute("SELECT coalesce(avg(seconds), 0) FROM array_tasks WHERE batch_id = ?"
                       " AND state = ?", [batch.id, SUCCEEDED]).fetchone()[0]
-    pace = max((now - row[2]) / 1000 / row[3], float(done))
-    marked = _steal(db, batch, row[1], pace, now)
+    marked = _steal(db, batch, row[1], _pace(row[2], row[3], float(done), now), now)
     return (batch.provider_id or "", batch.id, row[1], marked) if marked else None
 
 
