@@ -440,7 +440,7 @@ def test_a_tasks_own_receipt_is_taken_only_for_its_own_uploaded_outputs(store):
 
     def outputs(result: gw.TaskResult):
         taken = arrays.task_receipts([result], provider.id)[result.task]
-        return asyncio.run(store.read(arrays._outputs, batch, 2, provider.id,
+        return asyncio.run(store.read(arrays.receipted_outputs, batch, 2, provider.id,
                                       {result.task: taken}))[result.task]
 
     async def scenario():
