@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -34,6 +35,23 @@ def wait_until(check, what: str, timeout: float = 120.0, interval: float = 0.1):
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(interval)
+
+
+def files_under(root: Path) -> list[tuple[Path, os.stat_result]]:
+    """Each plain file under root with its lstat, read while a daemon may still be removing
+    some of them (a finished job's directory, collected blobs): what vanishes mid-walk is
+    skipped, never raised."""
+    found = []
+    for parent, _dirs, names in os.walk(root):          # os.walk skips a vanished directory
+        for name in names:
+            path = Path(parent) / name
+            try:
+                st = path.lstat()
+            except FileNotFoundError:
+                continue
+            if stat.S_ISREG(st.st_mode):
+                found.append((path, st))
+    return found
 
 
 _measured: dict = {}

@@ -32,7 +32,7 @@ from gpumarket.proto.v1 import artifacts_pb2_grpc
 from gpumarket.proto.v1 import gateway_pb2 as gw
 from gpumarket.proto.v1 import types_pb2 as pb
 from tests.helpers import (
-    BIN, LEASE_ARGS, Marketplace, open_session, signed_offer, training_job, wait_until,
+    BIN, LEASE_ARGS, Marketplace, files_under, open_session, signed_offer, training_job, wait_until,
 )
 
 pytestmark = pytest.mark.e2e
@@ -442,10 +442,9 @@ def test_state_files_are_private_however_started(market, tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     shared = []
     for root in (market.root / "broker", market.root / "p1"):
-        for path in root.rglob("*"):
-            if path.is_file() and not path.is_symlink() and path.stat().st_mode & 0o077 \
-                    and "cache" not in path.parts:     # inputs a job reads; dir is 0700
-                shared.append(f"{path} {oct(path.stat().st_mode & 0o777)}")
+        for path, st in files_under(root):           # the job's directory may still be going
+            if st.st_mode & 0o077 and "cache" not in path.parts:  # inputs a job reads; dir 0700
+                shared.append(f"{path} {oct(st.st_mode & 0o777)}")
     assert not shared, shared
     journal = market.root / "p1" / "journal.db"
     assert journal.exists()

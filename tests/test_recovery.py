@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import (BIN, free_port, events, job_processes, training_job,
+from tests.helpers import (BIN, free_port, events, files_under, job_processes, training_job,
                            wait_until)
 
 pytestmark = pytest.mark.e2e
@@ -294,7 +294,7 @@ def test_daemon_restart_reattaches_to_its_running_job_and_unreferenced_artifacts
         blobs_dir = tmp_path / "broker" / "artifacts" / "blobs"
 
         def only_live():
-            blobs = {p.name for p in blobs_dir.rglob("*") if p.is_file()}
+            blobs = {p.name for p, _ in files_under(blobs_dir)}   # collected as read
             return outputs <= blobs and len(blobs - outputs) == 2 and blobs
 
         wait_until(only_live, "checkpoints to be collected", timeout=30)
