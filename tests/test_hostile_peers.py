@@ -440,6 +440,11 @@ def test_state_files_are_private_however_started(market, tmp_path):
     r = market.cli("submit", str(training_job(tmp_path / "job.toml", steps=4,
                                               checkpoint_every=2)), "--watch")
     assert r.returncode == 0, r.stdout + r.stderr
+    # The attempt's work directory is the job's to read (executor.hand_over: its files 0644,
+    # under jobs/, 0700) until the daemon removes it, which may come after SUCCEEDED.
+    jobs = market.root / "p1" / "jobs"
+    wait_until(lambda: not [d for d in jobs.iterdir() if d.name != ".cache"],
+               "the provider to remove the finished attempt's work directory", timeout=120)
     shared = []
     for root in (market.root / "broker", market.root / "p1"):
         for path, st in files_under(root):           # the job's directory may still be going
