@@ -252,11 +252,11 @@ def test_a_provider_found_wrong_on_an_array_runs_none_of_its_batches_whatever_th
     replay(w, tiebreak, "h2")
     w.write(disputes.conclude, tiebreak, False, True, "tie-break", w.now)
     assert checks(w, "a-1")[tiebreak]["liar"] == "liar"
-    a2, a3 = w.job("a-2"), w.job("a-3")        # queued since the submit; the re-run
+    kept = exclusions(w)        # a-2 queued since the submit; a-3 the re-run of liar's tasks
+    assert (kept["a-2"], kept["a-3"]) == ({"liar"}, {"liar"})
+    a2, a3 = w.job("a-2"), w.job("a-3")
     assert (a2["attempt"], a3["attempt"]) == (1, 1)
     assert a3["max_attempts"] == a2["max_attempts"]
-    kept = exclusions(w)
-    assert (kept["a-2"], kept["a-3"]) == ({"liar"}, {"liar"})
     # One read of the checks table for the whole pass, however many jobs wait.
     statements: list[str] = []
     w.db.conn.set_trace_callback(statements.append)
