@@ -297,6 +297,8 @@ def found_wrong(db: Database, top_ids: Collection[str]) -> dict[str, frozenset[s
     (placement.read_queue): a pass whose queued jobs have no conviction on record pays that
     one read, not one a job."""
     out: dict[str, set[str]] = {}
+    if not top_ids:
+        return {}
     for top, liar in db.execute(
             "SELECT DISTINCT top_id, liar FROM checks WHERE liar IS NOT NULL AND top_id IN"
             " (SELECT value FROM json_each(?))", [json.dumps(sorted(set(top_ids)))]).fetchall():
