@@ -153,4 +153,3 @@ def rerun(db: Database, batch: dict, liar: str, why: str, now: int) -> int:
         # (a batch still open gets them new batches when it ends: arrays._batch_ended)
         arrays.follow_batch(db, batch["parent_id"], batch["id"], "disputed", now)
     return n
-
