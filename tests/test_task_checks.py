@@ -21,6 +21,7 @@ from gpumarket.broker.checks import disputes, task_checks, verification
 from gpumarket.broker.jobs import arrays as broker_arrays
 from gpumarket.broker.jobs import transitions as jobs
 from gpumarket.broker.jobs.job import LeaseTerms
+from gpumarket.broker.market import matcher, placement
 from gpumarket.broker.money import ledger
 from gpumarket.kinds import arrays, script
 from gpumarket.kinds.schema import ParamError
@@ -34,14 +35,15 @@ TASKS = 8
 w = verification_rules.w
 
 
-def array_job(job_id: str, rule: str):
-    """A script array of TASKS tasks in one lease whose signed spec declares ``rule``."""
+def array_job(job_id: str, rule: str, count: int = TASKS):
+    """A script array of ``count`` tasks, TASKS a lease, whose signed spec declares
+    ``rule``."""
     values = {"code": "code.tar", "entry": "main.py", "args": [], "steps": 0,
               "checkpoint_every": 0, "outputs_compare": rule, "outputs_rtol": 0.0,
               "outputs_atol": 0.0}
     spec = pb.JobSpec()
     script.KIND.write(spec, values)
-    spec.array.CopyFrom(pb.JobArray(count=TASKS, tasks_input="tasks.jsonl",
+    spec.array.CopyFrom(pb.JobArray(count=count, tasks_input="tasks.jsonl",
                                     per_lease=TASKS))
     job = new_job(job_id, "ca", 500_000, True)
     return dataclasses.replace(
@@ -200,9 +202,95 @@ def test_a_lease_that_doctored_a_task_is_caught_its_tasks_re_run_elsewhere_unpai
                           " state = ? AND batch_id = 'a-2'", [jobs.QUEUED]).fetchone()[0]
     assert queued == TASKS                                  # ... its tasks run again
     a2 = w.job("a-2")
-    assert (a2["state"], a2["attempt"]) == (jobs.QUEUED, 2)
-    assert a2["max_attempts"] == w.job("a-1")["max_attempts"] + 1    # none of the client's
-    assert "liar" in verification.excluded(w.db, "a-2")    # never by the cheat
+    # a plain first attempt, none of the client's spent: the conviction on record, not the
+    # attempt, keeps it from the cheat
+    assert (a2["state"], a2["attempt"]) == (jobs.QUEUED, 1)
+    assert a2["max_attempts"] == w.job("a-1")["max_attempts"]
+    assert verification.excluded(w.db, "a-2") == {"liar"}    # never by the cheat
+    assert exclusions(w)["a-2"] == {"liar"}
     assert ledger.balance(w.db, ledger.provider("liar")) == 0
     assert verification.summary(w.db, "a") == "disputed -> re-run"
     assert ledger.audit(w.db) == []
+
+
+def exclusions(w) -> dict[str, frozenset[str]]:
+    """By queued job row, the providers a placement pass keeps it from (its read of the
+    queue, as the scheduler's)."""
+    return {q.job.id: q.needs.exclude
+            for q in placement.read_queue(w.db, matcher.Book([]), w.now)}
+
+
+def first_tasks(tasks, rng=None) -> list[int]:
+    """A check's sample, made predictable: the first tasks of the lease (as many as the real
+    draw takes), so a test knows which task a cheat must doctor to be caught."""
+    return sorted(tasks)[:task_checks.sample_size(len(tasks))]
+
+
+def disagree(w, batch: str, checker: str) -> str:
+    """The single check of ``batch``'s lease is replayed by ``checker``, which disagrees;
+    returns the tie-break queued."""
+    (first,) = checks(w, batch)
+    replay(w, first, checker)
+    w.write(disputes.conclude, first, False, False, "differs", w.now)
+    return next(c for c, row in checks(w, batch).items() if row["first_check"] == first)
+
+
+def test_a_provider_found_wrong_on_an_array_runs_none_of_its_batches_whatever_the_attempt(
+        w, monkeypatch):
+    """Fixed: placement kept a job from the providers found wrong on it only at attempt 2
+    on, so the array's batches already queued (first attempts) could go to the cheat, and
+    its re-run batches were made "attempt 2" with one more attempt, just for that. Now every
+    row of the array is kept from it as long as the conviction is on record, the re-run a
+    plain first attempt; and a pass reads the checks once, not once a job."""
+    monkeypatch.setattr(task_checks, "sample", first_tasks)
+    w.write(broker_arrays.submit, array_job("a", "exact", 2 * TASKS), w.now)
+    start(w, "a-1", "liar")
+    report(w, "a-1", "liar", list(range(TASKS)), doctored=0)
+    end(w, "a-1", "liar")
+    assert exclusions(w)["a-2"] == set()        # nothing on record: nobody kept off
+    tiebreak = disagree(w, "a-1", "h1")
+    replay(w, tiebreak, "h2")
+    w.write(disputes.conclude, tiebreak, False, True, "tie-break", w.now)
+    assert checks(w, "a-1")[tiebreak]["liar"] == "liar"
+    kept = exclusions(w)        # a-2 queued since the submit; a-3 the re-run of liar's tasks
+    assert (kept["a-2"], kept["a-3"]) == ({"liar"}, {"liar"})
+    a2, a3 = w.job("a-2"), w.job("a-3")
+    assert (a2["attempt"], a3["attempt"]) == (1, 1)
+    assert a3["max_attempts"] == a2["max_attempts"]
+    # One read of the checks table for the whole pass, however many jobs wait.
+    statements: list[str] = []
+    w.db.conn.set_trace_callback(statements.append)
+    try:
+        exclusions(w)
+    finally:
+        w.db.conn.set_trace_callback(None)
+    assert len([s for s in statements if "FROM checks" in s]) == 1, statements
+
+
+def test_a_provider_in_doubt_on_an_array_never_checks_its_other_leases(w, monkeypatch):
+    """Fixed: a provider whose lease of an array a check disputed, or found wrong, could be
+    drawn as the checker of the array's other leases — an honest provider's (to frame it)
+    or its own tasks' re-run. Now a check of an array's lease (of a job's work) is kept from
+    every provider in doubt on that array: found wrong, or accused in a dispute no tie-break
+    cleared (docs/verification.md, Who checks)."""
+    monkeypatch.setattr(task_checks, "sample", first_tasks)
+    w.write(broker_arrays.submit, array_job("a", "exact", 2 * TASKS), w.now)
+    start(w, "a-1", "liar")
+    report(w, "a-1", "liar", list(range(TASKS)), doctored=0)
+    end(w, "a-1", "liar")
+    tiebreak = disagree(w, "a-1", "h1")         # liar's lease disputed, the tie-break open
+    start(w, "a-2", "h2")
+    report(w, "a-2", "h2", list(range(TASKS, 2 * TASKS)))
+    end(w, "a-2", "h2")
+    (other,) = checks(w, "a-2")
+    assert verification.excluded(w.db, other) == {"h2", "liar"}
+    assert exclusions(w)[other] >= {"h2", "liar"}
+    replay(w, tiebreak, "h3")
+    w.write(disputes.conclude, tiebreak, False, True, "tie-break", w.now)   # found wrong
+    assert verification.disputed(w.db, "a") == set()     # no longer in doubt: convicted
+    assert verification.excluded(w.db, other) == {"h2", "liar"}
+    start(w, "a-3", "h1")                       # the re-run of liar's tasks
+    report(w, "a-3", "h1", list(range(TASKS)))
+    end(w, "a-3", "h1")
+    (rerun_check,) = checks(w, "a-3")
+    assert verification.excluded(w.db, rerun_check) == {"h1", "liar"}

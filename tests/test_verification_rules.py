@@ -232,6 +232,25 @@ def test_a_checker_that_lies_is_found_wrong_and_the_checked_provider_is_paid(w):
     assert ledger.audit(w.db) == []
 
 
+def test_a_provider_found_wrong_on_a_job_checks_none_of_its_later_work(w):
+    """Fixed: a provider a check found wrong on a job — its work, or its replay as a
+    checker — could still be drawn to check the job's later segments, run by others
+    (docs/verification.md, Who checks)."""
+    w.write(jobs.submit, new_job("j", "ca", 500_000, True), w.now)
+    start(w, "j", "liar")
+    checkpoint(w, "j", "liar", 10, CHECK)
+    (first,) = checks(w, "j")
+    disagree(w, "j", first, "h1", "h2", False, True)      # liar's work found wrong: re-run
+    start(w, "j", "h1")
+    checkpoint(w, "j", "h1", 10, CHECK)
+    (second,) = [c for c, row in checks(w, "j").items() if row["provider_id"] == "h1"]
+    assert verification.excluded(w.db, second) == {"h1", "liar"}
+    disagree(w, "j", second, "h3", "h2", True, False)     # h3's replay found wrong
+    checkpoint(w, "j", "h1", 20, CHECK)
+    (third,) = [c for c, row in checks(w, "j").items() if row["step_to"] == 20]
+    assert verification.excluded(w.db, third) == {"h1", "liar", "h3"}
+
+
 def test_a_finished_job_waits_for_its_checks_and_one_nobody_takes_is_skipped(w):
     w.write(jobs.submit, new_job("j", "ca", 500_000, True), w.now)
     start(w, "j", "h1")

@@ -231,11 +231,10 @@ def _convict(db: Database, c: dict, detail: str, now: int, ban_after: int) -> Ou
     step, start = clean_point(db, job_id)
     if job["tasks"] and job["parent_id"]:
         # An array's lease: every task it ran goes back to the queue, for another provider.
-        tasks = task_checks.rerun(db, job, liar, f"check {c['id']} found {liar}'s result for"
-                          f" {verification.what(0, 0, json.loads(c['scope']))} wrong"
-                          f" ({detail})", now)
+        task_checks.rerun(db, job, liar, f"check {c['id']} found {liar}'s result for"
+                                         f" {verification.what(0, 0, json.loads(c['scope']))}"
+                                         f" wrong ({detail})", now)
         finish_if_checked(db, job_id, now)      # (its tasks get new batches as it ends)
-        task_checks.second_runs(db, job["parent_id"], tasks, now)
     elif job["state"] in jobs.TERMINAL_STATES:
         pass    # an endpoint's replica that ended meanwhile: nothing left to re-run
     elif _tainted(db, job, step):

@@ -138,10 +138,9 @@ def record_results(db: Database, job_id: str, epoch: int, provider_id: str,
 def rerun(db: Database, batch: dict, liar: str, why: str, now: int) -> int:
     """A check found ``liar``'s tasks of this array lease wrong: every task it ran on the
     lease (not only those replayed) goes back to the queue, its outputs forgotten, to run
-    again on another provider (verification.excluded). Returns those tasks."""
-    tasks = [r[0] for r in db.execute(
-        "SELECT task FROM array_tasks WHERE batch_id = ? AND provider_id = ? AND state = ?",
-        [batch["id"], liar, SUCCEEDED]).fetchall()]
+    again on another provider: no batch of the array goes to ``liar`` again, the
+    conviction on record says so (verification.excluded), so the new batches are plain
+    first attempts, none of the client's ``max_attempts`` spent. Returns how many."""
     n = db.execute("UPDATE array_tasks SET state = ?, batch_id = NULL, outputs = NULL,"
                    " receipt = NULL, yielded = 0, error = ?, updated_at_ms = ? WHERE"
                    " batch_id = ? AND provider_id = ? AND state = ?",
@@ -153,18 +152,4 @@ def rerun(db: Database, batch: dict, liar: str, why: str, now: int) -> int:
     if batch["state"] in jobs.TERMINAL_STATES:
         # (a batch still open gets them new batches when it ends: arrays._batch_ended)
         arrays.follow_batch(db, batch["parent_id"], batch["id"], "disputed", now)
-    return tasks
-
-
-def second_runs(db: Database, array_id: str, tasks: list[int], now: int) -> None:
-    """The batches that run these tasks again are their second attempt: the scheduler
-    keeps a job row's later attempts from the providers a check found wrong on its array
-    (verification.excluded), as it does a single job's."""
-    for (batch_id,) in db.execute(
-            "SELECT DISTINCT batch_id FROM array_tasks WHERE array_id = ? AND batch_id IS NOT"
-            " NULL AND task IN (SELECT CAST(value AS INTEGER) FROM json_each(?))",
-            [array_id, json.dumps(tasks)]).fetchall():
-        row = jobs.job_row(db, batch_id)
-        if row.state == pb.JOB_STATE_QUEUED and row.attempt < 2:
-            # (one more allowed: the re-run uses none of the attempts its client gave it)
-            jobs.set_job(db, batch_id, now, attempt=2, max_attempts=row.max_attempts + 1)
+    return n

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import secrets
+from collections.abc import Collection
 
 from google.protobuf.message import DecodeError
 from sqlite_utils import Database
@@ -286,27 +287,58 @@ def scope_of(db: Database, check_id: str) -> pb.CheckScope | None:
                          else None)
 
 
+DISPUTED = ("disagreed", "inconclusive")    # a check's states that leave its provider in doubt
+
+
+def found_wrong(db: Database, top_ids: Collection[str]) -> dict[str, frozenset[str]]:
+    """By submitted job (of ``top_ids``: a job's, a split job's, an array's, an endpoint's
+    id), the providers a check found wrong on any of its rows, as the provider of the work
+    or as a checker; jobs with none are left out. One statement for a whole placement pass
+    (placement.read_queue): a pass whose queued jobs have no conviction on record pays that
+    one read, not one a job."""
+    out: dict[str, set[str]] = {}
+    if not top_ids:
+        return {}
+    for top, liar in db.execute(
+            "SELECT DISTINCT top_id, liar FROM checks WHERE liar IS NOT NULL AND top_id IN"
+            " (SELECT value FROM json_each(?))", [json.dumps(sorted(set(top_ids)))]).fetchall():
+        out.setdefault(top, set()).add(liar)
+    return {top: frozenset(liars) for top, liars in out.items()}
+
+
+def disputed(db: Database, top_id: str) -> frozenset[str]:
+    """Providers whose work on this job (any of its rows) a check disagreed with and no
+    tie-break cleared: a tie-break still open, or one that settled nothing."""
+    return frozenset(r[0] for r in db.execute(
+        f"SELECT DISTINCT provider_id FROM checks WHERE top_id = ? AND state IN"
+        f" ({', '.join('?' * len(DISPUTED))})", [top_id, *DISPUTED]).fetchall())
+
+
 def excluded(db: Database, job_id: str) -> frozenset[str]:
-    """Providers that must not run this job row: for a check, the provider it checks (and,
-    for a tie-break, the checker that disagreed); for any job, providers a check found wrong
-    on it."""
-    out = {r[0] for r in db.execute("SELECT liar FROM checks WHERE job_id = ? AND liar IS NOT"
-                                    " NULL", [job_id]).fetchall()}
-    array = db.execute("SELECT parent_id FROM jobs WHERE id = ? AND tasks > 0 AND parent_id"
-                       " IS NOT NULL", [job_id]).fetchone()
-    if array:    # a batch of an array: nor a provider a check found wrong on another batch
-        out |= {r[0] for r in db.execute("SELECT liar FROM checks WHERE top_id = ? AND liar"
-                                         " IS NOT NULL", [array[0]]).fetchall()}
+    """Providers that must not run this job row (docs/verification.md, Who checks):
+
+    - any row (a job, a part, an array's batch, a replica, a check): the providers a check
+      found wrong on its job — a job gives no more work to a provider caught lying on it,
+      whatever the row's attempt, and nor does a check of it (``found_wrong``);
+    - a check besides: the provider it checks; whoever resumed the job from the checked
+      result (it could copy it instead of replaying); for a tie-break the first checker;
+      and every provider whose work on the same job is in dispute (``disputed``): a
+      provider in doubt on a job never judges others' work on it, where it could frame an
+      honest one or pass a partner's."""
     c = check_row(db, job_id)
-    if c is not None:
-        out.add(c["provider_id"])
-        # Whoever resumed the job from the checked result could copy it instead of replaying.
-        out |= {r[0] for r in db.execute("SELECT provider_id FROM leases WHERE job_id = ? AND"
-                                         " start_step >= ?", [c["job_id"], c["step_to"]])}
-        if c["first_check"]:
-            first = check_row(db, c["first_check"])
-            if first and first["checker_id"]:
-                out.add(first["checker_id"])
+    if c is None:
+        row = db.execute("SELECT parent_id FROM jobs WHERE id = ?", [job_id]).fetchone()
+        top = (row[0] if row else None) or job_id
+        return found_wrong(db, [top]).get(top, frozenset())
+    out = set(found_wrong(db, [c["top_id"]]).get(c["top_id"], ()))
+    out |= disputed(db, c["top_id"])
+    out.add(c["provider_id"])
+    out |= {r[0] for r in db.execute("SELECT provider_id FROM leases WHERE job_id = ? AND"
+                                     " start_step >= ?", [c["job_id"], c["step_to"]])}
+    if c["first_check"]:
+        first = check_row(db, c["first_check"])
+        if first and first["checker_id"]:
+            out.add(first["checker_id"])
     return frozenset(out)
 
 

@@ -113,7 +113,11 @@ def read_queue(db: Database, book: matcher.Book, now: int,
     in one transaction."""
     out = []
     fitted: dict = {}       # calibration models by job kind, for the deadlines of this pass
-    for job in views.queued_jobs(db, limit):
+    queued = views.queued_jobs(db, limit)
+    # No row of a job goes to a provider a check found wrong on that job (one read a pass).
+    found_wrong = verification.found_wrong(db, {job.top_id for job in queued
+                                                if not job.check_of})
+    for job in queued:
         avoid: frozenset[str] = frozenset()
         if job.attempt > 1:
             # A job that was lost or failed goes elsewhere first; its old provider only if
@@ -124,10 +128,9 @@ def read_queue(db: Database, book: matcher.Book, now: int,
             # a job array's tasks that failed run again on another provider first.
             avoid |= views.busy_siblings(db, job.parent_id)
             avoid |= arrays.failed_on(db, job.id)
-        # A check never goes to the provider it checks; no job goes back to a provider a
-        # check found wrong on it.
-        exclude = verification.excluded(db, job.id) \
-            if job.check_of or job.attempt > 1 else frozenset()
+        # A check never goes to the provider it checks, nor to one in doubt on that job.
+        exclude = verification.excluded(db, job.id) if job.check_of \
+            else found_wrong.get(job.top_id, frozenset())
         stored = Needs.from_json(job.needs)
         if job.sort == "replica":
             # An endpoint's replicas keep away from the providers failing its replicas.
