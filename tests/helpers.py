@@ -513,11 +513,9 @@ async def open_session(channel, key):
 
 
 def events(market: Marketplace, job_id: str, quiet_s: float = 1.0) -> list[dict]:
-    """The job's events so far, read through WatchJob: an ended job's every one (the broker
-    ends the stream after them), a running job's until the stream is quiet for ``quiet_s``
-    after its first (every job has one: submitted). A quiet second, taken for the end of
-    an ended job's stream too, could cut the list short where a loaded machine was slow to
-    connect the channel (the first answer waits for that) or to answer."""
+    """The job's events so far (WatchJob): an ended job's all, to the stream's end; a running
+    job's until quiet for ``quiet_s`` after its first (a loaded machine is slow to connect
+    and answer: a quiet second is no end of an ended job's events)."""
     import asyncio
 
     import grpc
