@@ -45,7 +45,8 @@ class Browser:
             stdout=subprocess.DEVNULL, stderr=open(self.profile / "chromium.log", "wb"))
         port_file = self.profile / "DevToolsActivePort"
         deadline = time.monotonic() + 60
-        while not (port_file.exists() and port_file.read_text().strip()):
+        # Chromium writes the file in place, "PORT\nPATH": only both lines are a whole port.
+        while not (port_file.exists() and len(port_file.read_text().split("\n")) >= 2):
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError("chromium did not start: "
                                    + (self.profile / "chromium.log").read_text()[-2000:])

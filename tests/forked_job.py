@@ -21,7 +21,9 @@ def warm_up() -> None:
     tempfile.gettempdir()     # as transformers' imports do: cached from the server's $TMPDIR
 
 
-def wait_for(path: str, timeout_s: float = 30.0) -> bool:
+# Longer than the test's own 60 s for the other job to start (tests/test_forkserver.py,
+# until()): a peer job that gave up first would end "no peer" while its test still waited.
+def wait_for(path: str, timeout_s: float = 120.0) -> bool:
     deadline = time.monotonic() + timeout_s
     while not os.path.exists(path):
         if time.monotonic() > deadline:

@@ -513,7 +513,9 @@ async def open_session(channel, key):
 
 
 def events(market: Marketplace, job_id: str, quiet_s: float = 1.0) -> list[dict]:
-    """The job's events so far, read through WatchJob until the stream is quiet."""
+    """The job's events so far (WatchJob): an ended job's all, to the stream's end; a running
+    job's until quiet for ``quiet_s`` after its first (a loaded machine is slow to connect
+    and answer: a quiet second is no end of an ended job's events)."""
     import asyncio
 
     import grpc
@@ -522,6 +524,8 @@ def events(market: Marketplace, job_id: str, quiet_s: float = 1.0) -> list[dict]
     from gpumarket.proto.v1 import marketplace_pb2 as mp
     from gpumarket.proto.v1 import marketplace_pb2_grpc
 
+    ended = market.job(job_id)["state"] in ("SUCCEEDED", "FAILED", "CANCELLED")
+
     async def read():
         out = []
         async with await market.channel() as channel:
@@ -529,12 +533,15 @@ def events(market: Marketplace, job_id: str, quiet_s: float = 1.0) -> list[dict]
                 mp.WatchJobRequest(job_id=job_id))
             try:
                 while True:
-                    resp = await asyncio.wait_for(stream.read(), quiet_s)
+                    resp = await asyncio.wait_for(stream.read(),
+                                                  120.0 if ended or not out else quiet_s)
                     if resp is grpc.aio.EOF:
                         break
                     out.append(MessageToDict(resp.event, preserving_proto_field_name=True))
             except TimeoutError:
-                pass
+                if ended or not out:
+                    raise AssertionError(f"job {job_id}'s events stopped after {len(out)}"
+                                         " for 120 s, its stream not ended") from None
             finally:
                 stream.cancel()
         return out

@@ -118,7 +118,10 @@ def test_task_results_that_ended_while_the_broker_was_down_arrive_after_its_rest
         assert m.cli("keys", "init").returncode == 0
         m.start_provider("p1", 1.0, "--kinds", "script")
         m.wait_for_offers(1)
-        job_id = submit(m, array_file(tmp_path, "sweep", 40, 0.15, per_lease=40))
+        # One lease of 60 tasks of 0.15 s: the broker hears of them at most once a second,
+        # so when it counts 3 the lease may be 10 in; the kill must then come while 8 more
+        # are still to end: 40 tasks left a loaded test about 3 s for it, 60 leave about 6.
+        job_id = submit(m, array_file(tmp_path, "sweep", 60, 0.15, per_lease=60))
         wait_until(lambda: m.job(job_id).get("array", {}).get("succeeded", 0) >= 3,
                    "the first tasks to succeed", timeout=120, interval=0.2)
         m.broker.stop(signal.SIGKILL)
@@ -131,7 +134,7 @@ def test_task_results_that_ended_while_the_broker_was_down_arrive_after_its_rest
         job = wait_until(lambda: (j := m.job(job_id))["state"] in ("SUCCEEDED", "FAILED") and j,
                          "the array to end", timeout=240, interval=0.5)
         assert job["state"] == "SUCCEEDED", job
-        assert sorted(check_results(m, job_id, tmp_path / "out")) == list(range(40))
+        assert sorted(check_results(m, job_id, tmp_path / "out")) == list(range(60))
         assert all(t["attempts"] == 0 for t in tasks_of(m, job_id))
         assert "Traceback" not in m.providers["p1"].text()
     finally:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 from safetensors.numpy import load_file
@@ -108,9 +107,9 @@ def test_cancel_running_job(market, tmp_path):
     r = market.cli("cancel", job_id)
     assert r.returncode == 0, r.stderr
     assert "CANCELLED" in r.stdout
-    started = time.monotonic()
-    wait_until(lambda: not job_processes(workdir), "the job's process to end", timeout=15)
-    assert time.monotonic() - started < 15
+    # Ended by the cancel: SIGTERM, SIGKILL after the provider's 10 s grace; the bound is
+    # for the cancel's way to the provider and the stop on a loaded machine, not a timing.
+    wait_until(lambda: not job_processes(workdir), "the job's process to end", timeout=120)
     job = market.job(job_id)
     assert job["state"] == "CANCELLED"
     assert job["attempts"][0]["outcome"] == "cancelled"

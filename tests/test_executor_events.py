@@ -22,7 +22,7 @@ from gpumarket.provider.exits import ForkedChild, pid_gone, pid_runs_in
 from gpumarket.provider.reports import Log, Progress
 
 HOUR = 3600.0
-BOUND = 30.0        # generous: a loaded machine; a poll or tick would take an hour
+BOUND = 120.0       # generous: a loaded machine (process starts); a poll or tick would take an hour
 
 
 @pytest.fixture

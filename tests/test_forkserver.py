@@ -54,7 +54,7 @@ def env_of(workdir: Path) -> dict[str, str]:
     return {**job_env(workdir, "", None), "PYTHONPATH": str(ROOT)}
 
 
-def wait_file(path: Path, timeout_s: float = 30.0) -> None:
+def wait_file(path: Path, timeout_s: float = 120.0) -> None:     # a fork's start, loaded
     deadline = time.monotonic() + timeout_s
     while not path.exists():
         assert time.monotonic() < deadline, f"{path} never appeared"
@@ -143,7 +143,7 @@ def test_eof_ends_the_forkserver_but_not_its_running_child(raw):
     try:
         wait_file(workdir / "running")
         raw.sock.close()            # the daemon died
-        assert raw.proc.wait(10) == 0
+        assert raw.proc.wait(60) == 0
         assert pid_runs_in(pid, workdir), "the job died with its forkserver"
         # What a restarted daemon sees: a job process of its jobs dir, working in the job's.
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()

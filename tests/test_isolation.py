@@ -273,8 +273,11 @@ def test_a_cancelled_job_leaves_no_process_behind(base, groups):
         proc = JobProcess("tests.hostile_job", workdir, env, ignore, 120, 2.0, None, box_,
                           0, group)
         follower = asyncio.create_task(proc.run())
-        for _ in range(200):
-            if marker.exists():
+        # Until its survivor runs (or the job ended): a job process's start, an interpreter
+        # in its sandbox, is seconds on a loaded machine, and 10 s, this wait's bound
+        # before, was short for it; 120 s, as for any process start here.
+        for _ in range(2400):
+            if marker.exists() or follower.done():
                 break
             await asyncio.sleep(0.05)
         follower.cancel()          # the follower gone first: stop() alone must end it all

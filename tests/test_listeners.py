@@ -395,17 +395,17 @@ def test_idle_and_partial_connections_are_closed_and_capped_per_peer(market):
         held = wait_until(lambda: (n := sum(is_open(s) for s in flood)) <= 50 and n,
                           "the broker to reset the connections over the per-peer cap", 30)
         assert held >= 40, held
-        began = time.monotonic()
         assert get(port, source="127.0.0.2") == 200      # another peer is served meanwhile
         # A keep-alive connection idle after its answer goes the same way.
         # (From a third address: 127.0.0.1 may still hold its 50 partial ones for up to
         # idle_timeout, and a 51st from it is reset.)
         idle = connect(port, source="127.0.0.3",
                        send=b"GET /healthz HTTP/1.1\r\nHost: localhost\r\n\r\n")
+        # Closed after the 2 s idle timeout, not aiohttp's hour: the waits' bounds say so
+        # without timing a loaded machine's loop.
         wait_until(lambda: not any(is_open(s) for s in flood),
-                   "the partial connections to be closed", 30)
-        wait_until(lambda: not is_open(idle), "the idle keep-alive connection to close", 30)
-        assert time.monotonic() - began < 25
+                   "the partial connections to be closed", 60)
+        wait_until(lambda: not is_open(idle), "the idle keep-alive connection to close", 60)
         assert get(port) == 200                            # the peer may connect again
     finally:
         for s in flood:

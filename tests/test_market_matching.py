@@ -22,13 +22,15 @@ def config(market, name: str, text: str):
 
 def test_offers_quote_and_placement_respect_price_hours_and_policy(market, tmp_path):
     me = Identity.load(market.home / "client.key").id
-    tomorrow = (datetime.now(timezone.utc) + timedelta(days=1)).strftime("%a").lower()
+    # A day neither today nor tomorrow (UTC, as providers read their hours): a run that
+    # crosses midnight still finds "night" outside its hours.
+    later = (datetime.now(timezone.utc) + timedelta(days=2)).strftime("%a").lower()
     market.start_provider("cheap", 0.5)
     # The other three never run a job: no warm runner (its imports cost ~3 s of CPU each).
     market.start_provider("mid", 1.0, "--no-warm")
     market.start_provider("night", 0.1, "--no-warm", "--config", str(config(market, "night", f"""
 [[availability]]
-days = ["{tomorrow}"]
+days = ["{later}"]
 hours = "00:00-24:00"
 """)))
     market.start_provider("picky", 0.2, "--no-warm", "--config", str(config(market, "picky", f"""

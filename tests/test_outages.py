@@ -375,10 +375,10 @@ def test_a_running_lease_survives_a_60s_broker_outage(tmp_path):
         assert said == (36_000,)                         # the provider's hello said so
 
         market.broker.stop(signal.SIGKILL)
-        killed = time.monotonic()
-        time.sleep(60.0)                                 # the outage itself, not a wait
+        # The outage itself, not a wait: at least 60 s, longer by the restart's own time (a
+        # loaded machine's, unbounded here: the lease is kept from the broker's return).
+        time.sleep(60.0)
         market.start_broker(listen=f"127.0.0.1:{port}", credit=0)
-        assert time.monotonic() - killed < 75
         log = lambda: market.broker.text()  # noqa: E731
         restarted = stamped(log(), r"listening on", after=time.time() - 30)
         assert restarted is not None, log()

@@ -9,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -91,7 +92,9 @@ def test_nvml_sees_the_gpus():
     assert all(d.memory_bytes > 0 and d.compute_capability for d in devices)
 
 
-def _run_module(tmp_path: Path, source: str, stop_after: float | None = None, grace=1.0):
+def _run_module(tmp_path: Path, source: str, stop_when: str | None = None, grace=1.0):
+    """Run ``source`` as a job; stopped once its log says ``stop_when``, if given (not after
+    a fixed time: a job's interpreter on a loaded machine can take longer to start)."""
     reports = []
 
     async def on_report(r):
@@ -100,8 +103,13 @@ def _run_module(tmp_path: Path, source: str, stop_after: float | None = None, gr
     async def scenario():
         proc = job_process(tmp_path, source, on_report, grace=grace, max_runtime_s=60)
         task = asyncio.create_task(proc.run())
-        if stop_after is not None:
-            await asyncio.sleep(stop_after)
+        if stop_when is not None:
+            log = proc.workdir / "job.log"
+            deadline = time.monotonic() + 120
+            while stop_when not in (log.read_text() if log.exists() else ""):
+                assert not task.done() and time.monotonic() < deadline, \
+                    f"the job never logged {stop_when!r}"
+                await asyncio.sleep(0.02)
             await proc.stop("cancelled")
         return await task, proc.workdir
 
@@ -146,8 +154,9 @@ def test_executor_kills_a_job_that_ignores_sigterm(tmp_path):
 import signal, time, subprocess, sys
 signal.signal(signal.SIGTERM, signal.SIG_IGN)
 subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+print("ready", flush=True)          # SIGTERM is ignored from here on
 time.sleep(600)
-""", stop_after=2.0, grace=0.5)
+""", stop_when="ready", grace=0.5)
     assert outcome.killed and outcome.exit_code == -signal.SIGKILL
     assert "cancelled" in outcome.error
 

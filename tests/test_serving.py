@@ -256,14 +256,13 @@ def test_replica_killed_under_load_fails_over_and_is_replaced(market, tmp_path):
         tmp_path / "ep.toml", "tiny", model=str(model), min_replicas=2, max_replicas=2,
         max_concurrency=4, max_seq_len=128))
     assert r.returncode == 0, r.stderr
-    e = ready_replicas(market, "tiny", 2)
+    ready_replicas(market, "tiny", 2)
     key, _ = new_key(market, "tiny")
     victim = next(n for n in ("p1", "p2", "p3") if engine_pids(market, n))
     results: list = []
     threads = load(base, key, "tiny", 12, results, max_tokens=48)
     threads += load(base, key, "tiny", 4, results, max_tokens=48, stream=False)
     time.sleep(1.0)
-    killed_at = time.monotonic()
     for pid in engine_pids(market, victim):
         os.kill(pid, signal.SIGKILL)
     for t in threads:
@@ -279,9 +278,9 @@ def test_replica_killed_under_load_fails_over_and_is_replaced(market, tmp_path):
         now = show(market, "tiny")
         ready = [r for r in now.get("replicas", []) if r.get("ready")]
         return len(ready) == 2 and gone not in {r["provider_id"] for r in ready} and now
+    # (Bounded by this wait, not by a time since the kill: that would count the requests'
+    # joins, up to 180 s each on a loaded machine.)
     after = wait_until(replaced, "the killed replica to be replaced", 120, interval=0.5)
-    took = time.monotonic() - killed_at
-    assert took < 120, took
     text = " ".join(ev["message"] for ev in after["events"])
     assert f"requeued: {gone} reports it failed" in text, text
     ok = client(base, key).completions.create(model="tiny", prompt="x", max_tokens=4)
