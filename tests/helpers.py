@@ -14,6 +14,8 @@ import threading
 import time
 from pathlib import Path
 
+from tests.hand_provider import open_session, signed_offer  # noqa: F401 (tests import them from here)
+
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 EXAMPLES = ROOT / "examples"
@@ -495,23 +497,6 @@ def job_processes(marker: str) -> list[int]:
     return pids
 
 
-async def open_session(channel, key):
-    """A provider session on ``channel`` (whose calls ``key`` signs), through the whole
-    handshake: hello, challenge, signed proof, welcome. Returns the open stream."""
-    from gpumarket.proto.envelope import seal
-    from gpumarket.proto.jobspec import now_ms
-    from gpumarket.proto.v1 import gateway_pb2 as gw
-    from gpumarket.proto.v1 import gateway_pb2_grpc
-
-    stream = gateway_pb2_grpc.ProviderGatewayStub(channel).Session()
-    await stream.write(gw.ProviderMessage(hello=gw.ProviderHello(public_key=key.public_key)))
-    challenge = (await stream.read()).challenge
-    await stream.write(gw.ProviderMessage(proof=seal(key, gw.SessionProof(
-        nonce=challenge.nonce, broker_public_key=challenge.broker_public_key, at_ms=now_ms()))))
-    assert (await stream.read()).WhichOneof("msg") == "welcome"
-    return stream
-
-
 def events(market: Marketplace, job_id: str, quiet_s: float = 1.0) -> list[dict]:
     """The job's events so far (WatchJob): an ended job's all, to the stream's end; a running
     job's until quiet for ``quiet_s`` after its first (a loaded machine is slow to connect
@@ -598,22 +583,3 @@ def first_event(market: Marketplace, job_id: str, match, timeout: float = 300.0,
         raise AssertionError(f"job {job_id} ended without the awaited event")
 
     return asyncio.run(asyncio.wait_for(read(), timeout))
-
-
-def signed_offer(key, *, name: str = "fake CPU", accelerator: int | None = None,
-                 flops: float = 1e11, memory_gib: int = 64, cores: int = 8,
-                 kinds: tuple[int, ...] | None = None):
-    """An offer made by hand (a provider's claims, whatever they are), signed by ``key``."""
-    from gpumarket.proto.envelope import seal
-    from gpumarket.proto.jobspec import now_ms
-    from gpumarket.proto.v1 import types_pb2 as pb
-
-    device = pb.Device(index=0, name=name, uuid="FAKE-0",
-                       accelerator=accelerator or pb.ACCELERATOR_CPU,
-                       memory_bytes=memory_gib << 30, cpu_cores=cores,
-                       benchmark=pb.Benchmark(matmul_flops=flops, matmul_dtype="fp32",
-                                              memory_bandwidth_bytes_per_s=1e10))
-    return seal(key, pb.Offer(provider_id=key.id, devices=[device], price_per_gpu_hour=0.5,
-                              kinds=list(kinds or (pb.JOB_KIND_TRAINING,)),
-                              engines=["transformers"], created_at_ms=now_ms(),
-                              software_version="0.1.0"))
