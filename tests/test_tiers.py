@@ -15,7 +15,10 @@ from tests.test_recovery import results, settled, submit, wait_checkpoint
 
 pytestmark = pytest.mark.e2e
 
-STEPS, EVERY = 400, 50
+# Long enough that the interruptible job is still running when the standard job, submitted
+# after its first checkpoint, is placed: at 400 steps (~1 s after that checkpoint here) CI's
+# loaded machine saw it end first, a CLI's start alone taking seconds there.
+STEPS, EVERY = 3200, 200
 INTERRUPTIBLE = 'tier = "interruptible"'
 
 

@@ -88,9 +88,13 @@ def test_a_provider_that_corrupts_weights_is_caught_re_run_unpaid_and_banned(tmp
         books = audit(market, tmp_path)
         assert books["ok"], books
 
-        # Its record: failed checks, then banned (after BAN_AFTER = 2 failures: it also
-        # returned a doctored replay when it checked an honest provider's segment, or a
-        # second segment of its own).
+        # Its record: failed checks, then banned after BAN_AFTER = 2 failures. Found wrong on
+        # a job, it gets none of that job's work again, to run or to check: its second
+        # failure comes from its next job (unless a second segment of this one was checked
+        # before its first conviction), whose one segment is checked (its streak is 0).
+        run_to_end(market, training_job(tmp_path / "job2.toml", steps=20,
+                                        checkpoint_every=20))
+
         def banned():
             r = subprocess.run([str(BIN / "gpumarket-broker"), "providers", "--json",
                                 "--key", str(tmp_path / "broker" / "broker.key")],
