@@ -40,6 +40,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from gpumarket.broker.jobs.arrays import STEAL_MIN_S  # noqa: E402
 from tests.helpers import Marketplace, training_job, wait_until  # noqa: E402
 
 LIGHT_ROUNDS = 3_000        # sha256 rounds of an outputs task: about 1 ms here
@@ -165,7 +166,40 @@ def run_array(market: Marketplace, root: Path, name: str, tasks: int,
     return {"job_id": job_id, "wall_s": wall, "tasks_per_s": tasks / wall,
             "p50_ms": pct(lat, 0.5) * 1000, "p99_ms": pct(lat, 0.99) * 1000,
             "batches": len(job.get("parts", [])), "lanes": lanes(rows, began_ms),
-            "ends": ends(watched, rows, began_ms)}
+            "ends": ends(watched, rows, began_ms), "steal": first_steal(market, rows)}
+
+
+def first_steal(market: Marketplace, rows: list[dict]) -> dict | None:
+    """How an array's first two leases (one a lane) ended, by the broker's records: how far
+    apart their last tasks were recorded, and whether the first one's end made the other
+    yield (arrays.steal_for_idle_lane, at the first's receipt): how long after the first's
+    last task, how many tasks it marked, and how many of those the yielding lease reported
+    all the same (it had run them, not reported them yet). Without a yield: what the
+    steal rule saw at the first's end, the other's tasks not reported yet at its pace (its
+    wall time since it started a task reported, or its tasks' own time, the larger), in
+    seconds against the STEAL_MIN_S a steal needs. None for an array of one lease."""
+    by: dict[str, list[dict]] = {}
+    for t in rows:
+        by.setdefault(t["batch"], []).append(t)
+    if len(by) < 2:
+        return None
+    first, other = sorted(sorted(by, key=lambda b: int(b.rsplit("-", 1)[1]))[:2],
+                          key=lambda b: max(t["updated_at_ms"] for t in by[b]))
+    end = max(t["updated_at_ms"] for t in by[first])
+    out = {"apart_s": round((max(t["updated_at_ms"] for t in by[other]) - end) / 1000, 3)}
+    seen = events(market, other)
+    asked = next((e for e in seen if e["type"] == "yielding"), None)
+    if asked is not None:
+        at = int(asked["at_ms"])
+        found = re.search(r"(\d+) tasks go back", asked.get("message", ""))
+        return {**out, "yield_ms": at - end, "marked": int(found[1]) if found else None,
+                "ran_anyway": sum(1 for t in by[other] if t["updated_at_ms"] >= at)}
+    started = next(int(e["at_ms"]) for e in seen if e["type"] == "started")
+    told = [t for t in by[other] if t["updated_at_ms"] <= end]
+    pace = max((end - started) / 1000 / max(1, len(told)),
+               sum(t.get("seconds") or 0.0 for t in told) / max(1, len(told)))
+    left = len(by[other]) - len(told)
+    return {**out, "yield_ms": None, "left": left, "estimate_s": round(left * pace, 3)}
 
 
 def ends(watched: dict, rows: list[dict], began_ms: float) -> dict:
@@ -188,14 +222,21 @@ def ends(watched: dict, rows: list[dict], began_ms: float) -> dict:
 
 def lanes(rows: list[dict], began_ms: float) -> list[dict]:
     """Each provider's share of an array, from its tasks' rows: tasks, when its last one
-    ended (s after submission) and the seconds its tasks ran themselves (the rest of a lane's
-    time is the lease's and the provider's, or a core taken by something else)."""
+    ended (s after submission), the seconds its tasks ran themselves (the rest of a lane's
+    time is the lease's and the provider's, or a core taken by something else) and the tasks
+    of its last results update (those recorded at its last task's time: the broker records
+    an update's tasks at one time; the array's end waits for that update)."""
     by: dict[str, dict] = {}
+    last: dict[str, list[int]] = {}
     for t in rows:
-        lane = by.setdefault(t["provider_id"][:8], {"tasks": 0, "end_s": 0.0, "task_s": 0.0})
+        key = t["provider_id"][:8]
+        lane = by.setdefault(key, {"tasks": 0, "end_s": 0.0, "task_s": 0.0})
         lane["tasks"] += 1
         lane["end_s"] = max(lane["end_s"], (t["updated_at_ms"] - began_ms) / 1000)
         lane["task_s"] += t.get("seconds") or 0.0
+        last.setdefault(key, []).append(t["updated_at_ms"])
+    for key, lane in by.items():
+        lane["last_update"] = last[key].count(max(last[key]))
     return [{"provider": k, **{f: round(v, 2) for f, v in lane.items()}}
             for k, lane in sorted(by.items())]
 
@@ -251,7 +292,19 @@ def compare(label: str, tasks: int, ours: dict, ray: dict | None) -> float | Non
           f" p99 {ours['p99_ms']:,.0f} ms, {ours['batches']} leases")
     for lane in ours["lanes"]:
         print(f"  lane {lane['provider']}: {lane['tasks']:,} tasks, last ended at"
-              f" {lane['end_s']:.2f}s, {lane['task_s']:.2f}s inside its tasks")
+              f" {lane['end_s']:.2f}s, {lane['task_s']:.2f}s inside its tasks, its last"
+              f" update {lane['last_update']:,} tasks")
+    n = ours["steal"]
+    if n is None:
+        pass
+    elif n["yield_ms"] is not None:
+        print(f"  its first two leases ended {n['apart_s']:.2f}s apart; the first's end asked"
+              f" the other to yield {n['yield_ms']} ms after its last task, {n['marked']} tasks"
+              f" marked, {n['ran_anyway']} of its tasks reported after (run already)")
+    else:
+        print(f"  its first two leases ended {n['apart_s']:.2f}s apart, no steal: at the first's"
+              f" end the other had {n['left']:,} tasks not reported, {n['estimate_s']:.2f}s at"
+              f" its pace (a steal needs {STEAL_MIN_S}s)")
     e = ours["ends"]
     print(f"  ends (ms): process start -> submitted {e['submit_ms']:.0f}, -> first lease"
           f" {e['lease_ms']:.0f}, -> first task recorded {e['first_task_ms']:.0f}; last task"
@@ -418,6 +471,8 @@ def main() -> None:
         "ratio_vs_ray_heavy": rounded(ratio_heavy, 3),
         "lost_outputs": lost,
         "outputs_lane_end_s": [lane["end_s"] for lane in light["lanes"]],
+        "outputs_last_update_tasks": [lane["last_update"] for lane in light["lanes"]],
+        "outputs_first_steal": light["steal"],
         "outputs_ends_ms": {k: round(v) for k, v in light["ends"].items()},
         "heavy_lane_end_s": [lane["end_s"] for lane in heavy["lanes"]],
         "small_array_wait_s": round(max(waits), 3),

@@ -280,6 +280,7 @@ class Attempt:
         if self.process is not None:
             self.yield_sent = True
             self.process.request_yield()
+            self.task_results.yielding()
 
     # -- its outputs -----------------------------------------------------------------------
 

@@ -4,7 +4,9 @@ they are stored at the broker, with a receipt for them alone (so an array's resu
 fetched as its tasks end, not only when their lease does). Small outputs travel in the
 update itself (the broker stores them in the transaction that records their tasks); larger
 ones are uploaded first. Each update is kept, and sent again on the next session, until
-the broker acknowledges it (TaskResultsSettled)."""
+the broker acknowledges it (TaskResultsSettled). Updates shrink toward the lease's end
+(``TaskResults.due``): the array's end waits for the broker to record its leases' last
+ones."""
 
 from __future__ import annotations
 
@@ -36,6 +38,11 @@ TASK_FLUSH_S = 1.0         # a job array's task results (and outputs) go at most
                            # (each a call and an update, a transaction each at the broker;
                            # 0.2 s cost its broker 3.1 ms of CPU a 35 ms task, 1 s 1.7) ...
 TASKS_PER_UPDATE = 1000    # ... this many to an update ...
+LAST_UPDATE_TASKS = 16     # ... and sooner near the lease's end: as soon as they are as many
+                           # as its tasks left to run (at least this many), so its updates
+                           # halve toward its end and the last, which the array's end waits
+                           # on (the broker recorded 280-500 one-file tasks' in 45-66 ms),
+                           # holds at most this many ...
 UPDATE_BYTES = 1 << 20     # ... and this many bytes (receipts included)
 FLUSH_TASKS = 1000         # tasks whose outputs go up together (one call for the small files)
 FLUSH_BYTES = 32 << 20     # small files' bytes read with their hash for one flush (beyond:
@@ -101,11 +108,14 @@ class TaskResults:
         self.uploader: asyncio.Task | None = None
         self.flushed_at = 0.0               # when the last task outputs went up (monotonic)
         self.ending = asyncio.Event()       # the job's process ended: what is left goes now
+        self.stopping = False               # it stops after its current task (a yield)
+        self.wake = asyncio.Event()         # what is held is due (``due``): the uploader goes
 
     def ended(self, report: TaskEnded) -> bool:
         """A task ended: pass it on with the others that end within TASK_FLUSH_S (one update
-        for many short tasks); one that succeeded and left outputs once they are stored at
-        the broker (upload). False if it is no open task of this lease (ignored)."""
+        for many short tasks), or sooner near the lease's end (``due``); one that succeeded
+        and left outputs once they are stored at the broker (upload). False if it is no open
+        task of this lease (ignored)."""
         task = report.task
         if task not in self.open:
             return False        # not a task of this lease, or told already
@@ -116,27 +126,54 @@ class TaskResults:
             self.to_upload.append(result)
             if self.uploader is None or self.uploader.done():
                 self.uploader = asyncio.create_task(self.upload())
+            elif self.due():
+                self.wake.set()
         else:
             self.queue(result)
         return True
 
+    def due(self) -> bool:
+        """Whether the results held (told, not sent; those of an upload under way aside) go
+        now rather than at the end of their TASK_FLUSH_S: the job ended; or it stops after
+        its current task (its last update then holds that task alone); or they are as many
+        as the lease's tasks left to run, and at least LAST_UPDATE_TASKS. The array's end
+        waits for the broker to record its leases' last updates (a few ms a hundred tasks):
+        updates that halve toward a lease's end (a lease of 1,000 short tasks sends 500,
+        250, ... 16, then its last) make that last one small, at the cost of a few more
+        updates a lease."""
+        held = len(self.results) + len(self.to_upload)
+        return self.ending.is_set() or held > 0 and (
+            self.stopping or held >= max(LAST_UPDATE_TASKS, len(self.open)))
+
+    def yielding(self) -> None:
+        """The lease stops after the task it runs now (the broker asked it to yield): what
+        is held goes now, not with that task at the lease's end."""
+        self.stopping = True
+        if self.results:
+            self.flush()
+        if self.to_upload:
+            self.wake.set()
+
     def queue(self, result: gw.TaskResult, blobs: dict[str, bytes] | None = None) -> None:
         self.results.append((result, blobs or {}))
-        if self.flush_timer is None:
+        if self.due():
+            self.flush()
+        elif self.flush_timer is None:
             self.flush_timer = asyncio.get_running_loop().call_later(TASK_FLUSH_S, self.flush)
 
     async def upload(self) -> None:
         """Store the outputs of the tasks that succeeded at the broker, those of the tasks
-        that end within TASK_FLUSH_S of each other together (their small files in one call),
-        then pass each task on with a receipt for its outputs alone. A task is reported
+        that end within TASK_FLUSH_S of each other (or fewer, ``due``) together (their small
+        files in one call), then pass each task on with a receipt for its outputs alone. A task is reported
         succeeded only once its outputs are stored; where they cannot be (UPLOAD_TRIES
         tries, backing off), or the task left what is no output (a link, too many files),
         it is reported failed and the broker runs it again."""
         while self.to_upload:
             wait = self.flushed_at + TASK_FLUSH_S - time.monotonic()
-            if wait > 0 and not self.ending.is_set():
+            if wait > 0 and not self.due():
+                self.wake.clear()
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self.ending.wait(), wait)
+                    await asyncio.wait_for(self.wake.wait(), wait)
             batch, self.to_upload = self.to_upload[:FLUSH_TASKS], self.to_upload[FLUSH_TASKS:]
             self.flushed_at = time.monotonic()
             await self.send_outputs(batch)
@@ -269,6 +306,7 @@ class TaskResults:
         """The job ended: its tasks' outputs go up at once (or are ``dropped``, with a
         cancelled lease), then every task result not sent yet goes."""
         self.ending.set()
+        self.wake.set()
         if self.uploader is not None:
             if dropped:
                 self.uploader.cancel()

@@ -167,6 +167,70 @@ def test_task_results_go_in_updates_of_bounded_size_and_only_for_the_lease_s_tas
     assert tasks.open == set()
 
 
+@pytest.mark.parametrize("outputs", [False, True], ids=["no-outputs", "one-file-each"])
+def test_task_results_updates_halve_toward_the_lease_s_end(tmp_path, monkeypatch, outputs):
+    """The array's end waits for the broker to record its leases' last updates: a lease of
+    100 tasks sends 50 as soon as 50 are left, then 25, then 16 (LAST_UPDATE_TASKS), and its
+    last update holds the 9 left; not one second's worth (TASK_FLUSH_S, out of the way here)
+    held to its end. Alike whether its tasks' outputs go up first or not."""
+    monkeypatch.setattr(task_results, "TASK_FLUSH_S", 60.0)
+    host = FakeHost(tmp_path, {})
+    workdir = tmp_path / "w"
+    for t in range(100 if outputs else 0):
+        out = workdir / task_results.task_outputs(t)
+        out.mkdir(parents=True)
+        (out / "result.json").write_text(f'{{"task": {t}}}')
+    tasks = TaskResults(range(100), workdir, os.geteuid(), host, update,
+                        lambda refs, seconds: receipts.sign(
+                            PROVIDER, checksum_assignment(b"x"), refs, seconds))
+    before_end: list[int] = []
+
+    async def all_end():
+        for t in range(100):
+            tasks.ended(TaskEnded(t, True, "", 0.01))
+            while tasks.to_upload and tasks.due():      # the uploader takes them up
+                await asyncio.sleep(0.001)
+        while len(host.sent) < 3:                       # (their uploads end)
+            await asyncio.sleep(0.001)
+
+    async def scenario():
+        await asyncio.wait_for(all_end(), 30)
+        before_end.extend(len(u.tasks.results) for u in sent(host, "tasks"))
+        await tasks.settle()
+
+    asyncio.run(scenario())
+    updates = sent(host, "tasks")
+    assert before_end == [50, 25, 16]
+    assert [len(u.tasks.results) for u in updates] == [50, 25, 16, 9]
+    assert [r.task for u in updates for r in u.tasks.results] == list(range(100))
+    assert all(r.ok and bool(r.receipt.payload) == outputs for u in updates
+               for r in u.tasks.results)
+    assert sum(len(u.tasks.blobs) for u in updates) == (100 if outputs else 0)
+
+
+def test_a_yielding_lease_sends_what_it_holds_at_once(tmp_path, monkeypatch):
+    """Asked to yield, a lease stops after its current task: the results it holds go at
+    once, and that task's alone when it ends (the stolen tasks' new leases wait for this
+    lease's end)."""
+    monkeypatch.setattr(task_results, "TASK_FLUSH_S", 60.0)
+    host = FakeHost(tmp_path, {})
+    tasks = TaskResults(range(100), tmp_path / "w", os.geteuid(), host, update,
+                        lambda refs, seconds: pb.Envelope())
+
+    async def scenario():
+        for t in range(30):
+            tasks.ended(TaskEnded(t, True, "", 0.01))
+        assert sent(host, "tasks") == []                # 30 of 100: not due yet
+        tasks.yielding()
+        assert [len(u.tasks.results) for u in sent(host, "tasks")] == [30]
+        tasks.ended(TaskEnded(30, True, "", 0.01))      # the task it ran when asked
+        assert [len(u.tasks.results) for u in sent(host, "tasks")] == [30, 1]
+        await tasks.settle()
+
+    asyncio.run(scenario())
+    assert len(sent(host, "tasks")) == 2
+
+
 def test_a_task_with_too_many_outputs_fails_alone(tmp_path, monkeypatch):
     from gpumarket.kinds import arrays
 

@@ -24,8 +24,13 @@ from gpumarket.proto.v1 import gateway_pb2 as gw
 from gpumarket.proto.v1 import types_pb2 as pb
 
 QUEUED, RUNNING = pb.JOB_STATE_QUEUED, pb.JOB_STATE_RUNNING
+LEASED, PAUSED = pb.JOB_STATE_LEASED, pb.JOB_STATE_PAUSED
 SUCCEEDED, FAILED, CANCELLED = pb.JOB_STATE_SUCCEEDED, pb.JOB_STATE_FAILED, pb.JOB_STATE_CANCELLED
+VERIFYING = pb.JOB_STATE_VERIFYING
 OPEN = (QUEUED, RUNNING)            # a task's states before it ends
+# A batch's states while it holds a lane of its array or waits for one; not VERIFYING: its
+# lease ended and its checks run elsewhere (its lane is free).
+IN_LANE = (QUEUED, LEASED, RUNNING, PAUSED)
 STATE_FIELDS = {QUEUED: "queued", RUNNING: "running", SUCCEEDED: "succeeded",
                 FAILED: "failed", CANCELLED: "cancelled"}
 # Work stealing (``_steal``): a lease of an array yields the rest of its tasks to a lane of the
@@ -241,8 +246,9 @@ def _pace(started_at_ms: int | None, reported: int, task_s: float, now: int) -> 
 
 
 def _steal(db: Database, batch: Job, epoch: int, pace: float, now: int) -> int:
-    """Work stealing: where fewer of the array's batches are open than it has lanes, none of
-    them waiting for a device (a lane ended its lease and has nothing left to take), this
+    """Work stealing: where fewer of the array's batches are in a lane than it has lanes
+    (``IN_LANE``), none of them waiting for a device (a lane ended its lease, or waits for
+    its checks, and has nothing left to take), this
     lease yields the tasks it has not run yet if they would take it at least STEAL_MIN_S at
     ``pace`` (seconds a task): they go back to the queue as ``lanes`` batches
     (``add_batches``), one for the idle lane, one for this one. Returns how many were
@@ -252,8 +258,7 @@ def _steal(db: Database, batch: Job, epoch: int, pace: float, now: int) -> int:
         return 0
     open_batches, waiting = db.execute(
         f"SELECT count(*), coalesce(sum(CASE WHEN state = ? THEN 1 ELSE 0 END), 0) FROM jobs"
-        f" WHERE parent_id = ? AND"
-        f" state NOT IN ({', '.join(str(s) for s in TERMINAL_STATES)})",
+        f" WHERE parent_id = ? AND state IN ({', '.join(str(s) for s in IN_LANE)})",
         [QUEUED, top.id]).fetchone()
     if waiting or open_batches >= top.lanes:
         return 0
@@ -370,12 +375,17 @@ def follow_batch(db: Database, array_id: str, batch_id: str, type_: str, now: in
                               mirror=False, message="every task had ended")
     elif state in TERMINAL_STATES:
         _batch_ended(db, array_id, batch, now)
+    elif state == VERIFYING:
+        # Its lease ended with its receipt and its checks run elsewhere: the tasks it did
+        # not run go on now, not when those checks end (minutes, a replay on another
+        # provider).
+        _lease_over(db, array_id, batch, now)
     _follow(db, array_id, now)
 
 
 def _batch_ended(db: Database, array_id: str, batch: Job, now: int) -> None:
-    """The batch ended: its receipt's outputs go to their tasks; tasks it did not report
-    failed this run (or are cancelled with it); those left to run get new batches."""
+    """The batch ended: its receipt's outputs go to their tasks; the rest as
+    ``_lease_over``."""
     if batch.receipt:
         env = pb.Envelope()
         env.ParseFromString(batch.receipt)
@@ -391,6 +401,13 @@ def _batch_ended(db: Database, array_id: str, batch: Job, now: int) -> None:
                             " array_id = ? AND task = ? AND batch_id = ?",
                             [(json.dumps(refs), array_id, task, batch.id)
                              for task, refs in by_task.items()])
+    _lease_over(db, array_id, batch, now)
+
+
+def _lease_over(db: Database, array_id: str, batch: Job, now: int) -> None:
+    """The batch's last lease is over (the batch ended, or waits for its checks): tasks it
+    did not report failed this run (or are cancelled with it); those it yielded and those
+    left to run get new batches. Once for a batch's tasks: a second call finds none."""
     open_tasks = db.execute("SELECT task, attempts, yielded FROM array_tasks WHERE"
                             " batch_id = ? AND state IN (?, ?)", [batch.id, *OPEN]).fetchall()
     top = db.execute("SELECT state FROM jobs WHERE id = ?", [array_id]).fetchone()
