@@ -14,12 +14,15 @@ import time
 
 import pytest
 
-from tests.helpers import BIN, LEASE_ARGS, Marketplace, Process, training_job, wait_until
+from tests.helpers import BIN, Marketplace, Process, training_job, wait_until
 
 pytestmark = pytest.mark.e2e
 
 STEPS, EVERY = 1500, 100        # a few seconds of CPU: still running when the leader dies
 TTL = "1.5"                     # the leader's hold on the scheduler role, seconds
+# The provider's move to the survivor must not also race a 4 s lease (tests.helpers'
+# LEASE_ARGS) on a loaded machine: a lease lost there would be a second lease of the job.
+LEASE_ARGS = ("--lease-timeout", "10", "--heartbeat-interval", "0.5")
 
 
 def leadership(url: str) -> tuple[str, int] | None:
