@@ -222,3 +222,19 @@ def test_a_doctored_frame_found_on_a_later_pass_calls_a_tie_break_that_starts_af
     assert first["state"] == "disagreed" and "pixels differ" in first["detail"]
     assert "progress" not in json.loads(tiebreak["scope"])   # compares every frame again
     assert json.loads(tiebreak["scope"])["frames"] == frames
+    # The tie-break's two comparisons go on over passes too; the one against the checked
+    # result, once ended, is kept, not redone, while the other goes on.
+    _, replayed = sample_files(tmp_path, range(1, 41))
+    start(broker, tiebreak["id"], "h2")
+    broker.now += 30_000
+    broker.write(jobs.succeed, tiebreak["id"], broker.job(tiebreak["id"])["epoch"], "h2",
+                 broker.receipt(tiebreak["id"], "h2", {render.frame_name(f): replayed[
+                     render.frame_name(f)] for f in frames}), broker.now)
+    memos = []
+    while broker.decide() == 0:
+        memos.append(json.loads(broker.checks("j")[1]["scope"])["progress"])
+        assert len(memos) < 2 * len(frames)
+    assert memos[-1]["checked"]["verdict"][0] is False      # kept from an earlier pass
+    assert len(memos[-1]["first"]["compared"]) == len(frames) - 1
+    assert [c["state"] for c in broker.checks("j")] == ["failed", "failed"]
+    assert broker.read(verification.record, "pa")[2] == 1     # pa was found wrong
