@@ -10,7 +10,7 @@ import re
 import secrets
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 from gpumarket.kinds.base import Kind, Unfinished
 from gpumarket.kinds.schema import UINT32, Param, ParamError
@@ -135,7 +135,7 @@ def preview_size(width: int, height: int) -> tuple[int, int]:
 
 
 def compare_sample(expect: dict[str, Path], got: dict[str, Path], frames: list[int],
-                   compared: Any = ()) -> tuple[bool, str]:
+                   compared: Iterable[int] = ()) -> tuple[bool, str]:
     """Each of the sampled ``frames``, delivered (``expect``) against its replay (``got``):
     every pixel equal. In an order the provider cannot predict, for at most
     SAMPLE_COMPARE_S, skipping the frames an earlier pass ``compared`` (and found equal).
