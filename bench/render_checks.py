@@ -246,6 +246,65 @@ def detection(rc: dict, trials: int, simulate_jobs, simulate_frames, floor: floa
     return figures
 
 
+def exact_compare_s(size: tuple[int, int] = (1920, 1080), frames: int = 6) -> float:
+    """The broker's time to compare one sampled frame exactly (both PNGs decoded by Pillow,
+    every pixel compared: ``compare_sample``), on frames of ``size`` pixels of noise (which
+    compresses least, so decodes slowest); seconds a frame, the median of ``frames``."""
+    from PIL import Image
+
+    from gpumarket.kinds import render
+
+    rng = np.random.default_rng(0)
+    times = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for f in range(1, frames + 1):
+            pixels = rng.integers(0, 256, (size[1], size[0], 4), dtype=np.uint8)
+            pixels[..., 3] = 255
+            files = {}
+            for side in ("delivered", "replayed"):
+                files[side] = Path(tmp) / f"{side}-{f}.png"
+                Image.fromarray(pixels, "RGBA").save(files[side])
+            began = time.perf_counter()
+            same, _ = render.compare_sample({render.frame_name(f): files["delivered"]},
+                                            {render.frame_name(f): files["replayed"]}, [f])
+            times.append(time.perf_counter() - began)
+            assert same
+    return float(np.median(times))
+
+
+def sample_figures(trials: int, simulate_frames, floor: float) -> dict:
+    """bench/verification.py's figures of a check's exact sample alone (no Blender): for
+    leases of 10, 100, 1,000 and 10,000 frames, the frames a check renders again, what one
+    check of a new provider (a warm-up check: every job) and one at the floor rate cost in
+    frames rendered over the lease's own, the probability one doctored frame is caught
+    within 20 checked jobs by the sample alone; and how many passes of the broker's verdict
+    loop compare a sample of full-HD frames (SAMPLE_COMPARE_S each)."""
+    from gpumarket.kinds import render
+
+    figures = {}
+    per_frame = exact_compare_s()
+    figures["render_exact_compare_s_1080p"] = round(per_frame, 4)
+    for frames in (10, 100, 1000, 10_000):
+        k = render.check_frames(frames)
+        caught = simulate_frames(frames, 1, 20, trials, 4)
+        # (a lease too long to preview has the sample alone in a real check too)
+        alone = "sample_only" if frames <= render.MAX_PREVIEW_FRAMES else "no_previews"
+        passes = max(1, int(np.ceil(k * per_frame / render.SAMPLE_COMPARE_S)))
+        figures.update({f"render_sample_frames_{frames}_frames": k,
+                        f"render_sample_cost_warmup_{frames}_frames": round(k / frames, 4),
+                        f"render_sample_cost_steady_{frames}_frames": round(
+                            floor * k / frames, 4),
+                        f"render_sample_compare_passes_1080p_{frames}_frames": passes,
+                        f"detection_p_20_jobs_one_frame_of_{frames}_{alone}": round(
+                            caught, 4)})
+        print(f"a lease of {frames} frames: a check renders {k} again ({k / frames:.3f} of"
+              f" its frames at a warm-up check, {floor * k / frames:.4f} at the floor rate),"
+              f" compared in {passes} pass(es) of the verdict loop at 1920x1080"
+              f" ({per_frame:.3f}s a frame); one doctored frame caught within 20 jobs by the"
+              f" sample alone with p = {caught:.4f}")
+    return figures
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--frames", type=int, default=24)

@@ -544,10 +544,9 @@ def main() -> None:
             figures["detection_p_20_jobs_array_task"] = round(caught, 4)
         print(f"array leases of {n} tasks, one doctored: one check replays it in {p:.4f}"
               f" of draws; caught within 20 leases with p = {caught:.4f}")
-    for frames in (10, 100, 1000):
-        # the sample alone (what a check of a lease too long to preview has)
-        caught = simulate_frames(frames, 1, 20, args.trials, 4)
-        figures[f"detection_p_20_jobs_one_frame_of_{frames}_sample_only"] = round(caught, 4)
+    import render_checks     # the sample alone (what a check of a lease too long to preview has)
+    figures.update(render_checks.sample_figures(args.trials, simulate_frames,
+                                                verification.rate(10**9)))
     sybil_trials = min(args.trials, 2000)
     for referees in (False, True):
         r = sybil_framing(0.30, 100, s, sybil_trials, 3, referees)

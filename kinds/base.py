@@ -16,6 +16,17 @@ from gpumarket.proto.v1 import types_pb2 as pb
 PLUGIN_NUMBERS = range(100, 2**31)   # kinds outside this codebase take numbers from 100
 
 
+class Unfinished(Exception):
+    """A check's comparison ran out of its time before it compared everything it must, and
+    found nothing that differs so far: neither a pass nor a disagreement. ``progress`` is
+    what the broker keeps in the check's scope, so that its next pass compares the rest
+    (broker/checks/verdicts.py); the message says how far it got."""
+
+    def __init__(self, detail: str, progress: dict[str, Any]):
+        super().__init__(detail)
+        self.progress = progress
+
+
 @dataclass(frozen=True)
 class Kind:
     name: str                         # "training": the job file's kind and its table

@@ -10,9 +10,9 @@ import re
 import secrets
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
-from gpumarket.kinds.base import Kind
+from gpumarket.kinds.base import Kind, Unfinished
 from gpumarket.kinds.schema import UINT32, Param, ParamError
 from gpumarket.proto.v1 import types_pb2 as pb
 
@@ -63,12 +63,14 @@ class Render(Kind):
     # itself again and compares their pixels: Cycles on the same device class with the same
     # samples and seed gives the same image. A quarter of them (at most MAX_CHECK_FRAMES), so
     # that a provider doctoring even one frame of a lease is caught by a check with p >= 1/4
-    # (leases of up to 128 frames). And it renders EVERY frame of the lease again at a
+    # (leases of up to 16,384 frames): within the 20 checks of a new provider's first 20
+    # jobs with p >= 0.996. The same share for every check, warm-up or not: a sample sized
+    # by the checked provider's rate would tell the checker (who can count the lease's
+    # frames) that the provider is new. And it renders EVERY frame of the lease again at a
     # quarter of the resolution each way (PREVIEW_SCALE: about 1/16 of the pixel work), which
     # is compared within a measured tolerance with the delivered frame reduced to the same
     # size: a frame not rendered at all (blank, noise, another frame's image, a large edit)
-    # is caught in a lease of any length, where the sample alone finds one doctored frame of
-    # 1,000 in 3 % of checks (docs/verification.md).
+    # is caught whether the sample holds it or not (docs/verification.md).
     def check_scope(self, values: dict[str, Any], part: int, parts: int,
                     metrics: dict[str, float], done_before: int) -> dict:
         frames = lease_frames(values, part, parts, done_before)
@@ -85,25 +87,12 @@ class Render(Kind):
 
     def compare(self, expect: dict[str, Path], got: dict[str, Path], scope: dict
                 ) -> tuple[bool, str]:
-        frames = scope.get("frames", [])
-        for frame in frames:
-            name = frame_name(frame)
-            if name not in expect:
-                return False, f"the provider returned no {name}"
-            if name not in got:
-                return False, f"the replay returned no {name}"
-            try:
-                want, have = png_pixels(expect[name]), png_pixels(got[name])
-            except ValueError as exc:
-                return False, f"{name}: {exc}"
-            if want.shape != have.shape:
-                return False, f"{name}: {want.shape} pixels against {have.shape}"
-            differ = int((want != have).reshape(want.shape[0], want.shape[1], -1)
-                         .any(axis=-1).sum())
-            if differ:
-                return False, f"{name}: {differ} of {want.shape[0] * want.shape[1]} pixels differ"
-        why = (f"frame{'s' if len(frames) > 1 else ''}"
-               f" {', '.join(str(f) for f in frames)}: pixels identical")
+        """The sampled frames pixel for pixel (``compare_sample``; Unfinished when the
+        broker's time for them ran out first), then the previews (``compare_previews``)."""
+        same, why = compare_sample(expect, got, scope.get("frames", []),
+                                   scope.get("compared", ()))
+        if not same:
+            return False, why
         if not scope.get("preview"):
             return True, why
         same, worst = compare_previews(expect, got, scope["preview"], scope.get("replays"))
@@ -143,6 +132,52 @@ def preview_size(width: int, height: int) -> tuple[int, int]:
     """The pixels of a preview of a frame of ``width`` x ``height``: what a checker renders
     it at, and what the delivered frame is reduced to."""
     return max(1, width // PREVIEW_SCALE), max(1, height // PREVIEW_SCALE)
+
+
+def compare_sample(expect: dict[str, Path], got: dict[str, Path], frames: list[int],
+                   compared: Iterable[int] = ()) -> tuple[bool, str]:
+    """Each of the sampled ``frames``, delivered (``expect``) against its replay (``got``):
+    every pixel equal. In an order the provider cannot predict, for at most
+    SAMPLE_COMPARE_S, skipping the frames an earlier pass ``compared`` (and found equal).
+    Returns (agrees, the first frame that differs or what was compared); raises Unfinished
+    (its progress: {"compared": the frames found equal so far}) when the time ran out with
+    frames left: neither a pass (a doctored frame may be among the rest) nor a disagreement
+    (that would hold an honest provider's pay for the broker's slowness). Each call compares
+    at least one frame, so a check's comparison ends within as many passes as its sample
+    has frames."""
+    done = set(compared) & set(frames)
+    order = [f for f in frames if f not in done]
+    _draw.shuffle(order)
+    until = time.monotonic() + SAMPLE_COMPARE_S
+    for count, frame in enumerate(order):
+        if count and time.monotonic() > until:
+            raise Unfinished(f"{len(done)} of the {len(frames)} sampled frames compared,"
+                             f" pixels identical; the rest not within {SAMPLE_COMPARE_S:g}s",
+                             {"compared": sorted(done)})
+        name = frame_name(frame)
+        if name not in expect:
+            return False, f"the provider returned no {name}"
+        if name not in got:
+            return False, f"the replay returned no {name}"
+        try:
+            want, have = png_pixels(expect[name]), png_pixels(got[name])
+        except ValueError as exc:
+            return False, f"{name}: {exc}"
+        if want.shape != have.shape:
+            return False, f"{name}: {want.shape} pixels against {have.shape}"
+        differ = int((want != have).reshape(want.shape[0], want.shape[1], -1)
+                     .any(axis=-1).sum())
+        if differ:
+            return False, f"{name}: {differ} of {want.shape[0] * want.shape[1]} pixels differ"
+        done.add(frame)
+    return True, f"{said_frames(frames)}: pixels identical"
+
+
+def said_frames(frames: list[int]) -> str:
+    """A sample of frames in a line: each one where they are few, else how many and where."""
+    if len(frames) <= SAID_FRAMES:
+        return f"frame{'s' if len(frames) > 1 else ''} {', '.join(str(f) for f in frames)}"
+    return f"{len(frames)} frames drawn from {min(frames)}-{max(frames)}"
 
 
 def compare_previews(expect: dict[str, Path], got: dict[str, Path], first_last: list[int],
@@ -223,9 +258,15 @@ def preview_difference(preview: Path, frame: Path, reduce: bool = True) -> float
 
 
 CHECK_SHARE = 0.25          # of a lease's frames, a check renders again ...
-MAX_CHECK_FRAMES = 32       # ... but no more than this many: a check's cost, and its compare
-                            # within the broker's 300 s (an 8K frame of noise took 5.2 s to
+MAX_CHECK_FRAMES = 4096     # ... but no more than this many (a quarter of 16,384): what a
+                            # lease's CheckScope lists (about 20 KB) and the check's row
+                            # keeps. The broker compares them within SAMPLE_COMPARE_S a pass
+                            # and goes on at its next pass (compare_sample)
+SAMPLE_COMPARE_S = 120.0    # of the broker's 300 s to compare a check, the exact sample's
+                            # share in one pass (the previews have theirs, the rest is margin
+                            # for one frame begun late: an 8K frame of noise took 5.2 s to
                             # compare, both PNGs decoded, on this 2-core machine at load 7)
+SAID_FRAMES = 8             # a sample named frame by frame in a check's detail, up to this
 _draw = secrets.SystemRandom()   # which frames: from a source the provider cannot predict
 MAX_CHECK_FRAME = 2**31 - 1      # CheckScope.frames is int32
 
@@ -245,7 +286,7 @@ MAX_PREVIEW_FRAMES = 1000          # a longer lease is checked by the sample alo
 PREVIEW_COMPARE_S = 120.0          # of the broker's 300 s to compare a check: the previews'
                                    # share (a 1920 x 1080 frame took 0.15 to 0.23 s to
                                    # decode, reduce and compare on this 2-core machine at
-                                   # load 6 to 8; the exact sample's 32 frames keep the rest)
+                                   # load 6 to 8; SAMPLE_COMPARE_S is the exact sample's)
 
 
 def check_frames(frames: int) -> int:

@@ -23,6 +23,19 @@ from gpumarket.proto.v1 import types_pb2 as pb
 OPEN = verification.OPEN       # check states that still await a verdict
 _row = verification.check_row
 MARKS = ", ".join("?" * len(OPEN))
+PROGRESS = "progress"    # a check's scope: how far the broker's comparison of it got so far
+
+
+def compared_in_part(db: Database, check_id: str, progress: dict) -> None:
+    """The broker's comparison of a returned check ran out of its time for a pass before it
+    compared everything (kinds.base.Unfinished): keep how far it got in the check's scope,
+    where its next pass goes on from (verdicts.decide). The check stays returned: neither
+    passed nor disputed."""
+    row = db.execute("SELECT scope FROM checks WHERE id = ? AND state = 'returned'",
+                     [check_id]).fetchone()
+    if row is not None:
+        db.execute("UPDATE checks SET scope = ? WHERE id = ?",
+                   [json.dumps({**json.loads(row[0]), PROGRESS: progress}), check_id])
 
 
 def could_not_run(db: Database, check_id: str, error: str, now: int) -> None:
@@ -79,11 +92,13 @@ def conclude(db: Database, check_id: str, agrees: bool, agrees_first: bool, deta
         db.execute("UPDATE checks SET state = 'disagreed', detail = ?, ended_at_ms = ? WHERE"
                    " id = ?", [detail, now, check_id])
         job = _job(db, c["job_id"])
+        # (the tie-break compares everything again: none of this check's progress)
+        scope = {k: v for k, v in json.loads(c["scope"]).items() if k != PROGRESS}
         verification.queue(db, job, c["provider_id"], c["lease_id"], c["settle_seq"],
                            c["step_from"], c["step_to"],
                            json.loads(c["start"]) if c["start"] else None,
-                           json.loads(c["expect"]), json.loads(c["scope"]), "tiebreak",
-                           check_id, now, c["paid_by"])
+                           json.loads(c["expect"]), scope, "tiebreak", check_id, now,
+                           c["paid_by"])
         verification.note(db, job, f"check {check_id} disagreed with {c['provider_id']}'s"
                           f" result ({detail}); a third provider decides", now)
         return Outcome()

@@ -11,6 +11,7 @@ from gpumarket import kinds
 from gpumarket.broker.checks import disputes
 from gpumarket.broker.checks import verification
 from gpumarket.broker.state import BrokerState
+from gpumarket.kinds.base import Unfinished
 from gpumarket.proto.jobspec import now_ms
 
 log = logging.getLogger(__name__)
@@ -29,27 +30,38 @@ def policy(state: BrokerState, provider_id: str, draw: float) -> verification.Po
 
 
 def _compare(kind: kinds.Kind, state: BrokerState, expect: dict, got: dict,
-             scope: dict) -> tuple[bool, str]:
+             scope: dict) -> tuple[bool | None, str, dict]:
     def paths(refs: dict) -> dict:
         return {name: state.artifacts.blob_path(ref["sha256"]) for name, ref in refs.items()}
 
     try:
-        return kind.compare(paths(expect), paths(got), scope)
+        return (*kind.compare(paths(expect), paths(got), scope), {})
+    except Unfinished as part:
+        return None, str(part), part.progress
     except OSError as exc:
-        return False, f"a result could not be read ({exc.strerror or exc})"
+        return False, f"a result could not be read ({exc.strerror or exc})", {}
     except Exception as exc:     # a hostile file: it disagrees (the tie-break finds whose)
-        return False, f"a result could not be compared ({type(exc).__name__}: {exc})"[:300]
+        return (False, f"a result could not be compared ({type(exc).__name__}: {exc})"[:300],
+                {})
 
 
 async def _compared(kind: kinds.Kind, state: BrokerState, expect: dict, got: dict,
-                    scope: dict) -> tuple[bool, str]:
+                    scope: dict, memo: dict | None) -> tuple[bool | None, str, dict]:
     """Compare off the event loop, for at most COMPARE_TIMEOUT_S (a result that takes longer
-    to read than that disagrees)."""
+    to read than that disagrees), going on from ``memo``, what an earlier pass kept of this
+    comparison. Returns (agrees, why, the memo to keep): agrees None while it is unfinished
+    (kinds.base.Unfinished: the kind's progress is kept, and the next pass compares the
+    rest); once finished, the memo holds the verdict, so that a tie-break's other
+    comparison going on does not redo this one."""
+    if memo and "verdict" in memo:
+        agrees, why = memo["verdict"]
+        return agrees, why, memo
     try:
-        return await asyncio.wait_for(asyncio.to_thread(_compare, kind, state, expect, got,
-                                                        scope), COMPARE_TIMEOUT_S)
+        agrees, why, progress = await asyncio.wait_for(asyncio.to_thread(
+            _compare, kind, state, expect, got, {**scope, **(memo or {})}), COMPARE_TIMEOUT_S)
     except TimeoutError:
-        return False, f"not compared within {COMPARE_TIMEOUT_S}s"
+        agrees, why, progress = False, f"not compared within {COMPARE_TIMEOUT_S}s", {}
+    return agrees, why, progress if agrees is None else {"verdict": [agrees, why]}
 
 
 async def decide(state: BrokerState) -> int:
@@ -58,16 +70,24 @@ async def decide(state: BrokerState) -> int:
     store, made = state.store, 0
     for item in await store.read(disputes.to_compare):
         kind = kinds.get(item.kind)
-        agrees, detail = await _compared(kind, state, item.expect, item.outputs, item.scope)
-        agrees_first = False
-        if item.role == "tiebreak":
+        memo = item.scope.get(disputes.PROGRESS, {})
+        agrees, detail, mine = await _compared(kind, state, item.expect, item.outputs,
+                                               item.scope, memo.get("checked"))
+        agrees_first, theirs = False, memo.get("first")
+        if item.role == "tiebreak" and agrees is not None:
             first = {n: r for n, r in item.first_outputs.items()
                      if n in kind.evidence(set(item.first_outputs))}
             # Two replays of the same part: neither holds the whole result.
-            agrees_first, why = await _compared(kind, state, first, item.outputs,
-                                                {**item.scope, "replays": True})
+            agrees_first, why, theirs = await _compared(
+                kind, state, first, item.outputs, {**item.scope, "replays": True}, theirs)
             detail = (f"against the checked result: {detail}; against the first check's:"
                       f" {why}")
+        if agrees is None or agrees_first is None:
+            # Neither a pass nor a disagreement: kept, and compared further next pass.
+            await store.write(disputes.compared_in_part, item.check_id,
+                              {"checked": mine, "first": theirs})
+            log.info("check %s: compared in part (%s)", item.check_id, detail)
+            continue
         try:
             outcome = await store.write(disputes.conclude, item.check_id, agrees,
                                         agrees_first, detail, now_ms(),

@@ -30,6 +30,7 @@ from gpumarket.broker.jobs import transitions as jobs
 from gpumarket.broker.money import ledger
 from gpumarket.broker.store import blob_holdings
 from gpumarket.kinds import arrays as task_arrays
+from gpumarket.kinds import render as render_kind
 from gpumarket.kinds.schema import ParamError
 from gpumarket.proto.errors import InvalidArgument
 from gpumarket.proto.v1 import types_pb2 as pb
@@ -245,8 +246,7 @@ def what(step_from: int, step_to: int, scope: dict) -> str:
         how = ", prefilled: fingerprints" if scope.get("claimed") else ""
         return f"a batch of {scope['batch_size']} rows from row {step_from} on{how}"
     if scope.get("frames"):
-        frames = scope["frames"]
-        out = f"frame{'s' if len(frames) > 1 else ''} " + ", ".join(str(f) for f in frames)
+        out = render_kind.said_frames(scope["frames"])
         if scope.get("preview"):
             first, last = scope["preview"]
             out += f"; frames {first}-{last} at a quarter's resolution"
