@@ -26,8 +26,9 @@ pytestmark = pytest.mark.e2e
 # Long enough that the training still runs when the request, sent at its first checkpoint,
 # needs its device. Only that request lies between the checkpoint and the preemption (the
 # endpoint and its key are made before the training starts): here it yielded 19 to 38
-# steps after the checkpoint at 200 (load 1.7 to 7.4). The standard-job version of this test, with a
-# CLI's start in that gap, needed 3,200: at 400 CI's loaded machine saw the job end first.
+# steps after the checkpoint at 200 (load 1.7 to 7.4). The standard-job version of this
+# test, with a CLI's start in that gap, needed 3,200: at 400 CI's loaded machine saw the job
+# end first.
 STEPS, EVERY = 2000, 200
 INTERRUPTIBLE = 'tier = "interruptible"'
 
