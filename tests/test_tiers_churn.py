@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 from gpumarket.broker.jobs import preemption as rows
 from gpumarket.broker.jobs import transitions as jobs
+from gpumarket.broker.jobs import views
 from gpumarket.broker.jobs.job import LeaseTerms
 from gpumarket.broker.market import preemption
 from gpumarket.broker.market.matcher import Book
@@ -84,6 +85,56 @@ def test_a_replicas_second_set_goes_to_the_next_replica_not_back(tmp_path, monke
         (third,) = set(held) - {second}
         assert await preemption.preempt_for_waiting(state, book, [needs("s", "standard")]) == 1
         assert (await leases())[third].preempt_for == "s"
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        store.close()
+
+
+def test_a_lease_left_yielding_by_a_standard_job_is_handed_on_not_preempted_anew(tmp_path):
+    """A standard job preempts a lease, then is leased elsewhere first: that lease still
+    yields, to nobody waiting. The next standard job waiting takes it (nothing new
+    preempted, nothing sent) rather than preempt another lease while this one's devices
+    go back to an interruptible job, most often the one just preempted from them
+    (bench/tiers.py ``preemptions_undone_yielded_to_leased_first``)."""
+    store = Store(tmp_path / "broker.db")
+    store.open()
+    session = Session()
+    state = SimpleNamespace(store=store, sessions=SimpleNamespace(get=lambda pid: session),
+                            config=SimpleNamespace(preempt_grace_s=30.0, lease_timeout_s=15.0))
+
+    async def leases() -> dict[str, rows.Interruptible]:
+        return {x.job_id: x for x in await store.read(rows.interruptible_leases, now_ms())}
+
+    async def scenario():
+        await store.write(ledger.credit, "ca", 10**8, "client", "", "op", "k", 1)
+        for job_id, tier in (("i1", "interruptible"), ("i2", "interruptible"),
+                             ("s1", "standard"), ("s2", "standard")):
+            j = new_job(job_id, "ca", 10_000_000, True)
+            await store.write(jobs.submit, dataclasses.replace(
+                j, needs=dataclasses.replace(j.needs, tier=tier)), 1)
+        for job_id, provider in (("i1", "p1"), ("i2", "p2")):
+            await store.write(jobs.create_lease, LeaseTerms(job_id, provider, (0,), 0.4,
+                                                            60_000, 10), 2, sign)
+        book = Book([offer(p, busy=frozenset({0})) for p in ("p1", "p2")])
+        assert await preemption.preempt_for_waiting(state, book, [needs("s1")]) == 1
+        (asked,) = [x for x in (await leases()).values() if x.preempt_for == "s1"]
+        # s1 is leased on a device freed elsewhere before this lease yields.
+        await store.write(jobs.create_lease, LeaseTerms("s1", "p3", (0,), 1.0, 60_000, 10), 3,
+                          sign)
+        assert not (await leases())[asked.job_id].for_waiting
+        sent = len(session.sent)
+        assert await preemption.preempt_for_waiting(state, book, [needs("s2")]) == 0
+        assert len(session.sent) == sent
+        held = await leases()
+        assert (held[asked.job_id].preempt_for, held[asked.job_id].for_waiting) == ("s2", True)
+        (other,) = set(held) - {asked.job_id}
+        assert held[other].preempt_for == ""
+        told = (await store.read(views.events_after, asked.job_id, 0))[-1]
+        assert (told.type, told.message) == ("preempting", "its devices go to s2 (standard)"
+                                             " instead: the job it was yielding to, s1, no"
+                                             " longer waits for them")
 
     try:
         asyncio.run(scenario())

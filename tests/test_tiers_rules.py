@@ -336,10 +336,13 @@ def test_a_replica_preempts_a_second_lease_and_takes_the_first_to_yield(preempti
     store = state.store
 
     async def scenario():
-        for job_id in ("i1", "i2", "i3"):
+        # r queued: the leases it preempts are its own while it waits (a standard job may
+        # take a lease left yielding to a job no longer queued: test_tiers_churn.py).
+        for job_id, tier in (("i1", "interruptible"), ("i2", "interruptible"),
+                             ("i3", "interruptible"), ("r", "serving")):
             job = new_job(job_id, "ca", 20_000_000, True)
             await store.write(jobs.submit, dataclasses.replace(
-                job, needs=dataclasses.replace(job.needs, tier="interruptible")), 1)
+                job, needs=dataclasses.replace(job.needs, tier=tier)), 1)
         for job_id, provider in (("i1", "p1"), ("i2", "p2"), ("i3", "p3")):
             await store.write(jobs.create_lease, LeaseTerms(job_id, provider, (0,), 0.4,
                                                             60_000, 10), 2, sign)

@@ -84,11 +84,12 @@ def preempt(db: Database, lease_id: str, for_job_id: str, tier: str, grace_s: in
     return jobs.EndedLease(job.id, lease["epoch"], lease["provider_id"])
 
 
-def retarget(db: Database, lease_id: str, from_job_id: str, for_job_id: str, now: int) -> bool:
+def retarget(db: Database, lease_id: str, from_job_id: str, for_job_id: str, tier: str,
+             now: int) -> bool:
     """A lease yielding to ``from_job_id``, which no longer waits for it, yields to
-    ``for_job_id`` (a replica waiting now) instead: nothing new is preempted, its grace
-    period runs on from when it was asked. False if it is no longer active or yields to
-    another job by now."""
+    ``for_job_id`` (a replica or a standard job waiting now, of ``tier``) instead: nothing
+    new is preempted, its grace period runs on from when it was asked. False if it is no
+    longer active or yields to another job by now."""
     done = db.execute("UPDATE leases SET preempt_for = ? WHERE id = ? AND state = 'active'"
                       " AND preempt_for = ?", [for_job_id, lease_id, from_job_id]).rowcount
     if done:
@@ -96,7 +97,7 @@ def retarget(db: Database, lease_id: str, from_job_id: str, for_job_id: str, now
         job = jobs.job_row(db, lease["job_id"])
         jobs.append_event(db, job.id, "preempting", job.state, job.attempt, now,
                           provider_id=lease["provider_id"], mirror=False,
-                          message=f"its devices go to {for_job_id} (serving) instead: the job"
+                          message=f"its devices go to {for_job_id} ({tier}) instead: the job"
                           f" it was yielding to, {from_job_id}, no longer waits for them")
     return bool(done)
 

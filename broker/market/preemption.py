@@ -42,7 +42,10 @@ def replica_may_take(leases: list[Interruptible]) -> list[Interruptible]:
     reserve counts these leases' devices as a replica's (scheduler.place_queued), and the
     preemption pass hands a waiting replica the second kind before it preempts anything
     new (``preempt_for_waiting``) — else those devices go back to an interruptible job,
-    often the one just preempted from them (bench/tiers.py ``preemptions_undone``)."""
+    often the one just preempted from them (bench/tiers.py ``preemptions_undone``). A
+    standard job waiting is handed what no replica waits for (a standard job's leftover: it
+    was placed elsewhere first), as it would be a lease it preempted itself: the reserve
+    lets it preempt only what it could spare anyway (placement.plan)."""
     return [x for x in leases if not x.preempt_for or not x.for_waiting]
 
 
@@ -140,9 +143,10 @@ def _freeing(view: matcher.OfferView, leased: set[int], theirs: list[Interruptib
 
 async def preempt_for_waiting(state, book: matcher.Book,
                               waiting: list[matcher.JobNeeds]) -> int:
-    """For each waiting job of a higher tier (in placement order) that no lease yields to
-    yet, preempt the interruptible leases ``choose`` names and tell their providers. Returns
-    how many leases were asked."""
+    """For each waiting job of a higher tier (in placement order: replicas first) that no
+    lease yields to yet, hand it leases yielding already to a job no longer waiting
+    (``spare_yielding``) where those are enough, else preempt the interruptible leases
+    ``choose`` names and tell their providers. Returns how many leases were newly asked."""
     waiting = [job for job in waiting if outranks(job.tier)]
     if not waiting:
         return 0
@@ -157,15 +161,16 @@ async def preempt_for_waiting(state, book: matcher.Book,
     for job in waiting:
         if job.job_id in served:
             continue        # leases yield to it already: it is placed when they have
-        if job.tier == "serving" and (kept := choose(book, job, spare)):
-            # Leases yielding already to a job leased since: theirs, not a new preemption.
+        if kept := choose(book, job, spare):
+            # Leases yielding already to a job leased since (a replica's second set, a
+            # standard job placed elsewhere first): handed on, not a new preemption.
             by_id = {x.lease_id: x for x in leases}
             for lease in kept:
                 was = by_id[lease.lease_id].preempt_for
                 if await state.store.write(rows.retarget, lease.lease_id, was, job.job_id,
-                                           now):
-                    log.info("lease %s (yielding to %s) now yields to replica %s",
-                             lease.lease_id, was, job.job_id)
+                                           job.tier, now):
+                    log.info("lease %s (yielding to %s) now yields to %s job %s",
+                             lease.lease_id, was, job.tier, job.job_id)
             taken = {x.lease_id for x in kept}
             spare = [x for x in spare if x.lease_id not in taken]
             leases = [x for x in leases if x.lease_id not in taken]
