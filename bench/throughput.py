@@ -153,6 +153,7 @@ def run_array(market: Marketplace, root: Path, name: str, tasks: int,
               rounds: int | None) -> dict:
     """Submit and follow an array to its end: its rate and latencies."""
     path = array_file(root, name, tasks, rounds)
+    declined = declines(market)
     began_ms = time.time() * 1000
     began = time.perf_counter()
     watched = submit_and_watch(market, path)
@@ -166,7 +167,8 @@ def run_array(market: Marketplace, root: Path, name: str, tasks: int,
     return {"job_id": job_id, "wall_s": wall, "tasks_per_s": tasks / wall,
             "p50_ms": pct(lat, 0.5) * 1000, "p99_ms": pct(lat, 0.99) * 1000,
             "batches": len(job.get("parts", [])), "lanes": lanes(rows, began_ms),
-            "ends": ends(watched, rows, began_ms), "steal": first_steal(market, rows)}
+            "ends": ends(watched, rows, began_ms), "steal": first_steal(market, rows),
+            "steals": steals(market, rows, declined)}
 
 
 def first_steal(market: Marketplace, rows: list[dict]) -> dict | None:
@@ -200,6 +202,37 @@ def first_steal(market: Marketplace, rows: list[dict]) -> dict | None:
                sum(t.get("seconds") or 0.0 for t in told) / max(1, len(told)))
     left = len(by[other]) - len(told)
     return {**out, "yield_ms": None, "left": left, "estimate_s": round(left * pace, 3)}
+
+
+def steals(market: Marketplace, rows: list[dict], declined_before: int) -> dict:
+    """Every yield the array's leases were asked for, by the broker's records: how many
+    were asked, how many tasks the broker marked (its tasks not reported yet), how many of
+    those the lease reported all the same (it had run them and held their results, or ran
+    them after a steal it declined; its current task among them) and how many moved to
+    new leases; and how many steals the providers declined (their logs: what they had
+    left was quicker than a steal)."""
+    by: dict[str, list[int]] = {}
+    for t in rows:
+        by.setdefault(t["batch"], []).append(t["updated_at_ms"])
+    out = {"asked": 0, "marked": 0, "ran_anyway": 0, "moved": 0}
+    for batch, ats in sorted(by.items()):
+        for e in events(market, batch):
+            if e["type"] != "yielding":
+                continue
+            found = re.search(r"(\d+) tasks go back", e.get("message", ""))
+            marked = int(found[1]) if found else 0
+            ran = sum(1 for at in ats if at >= int(e["at_ms"]))
+            out["asked"] += 1
+            out["marked"] += marked
+            out["ran_anyway"] += ran
+            out["moved"] += max(0, marked - ran)
+    out["declined"] = declines(market) - declined_before
+    return out
+
+
+def declines(market: Marketplace) -> int:
+    """Steals the providers declined so far (provider/attempt.py logs each)."""
+    return sum(p.text().count("does not yield") for p in market.providers.values())
 
 
 def ends(watched: dict, rows: list[dict], began_ms: float) -> dict:
@@ -305,6 +338,10 @@ def compare(label: str, tasks: int, ours: dict, ray: dict | None) -> float | Non
         print(f"  its first two leases ended {n['apart_s']:.2f}s apart, no steal: at the first's"
               f" end the other had {n['left']:,} tasks not reported, {n['estimate_s']:.2f}s at"
               f" its pace (a steal needs {STEAL_MIN_S}s)")
+    n = ours["steals"]
+    print(f"  yields asked {n['asked']}: {n['marked']:,} tasks marked, {n['ran_anyway']:,} of"
+          f" them reported all the same (run already, or the current task), {n['moved']:,}"
+          f" moved to new leases; steals declined by their provider {n['declined']}")
     e = ours["ends"]
     print(f"  ends (ms): process start -> submitted {e['submit_ms']:.0f}, -> first lease"
           f" {e['lease_ms']:.0f}, -> first task recorded {e['first_task_ms']:.0f}; last task"
@@ -473,6 +510,9 @@ def main() -> None:
         "outputs_lane_end_s": [lane["end_s"] for lane in light["lanes"]],
         "outputs_last_update_tasks": [lane["last_update"] for lane in light["lanes"]],
         "outputs_first_steal": light["steal"],
+        "outputs_steals": light["steals"],
+        "heavy_steals": heavy["steals"],
+        "noop_steals": noop["steals"],
         "outputs_ends_ms": {k: round(v) for k, v in light["ends"].items()},
         "heavy_lane_end_s": [lane["end_s"] for lane in heavy["lanes"]],
         "small_array_wait_s": round(max(waits), 3),
