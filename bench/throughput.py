@@ -194,40 +194,53 @@ def first_steal(market: Marketplace, rows: list[dict]) -> dict | None:
     if asked is not None:
         at = int(asked["at_ms"])
         found = re.search(r"(\d+) tasks go back", asked.get("message", ""))
-        return {**out, "yield_ms": at - end, "marked": int(found[1]) if found else None,
-                "ran_anyway": sum(1 for t in by[other] if t["updated_at_ms"] >= at)}
+        marked = int(found[1]) if found else 0
+        return {**out, "yield_ms": at - end, "marked": marked,
+                "ran_anyway": marked - moved(seen, len(by[other]))}
     started = next(int(e["at_ms"]) for e in seen if e["type"] == "started")
     told = [t for t in by[other] if t["updated_at_ms"] <= end]
     pace = max((end - started) / 1000 / max(1, len(told)),
                sum(t.get("seconds") or 0.0 for t in told) / max(1, len(told)))
     left = len(by[other]) - len(told)
-    return {**out, "yield_ms": None, "left": left, "estimate_s": round(left * pace, 3)}
+    return {**out, "yield_ms": None, "left": left,      # no pace before a task reported
+            "estimate_s": round(left * pace, 3) if told else None}
 
 
 def steals(market: Marketplace, rows: list[dict], declined_before: int) -> dict:
     """Every yield the array's leases were asked for, by the broker's records: how many
     were asked, how many tasks the broker marked (its tasks not reported yet), how many of
-    those the lease reported all the same (it had run them and held their results, or ran
-    them after a steal it declined; its current task among them) and how many moved to
-    new leases; and how many steals the providers declined (their logs: what they had
-    left was quicker than a steal)."""
-    by: dict[str, list[int]] = {}
+    those the lease ran all the same (it had run them and held their results, or ran them
+    after a steal it declined; its current task among them) and how many moved to new
+    leases (``moved``); and how many steals the providers declined (their logs: what they
+    had left was quicker than a steal)."""
+    ran: dict[str, int] = {}
     for t in rows:
-        by.setdefault(t["batch"], []).append(t["updated_at_ms"])
+        ran[t["batch"]] = ran.get(t["batch"], 0) + 1
     out = {"asked": 0, "marked": 0, "ran_anyway": 0, "moved": 0}
-    for batch, ats in sorted(by.items()):
-        for e in events(market, batch):
+    for batch, count in sorted(ran.items()):
+        seen = events(market, batch)
+        for e in seen:
             if e["type"] != "yielding":
                 continue
             found = re.search(r"(\d+) tasks go back", e.get("message", ""))
             marked = int(found[1]) if found else 0
-            ran = sum(1 for at in ats if at >= int(e["at_ms"]))
+            gone = moved(seen, count)
             out["asked"] += 1
             out["marked"] += marked
-            out["ran_anyway"] += ran
-            out["moved"] += max(0, marked - ran)
+            out["ran_anyway"] += marked - gone
+            out["moved"] += gone
     out["declined"] = declines(market) - declined_before
     return out
+
+
+def moved(seen: list[dict], ran: int) -> int:
+    """How many of a batch's tasks it did not run (``ran``: its tasks' rows), by the tasks
+    it was made with (its submitted event): those a yield moved to new leases (or failed
+    and ran again elsewhere: none of this bench's fail). Not by when they were recorded:
+    an update taken up as the steal was decided is recorded at a time before the ask."""
+    made = next((e for e in seen if e["type"] == "submitted"), {})
+    found = re.search(r"(\d+) tasks of array", made.get("message", ""))
+    return max(0, int(found[1]) - ran) if found else 0
 
 
 def declines(market: Marketplace) -> int:
@@ -335,9 +348,10 @@ def compare(label: str, tasks: int, ours: dict, ray: dict | None) -> float | Non
               f" the other to yield {n['yield_ms']} ms after its last task, {n['marked']} tasks"
               f" marked, {n['ran_anyway']} of its tasks reported after (run already)")
     else:
+        pace = "no pace yet" if n["estimate_s"] is None else f"{n['estimate_s']:.2f}s at its pace"
         print(f"  its first two leases ended {n['apart_s']:.2f}s apart, no steal: at the first's"
-              f" end the other had {n['left']:,} tasks not reported, {n['estimate_s']:.2f}s at"
-              f" its pace (a steal needs {STEAL_MIN_S}s)")
+              f" end the other had {n['left']:,} tasks not reported, {pace} (a steal needs"
+              f" {STEAL_MIN_S}s)")
     n = ours["steals"]
     print(f"  yields asked {n['asked']}: {n['marked']:,} tasks marked, {n['ran_anyway']:,} of"
           f" them reported all the same (run already, or the current task), {n['moved']:,}"
