@@ -22,6 +22,46 @@ from tests.test_provider_parts import (  # noqa: F401 (checksum_kind: its fixtur
 )
 
 
+class TwoLanes:
+    """Arrays of 40 tasks over two lanes on a real store: lease p1's batch reports its 20
+    tasks and ends, lease p2's has reported 1 of its 20 (a lane is idle)."""
+
+    def __init__(self, store) -> None:
+        from gpumarket.proto.identity import Identity
+
+        self.store = store
+        self.broker, self.client, self.provider = (Identity.generate() for _ in range(3))
+
+    async def start(self, array: str) -> None:
+        from gpumarket.broker.jobs import arrays as broker_arrays
+        from gpumarket.broker.jobs import transitions as jobs
+        from gpumarket.proto.envelope import seal
+
+        w = self.store.write
+        await w(broker_arrays.submit, array_job(self.client, array, 40, 0), 1, 2)
+        for batch, p in ((f"{array}-1", "p1"), (f"{array}-2", "p2")):
+            await w(jobs.create_lease, LeaseTerms(batch, p, (0,), 1.0, 60_000, 0), 1,
+                    lambda lease: seal(self.broker, lease))
+            await w(jobs.mark_started, batch, 1, p, 2)
+        await w(broker_arrays.record_results, f"{array}-2", 1, "p2", ok([20]), 3)
+        await w(broker_arrays.record_results, f"{array}-1", 1, "p1", ok(range(20)), 4)
+        await self.end(f"{array}-1", "p1", 5)
+
+    async def end(self, batch: str, provider_id: str, at: int) -> None:
+        from gpumarket.broker.jobs import transitions as jobs
+        from gpumarket.proto.envelope import seal
+        from gpumarket.proto.v1 import types_pb2 as pb
+
+        receipt = seal(self.provider, pb.Receipt(job_id=batch, epoch=1,
+                                                 provider_id=provider_id))
+        await self.store.write(jobs.succeed, batch, 1, provider_id,
+                               receipt.SerializeToString(), at)
+
+
+def ok(tasks) -> list[gw.TaskResult]:
+    return [gw.TaskResult(task=t, ok=True, seconds=0.1) for t in tasks]
+
+
 def test_a_steal_of_tasks_run_already_moves_only_those_not_run(store):
     """A lane ends; the other lease has reported 1 of its 20 tasks, so the broker marks 19.
     Its provider had run 15 of them (held) and runs one more: they are recorded; only the 3
@@ -29,27 +69,11 @@ def test_a_steal_of_tasks_run_already_moves_only_those_not_run(store):
     that declines the steal runs its tasks out: every one recorded, nothing to move."""
     from gpumarket.broker.jobs import arrays as broker_arrays
     from gpumarket.broker.jobs import transitions as jobs
-    from gpumarket.proto.envelope import seal
-    from gpumarket.proto.identity import Identity
     from gpumarket.proto.v1 import types_pb2 as pb
 
-    broker, client, provider = Identity.generate(), Identity.generate(), Identity.generate()
     w, r = store.write, store.read
-    ok = lambda tasks: [gw.TaskResult(task=t, ok=True, seconds=0.1) for t in tasks]
-
-    async def lanes(array: str) -> None:
-        await w(broker_arrays.submit, array_job(client, array, 40, 0), 1, 2)
-        for batch, p in ((f"{array}-1", "p1"), (f"{array}-2", "p2")):
-            await w(jobs.create_lease, LeaseTerms(batch, p, (0,), 1.0, 60_000, 0), 1,
-                    lambda lease: seal(broker, lease))
-            await w(jobs.mark_started, batch, 1, p, 2)
-        await w(broker_arrays.record_results, f"{array}-2", 1, "p2", ok([20]), 3)
-        await w(broker_arrays.record_results, f"{array}-1", 1, "p1", ok(range(20)), 4)
-        await end(f"{array}-1", "p1", 5)
-
-    async def end(batch: str, provider_id: str, at: int) -> None:
-        receipt = seal(provider, pb.Receipt(job_id=batch, epoch=1, provider_id=provider_id))
-        await w(jobs.succeed, batch, 1, provider_id, receipt.SerializeToString(), at)
+    two = TwoLanes(store)
+    lanes, end = two.start, two.end
 
     def tasks(db, array: str):
         return {t: (state, attempts, batch) for t, state, attempts, batch in db.execute(
@@ -78,6 +102,32 @@ def test_a_steal_of_tasks_run_already_moves_only_those_not_run(store):
         assert (await r(jobs.job_row, "s2"))["parts"] == 2        # no lease for nothing
 
     asyncio.run(scenario())
+
+
+def test_a_steal_asks_the_provider_with_the_least_a_steal_needs(store):
+    """The broker's ask for an idle lane (task_results.lane_freed) carries STEAL_MIN_S for
+    the provider to weigh against what it has not run; a fair share's ask carries none."""
+    from types import SimpleNamespace
+
+    from gpumarket.broker.api import task_results as broker_task_results
+    from gpumarket.broker.api.sessions import Sessions
+    from gpumarket.broker.jobs import arrays as broker_arrays
+
+    sent: list[tuple[str, gw.BrokerMessage]] = []
+    sessions = Sessions()
+    sessions.relay = lambda provider_id, message: sent.append((provider_id, message))
+    sessions.remote["p2"] = (None, None)         # its session is on another broker
+    state = SimpleNamespace(store=store, sessions=sessions)
+
+    async def scenario():
+        await TwoLanes(store).start("s3")
+        await broker_task_results.lane_freed(state, "s3", 6)
+
+    asyncio.run(scenario())
+    assert [(p, m.yield_lease.job_id, m.yield_lease.min_left_s) for p, m in sent] == \
+        [("p2", "s3-2", broker_arrays.STEAL_MIN_S)]
+    sessions.ask_to_yield("p2", "s3-2", 1, "another client waits")
+    assert sent[-1][1].yield_lease.min_left_s == 0.0
 
 
 class Runner:
