@@ -153,6 +153,7 @@ def run_array(market: Marketplace, root: Path, name: str, tasks: int,
               rounds: int | None) -> dict:
     """Submit and follow an array to its end: its rate and latencies."""
     path = array_file(root, name, tasks, rounds)
+    declined = declines(market)
     began_ms = time.time() * 1000
     began = time.perf_counter()
     watched = submit_and_watch(market, path)
@@ -166,7 +167,8 @@ def run_array(market: Marketplace, root: Path, name: str, tasks: int,
     return {"job_id": job_id, "wall_s": wall, "tasks_per_s": tasks / wall,
             "p50_ms": pct(lat, 0.5) * 1000, "p99_ms": pct(lat, 0.99) * 1000,
             "batches": len(job.get("parts", [])), "lanes": lanes(rows, began_ms),
-            "ends": ends(watched, rows, began_ms), "steal": first_steal(market, rows)}
+            "ends": ends(watched, rows, began_ms), "steal": first_steal(market, rows),
+            "steals": steals(market, rows, declined)}
 
 
 def first_steal(market: Marketplace, rows: list[dict]) -> dict | None:
@@ -192,14 +194,58 @@ def first_steal(market: Marketplace, rows: list[dict]) -> dict | None:
     if asked is not None:
         at = int(asked["at_ms"])
         found = re.search(r"(\d+) tasks go back", asked.get("message", ""))
-        return {**out, "yield_ms": at - end, "marked": int(found[1]) if found else None,
-                "ran_anyway": sum(1 for t in by[other] if t["updated_at_ms"] >= at)}
+        marked = int(found[1]) if found else 0
+        return {**out, "yield_ms": at - end, "marked": marked,
+                "ran_anyway": marked - moved(seen, len(by[other]))}
     started = next(int(e["at_ms"]) for e in seen if e["type"] == "started")
     told = [t for t in by[other] if t["updated_at_ms"] <= end]
     pace = max((end - started) / 1000 / max(1, len(told)),
                sum(t.get("seconds") or 0.0 for t in told) / max(1, len(told)))
     left = len(by[other]) - len(told)
-    return {**out, "yield_ms": None, "left": left, "estimate_s": round(left * pace, 3)}
+    return {**out, "yield_ms": None, "left": left,      # no pace before a task reported
+            "estimate_s": round(left * pace, 3) if told else None}
+
+
+def steals(market: Marketplace, rows: list[dict], declined_before: int) -> dict:
+    """Every yield the array's leases were asked for, by the broker's records: how many
+    were asked, how many tasks the broker marked (its tasks not reported yet), how many of
+    those the lease ran all the same (it had run them and held their results, or ran them
+    after a steal it declined; its current task among them) and how many moved to new
+    leases (``moved``); and how many steals the providers declined (their logs: what they
+    had left was quicker than a steal)."""
+    ran: dict[str, int] = {}
+    for t in rows:
+        ran[t["batch"]] = ran.get(t["batch"], 0) + 1
+    out = {"asked": 0, "marked": 0, "ran_anyway": 0, "moved": 0}
+    for batch, count in sorted(ran.items()):
+        seen = events(market, batch)
+        for e in seen:
+            if e["type"] != "yielding":
+                continue
+            found = re.search(r"(\d+) tasks go back", e.get("message", ""))
+            marked = int(found[1]) if found else 0
+            gone = moved(seen, count)
+            out["asked"] += 1
+            out["marked"] += marked
+            out["ran_anyway"] += marked - gone
+            out["moved"] += gone
+    out["declined"] = declines(market) - declined_before
+    return out
+
+
+def moved(seen: list[dict], ran: int) -> int:
+    """How many of a batch's tasks it did not run (``ran``: its tasks' rows), by the tasks
+    it was made with (its submitted event): those a yield moved to new leases (or failed
+    and ran again elsewhere: none of this bench's fail). Not by when they were recorded:
+    an update taken up as the steal was decided is recorded at a time before the ask."""
+    made = next((e for e in seen if e["type"] == "submitted"), {})
+    found = re.search(r"(\d+) tasks of array", made.get("message", ""))
+    return max(0, int(found[1]) - ran) if found else 0
+
+
+def declines(market: Marketplace) -> int:
+    """Steals the providers declined so far (provider/attempt.py logs each)."""
+    return sum(p.text().count("does not yield") for p in market.providers.values())
 
 
 def ends(watched: dict, rows: list[dict], began_ms: float) -> dict:
@@ -302,9 +348,14 @@ def compare(label: str, tasks: int, ours: dict, ray: dict | None) -> float | Non
               f" the other to yield {n['yield_ms']} ms after its last task, {n['marked']} tasks"
               f" marked, {n['ran_anyway']} of its tasks reported after (run already)")
     else:
+        pace = "no pace yet" if n["estimate_s"] is None else f"{n['estimate_s']:.2f}s at its pace"
         print(f"  its first two leases ended {n['apart_s']:.2f}s apart, no steal: at the first's"
-              f" end the other had {n['left']:,} tasks not reported, {n['estimate_s']:.2f}s at"
-              f" its pace (a steal needs {STEAL_MIN_S}s)")
+              f" end the other had {n['left']:,} tasks not reported, {pace} (a steal needs"
+              f" {STEAL_MIN_S}s)")
+    n = ours["steals"]
+    print(f"  yields asked {n['asked']}: {n['marked']:,} tasks marked, {n['ran_anyway']:,} of"
+          f" them reported all the same (run already, or the current task), {n['moved']:,}"
+          f" moved to new leases; steals declined by their provider {n['declined']}")
     e = ours["ends"]
     print(f"  ends (ms): process start -> submitted {e['submit_ms']:.0f}, -> first lease"
           f" {e['lease_ms']:.0f}, -> first task recorded {e['first_task_ms']:.0f}; last task"
@@ -473,6 +524,9 @@ def main() -> None:
         "outputs_lane_end_s": [lane["end_s"] for lane in light["lanes"]],
         "outputs_last_update_tasks": [lane["last_update"] for lane in light["lanes"]],
         "outputs_first_steal": light["steal"],
+        "outputs_steals": light["steals"],
+        "heavy_steals": heavy["steals"],
+        "noop_steals": noop["steals"],
         "outputs_ends_ms": {k: round(v) for k, v in light["ends"].items()},
         "heavy_lane_end_s": [lane["end_s"] for lane in heavy["lanes"]],
         "small_array_wait_s": round(max(waits), 3),

@@ -69,6 +69,7 @@ class Attempt:
         self.task_results = TaskResults(assignment.lease.tasks, workdir, self.job_uid,
                                         host, self.update, self.sign)   # an array's tasks
         self.yield_asked = False            # the broker asked the lease to yield ...
+        self.yield_min_left_s = 0.0         # ... if what is left takes this long (a steal)
         self.yield_sent = False             # ... and the runner was told
         self.preempted = ""                 # why the broker preempted this lease, if it did
         self._grace: asyncio.TimerHandle | None = None
@@ -266,21 +267,36 @@ class Attempt:
         if self.task_results.ended(report) and self.yield_asked and not self.yield_sent:
             self.tell_yield()
 
-    def request_yield(self) -> None:
+    def request_yield(self, min_left_s: float = 0.0) -> None:
         """The broker asks this job array's lease to stop after the task it runs now (another
-        client waits for its device): it ends with its receipt for the tasks it ran. The
-        runner is told once it has reported a task: before that it may not be listening."""
-        if not self.assignment.lease.tasks or self.yield_asked:
+        client waits for its device, or a lane of its array is idle): it ends with its
+        receipt for the tasks it ran. With ``min_left_s`` (a steal) only if the tasks it has
+        not run yet would take it that long at its pace (``TaskResults.left_s``): the broker
+        counted the tasks not reported, those this daemon holds among them; declined, the
+        lease runs them out (a later ask decides again). The runner is told once it has
+        reported a task: before that it may not be listening."""
+        if not self.assignment.lease.tasks or self.yield_asked or self.yield_sent:
             return
         self.yield_asked = True
+        self.yield_min_left_s = max(0.0, min_left_s) if min_left_s == min_left_s else 0.0
         if len(self.task_results.open) < len(self.assignment.lease.tasks):
             self.tell_yield()
 
     def tell_yield(self) -> None:
-        if self.process is not None:
-            self.yield_sent = True
-            self.process.request_yield()
-            self.task_results.yielding()
+        if self.process is None:
+            return
+        left = self.task_results.left_s()
+        if self.yield_min_left_s and left is not None and left < self.yield_min_left_s:
+            log.info("job %s does not yield: %d tasks left, %.2fs at its pace, under the"
+                     " %.2fs a steal needs", self.assignment.lease.job_id,
+                     len(self.task_results.open), left, self.yield_min_left_s)
+            self.yield_asked = False
+            return
+        log.info("job %s yields after its current task: %d tasks not run go back",
+                 self.assignment.lease.job_id, max(0, len(self.task_results.open) - 1))
+        self.yield_sent = True
+        self.process.request_yield()
+        self.task_results.yielding()
 
     # -- its outputs -----------------------------------------------------------------------
 

@@ -160,9 +160,9 @@ class ProviderDaemon:
     def on_yield(self, request: gw.YieldLease) -> None:
         job = self.jobs.get(request.job_id)
         if job is not None and job.key[1] == request.epoch:
-            log.info("job %s yields after its current task: %s", request.job_id,
+            log.info("job %s asked to yield after its current task: %s", request.job_id,
                      request.reason)
-            job.request_yield()
+            job.request_yield(request.min_left_s)
 
     def on_preempt(self, request: gw.PreemptLease) -> None:
         """A job of a higher tier needs the devices of this interruptible lease: the job

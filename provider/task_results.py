@@ -94,6 +94,8 @@ class TaskResults:
                  update: Callable[..., gw.ProviderMessage],
                  sign: Callable[[list[pb.ArtifactRef], float], pb.Envelope]) -> None:
         self.open = set(tasks)              # the lease's tasks not yet reported
+        self.count = len(self.open)
+        self.began: float | None = None     # when its first task began (monotonic)
         self.workdir = workdir
         self.owner = owner
         self.host = host
@@ -120,6 +122,8 @@ class TaskResults:
         if task not in self.open:
             return False        # not a task of this lease, or told already
         self.open.discard(task)
+        if self.began is None:
+            self.began = time.monotonic() - max(0.0, report.seconds)
         result = gw.TaskResult(task=task, ok=report.ok, error=report.error,
                                seconds=report.seconds)
         if result.ok and os.path.lexists(self.workdir / task_outputs(task)):
@@ -144,6 +148,17 @@ class TaskResults:
         held = len(self.results) + len(self.to_upload)
         return self.ending.is_set() or held > 0 and (
             self.stopping or held >= max(LAST_UPDATE_TASKS, len(self.open)))
+
+    def left_s(self) -> float | None:
+        """Seconds the lease's tasks not run yet (the one running now among them) would take
+        at its pace so far: its wall time since its first task began over the tasks it ran
+        (a task's cost to the lease, the runner's and this daemon's share of the core
+        included); None before a task ended. The broker can only count the tasks reported,
+        which lag these by what is held (up to TASK_FLUSH_S)."""
+        ran = self.count - len(self.open)
+        if self.began is None or ran < 1:
+            return None
+        return len(self.open) * (time.monotonic() - self.began) / ran
 
     def yielding(self) -> None:
         """The lease stops after the task it runs now (the broker asked it to yield): what

@@ -49,18 +49,23 @@ async def record(state: BrokerState, provider_id: str, update: gw.JobUpdate, now
         # A lane of the array went idle: this lease stops after its current task and the
         # rest of its tasks are split between the lanes (arrays._steal).
         state.sessions.ask_to_yield(provider_id, update.job_id, update.epoch,
-                                    f"a lane of the array is idle: {stolen} tasks go to it")
+                                    f"a lane of the array is idle: {stolen} tasks go to it",
+                                    arrays.STEAL_MIN_S)
 
 
 async def lane_freed(state: BrokerState, array_id: str, now: int) -> None:
     """A lease of the array ``array_id`` ended: if that left a lane of it idle, the running
     lease with the most tasks left yields the rest to it now (arrays.steal_for_idle_lane),
-    not at its next report."""
+    not at its next report. Counted from the tasks it reported, which lag the tasks it ran
+    by up to a flush (provider/task_results.py): its provider yields only if what it has
+    really left is worth a steal (YieldLease.min_left_s), else runs it out and reports the
+    tasks marked as usual."""
     stolen = await state.store.write(arrays.steal_for_idle_lane, array_id, now)
     if stolen:
         provider_id, batch_id, epoch, marked = stolen
         state.sessions.ask_to_yield(provider_id, batch_id, epoch,
-                                    f"a lane of the array is idle: {marked} tasks go to it")
+                                    f"a lane of the array is idle: {marked} tasks go to it",
+                                    arrays.STEAL_MIN_S)
 
 
 async def _store(state: BrokerState, provider_id: str, blobs: list[tuple[str, bytes]],

@@ -252,7 +252,10 @@ def _steal(db: Database, batch: Job, epoch: int, pace: float, now: int) -> int:
     lease yields the tasks it has not run yet if they would take it at least STEAL_MIN_S at
     ``pace`` (seconds a task): they go back to the queue as ``lanes`` batches
     (``add_batches``), one for the idle lane, one for this one. Returns how many were
-    marked (``yield_lease``)."""
+    marked (``yield_lease``). The tasks not reported include those its provider ran and
+    holds (up to a flush, provider/task_results.py): the provider, asked with STEAL_MIN_S
+    (YieldLease.min_left_s), yields only if what it has really left is worth it, and
+    reports the marked tasks it ran either way (recorded as usual, their marks cleared)."""
     top = jobs.job_row(db, batch.parent_id)
     if top.state in TERMINAL_STATES or top.lanes < 2:
         return 0

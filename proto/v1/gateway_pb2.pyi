@@ -236,14 +236,16 @@ class CancelLease(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., epoch: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class YieldLease(_message.Message):
-    __slots__ = ("job_id", "epoch", "reason")
+    __slots__ = ("job_id", "epoch", "reason", "min_left_s")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    MIN_LEFT_S_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     epoch: int
     reason: str
-    def __init__(self, job_id: _Optional[str] = ..., epoch: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+    min_left_s: float
+    def __init__(self, job_id: _Optional[str] = ..., epoch: _Optional[int] = ..., reason: _Optional[str] = ..., min_left_s: _Optional[float] = ...) -> None: ...
 
 class PreemptLease(_message.Message):
     __slots__ = ("job_id", "epoch", "reason", "grace_s")
