@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pytest
 from aiohttp import web
@@ -22,7 +22,9 @@ from gpumarket.broker.serving.relay import NOT_HERE, RELAYED, Peer, Relay
 from gpumarket.broker.store.schema import migrations
 from gpumarket.proto.v1 import types_pb2 as pb
 
-from tests.serving_fakes import SETTINGS, AnsweringSession, live_row, ready, router
+from tests.serving_fakes import (
+    REQ, SETTINGS, AnsweringSession, collect, live_row, ready, router,
+)
 from tests.test_serving_hostile_api import KEY, FakeState, FakeStore, chat, post
 
 
@@ -315,13 +317,53 @@ def test_what_peers_say_reaches_the_router_and_the_leaders_autoscaler():
     asyncio.run(go())
 
 
-@pytest.mark.parametrize("holder", ["b"])
-def test_candidates_prefer_more_replicas_and_skip_peers_down(holder):
+def test_candidates_prefer_more_replicas_and_skip_peers_down():
     async def go():
-        b = broker(holder, {})
+        b = broker("b", {})
         b.relay.peers = [Peer("a", "http://a", {"ep": 1}), Peer("c", "http://c", {"ep": 3}),
                          Peer("d", "http://d", {"ep2": 1})]
         assert [p.holder for p in b.relay.candidates("ep")] == ["c", "a"]
         b.relay.down["http://c"] = time.monotonic() + 10
         assert [p.holder for p in b.relay.candidates("ep")] == ["a"]
+    asyncio.run(go())
+
+
+class WritingStore(FakeStore):
+    """FakeStore that also takes writes (the directory's, usage), or fails them."""
+
+    def __init__(self, fail: bool = False) -> None:
+        replica = LiveReplica("r1", 1, pb.JOB_STATE_RUNNING, 1, "p1", progress_step=1)
+        super().__init__({KEY: "ep"}, [replace(live_row(), replicas=(replica,))])
+        self.fail, self.writes = fail, []
+
+    async def write(self, fn, *args):
+        if self.fail and fn is not relay_mod.announce:
+            raise OSError("the store went away")
+        self.writes.append((fn.__name__, args))
+
+    async def read(self, fn, *args):
+        if fn is relay_mod.peers:
+            return []
+        return await super().read(fn, *args)
+
+
+def test_a_broker_that_does_not_lead_writes_its_own_replicas_usage_once():
+    async def go():
+        session = AnsweringSession("p1")
+        b = broker("b", {"p1": session})
+        ready(b.api.serving, "p1", "r1")
+        b.api.state.store = store = WritingStore(fail=True)
+        await collect(b.api.serving.run(b.api.serving.endpoints["ep"], REQ))
+        with pytest.raises(OSError):
+            await b.relay.one_pass()            # the write failed: the usage is kept
+        store.fail = False
+        await b.relay.one_pass()
+        usage = [args for name, args in store.writes if name == "record_usage"]
+        assert len(usage) == 1 and [u[4] for u in usage[0][0]] == [1], usage
+        announced = [args for name, args in store.writes if name == "announce"]
+        assert announced[-1][:2] == ("b", "") and announced[-1][2]["ep"][:2] == [1, 0]
+        await collect(b.api.serving.run(b.api.serving.endpoints["ep"], REQ))
+        b.api.state.epoch = 7                   # it leads: its autoscaler writes usage
+        await b.relay.one_pass()
+        assert len([n for n, _ in store.writes if n == "record_usage"]) == 1
     asyncio.run(go())

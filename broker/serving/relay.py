@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 
 PASS_S = 1.0                # a broker's row is renewed, the others' read, this often
 FRESH_S = 5.0               # a row not renewed for this long is a dead broker's
+IDLE_TOLD_S = 3600.0        # an endpoint idle here longer is left out of this broker's row
 DOWN_S = 5.0                # a peer that could not be reached is skipped this long
 CONNECT_S = 2.0             # to connect to a peer
 MAX_ERROR = 64 << 10        # bytes of a peer's error answer (OpenAI's error object)
@@ -140,13 +141,15 @@ class Relay:
     # -- the directory --
 
     def served(self) -> dict[str, list[int]]:
-        """What this broker tells the others of each endpoint its router knows: [its ready
-        replicas here, its requests in flight or waiting here, ms since its last request
-        here]."""
+        """What this broker tells the others of each endpoint its router knows that it
+        serves, is asked for, or was asked for within IDLE_TOLD_S: [its ready replicas
+        here, its requests in flight or waiting here, ms since its last request here]."""
         now = time.monotonic()
         return {ep.id: [len(ep.ready()), ep.in_flight + len(ep.waiting),
                         int((now - ep.last_request) * 1000)]
-                for ep in self.serving.endpoints.values()}
+                for ep in self.serving.endpoints.values()
+                if ep.ready() or ep.in_flight or ep.waiting
+                or now - ep.last_request < IDLE_TOLD_S}
 
     def hear(self) -> None:
         """Put what the peers said on the router's endpoints: their ready replicas and load
@@ -179,7 +182,11 @@ class Relay:
         self.serving.sync(await store.read(endpoints.live))
         usage = self.serving.take_usage()
         if usage:
-            await store.write(endpoints.record_usage, usage, now_ms())
+            try:
+                await store.write(endpoints.record_usage, usage, now_ms())
+            except BaseException:
+                self.serving.leftover.extend(usage)     # written at the next pass
+                raise
 
     async def run(self) -> None:
         while True:
