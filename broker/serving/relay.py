@@ -206,7 +206,8 @@ class Relay:
         """The broker stops: its connections to peers close, its row goes."""
         await self.close_client()
         try:
-            await self.state.store.write(withdraw, self.state.holder)
+            await asyncio.wait_for(self.state.store.write(withdraw, self.state.holder),
+                                   FRESH_S)
         except Exception as exc:    # noqa: BLE001 - its row goes stale by itself all the same
             log.warning("could not withdraw from serving_brokers: %s", exc)
 
