@@ -367,3 +367,47 @@ def test_a_broker_that_does_not_lead_writes_its_own_replicas_usage_once():
         await b.relay.one_pass()
         assert len([n for n, _ in store.writes if n == "record_usage"]) == 1
     asyncio.run(go())
+
+
+def test_a_relayed_body_is_held_within_the_brokers_request_memory():
+    """Held as the router holds one until the peer's answer begins: no room is a 429 before
+    any peer is asked; another client's request needing the room ends a relay still waiting
+    for its answer to begin in a 429 (and its connection to the peer is closed)."""
+    async def go():
+        asked: list[str] = []
+        gone = asyncio.Event()
+
+        async def slow(request):
+            asked.append(request.headers.get(RELAYED, ""))
+            try:
+                await asyncio.sleep(30)
+            except asyncio.CancelledError:
+                gone.set()
+                raise
+            return web.json_response({})
+
+        b = await started(broker("b", {}))
+        peer, url = await peer_app(slow)
+        b.relay.peers = [Peer("a", url, {"ep": 1})]
+        shares = b.api.serving.shares
+        big = chat(messages=[{"role": "user", "content": "x" * 2000}])
+        try:
+            shares.budget = 100
+            status, body = await post(b.client, "/v1/chat/completions", big)
+            assert status == 429 and "budget" in body["error"]["message"] and asked == []
+            shares.budget = 3000
+            relayed = asyncio.ensure_future(post(b.client, "/v1/chat/completions", big))
+            deadline = time.monotonic() + 10
+            while not asked and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            assert asked == ["b"] and shares.held > 2000
+            shares.take("ep2", "c2", 1500)      # another client's request needs the room
+            status, body = await asyncio.wait_for(relayed, 4)   # not the 8.5 s headers_s
+            assert status == 429 and "its share" in body["error"]["message"], body
+            assert b.relay.relayed.labels(outcome="evicted")._value.get() == 1
+            await asyncio.wait_for(gone.wait(), 10)
+            assert shares.held == 1500
+        finally:
+            await close(b)
+            await peer.close()
+    asyncio.run(go())

@@ -189,7 +189,7 @@ class OpenAIApi:
             return None
         if request.headers.get(relay.RELAYED):
             return relay.not_here(ep.name)
-        return await self.relay.forward(request, ep.id, await self._raw(request))
+        return await self.relay.forward(request, ep, await self._raw(request))
 
     async def _relay_late(self, request: web.Request, ep: Endpoint) -> web.StreamResponse:
         """A request that waited here for a first replica while one became ready on another
@@ -197,7 +197,7 @@ class OpenAIApi:
         if request.headers.get(relay.RELAYED):
             return relay.not_here(ep.name)
         if self.relay is not None:
-            answer = await self.relay.forward(request, ep.id, await self._raw(request))
+            answer = await self.relay.forward(request, ep, await self._raw(request))
             if answer is not None:
                 return answer
         exc = ApiError(503, f"endpoint {ep.name} has no ready replica on this broker, and no"

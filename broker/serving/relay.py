@@ -39,7 +39,8 @@ from aiohttp import web
 from prometheus_client import Counter
 
 from gpumarket.broker.serving import endpoints
-from gpumarket.broker.serving.router import DEADLINE_TIMEOUTS, MAX_ANSWER, Serving
+from gpumarket.broker.serving.request_shares import Hold, NoRoom
+from gpumarket.broker.serving.router import DEADLINE_TIMEOUTS, MAX_ANSWER, Endpoint, Serving
 from gpumarket.proto.jobspec import now_ms
 
 log = logging.getLogger(__name__)
@@ -113,6 +114,11 @@ def advertised_url(relay_url: str, listener: str) -> str:
 
 class PeerDown(Exception):
     """The peer could not be reached, or went away before its answer began."""
+
+
+class Evicted(Exception):
+    """The request's body gave way to another client's (broker/serving/request_shares.py)
+    before the peer's answer began."""
 
 
 # -- the relay ------------------------------------------------------------------------------
@@ -229,36 +235,70 @@ class Relay:
                 connector=aiohttp.TCPConnector(limit=0))
         return self._client
 
-    async def forward(self, request: web.Request, endpoint_id: str, raw: bytes
+    async def forward(self, request: web.Request, ep: Endpoint, raw: bytes
                       ) -> web.StreamResponse | None:
         """Relay the request (its path, key and ``raw`` body) to a peer holding a ready
         replica of the endpoint, and answer the caller with the peer's answer. Returns None
         where no peer took it (none holds one, or none could be reached): the caller serves
-        it itself."""
-        for peer in self.candidates(endpoint_id):
-            try:
-                answer = await self._to(peer, request, raw)
-            except PeerDown as exc:
-                log.warning("relay to %s failed: %s; trying another", peer.url, exc)
-                self.down[peer.url] = time.monotonic() + DOWN_S
-                self.relayed.labels(outcome="peer_down").inc()
-                continue
-            if answer is not None:
-                self.relayed.labels(outcome="relayed").inc()
-                return answer
-            self.relayed.labels(outcome="not_here").inc()
-        return None
+        it itself. The body is held within the endpoint's share of the broker's request
+        memory until the peer's answer begins, as the router holds one (a 429 where it has
+        no room, or where it gives way to another client's meanwhile)."""
+        found = self.candidates(ep.id)
+        if not found:
+            return None
+        try:
+            hold = self.serving.shares.take(ep.id, ep.client_id, len(raw))
+        except NoRoom as exc:
+            return _error(429, f"endpoint {ep.name}: {exc.message}; retry later", 1)
+        try:
+            for peer in found:
+                try:
+                    answer = await self._to(peer, request, raw, hold)
+                except PeerDown as exc:
+                    log.warning("relay to %s failed: %s; trying another", peer.url, exc)
+                    self.down[peer.url] = time.monotonic() + DOWN_S
+                    self.relayed.labels(outcome="peer_down").inc()
+                    continue
+                except Evicted:
+                    self.relayed.labels(outcome="evicted").inc()
+                    return _error(429, f"endpoint {ep.name} holds more than its share of the"
+                                  " broker's request memory while other clients need some;"
+                                  " retry later", 1)
+                if answer is not None:
+                    self.relayed.labels(outcome="relayed").inc()
+                    return answer
+                self.relayed.labels(outcome="not_here").inc()
+            return None
+        finally:
+            self.serving.shares.release(hold)
 
-    async def _to(self, peer: Peer, request: web.Request, raw: bytes
+    async def _to(self, peer: Peer, request: web.Request, raw: bytes, hold: Hold
                   ) -> web.StreamResponse | None:
         headers = {"Authorization": request.headers.get("Authorization", ""),
                    "Content-Type": "application/json", RELAYED: self.state.holder}
+        # Until the answer begins, the hold's eviction (the router's _evicted sets the
+        # exception of its waiter) ends the request.
+        gate = hold.waiter = asyncio.get_running_loop().create_future()
+        call = asyncio.ensure_future(self.client().post(peer.url + request.path, data=raw,
+                                                        headers=headers))
         try:
-            async with asyncio.timeout(self.headers_s):
-                upstream = await self.client().post(peer.url + request.path, data=raw,
-                                                    headers=headers)
-        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+            done, _ = await asyncio.wait({call, gate}, timeout=self.headers_s,
+                                         return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            hold.waiter = None
+            if not call.done():
+                call.cancel()       # its connection closes: the peer's handler ends
+        if gate.done():
+            gate.exception()
+            if call.done() and not call.cancelled() and call.exception() is None:
+                call.result().close()
+            raise Evicted()
+        if call not in done:
+            raise PeerDown(f"no answer within {self.headers_s:.0f} s")
+        if isinstance(exc := call.exception(), (aiohttp.ClientError, OSError, TimeoutError)):
             raise PeerDown(type(exc).__name__) from exc
+        upstream = call.result()
+        self.serving.shares.release(hold)       # the answer began: the body is done
         try:
             if upstream.status == 503 and upstream.headers.get(RELAYED) == NOT_HERE:
                 return None
@@ -325,9 +365,11 @@ def _passed(upstream: aiohttp.ClientResponse) -> dict[str, str]:
     return {k: upstream.headers[k] for k in PASSED_HEADERS if k in upstream.headers}
 
 
-def _error(status: int, message: str) -> web.Response:
-    return web.json_response({"error": {"message": message, "type": "server_error",
-                                        "param": None, "code": None}}, status=status)
+def _error(status: int, message: str, retry_after: int = 0) -> web.Response:
+    kind = "rate_limit_error" if status == 429 else "server_error"
+    return web.json_response({"error": {"message": message, "type": kind, "param": None,
+                                        "code": None}}, status=status,
+                             headers={"Retry-After": str(retry_after)} if retry_after else None)
 
 
 def _event_error(message: str) -> bytes:
