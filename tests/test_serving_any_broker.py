@@ -2,12 +2,14 @@
 processes: two brokers, the replica's provider connected to the one that does not lead; the
 official ``openai`` package pointed at the other broker (the leader, which holds no replica)
 gets the same answers, streamed or not, as pointed at the replica's broker; every request is
-counted once, by the broker whose replica answered."""
+counted once, by the broker whose replica answered. Then the replica's broker is killed: the
+client of the survivor gets the same answers from the replica, moved there."""
 
 from __future__ import annotations
 
 import json
 import shutil
+import signal
 
 import openai
 import pytest
@@ -56,10 +58,12 @@ def test_a_broker_without_the_replica_relays_to_the_one_with_it(tmp_path, pg_clu
         a = json.loads((tmp_path / "broker" / "broker.json").read_text())
         wait_until(lambda: (leadership(url) or ("",))[0] == a["holder"], "broker a to lead")
         b, b_info = second_broker(market, url)
-        # The provider connects to b only; the CLI too (`endpoint show` tells which replicas
-        # are ready from the router of the broker it asks).
-        market.address = b_info["address"]
+        # The provider connects to b (a only if b goes); the CLI asks b (`endpoint show`
+        # tells which replicas are ready from the router of the broker it asks).
+        leader = a["address"]
+        market.address = f"{b_info['address']},{leader}"
         market.start_provider("p1", 1.0)
+        market.address = b_info["address"]
         market.wait_for_offers(1)
         model = tiny_causal_lm(tmp_path / "tiny")
         r = market.cli("endpoint", "create", endpoint_file(
@@ -83,6 +87,15 @@ def test_a_broker_without_the_replica_relays_to_the_one_with_it(tmp_path, pg_clu
         load = market.endpoint("tiny")["load"]
         assert int(load["requests"]) == 4 and int(load.get("errors", 0)) == 0, load
         assert "relay to" not in market.broker.text(), market.broker.text()[-2000:]
+
+        # b dies: the provider moves to a, its replica keeps its lease and serves there; a
+        # client of a gets its answer (a relay tried on b meanwhile is skipped).
+        b.stop(signal.SIGKILL)
+        market.address = leader
+        assert chat(client(f"http://{a['http']}/v1", key)) == at_leader
+        wait_until(lambda: int(market.endpoint("tiny")["load"].get("requests", 0)) >= 6,
+                   "the usage of six requests", 30, 0.5)
+        assert int(market.endpoint("tiny")["load"]["requests"]) == 6
     finally:
         if b is not None:
             b.stop()

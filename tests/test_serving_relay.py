@@ -411,3 +411,30 @@ def test_a_relayed_body_is_held_within_the_brokers_request_memory():
             await close(b)
             await peer.close()
     asyncio.run(go())
+
+
+def test_a_request_whose_peer_died_waits_for_a_replica_here():
+    """The directory still lists a dead broker as holding the endpoint's replica (its row is
+    not stale yet): the request is not refused but waits in this broker's router, and is
+    served by the replica that moves here (its provider reconnecting)."""
+    async def go():
+        session = AnsweringSession("p1")
+        dead = await started(broker("dead", {}))
+        dead_url = dead.url
+        await close(dead)
+        b = await started(broker("b", {"p1": session}, cold_start_s=10))
+        try:
+            b.relay.peers = [Peer("dead", dead_url, {"ep": 1})]
+            b.relay.hear()
+            asked = asyncio.ensure_future(post(b.client, "/v1/chat/completions", chat()))
+            ep = b.api.serving.endpoints["ep"]
+            deadline = time.monotonic() + 10
+            while not ep.waiting and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            assert ep.waiting and ep.peer_ready == 0 and dead_url in b.relay.down
+            ready(b.api.serving, "p1", "r1")
+            status, body = await asyncio.wait_for(asked, 5)
+            assert status == 200 and body["choices"][0]["message"]["content"] == "hi"
+        finally:
+            await close(b)
+    asyncio.run(go())

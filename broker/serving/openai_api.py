@@ -191,19 +191,26 @@ class OpenAIApi:
             return relay.not_here(ep.name)
         return await self.relay.forward(request, ep, await self._raw(request))
 
-    async def _relay_late(self, request: web.Request, ep: Endpoint) -> web.StreamResponse:
-        """A request that waited here for a first replica while one became ready on another
-        broker (the router's Elsewhere): relayed there, unless it was relayed here."""
-        if request.headers.get(relay.RELAYED):
-            return relay.not_here(ep.name)
-        if self.relay is not None:
-            answer = await self.relay.forward(request, ep, await self._raw(request))
-            if answer is not None:
-                return answer
-        exc = ApiError(503, f"endpoint {ep.name} has no ready replica on this broker, and no"
+    async def _serve(self, request: web.Request, ep: Endpoint, work
+                     ) -> tuple[object, Piece | Final] | web.StreamResponse:
+        """The router's answer to ``work``: its messages and the first of them; or, where the
+        request waited here for a first replica while one became ready on another broker
+        (the router's Elsewhere), that broker's answer relayed (broker/serving/relay.py). A
+        request relayed here is refused then, for the broker that relayed it to try another;
+        one that no other broker took after all waits here again (those brokers no longer
+        count)."""
+        for _ in range(2):
+            answer = self.serving.run(ep, work)
+            try:
+                return answer, await self._first(answer)
+            except Elsewhere:
+                if request.headers.get(relay.RELAYED) or self.relay is None:
+                    return relay.not_here(ep.name)
+                relayed = await self.relay.forward(request, ep, await self._raw(request))
+                if relayed is not None:
+                    return relayed
+        raise ApiError(503, f"endpoint {ep.name} has no ready replica on this broker, and no"
                        " broker said to hold one took the request; retry", retry_after=1)
-        self._count(ep, exc.status)
-        return error_response(exc)
 
     async def _body(self, request: web.Request, ep: Endpoint) -> dict:
         raw = await self._raw(request)
@@ -256,10 +263,10 @@ class OpenAIApi:
             if ep.settings["task"] != "generate":
                 raise ApiError(400, f"{ep.name} serves embeddings (POST /v1/embeddings)")
             work = completion_request(body, chat, self._limit(ep))
-            answer = self.serving.run(ep, work)
-            first = await self._first(answer)
-        except Elsewhere:
-            return await self._relay_late(request, ep)
+            served = await self._serve(request, ep, work)
+            if isinstance(served, web.StreamResponse):
+                return served
+            answer, first = served
         except ApiError as exc:
             self._count(ep, exc.status)
             return error_response(exc)
@@ -354,11 +361,10 @@ class OpenAIApi:
             if fmt not in ("float", "base64"):
                 raise ApiError(400, "encoding_format must be float or base64",
                                "encoding_format")
-            answer = self.serving.run(ep, work)
-            try:
-                final = await self._first(answer)
-            except Elsewhere:
-                return await self._relay_late(request, ep)
+            served = await self._serve(request, ep, work)
+            if isinstance(served, web.StreamResponse):
+                return served
+            answer, final = served
             await answer.aclose()
             vectors = final.embeddings if isinstance(final, Final) else None
             if vectors is None or len(vectors) != len(work.input):

@@ -162,7 +162,8 @@ class Relay:
         there (the leader's autoscaler counts them: broker/serving/autoscaler.py)."""
         now = time.monotonic()
         for ep in self.serving.endpoints.values():
-            ep.peer_ready = sum(p.served.get(ep.id, 0) for p in self.peers)
+            ep.peer_ready = sum(p.served.get(ep.id, 0) for p in self.peers
+                                if self.down.get(p.url, 0.0) <= now)
             ep.peer_load = sum(p.load[ep.id][0] for p in self.peers if ep.id in p.load)
             idle = [p.load[ep.id][1] for p in self.peers if ep.id in p.load]
             ep.peer_last_request = now - min(idle) / 1000 if idle else 0.0
@@ -258,6 +259,7 @@ class Relay:
                     log.warning("relay to %s failed: %s; trying another", peer.url, exc)
                     self.down[peer.url] = time.monotonic() + DOWN_S
                     self.relayed.labels(outcome="peer_down").inc()
+                    self.hear()     # its replicas no longer count here
                     continue
                 except Evicted:
                     self.relayed.labels(outcome="evicted").inc()
@@ -268,6 +270,8 @@ class Relay:
                     self.relayed.labels(outcome="relayed").inc()
                     return answer
                 self.relayed.labels(outcome="not_here").inc()
+                peer.served.pop(ep.id, None)    # until its next row says otherwise
+                self.hear()
             return None
         finally:
             self.serving.shares.release(hold)
