@@ -99,4 +99,8 @@ def test_a_broker_without_the_replica_relays_to_the_one_with_it(tmp_path, pg_clu
     finally:
         if b is not None:
             b.stop()
+        # Its replica has nowhere to move: a drain would wait 20 s for nothing (the job
+        # processes it leaves are ended by close()).
+        for p in market.providers.values():
+            p.stop(signal.SIGKILL)
         market.close()
