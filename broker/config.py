@@ -43,6 +43,9 @@ class BrokerConfig:
     api: str = ""                          # HTTP HOST:PORT of the endpoints' API alone; "" = none
                                            # (it is also on `http`, under /v1)
     public_url: str = ""                   # where clients reach the API (shown by the CLI)
+    relay_url: str = ""                    # where the other brokers of a shared store reach
+                                           # this one's API (http://HOST:PORT); "" = `api` (or
+                                           # `http`), a wildcard host as this machine's name
     queue_wait_s: float = 30.0             # an endpoint request waits this long for a free slot
     cold_start_s: float = 300.0            # ... or this long for a first replica (from zero)
     request_timeout_s: float = 300.0       # a replica silent this long on a request: 504
@@ -167,6 +170,8 @@ trusted_checkers = []
 # (it authenticates every call with an endpoint's key, so it may face the internet) on `api`.
 api = ""                           # HOST:PORT; "" = only on `http`
 public_url = ""                    # e.g. https://api.example.com (what `endpoint show` prints)
+relay_url = ""                     # brokers sharing a PostgreSQL store: where the others reach
+                                   # this one's API to relay requests (docs/deploy.md); "" = `api`
 queue_wait = 30                    # seconds a request waits for a free replica before a 429
 cold_start = 300                   # seconds a request waits for a first replica before a 503
 request_timeout = 300              # seconds a replica may stay silent on a request (then 504)
@@ -216,6 +221,7 @@ KEYS = {
     "replica_window_s": ("replica_window_s", float, None),
     "trusted_checkers": ("trusted_checkers", tuple, None),
     "api": ("api", str, None), "public_url": ("public_url", str, None),
+    "relay_url": ("relay_url", str, None),
     "queue_wait": ("queue_wait_s", float, None), "cold_start": ("cold_start_s", float, None),
     "request_timeout": ("request_timeout_s", float, None),
     "max_held_mib": ("max_held_bytes", int, 2**20),

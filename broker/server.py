@@ -37,6 +37,7 @@ from gpumarket.broker.api.listeners import (
 )
 from gpumarket.broker.api.marketplace import MarketplaceServicer
 from gpumarket.broker.serving.openai_api import OpenAIApi
+from gpumarket.broker.serving.relay import Relay, advertised_url
 from gpumarket.broker.serving.router import Serving
 from gpumarket.broker import state as shared
 from gpumarket.broker.state import BrokerState
@@ -89,6 +90,7 @@ class BrokerServer:
         self.http: BrokerHttp | None = None
         self.gateway: ProviderGatewayServicer | None = None
         self.api_runner: web.AppRunner | None = None
+        self.relay: Relay | None = None
 
     async def start(self) -> str:
         cfg = self.config
@@ -184,6 +186,10 @@ class BrokerServer:
             log.info("endpoints' API on %s", info["api"])
         if info.get("api") or info.get("http"):
             self.state.api_base = f"http://{info.get('api') or info['http']}"
+            if self.state.shared:       # endpoints served on any broker of the store
+                api.relay = self.relay = Relay(
+                    self.state, serving, advertised_url(cfg.relay_url, info.get("api")
+                                                        or info["http"]), metrics.registry)
         tmp = cfg.data_dir / "broker.json.tmp"
         tmp.write_text(json.dumps(info))
         os.replace(tmp, cfg.data_dir / "broker.json")
@@ -199,6 +205,8 @@ class BrokerServer:
         return guard
 
     async def stop(self) -> None:
+        if self.relay is not None:
+            await self.relay.close()
         if self.http is not None:
             await self.http.stop()
         if self.api_runner is not None:
@@ -230,6 +238,8 @@ async def serve(config: BrokerConfig) -> None:
             if broker.state.shared:
                 tasks.append(tg.create_task(broker.state.notices.run()))
                 tasks.append(tg.create_task(scheduler.run(broker.state, scheduler.SHARED_LOOPS)))
+            if broker.relay is not None:
+                tasks.append(tg.create_task(broker.relay.run()))
             await stop.wait()
             log.info("shutting down")
             for task in tasks:

@@ -96,33 +96,37 @@ def decide(ep: Endpoint, rows: Sequence[LiveReplica], watch: Watch, now: float,
         watch.last_change = now
         return Decision(add=s["min_replicas"] - len(steady),
                         add_why=f"below min_replicas {s['min_replicas']}")
-    if not live and (wanted or ep.waiting):
+    if not live and (wanted or ep.waiting or ep.peer_load):
         watch.last_change = now
         return Decision(add=1, add_why="scale from zero: a request is waiting")
-    load = ep.in_flight + len(ep.waiting)
-    capacity = s["target"] * max(len(ready), 1)
+    # Where brokers share a store, the endpoint's load and replicas on the others count too
+    # (each serves its own providers' replicas, and relays to them: broker/serving/relay.py).
+    load = ep.in_flight + len(ep.waiting) + ep.peer_load
+    capacity = s["target"] * max(len(ready) + ep.peer_ready, 1)
     if load > capacity and len(live) < s["max_replicas"]:
         if watch.over_since is None:
             watch.over_since = now
-        starting = len(live) > len([r for r in ready if not r.draining])
+        starting = len(live) > len([r for r in ready if not r.draining]) + ep.peer_ready
         if now - watch.over_since >= s["window_s"] and not starting:
             watch.over_since = None
             watch.last_change = now
             return Decision(add=1, add_why=f"scale out: {load} requests in flight or waiting"
-                            f" over {len(ready)} ready replica(s) at target {s['target']} for"
+                            f" over {len(ready) + ep.peer_ready} ready replica(s) at target {s['target']} for"
                             f" {s['window_s']} s")
     else:
         watch.over_since = None
-    idle = now - max(ep.last_request, watch.last_change)
+    idle = now - max(ep.last_request, ep.peer_last_request, watch.last_change)
     # Not idle while a request waits for a replica (one still starting, say): retiring it
     # then started another for the same request, idle_s later retired again, and so on
     # wherever a replica took longer than idle_s to start (seen at load 25 with idle_s 6).
     # Nor while a draining replica's replacement starts (one slower to start than idle_s was
     # retired as "one still starting", and the draining one was then never moved).
     if len(live) > s["min_replicas"] and idle >= s["idle_s"] and ep.in_flight == 0 \
-            and not ep.waiting and not wanted and not replacing:
-        # One still starting goes before one serving; then the newest.
-        victim = sorted(live, key=lambda r: (r.id in serving_ids, r.part))[0]
+            and not ep.waiting and not ep.peer_load and not wanted and not replacing:
+        # One still starting goes before one serving (here, or on another broker: ready
+        # as the database has it); then the newest.
+        victim = sorted(live, key=lambda r: (r.id in serving_ids or (
+            r.state == pb.JOB_STATE_RUNNING and r.progress_step == 1), r.part))[0]
         watch.last_change = now
         return Decision(retire=(victim.id,), retire_why=f"scale in: idle for"
                         f" {idle:.0f} s (idle_s {s['idle_s']})")
@@ -165,7 +169,8 @@ class Autoscaler:
         for row in live:
             ep = serving.endpoints[row.id]
             self.state.metrics.endpoint_replicas.labels(endpoint=ep.id).set(len(ep.ready()))
-            broken = "" if ep.ready() else await store.read(endpoints.crash_loop, ep.id)
+            broken = "" if ep.ready() or ep.peer_ready else await store.read(
+                endpoints.crash_loop, ep.id)
             if broken:
                 ended = await store.write(endpoints.fail, ep.id, broken, now_ms())
                 self._stop(ended, broken)

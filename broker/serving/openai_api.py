@@ -20,8 +20,8 @@ import time
 
 from aiohttp import web
 
-from gpumarket.broker.serving import endpoints
-from gpumarket.broker.serving.router import Endpoint, Refused, Serving
+from gpumarket.broker.serving import endpoints, relay
+from gpumarket.broker.serving.router import Elsewhere, Endpoint, Refused, Serving
 from gpumarket.broker.state import BrokerState
 from gpumarket.kinds import engine_protocol as protocol
 from gpumarket.kinds.engine_protocol import BadRequest, Complete, Embed, Final, Piece
@@ -116,9 +116,11 @@ def completion_request(body: dict, chat: bool, limit: int) -> Complete:
 
 class OpenAIApi:
     def __init__(self, state: BrokerState, serving: Serving,
-                 body_timeout_s: float = BODY_TIMEOUT_S) -> None:
+                 body_timeout_s: float = BODY_TIMEOUT_S, relay: relay.Relay | None = None
+                 ) -> None:
         self.state = state
         self.serving = serving
+        self.relay = relay              # brokers sharing a store: serving on any of them
         # A caller that trickles its body, or stops reading a stream, holds a connection
         # (and a replica's slot) no longer than this.
         self.body_timeout_s = body_timeout_s
@@ -167,15 +169,51 @@ class OpenAIApi:
                            " serves)", code="invalid_api_key")
         return ep
 
-    async def _body(self, request: web.Request, ep: Endpoint) -> dict:
+    async def _raw(self, request: web.Request) -> bytes:
+        """The request's body (read once: aiohttp keeps it), within MAX_BODY and
+        body_timeout."""
         try:
             async with asyncio.timeout(self.body_timeout_s):
-                raw = await request.read()
+                return await request.read()
         except web.HTTPRequestEntityTooLarge as exc:
             raise ApiError(413, f"the request is larger than {MAX_BODY:,} bytes") from exc
         except TimeoutError as exc:
             raise ApiError(408, f"the request's body did not arrive within"
                            f" {self.body_timeout_s:.0f} s") from exc
+
+    async def _relayed(self, request: web.Request, ep: Endpoint) -> web.StreamResponse | None:
+        """Where this broker holds no ready replica of the endpoint, the answer of a broker
+        of the same store that does (broker/serving/relay.py); None: serve it here. A
+        request relayed here is never relayed again: served here, or refused at once."""
+        if self.relay is None or ep.ready():
+            return None
+        if request.headers.get(relay.RELAYED):
+            return relay.not_here(ep.name)
+        return await self.relay.forward(request, ep, await self._raw(request))
+
+    async def _serve(self, request: web.Request, ep: Endpoint, work
+                     ) -> tuple[object, Piece | Final] | web.StreamResponse:
+        """The router's answer to ``work``: its messages and the first of them; or, where the
+        request waited here for a first replica while one became ready on another broker
+        (the router's Elsewhere), that broker's answer relayed (broker/serving/relay.py). A
+        request relayed here is refused then, for the broker that relayed it to try another;
+        one that no other broker took after all waits here again (those brokers no longer
+        count)."""
+        for _ in range(2):
+            answer = self.serving.run(ep, work)
+            try:
+                return answer, await self._first(answer)
+            except Elsewhere:
+                if request.headers.get(relay.RELAYED) or self.relay is None:
+                    return relay.not_here(ep.name)
+                relayed = await self.relay.forward(request, ep, await self._raw(request))
+                if relayed is not None:
+                    return relayed
+        raise ApiError(503, f"endpoint {ep.name} has no ready replica on this broker, and no"
+                       " broker said to hold one took the request; retry", retry_after=1)
+
+    async def _body(self, request: web.Request, ep: Endpoint) -> dict:
+        raw = await self._raw(request)
         try:
             body = json.loads(raw)
         except (ValueError, RecursionError) as exc:
@@ -219,12 +257,16 @@ class OpenAIApi:
         ep = None
         try:
             ep = await self._endpoint(request)
+            if (relayed := await self._relayed(request, ep)) is not None:
+                return relayed
             body = await self._body(request, ep)
             if ep.settings["task"] != "generate":
                 raise ApiError(400, f"{ep.name} serves embeddings (POST /v1/embeddings)")
             work = completion_request(body, chat, self._limit(ep))
-            answer = self.serving.run(ep, work)
-            first = await self._first(answer)
+            served = await self._serve(request, ep, work)
+            if isinstance(served, web.StreamResponse):
+                return served
+            answer, first = served
         except ApiError as exc:
             self._count(ep, exc.status)
             return error_response(exc)
@@ -251,6 +293,8 @@ class OpenAIApi:
         fails before anything was produced gets an HTTP error, streamed or not)."""
         try:
             first = await answer.__anext__()
+        except Elsewhere:
+            raise
         except Refused as exc:
             raise ApiError(exc.status, exc.message, retry_after=exc.retry_after) from exc
         if isinstance(first, Final) and first.error is not None:
@@ -304,6 +348,8 @@ class OpenAIApi:
         ep = None
         try:
             ep = await self._endpoint(request)
+            if (relayed := await self._relayed(request, ep)) is not None:
+                return relayed
             body = await self._body(request, ep)
             if ep.settings["task"] != "embed":
                 raise ApiError(400, f"{ep.name} serves completions, not embeddings")
@@ -315,8 +361,10 @@ class OpenAIApi:
             if fmt not in ("float", "base64"):
                 raise ApiError(400, "encoding_format must be float or base64",
                                "encoding_format")
-            answer = self.serving.run(ep, work)
-            final = await self._first(answer)
+            served = await self._serve(request, ep, work)
+            if isinstance(served, web.StreamResponse):
+                return served
+            answer, final = served
             await answer.aclose()
             vectors = final.embeddings if isinstance(final, Final) else None
             if vectors is None or len(vectors) != len(work.input):

@@ -52,6 +52,15 @@ class Refused(Exception):
         self.status, self.message, self.retry_after = status, message, retry_after
 
 
+class Elsewhere(Refused):
+    """No replica here, but another broker of the store holds a ready one now: the request
+    is relayed there (broker/serving/relay.py), or, if it was relayed here, refused so that
+    the broker that relayed it tries another."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(503, f"endpoint {name} has no ready replica on this broker")
+
+
 @dataclass
 class Replica:
     job_id: str
@@ -96,6 +105,11 @@ class Endpoint:
     errors: int = 0
     ttft: deque = field(default_factory=lambda: deque(maxlen=STATS_KEPT))
     tpot: deque = field(default_factory=lambda: deque(maxlen=STATS_KEPT))
+    # What the other brokers of a shared store said of it (broker/serving/relay.py): their
+    # ready replicas, their requests in flight or waiting, its last request there (monotonic)
+    peer_ready: int = 0
+    peer_load: int = 0
+    peer_last_request: float = 0.0
 
     @property
     def queue_limit(self) -> int:
@@ -343,6 +357,8 @@ class Serving:
                 ep.in_flight += 1
                 return replica
             cold = not ep.ready()
+            if cold and ep.peer_ready:
+                raise Elsewhere(ep.name)
             limit = self.cold_start_s if cold else self.queue_wait_s
             left = began + limit - time.monotonic()
             if len(ep.waiting) >= ep.queue_limit:

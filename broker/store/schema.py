@@ -582,3 +582,19 @@ def m022_answer_samples(db: Database) -> None:
     )
     db.execute("CREATE INDEX answer_samples_lease ON answer_samples (lease_id)")
     db.execute("CREATE INDEX answer_samples_endpoint ON answer_samples (endpoint_id)")
+
+
+@migrations()
+def m023_serving_brokers(db: Database) -> None:
+    """Where several brokers share one database, each one's endpoints' API address and the
+    endpoints it holds a ready replica of, renewed every second (broker/serving/relay.py): a
+    broker asked for an endpoint it holds no replica of relays the request to one that does."""
+    db.execute(
+        """
+        CREATE TABLE serving_brokers (
+            holder TEXT PRIMARY KEY,         -- the broker process (leadership's holder)
+            url TEXT NOT NULL,               -- its endpoints' API, http://HOST:PORT
+            served TEXT NOT NULL DEFAULT '{}',  -- {endpoint id: ready replicas here} (JSON)
+            seen_ms INTEGER NOT NULL         -- when it last said so
+        )"""
+    )
