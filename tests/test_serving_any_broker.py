@@ -58,8 +58,7 @@ def test_a_broker_without_the_replica_relays_to_the_one_with_it(tmp_path, pg_clu
         a = json.loads((tmp_path / "broker" / "broker.json").read_text())
         wait_until(lambda: (leadership(url) or ("",))[0] == a["holder"], "broker a to lead")
         b, b_info = second_broker(market, url)
-        # The provider connects to b (a only if b goes); the CLI asks b (`endpoint show`
-        # tells which replicas are ready from the router of the broker it asks).
+        # The provider connects to b (a only if b goes); the CLI asks b.
         leader = a["address"]
         market.address = f"{b_info['address']},{leader}"
         market.start_provider("p1", 1.0)
@@ -71,6 +70,9 @@ def test_a_broker_without_the_replica_relays_to_the_one_with_it(tmp_path, pg_clu
             max_concurrency=2))
         assert r.returncode == 0, r.stderr
         ready_replicas(market, "tiny", 1)
+        market.address = leader     # the leader, which holds no replica, says it is ready too
+        ready_replicas(market, "tiny", 1, timeout=30)
+        market.address = b_info["address"]
         key, _ = new_key(market, "tiny")
 
         at_replica = chat(client(f"http://{b_info['http']}/v1", key))

@@ -291,9 +291,13 @@ def endpoint_view(state: BrokerState, info: Overview) -> mp.Endpoint:
         if ready is not None and (r.state != pb.JOB_STATE_RUNNING or ready.epoch != r.epoch
                                   or ready.provider_id != r.provider_id):
             ready = None    # the router still holds a lease the database has ended
+        # A replica whose provider is connected to another broker of a shared store: ready
+        # as the database says (its engine said so under this lease), its load that broker's.
+        elsewhere = (ready is None and state.shared and r.state == pb.JOB_STATE_RUNNING
+                     and r.progress_step == 1)
         out.replicas.append(mp.EndpointReplica(
             job_id=r.id, state=r.state, provider_id=r.provider_id or "",
-            ready=ready is not None, draining=bool(ready and ready.draining),
+            ready=ready is not None or elsewhere, draining=bool(ready and ready.draining),
             in_flight=ready.in_flight if ready else 0,
             max_concurrency=ready.max_concurrency if ready else 0,
             tpot_ms=(ready.tpot_s * 1000) if ready else 0.0,

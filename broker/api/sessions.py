@@ -76,8 +76,9 @@ class ProviderSession:
 
 
 # What a broker relays to the broker holding a provider's session: the lease-making and
-# lease-ending messages. Endpoint traffic (infer, infer_cancel) is not relayed: an
-# endpoint's requests are served by the broker its replicas' providers are connected to.
+# lease-ending messages. Endpoint traffic (infer, infer_cancel) is not relayed here: a
+# request reaches the broker its replica's provider is connected to as a whole HTTP request
+# (broker/serving/relay.py), and that broker's router sends it on the provider's session.
 RELAYED = frozenset({"lease", "cancel", "yield_lease", "preempt_lease"})
 
 
