@@ -14,6 +14,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 from sqlite_utils import Database
 
+from gpumarket.broker.checks import verification
 from gpumarket.broker.serving import relay as relay_mod
 from gpumarket.broker.serving.autoscaler import Decision, Watch, decide
 from gpumarket.broker.serving.rows import LiveReplica
@@ -334,7 +335,7 @@ class WritingStore(FakeStore):
     def __init__(self, fail: bool = False) -> None:
         replica = LiveReplica("r1", 1, pb.JOB_STATE_RUNNING, 1, "p1", progress_step=1)
         super().__init__({KEY: "ep"}, [replace(live_row(), replicas=(replica,))])
-        self.fail, self.writes = fail, []
+        self.fail, self.writes, self.standings_read = fail, [], 0
 
     async def write(self, fn, *args):
         if self.fail and fn is not relay_mod.announce:
@@ -344,6 +345,9 @@ class WritingStore(FakeStore):
     async def read(self, fn, *args):
         if fn is relay_mod.peers:
             return []
+        if fn is verification.past_warm_up:
+            self.standings_read += 1
+            return frozenset({"p1"})
         return await super().read(fn, *args)
 
 
@@ -358,6 +362,8 @@ def test_a_broker_that_does_not_lead_writes_its_own_replicas_usage_once():
             await b.relay.one_pass()            # the write failed: the usage is kept
         store.fail = False
         await b.relay.one_pass()
+        # It samples answers as the leader would: p1 is past its warm-up, read once a while.
+        assert b.api.serving.samples.settled == {"p1"} and store.standings_read == 1
         usage = [args for name, args in store.writes if name == "record_usage"]
         assert len(usage) == 1 and [u[4] for u in usage[0][0]] == [1], usage
         announced = [args for name, args in store.writes if name == "announce"]
@@ -366,6 +372,7 @@ def test_a_broker_that_does_not_lead_writes_its_own_replicas_usage_once():
         b.api.state.epoch = 7                   # it leads: its autoscaler writes usage
         await b.relay.one_pass()
         assert len([n for n, _ in store.writes if n == "record_usage"]) == 1
+        assert store.standings_read == 1
     asyncio.run(go())
 
 

@@ -454,6 +454,12 @@ def _checkable(kind: int, spec: bytes) -> bool:
         return False
 
 
+def past_warm_up(db: Database) -> frozenset[str]:
+    """The providers checked at less than the warm-up's full rate now: their endpoint
+    replicas go without a sampled first answer each window (serving/answer_samples.py)."""
+    return frozenset(p for p, (checked, _, _) in standings(db).items() if checked < 1)
+
+
 def standings(db: Database) -> dict[str, tuple[float, int, int]]:
     """Per provider with a record: (check rate now, passed since its last failure, failures)."""
     out = {}

@@ -211,8 +211,7 @@ class Autoscaler:
         policies = {p: verdicts.policy(self.state, p, 0.0)
                     for p in await store.read(_providers_of, list(windows))}
         await store.write(endpoints.settle_running, now_ms(), windows, policies)
-        standings = await store.read(verification.standings)
-        samples.settled = frozenset(p for p, (rate, _, _) in standings.items() if rate < 1)
+        samples.settled = await store.read(verification.past_warm_up)
 
     async def _late(self, ep: Endpoint, rows: Sequence[LiveReplica]) -> bool:
         """A replica leased more than cold_start ago that never became ready is lost (its

@@ -38,6 +38,7 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import Counter
 
+from gpumarket.broker.checks import verification
 from gpumarket.broker.serving import endpoints
 from gpumarket.broker.serving.request_shares import Hold, NoRoom
 from gpumarket.broker.serving.router import DEADLINE_TIMEOUTS, MAX_ANSWER, Endpoint, Serving
@@ -48,6 +49,7 @@ log = logging.getLogger(__name__)
 PASS_S = 1.0                # a broker's row is renewed, the others' read, this often
 FRESH_S = 5.0               # a row not renewed for this long is a dead broker's
 IDLE_TOLD_S = 3600.0        # an endpoint idle here longer is left out of this broker's row
+SETTLED_S = 30.0            # a broker that does not lead reads who is past its warm-up this often
 DOWN_S = 5.0                # a peer that could not be reached is skipped this long
 CONNECT_S = 2.0             # to connect to a peer
 MAX_ERROR = 64 << 10        # bytes of a peer's error answer (OpenAI's error object)
@@ -139,6 +141,7 @@ class Relay:
         self.write_s = cfg.body_timeout_s
         self.peers: list[Peer] = []
         self.down: dict[str, float] = {}        # url -> skipped until (monotonic)
+        self.settled_at = -SETTLED_S                # when follow() last read past_warm_up
         self._client: aiohttp.ClientSession | None = None
         self.relayed = Counter("gpumarket_endpoint_relayed", "Endpoint requests this broker"
                                " relayed to another broker of its store, by outcome",
@@ -185,8 +188,15 @@ class Relay:
         self.hear()
 
     async def follow(self) -> None:
+        """What the leader's autoscaler does for the replicas on this broker's sessions: the
+        router in step with the store, their usage written, and which of their providers
+        are past their warm-up (else each window keeps one more sampled answer here than
+        on the leader)."""
         store = self.state.store
         self.serving.sync(await store.read(endpoints.live))
+        if time.monotonic() - self.settled_at >= SETTLED_S:
+            self.serving.samples.settled = await store.read(verification.past_warm_up)
+            self.settled_at = time.monotonic()
         usage = self.serving.take_usage()
         if usage:
             try:
