@@ -537,9 +537,16 @@ def main() -> None:
                                                verification.rate(10**9)))
     import array_checks
 
+    from gpumarket.broker.checks import task_checks
+
     for n, p in array_checks.catch_rates(min(args.trials, 20_000)).items():
         caught = simulate_jobs(p, 20, args.trials, 10)
         figures[f"array_task_catch_p_per_check_{n}_tasks"] = round(p, 4)
+        figures[f"detection_p_20_leases_array_task_of_{n}"] = round(caught, 4)
+        # What checks cost at steady state: the floor rate times the share a check replays
+        # (its start-up on top, as every replay's).
+        figures[f"array_check_overhead_steady_{n}_tasks"] = round(
+            verification.rate(10**9) * task_checks.sample_size(n) / n, 4)
         if n == 100:    # a cheat doctoring one task of each lease of 100 (the class figure)
             figures["detection_p_20_jobs_array_task"] = round(caught, 4)
         print(f"array leases of {n} tasks, one doctored: one check replays it in {p:.4f}"
