@@ -243,8 +243,9 @@ def what(step_from: int, step_to: int, scope: dict) -> str:
         return f"the run {start}: every output file, compared {scope['outputs']}"
     if scope.get("answers"):
         return (f"{scope['answers']} sampled answer{'s' if scope['answers'] > 1 else ''} of"
-                f" {scope.get('of_answers', scope['answers'])} in a window, prefilled:"
-                " fingerprints")
+                f" {scope.get('of_answers', scope['answers'])} in a window, "
+                + ("embedded again: vectors" if scope.get("task") == "embed" else
+                   "prefilled: fingerprints"))
     if scope.get("batch_size"):
         how = ", prefilled: fingerprints" if scope.get("claimed") else ""
         return f"a batch of {scope['batch_size']} rows from row {step_from} on{how}"
