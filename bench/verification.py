@@ -505,6 +505,24 @@ def main() -> None:
               f" {caught:.4f}; after a long record, with 5 or 50 answers a window:"
               f" {late[5]}, {late[50]}")
     if not args.skip_real:
+        import embed_answer_checks
+
+        em = embed_answer_checks.measure()
+        figures.update(em)
+        for name in ("random", "cos0.9995_spread", "cos0.9995_one_element"):
+            # a new replica's every window is checked (its first answer at least): a cheat
+            # answering every request so is caught within 20 windows with:
+            p = em[f"endpoint_embed_answers_caught_{name}"]
+            figures[f"detection_p_20_jobs_endpoint_embed_{name.replace('.', '')}"] = round(
+                1 - (1 - p) ** 20, 4)
+        print(f"embed endpoint answers: {em['endpoint_embed_answers']} requests served one"
+              f" text at a time in {em['endpoint_embed_serve_s']}s, replayed by a check in"
+              f" {em['endpoint_embed_check_s']}s; honest answers judged wrong:"
+              f" {em['endpoint_embed_false_positives']}; caught per answer: random"
+              f" {em['endpoint_embed_answers_caught_random']}, cosine 0.9995 spread"
+              f" {em['endpoint_embed_answers_caught_cos0.9995_spread']}, in one element"
+              f" {em['endpoint_embed_answers_caught_cos0.9995_one_element']}")
+    if not args.skip_real:
         sc = script_checks()
         figures.update(sc)
         # A cheat that alters any delivered file of every script job it runs: each check of
@@ -582,6 +600,7 @@ def main() -> None:
                    false_positives=figures.get("real_false_positives", 0)
                    + figures.get("fingerprint_false_positives", 0)
                    + figures.get("endpoint_false_positives", 0)
+                   + figures.get("endpoint_embed_false_positives", 0)
                    + figures.get("script_false_positives_json", 0)
                    + figures.get("script_false_positives_exact", 0)
                    + figures.get("render_false_positives", 0)
