@@ -357,3 +357,12 @@ def test_a_file_only_one_side_has_or_of_no_replayed_task_differs_at_once(monkeyp
     expect, got = task_files([1, 2, 5])
     assert task_checks_compare(expect, got, scope) == (
         False, "task000005.a.json is not a file of a replayed task")
+
+
+def test_a_checks_tasks_are_named_one_by_one_when_few_else_by_their_range():
+    rule = {"outputs": "exact", "of_tasks": 1000}
+    assert verification.what(0, 0, {**rule, "tasks": [3, 4, 5, 9]}) == \
+        "tasks 3-5,9 (4 of the 1000 a lease ran): every output file, compared exact"
+    assert verification.what(0, 0, {**rule, "tasks": list(range(7, 1000, 4))}) == \
+        ("249 tasks drawn from 7-999 (249 of the 1000 a lease ran): every output file,"
+         " compared exact")
