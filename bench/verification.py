@@ -505,6 +505,24 @@ def main() -> None:
               f" {caught:.4f}; after a long record, with 5 or 50 answers a window:"
               f" {late[5]}, {late[50]}")
     if not args.skip_real:
+        import embed_answer_checks
+
+        em = embed_answer_checks.measure()
+        figures.update(em)
+        for name in ("random", "cos0.9995_spread", "cos0.9995_one_element"):
+            # a new replica's every window is checked (its first answer at least): a cheat
+            # answering every request so is caught within 20 windows with:
+            p = em[f"endpoint_embed_answers_caught_{name}"]
+            figures[f"detection_p_20_jobs_endpoint_embed_{name.replace('.', '')}"] = round(
+                1 - (1 - p) ** 20, 4)
+        print(f"embed endpoint answers: {em['endpoint_embed_answers']} requests served one"
+              f" text at a time in {em['endpoint_embed_serve_s']}s, replayed by a check in"
+              f" {em['endpoint_embed_check_s']}s; honest answers judged wrong:"
+              f" {em['endpoint_embed_false_positives']}; caught per answer: random"
+              f" {em['endpoint_embed_answers_caught_random']}, cosine 0.9995 spread"
+              f" {em['endpoint_embed_answers_caught_cos0.9995_spread']}, in one element"
+              f" {em['endpoint_embed_answers_caught_cos0.9995_one_element']}")
+    if not args.skip_real:
         sc = script_checks()
         figures.update(sc)
         # A cheat that alters any delivered file of every script job it runs: each check of
@@ -537,9 +555,16 @@ def main() -> None:
                                                verification.rate(10**9)))
     import array_checks
 
+    from gpumarket.broker.checks import task_checks
+
     for n, p in array_checks.catch_rates(min(args.trials, 20_000)).items():
         caught = simulate_jobs(p, 20, args.trials, 10)
         figures[f"array_task_catch_p_per_check_{n}_tasks"] = round(p, 4)
+        figures[f"detection_p_20_leases_array_task_of_{n}"] = round(caught, 4)
+        # What checks cost at steady state: the floor rate times the share a check replays
+        # (its start-up on top, as every replay's).
+        figures[f"array_check_overhead_steady_{n}_tasks"] = round(
+            verification.rate(10**9) * task_checks.sample_size(n) / n, 4)
         if n == 100:    # a cheat doctoring one task of each lease of 100 (the class figure)
             figures["detection_p_20_jobs_array_task"] = round(caught, 4)
         print(f"array leases of {n} tasks, one doctored: one check replays it in {p:.4f}"
@@ -575,6 +600,7 @@ def main() -> None:
                    false_positives=figures.get("real_false_positives", 0)
                    + figures.get("fingerprint_false_positives", 0)
                    + figures.get("endpoint_false_positives", 0)
+                   + figures.get("endpoint_embed_false_positives", 0)
                    + figures.get("script_false_positives_json", 0)
                    + figures.get("script_false_positives_exact", 0)
                    + figures.get("render_false_positives", 0)

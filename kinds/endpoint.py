@@ -60,6 +60,8 @@ class Endpoint(Kind):
 
         if ANSWERS not in expect:
             return False, "no answers to compare"
+        if scope.get("task") == "embed":
+            return compare_embeddings(expect[ANSWERS], got, scope)
         if ANSWERS not in got:
             return False, f"the replay returned no {ANSWERS}"
         try:
@@ -100,6 +102,44 @@ class Endpoint(Kind):
 
 
 UNJUDGED = "not judged"
+
+
+def compare_embeddings(expect: Path, got: dict[str, Path], scope: dict) -> tuple[bool, str]:
+    """An embed endpoint's sampled answers: every vector the replica returned against the
+    checker's own of the same input, by the embed kind's rule (kinds/embed.py
+    ``same_vector``) in the tolerance of the precision the replay computed in (its
+    metrics.json ``float_bits``: the checker's word, as for an embed job's rows). A vector
+    missing, one too many or out of tolerance disagrees."""
+    from gpumarket.kinds.embed import replay_float_bits, same_vector, tolerance
+
+    if ANSWERS not in got:
+        return False, f"the replay returned no {ANSWERS}"
+    try:
+        want, have = answer_rows(expect), answer_rows(got[ANSWERS])
+    except (OSError, ValueError, TypeError) as exc:
+        return False, f"{ANSWERS} is unreadable ({exc})"[:300]
+    if not want:
+        return False, "no answers to compare"
+    tol = tolerance(replay_float_bits(got.get("metrics.json")))
+    vectors = 0
+    for i in sorted(want):
+        if i not in have:
+            return False, f"answer {i}: the replay has none"
+        if have[i].get("error"):
+            return False, f"answer {i}: {str(have[i]['error'])[:200]}"
+        mine, theirs = want[i].get("embeddings"), have[i].get("embeddings")
+        if not isinstance(mine, list) or not mine:
+            return False, f"answer {i}: the replica returned no vectors"
+        if not isinstance(theirs, list) or len(theirs) != len(mine):
+            return False, (f"answer {i}: {len(mine)} vectors against the replay's"
+                           f" {len(theirs) if isinstance(theirs, list) else 0}")
+        for j, (a, b) in enumerate(zip(mine, theirs)):
+            same, why = same_vector(a, b, tol)
+            if not same:
+                return False, f"answer {i}, input {j}: {why}"
+        vectors += len(mine)
+    return True, (f"{len(want)} answers agree ({vectors} vectors within the embed tolerance"
+                  f" for {'float32' if tol.rel_l2 < 1e-2 else 'half precision'})")
 
 
 def _tokens_agree(dtype: str, want: dict, have: dict) -> tuple[bool, str]:
@@ -159,6 +199,14 @@ def fingerprinted(settings: dict, accelerator: int, engine_said: str = "") -> bo
         return False
     engine = settings.get("engine", "")
     return engine == "batch" or (engine in ("", "auto") and accelerator == pb.ACCELERATOR_CPU)
+
+
+def answers_sampled(settings: dict, accelerator: int, engine_said: str = "") -> bool:
+    """Whether the router samples a replica's answers for a check: a generate replica that
+    ``fingerprinted`` says records what its answers commit to, and every replica of an
+    embed endpoint (its answer is its vectors: a checker embeds the same inputs with the
+    endpoint's model and compares them, kinds/embed.py's rule; docs/verification.md)."""
+    return settings.get("task") == "embed" or fingerprinted(settings, accelerator, engine_said)
 
 
 def tokens_only(engine_said: str) -> bool:

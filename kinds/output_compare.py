@@ -15,12 +15,24 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import secrets
+import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
+
+from gpumarket.kinds.arrays import output_task
+from gpumarket.kinds.base import Unfinished
 
 RULES = ("exact", "json")
 JSON_LIMIT = 64 << 20    # bytes: a file larger than this is compared byte for byte (the
                          # broker parses it in its compare thread, 300 s at most)
+TASK_COMPARE_S = 120.0   # of the broker's 300 s to compare a check, an array check's tasks'
+                         # share in one pass (render's SAMPLE_COMPARE_S): a sample of up to
+                         # 250 tasks, each up to 1,000 files of up to 64 MiB parsed as JSON,
+                         # goes on at the next pass rather than timing out into a
+                         # disagreement (compare_task_outputs)
+_draw = secrets.SystemRandom()   # the order tasks are compared in: none the provider can aim at
 
 
 def compare_outputs(expect: dict[str, Path], got: dict[str, Path], rule: str,
@@ -42,6 +54,51 @@ def compare_outputs(expect: dict[str, Path], got: dict[str, Path], rule: str,
             return False, f"{name} differs{why}"
     how = "identical" if rule == "exact" else f"equal as JSON (rtol {rtol:g}, atol {atol:g})"
     return True, f"{len(expect)} output file{'s' if len(expect) > 1 else ''} {how}"
+
+
+def compare_task_outputs(expect: dict[str, Path], got: dict[str, Path], tasks: list[int],
+                         rule: str, rtol: float = 0.0, atol: float = 0.0,
+                         compared: Iterable[int] = ()) -> tuple[bool, str]:
+    """An array check's replayed ``tasks``: every file of each (``taskNNNNNN.NAME``), the
+    checked provider's (``expect``) against the replay's (``got``) under ``rule``, as
+    ``compare_outputs`` does for a whole job. Which files each side has is settled first (a
+    file only one side has, or one of no replayed task, differs); then the tasks' files in
+    an order drawn at random, for at most TASK_COMPARE_S, skipping the tasks an earlier pass
+    ``compared`` (and found equal). Returns (agrees, what was compared or the first
+    difference); raises Unfinished (its progress: {"compared_tasks": the tasks found equal
+    so far}) when the time ran out with tasks left: neither a pass (a doctored task may be
+    among the rest) nor a disagreement (that would hold an honest provider's pay for the
+    broker's slowness). Each call compares at least one task, so a check's comparison ends
+    within as many passes as it replays tasks. Raises ValueError for an unknown rule."""
+    if rule not in RULES:
+        raise ValueError(f"unknown outputs_compare rule {rule!r}")
+    if missing := sorted(set(expect) - set(got)):
+        return False, f"the replay returned no {', '.join(missing)[:200]}"
+    if extra := sorted(set(got) - set(expect)):
+        return False, f"the checked result has no {', '.join(extra)[:200]}"
+    wanted, by_task = set(tasks), {}
+    for name in expect:
+        task = (output_task(name) or (-1, ""))[0]
+        if task not in wanted:
+            return False, f"{name[:200]} is not a file of a replayed task"
+        by_task.setdefault(task, []).append(name)
+    done = set(compared) & wanted
+    order = [t for t in sorted(wanted) if t not in done]
+    _draw.shuffle(order)
+    until = time.monotonic() + TASK_COMPARE_S
+    for count, task in enumerate(order):
+        if count and time.monotonic() > until:
+            raise Unfinished(f"{len(done)} of the {len(wanted)} replayed tasks compared,"
+                             f" their files equal; the rest not within {TASK_COMPARE_S:g}s",
+                             {"compared_tasks": sorted(done)})
+        for name in sorted(by_task.get(task, ())):
+            same, why = _same_file(expect[name], got[name], rule, rtol, atol)
+            if not same:
+                return False, f"{name} differs{why}"
+        done.add(task)
+    how = "identical" if rule == "exact" else f"equal as JSON (rtol {rtol:g}, atol {atol:g})"
+    return True, (f"{len(expect)} output file{'s' if len(expect) != 1 else ''} of"
+                  f" {len(wanted)} task{'s' if len(wanted) != 1 else ''} {how}")
 
 
 def _same_file(a: Path, b: Path, rule: str, rtol: float, atol: float) -> tuple[bool, str]:

@@ -14,7 +14,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from gpumarket.kinds.base import Kind
-from gpumarket.kinds.output_compare import RULES, compare_outputs
+from gpumarket.kinds.output_compare import RULES, compare_outputs, compare_task_outputs
 from gpumarket.kinds.schema import Param, ParamError
 from gpumarket.proto.v1 import types_pb2 as pb
 
@@ -50,6 +50,15 @@ class Script(Kind):
 
     def compare(self, expect: dict[str, Path], got: dict[str, Path], scope: dict
                 ) -> tuple[bool, str]:
+        """Every output file by the job's rule; an array check's (its scope names the
+        ``tasks`` it replayed) task by task within the broker's time for a pass, going on
+        from the tasks an earlier pass ``compared_tasks`` (Unfinished when time ran out:
+        broker/checks/verdicts.py)."""
+        if "tasks" in scope:
+            return compare_task_outputs(
+                expect, got, list(scope["tasks"]), scope["outputs"],
+                float(scope.get("rtol", 0.0)), float(scope.get("atol", 0.0)),
+                scope.get("compared_tasks", ()))
         return compare_outputs(expect, got, scope["outputs"], float(scope.get("rtol", 0.0)),
                                float(scope.get("atol", 0.0)))
 

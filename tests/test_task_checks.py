@@ -122,9 +122,10 @@ def task_checks_compare(expect: dict[str, str], got: dict[str, str], scope: dict
         return script.KIND.compare(paths["e"], paths["g"], scope)
 
 
-def test_a_quarter_of_a_leases_tasks_up_to_32_drawn_at_random():
+def test_a_quarter_of_a_leases_tasks_drawn_at_random_whatever_its_length():
     assert [task_checks.sample_size(n) for n in (1, 4, 5, 8, 100, 128, 1000)] == \
-        [1, 1, 2, 2, 25, 32, 32]
+        [1, 1, 2, 2, 25, 32, 250]
+    assert task_checks.sample_size(20_000) == task_checks.MAX_TASKS == 4096
     draws = {tuple(task_checks.sample(list(range(10)), random.Random(i))) for i in range(50)}
     assert len(draws) > 10 and all(len(d) == 3 and list(d) == sorted(d) for d in draws)
 
@@ -294,3 +295,74 @@ def test_a_provider_in_doubt_on_an_array_never_checks_its_other_leases(w, monkey
     end(w, "a-3", "h1")
     (rerun_check,) = checks(w, "a-3")
     assert verification.excluded(w.db, rerun_check) == {"h1", "liar"}
+
+
+def task_files(tasks: list[int], doctored: int = -1) -> tuple[dict[str, str], dict[str, str]]:
+    """(the provider's delivery, the checker's replay) of two files a task, by name."""
+    honest = {arrays.output_name(t, n): f'{{"task": {t}, "file": "{n}"}}'
+              for t in tasks for n in ("a.json", "b.json")}
+    return {n: '{"task": -1}' if arrays.output_task(n)[0] == doctored else text
+            for n, text in honest.items()}, honest
+
+
+def test_a_tasks_comparison_goes_on_over_passes_and_finds_a_doctored_task_when_it_reaches_it(
+        monkeypatch):
+    """The broker compares a check's tasks within its time a pass (render's rule): out of
+    time with tasks left is neither a pass nor a disagreement, and the next pass goes on
+    from the tasks found equal; a doctored task disagrees at the pass that reaches it."""
+    from gpumarket.kinds import output_compare
+    from gpumarket.kinds.base import Unfinished
+
+    tasks = list(range(0, 40, 3))
+    scope = {"outputs": "exact", "rtol": 0.0, "atol": 0.0, "tasks": tasks, "of_tasks": 40}
+    monkeypatch.setattr(output_compare, "TASK_COMPARE_S", -1.0)     # one task a pass
+    monkeypatch.setattr(output_compare, "_draw", random.Random(3))
+    expect, got = task_files(tasks)
+    compared: list[int] = []
+    for passes in range(1, len(tasks) + 1):
+        try:
+            ok, why = task_checks_compare(expect, got, {**scope, "compared_tasks": compared})
+            break
+        except Unfinished as part:
+            assert len(part.progress["compared_tasks"]) == passes      # a task more a pass
+            compared = part.progress["compared_tasks"]
+            assert f"{passes} of the {len(tasks)} replayed tasks" in str(part)
+    assert ok and passes == len(tasks) and why == "28 output files of 14 tasks identical"
+    expect, got = task_files(tasks, doctored=tasks[-1])
+    compared, passes = [], 0
+    while True:
+        passes += 1
+        try:
+            ok, why = task_checks_compare(expect, got, {**scope, "compared_tasks": compared})
+            break
+        except Unfinished as part:
+            compared = part.progress["compared_tasks"]
+            assert tasks[-1] not in compared
+    assert not ok and why == f"{arrays.output_name(tasks[-1], 'a.json')} differs (bytes)"
+    assert passes <= len(tasks)
+    # Within its time the whole sample is compared in one pass.
+    monkeypatch.setattr(output_compare, "TASK_COMPARE_S", 60.0)
+    assert not task_checks_compare(expect, got, scope)[0]
+
+
+def test_a_file_only_one_side_has_or_of_no_replayed_task_differs_at_once(monkeypatch):
+    from gpumarket.kinds import output_compare
+
+    monkeypatch.setattr(output_compare, "TASK_COMPARE_S", -1.0)
+    scope = {"outputs": "json", "tasks": [1, 2]}
+    expect, got = task_files([1, 2])
+    del got[arrays.output_name(2, "b.json")]
+    assert task_checks_compare(expect, got, scope) == (
+        False, "the replay returned no task000002.b.json")
+    expect, got = task_files([1, 2, 5])
+    assert task_checks_compare(expect, got, scope) == (
+        False, "task000005.a.json is not a file of a replayed task")
+
+
+def test_a_checks_tasks_are_named_one_by_one_when_few_else_by_their_range():
+    rule = {"outputs": "exact", "of_tasks": 1000}
+    assert verification.what(0, 0, {**rule, "tasks": [3, 4, 5, 9]}) == \
+        "tasks 3-5,9 (4 of the 1000 a lease ran): every output file, compared exact"
+    assert verification.what(0, 0, {**rule, "tasks": list(range(7, 1000, 4))}) == \
+        ("249 tasks drawn from 7-999 (249 of the 1000 a lease ran): every output file,"
+         " compared exact")

@@ -2,8 +2,9 @@
 is settled once a window (the autoscaler's settle pass); a window whose answers were sampled
 (broker/serving/answer_samples.py) has that settlement held and a check queued, a job row of
 the endpoint kind that another provider runs: it prefills the sampled requests plus the
-replica's token ids (``claimed``) and returns the fingerprints it saw; the broker compares
-them with the replica's (``expect``, evidence no provider reads). The verdict goes the way of
+replica's token ids (``claimed``) and returns the fingerprints it saw (an embed endpoint's:
+it embeds the sampled requests' inputs again); the broker compares them with the replica's
+(``expect``, evidence no provider reads). The verdict goes the way of
 every check (broker/checks/disputes.py): passed, the window's pay is paid on; the replica
 found wrong (two of three) loses its pay on the replica and stake, its replica is leased
 again elsewhere (replaced), and its second failure bans it. No grpc here; every function runs
@@ -62,6 +63,12 @@ def window_blobs(lease_id: str, answers: int, samples: list[dict], drawn: int = 
     expect, claimed = [], []
     for i, s in enumerate(samples):
         request = s["request"]
+        if "embeddings" in s:
+            # an embed endpoint's answer: the checker embeds the request's inputs again and
+            # never sees the replica's vectors (they stay the broker's evidence)
+            expect.append({"index": i, "embeddings": s["embeddings"]})
+            claimed.append({"index": i, "request": request})
+            continue
         greedy = isinstance(request, dict) and isinstance(request.get("temperature"),
                                                           (int, float)) \
             and request["temperature"] <= 0
@@ -96,18 +103,16 @@ def check_window(db: Database, policy: verification.Policy, job: dict, lease: di
         blob_holdings.record(db, blob.sha256, len(blob.data), OWNER, now)
     if seq is not None and ledger.posted(db, f"dispute:{seq}") is None:
         ledger.dispute(db, seq, now)
+    settings = settings_of(top["spec"])
     scope = {"answers": n, "of_answers": window.answers, "batch_size": 8,
-             "dtype": _dtype(db, top), "claimed": window.claimed.ref}
+             "dtype": settings.get("dtype", ""), "claimed": window.claimed.ref,
+             **({"task": "embed"} if settings.get("task") == "embed" else {})}
     # A window checked only because its provider is new is its warm-up: the provider pays
     # for it when the endpoint ends, as for a job (disputes.charge_warmups); one the rate
     # drew is the client's.
     return verification.queue(db, job, lease["provider_id"], lease["id"], seq, 0, 0, None,
                               {ANSWERS: window.expect.ref}, scope, "check", None, now,
                               lease["provider_id"] if window.warmup else None)
-
-
-def _dtype(db: Database, top: dict) -> str:
-    return settings_of(top["spec"]).get("dtype", "")
 
 
 def forget_evidence(db: Database, c: dict) -> None:

@@ -31,15 +31,23 @@ from gpumarket.proto.v1 import gateway_pb2 as gw
 from gpumarket.proto.v1 import types_pb2 as pb
 
 SHARE = 4          # a check replays a quarter of the lease's tasks (rounded up) ...
-MAX_TASKS = 32     # ... and at most this many: a check's cost is bounded, as a render's
+MAX_TASKS = 4096   # ... and at most this many, as a render's frames (kinds/render.py
+                   # MAX_CHECK_FRAMES): what a check's scope lists. A lease runs at most
+                   # kinds.arrays.MAX_PER_LEASE (1,000) tasks, so a check replays at most 250;
+                   # the broker compares them within a time a pass and goes on at its next
+                   # (kinds/output_compare.py compare_task_outputs)
 SUCCEEDED = pb.JOB_STATE_SUCCEEDED
 _RANDOM = secrets.SystemRandom()
 
 
 def sample_size(n: int) -> int:
-    """How many of a lease's ``n`` succeeded tasks one check replays: k = min(n, 32,
+    """How many of a lease's ``n`` succeeded tasks one check replays: k = min(n, 4096,
     ⌈n/4⌉). One doctored task of n is caught by a check with p = k/n (render's rule: see
-    kinds/render.py catch_probability)."""
+    kinds/render.py catch_probability): a quarter, whatever the lease's length, so a new
+    provider doctoring one task of every lease is caught within its 20 warm-up checks with
+    p ≈ 0.997. The same share for every check, warm-up or not: a sample sized by the
+    checked provider's rate would tell the checker, who counts the tasks its lease names,
+    that the provider is new (docs/verification.md, What a checker learns)."""
     return min(n, MAX_TASKS, -(-n // SHARE))
 
 

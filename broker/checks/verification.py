@@ -232,16 +232,20 @@ def queue(db: Database, job: dict, provider_id: str, lease_id: str, seq: int | N
 def what(step_from: int, step_to: int, scope: dict) -> str:
     if scope.get("tasks"):
         tasks = scope["tasks"]
-        return (f"task{'s' if len(tasks) > 1 else ''} {task_arrays.format_indices(tasks)}"
-                f" ({len(tasks)} of the {scope.get('of_tasks', len(tasks))} a lease ran):"
-                f" every output file, compared {scope['outputs']}")
+        # (a sample of up to a quarter of 1,000 tasks is named by its range, as a render's)
+        named = (f"task{'s' if len(tasks) > 1 else ''} {task_arrays.format_indices(tasks)}"
+                 if len(tasks) <= 8 else f"{len(tasks)} tasks drawn from {min(tasks)}-"
+                 f"{max(tasks)}")
+        return (f"{named} ({len(tasks)} of the {scope.get('of_tasks', len(tasks))} a lease"
+                f" ran): every output file, compared {scope['outputs']}")
     if scope.get("outputs"):
         start = f"from step {step_from}" if step_from else "from the start"
         return f"the run {start}: every output file, compared {scope['outputs']}"
     if scope.get("answers"):
         return (f"{scope['answers']} sampled answer{'s' if scope['answers'] > 1 else ''} of"
-                f" {scope.get('of_answers', scope['answers'])} in a window, prefilled:"
-                " fingerprints")
+                f" {scope.get('of_answers', scope['answers'])} in a window, "
+                + ("embedded again: vectors" if scope.get("task") == "embed" else
+                   "prefilled: fingerprints"))
     if scope.get("batch_size"):
         how = ", prefilled: fingerprints" if scope.get("claimed") else ""
         return f"a batch of {scope['batch_size']} rows from row {step_from} on{how}"

@@ -1,6 +1,7 @@
 """A sample of each endpoint's answers, kept for a check of them (docs/verification.md,
 Endpoint answers): the request as its replica's engine got it, the token ids the replica says
-it generated and the fingerprints it committed to in its final message. The router draws and
+it generated and the fingerprints it committed to in its final message (an embed endpoint's:
+the vectors it returned). The router draws and
 bounds the sample in memory (no write for an answer not kept); each answer kept is written
 to the store as it is kept (``keep``, table ``answer_samples``, one small transaction by
 ``StoreWriter``), and the autoscaler takes a window's kept answers from there when it settles
@@ -36,6 +37,7 @@ MAX_PER_WINDOW = 64               # answers kept per replica per window (answer_
 MAX_REPLICA_BYTES = 2 << 20       # request + token ids + fingerprints kept per replica per window
 MAX_ENDPOINT_BYTES = 8 << 20      # ... and over all of an endpoint's replicas
 DEFAULT_RATE = 0.02
+EMBED_VALUE_BYTES = 24            # a kept vector's number as JSON text, at most (-1.23...e-05)
 
 
 @dataclass
@@ -111,13 +113,20 @@ class AnswerSamples:
             as_dict = json.loads(request)
         except ValueError:
             return False
-        # None where the replica sent none: judged a failed check (it was asked for them)
-        sample = {"request": as_dict, "token_ids": final.token_ids,
-                  "fingerprints": final.fingerprints}
-        if tokens_only(getattr(replica, "engine", "")):
-            sample["tokens_only"] = True    # its engine's fallback: judged by its tokens
-        size = len(request) + 8 * len(final.token_ids or ()) + sum(
-            len(p) for p in final.fingerprints or ())
+        if final.embeddings is not None:
+            # An embed endpoint's answer is its vectors: a checker embeds the same inputs
+            # (kinds/endpoint.py compare_embeddings). Counted as their JSON text may take
+            # (up to EMBED_VALUE_BYTES a number), so a window's sample stays in its bounds.
+            sample = {"request": as_dict, "embeddings": final.embeddings}
+            size = len(request) + EMBED_VALUE_BYTES * sum(len(v) for v in final.embeddings)
+        else:
+            # None where the replica sent none: judged a failed check (it was asked for them)
+            sample = {"request": as_dict, "token_ids": final.token_ids,
+                      "fingerprints": final.fingerprints}
+            if tokens_only(getattr(replica, "engine", "")):
+                sample["tokens_only"] = True    # its engine's fallback: judged by its tokens
+            size = len(request) + 8 * len(final.token_ids or ()) + sum(
+                len(p) for p in final.fingerprints or ())
         held = self.endpoint_bytes.get(w.endpoint_id, 0)
         if w.bytes + size > MAX_REPLICA_BYTES or held + size > MAX_ENDPOINT_BYTES:
             return False

@@ -78,7 +78,8 @@ class Replica:
     failures: int = 0           # server errors in a row
     benched_until: float = 0.0  # after BENCH_AFTER of them: chosen last until then
     usage: list[int] = field(default_factory=lambda: [0, 0, 0, 0])  # req, err, in, out
-    fingerprinted: bool = False  # the batch engine: its answers are sampled and checked
+    fingerprinted: bool = False  # its answers are sampled and checked: the batch engine's
+                                 # (fingerprints), an embed endpoint's (vectors)
 
     def failed(self) -> None:
         self.failures += 1
@@ -221,7 +222,7 @@ class Serving:
             for job_id, replica in ep.replicas.items():
                 # from the spec and the lease's device class (the batch engine's fallback
                 # too, judged by its tokens: kinds/endpoint.py)
-                replica.fingerprinted = endpoint_kind.fingerprinted(
+                replica.fingerprinted = endpoint_kind.answers_sampled(
                     ep.settings, accelerators.get((job_id, replica.epoch), 0), replica.engine)
         for key in list(self.announced):
             if not any(key[0] == r.id and key[1] == r.epoch
@@ -435,8 +436,7 @@ class Serving:
         limits = Limits(len(data), request.max_tokens if isinstance(request, Complete) else 0)
         # Drawn now, before a replica is chosen; its bytes kept to the answer only if it may
         # be sampled (answer_samples.py bounds what is kept).
-        drawn = self.samples.wants(ep.id, ep.ready()) if isinstance(request, Complete) \
-            else False
+        drawn = self.samples.wants(ep.id, ep.ready())
         sample = data if drawn is not False else None
         del data, request               # the hold has it, until the answer begins
         deadline = began + DEADLINE_TIMEOUTS * self.request_timeout_s
@@ -493,7 +493,7 @@ class Serving:
                         streamed = True
                         self.shares.release(hold)   # no retry from here: the body is done
                     if last:
-                        if message.error is None and message.embeddings is None:
+                        if message.error is None:      # (embeddings too: their vectors)
                             self.samples.offer(replica, sample[0], message, sample[1])
                         message = self._account(ep, replica, message, began, first, limits)
                     yield message

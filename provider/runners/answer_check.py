@@ -3,10 +3,13 @@ sampled answer is a request as the engine got it, the token ids the replica says
 generated and the fingerprints it committed to in its final message (engine_protocol.Final).
 One prefill pass of each request's prompt (tokenized as the engine does: engine.
 parse_completion) plus those ids, judged by the generate kind's fingerprint rule for the
-endpoint's dtype, greedy requests by the token gap too."""
+endpoint's dtype, greedy requests by the token gap too. An embed endpoint's answers are its
+vectors: the checker embeds each sampled request's inputs again with the endpoint's model
+(``embed_check``), and the broker compares the vectors by the embed kind's rule."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from pathlib import Path
@@ -87,6 +90,9 @@ def run_check(job, workdir: Path, report) -> None:
     except (OSError, ValueError, TypeError) as exc:
         raise JobError(f"the sampled answers are unreadable ({exc})") from exc
     settings = Settings.from_params(job.params)
+    if settings.task == "embed":
+        embed_check(job, workdir, claimed, report)
+        return
     device = torch_device(job)
     model_dir = unpack_model(job, "model", workdir)
     tokenizer, model = load(model_dir, device, torch_dtype(settings.dtype, device),
@@ -109,4 +115,56 @@ def run_check(job, workdir: Path, report) -> None:
                "float_bits": float(torch_float_bits(model))}
     (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
     print(f"answer check: {len(order)} answers prefilled in {elapsed:.2f}s", flush=True)
+    report.done(**metrics)
+
+
+def replay_embeddings(engine, samples: list[dict]) -> list[dict]:
+    """The checker's side of an embed endpoint's check: per sample ({"request": an Embed as
+    a dict}; never the replica's vectors), the vectors the endpoint's model gives its inputs
+    (the replica's own engine, provider/runners/engine.py EmbedEngine, on this provider):
+    {"embeddings": [...]}, or {"error": why} for a request the engine would refuse. At most
+    MAX_SAMPLES; the rest {"error": ...}."""
+    from gpumarket.kinds.engine_protocol import Embed
+
+    out = []
+    for n, sample in enumerate(samples):
+        if n >= MAX_SAMPLES:
+            out.append({"error": "not checked: too many samples"})
+            continue
+        try:
+            texts = Embed.from_dict(sample["request"]).input
+        except (BadRequest, KeyError, TypeError, ValueError, AttributeError) as exc:
+            out.append({"error": f"not a sample that can be checked ({exc})"[:300]})
+            continue
+        final = asyncio.run(engine.embed(texts))     # as the replica's engine answers it
+        out.append({"embeddings": final.embeddings} if final.error is None else
+                   {"error": f"not a sample that can be checked ({final.error})"[:300]})
+    return out
+
+
+def embed_check(job, workdir: Path, claimed: dict[int, dict], report) -> None:
+    """An embed endpoint's check: load the endpoint's model as its replicas do
+    (engine.load_engine), embed each sampled request's inputs, and write
+    outputs/answers.jsonl (index, embeddings; or an error) and metrics.json with the float
+    width the model computed in (its tolerance: kinds/embed.py). Raises JobError."""
+    from gpumarket.provider.runners.engine import load_engine
+    from gpumarket.provider.runners.generate import torch_float_bits
+
+    engine = load_engine(job, workdir)
+    order = sorted(claimed)
+    began = time.perf_counter()
+    try:
+        replayed = replay_embeddings(engine, [claimed[i] for i in order])
+    finally:
+        asyncio.run(engine.close())
+    elapsed = time.perf_counter() - began
+    out_dir = workdir / "outputs"
+    out_dir.mkdir(exist_ok=True)
+    with open(out_dir / ANSWERS, "w", encoding="utf-8") as f:
+        for i, record in zip(order, replayed):
+            f.write(json.dumps({"index": i, **record}) + "\n")
+    metrics = {"answers": float(len(order)), "embed_seconds": elapsed,
+               "float_bits": float(torch_float_bits(engine.model))}
+    (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
+    print(f"answer check: {len(order)} embed answers replayed in {elapsed:.2f}s", flush=True)
     report.done(**metrics)
