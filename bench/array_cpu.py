@@ -8,11 +8,12 @@ on a real broker and two real providers, every result then fetched and checked.
 
 Per case: tasks_per_s, lost outputs, the load average before and after, and the broker's and
 each provider daemon's CPU (user + system, its own threads; not its jobs' processes) divided
-by the tasks; and each provider's job processes' (``p1_jobs``: the runner and the tasks' own
-work, a lease's process counted once it has ended). ``--idle S``: one script job (not an array) that sleeps S seconds, and each
-daemon's CPU seconds over its run (one provider follows it, the other is the baseline
-beside it). ``--profile DIR``: the broker and the providers run under cProfile (each of
-their threads), each writing DIR/<name>-<pid>.prof when it stops (``python -m pstats``).
+by the tasks; and each provider's job processes' (``p1_jobs``, those its forkservers forked:
+the runner and the tasks' own work, a lease's process counted once it has ended). ``--idle
+S``: one script job (not an array) that sleeps S seconds, and each daemon's CPU seconds over
+its run (one provider follows it, the other is the baseline beside it). ``--profile DIR``:
+the broker and the providers run under cProfile (each of their threads), each writing
+DIR/<name>-<pid>.prof when it stops (``python -m pstats``).
 The last line is one JSON object of them.
 """
 
@@ -77,11 +78,14 @@ def cpu_s(pid: int, reaped: bool = False) -> float:
     return (own + (int(fields[13]) + int(fields[14]) if reaped else 0)) / TICK
 
 
-def children(pid: int) -> list[int]:
-    """The process's children now (every thread's)."""
+def forkservers(pid: int) -> list[int]:
+    """The daemon's forkservers now: its children (every thread's) that run one (not its
+    keyrings helper, which also is one)."""
     out: list[int] = []
     for tid in os.listdir(f"/proc/{pid}/task"):
-        out += map(int, Path(f"/proc/{pid}/task/{tid}/children").read_text().split())
+        for child in Path(f"/proc/{pid}/task/{tid}/children").read_text().split():
+            if b"runners.forkserver" in Path(f"/proc/{child}/cmdline").read_bytes():
+                out.append(int(child))
     return out
 
 
@@ -126,7 +130,7 @@ def main() -> None:
                 **{name: p.proc.pid for name, p in market.providers.items()}}
         # Each provider's forkservers: its job processes are their children (a lease's
         # tasks run in one, forked when the lease starts and waited for when it ends).
-        forks = {f"{name}_jobs": children(p.proc.pid) for name, p in market.providers.items()}
+        forks = {f"{name}_jobs": forkservers(p.proc.pid) for name, p in market.providers.items()}
         for case, tasks, rounds in (("outputs", args.outputs, throughput.LIGHT_ROUNDS),
                                     ("heavy", args.heavy, throughput.HEAVY_ROUNDS)):
             if not tasks:
