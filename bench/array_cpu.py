@@ -8,10 +8,12 @@ on a real broker and two real providers, every result then fetched and checked.
 
 Per case: tasks_per_s, lost outputs, the load average before and after, and the broker's and
 each provider daemon's CPU (user + system, its own threads; not its jobs' processes) divided
-by the tasks. ``--idle S``: one script job (not an array) that sleeps S seconds, and each
-daemon's CPU seconds over its run (one provider follows it, the other is the baseline
-beside it). ``--profile DIR``: the broker and the providers run under cProfile (each of
-their threads), each writing DIR/<name>-<pid>.prof when it stops (``python -m pstats``).
+by the tasks; and each provider's job processes' (``p1_jobs``, those its forkservers forked:
+the runner and the tasks' own work, a lease's process counted once it has ended). ``--idle
+S``: one script job (not an array) that sleeps S seconds, and each daemon's CPU seconds over
+its run (one provider follows it, the other is the baseline beside it). ``--profile DIR``:
+the broker and the providers run under cProfile (each of their threads), each writing
+DIR/<name>-<pid>.prof when it stops (``python -m pstats``).
 The last line is one JSON object of them.
 """
 
@@ -68,10 +70,30 @@ IDLE_JOB = ("import sys, time\nfrom gpumarket.provider.runners import task\n"
             "task.output_dir()\ntime.sleep(float(sys.argv[1]))\n")
 
 
-def cpu_s(pid: int) -> float:
-    """The process's own user + system CPU seconds so far."""
+def cpu_s(pid: int, reaped: bool = False) -> float:
+    """The process's own user + system CPU seconds so far (``reaped``: with those of its
+    children it has waited for)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICK
+    own = int(fields[11]) + int(fields[12])
+    return (own + (int(fields[13]) + int(fields[14]) if reaped else 0)) / TICK
+
+
+def forkservers(pid: int) -> list[int]:
+    """The daemon's forkservers now: its children (every thread's) that run one (not its
+    keyrings helper, which also is one)."""
+    out: list[int] = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        for child in Path(f"/proc/{pid}/task/{tid}/children").read_text().split():
+            if b"runners.forkserver" in Path(f"/proc/{child}/cmdline").read_bytes():
+                out.append(int(child))
+    return out
+
+
+def jobs_cpu_s(forkservers: list[int]) -> float:
+    """CPU seconds of the job processes forked by ``forkservers`` and ended (each forkserver
+    waits for its children: their time is in its own reaped time), with the forkservers'
+    own (a few ms)."""
+    return sum(cpu_s(pid, reaped=True) for pid in forkservers)
 
 
 def main() -> None:
@@ -106,20 +128,27 @@ def main() -> None:
         throughput.run_array(market, root, "warm-up", 100, None)
         pids = {"broker": market.broker.proc.pid,
                 **{name: p.proc.pid for name, p in market.providers.items()}}
+        # Each provider's forkservers: its job processes are their children (a lease's
+        # tasks run in one, forked when the lease starts and waited for when it ends).
+        forks = {f"{name}_jobs": forkservers(p.proc.pid) for name, p in market.providers.items()}
         for case, tasks, rounds in (("outputs", args.outputs, throughput.LIGHT_ROUNDS),
                                     ("heavy", args.heavy, throughput.HEAVY_ROUNDS)):
             if not tasks:
                 continue
-            before, load = {k: cpu_s(p) for k, p in pids.items()}, os.getloadavg()[0]
+            def now() -> dict[str, float]:
+                return {**{k: cpu_s(p) for k, p in pids.items()},
+                        **{k: jobs_cpu_s(f) for k, f in forks.items()}}
+
+            before, load = now(), os.getloadavg()[0]
             run = throughput.run_array(market, root, case, tasks, rounds)
-            after = {k: cpu_s(p) for k, p in pids.items()}
+            after = now()
             lost = throughput.lost_outputs(market, root, run["job_id"], tasks, rounds,
                                            case == "outputs")
             out[case] = {"tasks_per_s": round(run["tasks_per_s"], 1), "lost_outputs": lost,
                          "load_before": round(load, 1),
                          "load_after": round(os.getloadavg()[0], 1),
                          **{f"{k}_cpu_ms_per_task": round((after[k] - before[k]) / tasks * 1e3, 3)
-                            for k in pids}}
+                            for k in after}}
             print(case, ", ".join(f"{k} {v}" for k, v in out[case].items()), flush=True)
         if args.idle:
             out["idle"] = idle_job(market, root, args.idle, pids)
