@@ -6,8 +6,11 @@ runner that does. A kind module (gpumarket/kinds/training.py, or a plugin's) mak
 from __future__ import annotations
 
 import json
+import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from random import Random
 from typing import Any
 
 from gpumarket.kinds.schema import TYPE_WORDS, Param, ParamError, check_values
@@ -25,6 +28,26 @@ class Unfinished(Exception):
     def __init__(self, detail: str, progress: dict[str, Any]):
         super().__init__(detail)
         self.progress = progress
+
+
+def in_time(items: list[int], compared: Iterable[int], seconds: float, draw: Random,
+            key: str, said: str) -> Iterator[int]:
+    """The ``items`` of a check's sample an earlier pass has not ``compared`` (and found
+    equal), in an order ``draw`` makes (none the checked provider can aim at), for at most
+    ``seconds`` after the first: the caller compares each and stops at a difference. Raises
+    Unfinished (its progress: {``key``: the items found equal so far}) when the time ran
+    out with items left; ``said`` names them and what equal means, for its message. At
+    least one item a call, so a comparison ends within as many passes as it has items."""
+    done = set(compared) & set(items)
+    order = [x for x in items if x not in done]
+    draw.shuffle(order)
+    until = time.monotonic() + seconds
+    for count, item in enumerate(order):
+        if count and time.monotonic() > until:
+            raise Unfinished(f"{len(done)} of the {len(items)} {said}; the rest not within"
+                             f" {seconds:g}s", {key: sorted(done)})
+        yield item
+        done.add(item)
 
 
 @dataclass(frozen=True)

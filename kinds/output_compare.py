@@ -16,13 +16,12 @@ import hashlib
 import json
 import math
 import secrets
-import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from gpumarket.kinds.arrays import output_task
-from gpumarket.kinds.base import Unfinished
+from gpumarket.kinds.base import in_time
 
 RULES = ("exact", "json")
 JSON_LIMIT = 64 << 20    # bytes: a file larger than this is compared byte for byte (the
@@ -82,20 +81,12 @@ def compare_task_outputs(expect: dict[str, Path], got: dict[str, Path], tasks: l
         if task not in wanted:
             return False, f"{name[:200]} is not a file of a replayed task"
         by_task.setdefault(task, []).append(name)
-    done = set(compared) & wanted
-    order = [t for t in sorted(wanted) if t not in done]
-    _draw.shuffle(order)
-    until = time.monotonic() + TASK_COMPARE_S
-    for count, task in enumerate(order):
-        if count and time.monotonic() > until:
-            raise Unfinished(f"{len(done)} of the {len(wanted)} replayed tasks compared,"
-                             f" their files equal; the rest not within {TASK_COMPARE_S:g}s",
-                             {"compared_tasks": sorted(done)})
+    for task in in_time(sorted(wanted), compared, TASK_COMPARE_S, _draw, "compared_tasks",
+                        "replayed tasks compared, their files equal"):
         for name in sorted(by_task.get(task, ())):
             same, why = _same_file(expect[name], got[name], rule, rtol, atol)
             if not same:
                 return False, f"{name} differs{why}"
-        done.add(task)
     how = "identical" if rule == "exact" else f"equal as JSON (rtol {rtol:g}, atol {atol:g})"
     return True, (f"{len(expect)} output file{'s' if len(expect) != 1 else ''} of"
                   f" {len(wanted)} task{'s' if len(wanted) != 1 else ''} {how}")

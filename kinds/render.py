@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
-from gpumarket.kinds.base import Kind, Unfinished
+from gpumarket.kinds.base import Kind, in_time
 from gpumarket.kinds.schema import UINT32, Param, ParamError
 from gpumarket.proto.v1 import types_pb2 as pb
 
@@ -145,15 +145,8 @@ def compare_sample(expect: dict[str, Path], got: dict[str, Path], frames: list[i
     (that would hold an honest provider's pay for the broker's slowness). Each call compares
     at least one frame, so a check's comparison ends within as many passes as its sample
     has frames."""
-    done = set(compared) & set(frames)
-    order = [f for f in frames if f not in done]
-    _draw.shuffle(order)
-    until = time.monotonic() + SAMPLE_COMPARE_S
-    for count, frame in enumerate(order):
-        if count and time.monotonic() > until:
-            raise Unfinished(f"{len(done)} of the {len(frames)} sampled frames compared,"
-                             f" pixels identical; the rest not within {SAMPLE_COMPARE_S:g}s",
-                             {"compared": sorted(done)})
+    for frame in in_time(frames, compared, SAMPLE_COMPARE_S, _draw, "compared",
+                         "sampled frames compared, pixels identical"):
         name = frame_name(frame)
         if name not in expect:
             return False, f"the provider returned no {name}"
@@ -169,7 +162,6 @@ def compare_sample(expect: dict[str, Path], got: dict[str, Path], frames: list[i
                      .any(axis=-1).sum())
         if differ:
             return False, f"{name}: {differ} of {want.shape[0] * want.shape[1]} pixels differ"
-        done.add(frame)
     return True, f"{said_frames(frames)}: pixels identical"
 
 
