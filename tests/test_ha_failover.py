@@ -42,16 +42,17 @@ def leases(url: str) -> list[tuple[str, int, str, str]]:
                             " ORDER BY job_id, epoch").fetchall()
 
 
-def start_second_broker(market: Marketplace, url: str) -> tuple[Process, dict]:
+def start_second_broker(market: Marketplace, url: str, *extra: str) -> tuple[Process, dict]:
     """Broker b on the same store: the market's identity (broker.key copied, as an operator
-    does) and its blobs (data_dir/artifacts on a shared filesystem: here a link)."""
+    does) and its blobs (data_dir/artifacts on a shared filesystem: here a link); ``extra``,
+    its own further arguments."""
     data = market.root / "broker-b"
     data.mkdir(mode=0o700)
     shutil.copy2(market.root / "broker" / "broker.key", data / "broker.key")
     (data / "artifacts").symlink_to(market.root / "broker" / "artifacts")
     proc = Process([str(BIN / "gpumarket-broker"), "serve", "--listen", "127.0.0.1:0",
                     "--data-dir", str(data), "--no-verify", *LEASE_ARGS, "--store", url,
-                    "--leader-ttl", TTL], market.root / "broker-b.log", market.env)
+                    *extra], market.root / "broker-b.log", market.env)
     wait_until(lambda: (data / "broker.json").exists() or not proc.alive(), "broker b")
     assert proc.alive(), proc.text()
     return proc, json.loads((data / "broker.json").read_text())
@@ -65,7 +66,7 @@ def test_the_leader_dies_mid_job_and_the_other_broker_takes_over(tmp_path, pg_cl
         market.start_broker(*LEASE_ARGS, "--store", url, "--leader-ttl", TTL)
         a = json.loads((tmp_path / "broker" / "broker.json").read_text())
         wait_until(lambda: (leadership(url) or ("",))[0] == a["holder"], "broker a to lead")
-        b, b_info = start_second_broker(market, url)
+        b, b_info = start_second_broker(market, url, "--leader-ttl", TTL)
         assert b_info["broker_id"] == a["broker_id"]            # one market, one key
         market.address = f"{a['address']},{b_info['address']}"  # client and provider: both
         market.start_provider("p1", 1.0)

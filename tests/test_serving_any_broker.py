@@ -8,37 +8,20 @@ client of the survivor gets the same answers from the replica, moved there."""
 from __future__ import annotations
 
 import json
-import shutil
 import signal
 
 import openai
 import pytest
 
-from tests.helpers import BIN, Marketplace, Process, wait_until
+from tests.helpers import Marketplace, wait_until
 from tests.models import tiny_causal_lm
-from tests.test_ha_failover import leadership
+from tests.test_ha_failover import LEASE_ARGS, leadership, start_second_broker
 from tests.test_serving import client, endpoint_file, new_key, ready_replicas
 
 pytestmark = pytest.mark.e2e
 WARM_PROVIDERS = False
-LEASE_ARGS = ("--lease-timeout", "10", "--heartbeat-interval", "0.5")
 ASK = {"messages": [{"role": "user", "content": "the quick brown fox"}], "max_tokens": 8,
        "temperature": 0}
-
-
-def second_broker(market: Marketplace, url: str) -> tuple[Process, dict]:
-    """Broker b on the same store, with the market's key and blobs (tests/test_ha_failover)
-    and its own HTTP side."""
-    data = market.root / "broker-b"
-    data.mkdir(mode=0o700)
-    shutil.copy2(market.root / "broker" / "broker.key", data / "broker.key")
-    (data / "artifacts").symlink_to(market.root / "broker" / "artifacts")
-    proc = Process([str(BIN / "gpumarket-broker"), "serve", "--listen", "127.0.0.1:0",
-                    "--data-dir", str(data), "--no-verify", *LEASE_ARGS, "--store", url,
-                    "--http", "127.0.0.1:0"], market.root / "broker-b.log", market.env)
-    wait_until(lambda: (data / "broker.json").exists() or not proc.alive(), "broker b")
-    assert proc.alive(), proc.text()
-    return proc, json.loads((data / "broker.json").read_text())
 
 
 def chat(api: openai.OpenAI) -> tuple[str, str]:
@@ -57,7 +40,7 @@ def test_a_broker_without_the_replica_relays_to_the_one_with_it(tmp_path, pg_clu
         market.start_broker(*LEASE_ARGS, "--store", url, "--http", "127.0.0.1:0")
         a = json.loads((tmp_path / "broker" / "broker.json").read_text())
         wait_until(lambda: (leadership(url) or ("",))[0] == a["holder"], "broker a to lead")
-        b, b_info = second_broker(market, url)
+        b, b_info = start_second_broker(market, url, "--http", "127.0.0.1:0")
         # The provider connects to b (a only if b goes); the CLI asks b.
         leader = a["address"]
         market.address = f"{b_info['address']},{leader}"

@@ -106,15 +106,23 @@ def run_check(job, workdir: Path, report) -> None:
     began = time.perf_counter()
     replayed = replay_answers(tokenizer, model, device, seq, [claimed[i] for i in order])
     elapsed = time.perf_counter() - began
+    returned(workdir, order, replayed, {"prefill_seconds": elapsed,
+                                        "float_bits": float(torch_float_bits(model))},
+             f"{len(order)} answers prefilled in {elapsed:.2f}s", report)
+
+
+def returned(workdir: Path, order: list[int], replayed: list[dict], metrics: dict,
+             said: str, report) -> None:
+    """What a check of answers returns: outputs/answers.jsonl (index and the replay's record
+    of each sampled answer) and metrics.json (its figures, ``answers`` among them)."""
     out_dir = workdir / "outputs"
     out_dir.mkdir(exist_ok=True)
     with open(out_dir / ANSWERS, "w", encoding="utf-8") as f:
         for i, record in zip(order, replayed):
             f.write(json.dumps({"index": i, **record}) + "\n")
-    metrics = {"answers": float(len(order)), "prefill_seconds": elapsed,
-               "float_bits": float(torch_float_bits(model))}
+    metrics = {"answers": float(len(order)), **metrics}
     (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
-    print(f"answer check: {len(order)} answers prefilled in {elapsed:.2f}s", flush=True)
+    print(f"answer check: {said}", flush=True)
     report.done(**metrics)
 
 
@@ -158,13 +166,6 @@ def embed_check(job, workdir: Path, claimed: dict[int, dict], report) -> None:
     finally:
         asyncio.run(engine.close())
     elapsed = time.perf_counter() - began
-    out_dir = workdir / "outputs"
-    out_dir.mkdir(exist_ok=True)
-    with open(out_dir / ANSWERS, "w", encoding="utf-8") as f:
-        for i, record in zip(order, replayed):
-            f.write(json.dumps({"index": i, **record}) + "\n")
-    metrics = {"answers": float(len(order)), "embed_seconds": elapsed,
-               "float_bits": float(torch_float_bits(engine.model))}
-    (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
-    print(f"answer check: {len(order)} embed answers replayed in {elapsed:.2f}s", flush=True)
-    report.done(**metrics)
+    returned(workdir, order, replayed, {"embed_seconds": elapsed,
+                                        "float_bits": float(torch_float_bits(engine.model))},
+             f"{len(order)} embed answers replayed in {elapsed:.2f}s", report)
