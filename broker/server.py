@@ -53,6 +53,8 @@ from gpumarket.proto.v1 import (
 
 log = logging.getLogger(__name__)
 
+SESSIONS_END_S = 5.0    # at shutdown, how long the providers' sessions may take to end
+
 SERVICES = (
     gateway_pb2.DESCRIPTOR.services_by_name["ProviderGateway"].full_name,
     marketplace_pb2.DESCRIPTOR.services_by_name["Marketplace"].full_name,
@@ -214,8 +216,18 @@ class BrokerServer:
         if self.server is not None:
             server, self.server = self.server, None
             await server.stop(self.config.shutdown_grace_s)
-        if self.gateway is not None and self.gateway.cleanups:
-            await asyncio.gather(*self.gateway.cleanups, return_exceptions=True)
+        if self.gateway is not None:
+            # A provider's session handler may learn that the server stopped only after
+            # server.stop returned: its bookkeeping (gateway.cleanups) must still reach the
+            # store before it closes. Bounded: a session that will not end is left.
+            loop = asyncio.get_running_loop()
+            until = loop.time() + SESSIONS_END_S
+            while loop.time() < until and (self.gateway.cleanups
+                                           or any(self.state.sessions.local())):
+                if self.gateway.cleanups:
+                    await asyncio.gather(*self.gateway.cleanups, return_exceptions=True)
+                else:
+                    await asyncio.sleep(0.01)
         if self.state is not None:
             self.state.store.close()
 
