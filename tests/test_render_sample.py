@@ -12,6 +12,7 @@ import dataclasses
 import hashlib
 import json
 import random
+import threading
 
 import pytest
 
@@ -159,28 +160,29 @@ def broker(tmp_path, monkeypatch):
     b.close()
 
 
-def rendered_job(b: Broker, tmp_path, doctored=()) -> tuple[str, list[int]]:
-    """A render job of 40 frames run by "pa" (``doctored`` frames wrong) and its check
-    replayed by "h1"; returns the check and its sampled frames."""
+def rendered_job(b: Broker, tmp_path, doctored=(), job_id: str = "j", frames: int = 40
+                 ) -> tuple[str, list[int]]:
+    """A render job of ``frames`` frames run by "pa" (``doctored`` frames wrong) and its
+    check replayed by "h1"; returns the check and its sampled frames."""
     spec = pb.JobSpec()
-    render.KIND.write(spec, {**RENDER, "frame_end": 40})
-    job = new_job("j", "ca", 500_000, True)
+    render.KIND.write(spec, {**RENDER, "frame_end": frames})
+    job = new_job(job_id, "ca", 500_000, True)
     b.write(jobs.submit, dataclasses.replace(
         job, spec=pb.Envelope(payload=spec.SerializeToString()).SerializeToString(),
         needs=dataclasses.replace(job.needs, kind=pb.JOB_KIND_RENDER)), b.now)
-    start(b, "j", "pa")
-    delivered, replayed = sample_files(tmp_path, range(1, 41), doctored)
+    start(b, job_id, "pa")
+    delivered, replayed = sample_files(tmp_path, range(1, frames + 1), doctored)
     b.now += 60_000
-    b.write(jobs.succeed, "j", b.job("j")["epoch"], "pa", b.receipt("j", "pa", delivered),
-            b.now, CHECK)
-    (check,) = b.checks("j")
-    check_id, frames = check["id"], b.read(verification.scope_of, check["id"]).frames
+    b.write(jobs.succeed, job_id, b.job(job_id)["epoch"], "pa",
+            b.receipt(job_id, "pa", delivered), b.now, CHECK)
+    (check,) = b.checks(job_id)
+    check_id, sample = check["id"], b.read(verification.scope_of, check["id"]).frames
     start(b, check_id, "h1")
     b.now += 30_000
     b.write(jobs.succeed, check_id, b.job(check_id)["epoch"], "h1",
             b.receipt(check_id, "h1", {render.frame_name(f): replayed[render.frame_name(f)]
-                                       for f in frames}), b.now)
-    return check_id, list(frames)
+                                       for f in sample}), b.now)
+    return check_id, list(sample)
 
 
 def test_the_broker_judges_a_sample_compared_over_passes_only_once_it_is_whole(
@@ -238,3 +240,23 @@ def test_a_doctored_frame_found_on_a_later_pass_calls_a_tie_break_that_starts_af
     assert len(memos[-1]["first"]["compared"]) == len(frames) - 1
     assert [c["state"] for c in broker.checks("j")] == ["failed", "failed"]
     assert broker.read(verification.record, "pa")[2] == 1     # pa was found wrong
+
+
+def test_two_checks_are_compared_at_once_so_a_long_one_holds_back_no_verdict(
+        broker, tmp_path, monkeypatch):
+    """The verdict loop compared one check after another: a render sample taking its 120 s
+    a pass held back every check behind it. Now checks are compared side by side (COMPARERS
+    threads): each comparison here waits, in its thread, until the other has begun — one
+    after another, the first would wait alone and fail."""
+    rendered_job(broker, tmp_path, job_id="j")
+    rendered_job(broker, tmp_path, job_id="k", frames=20)
+    both = threading.Barrier(2, timeout=10)
+    compare = verdicts._compare
+
+    def side_by_side(*args):
+        both.wait()
+        return compare(*args)
+
+    monkeypatch.setattr(verdicts, "_compare", side_by_side)
+    assert broker.decide() == 2
+    assert [c["state"] for job in ("j", "k") for c in broker.checks(job)] == ["passed"] * 2
