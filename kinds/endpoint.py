@@ -78,7 +78,8 @@ class Endpoint(Kind):
             if have[i].get("error"):
                 return False, f"answer {i}: {str(have[i]['error'])[:200]}"
             if want[i].get("tokens_only") and not scope.get("replays"):
-                # the batch engine's fallback commits to its token ids alone
+                # vLLM's answers, and the batch engine's fallback's, commit to their token
+                # ids alone
                 agrees, why = _tokens_agree(dtype, want[i], have[i])
                 if not agrees:
                     return False, f"answer {i}: {why}"
@@ -96,7 +97,8 @@ class Endpoint(Kind):
         if unjudged:
             return True, (f"{len(want) - unjudged} of {len(want)} answers agree; {unjudged}"
                           " sampled (temperature > 0) of an engine that records no"
-                          " fingerprints could not be judged")
+                          " fingerprints (vLLM, or a batch engine's fallback) could not be"
+                          " judged")
         return True, f"{len(want)} answers agree (fingerprints within the {dtype or 'auto'}" \
                      " tolerance)"
 
@@ -188,33 +190,41 @@ def answer_rows(path: Path) -> dict[int, dict]:
 CALLS_FALLBACK = "batch (one transformers generate call at a time"
 
 
-def fingerprinted(settings: dict, accelerator: int, engine_said: str = "") -> bool:
-    """Whether a replica of an endpoint with these ``settings``, leased on this device class,
-    runs the batch engine ("batch", or "auto" on a CPU), whose answers are sampled and
-    checked: every completion it answers must carry its token ids and, unless the replica
-    said (``engine_said``, its ReplicaReady) that the engine fell back to generate calls
-    (``tokens_only``), its fingerprints. A replica cannot go unchecked by saying it fell back
-    (docs/verification.md)."""
-    if settings.get("task") != "generate":
-        return False
+def batch_engine(settings: dict, accelerator: int) -> bool:
+    """Whether a replica with these endpoint ``settings``, leased on this device class, runs
+    the batch engine: "batch", or "auto" on a CPU (provider/runners/engine.py load_engine)."""
     engine = settings.get("engine", "")
     return engine == "batch" or (engine in ("", "auto") and accelerator == pb.ACCELERATOR_CPU)
 
 
+def fingerprinted(settings: dict, accelerator: int, engine_said: str = "") -> bool:
+    """Whether a replica of an endpoint with these ``settings`` commits each completion it
+    answers to what a check prefills: every generate replica, whatever its engine. Every
+    completion must carry its token ids, and its fingerprints unless ``tokens_only``: the
+    batch engine records them as it decodes, the continuous engine (CUDA's default) makes
+    them by one prefill as an answer ends; vLLM's answers carry their token ids alone. No
+    replica goes unchecked by what it says of its engine (docs/verification.md)."""
+    return settings.get("task") == "generate"
+
+
 def answers_sampled(settings: dict, accelerator: int, engine_said: str = "") -> bool:
     """Whether the router samples a replica's answers for a check: a generate replica that
-    ``fingerprinted`` says records what its answers commit to, and every replica of an
-    embed endpoint (its answer is its vectors: a checker embeds the same inputs with the
-    endpoint's model and compares them, kinds/embed.py's rule; docs/verification.md)."""
+    ``fingerprinted`` says commits to its answers, and every replica of an embed endpoint
+    (its answer is its vectors: a checker embeds the same inputs with the endpoint's model
+    and compares them, kinds/embed.py's rule; docs/verification.md)."""
     return settings.get("task") == "embed" or fingerprinted(settings, accelerator, engine_said)
 
 
-def tokens_only(engine_said: str) -> bool:
-    """Whether a replica's answers commit to their token ids alone: its batch engine said it
-    fell back to generate calls, which record no fingerprints. Such an answer is judged by
-    its tokens only: greedy, each must be the replay's top token (the token gap); sampled,
-    it cannot be judged."""
-    return engine_said.startswith(CALLS_FALLBACK)
+def tokens_only(settings: dict, accelerator: int, engine_said: str) -> bool:
+    """Whether a generate replica's answers commit to their token ids alone: a vLLM
+    endpoint's (the client's signed ``engine``; vLLM keeps no activations a replica could
+    fingerprint), or a batch engine's that said (``engine_said``, its ReplicaReady) it fell
+    back to generate calls, which record no fingerprints; a replica of another engine saying
+    so is not believed. Such an answer is judged by its tokens only: greedy, each must be
+    the replay's top token (the token gap); sampled, it cannot be judged."""
+    if settings.get("engine") == "vllm":
+        return True
+    return batch_engine(settings, accelerator) and engine_said.startswith(CALLS_FALLBACK)
 
 
 def model_positions(config: dict) -> int:

@@ -79,8 +79,13 @@ def end_window(w: World, lease: dict, answered: list[tuple[bytes, Final]],
                engine: str = "") -> str:
     """The replica answered these in a window (each sampled, as at rate 1); the autoscaler's
     settle pass ends the window. Returns the check queued."""
+    from gpumarket.kinds.endpoint import settings_of, tokens_only
+
     samples = AnswerSamples(1.0)
-    r = FakeReplica(lease["provider_id"], lease["id"], lease["job_id"], engine=engine)
+    top = w.job(w.job(lease["job_id"])["parent_id"])
+    r = FakeReplica(lease["provider_id"], lease["id"], lease["job_id"], engine=engine,
+                    tokens_only=tokens_only(settings_of(top["spec"]), lease["accelerator"],
+                                            engine))
     for request, fin in answered:
         answer(samples, r, request, fin)
     (window,) = samples.take()

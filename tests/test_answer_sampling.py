@@ -27,6 +27,7 @@ class FakeReplica:
     endpoint_id: str = "ep"
     fingerprinted: bool = True
     engine: str = ""                # as its ReplicaReady said
+    tokens_only: bool = False       # as the router judges it (kinds/endpoint.tokens_only)
 
 
 def final(tokens: int = 3, prints: bool = True) -> Final:
@@ -123,13 +124,51 @@ def test_which_replicas_must_fingerprint_their_answers():
 
     cpu, cuda = pb.ACCELERATOR_CPU, pb.ACCELERATOR_CUDA
     generate = {"task": "generate", "engine": ""}
-    assert fingerprinted(generate, cpu)                               # auto on a CPU: batch
-    assert fingerprinted({**generate, "engine": "batch"}, cuda)
-    assert not fingerprinted(generate, cuda)                          # continuous
-    assert not fingerprinted({**generate, "engine": "vllm"}, cpu)
+    # every generate replica, whatever its engine: none goes unsampled
+    for engine in ("", "auto", "batch", "continuous", "vllm"):
+        for accelerator in (cpu, cuda):
+            assert fingerprinted({**generate, "engine": engine}, accelerator)
     assert not fingerprinted({"task": "embed", "engine": ""}, cpu)
-    # the batch engine's fallback is sampled all the same, judged by its tokens
+    # vLLM's answers commit to their token ids alone; the batch and continuous engines'
+    # carry fingerprints
+    assert tokens_only({**generate, "engine": "vllm"}, cuda, "vllm (AsyncLLM) on 1 GPU(s)")
+    assert not tokens_only(generate, cuda, "continuous (transformers continuous batching)")
+    # the batch engine's fallback is sampled all the same, judged by its tokens; only a
+    # replica that runs the batch engine is believed when it says so
     fallback = ("batch (one transformers generate call at a time: its cache is not made of"
                 " plain full-attention layers) on cpu")
     assert fingerprinted(generate, cpu, fallback)
-    assert tokens_only(fallback) and not tokens_only("batch (step-wise decode) on cpu")
+    assert tokens_only(generate, cpu, fallback)
+    assert tokens_only({**generate, "engine": "batch"}, cuda, fallback)
+    assert not tokens_only(generate, cpu, "batch (step-wise decode) on cpu")
+    assert not tokens_only(generate, cuda, fallback)                  # auto on CUDA: continuous
+    assert not tokens_only({**generate, "engine": "continuous"}, cpu, fallback)
+    assert not tokens_only(generate, cuda, "vllm (AsyncLLM) on 1 GPU(s)")   # not the spec's
+
+
+def test_the_router_samples_continuous_and_vllm_replicas_vllm_s_by_their_tokens():
+    """A CUDA replica of the continuous engine (auto) and a vLLM one are sampled; the vLLM
+    one's answers are kept as committing to their token ids alone (judged by the token gap,
+    tests/test_answer_checks.py), whatever its replica says of its engine."""
+    def tokens(request: dict) -> list[dict]:
+        return [{"text": "a"}, {"done": True, "finish_reason": "stop", "prompt_tokens": 2,
+                                "output_tokens": 2, "token_ids": [5, 6]}]
+
+    async def main(engine: str) -> list:
+        sessions = {"p1": AnsweringSession("p1", tokens)}
+        serving, ep = router(sessions, engine=engine)
+        serving.samples.rate = 1.0
+        ready(serving, "p1", "ep-r1")
+        serving.sync([LiveEndpoint("ep", "c1", "tiny", ep.settings, replicas=(
+            LiveReplica("ep-r1", 1, pb.JOB_STATE_RUNNING, epoch=1, provider_id="p1",
+                        accelerator=pb.ACCELERATOR_CUDA),))])
+        replica = ep.replicas["ep-r1"]
+        assert replica.fingerprinted and replica.tokens_only == (engine == "vllm")
+        for n in range(2):
+            await collect(serving.run(ep, Complete(prompt=f"q{n}", max_tokens=4)))
+        return serving.samples.take()
+
+    for engine in ("", "continuous", "vllm"):
+        (window,) = asyncio.run(main(engine))
+        assert len(window.samples) == 2 and window.samples[0]["token_ids"] == [5, 6]
+        assert all(s.get("tokens_only", False) == (engine == "vllm") for s in window.samples)

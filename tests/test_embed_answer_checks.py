@@ -104,7 +104,8 @@ def test_every_embed_replica_is_sampled_and_keeps_its_vectors_within_the_bounds(
     cpu, cuda = pb.ACCELERATOR_CPU, pb.ACCELERATOR_CUDA
     assert answers_sampled({"task": "embed", "engine": ""}, cuda)
     assert answers_sampled({"task": "embed", "engine": "batch"}, cpu)
-    assert not answers_sampled({"task": "generate", "engine": ""}, cuda)   # continuous
+    assert answers_sampled({"task": "generate", "engine": ""}, cuda)   # continuous: too
+    assert not answers_sampled({"task": "", "engine": ""}, cuda)         # neither task
     samples = AnswerSamples(1.0)
     request = encode_request(Embed(("hello", "world")))
     assert answer(samples, FakeReplica(), request, Final(embeddings=[[0.5, 0.5], [1.0, 0.0]]))

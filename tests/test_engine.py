@@ -136,6 +136,9 @@ def test_concurrent_completions_stream_and_match_generate(replica, tiny, engine)
         assert 1 <= done["output_tokens"] <= 3 + 2 * i
         assert done["prompt_tokens"] > 0 and done["ttft_s"] > 0 and done["tpot_s"] >= 0
         assert "".join(p["text"] for p in pieces) == greedy(tiny, prompt, 3 + 2 * i), prompt
+        # both commit to every answer: its token ids and their fingerprints (one each here)
+        assert len(done["token_ids"]) == done["output_tokens"]
+        assert len(done["fingerprints"]) == 1, done
     assert r.close() == 0
 
 

@@ -10,8 +10,9 @@ broker restart or a new leader still checks the window. No grpc here.
 
 Which answers: each with probability ``rate`` (the broker's ``answer_check_rate``), drawn
 from the system's random source when the request arrives, before any replica is chosen, and
-never told to the replica (every answer of a fingerprinting engine must carry its
-fingerprints, so a replica cannot tell which are kept). A replica of a provider still in its
+never told to the replica (every answer of a generate replica must carry its token ids
+and, unless its engine is vLLM, its fingerprints, whatever its engine: so a replica cannot
+tell which are kept). A replica of a provider still in its
 warm-up (its check rate 1, broker/checks/verification.py) also has the first answer of each
 window kept, so every window of a new provider's replica is checked. A stranger's prompts are
 hostile in size: a replica's window keeps at most MAX_PER_WINDOW answers and
@@ -28,7 +29,6 @@ from dataclasses import dataclass, field
 
 from sqlite_utils import Database
 
-from gpumarket.kinds.endpoint import tokens_only
 from gpumarket.proto.jobspec import now_ms
 
 log = logging.getLogger(__name__)
@@ -123,8 +123,9 @@ class AnswerSamples:
             # None where the replica sent none: judged a failed check (it was asked for them)
             sample = {"request": as_dict, "token_ids": final.token_ids,
                       "fingerprints": final.fingerprints}
-            if tokens_only(getattr(replica, "engine", "")):
-                sample["tokens_only"] = True    # its engine's fallback: judged by its tokens
+            if replica.tokens_only:
+                sample["tokens_only"] = True    # vLLM's, or a batch engine's fallback:
+                                                # judged by its tokens
             size = len(request) + 8 * len(final.token_ids or ()) + sum(
                 len(p) for p in final.fingerprints or ())
         held = self.endpoint_bytes.get(w.endpoint_id, 0)

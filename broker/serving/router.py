@@ -78,8 +78,9 @@ class Replica:
     failures: int = 0           # server errors in a row
     benched_until: float = 0.0  # after BENCH_AFTER of them: chosen last until then
     usage: list[int] = field(default_factory=lambda: [0, 0, 0, 0])  # req, err, in, out
-    fingerprinted: bool = False  # its answers are sampled and checked: the batch engine's
-                                 # (fingerprints), an embed endpoint's (vectors)
+    fingerprinted: bool = False  # its answers are sampled and checked: every generate
+                                 # replica's (fingerprints), an embed endpoint's (vectors)
+    tokens_only: bool = False    # its answers commit to their token ids alone (vLLM's)
 
     def failed(self) -> None:
         self.failures += 1
@@ -220,10 +221,13 @@ class Serving:
                         active[key] == provider_id:
                     self._add(ep, provider_id, key[0], key[1], ready)
             for job_id, replica in ep.replicas.items():
-                # from the spec and the lease's device class (the batch engine's fallback
-                # too, judged by its tokens: kinds/endpoint.py)
+                # from the spec and the lease's device class (vLLM's and the batch engine's
+                # fallback too, judged by their tokens: kinds/endpoint.py)
+                accelerator = accelerators.get((job_id, replica.epoch), 0)
                 replica.fingerprinted = endpoint_kind.answers_sampled(
-                    ep.settings, accelerators.get((job_id, replica.epoch), 0), replica.engine)
+                    ep.settings, accelerator, replica.engine)
+                replica.tokens_only = endpoint_kind.tokens_only(ep.settings, accelerator,
+                                                                replica.engine)
         for key in list(self.announced):
             if not any(key[0] == r.id and key[1] == r.epoch
                        for row in live for r in row.replicas):

@@ -381,7 +381,9 @@ def cb_config(**fields):
 
 class ContinuousEngine(Generating):
     """Transformers continuous batching: a paged KV cache and a background thread that adds
-    and drops requests between steps, with each request's own temperature and top_p.
+    and drops requests between steps, with each request's own temperature and top_p. It
+    records no fingerprints while it decodes: each answer's are made as it ends, by one
+    prefill of its prompt + tokens (fingerprint.Committer), the checker's own pass.
 
     On CUDA its settings are chosen by measurement when it starts: SDPA's cuDNN kernel
     (choose_attention), then each of CUDA_PROBES on a short burst, the fastest kept; the
@@ -401,6 +403,9 @@ class ContinuousEngine(Generating):
                                            eos_token_id=sorted(self.eos) or None,
                                            pad_token_id=tokenizer.pad_token_id)
         self.model = model
+        # Its answers' fingerprints, by a prefill on a twin of the model made now, before
+        # continuous batching may switch the attention (fingerprint.twin)
+        self.committer = fingerprint.Committer(model) if fingerprint.usable(model) else None
         self.sizes = {}
         if model.device.type == "cpu":  # on a GPU transformers sizes it from free memory
             self.sizes = {"page_size": CPU_PAGE,
@@ -495,6 +500,7 @@ class ContinuousEngine(Generating):
             elif output.is_finished():
                 stream.end("length")
 
+        stream.commit = self.committer
         self.manager.register_result_handler(stream.engine_id, on_output)
         s = stream.sampling
         added = self.manager.add_request(
@@ -516,6 +522,8 @@ class ContinuousEngine(Generating):
     async def close(self) -> None:
         for stream in list(self.streams.values()):
             stream.cancel()
+        if self.committer is not None:
+            self.committer.close()
         await asyncio.to_thread(self.manager.stop, block=True, timeout=5)
 
 

@@ -179,6 +179,9 @@ class Stream:
         # of fingerprints.EVERY covered it (None where the engine records none).
         self.prints: list[str] | None = None
         self.last_state, self.k = None, 0
+        # Where the engine records none: called with the Final at the end, it fingerprints
+        # the answer and delivers it (fingerprint.Committer); None: the Final goes at once.
+        self.commit = None
 
     def _post(self, event: Piece | Final | None) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
@@ -228,10 +231,25 @@ class Stream:
 
                     prints.append(encode_state(self.last_state, self.k))
                 committed["fingerprints"] = prints
-            self._post(Final(finish_reason=finish, prompt_tokens=len(self.prompt_ids),
-                             output_tokens=n, ttft_s=first,
-                             tpot_s=(self.last - self.first) / (n - 1) if n > 1 else 0.0,
-                             **committed))
+            final = Final(finish_reason=finish, prompt_tokens=len(self.prompt_ids),
+                          output_tokens=n, ttft_s=first,
+                          tpot_s=(self.last - self.first) / (n - 1) if n > 1 else 0.0,
+                          **committed)
+            if self.commit is not None and "fingerprints" not in committed:
+                self.commit(self, final)
+            else:
+                self._post(final)
+
+    def deliver(self, final: Final) -> None:
+        """The Final of an ended completion, fingerprinted after its end (``commit``)."""
+        if not self.cancelled:
+            self._post(final)
+
+    def deliver_failure(self, message: str) -> None:
+        """An ended completion whose fingerprints could not be made: a 500, since an answer
+        without them fails any check that samples it."""
+        if not self.cancelled:
+            self._post(RequestError(message, 500).event())
 
     def fail(self, message: str, status: int = 500) -> None:
         if not (self.finished or self.cancelled):

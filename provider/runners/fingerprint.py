@@ -1,6 +1,7 @@
 """Activation fingerprints on torch (kinds/fingerprints.py has the format and the comparison):
 ``Recorder`` keeps them while ``model.generate`` runs, ``prefill`` makes a checker's from one
-forward pass over a prompt plus the tokens a provider says it generated.
+forward pass over a prompt plus the tokens a provider says it generated, and ``Committer``
+a replica's from the same pass where its engine records none while it generates.
 
 The state fingerprinted is the output embedding's input (the last hidden state, after the
 final norm) at the position that produced a token: the one a greedy or sampled step reads
@@ -10,8 +11,11 @@ pre-hook on the output embedding sees exactly that state at each step, prefill i
 from __future__ import annotations
 
 import inspect
+import logging
 
 from gpumarket.kinds import fingerprints as fp
+
+log = logging.getLogger(__name__)
 
 
 def _top(states, k: int):
@@ -118,17 +122,11 @@ class StepStates:
             stream.last_state = self.state[row].clone()
 
 
-def prefill(model, rows: list[tuple[list[int], list[int]]], device
-            ) -> list[tuple[list[str], float]]:
-    """For each (prompt ids, generated ids): the fingerprints of the generated ids as one
-    forward pass over prompt + generated sees them, and the largest gap, over the generated
-    ids, between a position's top logit and the generated id's, in standard deviations of
-    that position's logits (0 for a greedy provider that computed as the replay did). One
-    left-padded batch, positions counted from each row's first real token (as ``generate``
-    counts them)."""
+def _left_padded(rows: list[tuple[list[int], list[int]]]):
+    """prompt + generated of each row as one left-padded batch: ids, mask, positions (counted
+    from each row's first real token, as ``generate`` counts them) and the width."""
     import torch
 
-    k = fp.k_for(hidden_size(model))
     width = max(len(p) + len(g) for p, g in rows)
     ids = torch.zeros(len(rows), width, dtype=torch.long)
     mask = torch.zeros(len(rows), width, dtype=torch.long)
@@ -136,10 +134,17 @@ def prefill(model, rows: list[tuple[list[int], list[int]]], device
         seq = p + g
         ids[r, width - len(seq):] = torch.tensor(seq, dtype=torch.long)
         mask[r, width - len(seq):] = 1
-    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
-    # Only the last positions matter (the generated tokens sit at the right of every row):
-    # logits of those alone, not of every prompt token times the vocabulary.
-    keep = max(len(g) for _, g in rows) + 1
+    return ids, mask, (mask.cumsum(-1) - 1).clamp(min=0), width
+
+
+def _forward(model, rows, device, keep):
+    """One forward pass without a cache over ``rows`` (``_left_padded``): the logits and the
+    output embedding's inputs (the states fingerprinted) at the positions ``keep`` names
+    (an int: that many last positions; a 1-D tensor: those columns) where the model takes
+    ``logits_to_keep``, else at every position; and the batch's width."""
+    import torch
+
+    ids, mask, position_ids, width = _left_padded(rows)
     extra = {"logits_to_keep": keep} if "logits_to_keep" in inspect.signature(
         model.forward).parameters else {}
     seen = []
@@ -152,7 +157,24 @@ def prefill(model, rows: list[tuple[list[int], list[int]]], device
                            **extra).logits
     finally:
         handle.remove()
-    states = seen[-1]
+    return logits, seen[-1], width, bool(extra)
+
+
+def prefill(model, rows: list[tuple[list[int], list[int]]], device
+            ) -> list[tuple[list[str], float]]:
+    """For each (prompt ids, generated ids): the fingerprints of the generated ids as one
+    forward pass over prompt + generated sees them, and the largest gap, over the generated
+    ids, between a position's top logit and the generated id's, in standard deviations of
+    that position's logits (0 for a greedy provider that computed as the replay did). One
+    left-padded batch, positions counted from each row's first real token (as ``generate``
+    counts them)."""
+    import torch
+
+    k = fp.k_for(hidden_size(model))
+    # Only the last positions matter (the generated tokens sit at the right of every row):
+    # logits of those alone, not of every prompt token times the vocabulary.
+    keep = max(len(g) for _, g in rows) + 1
+    logits, states, width, _ = _forward(model, rows, device, keep)
     offset = width - states.shape[1]      # positions cut away on the left (logits_to_keep)
     logits = logits[:, -states.shape[1]:]
     out = []
@@ -171,3 +193,95 @@ def prefill(model, rows: list[tuple[list[int], list[int]]], device
         gap = ((row_logits.max(dim=-1).values - chosen) / spread).max().item()
         out.append((prints, float(gap)))
     return out
+
+
+def commit(model, rows: list[tuple[list[int], list[int]]], device) -> list[list[str]]:
+    """For each (prompt ids, generated ids): the fingerprints ``prefill`` makes of them (the
+    same forward pass, positions and states), for a replica that commits to answers it
+    generated without recording them (Committer). Logits are computed only at the
+    fingerprinted positions: a replica needs no token gap, and a gap's logits are the
+    vocabulary times every generated token."""
+    import torch
+
+    k = fp.k_for(hidden_size(model))
+    width = max(len(p) + len(g) for p, g in rows)
+
+    def columns(p: list[int], g: list[int]) -> list[int]:
+        # generated token j came from column width - len(g) - 1 + j (as in prefill)
+        return [width - len(g) - 1 + j for j in fp.positions(len(g))] if p and g else []
+
+    wanted = sorted({c for p, g in rows for c in columns(p, g)})
+    if not wanted:
+        return [[] for _ in rows]
+    _, states, _, kept = _forward(model, rows, device, torch.tensor(wanted))
+    where = {c: i for i, c in enumerate(wanted)} if kept else {c: c for c in wanted}
+    return [_encode_rows(states[r, [where[c] for c in columns(p, g)]], k)
+            if columns(p, g) else [] for r, (p, g) in enumerate(rows)]
+
+
+def twin(model):
+    """The model's modules over the very same weights and buffers (no tensor is copied), with
+    a config of their own. Continuous batching may switch its model's attention (an eager
+    model to "paged|eager"; on CUDA to the fastest of batching.CUDA_PROBES), and "paged|eager"
+    in a plain forward pass over a padded batch computes other states (on the tests' tiny
+    Llama, 62 % of top entries shared with the checker's): a twin made before the switch
+    keeps the attention the model was loaded with, which is the checker's, and hooks of its
+    own while the manager's thread runs the model."""
+    import copy
+
+    shared = {id(t): t for t in (*model.parameters(), *model.buffers())}
+    return copy.deepcopy(model, shared)
+
+
+class Committer:
+    """Fingerprints for an engine that generates without recording them (transformers
+    continuous batching): each completion's Final, as it ends, waits for one prefill of its
+    prompt + tokens on a ``twin`` of the model (``commit``), in a thread of its own (neither
+    the engine's manager thread nor the event loop); the answers that end while one prefill
+    runs go into the next together, up to BATCH rows. The Final then carries them, so the
+    router samples its answers and a check compares them exactly as the batch engine's."""
+
+    BATCH = 8     # answers a prefill takes at once (as a check's: answer_check.BATCH)
+
+    def __init__(self, model) -> None:
+        import threading
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.model, self.device = twin(model), model.device
+        self.pending: list = []           # (Stream, Final) ended, not yet fingerprinted
+        self.lock = threading.Lock()
+        self.running = False
+        self.thread = ThreadPoolExecutor(1, thread_name_prefix="fingerprint")
+
+    def __call__(self, stream, final) -> None:
+        """``stream`` ended with ``final`` (its token ids, no fingerprints): fingerprint it,
+        then deliver the Final (any thread may call)."""
+        with self.lock:
+            self.pending.append((stream, final))
+            if self.running:
+                return
+            self.running = True
+        self.thread.submit(self._drain)
+
+    def _drain(self) -> None:
+        import dataclasses
+
+        while True:
+            with self.lock:
+                batch, self.pending = self.pending[:self.BATCH], self.pending[self.BATCH:]
+                if not batch:
+                    self.running = False
+                    return
+            try:
+                prints = commit(self.model, [(s.prompt_ids, f.token_ids) for s, f in batch],
+                                self.device)
+            except Exception:
+                log.exception("fingerprinting %d answers failed", len(batch))
+                for stream, _ in batch:
+                    stream.deliver_failure("the engine failed to fingerprint its answer")
+                continue
+            for (stream, final), p in zip(batch, prints):
+                stream.deliver(dataclasses.replace(final, fingerprints=p))
+
+    def close(self) -> None:
+        self.thread.shutdown(wait=False, cancel_futures=True)
