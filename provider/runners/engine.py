@@ -30,6 +30,12 @@ CPU "auto" picks the batcher, whose greedy text also equals plain ``generate``'s
 picks continuous batching (requests join and leave between steps instead of waiting for a
 batch's slowest row). Continuous batching works on CPU when asked for.
 
+The continuous engine fingerprints each answer as it ends (one prefill on a twin of the
+model, fingerprint.Committer; docs/verification.md, Endpoint answers); on this CPU that
+halved its figures above (two pairs, load about 1.3: 5,239 and 5,255 tokens/s, TTFT p50 27
+and 25 ms, before; 2,766 and 2,123 tokens/s, TTFT p50 42 and 63 ms, after), the prefill
+thread's OpenMP team contending with the manager's. Its GPU cost is not measured.
+
 Seeds: the batcher draws each sampled request's tokens from a generator of its own, seeded
 with the request's seed: a seeded request repeats whatever else is in flight (up to the
 rounding of a batch's arithmetic; in its former path, a seeded request repeated only when
