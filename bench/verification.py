@@ -246,74 +246,6 @@ def fingerprint_checks(rows: int = 16, tokens: int = 128, batch: int = 8) -> dic
             "fingerprint_rows_caught_lower_precision": caught["lower_precision"]}
 
 
-def endpoint_checks(answers: int = 16, tokens: int = 128, rounds: int = 3) -> dict:
-    """Checks of an endpoint's answers (broker/checks/answers.py) on the wider random Llama:
-    the seconds the batch engine (the CPU's endpoint engine, 2 threads, model loaded) takes
-    to answer ``answers`` greedy requests of ``tokens`` tokens sent together, and the seconds
-    a checker's answer_check prefill of the same answers takes (medians of ``rounds``); the
-    share of a swapped model's answers one check finds wrong, and honest answers judged
-    wrong."""
-    import asyncio
-
-    import torch
-
-    import fingerprint_spread as fs
-
-    from gpumarket.kinds.engine_protocol import Complete, Final
-    from gpumarket.kinds.runner_job import RunnerJob
-    from gpumarket.provider.runners.answer_check import check_answers
-    from gpumarket.provider.runners.engine import load_engine
-
-    torch.set_num_threads(2)
-    prompts = (fs.PROMPTS * 4)[:answers]
-
-    def serve(model_dir: Path) -> tuple[list[dict], list[float]]:
-        params = {"model": "", "model_name": model_dir.name, "task": "", "dtype": "float32",
-                  "max_seq_len": 0, "max_concurrency": 8, "engine": "batch",
-                  "trust_remote_code": False}
-
-        async def run() -> tuple[list[dict], list[float]]:
-            engine = load_engine(RunnerJob(params=params, model_dir=str(model_dir)),
-                                 model_dir)
-            times, out = [], {}
-
-            async def one(i: int) -> None:
-                request = Complete(prompt=prompts[i], max_tokens=tokens, temperature=0)
-                async for event in engine.complete(f"r{i}", request):
-                    if isinstance(event, Final):
-                        out[i] = {"request": request.to_dict(), "token_ids": event.token_ids,
-                                  "fingerprints": event.fingerprints}
-            try:
-                for _ in range(rounds):
-                    began = time.perf_counter()
-                    await asyncio.gather(*(one(i) for i in range(answers)))
-                    times.append(time.perf_counter() - began)
-            finally:
-                await engine.close()
-            return [out[i] for i in range(answers)], times
-
-        return asyncio.run(run())
-
-    with tempfile.TemporaryDirectory() as tmp:
-        right, other = fs.wide_llama(Path(tmp), 0), fs.wide_llama(Path(tmp), 1)
-        honest, serve_s = serve(right)
-        swapped, _ = serve(other)
-        tok, model = fs.load(right, "float32")
-        check_s, verdicts = [], []
-        for _ in range(rounds):
-            began = time.perf_counter()
-            verdicts = check_answers(tok, model, torch.device("cpu"), 512, honest, "")
-            check_s.append(time.perf_counter() - began)
-        caught = check_answers(tok, model, torch.device("cpu"), 512, swapped, "")
-    return {"endpoint_serve_s": round(float(np.median(serve_s)), 3),
-            "endpoint_check_s": round(float(np.median(check_s)), 3),
-            "endpoint_check_over_serve": round(float(np.median(check_s) / np.median(serve_s)),
-                                               4),
-            "endpoint_tokens": sum(len(a["token_ids"]) for a in honest),
-            "endpoint_false_positives": sum(not ok for ok, _ in verdicts),
-            "endpoint_answers_caught_swapped": sum(not ok for ok, _ in caught) / len(caught)}
-
-
 # -- 2. the simulator -----------------------------------------------------------------------
 
 def simulate(cheat_share: float, jobs: int, per_job: int, trials: int, seed: int,
@@ -474,36 +406,9 @@ def main() -> None:
                   f" caught within 20 jobs with p = {caught:.4f} (new), {late:.4f} (one"
                   " turning to it after a long clean record: checked at the floor rate)")
     if not args.skip_real:
-        from gpumarket.broker.serving.answer_samples import DEFAULT_RATE
+        import endpoint_answer_checks
 
-        ep = endpoint_checks()
-        figures.update(ep)
-        # A window's sampled answers are prefilled once; at the default rate that is
-        # DEFAULT_RATE of the answers, each costing its prefill over its serving.
-        figures["inference_check_overhead_endpoint"] = round(
-            DEFAULT_RATE * ep["endpoint_check_over_serve"], 5)
-        p = 1.0 if ep["endpoint_answers_caught_swapped"] > 0 else 0.0
-        # A new provider's replica has every window sampled (at least its first answer),
-        # and each window with a sample is checked; a cheat never passes one, so it stays
-        # new. Within its first 20 windows:
-        caught = 1 - (1 - ep["endpoint_answers_caught_swapped"]) ** 20
-        figures["detection_p_20_jobs_endpoint_swapped_model"] = round(caught, 4)
-        late = {}
-        for n in (5, 50):
-            # one that turns to it after a long clean record: only the rate samples
-            window = 1 - (1 - DEFAULT_RATE * p) ** n
-            late[n] = round(1 - (1 - window) ** 20, 4)
-            figures[f"detection_p_20_windows_endpoint_swapped_after_long_record_{n}_answers"] \
-                = late[n]
-        print(f"endpoint answers: the batch engine answered {16} requests x 128 tokens in"
-              f" {ep['endpoint_serve_s']}s, a check prefilled them in {ep['endpoint_check_s']}s"
-              f" ({ep['endpoint_check_over_serve']}x); at the default rate {DEFAULT_RATE}:"
-              f" {figures['inference_check_overhead_endpoint']} of the serving compute;"
-              f" honest answers judged wrong: {ep['endpoint_false_positives']}; a swapped"
-              f" model's answers caught per check: {ep['endpoint_answers_caught_swapped']:.2f};"
-              f" a new replica serving another model caught within 20 windows with p ="
-              f" {caught:.4f}; after a long record, with 5 or 50 answers a window:"
-              f" {late[5]}, {late[50]}")
+        figures.update(endpoint_answer_checks.figures(endpoint_answer_checks.measure()))
     if not args.skip_real:
         import embed_answer_checks
 
@@ -600,6 +505,7 @@ def main() -> None:
                    false_positives=figures.get("real_false_positives", 0)
                    + figures.get("fingerprint_false_positives", 0)
                    + figures.get("endpoint_false_positives", 0)
+                   + figures.get("endpoint_continuous_false_positives", 0)
                    + figures.get("endpoint_embed_false_positives", 0)
                    + figures.get("script_false_positives_json", 0)
                    + figures.get("script_false_positives_exact", 0)
