@@ -261,7 +261,10 @@ class Committer:
             if self.running:
                 return
             self.running = True
-        self.thread.submit(self._drain)
+        try:
+            self.thread.submit(self._drain)
+        except RuntimeError:    # closed: the engine is stopping, its streams cancelled
+            stream.deliver_failure("the engine is stopping")
 
     def _drain(self) -> None:
         import dataclasses
