@@ -204,3 +204,60 @@ def test_a_vllm_replica_s_greedy_answers_are_judged_by_their_tokens(
                                 tmp_path)
     assert results["right"][0], results["right"][1]
     assert not results["other"][0] and "greedy token" in results["other"][1]
+
+
+def test_answers_ending_while_one_prefill_runs_go_into_the_next_together(models, monkeypatch):
+    """The Committer's thread takes every answer that ended while its last prefill ran (up
+    to its BATCH) in one prefill, and each answer gets its own row's fingerprints; a prefill
+    that fails fails its answers (500), and the thread goes on."""
+    import threading
+
+    import torch
+
+    from gpumarket.provider.runners import fingerprint
+    from gpumarket.provider.runners.generate import load
+
+    _, model = load(models["right"], torch.device("cpu"), torch.float32)
+    committer = fingerprint.Committer(model)
+    real, calls, hold = fingerprint.commit, [], threading.Event()
+
+    def commit(m, rows, device):
+        calls.append(len(rows))
+        assert hold.wait(60)
+        if any(len(g) == 1 for _, g in rows):
+            raise RuntimeError("out of memory")
+        return real(m, rows, device)
+
+    monkeypatch.setattr(fingerprint, "commit", commit)
+
+    class Ended:
+        def __init__(self, n: int) -> None:
+            self.prompt_ids, self.got, self.done = [1, 2 + n], None, threading.Event()
+
+        def deliver(self, final: Final) -> None:
+            self.got = final
+            self.done.set()
+
+        def deliver_failure(self, message: str) -> None:
+            self.got = message
+            self.done.set()
+
+    streams = [Ended(n) for n in range(12)]
+    finals = [Final(token_ids=list(range(3, 40 + n))) for n in range(12)]
+    committer(streams[0], finals[0])            # its prefill starts and waits on ``hold``
+    while not calls:
+        threading.Event().wait(0.01)
+    for s, f in zip(streams[1:], finals[1:]):   # these end while it runs
+        committer(s, f)
+    failing = Ended(99)
+    committer(failing, Final(token_ids=[5]))
+    hold.set()
+    assert all(s.done.wait(60) for s in [*streams, failing])
+    committer.close()
+    assert calls == [1, 8, 4]                   # 11 waiting, and the failing one: 8 + 4
+    assert failing.got == "the engine failed to fingerprint its answer"
+    # each its own row's, as the same batch gives them
+    assert [s.got.fingerprints for s in streams[1:9]] == real(
+        model, [(s.prompt_ids, f.token_ids) for s, f in zip(streams[1:9], finals[1:9])], "cpu")
+    assert len({tuple(s.got.fingerprints) for s in streams[1:9]}) == 8
+    assert all(isinstance(s.got, str) for s in streams[9:])  # in the failing one's prefill
