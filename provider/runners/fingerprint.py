@@ -213,7 +213,7 @@ def commit(model, rows: list[tuple[list[int], list[int]]], device) -> list[list[
     wanted = sorted({c for p, g in rows for c in columns(p, g)})
     if not wanted:
         return [[] for _ in rows]
-    _, states, _, kept = _forward(model, rows, device, torch.tensor(wanted))
+    _, states, _, kept = _forward(model, rows, device, torch.tensor(wanted, device=device))
     where = {c: i for i, c in enumerate(wanted)} if kept else {c: c for c in wanted}
     return [_encode_rows(states[r, [where[c] for c in columns(p, g)]], k)
             if columns(p, g) else [] for r, (p, g) in enumerate(rows)]
