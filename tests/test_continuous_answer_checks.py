@@ -208,8 +208,9 @@ def test_a_vllm_replica_s_greedy_answers_are_judged_by_their_tokens(
 
 def test_answers_ending_while_one_prefill_runs_go_into_the_next_together(models, monkeypatch):
     """The Committer's thread takes every answer that ended while its last prefill ran (up
-    to its BATCH) in one prefill, and each answer gets its own row's fingerprints; a prefill
-    that fails fails its answers (500), and the thread goes on."""
+    to its BATCH) in one prefill, and each answer gets its own row's fingerprints; the
+    answers of a prefill that fails are delivered without them (the client keeps its answer;
+    a check that samples one fails the replica), and the thread goes on."""
     import threading
 
     import torch
@@ -255,9 +256,9 @@ def test_answers_ending_while_one_prefill_runs_go_into_the_next_together(models,
     assert all(s.done.wait(60) for s in [*streams, failing])
     committer.close()
     assert calls == [1, 8, 4]                   # 11 waiting, and the failing one: 8 + 4
-    assert failing.got == "the engine failed to fingerprint its answer"
+    assert failing.got.token_ids == [5] and failing.got.fingerprints is None
     # each its own row's, as the same batch gives them
     assert [s.got.fingerprints for s in streams[1:9]] == real(
         model, [(s.prompt_ids, f.token_ids) for s, f in zip(streams[1:9], finals[1:9])], "cpu")
     assert len({tuple(s.got.fingerprints) for s in streams[1:9]}) == 8
-    assert all(isinstance(s.got, str) for s in streams[9:])  # in the failing one's prefill
+    assert [s.got.fingerprints for s in streams[9:]] == [None] * 3  # in the failing prefill

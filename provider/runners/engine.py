@@ -252,8 +252,7 @@ class Stream:
             self._post(final)
 
     def deliver_failure(self, message: str) -> None:
-        """An ended completion whose fingerprints could not be made: a 500, since an answer
-        without them fails any check that samples it."""
+        """An ended completion the engine stopped before it was fingerprinted: a 500."""
         if not self.cancelled:
             self._post(RequestError(message, 500).event())
 

@@ -279,9 +279,12 @@ class Committer:
                 prints = commit(self.model, [(s.prompt_ids, f.token_ids) for s, f in batch],
                                 self.device)
             except Exception:
+                # The answers are right and the client gets them; they commit to nothing, so
+                # the replica fails the check of any of them the router kept (its pay, not
+                # the client's answer, bears the engine's failure).
                 log.exception("fingerprinting %d answers failed", len(batch))
-                for stream, _ in batch:
-                    stream.deliver_failure("the engine failed to fingerprint its answer")
+                for stream, final in batch:
+                    stream.deliver(final)
                 continue
             for (stream, final), p in zip(batch, prints):
                 stream.deliver(dataclasses.replace(final, fingerprints=p))
