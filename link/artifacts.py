@@ -22,6 +22,8 @@ from gpumarket.proto.v1 import types_pb2 as pb
 
 BYTES_PER_S = 1e6       # the slowest transfer the deadlines allow for
 MESSAGE_BYTES = 3 << 20  # small blobs sent in one message (under gRPC's 4 MiB a message)
+RESUME_TRIES = 3        # asks about a partial upload, another of the same bytes moving it
+RESUME_WAIT_S = 0.2     # between them, times the try
 
 
 class ArtifactsClient:
@@ -60,9 +62,19 @@ class ArtifactsClient:
                 # data was still being sent: gRPC then reports its own failure to send, not
                 # the broker's answer. Asking about the blob gets the refusal, or continues.
                 pass
-        st = await self.stat(sha, size)
-        if not st.complete:
-            await self._send(source, sha, size, st.received_bytes, on_bytes)
+        for attempt in range(1, RESUME_TRIES + 1):
+            st = await self.stat(sha, size)
+            if st.complete:
+                return ref
+            try:
+                await self._send(source, sha, size, st.received_bytes, on_bytes)
+                return ref
+            except FailedPrecondition:
+                # Another upload of the same bytes by this key (in progress, or ended
+                # between the stat and the send) moved the broker's copy: ask again.
+                if attempt == RESUME_TRIES:
+                    raise
+                await asyncio.sleep(RESUME_WAIT_S * attempt)
         return ref
 
     async def _send(self, source: Path | int, sha: str, size: int, offset: int,
