@@ -598,3 +598,11 @@ def m023_serving_brokers(db: Database) -> None:
             seen_ms INTEGER NOT NULL         -- when it last said so
         )"""
     )
+
+
+@migrations()
+def m024_task_receipt_paths(db: Database) -> None:
+    """One receipt for a task results update's tasks (issue 32, kinds/receipt_tree.py): a
+    task's row keeps that receipt (``receipt``) and its path up the receipt's hash tree, so
+    a client checks the task's outputs alone against the one signature."""
+    db.execute("ALTER TABLE array_tasks ADD COLUMN receipt_path BLOB")
