@@ -157,12 +157,27 @@ def task_results(host: FakeHost) -> dict[int, gw.TaskResult]:
             for r in m.job_update.tasks.results}
 
 
+def signed_outputs(host: FakeHost) -> dict[int, pb.Receipt]:
+    """Each task's receipt as the broker takes it from the updates sent: the update's one
+    signature and its hash tree checked (broker/jobs/arrays.py task_receipts), naming the
+    task's outputs."""
+    from gpumarket.broker.jobs import arrays as broker_arrays
+
+    out: dict[int, pb.Receipt] = {}
+    for m in host.sent:
+        if m.job_update.WhichOneof("update") == "tasks":
+            tasks = m.job_update.tasks
+            out.update(broker_arrays.task_receipts(list(tasks.results), PROVIDER.id,
+                                                   tasks.receipt))
+    return out
+
+
 def test_task_outputs_go_up_in_few_calls_each_content_once_before_their_tasks_are_told(
         tmp_path, monkeypatch):
     """An array lease's tasks each leave many files: the small ones of tasks that end
     together go up in few calls (not one a file), content alike once, a large one on its
-    own; each task is then passed on with its own receipt naming its files. A task that
-    left a link fails alone. (Uploaded: none goes with the task results here.)"""
+    own; each task is then passed on naming its files, under its update's one receipt. A
+    task that left a link fails alone. (Uploaded: none goes with the task results here.)"""
     from gpumarket.kinds import arrays
     from gpumarket.kinds.arrays import output_name
 
@@ -203,11 +218,14 @@ def test_task_outputs_go_up_in_few_calls_each_content_once_before_their_tasks_ar
     assert not results[41].ok and "a link" in results[41].error, results[41]
     assert uploads == [output_name(40, "big.bin")]
     assert host.blob_calls == [1000, 41 * 30 + 1 - 1000]    # every small content once
+    signed = signed_outputs(host)
+    assert sorted(signed) == list(range(41))
     for task in range(41):
         r = results[task]
         assert r.ok, r
-        receipt, signer = open_envelope(r.receipt, pb.Receipt)
-        assert signer == PROVIDER.id and receipt.job_id == "j" and receipt.epoch == 1
+        receipt = signed[task]
+        assert receipt.provider_id == PROVIDER.id and receipt.job_id == "j" \
+            and receipt.epoch == 1
         names = {o.name: o for o in receipt.outputs}
         assert len(names) == 31 + (task == 40)
         assert host.blobs[names[output_name(task, "part-07.txt")].sha256] \
@@ -252,8 +270,9 @@ def test_small_task_outputs_go_with_their_results_kept_until_the_broker_acknowle
     assert update.seq == 1 and sorted(r.task for r in update.results) == [0, 1, 2]
     carried = {b.sha256: b.data for b in update.blobs}
     assert sorted(carried.values()) == [b'{"task": %d}' % t for t in range(3)]
-    for r in update.results:
-        receipt, _ = open_envelope(r.receipt, pb.Receipt)
+    signed = signed_outputs(host)
+    assert sorted(signed) == [0, 1, 2]
+    for receipt in signed.values():
         assert all(o.sha256 in carried or o.sha256 == hashlib.sha256(big).hexdigest()
                    for o in receipt.outputs)
     assert job.task_results.pending() == [message]
@@ -301,9 +320,10 @@ def test_outputs_that_cannot_be_stored_are_tried_again_then_their_tasks_fail(tmp
     results = task_results(host)
     assert sorted(results) == [0, 1, 2]
     assert len(tries) == min(failures + 1, results_module.UPLOAD_TRIES), tries
+    signed = signed_outputs(host)
     for r in results.values():
         assert r.ok == (not never), r
-        assert bool(r.receipt.payload) == (not never)
+        assert (r.task in signed) == (not never)
         if never:
             assert "could not be stored at the broker" in r.error
             assert "slow down" in r.error
