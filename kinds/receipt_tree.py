@@ -38,26 +38,39 @@ def _node(left: bytes, right: bytes) -> bytes:
     return hashlib.sha256(b"\x01" + left + right).digest()
 
 
+def root(leaves: Sequence[bytes]) -> bytes:
+    """The root over ``leaves`` (in order); ValueError for no leaves."""
+    return _levels(leaves)[-1][0]
+
+
 def tree(leaves: Sequence[bytes]) -> tuple[bytes, list[bytes]]:
     """The root over ``leaves`` (in order) and each leaf's path to it (``root_of`` walks
     one); ValueError for no leaves."""
+    levels = _levels(leaves)
+    paths = []
+    for i in range(len(leaves)):
+        steps = []
+        for level in levels[:-1]:
+            sibling = i ^ 1
+            if sibling < len(level):        # (else: the odd node, carried up unchanged)
+                steps.append((LEFT if sibling < i else RIGHT) + level[sibling])
+            i //= 2
+        paths.append(b"".join(steps))
+    return levels[-1][0], paths
+
+
+def _levels(leaves: Sequence[bytes]) -> list[list[bytes]]:
+    """Every level of the tree, the leaves first, the root alone last."""
     if not leaves:
         raise ValueError("a receipt tree needs at least one task")
-    paths: list[list[bytes]] = [[] for _ in leaves]
-    level = [(leaf, [i]) for i, leaf in enumerate(leaves)]     # (hash, leaves under it)
-    while len(level) > 1:
-        up = []
-        for k in range(0, len(level) - 1, 2):
-            (a, under_a), (b, under_b) = level[k], level[k + 1]
-            for i in under_a:
-                paths[i].append(RIGHT + b)
-            for i in under_b:
-                paths[i].append(LEFT + a)
-            up.append((_node(a, b), under_a + under_b))
+    levels = [list(leaves)]
+    while len(levels[-1]) > 1:
+        level = levels[-1]
+        up = [_node(level[k], level[k + 1]) for k in range(0, len(level) - 1, 2)]
         if len(level) % 2:
             up.append(level[-1])
-        level = up
-    return level[0][0], [b"".join(p) for p in paths]
+        levels.append(up)
+    return levels
 
 
 def root_of(leaf: bytes, path: bytes) -> bytes:

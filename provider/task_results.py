@@ -364,8 +364,8 @@ class TaskResults:
         covered = [r for r in results if r.ok and r.outputs]
         receipt = None
         if covered:
-            root, _ = receipt_tree.tree([receipt_tree.task_leaf(r.task, r.outputs)
-                                         for r in covered])
+            root = receipt_tree.root([receipt_tree.task_leaf(r.task, r.outputs)
+                                      for r in covered])
             receipt = self.sign(root, sum(r.seconds for r in covered))
         message = self.update(tasks=gw.TaskResults(
             results=results, seq=self.sent, receipt=receipt,

@@ -61,8 +61,9 @@ def _refs(task: int, *files: bytes) -> list[pb.ArtifactRef]:
 @pytest.mark.parametrize("count", [1, 2, 3, 5, 8, 13])
 def test_a_receipt_tree_proves_each_task_s_outputs_and_nothing_else(count):
     tasks = {t: _refs(t, b"%d" % t, b"x") for t in range(10, 10 + count)}
-    root, paths = receipt_tree.tree([receipt_tree.task_leaf(t, refs)
-                                     for t, refs in tasks.items()])
+    leaves = [receipt_tree.task_leaf(t, refs) for t, refs in tasks.items()]
+    root, paths = receipt_tree.tree(leaves)
+    assert receipt_tree.root(leaves) == root        # (the provider's, without the paths)
     receipt = pb.Receipt(tasks_root=root)
     for (task, refs), path in zip(tasks.items(), paths):
         assert receipt_tree.covers(receipt, task, refs, path)
