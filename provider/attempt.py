@@ -44,6 +44,7 @@ class Host(Protocol):
     devices: list[DeviceInfo]
     draining: bool
     forks: ForkServers | None      # the kinds' forkservers; None: every job starts cold
+    update_receipts: bool          # the broker takes one receipt a task results update
 
     def send(self, message: gw.ProviderMessage) -> None: ...
     async def fetch(self, ref: pb.ArtifactRef, target: Path) -> None: ...
@@ -314,10 +315,12 @@ class Attempt:
         return receipts.sign(self.host.identity, self.assignment, outputs, wall_seconds,
                              metrics)
 
-    def sign_tasks(self, tasks_root: bytes, wall_seconds: float) -> pb.Envelope:
-        """The receipt for a task results update: its tasks' outputs by their tree's root
-        (kinds/receipt_tree.py), ``wall_seconds`` their seconds."""
-        return receipts.sign(self.host.identity, self.assignment, [], wall_seconds,
+    def sign_tasks(self, outputs: list[pb.ArtifactRef], wall_seconds: float,
+                   tasks_root: bytes = b"") -> pb.Envelope:
+        """The receipt for a task results update's tasks' outputs by their tree's root
+        (kinds/receipt_tree.py), or for one task's ``outputs`` (a broker before issue 32);
+        ``wall_seconds`` their seconds."""
+        return receipts.sign(self.host.identity, self.assignment, outputs, wall_seconds,
                              tasks_root=tasks_root)
 
     # -- ending it -------------------------------------------------------------------------

@@ -70,6 +70,8 @@ class Store(Protocol):
     """What task results ask of the daemon: the session to the broker and its artifact
     store."""
 
+    update_receipts: bool       # the broker takes one receipt an update (else one a task)
+
     def send(self, message: gw.ProviderMessage) -> None: ...
     async def upload(self, source: Path | int, name: str,
                      digest: tuple[str, int] | None = None) -> pb.ArtifactRef: ...
@@ -88,12 +90,13 @@ def task_outputs(task: int) -> str:
 
 class TaskResults:
     """One array lease's tasks as they end. ``update`` makes the lease's JobUpdate message
-    of its fields; ``sign`` a receipt for an update's tasks (their tree's root, their
-    seconds); ``owner`` is the job's uid (only its files are taken)."""
+    of its fields; ``sign(outputs, seconds, tasks_root=b"")`` a receipt for an update's
+    tasks (by their tree's root) or, for a broker before issue 32, for one task's outputs;
+    ``owner`` is the job's uid (only its files are taken)."""
 
     def __init__(self, tasks: Iterable[int], workdir: Path, owner: int, host: Store,
                  update: Callable[..., gw.ProviderMessage],
-                 sign: Callable[[bytes, float], pb.Envelope]) -> None:
+                 sign: Callable[..., pb.Envelope]) -> None:
         self.open = set(tasks)              # the lease's tasks not yet reported
         self.count = len(self.open)
         self.began: float | None = None     # when its first task began (monotonic)
@@ -359,14 +362,20 @@ class TaskResults:
 
     def send(self, results: list[gw.TaskResult], blobs: dict[str, bytes]) -> None:
         """Send one update, its succeeded tasks' outputs signed by one receipt over them
-        (the broker checks one signature an update, not one a task)."""
+        (the broker checks one signature an update, not one a task); to a broker that does
+        not take such receipts (before issue 32), by a receipt in each result, naming that
+        task's outputs."""
         self.sent += 1
         covered = [r for r in results if r.ok and r.outputs]
         receipt = None
-        if covered:
+        if covered and self.host.update_receipts:
             root = receipt_tree.root([receipt_tree.task_leaf(r.task, r.outputs)
                                       for r in covered])
-            receipt = self.sign(root, sum(r.seconds for r in covered))
+            receipt = self.sign([], sum(r.seconds for r in covered), tasks_root=root)
+        else:
+            for r in covered:
+                r.receipt.CopyFrom(self.sign(list(r.outputs), r.seconds))
+                r.ClearField("outputs")
         message = self.update(tasks=gw.TaskResults(
             results=results, seq=self.sent, receipt=receipt,
             blobs=[gw.TaskOutputBlob(sha256=sha, data=data) for sha, data in blobs.items()]))

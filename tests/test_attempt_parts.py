@@ -149,7 +149,7 @@ def test_task_results_go_in_updates_of_bounded_size_and_only_for_the_lease_s_tas
     monkeypatch.setattr(task_results, "TASKS_PER_UPDATE", 4)
     host = FakeHost(tmp_path, {})
     tasks = TaskResults(range(10), tmp_path / "w", os.geteuid(), host, update,
-                        lambda outputs, seconds: pb.Envelope())
+                        lambda outputs, seconds, tasks_root=b"": pb.Envelope())
 
     async def scenario():
         told = [tasks.ended(TaskEnded(t, t % 3 != 0, "boom" if t % 3 == 0 else "", 0.01))
@@ -182,8 +182,9 @@ def test_task_results_updates_halve_toward_the_lease_s_end(tmp_path, monkeypatch
         out.mkdir(parents=True)
         (out / "result.json").write_text(f'{{"task": {t}}}')
     tasks = TaskResults(range(100), workdir, os.geteuid(), host, update,
-                        lambda root, seconds: receipts.sign(
-                            PROVIDER, checksum_assignment(b"x"), [], seconds, tasks_root=root))
+                        lambda refs, seconds, tasks_root=b"": receipts.sign(
+                            PROVIDER, checksum_assignment(b"x"), refs, seconds,
+                            tasks_root=tasks_root))
     before_end: list[int] = []
 
     async def all_end():
@@ -217,7 +218,7 @@ def test_a_yielding_lease_sends_what_it_holds_at_once(tmp_path, monkeypatch):
     monkeypatch.setattr(task_results, "TASK_FLUSH_S", 60.0)
     host = FakeHost(tmp_path, {})
     tasks = TaskResults(range(100), tmp_path / "w", os.geteuid(), host, update,
-                        lambda refs, seconds: pb.Envelope())
+                        lambda refs, seconds, tasks_root=b"": pb.Envelope())
 
     async def scenario():
         for t in range(30):
@@ -246,10 +247,10 @@ def test_a_task_with_too_many_outputs_fails_alone(tmp_path, monkeypatch):
             (out / f"{i}.txt").write_text(f"{task}.{i}")
     signed: list[bytes] = []
 
-    def sign(root, seconds):
-        signed.append(root)
-        return receipts.sign(PROVIDER, checksum_assignment(b"x"), [], seconds,
-                             tasks_root=root)
+    def sign(refs, seconds, tasks_root=b""):
+        signed.append(tasks_root)
+        return receipts.sign(PROVIDER, checksum_assignment(b"x"), refs, seconds,
+                             tasks_root=tasks_root)
 
     tasks = TaskResults([0, 1], workdir, os.geteuid(), host, update, sign)
 

@@ -70,6 +70,7 @@ class FakeHost:
         self.devices = cpu_devices(1)
         self.draining = False
         self.forks = None             # every job cold (tests/test_forkserver.py forks them)
+        self.update_receipts = True   # a broker of issue 32 on (one receipt an update)
         self.blobs = blobs
         self.sent: list[gw.ProviderMessage] = []
         self.final: gw.ProviderMessage | None = None
@@ -234,15 +235,20 @@ def test_task_outputs_go_up_in_few_calls_each_content_once_before_their_tasks_ar
     assert host.blobs[hashlib.sha256(big).hexdigest()] == big
 
 
+@pytest.mark.parametrize("broker", ["one-receipt-an-update", "before-issue-32"])
 def test_small_task_outputs_go_with_their_results_kept_until_the_broker_acknowledges(
-        tmp_path):
+        tmp_path, broker):
     """Small outputs travel in the task results update itself (no upload call), a larger
     one is uploaded first; each update has its number and is kept, to be sent again on the
-    next session, until the broker acknowledges it."""
+    next session, until the broker acknowledges it. Its outputs are signed by one receipt
+    for the update, or, where the broker's welcome did not say it takes that (an older
+    broker, which would record the tasks without their outputs), by a receipt in each
+    result naming its task's outputs alone; the broker takes either."""
     from gpumarket.kinds import arrays
     from gpumarket.provider.reports import TaskEnded
 
     host, job = array_attempt(tmp_path, 3)
+    host.update_receipts = broker == "one-receipt-an-update"
     big = os.urandom(arrays.INLINE_OUTPUT_BYTES + 1)
     for task in range(3):
         out = job.workdir / "tasks" / f"{task:06d}" / "outputs"
@@ -270,8 +276,12 @@ def test_small_task_outputs_go_with_their_results_kept_until_the_broker_acknowle
     assert update.seq == 1 and sorted(r.task for r in update.results) == [0, 1, 2]
     carried = {b.sha256: b.data for b in update.blobs}
     assert sorted(carried.values()) == [b'{"task": %d}' % t for t in range(3)]
+    assert bool(update.receipt.payload) == host.update_receipts
+    assert all(bool(r.receipt.payload) != host.update_receipts
+               and bool(r.outputs) == host.update_receipts for r in update.results)
     signed = signed_outputs(host)
     assert sorted(signed) == [0, 1, 2]
+    assert len(signed[2].outputs) == 2
     for receipt in signed.values():
         assert all(o.sha256 in carried or o.sha256 == hashlib.sha256(big).hexdigest()
                    for o in receipt.outputs)

@@ -36,14 +36,16 @@ class SessionProof(_message.Message):
     def __init__(self, nonce: _Optional[bytes] = ..., broker_public_key: _Optional[bytes] = ..., at_ms: _Optional[int] = ...) -> None: ...
 
 class SessionWelcome(_message.Message):
-    __slots__ = ("provider_id", "heartbeat_interval_ms", "lease_timeout_ms")
+    __slots__ = ("provider_id", "heartbeat_interval_ms", "lease_timeout_ms", "update_receipts")
     PROVIDER_ID_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
     LEASE_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_RECEIPTS_FIELD_NUMBER: _ClassVar[int]
     provider_id: str
     heartbeat_interval_ms: int
     lease_timeout_ms: int
-    def __init__(self, provider_id: _Optional[str] = ..., heartbeat_interval_ms: _Optional[int] = ..., lease_timeout_ms: _Optional[int] = ...) -> None: ...
+    update_receipts: bool
+    def __init__(self, provider_id: _Optional[str] = ..., heartbeat_interval_ms: _Optional[int] = ..., lease_timeout_ms: _Optional[int] = ..., update_receipts: _Optional[bool] = ...) -> None: ...
 
 class RunningLease(_message.Message):
     __slots__ = ("job_id", "epoch")
