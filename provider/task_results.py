@@ -184,9 +184,10 @@ class TaskResults:
         """Store the outputs of the tasks that succeeded at the broker, those of the tasks
         that end within TASK_FLUSH_S of each other (or fewer, ``due``) together (their small
         files in one call), then pass each task on naming its outputs (its update's receipt
-        signs them, ``send``). A task is reported succeeded only once its outputs are stored; where they cannot be (UPLOAD_TRIES
-        tries, backing off), or the task left what is no output (a link, too many files),
-        it is reported failed and the broker runs it again."""
+        signs them, ``send``). A task is reported succeeded only once its outputs are
+        stored; where they cannot be (UPLOAD_TRIES tries, backing off), or the task left
+        what is no output (a link, too many files), it is reported failed and the broker
+        runs it again."""
         while self.to_upload:
             wait = self.flushed_at + TASK_FLUSH_S - time.monotonic()
             if wait > 0 and not self.due():
