@@ -14,7 +14,7 @@ import click
 from rich.table import Table
 
 from gpumarket.client.console import command, dump, err, load_identity, out
-from gpumarket.kinds import arrays
+from gpumarket.kinds import arrays, receipt_tree
 from gpumarket.proto.artifacts import CHUNK_BYTES
 from gpumarket.proto.envelope import open_envelope, payload_sha256, seal
 from gpumarket.proto.errors import BadSignature, FailedPrecondition
@@ -141,10 +141,28 @@ def signed_outputs(job: pb.Job, client_id: str) -> dict[str, pb.Receipt]:
     return found
 
 
-def task_receipt(job: pb.Job, t: pb.ArrayTask) -> pb.Receipt:
-    """A task's own receipt (its outputs went up as it ended), signed by the provider that
-    ran it, for the lease that ran it and this exact spec."""
-    return open_receipt(t.receipt, t.provider_id, t.lease_job_id, job.spec, t.task)
+def task_receipt(job: pb.Job, t: pb.ArrayTask,
+                 opened: dict[bytes, pb.Receipt] | None = None) -> pb.Receipt:
+    """The receipt for a task's outputs (they went up as it ended), signed by the provider
+    that ran it, for the lease that ran it and this exact spec: the task's own, or its task
+    results update's (one for many tasks, kinds/receipt_tree.py), which must sign exactly
+    the outputs the task lists by its path (returned naming them). ``opened``: receipts
+    checked already, by signature (an update's covers many tasks: one check)."""
+    key = t.receipt.SerializeToString()
+    receipt = None if opened is None else opened.get(key)
+    if receipt is None or receipt.job_id != t.lease_job_id or \
+            receipt.provider_id != t.provider_id:
+        receipt = open_receipt(t.receipt, t.provider_id, t.lease_job_id, job.spec, t.task)
+        if opened is not None:
+            opened[key] = receipt
+    if not receipt.tasks_root:
+        return receipt
+    if not receipt_tree.covers(receipt, t.task, t.outputs, t.receipt_path):
+        raise BadSignature(f"task {t.task}: its outputs are not the ones its receipt signs")
+    own = pb.Receipt()
+    own.CopyFrom(receipt)
+    own.outputs.extend(t.outputs)
+    return own
 
 
 async def fetch_results(broker: BrokerClient, job: pb.Job, client_id: str, output_dir: Path,
@@ -160,8 +178,9 @@ async def fetch_results(broker: BrokerClient, job: pb.Job, client_id: str, outpu
     output_dir.mkdir(parents=True, exist_ok=True)
     small: list[tuple[pb.ArtifactRef, Path]] = []
     large: list[tuple[pb.ArtifactRef, Path]] = []
+    opened: dict[bytes, pb.Receipt] = {}
     for t in found:
-        own = task_receipt(job, t) if t.receipt.payload else None
+        own = task_receipt(job, t, opened) if t.receipt.payload else None
         for ref in t.outputs:
             named = arrays.output_task(ref.name)
             receipt = own or signed.get(ref.name)

@@ -44,6 +44,7 @@ class Host(Protocol):
     devices: list[DeviceInfo]
     draining: bool
     forks: ForkServers | None      # the kinds' forkservers; None: every job starts cold
+    update_receipts: bool          # the broker takes one receipt a task results update
 
     def send(self, message: gw.ProviderMessage) -> None: ...
     async def fetch(self, ref: pb.ArtifactRef, target: Path) -> None: ...
@@ -67,7 +68,7 @@ class Attempt:
         self.engine: EngineLink | None = None    # an endpoint replica's engine
         self.checkpoints = CheckpointUploads(workdir, self.job_uid, host, self.update)
         self.task_results = TaskResults(assignment.lease.tasks, workdir, self.job_uid,
-                                        host, self.update, self.sign)   # an array's tasks
+                                        host, self.update, self.sign_tasks)  # an array's
         self.yield_asked = False            # the broker asked the lease to yield ...
         self.yield_min_left_s = 0.0         # ... if what is left takes this long (a steal)
         self.yield_sent = False             # ... and the runner was told
@@ -302,7 +303,7 @@ class Attempt:
 
     async def receipt(self, done: Done, wall_seconds: float) -> pb.Envelope:
         """Upload the job's outputs and sign the receipt for them. A job array's lease names
-        none: each task's went up with its own receipt (task_results)."""
+        none: each task's went up with its task results update's receipt (task_results)."""
         if self.assignment.lease.tasks:
             return self.sign([], wall_seconds, done.metrics)
         outputs = await receipts.upload_outputs(self.host, self.workdir, self.job_uid,
@@ -313,6 +314,14 @@ class Attempt:
              metrics: dict[str, float] | None = None) -> pb.Envelope:
         return receipts.sign(self.host.identity, self.assignment, outputs, wall_seconds,
                              metrics)
+
+    def sign_tasks(self, outputs: list[pb.ArtifactRef], wall_seconds: float,
+                   tasks_root: bytes = b"") -> pb.Envelope:
+        """The receipt for a task results update's tasks' outputs by their tree's root
+        (kinds/receipt_tree.py), or for one task's ``outputs`` (a broker before issue 32);
+        ``wall_seconds`` their seconds."""
+        return receipts.sign(self.host.identity, self.assignment, outputs, wall_seconds,
+                             tasks_root=tasks_root)
 
     # -- ending it -------------------------------------------------------------------------
 

@@ -213,6 +213,11 @@ class ProviderDaemon:
     def send(self, message: gw.ProviderMessage) -> None:
         self.session.send(message)
 
+    @property
+    def update_receipts(self) -> bool:
+        """Whether the broker takes one receipt for a task results update (task_results)."""
+        return self.session.update_receipts
+
     async def fetch(self, ref: pb.ArtifactRef, target: Path) -> None:
         await self.cache.put(ref, target)
 

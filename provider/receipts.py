@@ -1,7 +1,8 @@
 """A job's outputs and the receipt for them: the files it left go up to the broker's
 artifact store (only the job's own plain files, read through descriptors, each content
-once), and the provider signs a receipt naming them. Used by an attempt for its whole job
-and by task_results for each task of a job array."""
+once), and the provider signs a receipt naming them. Used by an attempt for its whole job,
+and by task_results for each update of a job array's task results (one receipt over its
+tasks' outputs, kinds/receipt_tree.py)."""
 
 from __future__ import annotations
 
@@ -33,22 +34,24 @@ class Uploader(Protocol):
 
 
 def sign(identity: Identity, a: Assignment, outputs: list[pb.ArtifactRef],
-         wall_seconds: float, metrics: dict[str, float] | None = None) -> pb.Envelope:
+         wall_seconds: float, metrics: dict[str, float] | None = None,
+         tasks_root: bytes = b"") -> pb.Envelope:
     """The receipt for ``outputs`` of the lease ``a``, sealed by this provider's ``identity``
-    (device seconds: the wall time on each of the lease's devices)."""
+    (device seconds: the wall time on each of the lease's devices); with ``tasks_root``,
+    for a task results update's tasks instead (kinds/receipt_tree.py)."""
     receipt = pb.Receipt(
         job_id=a.lease.job_id, lease_id=a.lease.lease_id, attempt=a.lease.attempt,
         epoch=a.lease.epoch, provider_id=provider_id(identity), spec_sha256=a.spec_sha256,
         outputs=outputs, wall_seconds=wall_seconds,
         device_seconds=wall_seconds * len(a.lease.device_indices),
-        metrics=metrics or {}, finished_at_ms=now_ms())
+        metrics=metrics or {}, finished_at_ms=now_ms(), tasks_root=tasks_root)
     return seal(identity, receipt)
 
 
 @functools.lru_cache(maxsize=8)
 def provider_id(identity: Identity) -> str:
-    """The identity's id, worked out once (a hash of its public key: as much CPU as the
-    signature of a task's receipt, signed for every task of an array)."""
+    """The identity's id, worked out once (a hash of its public key: as much CPU as a
+    receipt's signature, signed for every task results update of an array)."""
     return identity.id
 
 

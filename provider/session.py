@@ -149,6 +149,8 @@ class BrokerSession:
         self.channel: grpc.aio.Channel | None = None
         self.artifacts: ArtifactsClient | None = None
         self.broker_key: bytes | None = None       # the key of the broker it last talked to
+        self.update_receipts = False               # ... and whether it takes one receipt for
+                                                   # a task results update (else one a task)
         self.outbox: asyncio.Queue | None = None   # None while no session is open
         self.connected = asyncio.Event()           # set while a session is open
         self.sessions_opened = 0                   # counts them: did a call outlive its session?
@@ -244,6 +246,7 @@ class BrokerSession:
             if self.broker_key and session.broker_public_key != self.broker_key:
                 log.warning("the broker's key changed since the last session")
             self.broker_key = session.broker_public_key
+            self.update_receipts = session.welcome.update_receipts
             log.info("connected to broker %s as provider %s", self.address,
                      session.welcome.provider_id)
             outbox: asyncio.Queue = asyncio.Queue()

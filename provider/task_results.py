@@ -1,12 +1,13 @@
 """The task results of a job array's lease: each task that ends is passed on to the broker,
 those that end together in one update; a task that succeeded and left outputs only once
-they are stored at the broker, with a receipt for them alone (so an array's results can be
-fetched as its tasks end, not only when their lease does). Small outputs travel in the
-update itself (the broker stores them in the transaction that records their tasks); larger
-ones are uploaded first. Each update is kept, and sent again on the next session, until
-the broker acknowledges it (TaskResultsSettled). Updates shrink toward the lease's end
-(``TaskResults.due``): the array's end waits for the broker to record its leases' last
-ones."""
+they are stored at the broker (so an array's results can be fetched as its tasks end, not
+only when their lease does). One receipt signs each update's outputs: the root of a hash
+tree over its tasks (kinds/receipt_tree.py), each result naming its own outputs. Small
+outputs travel in the update itself (the broker stores them in the transaction that records
+their tasks); larger ones are uploaded first. Each update is kept, and sent again on the
+next session, until the broker acknowledges it (TaskResultsSettled). Updates shrink toward
+the lease's end (``TaskResults.due``): the array's end waits for the broker to record its
+leases' last ones."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from gpumarket.kinds import arrays
+from gpumarket.kinds import arrays, receipt_tree
 from gpumarket.proto.artifacts import CHUNK_BYTES, sha256_file
 from gpumarket.proto.errors import GpumarketError
 from gpumarket.proto.jobspec import check_artifact_name
@@ -69,6 +70,8 @@ class Store(Protocol):
     """What task results ask of the daemon: the session to the broker and its artifact
     store."""
 
+    update_receipts: bool       # the broker takes one receipt an update (else one a task)
+
     def send(self, message: gw.ProviderMessage) -> None: ...
     async def upload(self, source: Path | int, name: str,
                      digest: tuple[str, int] | None = None) -> pb.ArtifactRef: ...
@@ -87,12 +90,13 @@ def task_outputs(task: int) -> str:
 
 class TaskResults:
     """One array lease's tasks as they end. ``update`` makes the lease's JobUpdate message
-    of its fields; ``sign`` a receipt for a task's outputs and seconds; ``owner`` is the
-    job's uid (only its files are taken)."""
+    of its fields; ``sign(outputs, seconds, tasks_root=b"")`` a receipt for an update's
+    tasks (by their tree's root) or, for a broker before issue 32, for one task's outputs;
+    ``owner`` is the job's uid (only its files are taken)."""
 
     def __init__(self, tasks: Iterable[int], workdir: Path, owner: int, host: Store,
                  update: Callable[..., gw.ProviderMessage],
-                 sign: Callable[[list[pb.ArtifactRef], float], pb.Envelope]) -> None:
+                 sign: Callable[..., pb.Envelope]) -> None:
         self.open = set(tasks)              # the lease's tasks not yet reported
         self.count = len(self.open)
         self.began: float | None = None     # when its first task began (monotonic)
@@ -179,10 +183,11 @@ class TaskResults:
     async def upload(self) -> None:
         """Store the outputs of the tasks that succeeded at the broker, those of the tasks
         that end within TASK_FLUSH_S of each other (or fewer, ``due``) together (their small
-        files in one call), then pass each task on with a receipt for its outputs alone. A task is reported
-        succeeded only once its outputs are stored; where they cannot be (UPLOAD_TRIES
-        tries, backing off), or the task left what is no output (a link, too many files),
-        it is reported failed and the broker runs it again."""
+        files in one call), then pass each task on naming its outputs (its update's receipt
+        signs them, ``send``). A task is reported succeeded only once its outputs are
+        stored; where they cannot be (UPLOAD_TRIES tries, backing off), or the task left
+        what is no output (a link, too many files), it is reported failed and the broker
+        runs it again."""
         while self.to_upload:
             wait = self.flushed_at + TASK_FLUSH_S - time.monotonic()
             if wait > 0 and not self.due():
@@ -219,7 +224,7 @@ class TaskResults:
                 result.error = (got if isinstance(got, str) else
                                 f"its outputs could not be stored at the broker: {error}")[:1000]
             else:
-                result.receipt.CopyFrom(self.sign([ref_of(o) for o in got], result.seconds))
+                result.outputs.extend(ref_of(o) for o in got)
             self.results.append((result, inline.get(result.task, {}) if result.ok else {}))
         # Their window passed before the upload: they go now (with any told meanwhile).
         self.flush()
@@ -357,9 +362,23 @@ class TaskResults:
         self.results = []
 
     def send(self, results: list[gw.TaskResult], blobs: dict[str, bytes]) -> None:
+        """Send one update, its succeeded tasks' outputs signed by one receipt over them
+        (the broker checks one signature an update, not one a task); to a broker that does
+        not take such receipts (before issue 32), by a receipt in each result, naming that
+        task's outputs."""
         self.sent += 1
+        covered = [r for r in results if r.ok and r.outputs]
+        receipt = None
+        if covered and self.host.update_receipts:
+            root = receipt_tree.root([receipt_tree.task_leaf(r.task, r.outputs)
+                                      for r in covered])
+            receipt = self.sign([], sum(r.seconds for r in covered), tasks_root=root)
+        else:
+            for r in covered:
+                r.receipt.CopyFrom(self.sign(list(r.outputs), r.seconds))
+                r.ClearField("outputs")
         message = self.update(tasks=gw.TaskResults(
-            results=results, seq=self.sent,
+            results=results, seq=self.sent, receipt=receipt,
             blobs=[gw.TaskOutputBlob(sha256=sha, data=data) for sha, data in blobs.items()]))
         self.unacked[self.sent] = message
         self.host.send(message)

@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 
 import pytest
+from gpumarket.kinds import receipt_tree
 from gpumarket.proto.envelope import open_envelope
 from gpumarket.proto.v1 import gateway_pb2 as gw
 from gpumarket.proto.v1 import types_pb2 as pb
@@ -148,7 +149,7 @@ def test_task_results_go_in_updates_of_bounded_size_and_only_for_the_lease_s_tas
     monkeypatch.setattr(task_results, "TASKS_PER_UPDATE", 4)
     host = FakeHost(tmp_path, {})
     tasks = TaskResults(range(10), tmp_path / "w", os.geteuid(), host, update,
-                        lambda outputs, seconds: pb.Envelope())
+                        lambda outputs, seconds, tasks_root=b"": pb.Envelope())
 
     async def scenario():
         told = [tasks.ended(TaskEnded(t, t % 3 != 0, "boom" if t % 3 == 0 else "", 0.01))
@@ -181,8 +182,9 @@ def test_task_results_updates_halve_toward_the_lease_s_end(tmp_path, monkeypatch
         out.mkdir(parents=True)
         (out / "result.json").write_text(f'{{"task": {t}}}')
     tasks = TaskResults(range(100), workdir, os.geteuid(), host, update,
-                        lambda refs, seconds: receipts.sign(
-                            PROVIDER, checksum_assignment(b"x"), refs, seconds))
+                        lambda refs, seconds, tasks_root=b"": receipts.sign(
+                            PROVIDER, checksum_assignment(b"x"), refs, seconds,
+                            tasks_root=tasks_root))
     before_end: list[int] = []
 
     async def all_end():
@@ -203,8 +205,9 @@ def test_task_results_updates_halve_toward_the_lease_s_end(tmp_path, monkeypatch
     assert before_end == [50, 25, 16]
     assert [len(u.tasks.results) for u in updates] == [50, 25, 16, 9]
     assert [r.task for u in updates for r in u.tasks.results] == list(range(100))
-    assert all(r.ok and bool(r.receipt.payload) == outputs for u in updates
-               for r in u.tasks.results)
+    assert all(r.ok and len(r.outputs) == outputs and not r.receipt.payload
+               for u in updates for r in u.tasks.results)
+    assert all(bool(u.tasks.receipt.payload) == outputs for u in updates)
     assert sum(len(u.tasks.blobs) for u in updates) == (100 if outputs else 0)
 
 
@@ -215,7 +218,7 @@ def test_a_yielding_lease_sends_what_it_holds_at_once(tmp_path, monkeypatch):
     monkeypatch.setattr(task_results, "TASK_FLUSH_S", 60.0)
     host = FakeHost(tmp_path, {})
     tasks = TaskResults(range(100), tmp_path / "w", os.geteuid(), host, update,
-                        lambda refs, seconds: pb.Envelope())
+                        lambda refs, seconds, tasks_root=b"": pb.Envelope())
 
     async def scenario():
         for t in range(30):
@@ -242,11 +245,12 @@ def test_a_task_with_too_many_outputs_fails_alone(tmp_path, monkeypatch):
         out.mkdir(parents=True)
         for i in range(files):
             (out / f"{i}.txt").write_text(f"{task}.{i}")
-    signed: list[list[str]] = []
+    signed: list[bytes] = []
 
-    def sign(outputs, seconds):
-        signed.append([o.name for o in outputs])
-        return receipts.sign(PROVIDER, checksum_assignment(b"x"), outputs, seconds)
+    def sign(refs, seconds, tasks_root=b""):
+        signed.append(tasks_root)
+        return receipts.sign(PROVIDER, checksum_assignment(b"x"), refs, seconds,
+                             tasks_root=tasks_root)
 
     tasks = TaskResults([0, 1], workdir, os.geteuid(), host, update, sign)
 
@@ -256,10 +260,15 @@ def test_a_task_with_too_many_outputs_fails_alone(tmp_path, monkeypatch):
         await tasks.settle()
 
     asyncio.run(scenario())
-    results = {r.task: r for u in sent(host, "tasks") for r in u.tasks.results}
-    assert results[0].ok and results[0].receipt.payload
+    updates = sent(host, "tasks")
+    results = {r.task: r for u in updates for r in u.tasks.results}
+    assert results[0].ok and [o.name for o in results[0].outputs] == [
+        arrays.output_name(0, "0.txt"), arrays.output_name(0, "1.txt")]
     assert not results[1].ok and "more than the 3" in results[1].error
-    assert signed == [[arrays.output_name(0, "0.txt"), arrays.output_name(0, "1.txt")]]
+    assert not results[1].outputs
+    # One receipt for the update, over task 0's outputs alone.
+    assert signed == [receipt_tree.tree([receipt_tree.task_leaf(0, results[0].outputs)])[0]]
+    assert [bool(u.tasks.receipt.payload) for u in updates] == [True]
 
 
 # -- after a daemon restart ------------------------------------------------------------------

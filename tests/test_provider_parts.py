@@ -70,6 +70,7 @@ class FakeHost:
         self.devices = cpu_devices(1)
         self.draining = False
         self.forks = None             # every job cold (tests/test_forkserver.py forks them)
+        self.update_receipts = True   # a broker of issue 32 on (one receipt an update)
         self.blobs = blobs
         self.sent: list[gw.ProviderMessage] = []
         self.final: gw.ProviderMessage | None = None
@@ -157,12 +158,27 @@ def task_results(host: FakeHost) -> dict[int, gw.TaskResult]:
             for r in m.job_update.tasks.results}
 
 
+def signed_outputs(host: FakeHost) -> dict[int, pb.Receipt]:
+    """Each task's receipt as the broker takes it from the updates sent: the update's one
+    signature and its hash tree checked (broker/jobs/arrays.py task_receipts), naming the
+    task's outputs."""
+    from gpumarket.broker.jobs import arrays as broker_arrays
+
+    out: dict[int, pb.Receipt] = {}
+    for m in host.sent:
+        if m.job_update.WhichOneof("update") == "tasks":
+            tasks = m.job_update.tasks
+            out.update(broker_arrays.task_receipts(list(tasks.results), PROVIDER.id,
+                                                   tasks.receipt))
+    return out
+
+
 def test_task_outputs_go_up_in_few_calls_each_content_once_before_their_tasks_are_told(
         tmp_path, monkeypatch):
     """An array lease's tasks each leave many files: the small ones of tasks that end
     together go up in few calls (not one a file), content alike once, a large one on its
-    own; each task is then passed on with its own receipt naming its files. A task that
-    left a link fails alone. (Uploaded: none goes with the task results here.)"""
+    own; each task is then passed on naming its files, under its update's one receipt. A
+    task that left a link fails alone. (Uploaded: none goes with the task results here.)"""
     from gpumarket.kinds import arrays
     from gpumarket.kinds.arrays import output_name
 
@@ -203,11 +219,14 @@ def test_task_outputs_go_up_in_few_calls_each_content_once_before_their_tasks_ar
     assert not results[41].ok and "a link" in results[41].error, results[41]
     assert uploads == [output_name(40, "big.bin")]
     assert host.blob_calls == [1000, 41 * 30 + 1 - 1000]    # every small content once
+    signed = signed_outputs(host)
+    assert sorted(signed) == list(range(41))
     for task in range(41):
         r = results[task]
         assert r.ok, r
-        receipt, signer = open_envelope(r.receipt, pb.Receipt)
-        assert signer == PROVIDER.id and receipt.job_id == "j" and receipt.epoch == 1
+        receipt = signed[task]
+        assert receipt.provider_id == PROVIDER.id and receipt.job_id == "j" \
+            and receipt.epoch == 1
         names = {o.name: o for o in receipt.outputs}
         assert len(names) == 31 + (task == 40)
         assert host.blobs[names[output_name(task, "part-07.txt")].sha256] \
@@ -216,15 +235,20 @@ def test_task_outputs_go_up_in_few_calls_each_content_once_before_their_tasks_ar
     assert host.blobs[hashlib.sha256(big).hexdigest()] == big
 
 
+@pytest.mark.parametrize("broker", ["one-receipt-an-update", "before-issue-32"])
 def test_small_task_outputs_go_with_their_results_kept_until_the_broker_acknowledges(
-        tmp_path):
+        tmp_path, broker):
     """Small outputs travel in the task results update itself (no upload call), a larger
     one is uploaded first; each update has its number and is kept, to be sent again on the
-    next session, until the broker acknowledges it."""
+    next session, until the broker acknowledges it. Its outputs are signed by one receipt
+    for the update, or, where the broker's welcome did not say it takes that (an older
+    broker, which would record the tasks without their outputs), by a receipt in each
+    result naming its task's outputs alone; the broker takes either."""
     from gpumarket.kinds import arrays
     from gpumarket.provider.reports import TaskEnded
 
     host, job = array_attempt(tmp_path, 3)
+    host.update_receipts = broker == "one-receipt-an-update"
     big = os.urandom(arrays.INLINE_OUTPUT_BYTES + 1)
     for task in range(3):
         out = job.workdir / "tasks" / f"{task:06d}" / "outputs"
@@ -252,8 +276,13 @@ def test_small_task_outputs_go_with_their_results_kept_until_the_broker_acknowle
     assert update.seq == 1 and sorted(r.task for r in update.results) == [0, 1, 2]
     carried = {b.sha256: b.data for b in update.blobs}
     assert sorted(carried.values()) == [b'{"task": %d}' % t for t in range(3)]
-    for r in update.results:
-        receipt, _ = open_envelope(r.receipt, pb.Receipt)
+    assert bool(update.receipt.payload) == host.update_receipts
+    assert all(bool(r.receipt.payload) != host.update_receipts
+               and bool(r.outputs) == host.update_receipts for r in update.results)
+    signed = signed_outputs(host)
+    assert sorted(signed) == [0, 1, 2]
+    assert len(signed[2].outputs) == 2
+    for receipt in signed.values():
         assert all(o.sha256 in carried or o.sha256 == hashlib.sha256(big).hexdigest()
                    for o in receipt.outputs)
     assert job.task_results.pending() == [message]
@@ -301,9 +330,10 @@ def test_outputs_that_cannot_be_stored_are_tried_again_then_their_tasks_fail(tmp
     results = task_results(host)
     assert sorted(results) == [0, 1, 2]
     assert len(tries) == min(failures + 1, results_module.UPLOAD_TRIES), tries
+    signed = signed_outputs(host)
     for r in results.values():
         assert r.ok == (not never), r
-        assert bool(r.receipt.payload) == (not never)
+        assert (r.task in signed) == (not never)
         if never:
             assert "could not be stored at the broker" in r.error
             assert "slow down" in r.error

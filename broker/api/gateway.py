@@ -105,6 +105,7 @@ class ProviderGatewayServicer(gateway_pb2_grpc.ProviderGatewayServicer):
             provider_id=provider_id,
             heartbeat_interval_ms=int(cfg.heartbeat_interval_s * 1000),
             lease_timeout_ms=int(cfg.lease_timeout_s * 1000),
+            update_receipts=True,
         )))
         writer = asyncio.create_task(self._write_loop(session, context))
         try:

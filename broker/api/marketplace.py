@@ -74,6 +74,7 @@ class MarketplaceServicer(marketplace_pb2_grpc.MarketplaceServicer):
                                 updated_at_ms=t["updated_at_ms"],
                                 receipt=pb.Envelope.FromString(t["receipt"])
                                 if t["receipt"] else None,
+                                receipt_path=bytes(t["receipt_path"] or b""),
                                 outputs=[pb.ArtifactRef(**o)
                                          for o in json.loads(t["outputs"] or "[]")])
             size += task.ByteSize()

@@ -1,5 +1,6 @@
 """A job array lease's task results as they come over the provider's session (the gateway
-hands them here): receipts checked, the small outputs carried with them stored, the results
+hands them here): receipts checked (one an update, or a task's own from older providers),
+the small outputs carried with them stored, the results
 recorded in one transaction with the provider's holding of those outputs, and the update
 acknowledged (TaskResultsSettled) so the provider may forget it."""
 
@@ -15,12 +16,13 @@ from gpumarket.broker.store import blob_holdings
 from gpumarket.proto.errors import InvalidArgument
 from gpumarket.proto.v1 import gateway_pb2 as gw
 
-THREAD_FROM = 16        # receipts (signatures) or outputs (hashes) checked off the event loop
+THREAD_FROM = 16        # receipts (signatures, a receipt tree's leaves) or outputs (hashes)
+                        # checked off the event loop from this many
 
 
 def _checked(update: gw.JobUpdate, provider_id: str):
     results = list(update.tasks.results)
-    receipts = arrays.task_receipts(results, provider_id)
+    receipts = arrays.task_receipts(results, provider_id, update.tasks.receipt)
     return results, receipts, arrays.inline_outputs(update.tasks, receipts)
 
 
@@ -32,7 +34,8 @@ async def record(state: BrokerState, provider_id: str, update: gw.JobUpdate, now
     a refusal — the lease ended in between — stay on disk with no row). A lease the
     results show should yield to an idle lane of its array is asked to (``arrays._steal``)."""
     tasks = update.tasks
-    if sum(1 for r in tasks.results if r.receipt.payload) + len(tasks.blobs) > THREAD_FROM:
+    if sum(1 for r in tasks.results if r.receipt.payload or r.outputs) + len(tasks.blobs) \
+            > THREAD_FROM:
         results, receipts, blobs = await asyncio.to_thread(_checked, update, provider_id)
     else:
         results, receipts, blobs = _checked(update, provider_id)

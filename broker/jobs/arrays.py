@@ -16,7 +16,7 @@ from gpumarket.broker.jobs import transitions as jobs
 from gpumarket.broker.jobs.job import Job, add_to_job, update_job
 from gpumarket.broker.market.admission import NewJob
 from gpumarket.broker.store import blob_holdings
-from gpumarket.kinds import arrays
+from gpumarket.kinds import arrays, receipt_tree
 from gpumarket.proto.envelope import open_envelope
 from gpumarket.proto.errors import BadSignature, FailedPrecondition, InvalidArgument
 from gpumarket.proto.jobspec import TERMINAL_STATES, check_artifact_name, check_sha256
@@ -100,19 +100,68 @@ def lease_tasks(db: Database, batch_id: str) -> list[int]:
         [batch_id, *OPEN])]
 
 
-def task_receipts(results: list[gw.TaskResult], provider_id: str) -> dict[int, pb.Receipt]:
-    """The receipts that came with task results (for their outputs alone), by task, each
-    signed by the lease's provider (BadSignature if one is not). No database here: the
-    signatures are checked before the write."""
+def task_receipts(results: list[gw.TaskResult], provider_id: str,
+                  update_receipt: pb.Envelope | None = None) -> dict[int, pb.Receipt]:
+    """The receipts that came with task results, by task, each signed by the lease's
+    provider (BadSignature if one is not): a task's own (for its outputs alone, as
+    providers before issue 32 sign them), or the update's one receipt (``update_receipt``)
+    for the outputs its results name, by the root of their hash tree (kinds/receipt_tree.py;
+    BadSignature unless it is exactly theirs). For such a task the receipt here names its
+    outputs, and its result in ``results`` is replaced by a copy given that envelope and
+    its path up the tree, as the task's row keeps them (the update itself is left as it
+    came). No database here: the signatures are checked before the write."""
     out: dict[int, pb.Receipt] = {}
-    for r in results:
+    for i, r in enumerate(results):
+        if r.receipt_path:                  # (the broker's to set)
+            results[i] = r = _copy(r)
+            r.ClearField("receipt_path")
         if r.receipt.payload:
+            if r.outputs:
+                raise InvalidArgument(f"task {r.task}: a result with a receipt of its own"
+                                      " names its outputs in it")
             receipt, signer = open_envelope(r.receipt, pb.Receipt)
             if signer != provider_id or receipt.provider_id != provider_id:
                 raise BadSignature(f"task {r.task}: its receipt is not signed by the lease's"
                                    " provider")
+            if receipt.tasks_root:
+                raise BadSignature(f"task {r.task}: its receipt is an update's")
+            if r.task in out:
+                raise InvalidArgument(f"task {r.task}: two receipts in one update")
             out[r.task] = receipt
+    covered = [i for i, r in enumerate(results) if r.ok and r.outputs]
+    if not covered:
+        return out
+    if update_receipt is None or not update_receipt.payload:
+        raise BadSignature(f"task {results[covered[0]].task}: its outputs are signed by no"
+                           " receipt")
+    receipt, signer = open_envelope(update_receipt, pb.Receipt)
+    if signer != provider_id or receipt.provider_id != provider_id:
+        raise BadSignature("the update's receipt is not signed by the lease's provider")
+    if receipt.outputs:
+        raise InvalidArgument("an update's receipt names its tasks' outputs by its tasks_root"
+                              " alone")
+    root, paths = receipt_tree.tree([receipt_tree.task_leaf(results[i].task,
+                                                            results[i].outputs)
+                                     for i in covered])
+    if receipt.tasks_root != root:
+        raise BadSignature("the update's receipt does not sign its tasks' outputs")
+    for i, path in zip(covered, paths):
+        results[i] = r = _copy(results[i])
+        own = pb.Receipt()
+        own.CopyFrom(receipt)
+        own.outputs.extend(r.outputs)
+        if r.task in out:
+            raise InvalidArgument(f"task {r.task}: two receipts in one update")
+        out[r.task] = own
+        r.receipt.CopyFrom(update_receipt)
+        r.receipt_path = path
     return out
+
+
+def _copy(result: gw.TaskResult) -> gw.TaskResult:
+    copy = gw.TaskResult()
+    copy.CopyFrom(result)
+    return copy
 
 
 def inline_outputs(update: gw.TaskResults, receipts: dict[int, pb.Receipt]
@@ -222,13 +271,15 @@ def record_results(db: Database, batch_id: str, epoch: int, provider_id: str,
             succeeded.append((SUCCEEDED, provider_id, seconds, now,
                               None if refs is None else json.dumps(refs),
                               None if refs is None else r.receipt.SerializeToString(),
+                              r.receipt_path if refs is not None and r.receipt_path else None,
                               array_id, r.task))
         else:
             _task_failed(db, array_id, r.task, attempts[r.task], batch.max_attempts,
                          r.error[:1000] or "failed", provider_id, now, seconds)
     db.conn.executemany("UPDATE array_tasks SET state = ?, provider_id = ?, error = '',"
                         " seconds = ?, updated_at_ms = ?, outputs = ?, receipt = ?,"
-                        " yielded = 0 WHERE array_id = ? AND task = ?", succeeded)
+                        " receipt_path = ?, yielded = 0 WHERE array_id = ? AND task = ?",
+                        succeeded)
     # The lease's progress is its tasks reported (its provider sends no progress beside them).
     add_to_job(db, batch_id, now, progress_step=len(told))
     _follow(db, array_id, now)

@@ -5,13 +5,14 @@ from __future__ import annotations
 from sqlite_utils import Database
 from sqlite_utils.migrations import Migrations
 
+from gpumarket.broker.store import schema_later
+
 migrations = Migrations("gpumarket.broker")
 
 
 @migrations()
 def m001_initial(db: Database) -> None:
-    db.execute(
-        """
+    db.execute("""
         CREATE TABLE providers (
             id TEXT PRIMARY KEY,
             public_key BLOB NOT NULL,
@@ -21,8 +22,7 @@ def m001_initial(db: Database) -> None:
             banned INTEGER NOT NULL DEFAULT 0
         )"""
     )
-    db.execute(
-        """
+    db.execute("""
         CREATE TABLE offers (
             provider_id TEXT PRIMARY KEY REFERENCES providers(id),
             envelope BLOB NOT NULL,
@@ -31,8 +31,7 @@ def m001_initial(db: Database) -> None:
             created_at_ms INTEGER NOT NULL
         )"""
     )
-    db.execute(
-        """
+    db.execute("""
         CREATE TABLE jobs (
             id TEXT PRIMARY KEY,
             client_id TEXT NOT NULL,
@@ -64,8 +63,7 @@ def m001_initial(db: Database) -> None:
     )
     db.execute("CREATE INDEX jobs_by_state ON jobs(state, created_at_ms)")
     db.execute("CREATE INDEX jobs_by_client ON jobs(client_id, created_at_ms)")
-    db.execute(
-        """
+    db.execute("""
         CREATE TABLE leases (
             id TEXT PRIMARY KEY,
             job_id TEXT NOT NULL REFERENCES jobs(id),
@@ -85,8 +83,7 @@ def m001_initial(db: Database) -> None:
         )"""
     )
     db.execute("CREATE INDEX leases_by_provider ON leases(provider_id, state)")
-    db.execute(
-        """
+    db.execute("""
         CREATE TABLE events (
             seq INTEGER PRIMARY KEY AUTOINCREMENT,
             job_id TEXT NOT NULL REFERENCES jobs(id),
@@ -100,8 +97,7 @@ def m001_initial(db: Database) -> None:
         )"""
     )
     db.execute("CREATE INDEX events_by_job ON events(job_id, seq)")
-    db.execute(
-        """
+    db.execute("""
         CREATE TABLE artifacts (
             sha256 TEXT PRIMARY KEY,
             size_bytes INTEGER NOT NULL,
@@ -598,3 +594,7 @@ def m023_serving_brokers(db: Database) -> None:
             seen_ms INTEGER NOT NULL         -- when it last said so
         )"""
     )
+
+
+for _later in schema_later.LATER:       # after this module's own, in order
+    migrations()(_later)

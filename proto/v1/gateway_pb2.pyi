@@ -36,14 +36,16 @@ class SessionProof(_message.Message):
     def __init__(self, nonce: _Optional[bytes] = ..., broker_public_key: _Optional[bytes] = ..., at_ms: _Optional[int] = ...) -> None: ...
 
 class SessionWelcome(_message.Message):
-    __slots__ = ("provider_id", "heartbeat_interval_ms", "lease_timeout_ms")
+    __slots__ = ("provider_id", "heartbeat_interval_ms", "lease_timeout_ms", "update_receipts")
     PROVIDER_ID_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
     LEASE_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_RECEIPTS_FIELD_NUMBER: _ClassVar[int]
     provider_id: str
     heartbeat_interval_ms: int
     lease_timeout_ms: int
-    def __init__(self, provider_id: _Optional[str] = ..., heartbeat_interval_ms: _Optional[int] = ..., lease_timeout_ms: _Optional[int] = ...) -> None: ...
+    update_receipts: bool
+    def __init__(self, provider_id: _Optional[str] = ..., heartbeat_interval_ms: _Optional[int] = ..., lease_timeout_ms: _Optional[int] = ..., update_receipts: _Optional[bool] = ...) -> None: ...
 
 class RunningLease(_message.Message):
     __slots__ = ("job_id", "epoch")
@@ -168,14 +170,16 @@ class JobUpdate(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., epoch: _Optional[int] = ..., started: _Optional[_Union[JobStarted, _Mapping]] = ..., progress: _Optional[_Union[_types_pb2.Progress, _Mapping]] = ..., failed: _Optional[_Union[JobFailed, _Mapping]] = ..., receipt: _Optional[_Union[_types_pb2.Envelope, _Mapping]] = ..., rejected: _Optional[_Union[JobRejected, _Mapping]] = ..., checkpoint: _Optional[_Union[CheckpointReport, _Mapping]] = ..., released: _Optional[_Union[JobReleased, _Mapping]] = ..., log: _Optional[_Union[JobLog, _Mapping]] = ..., ready: _Optional[_Union[ReplicaReady, _Mapping]] = ..., tasks: _Optional[_Union[TaskResults, _Mapping]] = ...) -> None: ...
 
 class TaskResults(_message.Message):
-    __slots__ = ("results", "seq", "blobs")
+    __slots__ = ("results", "seq", "blobs", "receipt")
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     BLOBS_FIELD_NUMBER: _ClassVar[int]
+    RECEIPT_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[TaskResult]
     seq: int
     blobs: _containers.RepeatedCompositeFieldContainer[TaskOutputBlob]
-    def __init__(self, results: _Optional[_Iterable[_Union[TaskResult, _Mapping]]] = ..., seq: _Optional[int] = ..., blobs: _Optional[_Iterable[_Union[TaskOutputBlob, _Mapping]]] = ...) -> None: ...
+    receipt: _types_pb2.Envelope
+    def __init__(self, results: _Optional[_Iterable[_Union[TaskResult, _Mapping]]] = ..., seq: _Optional[int] = ..., blobs: _Optional[_Iterable[_Union[TaskOutputBlob, _Mapping]]] = ..., receipt: _Optional[_Union[_types_pb2.Envelope, _Mapping]] = ...) -> None: ...
 
 class TaskOutputBlob(_message.Message):
     __slots__ = ("sha256", "data")
@@ -186,18 +190,22 @@ class TaskOutputBlob(_message.Message):
     def __init__(self, sha256: _Optional[str] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class TaskResult(_message.Message):
-    __slots__ = ("task", "ok", "error", "seconds", "receipt")
+    __slots__ = ("task", "ok", "error", "seconds", "receipt", "outputs", "receipt_path")
     TASK_FIELD_NUMBER: _ClassVar[int]
     OK_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     RECEIPT_FIELD_NUMBER: _ClassVar[int]
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    RECEIPT_PATH_FIELD_NUMBER: _ClassVar[int]
     task: int
     ok: bool
     error: str
     seconds: float
     receipt: _types_pb2.Envelope
-    def __init__(self, task: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., seconds: _Optional[float] = ..., receipt: _Optional[_Union[_types_pb2.Envelope, _Mapping]] = ...) -> None: ...
+    outputs: _containers.RepeatedCompositeFieldContainer[_types_pb2.ArtifactRef]
+    receipt_path: bytes
+    def __init__(self, task: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., seconds: _Optional[float] = ..., receipt: _Optional[_Union[_types_pb2.Envelope, _Mapping]] = ..., outputs: _Optional[_Iterable[_Union[_types_pb2.ArtifactRef, _Mapping]]] = ..., receipt_path: _Optional[bytes] = ...) -> None: ...
 
 class InferenceChunk(_message.Message):
     __slots__ = ("request_id", "data", "last")

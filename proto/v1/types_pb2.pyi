@@ -533,7 +533,7 @@ class Progress(_message.Message):
     def __init__(self, step: _Optional[int] = ..., total: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class Receipt(_message.Message):
-    __slots__ = ("job_id", "lease_id", "attempt", "epoch", "provider_id", "spec_sha256", "outputs", "wall_seconds", "device_seconds", "metrics", "finished_at_ms")
+    __slots__ = ("job_id", "lease_id", "attempt", "epoch", "provider_id", "spec_sha256", "outputs", "wall_seconds", "device_seconds", "metrics", "finished_at_ms", "tasks_root")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -552,6 +552,7 @@ class Receipt(_message.Message):
     DEVICE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     METRICS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_AT_MS_FIELD_NUMBER: _ClassVar[int]
+    TASKS_ROOT_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     lease_id: str
     attempt: int
@@ -563,7 +564,8 @@ class Receipt(_message.Message):
     device_seconds: float
     metrics: _containers.ScalarMap[str, float]
     finished_at_ms: int
-    def __init__(self, job_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., attempt: _Optional[int] = ..., epoch: _Optional[int] = ..., provider_id: _Optional[str] = ..., spec_sha256: _Optional[str] = ..., outputs: _Optional[_Iterable[_Union[ArtifactRef, _Mapping]]] = ..., wall_seconds: _Optional[float] = ..., device_seconds: _Optional[float] = ..., metrics: _Optional[_Mapping[str, float]] = ..., finished_at_ms: _Optional[int] = ...) -> None: ...
+    tasks_root: bytes
+    def __init__(self, job_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., attempt: _Optional[int] = ..., epoch: _Optional[int] = ..., provider_id: _Optional[str] = ..., spec_sha256: _Optional[str] = ..., outputs: _Optional[_Iterable[_Union[ArtifactRef, _Mapping]]] = ..., wall_seconds: _Optional[float] = ..., device_seconds: _Optional[float] = ..., metrics: _Optional[_Mapping[str, float]] = ..., finished_at_ms: _Optional[int] = ..., tasks_root: _Optional[bytes] = ...) -> None: ...
 
 class JobEvent(_message.Message):
     __slots__ = ("seq", "job_id", "at_ms", "type", "state", "attempt", "provider_id", "message", "progress")
@@ -666,7 +668,7 @@ class ArrayProgress(_message.Message):
     def __init__(self, tasks: _Optional[int] = ..., queued: _Optional[int] = ..., running: _Optional[int] = ..., succeeded: _Optional[int] = ..., failed: _Optional[int] = ..., cancelled: _Optional[int] = ...) -> None: ...
 
 class ArrayTask(_message.Message):
-    __slots__ = ("task", "state", "attempts", "provider_id", "error", "outputs", "lease_job_id", "seconds", "updated_at_ms", "receipt")
+    __slots__ = ("task", "state", "attempts", "provider_id", "error", "outputs", "lease_job_id", "seconds", "updated_at_ms", "receipt", "receipt_path")
     TASK_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
@@ -677,6 +679,7 @@ class ArrayTask(_message.Message):
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     UPDATED_AT_MS_FIELD_NUMBER: _ClassVar[int]
     RECEIPT_FIELD_NUMBER: _ClassVar[int]
+    RECEIPT_PATH_FIELD_NUMBER: _ClassVar[int]
     task: int
     state: JobState
     attempts: int
@@ -687,7 +690,8 @@ class ArrayTask(_message.Message):
     seconds: float
     updated_at_ms: int
     receipt: Envelope
-    def __init__(self, task: _Optional[int] = ..., state: _Optional[_Union[JobState, str]] = ..., attempts: _Optional[int] = ..., provider_id: _Optional[str] = ..., error: _Optional[str] = ..., outputs: _Optional[_Iterable[_Union[ArtifactRef, _Mapping]]] = ..., lease_job_id: _Optional[str] = ..., seconds: _Optional[float] = ..., updated_at_ms: _Optional[int] = ..., receipt: _Optional[_Union[Envelope, _Mapping]] = ...) -> None: ...
+    receipt_path: bytes
+    def __init__(self, task: _Optional[int] = ..., state: _Optional[_Union[JobState, str]] = ..., attempts: _Optional[int] = ..., provider_id: _Optional[str] = ..., error: _Optional[str] = ..., outputs: _Optional[_Iterable[_Union[ArtifactRef, _Mapping]]] = ..., lease_job_id: _Optional[str] = ..., seconds: _Optional[float] = ..., updated_at_ms: _Optional[int] = ..., receipt: _Optional[_Union[Envelope, _Mapping]] = ..., receipt_path: _Optional[bytes] = ...) -> None: ...
 
 class JobVerification(_message.Message):
     __slots__ = ("status", "rate", "checks")
