@@ -32,7 +32,10 @@ provider and all below it: forkservers, the replica's engine, the training job) 
 nice value, its session's scheduling group (/proc/PID/autogroup) and its threads counted by
 the cores each may run on (Cpus_allowed_list): a thread of a slice's job allowed outside its
 slice's cores would show there. It also prints each side of each round (p50, p99, requests,
-training steps) and the share of a core the broker and the provider daemon used.
+training steps) and the share of a core the broker and the provider daemon used, and at the
+end how long, over each side's rounds, the replica's engine and the processes on its path
+(this client, the broker, the daemon) were runnable but waiting for a CPU (cpu_wait_ms, from
+/proc/PID/task/*/schedstat).
 
 After the rounds it sets every request (its arrival and TTFT) beside the training's events
 as the broker stored them (progress, checkpoints: bench/colocated_trace.py) and prints, for
@@ -395,7 +398,8 @@ def main() -> None:
                         help="leave out the same measurement without the marketplace")
     parser.add_argument("--lag-probe", action="store_true",
                         help="record every event-loop stall over %g ms of the broker, the"
-                        " daemon and the replica (bench/colocated_trace.py)" % trace.SLOW_MS)
+                        " daemon and this bench's client (bench/colocated_trace.py)"
+                        % trace.SLOW_MS)
     parser.add_argument("--checkpoint-every", type=int, default=0,
                         help="the training checkpoints every this many steps (uploaded to"
                         " the broker and settled, as a real job's are; default: never)")
@@ -449,6 +453,14 @@ def main() -> None:
                       f" ({seen['autogroup'] or 'no autogroup'}) {seen['cmd']:<60} threads"
                       f" by allowed cores: {seen['threads_by_cores']}", flush=True)
             training = [seen["pid"] for seen in tree if seen["pid"] not in before]
+            # Whose wait for a CPU each side measures (trace.run_delay): the replica's engine
+            # and the processes on its path.
+            path = {"client": [os.getpid()], "broker": [market.broker.proc.pid],
+                    "daemon": [p.proc.pid for p in market.providers.values()],
+                    "replica": [seen["pid"] for seen in tree
+                                if "runners.serve" in seen["cmd"]]}
+            cpu_wait = {"alone": dict.fromkeys(path, 0.0),
+                        "colocated": dict.fromkeys(path, 0.0)}
             alone: list[list[float]] = []
             colocated: list[list[float]] = []
             requests: list[dict] = []       # every request: side, round, arrival, TTFT
@@ -462,11 +474,14 @@ def main() -> None:
                         time.sleep(1.0)
                     first = step(market, job_id)
                     cpu, began = cpu_seconds(market), time.monotonic()
+                    delay = {role: trace.run_delay(pids) for role, pids in path.items()}
                     answered = asyncio.run(measure(base, key, "colo", args.rate,
                                                    args.duration, args.tokens, 10 + r))
                     requests += [{**a, "side": side, "round": r + 1} for a in answered]
                     ttfts = [a["ttft"] for a in answered]
                     used = spent(cpu, cpu_seconds(market), time.monotonic() - began)
+                    for role, pids in path.items():
+                        cpu_wait[side][role] += trace.run_delay(pids) - delay[role]
                     if spinner is not None:
                         spinner.kill()
                         spinner.wait()
@@ -502,6 +517,8 @@ def main() -> None:
         "load_before": round(load_before, 2),
         "load_after": round(load_after, 2),
         "coincidence": met,
+        "cpu_wait_ms": {side: {role: round(s * 1000) for role, s in waits.items()}
+                        for side, waits in cpu_wait.items()},
         **split,
     }
     print(f"TTFT p99: alone {out['alone_ttft_p99_ms']} ms, with a training job on the other"
@@ -511,6 +528,9 @@ def main() -> None:
           f" p50 ratio {out['ttft_p50_ratio']}; replica on device {replica_devices}, training on"
           f" {training_devices}; load average {load_before:.2f} before, {load_after:.2f}"
           " after", flush=True)
+    print("waited for a CPU over all rounds (runnable, not running; ms): " + "; ".join(
+        f"{side} " + ", ".join(f"{role} {ms}" for role, ms in waits.items())
+        for side, waits in out["cpu_wait_ms"].items()), flush=True)
     if split:
         print(f"without the marketplace (the engine and a training process, each on its"
               f" slice's cores): TTFT p99 alone {split['direct_alone_ttft_p99_ms']} ms,"

@@ -99,6 +99,25 @@ def stalls(directory: Path, roles: dict[int, str]) -> list[dict]:
     return out
 
 
+def run_delay(pids: list[int]) -> float:
+    """Seconds the threads of processes ``pids`` have spent runnable but waiting for a CPU
+    (the second field of /proc/PID/task/TID/schedstat, where the kernel keeps it): read
+    before and after a side, how long each process waited for a core on it. A thread that
+    ended between the readings takes its wait with it (an undercount)."""
+    total = 0
+    for pid in pids:
+        try:
+            tasks = list(Path(f"/proc/{pid}/task").iterdir())
+        except OSError:
+            continue
+        for task in tasks:
+            try:
+                total += int((task / "schedstat").read_text().split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    return total / 1e9
+
+
 def training_events(db_path: Path, job_id: str) -> list[dict]:
     """The training job's events as the broker stored them: ``at`` (s, wall clock, the
     broker's time of receipt, to the ms) and ``type`` (progress, log, checkpoint, ...)."""
