@@ -14,6 +14,7 @@ its rounds' requests (the defaults, 12 rounds of 8 s a side at 8 requests/s of 8
 about 770 requests a side, the same decode work per second as 4/s of 16 tokens).
 
     .venv/bin/python bench/colocated.py [--rounds 12] [--duration 8] [--rate 8] [--tokens 8]
+        [--no-direct] [--stand-in] [--lag-probe] [--checkpoint-every N] [--trace-out FILE]
 
 ``--stand-in`` keeps the job stopped and runs, on colocated sides, a busy loop on the
 training's cores at its nice value in a session of its own: the training's use of its core
@@ -31,7 +32,20 @@ provider and all below it: forkservers, the replica's engine, the training job) 
 nice value, its session's scheduling group (/proc/PID/autogroup) and its threads counted by
 the cores each may run on (Cpus_allowed_list): a thread of a slice's job allowed outside its
 slice's cores would show there. It also prints each side of each round (p50, p99, requests,
-training steps) and the share of a core the broker and the provider daemon used.
+training steps) and the share of a core the broker and the provider daemon used, and at the
+end how long, over each side's rounds, the replica's engine and the processes on its path
+(this client, the broker, the daemon) were runnable but waiting for a CPU (cpu_wait_ms, from
+/proc/PID/task/*/schedstat).
+
+After the rounds it sets every request (its arrival and TTFT) beside the training's events
+as the broker stored them (progress, checkpoints: bench/colocated_trace.py) and prints, for
+the slowest 1 %, the next 4 % and the rest of each side, the share that had such an event
+in their first 20 ms; with ``--lag-probe`` also every stall over 2 ms of the event loops of
+the broker, the provider daemon and the bench's own client (a callback that long, or a
+timer that late), and the share of each slow request's wait one stall covered.
+``--checkpoint-every N`` has the training checkpoint every N steps (each one uploaded,
+reported and settled, as a real job's are; by default it never does in a run's time), and
+``--trace-out FILE`` keeps the requests, events and stalls as JSON.
 
 Prints its figures and the host's load average (uptime) before and after; the last line is
 one JSON object: colocated_ttft_p99_ratio (colocated p99 / alone p99) with its 90 % bootstrap
@@ -39,8 +53,8 @@ interval (colocated_ttft_p99_ratio_ci90: both sides' requests resampled), the sp
 rounds' own ratios (round_ttft_p99_ratios, round_ttft_p50_ratios: min, median, max; with
 about 64 requests a round-side a round's p99 is its slowest request, so the median is what to
 read), the p50 ratio, both p99s and p50s in ms, requests_per_side, the replica's and the
-training's devices, the loads, and the direct figures (``--direct-rounds``, default 3: a
-fresh engine process a side).
+training's devices, the loads, the coincidence table's rows (coincidence), and the direct
+figures (``--direct-rounds``, default 3: a fresh engine process a side).
 """
 
 from __future__ import annotations
@@ -59,6 +73,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+import colocated_trace as trace
 from percentiles import alone_vs_colocated, pct
 from serving import create, key_for, models_dir, open_loop, ready_count, timing
 
@@ -203,14 +218,15 @@ def leases(market: Marketplace) -> dict[str, list[int]]:
 
 
 async def measure(base: str, key: str, name: str, rate: float, duration: float, tokens: int,
-                  seed: int) -> list[float]:
-    """TTFTs (s) of streamed completions arriving at ``rate``/s for ``duration`` s."""
+                  seed: int) -> list[dict]:
+    """Streamed completions arriving at ``rate``/s for ``duration`` s: each one's arrival
+    (``at``, s, wall clock: to set beside the other processes' events) and TTFT (s)."""
     import openai
 
     api = openai.AsyncOpenAI(base_url=base, api_key=key, max_retries=0, timeout=300)
 
     async def send(i: int) -> dict:
-        start, pieces = time.perf_counter(), []
+        arrived, start, pieces = time.time(), time.perf_counter(), []
         try:
             stream = await api.chat.completions.create(
                 model=name, max_tokens=tokens, temperature=0, stream=True,
@@ -220,14 +236,14 @@ async def measure(base: str, key: str, name: str, rate: float, duration: float, 
                     pieces.append(time.perf_counter())
         except openai.APIError as exc:
             return {"error": str(exc), "ttft": 0, "tpot": 0, "tokens": 0}
-        return timing(start, pieces, len(pieces))
+        return {**timing(start, pieces, len(pieces)), "at": arrived}
 
     samples, _ = await open_loop(send, rate, duration, seed)
     await api.close()
     failed = [s for s in samples if s.get("error")]
     if failed:
         raise SystemExit(f"{len(failed)} requests failed: {failed[0]['error']}")
-    return [s["ttft"] for s in samples]
+    return [{"at": s["at"], "ttft": s["ttft"]} for s in samples]
 
 
 ENGINE_CHILD = """
@@ -328,6 +344,44 @@ def direct(model: Path, rounds: int, duration: float, rate: float, tokens: int) 
             "direct_engine_cores": list(first.cores), "direct_training_cores": list(second.cores)}
 
 
+def meetings(market: Marketplace, job_id: str, tree: list[dict], requests: list[dict],
+             probe: Path | None, out: Path | None) -> list[dict]:
+    """Whether the slow requests meet the training's events (as the broker stored them)
+    and, with the lag probe, the event loops' stalls of each process: prints the stalls
+    each process had and the table of ``trace.coincidence``; returns its rows. ``out``:
+    where to write the requests, events and stalls (JSON) for a closer look."""
+    events = trace.training_events(market.root / "broker" / "broker.db", job_id)
+    kinds = {f"training {kind}": [e for e in events if e["type"] == kind]
+             for kind in sorted({e["type"] for e in events})}
+    stalls: dict[str, list[dict]] = {}
+    seen: list[dict] = []
+    if probe is not None:
+        roles = {s["pid"]: s["cmd"][:40] for s in tree}
+        roles[market.broker.proc.pid] = "broker"
+        roles[os.getpid()] = "client"
+        for p in market.providers.values():
+            roles[p.proc.pid] = "daemon"
+        seen = trace.stalls(probe, roles)
+        for role in sorted({s["role"] for s in seen}):
+            mine = [s for s in seen if s["role"] == role]
+            longest = max(mine, key=lambda s: s["ms"])
+            print(f"stalls of {role}: {len(mine)}, {sum(s['ms'] for s in mine):.0f} ms in all"
+                  f" ({sum(s['ms'] for s in mine if s['kind'] == 'callback'):.0f} ms in"
+                  f" callbacks), the longest {longest['ms']:.1f} ms ({longest['what']})",
+                  flush=True)
+        for role in ("client", "broker", "daemon"):
+            stalls[f"{role} stall"] = [s for s in seen if s["role"] == role]
+        stalls["other stall"] = [s for s in seen
+                                 if s["role"] not in ("client", "broker", "daemon")]
+    rows = trace.coincidence(requests, kinds, stalls)
+    print(f"requests by TTFT: the share with a training event in their first"
+          f" {trace.WINDOW_MS:g} ms (near), the median share of their wait one stall of a"
+          f" process covered (covered):\n" + trace.table(rows), flush=True)
+    if out is not None:
+        out.write_text(json.dumps({"requests": requests, "events": events, "stalls": seen}))
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=12, help="alone/colocated pairs")
@@ -342,6 +396,15 @@ def main() -> None:
                         " its nice value, the training job paused: its CPU use alone")
     parser.add_argument("--no-direct", action="store_true",
                         help="leave out the same measurement without the marketplace")
+    parser.add_argument("--lag-probe", action="store_true",
+                        help="record every event-loop stall over %g ms of the broker, the"
+                        " daemon and this bench's client (bench/colocated_trace.py)"
+                        % trace.SLOW_MS)
+    parser.add_argument("--checkpoint-every", type=int, default=0,
+                        help="the training checkpoints every this many steps (uploaded to"
+                        " the broker and settled, as a real job's are; default: never)")
+    parser.add_argument("--trace-out", type=Path,
+                        help="write every request, training event and stall here (JSON)")
     args = parser.parse_args()
     load_before = load_average()
     print(f"load average before: {load_before:.2f} ({os.cpu_count()} CPUs)", flush=True)
@@ -350,7 +413,12 @@ def main() -> None:
         model = models_dir(root)
         (root / "market").mkdir()
         # The provider on every core (its slices are a core each), not one (tests' taskset).
-        market = Marketplace(root / "market", {"TESTS_PROVIDER_CPUS": "all"})
+        probe = root / "probe"
+        market = Marketplace(root / "market", {"TESTS_PROVIDER_CPUS": "all",
+                                               **(trace.install_probe(probe)
+                                                  if args.lag_probe else {})})
+        if args.lag_probe:
+            trace.probe_here(probe)
         os.environ["TESTS_PROVIDER_CPUS"] = "all"
         try:
             market.start_broker(*LEASE_ARGS, "--http", "127.0.0.1:0")
@@ -370,7 +438,8 @@ def main() -> None:
             # costs its seconds only, no submission, so rounds can be many and short.
             before = {seen["pid"] for seen in process_tree(market)}
             job_file = training_job(root / "train.toml", steps=1_000_000,
-                                    checkpoint_every=1_000_000, max_price=5.0)
+                                    checkpoint_every=args.checkpoint_every or 1_000_000,
+                                    max_price=5.0)
             done = market.cli("submit", str(job_file))
             if done.returncode != 0:
                 raise SystemExit(done.stderr)
@@ -384,8 +453,17 @@ def main() -> None:
                       f" ({seen['autogroup'] or 'no autogroup'}) {seen['cmd']:<60} threads"
                       f" by allowed cores: {seen['threads_by_cores']}", flush=True)
             training = [seen["pid"] for seen in tree if seen["pid"] not in before]
+            # Whose wait for a CPU each side measures (trace.run_delay): the replica's engine
+            # and the processes on its path.
+            path = {"client": [os.getpid()], "broker": [market.broker.proc.pid],
+                    "daemon": [p.proc.pid for p in market.providers.values()],
+                    "replica": [seen["pid"] for seen in tree
+                                if "runners.serve" in seen["cmd"]]}
+            cpu_wait = {"alone": dict.fromkeys(path, 0.0),
+                        "colocated": dict.fromkeys(path, 0.0)}
             alone: list[list[float]] = []
             colocated: list[list[float]] = []
+            requests: list[dict] = []       # every request: side, round, arrival, TTFT
             for r in range(args.rounds):
                 for side in (("alone", "colocated") if r % 2 == 0 else
                              ("colocated", "alone")):
@@ -396,9 +474,14 @@ def main() -> None:
                         time.sleep(1.0)
                     first = step(market, job_id)
                     cpu, began = cpu_seconds(market), time.monotonic()
-                    ttfts = asyncio.run(measure(base, key, "colo", args.rate, args.duration,
-                                                args.tokens, 10 + r))
+                    delay = {role: trace.run_delay(pids) for role, pids in path.items()}
+                    answered = asyncio.run(measure(base, key, "colo", args.rate,
+                                                   args.duration, args.tokens, 10 + r))
+                    requests += [{**a, "side": side, "round": r + 1} for a in answered]
+                    ttfts = [a["ttft"] for a in answered]
                     used = spent(cpu, cpu_seconds(market), time.monotonic() - began)
+                    for role, pids in path.items():
+                        cpu_wait[side][role] += trace.run_delay(pids) - delay[role]
                     if spinner is not None:
                         spinner.kill()
                         spinner.wait()
@@ -412,6 +495,8 @@ def main() -> None:
             pause(training, False)
             if market.job(job_id)["state"] != "RUNNING":
                 raise SystemExit(f"the training ended {market.job(job_id)['state']}")
+            met = meetings(market, job_id, tree, requests, probe if args.lag_probe else None,
+                           args.trace_out)
         finally:
             market.close()
         split = {} if args.no_direct else direct(model, args.direct_rounds, args.duration,
@@ -431,6 +516,9 @@ def main() -> None:
         "training_devices": training_devices,
         "load_before": round(load_before, 2),
         "load_after": round(load_after, 2),
+        "coincidence": met,
+        "cpu_wait_ms": {side: {role: round(s * 1000) for role, s in waits.items()}
+                        for side, waits in cpu_wait.items()},
         **split,
     }
     print(f"TTFT p99: alone {out['alone_ttft_p99_ms']} ms, with a training job on the other"
@@ -440,6 +528,9 @@ def main() -> None:
           f" p50 ratio {out['ttft_p50_ratio']}; replica on device {replica_devices}, training on"
           f" {training_devices}; load average {load_before:.2f} before, {load_after:.2f}"
           " after", flush=True)
+    print("waited for a CPU over all rounds (runnable, not running; ms): " + "; ".join(
+        f"{side} " + ", ".join(f"{role} {ms}" for role, ms in waits.items())
+        for side, waits in out["cpu_wait_ms"].items()), flush=True)
     if split:
         print(f"without the marketplace (the engine and a training process, each on its"
               f" slice's cores): TTFT p99 alone {split['direct_alone_ttft_p99_ms']} ms,"
