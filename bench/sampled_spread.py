@@ -169,8 +169,30 @@ def main() -> int:
                 s["wrong"] / len(rows))
             print(f"  T {temperature:<4} top_p {top_p:<5} another model: caught"
                   f" {s['wrong']}/{len(rows)}  p_fisher {s['p_fisher']:.1e}")
+    figures.update(detection(figures))
     print(json.dumps(figures))
     return 0
+
+
+def detection(figures: dict) -> dict:
+    """detection_p_20_jobs_generate_sampled_* (bench/verification.py's measure): a new
+    provider doctoring every job so, checked at the real rate, a check of one batch (here:
+    the 8 rows) catching it if any of its rows is caught; per class, at its worst sampling
+    setting, on each model measured."""
+    from bench.verification import simulate_jobs
+
+    out = {}
+    for key, shares in figures.items():
+        if key.endswith("_caught") and isinstance(shares, list):
+            p = 1.0 if min(shares) > 0 else 0.0
+            name = key[:-len("_caught")]
+            out[f"detection_p_20_jobs_generate_sampled_{name}"] = round(
+                simulate_jobs(p, 20, 20_000, 5), 4)
+            # the settings with a nucleus (top_p < 1) alone
+            nucleus = [c for c, (_, top_p) in zip(shares, SETTINGS) if top_p < 1]
+            out[f"detection_p_20_jobs_generate_sampled_{name}_top_p"] = round(
+                simulate_jobs(1.0 if min(nucleus) > 0 else 0.0, 20, 20_000, 5), 4)
+    return out
 
 
 if __name__ == "__main__":

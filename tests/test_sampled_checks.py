@@ -5,7 +5,8 @@ not draw. In process, on the tests' tiny Llama with its output embedding scaled 
 init's logits are nearly uniform, a trained model's peaked: PEAK makes them so): honest
 sampled rows at several temperatures and top_p pass; a provider that swaps 1-3 tokens for
 ones the model found unlikely and fingerprints them with the right model is caught, and so
-is another model's sampled text fingerprinted by the right model; an old checker's replay
+is another model's sampled text fingerprinted by the right model; the endpoint engines'
+(batch, continuous) honest sampled answers pass and a swapped one fails; an old checker's replay
 (no figures) leaves the row judged by fingerprints, and the verdict says so."""
 
 from __future__ import annotations
@@ -242,3 +243,43 @@ def test_the_draw_figures_judge_by_known_bounds_and_refuse_hostile_ones():
                 {**honest, "fisher": float("nan")}, {**honest, "tokens": 1.5},
                 {**honest, "outside": "far"}):
         assert draws.judge(bad, "")[0] is False, bad
+
+
+def test_the_continuous_engine_s_honest_sampled_answers_pass(models):
+    """transformers continuous batching draws with its own per-request processors: the
+    checker's nucleus and tail masses must be that sampler's too."""
+    import asyncio
+
+    import torch
+
+    from gpumarket.kinds.engine_protocol import Complete, Final
+    from gpumarket.provider.runners.batching import ContinuousEngine
+    from gpumarket.provider.runners.engine import Settings
+    from gpumarket.provider.runners.generate import load
+
+    right = models["dirs"]["right"]
+    tokenizer, model = load(right, torch.device("cpu"), torch.float32)
+    settings = Settings.from_params({**ENGINE_PARAMS, "engine": "continuous"})
+    prompts = ["the quick brown fox", "a marketplace for idle gpus", "the lazy dog"]
+
+    async def run() -> list[tuple]:
+        engine = ContinuousEngine(tokenizer, model, settings, 256)
+        out = {}
+
+        async def one(i: int) -> None:
+            request = Complete(prompt=prompts[i], max_tokens=40, temperature=1.0, top_p=0.9,
+                               seed=i)
+            async for event in engine.complete(f"r{i}", request):
+                if isinstance(event, Final):
+                    out[i] = (request, event)
+        try:
+            await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(len(prompts)))),
+                                   300)
+        finally:
+            await engine.close()
+        return [out[i] for i in range(len(prompts))]
+
+    answers = asyncio.run(run())
+    assert all(len(f.token_ids) > 0 for _, f in answers)
+    verdicts = judge(right, answers)
+    assert all(agrees for agrees, _ in verdicts), verdicts
