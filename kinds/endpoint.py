@@ -71,7 +71,7 @@ class Endpoint(Kind):
         if not want:
             return False, "no answers to compare"
         dtype = str(scope.get("dtype", ""))
-        unjudged = 0
+        unjudged = undrawn = 0
         for i in sorted(want):
             if i not in have:
                 return False, f"answer {i}: the replay has none"
@@ -85,15 +85,23 @@ class Endpoint(Kind):
                     return False, f"answer {i}: {why}"
                 unjudged += why == UNJUDGED
                 continue
-            # Two replays (a tie-break) agree on fingerprints; the token gap judges the
-            # replica's tokens, which both replays see.
-            rule = fingerprint_rule(dtype, bool(want[i].get("greedy"))
-                                    and not scope.get("replays"))
+            # Two replays (a tie-break) agree on fingerprints; the token gap and the draws
+            # judge the replica's tokens, which both replays see.
+            greedy, claimed = bool(want[i].get("greedy")), not scope.get("replays")
+            rule = fingerprint_rule(dtype, greedy and claimed, not greedy and claimed)
             agrees, why = rule({"completion": "", "fingerprints": want[i].get("fingerprints")},
-                               {"completion": "", "fingerprints": have[i].get("fingerprints"),
-                                "token_gap": have[i].get("token_gap")})
+                               {"completion": "", **{k: have[i][k] for k in (
+                                   "fingerprints", "token_gap", "draws") if k in have[i]}})
             if not agrees:
                 return False, f"answer {i}: {why}"
+            # an old checker's replay has no draws: the sampled answer is judged by its
+            # fingerprints only, and the verdict says so
+            undrawn += not greedy and claimed and "draws" not in have[i]
+        if undrawn:
+            agrees_said = f"{len(want)} answers agree (fingerprints within the" \
+                          f" {dtype or 'auto'} tolerance)"
+            return True, (f"{agrees_said}; {undrawn} sampled judged by fingerprints only"
+                          " (the checker sent no sampling figures)")
         if unjudged:
             return True, (f"{len(want) - unjudged} of {len(want)} answers agree; {unjudged}"
                           " sampled (temperature > 0) of an engine that records no"

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from gpumarket.kinds import draws
 from gpumarket.kinds import fingerprints as fp
 from gpumarket.kinds.inference import MAX_CHECK_BATCH, Inference, model_params
 from gpumarket.kinds.schema import Param, ParamError
@@ -65,9 +66,27 @@ class Generate(Inference):
         if not scope.get("claimed"):
             return self.same_row
         # Two replays (a tie-break against the first check) agree on their fingerprints;
-        # the token gap judges the claimed tokens, not a replay: both see the same one.
+        # the token gap and the draws judge the claimed tokens, not a replay: both see the
+        # same ones.
+        claimed = not scope.get("replays")
         return fingerprint_rule(str(scope.get("dtype", "")),
-                                bool(scope.get("greedy")) and not scope.get("replays"))
+                                bool(scope.get("greedy")) and claimed,
+                                not scope.get("greedy") and claimed)
+
+    def compare(self, expect: dict[str, Path], got: dict[str, Path], scope: dict
+                ) -> tuple[bool, str]:
+        agrees, why = super().compare(expect, got, scope)
+        if agrees and scope.get("claimed") and not scope.get("greedy") \
+                and not scope.get("replays") and COMPLETIONS in got:
+            # an old checker's prefill returns no draws: its rows are judged by their
+            # fingerprints only, and the verdict says so
+            rows = self.rows_of(got[COMPLETIONS], None).values()
+            if any("draws" not in r for r in rows):
+                why += ("; sampled tokens judged by fingerprints only (the checker sent no"
+                        " sampling figures)")
+            else:
+                why += "; sampled tokens drawn as the job's temperature and top_p say"
+        return agrees, why
 
     def same_row(self, want: dict, have: dict) -> tuple[bool, str]:
         if want.get("completion") != have.get("completion"):
@@ -75,11 +94,15 @@ class Generate(Inference):
         return True, ""
 
 
-def fingerprint_rule(dtype: str, greedy: bool) -> Callable[[dict, dict], tuple[bool, str]]:
+def fingerprint_rule(dtype: str, greedy: bool, sampled: bool = False
+                     ) -> Callable[[dict, dict], tuple[bool, str]]:
     """The row rule of a check by fingerprints, for a job that asked ``dtype``: the
     provider's text is the text of its tokens (the replay decoded them), its fingerprints
-    are the replay's within the dtype's tolerance, and, greedy, each of its tokens was the
-    replay's top one up to the dtype's rounding (the replay's ``token_gap``)."""
+    are the replay's within the dtype's tolerance, greedy, each of its tokens was the
+    replay's top one up to the dtype's rounding (the replay's ``token_gap``), and
+    ``sampled``, its tokens sit in the replay's distribution as honest draws do (the
+    replay's ``draws``, kinds/draws.py; a replay without them, an old checker's, leaves the
+    row judged by its fingerprints)."""
     tol, limit = fp.tolerance(dtype), fp.token_gap_limit(dtype)
 
     def same(want: dict, have: dict) -> tuple[bool, str]:
@@ -94,6 +117,10 @@ def fingerprint_rule(dtype: str, greedy: bool) -> Callable[[dict, dict], tuple[b
             said = f"{gap:.2f}" if type(gap) in (int, float) else "?"
             return False, (f"a greedy token is not the replay's top one (its logit {said}"
                            f" standard deviations below; at most {limit:g})")
+        if sampled and "draws" in have:
+            drawn, why = draws.judge(have["draws"], dtype)
+            if drawn is False:
+                return False, why
         return True, ""
 
     return same

@@ -29,7 +29,9 @@ def replay_answers(tokenizer, model, device, max_seq_len: int, samples: list[dic
                    ) -> list[dict]:
     """The checker's side: per sample ({"request": a Complete as a dict, "token_ids":
     [...]}; never the replica's fingerprints), one prefill pass of the request's prompt plus
-    those ids: {"fingerprints": [...], "token_gap": x, "greedy": bool}, or {"error": why} for
+    those ids: {"fingerprints": [...], "token_gap": x, "greedy": bool}, with "draws" (how
+    the ids sit in the request's temperature and top_p's distribution: kinds/draws.py) for
+    a sampled request, or {"error": why} for
     a sample that is not one (a request the engine would refuse, ids outside the
     vocabulary). At most MAX_SAMPLES; the rest {"error": ...}."""
     out: list[dict | None] = [None] * len(samples)
@@ -47,12 +49,14 @@ def replay_answers(tokenizer, model, device, max_seq_len: int, samples: list[dic
         except (BadRequest, RequestError, KeyError, TypeError, ValueError) as exc:
             out[n] = {"error": f"not a sample that can be checked ({exc})"[:300]}
             continue
-        todo.append((n, prompt_ids, ids, sampling.temperature <= 0))
+        todo.append((n, prompt_ids, ids, None if sampling.temperature <= 0
+                     else (sampling.temperature, sampling.top_p)))
     for start in range(0, len(todo), BATCH):
         batch = todo[start:start + BATCH]
-        checked = fingerprint.prefill(model, [(p, g) for _, p, g, _ in batch], device)
-        for (n, _, _, greedy), (prints, gap) in zip(batch, checked):
-            out[n] = {"fingerprints": prints, "token_gap": gap, "greedy": greedy}
+        checked = fingerprint.prefill_rows(model, [(p, g) for _, p, g, _ in batch], device,
+                                           [drawing for *_, drawing in batch])
+        for (n, _, _, drawing), seen in zip(batch, checked):
+            out[n] = {**seen, "greedy": drawing is None}
     return [o if o is not None else {"error": "not checked: too many samples"} for o in out]
 
 
@@ -67,10 +71,9 @@ def check_answers(tokenizer, model, device, max_seq_len: int, samples: list[dict
         if "error" in replayed:
             out.append((False, replayed["error"]))
             continue
-        same = fingerprint_rule(dtype, replayed["greedy"])
+        same = fingerprint_rule(dtype, replayed["greedy"], not replayed["greedy"])
         out.append(same({"completion": "", "fingerprints": sample.get("fingerprints")},
-                        {"completion": "", "fingerprints": replayed["fingerprints"],
-                         "token_gap": replayed["token_gap"]}))
+                        {"completion": "", **replayed}))
     return out
 
 

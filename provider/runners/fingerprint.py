@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import math
 
 from gpumarket.kinds import fingerprints as fp
 
@@ -162,12 +163,21 @@ def _forward(model, rows, device, keep):
 
 def prefill(model, rows: list[tuple[list[int], list[int]]], device
             ) -> list[tuple[list[str], float]]:
-    """For each (prompt ids, generated ids): the fingerprints of the generated ids as one
-    forward pass over prompt + generated sees them, and the largest gap, over the generated
-    ids, between a position's top logit and the generated id's, in standard deviations of
-    that position's logits (0 for a greedy provider that computed as the replay did). One
-    left-padded batch, positions counted from each row's first real token (as ``generate``
-    counts them)."""
+    """For each (prompt ids, generated ids): the fingerprints of the generated ids and their
+    token gap, as ``prefill_rows`` makes them."""
+    return [(r["fingerprints"], r["token_gap"]) for r in prefill_rows(model, rows, device)]
+
+
+def prefill_rows(model, rows: list[tuple[list[int], list[int]]], device,
+                 sampling: list[tuple[float, float] | None] | None = None) -> list[dict]:
+    """For each (prompt ids, generated ids): {"fingerprints": the fingerprints of the
+    generated ids as one forward pass over prompt + generated sees them, "token_gap": the
+    largest gap, over the generated ids, between a position's top logit and the generated
+    id's, in standard deviations of that position's logits (0 for a greedy provider that
+    computed as the replay did)}, and for a row whose ``sampling`` is (temperature > 0,
+    top_p), "draws": how its tokens sit in that distribution (``drawn``). One left-padded
+    batch, positions counted from each row's first real token (as ``generate`` counts
+    them)."""
     import torch
 
     k = fp.k_for(hidden_size(model))
@@ -179,8 +189,10 @@ def prefill(model, rows: list[tuple[list[int], list[int]]], device
     logits = logits[:, -states.shape[1]:]
     out = []
     for r, (p, g) in enumerate(rows):
+        drawing = sampling[r] if sampling else None
         if not g or not p:        # nothing generated, or no position it could come from
-            out.append(([], 0.0))
+            out.append({"fingerprints": [], "token_gap": 0.0,
+                        **({"draws": drawn(None, [], *drawing)} if drawing else {})})
             continue
         # the state at position i produced token i + 1: generated token j came from
         # position len(p) - 1 + j (of the row's own positions; the row starts at width - len)
@@ -191,8 +203,55 @@ def prefill(model, rows: list[tuple[list[int], list[int]]], device
         chosen = row_logits.gather(-1, torch.tensor(g, device=row_logits.device)[:, None])[:, 0]
         spread = row_logits.std(dim=-1).clamp(min=1e-12)
         gap = ((row_logits.max(dim=-1).values - chosen) / spread).max().item()
-        out.append((prints, float(gap)))
+        record = {"fingerprints": prints, "token_gap": float(gap)}
+        if drawing:
+            record["draws"] = drawn(row_logits, g, *drawing)
+        out.append(record)
     return out
+
+
+DRAW_CHUNK = 64     # positions whose float64 distributions are held at once
+
+
+def drawn(logits, ids: list[int], temperature: float, top_p: float) -> dict:
+    """How sampled ``ids`` sit in the distributions their ``logits`` (one row per id) give
+    at ``temperature`` and ``top_p`` (kinds/draws.py has the figures' meaning): {"tokens":
+    n, "outside": the largest gap between the least likely nucleus member's logit and an
+    id's, in standard deviations of that position's logits (at most 0 inside the nucleus),
+    "least": the least u, "fisher": -2 sum(log u)}; the provider's sampler's nucleus (the
+    smallest set of most likely tokens whose mass reaches top_p) computed in float64."""
+    import torch
+
+    from gpumarket.kinds.draws import LEAST_U
+
+    if logits is None or not ids:
+        return {"tokens": 0, "outside": 0.0, "least": 1.0, "fisher": 0.0}
+    top_p = top_p if 0 < top_p < 1 else 1.0
+    outside, least, fisher = -math.inf, 1.0, 0.0
+    chosen_all = torch.tensor(ids, device=logits.device)
+    for start in range(0, len(ids), DRAW_CHUNK):
+        raw = logits[start:start + DRAW_CHUNK].double()
+        logp = torch.log_softmax(raw / temperature, -1)
+        probs = logp.exp()
+        at = chosen_all[start:start + DRAW_CHUNK, None]
+        chosen, chosen_log = probs.gather(-1, at), logp.gather(-1, at)[:, 0]
+        ordered, order = probs.sort(-1, descending=True)
+        kept = ordered.cumsum(-1) - ordered < top_p           # the nucleus, as sampled
+        mass = (ordered * kept).sum(-1)                      # its mass
+        last = kept.sum(-1, keepdim=True) - 1                # its least likely member
+        edge_log = logp.gather(-1, order.gather(-1, last))[:, 0]
+        spread = raw.std(dim=-1).clamp(min=1e-12)
+        outside = max(outside, float(((edge_log - chosen_log) * temperature / spread).max()))
+        smallest = ordered.gather(-1, last)
+        # the nucleus mass at most as likely as the id over the nucleus mass; an id outside
+        # the nucleus (by rounding, within the margin) counts as its least likely member
+        below = (probs * (probs <= chosen) * (probs >= smallest)).sum(-1)
+        u = torch.maximum(below, smallest[:, 0]) / mass
+        u = u.clamp(min=LEAST_U, max=1.0)
+        least = min(least, float(u.min()))
+        fisher += float(-2 * torch.log(u).sum())
+    return {"tokens": len(ids), "outside": max(outside, 0.0), "least": least,
+            "fisher": fisher}
 
 
 def commit(model, rows: list[tuple[list[int], list[int]]], device) -> list[list[str]]:

@@ -278,8 +278,9 @@ def prefill_check(job: RunnerJob, prompts: list[str], model_dir: Path, workdir: 
     """A check by fingerprints: for the batch of rows the check picks (as a replay would),
     read the checked provider's token ids from its completions (``job.check_claimed``), run
     one prefill pass over prompt + those tokens, and write each row's text decoded from them,
-    the fingerprints the pass sees and the largest logit gap of the tokens
-    (fingerprint.prefill) as completions.jsonl and fingerprints.jsonl."""
+    the fingerprints the pass sees, the largest logit gap of the tokens and, for a sampled
+    job, how the tokens sit in its temperature and top_p's distribution
+    (fingerprint.prefill_rows) as completions.jsonl and fingerprints.jsonl."""
     p = job.params
     device = torch_device(job)
     tokenizer, model = load(model_dir, device, torch_dtype(p.get("dtype", ""), device),
@@ -290,15 +291,19 @@ def prefill_check(job: RunnerJob, prompts: list[str], model_dir: Path, workdir: 
     claimed = claimed_tokens(Path(job.check_claimed), set(results.only),
                              len(tokenizer), int(p.get("max_tokens") or 64))
     stops = list(p.get("stop") or [])
+    temperature = float(p.get("temperature") or 0.0)
+    # sampled rows: how their tokens sit in the distribution the job's sampling gives
+    drawing = (temperature, float(p.get("top_p") or 1.0)) if temperature > 0 else None
     began = time.perf_counter()
     for indices in results.batches():
         rows = [(tokenizer(prompts[i])["input_ids"], claimed.get(i, [])) for i in indices]
-        checked = fingerprint.prefill(model, rows, device)
+        checked = fingerprint.prefill_rows(model, rows, device,
+                                           [drawing] * len(rows) if drawing else None)
         records = []
-        for i, (prompt_ids, ids), (prints, gap) in zip(indices, rows, checked):
+        for i, (prompt_ids, ids), seen in zip(indices, rows, checked):
             records.append({"index": i, "completion": completion_text(tokenizer, ids, stops)[0],
                             "prompt_tokens": len(prompt_ids), "output_tokens": len(ids),
-                            "fingerprints": prints, "token_gap": gap})
+                            **seen})
         results.add(records)
     elapsed = time.perf_counter() - began
     ordered = results.in_order()
