@@ -283,3 +283,38 @@ def test_the_continuous_engine_s_honest_sampled_answers_pass(models):
     assert all(len(f.token_ids) > 0 for _, f in answers)
     verdicts = judge(right, answers)
     assert all(agrees for agrees, _ in verdicts), verdicts
+
+
+def test_a_model_s_own_generation_config_does_not_change_what_it_is_checked_against(
+        tmp_path, models):
+    """A model's generation_config.json may set a repetition penalty, min_p, a minimum
+    length...; transformers' ``generate`` applied them, so an honest provider's greedy
+    tokens left the replay's top ones and its sampled ones the distribution they are judged
+    by. The runners sample as checked (fingerprint.AS_CHECKED): the same model with such a
+    config gives the plain model's greedy rows, and its sampled rows pass their check."""
+    import shutil
+
+    from gpumarket.client.jobfile import pack_directory
+
+    # The plain tiny Llama (not PEAK's): its greedy rows repeat tokens, which the penalty
+    # and the n-gram rule change (with the config obeyed, the rows below differ).
+    plain = tiny_causal_lm(tmp_path / "plain-model")
+    skewed = tmp_path / "skewed-model"
+    shutil.copytree(plain, skewed)
+    config = skewed / "generation_config.json"
+    said = json.loads(config.read_text()) if config.exists() else {}
+    config.write_text(json.dumps({**said, "repetition_penalty": 3.0, "min_p": 0.5,
+                                  "no_repeat_ngram_size": 1, "min_new_tokens": 4}))
+    local = {"prompts": models["prompts"], "dirs": {"right": plain}}
+    for name, folder in (("right", plain), ("skewed", skewed)):
+        local[name] = tmp_path / f"{name}.tar"
+        local[name].write_bytes(pack_directory(folder))
+    greedy = [rows(run_runner(tmp_path / name, local, name, 1,
+                              params={"batch_size": 4, "temperature": 0.0})
+                   / "completions.jsonl") for name in ("right", "skewed")]
+    assert [r["token_ids"] for r in greedy[0]] == [r["token_ids"] for r in greedy[1]]
+    temperature, top_p = SAMPLINGS[1]
+    sampled = run_runner(tmp_path / "s", local, "skewed", 1, params={
+        "batch_size": 4, "temperature": temperature, "top_p": top_p, "seed": 5})
+    agrees, why = check(tmp_path, local, sampled, temperature, top_p)
+    assert agrees, why

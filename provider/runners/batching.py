@@ -342,7 +342,7 @@ class BatchEngine(Generating):
                 do_sample=s.temperature > 0, temperature=s.temperature or None,
                 top_p=s.top_p if s.temperature > 0 else None, top_k=None,
                 pad_token_id=self.tokenizer.pad_token_id,
-                stopping_criteria=StoppingCriteriaList([rows]))
+                stopping_criteria=StoppingCriteriaList([rows]), **fingerprint.AS_CHECKED)
         for stream, ids in zip(batch, out[:, width:].tolist()):
             if not stream.advance(ids):  # generate stopped before this row's own limits
                 stream.end("length")
@@ -401,7 +401,8 @@ class ContinuousEngine(Generating):
         self.generation = GenerationConfig(do_sample=True, temperature=0.5, top_p=0.5,
                                            top_k=None, max_new_tokens=DEFAULT_MAX_TOKENS,
                                            eos_token_id=sorted(self.eos) or None,
-                                           pad_token_id=tokenizer.pad_token_id)
+                                           pad_token_id=tokenizer.pad_token_id,
+                                           **fingerprint.AS_CHECKED)
         self.model = model
         # Its answers' fingerprints, by a prefill on a twin of the model made now, before
         # continuous batching may switch the attention (fingerprint.twin)

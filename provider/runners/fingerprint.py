@@ -18,6 +18,16 @@ from gpumarket.kinds import fingerprints as fp
 
 log = logging.getLogger(__name__)
 
+# What a check's prefill takes a sampler to be: the logits as the model makes them, then the
+# request's temperature and top_p alone. transformers' ``generate`` also applies what a
+# model's own generation_config.json sets (a repetition penalty, min_p, a minimum length...),
+# which would move an honest provider's greedy tokens off the replay's top ones and its
+# sampled ones off the distribution the check judges them by: the runners pass these to
+# every ``generate`` and continuous batching config, so they sample as they are checked.
+AS_CHECKED = {"repetition_penalty": 1.0, "encoder_repetition_penalty": 1.0,
+              "no_repeat_ngram_size": 0, "min_new_tokens": 0, "min_p": 0.0, "typical_p": 1.0,
+              "epsilon_cutoff": 0.0, "eta_cutoff": 0.0}
+
 
 def _top(states, k: int):
     """The top-k entries by magnitude of each row of ``states`` (n x hidden): their indices

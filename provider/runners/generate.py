@@ -222,7 +222,8 @@ def _generate(model, tokenizer, enc: dict, p: dict, first_index: int, static: bo
             top_p=float(p.get("top_p") or 1.0) if temperature > 0 else None, top_k=None,
             pad_token_id=tokenizer.pad_token_id,
             stopping_criteria=StoppingCriteriaList([clock]),
-            stop_strings=stops or None, tokenizer=tokenizer if stops else None, **extra)
+            stop_strings=stops or None, tokenizer=tokenizer if stops else None,
+            **fingerprint.AS_CHECKED, **extra)
     return clock
 
 
