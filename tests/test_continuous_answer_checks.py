@@ -8,7 +8,6 @@ token gap. The check's flow (held pay, verdict) is tests/test_answer_checks.py's
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 from dataclasses import replace
@@ -24,7 +23,7 @@ from gpumarket.kinds.engine_protocol import Complete, Final, encode_request
 from gpumarket.proto.v1 import types_pb2 as pb
 from tests import test_answer_checks as answer_checks
 from tests.test_answer_checks import BLOBS, PROMPTS, compare, end_window, replay, serve_on
-from tests.test_fingerprints import ENGINE_PARAMS, judge
+from tests.test_fingerprints import ENGINE_PARAMS, answered, judge
 from tests.test_ledger import World
 from tests.test_serving_hostile_scaling import CLIENT, endpoint_job, seal
 
@@ -50,26 +49,13 @@ def continuous_answers(model_dir: Path, attention: str = "") -> list[tuple[Compl
         model.set_attn_implementation(attention)
     settings = Settings.from_params({**ENGINE_PARAMS, "engine": "continuous"})
 
-    async def run() -> list[tuple[Complete, Final]]:
-        engine = ContinuousEngine(tokenizer, model, settings, 256)
-        out = {}
+    def seen(engine) -> None:
+        continuous_answers.attention = (model.config._attn_implementation,
+                                        engine.committer.model.config._attn_implementation)
 
-        async def one(i: int) -> None:
-            await asyncio.sleep(0.01 * i)
-            request = Complete(prompt=PROMPTS[i], max_tokens=MAX_TOKENS + i, temperature=0)
-            async for event in engine.complete(f"r{i}", request):
-                if isinstance(event, Final):
-                    out[i] = (request, event)
-        try:
-            await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(len(PROMPTS)))),
-                                   300)
-            continuous_answers.attention = (model.config._attn_implementation,
-                                            engine.committer.model.config._attn_implementation)
-        finally:
-            await engine.close()
-        return [out[i] for i in range(len(PROMPTS))]
-
-    return asyncio.run(run())
+    return answered(lambda: ContinuousEngine(tokenizer, model, settings, 256), [
+        Complete(prompt=p, max_tokens=MAX_TOKENS + i, temperature=0)
+        for i, p in enumerate(PROMPTS)], stagger=0.01, inside=seen)
 
 
 @pytest.fixture(scope="module")

@@ -208,35 +208,48 @@ ENGINE_PARAMS = {"model": "", "model_name": "tiny", "task": "", "dtype": "", "ma
                  "max_concurrency": 8, "engine": "batch", "trust_remote_code": False}
 
 
-def serve_answers(model_dir: Path, prompts: list[str], max_tokens: int) -> list[tuple]:
-    """Requests answered together by the batch engine (rows joining between decode steps):
-    (request, final message) each."""
+def answered(make_engine, requests: list, stagger: float = 0.0, inside=None) -> list[tuple]:
+    """``requests`` (engine_protocol.Complete) through the engine ``make_engine()`` makes,
+    all in flight at once on a loop of its own (the i-th after ``stagger`` x i seconds: later
+    ones join a running batch): (request, its final message) each, in order. ``inside``
+    is called with the engine once every answer has ended, before it closes."""
     import asyncio
 
-    from gpumarket.kinds.engine_protocol import Complete, Final
-    from gpumarket.kinds.runner_job import RunnerJob
-    from gpumarket.provider.runners.engine import load_engine
-
-    job = RunnerJob(params=ENGINE_PARAMS, model_dir=str(model_dir))
+    from gpumarket.kinds.engine_protocol import Final
 
     async def run() -> list[tuple]:
-        engine = load_engine(job, model_dir)
+        engine = make_engine()
         out = {}
 
-        async def one(i: int) -> None:
-            await asyncio.sleep(0.01 * i)        # later ones join a running batch
-            request = Complete(prompt=prompts[i], max_tokens=max_tokens + i, temperature=0)
+        async def one(i: int, request) -> None:
+            if stagger:
+                await asyncio.sleep(stagger * i)
             async for event in engine.complete(f"r{i}", request):
                 if isinstance(event, Final):
                     out[i] = (request, event)
         try:
-            await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(len(prompts)))),
-                                   300)
+            await asyncio.wait_for(asyncio.gather(*(one(i, r) for i, r in
+                                                    enumerate(requests))), 300)
+            if inside is not None:
+                inside(engine)
         finally:
             await engine.close()
-        return [out[i] for i in range(len(prompts))]
+        return [out[i] for i in range(len(requests))]
 
     return asyncio.run(run())
+
+
+def serve_answers(model_dir: Path, prompts: list[str], max_tokens: int) -> list[tuple]:
+    """Requests answered together by the batch engine (rows joining between decode steps):
+    (request, final message) each."""
+    from gpumarket.kinds.engine_protocol import Complete
+    from gpumarket.kinds.runner_job import RunnerJob
+    from gpumarket.provider.runners.engine import load_engine
+
+    job = RunnerJob(params=ENGINE_PARAMS, model_dir=str(model_dir))
+    return answered(lambda: load_engine(job, model_dir), [
+        Complete(prompt=p, max_tokens=max_tokens + i, temperature=0)
+        for i, p in enumerate(prompts)], stagger=0.01)
 
 
 def judge(model_dir: Path, answers: list[tuple], dtype: str = "") -> list[tuple[bool, str]]:

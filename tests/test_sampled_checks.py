@@ -21,7 +21,7 @@ import pytest
 from gpumarket.kinds import draws, generate
 from gpumarket.kinds.endpoint import KIND as ENDPOINT
 from tests.models import tiny_causal_lm
-from tests.test_fingerprints import ENGINE_PARAMS, judge, rows, run_runner
+from tests.test_fingerprints import ENGINE_PARAMS, answered, judge, rows, run_runner
 from tests.test_inference import write_prompts
 
 PEAK = 25.0          # the output embedding's scale: logits' standard deviation ~4, not 0.16
@@ -150,32 +150,14 @@ def test_another_model_s_sampled_rows_fingerprinted_by_the_right_model_are_caugh
 def sampled_answers(model_dir: Path, prompts: list[str], temperature: float,
                     top_p: float) -> list[tuple]:
     """Sampled requests answered together by the batch engine: (request, final) each."""
-    import asyncio
-
-    from gpumarket.kinds.engine_protocol import Complete, Final
+    from gpumarket.kinds.engine_protocol import Complete
     from gpumarket.kinds.runner_job import RunnerJob
     from gpumarket.provider.runners.engine import load_engine
 
     job = RunnerJob(params=ENGINE_PARAMS, model_dir=str(model_dir))
-
-    async def run() -> list[tuple]:
-        engine = load_engine(job, model_dir)
-        out = {}
-
-        async def one(i: int) -> None:
-            request = Complete(prompt=prompts[i], max_tokens=40, temperature=temperature,
-                               top_p=top_p, seed=i)
-            async for event in engine.complete(f"r{i}", request):
-                if isinstance(event, Final):
-                    out[i] = (request, event)
-        try:
-            await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(len(prompts)))),
-                                   300)
-        finally:
-            await engine.close()
-        return [out[i] for i in range(len(prompts))]
-
-    return asyncio.run(run())
+    return answered(lambda: load_engine(job, model_dir), [
+        Complete(prompt=p, max_tokens=40, temperature=temperature, top_p=top_p, seed=i)
+        for i, p in enumerate(prompts)])
 
 
 def test_an_endpoint_s_sampled_answers_are_judged_by_their_draws(tmp_path, models):
@@ -248,11 +230,10 @@ def test_the_draw_figures_judge_by_known_bounds_and_refuse_hostile_ones():
 def test_the_continuous_engine_s_honest_sampled_answers_pass(models):
     """transformers continuous batching draws with its own per-request processors: the
     checker's nucleus and tail masses must be that sampler's too."""
-    import asyncio
 
     import torch
 
-    from gpumarket.kinds.engine_protocol import Complete, Final
+    from gpumarket.kinds.engine_protocol import Complete
     from gpumarket.provider.runners.batching import ContinuousEngine
     from gpumarket.provider.runners.engine import Settings
     from gpumarket.provider.runners.generate import load
@@ -262,24 +243,9 @@ def test_the_continuous_engine_s_honest_sampled_answers_pass(models):
     settings = Settings.from_params({**ENGINE_PARAMS, "engine": "continuous"})
     prompts = ["the quick brown fox", "a marketplace for idle gpus", "the lazy dog"]
 
-    async def run() -> list[tuple]:
-        engine = ContinuousEngine(tokenizer, model, settings, 256)
-        out = {}
-
-        async def one(i: int) -> None:
-            request = Complete(prompt=prompts[i], max_tokens=40, temperature=1.0, top_p=0.9,
-                               seed=i)
-            async for event in engine.complete(f"r{i}", request):
-                if isinstance(event, Final):
-                    out[i] = (request, event)
-        try:
-            await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(len(prompts)))),
-                                   300)
-        finally:
-            await engine.close()
-        return [out[i] for i in range(len(prompts))]
-
-    answers = asyncio.run(run())
+    answers = answered(lambda: ContinuousEngine(tokenizer, model, settings, 256), [
+        Complete(prompt=p, max_tokens=40, temperature=1.0, top_p=0.9, seed=i)
+        for i, p in enumerate(prompts)])
     assert all(len(f.token_ids) > 0 for _, f in answers)
     verdicts = judge(right, answers)
     assert all(agrees for agrees, _ in verdicts), verdicts
