@@ -53,15 +53,21 @@ def served(models):
             for name, path in models.items()}
 
 
-@pytest.fixture
-def w(tmp_path):
+def answer_world(tmp_path, endpoint) -> World:
+    """A broker's store with the replica's provider ("liar"), three checkers, a funded
+    client and its ``endpoint`` (a NewJob) submitted."""
     world = World(tmp_path / "broker.db")
     for p in ("liar", "h1", "h2", "h3"):
         world.db["providers"].insert({"id": p, "public_key": b"", "first_seen_ms": 0,
                                       "last_seen_ms": 0, "online": 1})
     world.write(ledger.credit, CLIENT.id, 10**9, "client", "", "op", "k", 1)
-    world.write(endpoints.submit, endpoint_job(2, 2, hold=10**8, enforce=True), world.now)
+    world.write(endpoints.submit, endpoint, world.now)
     return world
+
+
+@pytest.fixture
+def w(tmp_path):
+    return answer_world(tmp_path, endpoint_job(2, 2, hold=10**8, enforce=True))
 
 
 def serve_on(w: World, replica: str, provider: str) -> dict:

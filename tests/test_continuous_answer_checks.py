@@ -22,9 +22,9 @@ from gpumarket.kinds import fingerprints as fp
 from gpumarket.kinds.engine_protocol import Complete, Final, encode_request
 from gpumarket.proto.v1 import types_pb2 as pb
 from tests import test_answer_checks as answer_checks
-from tests.test_answer_checks import BLOBS, PROMPTS, compare, end_window, replay, serve_on
+from tests.test_answer_checks import (BLOBS, PROMPTS, answer_world, compare, end_window,
+                                      replay, serve_on)
 from tests.test_fingerprints import ENGINE_PARAMS, answered, judge
-from tests.test_ledger import World
 from tests.test_serving_hostile_scaling import CLIENT, endpoint_job, seal
 
 MAX_TOKENS = 33         # two fingerprints an answer (fp.EVERY = 32)
@@ -156,18 +156,12 @@ def test_commit_makes_the_checker_s_fingerprints(models, continuous):
 @pytest.fixture
 def vllm_world(tmp_path):
     """The answer checks' world with a vLLM endpoint (its signed spec's engine)."""
-    world = World(tmp_path / "broker.db")
-    for p in ("liar", "h1", "h2", "h3"):
-        world.db["providers"].insert({"id": p, "public_key": b"", "first_seen_ms": 0,
-                                      "last_seen_ms": 0, "online": 1})
-    world.write(ledger.credit, CLIENT.id, 10**9, "client", "", "op", "k", 1)
     spec = pb.JobSpec(name="tiny", kind=endpoints.KIND, max_price_per_gpu_hour=1.0)
     kinds.get(endpoints.KIND).write(spec, {"model_name": "m", "min_replicas": 2,
                                            "max_replicas": 2, "engine": "vllm"})
     job = replace(endpoint_job(2, 2, hold=10**8, enforce=True),
                   spec=seal(CLIENT, spec).SerializeToString(), nonce=os.urandom(16).hex())
-    world.write(endpoints.submit, job, world.now)
-    return world
+    return answer_world(tmp_path, job)
 
 
 def test_a_vllm_replica_s_greedy_answers_are_judged_by_their_tokens(

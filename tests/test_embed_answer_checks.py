@@ -29,7 +29,7 @@ from gpumarket.kinds.engine_protocol import Embed, Final, encode_request
 from gpumarket.proto.envelope import seal
 from gpumarket.proto.v1 import types_pb2 as pb
 from tests.models import minilm_dir
-from tests.test_answer_checks import serve_on
+from tests.test_answer_checks import answer_world, serve_on
 from tests.test_answer_sampling import FakeReplica, answer
 from tests.test_check_comparisons import at_cosine
 from tests.test_ledger import World
@@ -58,13 +58,7 @@ def embed_endpoint() -> NewJob:
 
 @pytest.fixture
 def w(tmp_path):
-    world = World(tmp_path / "broker.db")
-    for p in ("liar", "h1", "h2", "h3"):
-        world.db["providers"].insert({"id": p, "public_key": b"", "first_seen_ms": 0,
-                                      "last_seen_ms": 0, "online": 1})
-    world.write(ledger.credit, CLIENT.id, 10**9, "client", "", "op", "k", 1)
-    world.write(endpoints.submit, embed_endpoint(), world.now)
-    return world
+    return answer_world(tmp_path, embed_endpoint())
 
 
 @pytest.fixture(scope="module")
