@@ -6,7 +6,7 @@ same trainings submitted as separate jobs.
 
     .venv/bin/python bench/throughput.py [--tasks 10000] [--outputs 2000] [--heavy 1000]
                                          [--sweep 100] [--separate 6] [--cpu-devices 1]
-                                         [--unpinned]
+                                         [--repeats 2] [--unpinned]
 
 The cases: no-op tasks (``--tasks``); tasks that each do a little hashing (about 1 ms) and
 write one small ``result.json`` through ``task.output_dir()`` (``--outputs``), every one then
@@ -16,6 +16,11 @@ tasks do the same work and return the same result as a small dict (what a client
 While a big array of client A runs on every device, client B submits an array of 20 tasks:
 ``small_array_wait_s`` is the broker's time from B's submission to B's first lease (the
 larger of a light and a heavy run).
+
+Each case runs ``--repeats`` times a side, ours and Ray's alternating (ours, Ray, Ray, ours
+for 2), each side after the machine's dirty pages are written back (os.sync): a drift of the
+machine's speed, or what one side left to write, falls on both alike. A ratio is the two
+sides' rates over all their runs; each pair's own is printed.
 
 Ray runs in the interpreter that $RAY_PYTHON names (Ray pins its own dependencies: keep it
 in a virtual environment of its own), or in this one if it can import ray; without either
@@ -368,6 +373,45 @@ def compare(label: str, tasks: int, ours: dict, ray: dict | None) -> float | Non
     return ours["tasks_per_s"] / ray["tasks_per_s"]
 
 
+def settle_disk() -> None:
+    """Write back what the machine holds dirty before a timed side, so that neither side pays
+    for the one before it: the other side's work and the results fetched left up to 29 MB
+    dirty before our heavy run against 5 MB before Ray's, and our broker's first syncfs
+    (broker/store/artifact_store.py) writes back all of it."""
+    os.sync()
+
+
+def paired(market: Marketplace, root: Path, label: str, name: str, tasks: int,
+           rounds: int | None, repeats: int) -> tuple[list[dict], list[dict], float | None]:
+    """One case, ours and Ray's, ``repeats`` times in the order ours-Ray, Ray-ours, ... (A B
+    B A for 2: a drift of the machine's speed over the case falls on both sides alike), each
+    side after settle_disk. Our runs with outputs are each checked for lost ones (``lost``).
+    Returns our runs, Ray's (empty without Ray) and the ratio of the two sides' rates over
+    all their runs (tasks over seconds), or None without Ray."""
+    ours: list[dict] = []
+    ray: list[dict] = []
+    for k in range(repeats):
+        for side in ("ours", "ray") if k % 2 == 0 else ("ray", "ours"):
+            settle_disk()
+            if side == "ray":
+                got = ray_run(tasks, -1 if rounds is None else rounds)
+                if got is not None:
+                    ray.append(got)
+                continue
+            run = run_array(market, root, f"{name}-{k + 1}", tasks, rounds)
+            run["lost"] = 0 if rounds is None else lost_outputs(
+                market, root, run["job_id"], tasks, rounds, rounds == LIGHT_ROUNDS)
+            ours.append(run)
+    pairs = [compare(label, tasks, a, b) for a, b in zip(ours, ray + [None] * len(ours))]
+    if not ray:
+        return ours, ray, None
+    rate = (len(ours) * tasks / sum(run["wall_s"] for run in ours)) / \
+        (len(ray) * tasks / sum(run["wall_s"] for run in ray))
+    print(f"{label}: ours / Ray over {len(ours)} runs each {rate:.3f} (each pair:"
+          f" {', '.join(f'{r:.3f}' for r in pairs if r is not None)})")
+    return ours, ray, rate
+
+
 def other_client(market: Marketplace, root: Path) -> Marketplace:
     """Client B: the same broker, a key of its own, credited."""
     b = copy.copy(market)
@@ -429,6 +473,11 @@ def training_sweep(market: Marketplace, root: Path, tasks: int, separate: int) -
             "array_s": array_s, "separate_s": separate_s}
 
 
+def mean(runs: list[dict], field: str, digits: int) -> float | None:
+    """``field``'s mean over ``runs`` (None where there are none: no Ray)."""
+    return round(sum(run[field] for run in runs) / len(runs), digits) if runs else None
+
+
 def rounded(value: float | None, digits: int) -> float | None:
     return None if value is None else round(value, digits)
 
@@ -445,6 +494,8 @@ def main() -> None:
                     help="one-step trainings submitted as separate jobs (the baseline)")
     ap.add_argument("--cpu-devices", type=int, default=1,
                     help="devices each of the two providers offers its cores as (lanes)")
+    ap.add_argument("--repeats", type=int, default=2,
+                    help="runs of each case a side, ours and Ray's alternating (A B B A)")
     ap.add_argument("--unpinned", action="store_true",
                     help="start the providers on every core, not each on one of its own")
     args = ap.parse_args()
@@ -476,19 +527,14 @@ def main() -> None:
                                for kind in ("script", "training")),
                    "the providers' forkservers", timeout=300)
         run_array(market, root, "warm-up", 100, None)    # as Ray's run has (workers started)
-        noop = run_array(market, root, "noop", args.tasks, None)
-        ray_noop = ray_run(args.tasks, -1)
-        ratio = compare("no-op", args.tasks, noop, ray_noop)
-
-        light = run_array(market, root, "outputs", args.outputs, LIGHT_ROUNDS)
-        ray_light = ray_run(args.outputs, LIGHT_ROUNDS)
-        ratio_outputs = compare("one result.json each", args.outputs, light, ray_light)
-        lost = lost_outputs(market, root, light["job_id"], args.outputs, LIGHT_ROUNDS, True)
-
-        heavy = run_array(market, root, "heavy", args.heavy, HEAVY_ROUNDS)
-        ray_heavy = ray_run(args.heavy, HEAVY_ROUNDS)
-        ratio_heavy = compare("35 ms and one result.json each", args.heavy, heavy, ray_heavy)
-        lost += lost_outputs(market, root, heavy["job_id"], args.heavy, HEAVY_ROUNDS, False)
+        noop, ray_noop, ratio = paired(market, root, "no-op", "noop", args.tasks, None,
+                                       args.repeats)
+        light, ray_light, ratio_outputs = paired(market, root, "one result.json each",
+                                                 "outputs", args.outputs, LIGHT_ROUNDS,
+                                                 args.repeats)
+        heavy, ray_heavy, ratio_heavy = paired(market, root, "35 ms and one result.json each",
+                                               "heavy", args.heavy, HEAVY_ROUNDS, args.repeats)
+        lost = sum(run["lost"] for run in light + heavy)
         print(f"outputs lost (succeeded without their right result.json): {lost}")
 
         b = other_client(market, root)
@@ -507,28 +553,30 @@ def main() -> None:
         market.close()
     print(json.dumps({
         "pinned": not args.unpinned,
-        "tasks": args.tasks, "tasks_per_s": round(noop["tasks_per_s"], 1),
-        "submit_to_done_p50_ms": round(noop["p50_ms"], 1),
-        "submit_to_done_p99_ms": round(noop["p99_ms"], 1),
-        "ray_tasks_per_s": rounded(ray_noop and ray_noop["tasks_per_s"], 1),
-        "ray_p50_ms": rounded(ray_noop and ray_noop["p50_ms"], 1),
-        "ray_p99_ms": rounded(ray_noop and ray_noop["p99_ms"], 1),
+        "repeats": args.repeats,
+        "tasks": args.tasks, "tasks_per_s": mean(noop, "tasks_per_s", 1),
+        "submit_to_done_p50_ms": mean(noop, "p50_ms", 1),
+        "submit_to_done_p99_ms": mean(noop, "p99_ms", 1),
+        "ray_tasks_per_s": mean(ray_noop, "tasks_per_s", 1),
+        "ray_p50_ms": mean(ray_noop, "p50_ms", 1),
+        "ray_p99_ms": mean(ray_noop, "p99_ms", 1),
         "ratio_vs_ray": rounded(ratio, 3),
-        "outputs_tasks": args.outputs, "outputs_tasks_per_s": round(light["tasks_per_s"], 1),
-        "ray_outputs_tasks_per_s": rounded(ray_light and ray_light["tasks_per_s"], 1),
+        "outputs_tasks": args.outputs, "outputs_tasks_per_s": mean(light, "tasks_per_s", 1),
+        "ray_outputs_tasks_per_s": mean(ray_light, "tasks_per_s", 1),
         "ratio_vs_ray_outputs": rounded(ratio_outputs, 3),
-        "heavy_tasks": args.heavy, "heavy_tasks_per_s": round(heavy["tasks_per_s"], 2),
-        "ray_heavy_tasks_per_s": rounded(ray_heavy and ray_heavy["tasks_per_s"], 2),
+        "heavy_tasks": args.heavy, "heavy_tasks_per_s": mean(heavy, "tasks_per_s", 2),
+        "ray_heavy_tasks_per_s": mean(ray_heavy, "tasks_per_s", 2),
         "ratio_vs_ray_heavy": rounded(ratio_heavy, 3),
         "lost_outputs": lost,
-        "outputs_lane_end_s": [lane["end_s"] for lane in light["lanes"]],
-        "outputs_last_update_tasks": [lane["last_update"] for lane in light["lanes"]],
-        "outputs_first_steal": light["steal"],
-        "outputs_steals": light["steals"],
-        "heavy_steals": heavy["steals"],
-        "noop_steals": noop["steals"],
-        "outputs_ends_ms": {k: round(v) for k, v in light["ends"].items()},
-        "heavy_lane_end_s": [lane["end_s"] for lane in heavy["lanes"]],
+        # Of each case's first run of ours:
+        "outputs_lane_end_s": [lane["end_s"] for lane in light[0]["lanes"]],
+        "outputs_last_update_tasks": [lane["last_update"] for lane in light[0]["lanes"]],
+        "outputs_first_steal": light[0]["steal"],
+        "outputs_steals": light[0]["steals"],
+        "heavy_steals": heavy[0]["steals"],
+        "noop_steals": noop[0]["steals"],
+        "outputs_ends_ms": {k: round(v) for k, v in light[0]["ends"].items()},
+        "heavy_lane_end_s": [lane["end_s"] for lane in heavy[0]["lanes"]],
         "small_array_wait_s": round(max(waits), 3),
         "small_array_wait_light_s": round(waits[0], 3),
         "small_array_wait_heavy_s": round(waits[1], 3),
