@@ -212,6 +212,21 @@ def test_the_draw_figures_judge_by_known_bounds_and_refuse_hostile_ones():
     # chi-square of 2 degrees: P(X >= x) = exp(-x / 2)
     assert math.isclose(draws.chi2_sf_even(10.0, 2), math.exp(-5), rel_tol=1e-12)
     assert math.isclose(draws.chi2_sf_even(4.0, 4), math.exp(-2) * 3, rel_tol=1e-12)
+
+    def every_term(x: float, dof: int) -> float:      # the sum without its window
+        logs = [k * math.log(x / 2) - math.lgamma(k + 1) for k in range(dof // 2)]
+        top = max(logs)
+        return min(1.0, math.exp(-x / 2 + top + math.log(sum(math.exp(v - top)
+                                                              for v in logs))))
+
+    for dof in (128, 20_000, 200_000):                # windowed where terms are many
+        for x in (dof * 0.5, dof * 0.9, dof, dof * 1.1, dof * 1.5, dof * 3.0):
+            assert math.isclose(draws.chi2_sf_even(x, dof), every_term(x, dof),
+                                rel_tol=1e-9, abs_tol=1e-300), (x, dof)
+    # a hostile checker's largest token count is judged like any other
+    most = {"tokens": 1_048_576, "outside": 0.0, "least": 0.5, "fisher": 1e7}
+    assert draws.judge(most, "")[0] is False
+    assert draws.judge({**most, "fisher": 2 * 1_048_576.0}, "") == (True, "")
     honest = {"tokens": 64, "outside": 0.0, "least": 0.01, "fisher": 128.0}
     assert draws.judge(honest, "") == (True, "")
     assert draws.judge(None, "")[0] is None
