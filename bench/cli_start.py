@@ -76,29 +76,32 @@ for (file, line, name), (cc, nc, tt, ct, callers) in sorted(stats.stats.items())
 
 # The same submission's steps on the wall clock, without the profiler's overhead: the
 # interpreter's start (its process's start time, from /proc), the CLI's imports, then each
-# step as it begins and ends (the step's function wrapped here), in ms from the process's
-# start.
+# step as it begins and ends, in ms from the process's start. A step's function is wrapped
+# as its module is imported (an import hook), so that each step's own imports (a module
+# imported where a command first uses it) count in that step, as in a plain run.
 TIMELINE = r"""
-import os, sys, time
+import importlib.abc, os, sys, time
 def since_start():
     ticks = int(open("/proc/self/stat").read().rsplit(")", 1)[1].split()[19])
     uptime = float(open("/proc/uptime").read().split()[0])
     return (uptime - ticks / os.sysconf("SC_CLK_TCK")) * 1000
 began = since_start()
-at = lambda: (time.perf_counter() - t0) * 1000 + began
 t0 = time.perf_counter()
+at = lambda: (time.perf_counter() - t0) * 1000 + began
 sys.argv = ["gpumarket", *sys.argv[1:]]
 def _exit(code):
     raise SystemExit(code)
 os._exit = _exit
-import gpumarket.client.cli as cli_module
-imported = at()
 lines = []
-def wrap(owner, name, label):
-    # Time owner.name: a class's method, or a module's function (then every loaded
-    # module's name for it, wherever it was imported by name).
+def wrap(module, path, label):
+    # Time module.path ("f" or "Class.method"); a function is replaced in its module
+    # before anyone imports it by name.
+    owner = module
+    *outer, name = path.split(".")
+    for part in outer:
+        owner = getattr(owner, part)
     fn = getattr(owner, name)
-    if hasattr(fn, "__code__") and fn.__code__.co_flags & 0x80:     # a coroutine function
+    if fn.__code__.co_flags & 0x80:     # a coroutine function
         async def timed(*a, **k):
             start = at()
             try:
@@ -113,35 +116,60 @@ def wrap(owner, name, label):
                 return fn(*a, **k)
             finally:
                 lines.append((start, at(), label))
-    if isinstance(owner, type):
-        setattr(owner, name, timed)
-        return
-    for module in list(sys.modules.values()):
-        if getattr(module, name, None) is fn:
-            setattr(module, name, timed)
-from gpumarket.client import console, jobfile, submit
-from gpumarket.link import artifacts, channel, client
-wrap(jobfile, "load", "job file read")
-wrap(console, "load_identity", "key loaded")
-wrap(client.BrokerClient, "connect", "channel opened")
-wrap(channel, "fetch_certificate", "broker certificate read")
-wrap(client.BrokerClient, "_call", "call")
-wrap(artifacts.ArtifactsClient, "_send", "Upload call")
-wrap(artifacts.ArtifactsClient, "stat", "StatArtifact call")
-wrap(artifacts.ArtifactsClient, "upload_blobs", "UploadBlobs call")
-wrap(submit, "upload_inputs", "inputs uploaded")
-hooked = at()
+    setattr(owner, name, timed)
+STEPS = {
+    "gpumarket.client.cli": [("main", "main()")],
+    "gpumarket.client.jobfile": [("load", "job file read")],
+    "gpumarket.client.console": [("load_identity", "key loaded"),
+                                 ("load_plugin_kinds", "plugin kinds looked for")],
+    "gpumarket.client.submit": [("check_funds", "funds checked"),
+                                ("upload_inputs", "inputs uploaded")],
+    "gpumarket.link.client": [("BrokerClient.connect", "channel opened"),
+                              ("BrokerClient._call", "call")],
+    "gpumarket.link.channel": [("fetch_certificate", "broker certificate read")],
+    "gpumarket.link.artifacts": [("ArtifactsClient._send", "Upload call"),
+                                 ("ArtifactsClient.stat", "StatArtifact call"),
+                                 ("ArtifactsClient.upload_blobs", "UploadBlobs call")],
+}
+# Imports timed where they happen (each with what it imports itself).
+IMPORTS = ("importlib.metadata", "asyncio", "tempfile", "rich.console", "rich.table",
+           "google.protobuf.json_format", "gpumarket.proto.v1.types_pb2",
+           "gpumarket.proto.identity", "gpumarket.kinds", "gpumarket.client.jobfile", "grpc",
+           "gpumarket.link.client")
+class Steps(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name not in STEPS and name not in IMPORTS:
+            return None
+        for finder in sys.meta_path:
+            if finder is not self and hasattr(finder, "find_spec"):
+                spec = finder.find_spec(name, path, target)
+                if spec is not None:
+                    break
+        else:
+            return None
+        run = spec.loader.exec_module
+        def exec_module(module):
+            start = at()
+            run(module)
+            if name in IMPORTS:
+                lines.append((start, at(), f"import {name}"))
+            for path_, label in STEPS.get(name, ()):
+                if hasattr(module, path_.split(".")[0]):
+                    wrap(module, path_, label)
+        spec.loader.exec_module = exec_module
+        return spec
+sys.meta_path.insert(0, Steps())
+from gpumarket.client import cli
+imported = at()
 try:
-    cli_module.main()
+    cli.main()
 except SystemExit:
     pass
 ended = at()
 print(f"-- timeline of one submit (ms from the process's start; /proc's start time is"
-      f" coarse, 10 ms)", file=sys.stderr)
+      f" coarse, 10 ms; a step's time includes the imports it makes)", file=sys.stderr)
 print(f"  {began:7.1f}  interpreter started (site, .pth files)", file=sys.stderr)
 print(f"  {imported:7.1f}  gpumarket.client.cli imported", file=sys.stderr)
-print(f"  {hooked:7.1f}  timing hooks set (they import gpumarket.link, which a plain run"
-      " imports as it opens its channel)", file=sys.stderr)
 for start, end, label in sorted(lines):
     print(f"  {start:7.1f}  {label}: {end - start:.1f} ms", file=sys.stderr)
 print(f"  {ended:7.1f}  main() returned", file=sys.stderr)

@@ -4,30 +4,31 @@ anything is uploaded, its inputs uploaded, its spec built and signed (`quote` an
 
 from __future__ import annotations
 
-import asyncio
 import os
 import sys
-import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import click
 
-from gpumarket import kinds
-from gpumarket.client import arrays as job_arrays
-from gpumarket.client import jobfile
 from gpumarket.client.console import command, dump, err, load_identity, out
-from gpumarket.proto.envelope import seal
 from gpumarket.proto.errors import InsufficientFunds
 from gpumarket.proto.jobspec import NONCE_BYTES, now_ms, state_name
 from gpumarket.proto.money import fmt
 from gpumarket.proto.v1 import types_pb2 as pb
 
-if TYPE_CHECKING:   # annotations only: commands get it from the cli group
+if TYPE_CHECKING:   # annotations only: commands get it from the cli group; the job file
+    # (and with it the job kinds) is imported by the commands that read one
+    from gpumarket.client import jobfile
     from gpumarket.link.client import Broker, BrokerClient
 
 
 async def upload_inputs(broker: BrokerClient, job: jobfile.JobFile) -> list[pb.ArtifactRef]:
+    import asyncio
+    import tempfile
+
+    from gpumarket.client import jobfile
+
     refs = []
     with tempfile.TemporaryDirectory() as tmp:
         for item in job.inputs:
@@ -49,6 +50,8 @@ async def check_funds(broker: BrokerClient, job: jobfile.JobFile) -> None:
     hold: the least the broker would hold for it (jobfile.least_hold) against the balance,
     where the broker enforces funds; the broker checks the exact hold at submit. Raises
     InsufficientFunds."""
+    from gpumarket.client import jobfile
+
     account = await broker.account(limit=1)
     least, basis = jobfile.least_hold(job)
     if account.billing and account.available < least:
@@ -60,6 +63,9 @@ async def check_funds(broker: BrokerClient, job: jobfile.JobFile) -> None:
 
 
 def build_spec(job: jobfile.JobFile, refs: list[pb.ArtifactRef], created_ms: int) -> pb.JobSpec:
+    from gpumarket import kinds
+    from gpumarket.client import arrays as job_arrays
+
     spec = pb.JobSpec(
         name=job.name, kind=job.kind,
         resources=pb.Resources(gpus=job.gpus, min_memory_bytes=job.min_memory_bytes,
@@ -89,7 +95,8 @@ def build_spec(job: jobfile.JobFile, refs: list[pb.ArtifactRef], created_ms: int
 async def submit(market: Broker, job_file: Path, watch_: bool, as_json: bool) -> None:
     """Upload JOB_FILE's inputs, sign the job, submit it, and print its id (a job your
     available balance cannot hold is refused before anything is uploaded)."""
-    from gpumarket.client.watch import EXIT_BY_STATE, follow
+    from gpumarket.client import jobfile
+    from gpumarket.proto.envelope import seal
 
     job = jobfile.load(job_file)
     identity = load_identity()
@@ -103,6 +110,8 @@ async def submit(market: Broker, job_file: Path, watch_: bool, as_json: bool) ->
         else:
             click.echo(resp.job_id)
         if watch_:
+            from gpumarket.client.watch import EXIT_BY_STATE, follow
+
             state = await follow(broker, resp.job_id, as_json, out)
             sys.exit(EXIT_BY_STATE.get(state, 1))
 
