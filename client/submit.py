@@ -24,27 +24,72 @@ if TYPE_CHECKING:   # annotations only: commands get it from the cli group; the 
 
 
 async def upload_inputs(broker: BrokerClient, job: jobfile.JobFile) -> list[pb.ArtifactRef]:
+    """Upload the job file's inputs (a directory as a tar); return their references, in its
+    order. The small ones (at most CHUNK_BYTES each: a script, an array's tasks, a config)
+    go whole, many to one UploadBlobs call, where each took an Upload call of its own, one
+    after the other; a larger one goes on its own, chunked and resumable."""
     import asyncio
-    import tempfile
+    import hashlib
 
     from gpumarket.client import jobfile
+    from gpumarket.proto.artifacts import CHUNK_BYTES
 
-    refs = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for item in job.inputs:
-            path = item.path
-            if item.data is not None:
-                path = Path(tmp) / item.name
-                path.write_bytes(item.data)
-            elif path.is_dir():
-                path = Path(tmp) / item.name
-                path.write_bytes(await asyncio.to_thread(jobfile.pack_directory, item.path))
-            # A path as it is: rich's console took "[x]" in one for markup and dropped it
-            # (and importing rich for these lines took ~20 ms of every submission).
-            click.echo(f"uploading {'its tasks' if item.data is not None else item.path}"
-                       f" as {item.name}", err=True)
-            refs.append(await broker.upload(path, item.name))
+    refs: list[pb.ArtifactRef | None] = [None] * len(job.inputs)
+    small: list[tuple[int, str, bytes]] = []        # (input's index, sha256, bytes)
+    for i, item in enumerate(job.inputs):
+        data = item.data
+        if data is None:
+            data = await asyncio.to_thread(jobfile.pack_directory, item.path) \
+                if item.path.is_dir() else _small_file(item.path, CHUNK_BYTES)
+        # A path as it is: rich's console took "[x]" in one for markup and dropped it
+        # (and importing rich for these lines took ~20 ms of every submission).
+        click.echo(f"uploading {'its tasks' if item.data is not None else item.path}"
+                   f" as {item.name}", err=True)
+        if data is not None and len(data) <= CHUNK_BYTES:
+            small.append((i, hashlib.sha256(data).hexdigest(), data))
+        elif data is None:
+            refs[i] = await broker.upload(item.path, item.name)
+        else:
+            refs[i] = await _upload_bytes(broker, data, item.name)
+    for group in _blob_calls(small):
+        await broker.artifacts.upload_blobs([(sha, data) for _, sha, data in group])
+        for i, sha, data in group:
+            refs[i] = pb.ArtifactRef(name=job.inputs[i].name, sha256=sha, size_bytes=len(data))
     return refs
+
+
+def _small_file(path: Path, limit: int) -> bytes | None:
+    """The file's bytes if it has at most ``limit`` of them, else None."""
+    with open(path, "rb") as f:
+        data = f.read(limit + 1)
+    return data if len(data) <= limit else None
+
+
+async def _upload_bytes(broker: BrokerClient, data: bytes, name: str) -> pb.ArtifactRef:
+    """Upload ``data`` larger than one blob, from an unnamed temporary file."""
+    import tempfile
+
+    with tempfile.TemporaryFile() as f:
+        f.write(data)
+        f.flush()
+        return await broker.upload(f.fileno(), name)
+
+
+def _blob_calls(small: list[tuple[int, str, bytes]]):
+    """``small`` in groups that one UploadBlobs call takes (tasks.BLOBS_PER_CALL blobs,
+    tasks.BLOB_CALL_BYTES bytes: the broker's limits are 1,000 and 32 MiB)."""
+    from gpumarket.client.tasks import BLOB_CALL_BYTES, BLOBS_PER_CALL
+
+    group: list[tuple[int, str, bytes]] = []
+    size = 0
+    for blob in small:
+        if group and (len(group) == BLOBS_PER_CALL or size + len(blob[2]) > BLOB_CALL_BYTES):
+            yield group
+            group, size = [], 0
+        group.append(blob)
+        size += len(blob[2])
+    if group:
+        yield group
 
 
 async def check_funds(broker: BrokerClient, job: jobfile.JobFile) -> None:

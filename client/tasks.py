@@ -24,7 +24,7 @@ if TYPE_CHECKING:   # annotations only: commands get it from the cli group
     from gpumarket.link.client import Broker, BrokerClient
 
 PAGE = 10_000
-BLOBS_PER_CALL = 1000       # small output files downloaded in one call ...
+BLOBS_PER_CALL = 1000       # small files downloaded (or a job's inputs uploaded) in one call ...
 BLOB_CALL_BYTES = 16 << 20  # ... and their bytes
 
 

@@ -6,9 +6,13 @@ runs: its errors are the same, and --help needs none."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import subprocess
 import sys
+
+import pytest
 
 from tests.helpers import ROOT
 
@@ -64,3 +68,44 @@ def test_a_plugin_kind_that_cannot_load_fails_a_command_but_not_its_help(tmp_pat
     assert stderr.startswith("error: kind module 'no_such_kind_module' cannot be imported")
     assert "grpc" not in report["imported"]         # refused before any broker call
     assert run(["balance", "--help"], tmp_path, **bad)[0]["code"] == 0
+
+
+@pytest.mark.e2e
+def test_a_job_files_inputs_reach_the_spec_in_its_order_small_or_large(market, tmp_path):
+    """Small inputs go up together (one UploadBlobs call), one over CHUNK_BYTES on its own
+    (a tasks file here, a directory's tar, a file): the signed spec names each by the
+    sha256 of its bytes, in the job file's order, and the broker holds them all."""
+    from gpumarket.client.jobfile import pack_directory
+    from gpumarket.proto.artifacts import CHUNK_BYTES
+    from gpumarket.proto.envelope import open_envelope
+    from gpumarket.proto.v1 import types_pb2 as pb
+
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "main.py").write_text("pass\n")
+    (code / "weights.bin").write_bytes(os.urandom(CHUNK_BYTES + 1))      # its tar is large
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text("".join(json.dumps({"args": ["x" * 4000, str(i)]}) + "\n"
+                             for i in range(CHUNK_BYTES // 4000 + 1)))     # large
+    extra = [tmp_path / "a.txt", tmp_path / "b.txt"]
+    for n, path in enumerate(extra):
+        path.write_text(f"input {n}\n")                                    # small
+    job = tmp_path / "job.toml"
+    job.write_text(f'name = "inputs"\nkind = "script"\nmax_price = 2.0\nbudget = 10\n'
+                   f'[script]\ncode = "{code}"\n[array]\ntasks = "{tasks}"\n'
+                   f'inputs = ["{extra[0]}", "{extra[1]}"]\n')
+    r = market.cli("submit", str(job))
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.splitlines() == [f"uploading {code} as code.tar",
+                                     f"uploading {extra[0]} as a.txt",
+                                     f"uploading {extra[1]} as b.txt",
+                                     "uploading its tasks as tasks.jsonl"]
+
+    async def spec_of(broker):
+        return open_envelope((await broker.get_job(r.stdout.split()[0])).spec, pb.JobSpec)[0]
+
+    spec = market.ask(spec_of)
+    sent = [pack_directory(code), *(p.read_bytes() for p in extra), tasks.read_bytes()]
+    assert [(i.name, i.sha256, i.size_bytes) for i in spec.inputs] == [
+        (name, hashlib.sha256(data).hexdigest(), len(data))
+        for name, data in zip(["code.tar", "a.txt", "b.txt", "tasks.jsonl"], sent)]
