@@ -25,9 +25,10 @@ if TYPE_CHECKING:   # annotations only: commands get it from the cli group; the 
 
 async def upload_inputs(broker: BrokerClient, job: jobfile.JobFile) -> list[pb.ArtifactRef]:
     """Upload the job file's inputs (a directory as a tar); return their references, in its
-    order. The small ones (at most CHUNK_BYTES each: a script, an array's tasks, a config)
-    go whole, many to one UploadBlobs call, where each took an Upload call of its own, one
-    after the other; a larger one goes on its own, chunked and resumable."""
+    order. The small ones (at most CHUNK_BYTES each: a script, an array's tasks, a config,
+    the files its [array] inputs list) go whole, many to one UploadBlobs call: one round
+    trip for all of them, not one each; a larger one goes on its own, chunked and
+    resumable."""
     import asyncio
     import hashlib
 
