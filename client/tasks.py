@@ -83,8 +83,12 @@ async def tasks_command(market: Broker, job_id: str, states: tuple[str, ...], fr
             else:
                 err.print(f"no task of {job_id} failed")
             return
-        page = await broker.list_tasks(job_id, from_task, 1, wanted)
-        found = await all_tasks(broker, job_id, wanted, from_task, limit)
+        # The first page carries the array's progress too: no call of its own for it.
+        page = await broker.list_tasks(job_id, from_task, min(limit, PAGE), wanted)
+        found = list(page.tasks)[:limit]
+        if page.next_task and len(found) < limit:
+            found += await all_tasks(broker, job_id, wanted, page.next_task,
+                                     limit - len(found))
     if as_json:
         dump({"job_id": job_id, "progress": progress_dict(page.progress),
               "tasks": [task_dict(t) for t in found]})
