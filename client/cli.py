@@ -7,17 +7,12 @@ Exit codes: 0 ok; 1 error (bad input, broker unreachable, refused); 2 usage;
 
 from __future__ import annotations
 
-import os
-import sys
 from typing import TYPE_CHECKING
 
 import click
 
-from gpumarket import kinds
 from gpumarket.client import endpoints, jobs, money, offers, results, submit, tasks
 from gpumarket.client.console import key_path, leave, load_identity
-from gpumarket.proto.errors import GpumarketError
-from gpumarket.proto.identity import Identity, home_dir
 
 if TYPE_CHECKING:   # imported where a command talks to a broker: --help needs no grpc
     from gpumarket.link.client import Broker
@@ -54,6 +49,7 @@ class _BrokerOnUse:
         if self._made is None:
             from gpumarket.link.channel import Trust
             from gpumarket.link.client import Broker
+            from gpumarket.proto.identity import home_dir
 
             address, pin = self._args
             self._made = Broker(address, Trust(pin=pin, known=home_dir() / "known_brokers"))
@@ -70,6 +66,8 @@ def keys() -> None:
 @keys.command("init")
 def keys_init() -> None:
     """Create the client's Ed25519 key (mode 0600) if there is none; print its id."""
+    from gpumarket.proto.identity import Identity
+
     path = key_path()
     if path.exists():
         identity = load_identity()
@@ -99,11 +97,8 @@ cli.add_command(tasks.resubmit_command)
 
 
 def main() -> None:
-    try:
-        kinds.load_plugins(os.environ.get("GPUMARKET_KINDS", ""))
-    except GpumarketError as exc:
-        click.echo(f"error: {exc}", err=True)
-        sys.exit(1)
+    """The ``gpumarket`` program. Plugin kinds are loaded as a command runs
+    (console.command), not here: --help and keys need none."""
     try:
         cli(prog_name="gpumarket")
     except SystemExit as exc:

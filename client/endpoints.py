@@ -9,16 +9,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import click
-from google.protobuf.json_format import MessageToDict
-from rich.table import Table
 
-from gpumarket.client import jobfile
 from gpumarket.client.console import clock, command, dump, load_identity, out
-from gpumarket.proto.envelope import seal
 from gpumarket.proto.errors import InvalidArgument
 from gpumarket.proto.jobspec import KINDS_BY_NAME, now_ms, state_name
-from gpumarket.proto.present import short
-from gpumarket.proto.v1 import marketplace_pb2 as mp
 from gpumarket.proto.v1 import types_pb2 as pb
 
 if TYPE_CHECKING:   # annotations only: commands get it from the cli group
@@ -32,6 +26,8 @@ def _state(state: int) -> str:
 
 
 def as_dict(message) -> dict:
+    from google.protobuf.json_format import MessageToDict
+
     return MessageToDict(message, preserving_proto_field_name=True)
 
 
@@ -47,7 +43,9 @@ def endpoint() -> None:
 @command
 async def create(market: Broker, job_file: Path, as_json: bool) -> None:
     """Create the endpoint JOB_FILE describes (kind = "endpoint"); print its name and API."""
+    from gpumarket.client import jobfile
     from gpumarket.client.submit import build_spec, check_funds, upload_inputs
+    from gpumarket.proto.envelope import seal
 
     job = jobfile.load(job_file)
     if job.kind != KINDS_BY_NAME["endpoint"]:
@@ -74,6 +72,8 @@ async def create(market: Broker, job_file: Path, as_json: bool) -> None:
 @command
 async def list_(market: Broker, as_json: bool) -> None:
     """Your endpoints: state, replicas ready of live, load and latency."""
+    from rich.table import Table
+
     async with market.client(load_identity()) as broker:
         found = await broker.endpoints()
     if as_json:
@@ -102,6 +102,10 @@ async def list_(market: Broker, as_json: bool) -> None:
 async def show(market: Broker, name: str, events: int, as_json: bool) -> None:
     """An endpoint: its replicas (where they run, load, TPOT), latency percentiles, tokens
     served, keys, and its latest scaling decisions and replica moves."""
+    from rich.table import Table
+
+    from gpumarket.proto.present import short
+
     async with market.client(load_identity()) as broker:
         e = await broker.endpoint(name, events)
     if as_json:
@@ -172,6 +176,9 @@ async def key(market: Broker, name: str, key_id: str | None, as_json: bool) -> N
 @command
 async def delete(market: Broker, name: str) -> None:
     """Stop serving: every replica stops, the unspent hold goes back, its keys stop working."""
+    from gpumarket.proto.envelope import seal
+    from gpumarket.proto.v1 import marketplace_pb2 as mp
+
     identity = load_identity()
     async with market.client(identity) as broker:
         e = await broker.endpoint(name, events=1)

@@ -7,15 +7,11 @@ import sys
 from typing import TYPE_CHECKING
 
 import click
-from rich.table import Table
 
 from gpumarket.client import tasks
 from gpumarket.client.console import clock, command, dump, load_identity, out
-from gpumarket.proto.envelope import seal
 from gpumarket.proto.jobspec import STATES_BY_NAME, kind_name, now_ms, state_name
 from gpumarket.proto.money import fmt
-from gpumarket.proto.present import job_dict, short
-from gpumarket.proto.v1 import marketplace_pb2 as mp
 from gpumarket.proto.v1 import types_pb2 as pb
 
 if TYPE_CHECKING:   # annotations only: commands get it from the cli group
@@ -29,6 +25,10 @@ if TYPE_CHECKING:   # annotations only: commands get it from the cli group
 @command
 async def status(market: Broker, job_id: str, as_json: bool) -> None:
     """Show a job's state, progress and attempt history."""
+    from rich.table import Table
+
+    from gpumarket.proto.present import job_dict, short
+
     async with market.client(load_identity()) as broker:
         job_id = await broker.job_id(job_id)
         job = await broker.get_job(job_id)
@@ -94,6 +94,10 @@ async def status(market: Broker, job_id: str, as_json: bool) -> None:
 @command
 async def list_(market: Broker, states: tuple[str, ...], limit: int, as_json: bool) -> None:
     """List your jobs, newest first (a broker shows each client only its own)."""
+    from rich.table import Table
+
+    from gpumarket.proto.present import job_dict, short
+
     identity = load_identity()
     client_id = identity.id
     async with market.client(identity) as broker:
@@ -155,6 +159,9 @@ async def logs(market: Broker, job_id: str, follow: bool, as_json: bool) -> None
 @command
 async def cancel(market: Broker, job_id: str) -> None:
     """Cancel one of your jobs (a running one is stopped on its provider)."""
+    from gpumarket.proto.envelope import seal
+    from gpumarket.proto.v1 import marketplace_pb2 as mp
+
     identity = load_identity()
     async with market.client(identity) as broker:
         job_id = await broker.job_id(job_id)

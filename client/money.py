@@ -6,8 +6,6 @@ import json
 from typing import TYPE_CHECKING
 
 import click
-from google.protobuf.json_format import MessageToDict
-from rich.table import Table
 
 from gpumarket.client.console import clock, command, dump, load_identity, out
 from gpumarket.proto.jobspec import state_name
@@ -42,9 +40,13 @@ def print_lines(lines, as_json: bool) -> None:
     """Ledger lines, newest first: JSON lines, or a table with one row per posting and a
     column per account it moved (available, held, ...)."""
     if as_json:
+        from google.protobuf.json_format import MessageToDict
+
         for line in lines:
             click.echo(json.dumps(MessageToDict(line, preserving_proto_field_name=True)))
         return
+    from rich.table import Table
+
     postings: dict[int, list] = {}
     for line in lines:
         postings.setdefault(line.seq, []).append(line)

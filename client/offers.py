@@ -8,25 +8,22 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import click
-from google.protobuf.json_format import MessageToDict
-from rich.table import Table
 
-from gpumarket.client import jobfile
 from gpumarket.client.console import command, dump, err, key_path, load_identity, out
 from gpumarket.client.submit import build_spec, upload_inputs
-from gpumarket.proto.envelope import open_envelope
-from gpumarket.proto.identity import Identity
 from gpumarket.proto.jobspec import ACCELERATOR_NAMES, TIER_NAMES, kind_name, now_ms
 from gpumarket.proto.money import fmt, offer_prices
-from gpumarket.proto.present import short
-from gpumarket.proto.v1 import marketplace_pb2 as mp
 from gpumarket.proto.v1 import types_pb2 as pb
 
 if TYPE_CHECKING:   # annotations only: commands get it from the cli group
     from gpumarket.link.client import Broker
+    from gpumarket.proto.identity import Identity
+    from gpumarket.proto.v1 import marketplace_pb2 as mp
 
 
 def _identity_if_any() -> Identity | None:
+    from gpumarket.proto.identity import Identity
+
     return Identity.load(key_path()) if key_path().exists() else None
 
 
@@ -99,7 +96,13 @@ async def offers(market: Broker, query_text: str, sort_by: str, list_fields: boo
 
     Operators: = != < <= > >= and `in [a,b]`; on text fields = means contains.
     """
+    from google.protobuf.json_format import MessageToDict
+    from rich.table import Table
+
     from gpumarket.client import query
+    from gpumarket.proto.envelope import open_envelope
+    from gpumarket.proto.present import short
+    from gpumarket.proto.v1 import marketplace_pb2 as mp
 
     if list_fields:
         for name, (kind, text) in query.FIELDS.items():
@@ -164,6 +167,12 @@ def _duration(seconds: float) -> str:
 async def quote(market: Broker, job_file: Path, limit: int, as_json: bool) -> None:
     """Show where JOB_FILE would run: the best candidates with expected runtime, cost and the
     chance of finishing without an interruption, and what excluded the other offers."""
+    from google.protobuf.json_format import MessageToDict
+    from rich.table import Table
+
+    from gpumarket.client import jobfile
+    from gpumarket.proto.present import short
+
     job = jobfile.load(job_file)
     identity = load_identity()
     client_id = identity.id

@@ -8,13 +8,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import click
-from rich.table import Table
 
-from gpumarket import kinds
 from gpumarket.client import tasks
 from gpumarket.client.console import command, dump, load_identity, out
-from gpumarket.proto.artifacts import write_atomically
-from gpumarket.proto.envelope import open_envelope
 from gpumarket.proto.errors import BadSignature, FailedPrecondition
 from gpumarket.proto.jobspec import state_name
 from gpumarket.proto.v1 import types_pb2 as pb
@@ -26,6 +22,9 @@ if TYPE_CHECKING:   # annotations only: commands get it from the cli group
 def verify_receipts(job: pb.Job, client_id: str | None) -> list[pb.Receipt]:
     """Check that the job's receipt (one per part for a split job) is signed by the provider
     that ran it and is for this exact spec; return them."""
+    from gpumarket import kinds
+    from gpumarket.proto.envelope import open_envelope
+
     if job.state != pb.JOB_STATE_SUCCEEDED:
         raise FailedPrecondition(f"job {job.job_id} is {state_name(job.state)}, not SUCCEEDED")
     spec, signer = open_envelope(job.spec, pb.JobSpec)
@@ -80,6 +79,10 @@ async def results(market: Broker, job_id: str, output_dir: Path, task: int | Non
     """Download a finished job's outputs, checking every receipt's signature and every hash
     (a split job's parts are merged into one directory; a job array's succeeded tasks, even
     while others run, each into a directory task-NNNNNN)."""
+    from rich.table import Table
+
+    from gpumarket.proto.artifacts import write_atomically
+
     identity = load_identity()
     async with market.client(identity) as broker:
         job_id = await broker.job_id(job_id)

@@ -11,24 +11,20 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import click
-from rich.table import Table
 
 from gpumarket.client.console import command, dump, err, load_identity, out
-from gpumarket.kinds import arrays, receipt_tree
 from gpumarket.proto.artifacts import CHUNK_BYTES
-from gpumarket.proto.envelope import open_envelope, payload_sha256, seal
 from gpumarket.proto.errors import BadSignature, FailedPrecondition
 from gpumarket.proto.jobspec import (
     NONCE_BYTES, STATES_BY_NAME, check_artifact_name, now_ms, state_name,
 )
-from gpumarket.proto.present import short
 from gpumarket.proto.v1 import types_pb2 as pb
 
 if TYPE_CHECKING:   # annotations only: commands get it from the cli group
     from gpumarket.link.client import Broker, BrokerClient
 
 PAGE = 10_000
-BLOBS_PER_CALL = 1000       # small output files downloaded in one call ...
+BLOBS_PER_CALL = 1000       # small files downloaded (or a job's inputs uploaded) in one call ...
 BLOB_CALL_BYTES = 16 << 20  # ... and their bytes
 
 
@@ -70,6 +66,11 @@ async def all_tasks(broker: BrokerClient, job_id: str, states: list[int] | None 
 async def tasks_command(market: Broker, job_id: str, states: tuple[str, ...], from_task: int,
                         limit: int, failed: bool, as_json: bool) -> None:
     """List a job array's tasks: state, attempts, provider, time and error of each."""
+    from rich.table import Table
+
+    from gpumarket.kinds import arrays
+    from gpumarket.proto.present import short
+
     wanted = [STATES_BY_NAME[s.upper()] for s in states]
     async with market.client(load_identity()) as broker:
         job_id = await broker.job_id(job_id)
@@ -82,8 +83,12 @@ async def tasks_command(market: Broker, job_id: str, states: tuple[str, ...], fr
             else:
                 err.print(f"no task of {job_id} failed")
             return
-        page = await broker.list_tasks(job_id, from_task, 1, wanted)
-        found = await all_tasks(broker, job_id, wanted, from_task, limit)
+        # The first page carries the array's progress too: no call of its own for it.
+        page = await broker.list_tasks(job_id, from_task, min(limit, PAGE), wanted)
+        found = list(page.tasks)[:limit]
+        if page.next_task and len(found) < limit:
+            found += await all_tasks(broker, job_id, wanted, page.next_task,
+                                     limit - len(found))
     if as_json:
         dump({"job_id": job_id, "progress": progress_dict(page.progress),
               "tasks": [task_dict(t) for t in found]})
@@ -115,6 +120,8 @@ def open_receipt(envelope: pb.Envelope, provider_id: str, job_id: str, spec: pb.
     """A receipt signed by ``provider_id``, the provider that ran ``job_id`` (a job, a part
     of one, or an array's lease; ``task``: for that task's outputs alone), for this exact
     ``spec``, its output names checked; BadSignature (or InvalidArgument) otherwise."""
+    from gpumarket.proto.envelope import open_envelope, payload_sha256
+
     what = f"receipt of {job_id}" if task is None else f"task {task}: its receipt"
     receipt, provider = open_envelope(envelope, pb.Receipt)
     if provider != receipt.provider_id or provider != provider_id:
@@ -130,6 +137,8 @@ def open_receipt(envelope: pb.Envelope, provider_id: str, job_id: str, spec: pb.
 def signed_outputs(job: pb.Job, client_id: str) -> dict[str, pb.Receipt]:
     """Every output of the array's finished batches (by name), each from a receipt signed by
     the provider that ran the batch, for this exact spec."""
+    from gpumarket.proto.envelope import open_envelope
+
     _, signer = open_envelope(job.spec, pb.JobSpec)
     if signer != client_id:
         raise BadSignature(f"job {job.job_id} was not signed by your key")
@@ -148,6 +157,8 @@ def task_receipt(job: pb.Job, t: pb.ArrayTask,
     results update's (one for many tasks, kinds/receipt_tree.py), which must sign exactly
     the outputs the task lists by its path (returned naming them). ``opened``: receipts
     checked already, by signature (an update's covers many tasks: one check)."""
+    from gpumarket.kinds import receipt_tree
+
     key = t.receipt.SerializeToString()
     receipt = None if opened is None else opened.get(key)
     if receipt is None or receipt.job_id != t.lease_job_id or \
@@ -170,6 +181,8 @@ async def fetch_results(broker: BrokerClient, job: pb.Job, client_id: str, outpu
     """Download the outputs of the array's succeeded tasks (or task ``only``) into
     ``output_dir/task-NNNNNN/``, each checked against a signed receipt and its hash; write
     ``tasks.json``; return the summary."""
+    from gpumarket.kinds import arrays
+
     signed = signed_outputs(job, client_id)
     states = [pb.JOB_STATE_SUCCEEDED] if only is None else []
     found = await all_tasks(broker, job.job_id, states, only or 0, 1 if only is not None else 0)
@@ -228,6 +241,8 @@ async def resubmit_command(market: Broker, job_id: str, failed: bool, indices: s
     a new array, signed anew, whose tasks keep their indices, so each does the same work
     with the same inputs; print its id."""
     from gpumarket.client.watch import EXIT_BY_STATE, follow
+    from gpumarket.kinds import arrays
+    from gpumarket.proto.envelope import open_envelope, seal
 
     if failed == (indices is not None):
         raise click.UsageError("give either --failed or --tasks LIST")

@@ -5,14 +5,11 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING
 
-from google.protobuf.json_format import MessageToDict
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
 from gpumarket.proto.jobspec import TERMINAL_STATES, state_name
 from gpumarket.proto.v1 import types_pb2 as pb
 
 if TYPE_CHECKING:   # annotations only: commands get it from the cli group
+    from gpumarket.client.console import ConsoleOnUse
     from gpumarket.link.client import BrokerClient
 
 EXIT_BY_STATE = {pb.JOB_STATE_SUCCEEDED: 0, pb.JOB_STATE_FAILED: 3, pb.JOB_STATE_CANCELLED: 4,
@@ -23,10 +20,14 @@ def _metrics(progress: pb.Progress) -> str:
     return "  ".join(f"{k} {v:.4g}" for k, v in sorted(progress.metrics.items()))
 
 
-async def follow(broker: BrokerClient, job_id: str, as_json: bool, console: Console) -> int:
-    """Print the job's events until it ends; return its final state."""
+async def follow(broker: BrokerClient, job_id: str, as_json: bool,
+                 printer: ConsoleOnUse) -> int:
+    """Print the job's events until it ends, as JSON lines or through ``printer`` (its rich
+    Console, with a progress bar on a terminal); return its final state."""
     state = pb.JOB_STATE_UNSPECIFIED
     if as_json:
+        from google.protobuf.json_format import MessageToDict
+
         async for ev in broker.watch(job_id):
             d = MessageToDict(ev, preserving_proto_field_name=True)
             d["state"] = state_name(ev.state)
@@ -35,6 +36,11 @@ async def follow(broker: BrokerClient, job_id: str, as_json: bool, console: Cons
             if ev.type == "paused":
                 break
         return state
+    from rich.progress import (
+        BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn,
+    )
+
+    console = printer.rich
     live = console.is_terminal
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                         TimeRemainingColumn(), TextColumn("{task.fields[metrics]}"),
