@@ -499,6 +499,10 @@ def main() -> None:
     ap.add_argument("--unpinned", action="store_true",
                     help="start the providers on every core, not each on one of its own")
     args = ap.parse_args()
+    # Every process this starts writes the bytecode it compiles, as an installed package has
+    # it (pip compiles): with PYTHONDONTWRITEBYTECODE set (this machine sets it) a module
+    # changed since its cached bytecode is compiled again at every client command's start.
+    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
     if args.unpinned:
         # Ray's two workers may run on either core; with this, so may the providers' job
         # processes. Pinned each to one core (the default, as tests start providers), a lane

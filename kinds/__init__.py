@@ -4,8 +4,9 @@ job-file fields, sizing and split rules, and its runner.
 
 A plugin kind is a module with a ``KIND`` (a ``gpumarket.kinds.base.Kind`` numbered from
 100), named in ``$GPUMARKET_KINDS`` (comma-separated modules) or in an installed package's
-``gpumarket.kinds`` entry points; each program loads them in its ``main()`` with
-``load_plugins``. No grpc here.
+``gpumarket.kinds`` entry points; the broker and the provider load them in their
+``main()`` with ``load_plugins``, the client as a command runs (client/console.py
+``load_plugin_kinds``: its --help imports no kinds). No grpc here.
 """
 
 from __future__ import annotations
