@@ -36,11 +36,12 @@ print(json.dumps({"code": code, "imported": [m for m in late if m in sys.modules
 """
 
 
-def run(args: list[str], tmp_path, **env: str) -> tuple[dict, str]:
-    """The probe's report (exit code, which of LATE it imported) and what it printed on
-    stderr before it."""
+def run(args: list[str], tmp_path, watched: tuple[str, ...] = LATE,
+        **env: str) -> tuple[dict, str]:
+    """The probe's report (exit code, which of ``watched`` it imported) and what it printed
+    on stderr before it."""
     env = {"PATH": "/usr/bin:/bin", "GPUMARKET_HOME": str(tmp_path), **env}
-    r = subprocess.run([sys.executable, "-c", PROBE, json.dumps(args), json.dumps(LATE)],
+    r = subprocess.run([sys.executable, "-c", PROBE, json.dumps(args), json.dumps(watched)],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     *before, report = r.stderr.strip().splitlines()
     return json.loads(report), "\n".join(before)
