@@ -37,12 +37,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from tests.helpers import BIN, Marketplace, wait_until  # noqa: E402
+# (throughput, loaded here, has every process it starts write its bytecode)
 from throughput import array_file, submit_and_watch  # noqa: E402
-
-# A user's installed client has its modules' bytecode cached (pip compiles it; an editable
-# install writes it on the first run); this environment's PYTHONDONTWRITEBYTECODE would make
-# every run compile the project's modules again (~100 ms), which no user sees.
-os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 
 PROFILE = r"""
 import cProfile, io, os, pstats, sys

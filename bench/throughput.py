@@ -48,6 +48,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from gpumarket.broker.jobs.arrays import STEAL_MIN_S  # noqa: E402
 from tests.helpers import Marketplace, training_job, wait_until  # noqa: E402
 
+# Every process a bench starts writes the bytecode it compiles, as an installed package has
+# it (pip compiles; an editable install writes it on its first run): with
+# PYTHONDONTWRITEBYTECODE set (this machine sets it) a module changed since its cached
+# bytecode is compiled again at every client command's start (~100 ms), which no user sees.
+# Here, where bench/cli_start.py and bench/array_cpu.py load it too.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+
 LIGHT_ROUNDS = 3_000        # sha256 rounds of an outputs task: about 1 ms here
 HEAVY_ROUNDS = 100_000      # ... of a heavy task: 22-35 ms of a core here, by the load
 SMALL_TASKS = 20            # client B's array
@@ -499,10 +506,6 @@ def main() -> None:
     ap.add_argument("--unpinned", action="store_true",
                     help="start the providers on every core, not each on one of its own")
     args = ap.parse_args()
-    # Every process this starts writes the bytecode it compiles, as an installed package has
-    # it (pip compiles): with PYTHONDONTWRITEBYTECODE set (this machine sets it) a module
-    # changed since its cached bytecode is compiled again at every client command's start.
-    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
     if args.unpinned:
         # Ray's two workers may run on either core; with this, so may the providers' job
         # processes. Pinned each to one core (the default, as tests start providers), a lane
