@@ -205,8 +205,7 @@ def first_steal(market: Marketplace, rows: list[dict]) -> dict | None:
     asked = next((e for e in seen if e["type"] == "yielding"), None)
     if asked is not None:
         at = int(asked["at_ms"])
-        found = re.search(r"(\d+) tasks go back", asked.get("message", ""))
-        marked = int(found[1]) if found else 0
+        marked = marked_of(asked)
         return {**out, "yield_ms": at - end, "marked": marked,
                 "ran_anyway": marked - moved(seen, len(by[other]))}
     started = next(int(e["at_ms"]) for e in seen if e["type"] == "started")
@@ -234,8 +233,7 @@ def steals(market: Marketplace, rows: list[dict], declined_before: int) -> dict:
         for e in seen:
             if e["type"] != "yielding":
                 continue
-            found = re.search(r"(\d+) tasks go back", e.get("message", ""))
-            marked = int(found[1]) if found else 0
+            marked = marked_of(e)
             gone = moved(seen, count)
             out["asked"] += 1
             out["marked"] += marked
@@ -243,6 +241,14 @@ def steals(market: Marketplace, rows: list[dict], declined_before: int) -> dict:
             out["moved"] += gone
     out["declined"] = declines(market) - declined_before
     return out
+
+
+def marked_of(asked: dict) -> int:
+    """The tasks a yield or split asked of a lease marked (its "yielding" event): those it
+    had not reported then."""
+    found = re.search(r"(\d+) tasks go back|of its (\d+) tasks not reported",
+                      asked.get("message", ""))
+    return int(found[1] or found[2]) if found else 0
 
 
 def moved(seen: list[dict], ran: int) -> int:

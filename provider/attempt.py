@@ -29,7 +29,8 @@ from gpumarket.provider.inventory import DeviceInfo, local_models
 from gpumarket.provider.isolation import Isolation
 from gpumarket.provider.leases import Assignment, runner_config
 from gpumarket.provider.replica import EngineLink
-from gpumarket.provider.reports import Checkpoint, Done, Log, Progress, Report, TaskEnded
+from gpumarket.provider.reports import (Checkpoint, Done, Log, Progress, Report, Split,
+                                        TaskEnded)
 from gpumarket.provider.task_results import TaskResults
 
 log = logging.getLogger(__name__)
@@ -72,6 +73,7 @@ class Attempt:
         self.yield_asked = False            # the broker asked the lease to yield ...
         self.yield_min_left_s = 0.0         # ... if what is left takes this long (a steal)
         self.yield_sent = False             # ... and the runner was told
+        self.yield_split = False            # ... to split, not stop (YieldLease.split)
         self.preempted = ""                 # why the broker preempted this lease, if it did
         self._grace: asyncio.TimerHandle | None = None
         self._grace_stop: asyncio.Task | None = None
@@ -259,6 +261,8 @@ class Attempt:
             self.host.send(self.update(log=gw.JobLog(lines=report.lines)))
         elif isinstance(report, TaskEnded):
             self.task_ended(report)
+        elif isinstance(report, Split):
+            self.split_answered(report)
         elif isinstance(report, Checkpoint):
             self.checkpoints.reported(report.step, report.path, report.write_seconds)
 
@@ -268,10 +272,12 @@ class Attempt:
         if self.task_results.ended(report) and self.yield_asked and not self.yield_sent:
             self.tell_yield()
 
-    def request_yield(self, min_left_s: float = 0.0) -> None:
+    def request_yield(self, min_left_s: float = 0.0, split: bool = False) -> None:
         """The broker asks this job array's lease to stop after the task it runs now (another
         client waits for its device, or a lane of its array is idle): it ends with its
-        receipt for the tasks it ran. With ``min_left_s`` (a steal) only if the tasks it has
+        receipt for the tasks it ran. With ``split`` (a steal) it goes on instead, and gives
+        the later part of its tasks not started to another lease (``split_answered``). With
+        ``min_left_s`` (a steal) only if the tasks it has
         not run yet would take it that long at its pace (``TaskResults.left_s``): the broker
         counted the tasks not reported, those this daemon holds among them; declined, the
         lease runs them out (a later ask decides again). The runner is told once it has
@@ -279,6 +285,7 @@ class Attempt:
         if not self.assignment.lease.tasks or self.yield_asked or self.yield_sent:
             return
         self.yield_asked = True
+        self.yield_split = split
         self.yield_min_left_s = max(0.0, min_left_s) if min_left_s == min_left_s else 0.0
         if len(self.task_results.open) < len(self.assignment.lease.tasks):
             self.tell_yield()
@@ -293,11 +300,27 @@ class Attempt:
                      len(self.task_results.open), left, self.yield_min_left_s)
             self.yield_asked = False
             return
+        self.yield_sent = True
+        if self.yield_split:
+            log.info("job %s splits: %d tasks not reported", self.assignment.lease.job_id,
+                     len(self.task_results.open))
+            self.process.request_split()
+            return
         log.info("job %s yields after its current task: %d tasks not run go back",
                  self.assignment.lease.job_id, max(0, len(self.task_results.open) - 1))
-        self.yield_sent = True
         self.process.request_yield()
         self.task_results.yielding()
+
+    def split_answered(self, report: Split) -> None:
+        """The runner answered a split: its tasks from ``from_task`` on (in the lease's
+        order) go back to the broker now, in an update of their own (TaskResults.yielded),
+        and the lease runs the rest; a later ask may split it again."""
+        if not (self.yield_sent and self.yield_split):
+            return          # asked nothing: a runner's own line changes nothing
+        self.yield_asked = self.yield_sent = self.yield_split = False
+        given = self.task_results.give_back(report.from_task, self.assignment.lease.tasks)
+        log.info("job %s gives %d tasks not started to another lease",
+                 self.assignment.lease.job_id, len(given))
 
     # -- its outputs -----------------------------------------------------------------------
 

@@ -160,9 +160,10 @@ class ProviderDaemon:
     def on_yield(self, request: gw.YieldLease) -> None:
         job = self.jobs.get(request.job_id)
         if job is not None and job.key[1] == request.epoch:
-            log.info("job %s asked to yield after its current task: %s", request.job_id,
+            log.info("job %s asked to %s: %s", request.job_id,
+                     "split" if request.split else "yield after its current task",
                      request.reason)
-            job.request_yield(request.min_left_s)
+            job.request_yield(request.min_left_s, split=request.split)
 
     def on_preempt(self, request: gw.PreemptLease) -> None:
         """A job of a higher tier needs the devices of this interruptible lease: the job

@@ -41,6 +41,7 @@ from gpumarket.provider.reports import (
     ReportReader,
     TaskEnded,
 )
+from gpumarket.provider.runners.base import SPLIT_SIGNAL
 from gpumarket.provider.sandbox import ENV as SANDBOX_ENV
 from gpumarket.provider.sandbox import Sandbox, kill_uid, reclaim_uid
 
@@ -59,7 +60,9 @@ REPORTS_READ_BYTES = reports.MAX_LINE   # ... and of the reports
 ENDER = keyrings.Ender()
 
 REPORTS = "reports.jsonl"
-DRAIN_S = 0.25                 # how often a running job's log and reports are read
+DRAIN_S = 0.25                 # how often a running job's log and reports are read ...
+ANSWER_DRAIN_S = 0.01          # ... and for ANSWER_WITHIN_S after the job is asked to split
+ANSWER_WITHIN_S = 1.0          # (its answer gives tasks to an idle lane: read at once)
 DISK_CHECK_S = 2.0             # how often a job's work directory is measured against its quota
 
 # Only what a job needs from the daemon's environment; never the daemon's secrets.
@@ -239,6 +242,8 @@ class JobProcess:
         self._offset = 0
         self._log_offset = 0
         self._killed = False
+        self._answer_by = 0.0          # until when (monotonic) reports are read quickly
+        self._poke: asyncio.Future | None = None    # wakes the follower early
         self._stop_reason = ""
         self._reader = ReportReader(workdir)
         self._ended_for: object = _NOT_ENDED    # the pid end_all() last ended everything of
@@ -430,8 +435,9 @@ class JobProcess:
             await asyncio.to_thread(self.cgroup.remove)
 
     async def _follow(self, state: dict) -> None:
-        """Read the job's reports and log every DRAIN_S, and at once to their end when its
-        process ends (woken by that, not by a poll)."""
+        """Read the job's reports and log every DRAIN_S (every ANSWER_DRAIN_S while a split's
+        answer is awaited, ``request_split``), and at once to their end when its process
+        ends (woken by that, not by a poll)."""
         exited = self.exited()
         while True:
             running = not exited.done() and self.alive()
@@ -445,7 +451,10 @@ class JobProcess:
                 await self._drain_reports(state)
                 await self._drain_log(final=True)
                 return
-            await asyncio.wait({exited}, timeout=DRAIN_S)
+            self._poke = asyncio.get_running_loop().create_future()
+            wait = ANSWER_DRAIN_S if time.monotonic() < self._answer_by else DRAIN_S
+            await asyncio.wait({exited, self._poke}, timeout=wait,
+                               return_when=asyncio.FIRST_COMPLETED)
 
     async def _drain_log(self, final: bool = False) -> None:
         """Hand the job's new stdout/stderr lines on as ``{"event": "log", "lines": [...]}``
@@ -509,6 +518,18 @@ class JobProcess:
                 os.kill(self.pid, signal.SIGUSR2)
             except ProcessLookupError:
                 pass
+
+    def request_split(self) -> None:
+        """Ask a job array's runner to give the later part of its tasks not started to
+        another lease (base.run_tasks), and read its answer as soon as it comes."""
+        if self.pid is not None and self.alive():
+            try:
+                os.kill(self.pid, SPLIT_SIGNAL)
+            except ProcessLookupError:
+                return
+            self._answer_by = time.monotonic() + ANSWER_WITHIN_S
+            if self._poke is not None and not self._poke.done():
+                self._poke.set_result(None)
 
     async def stop(self, reason: str = "") -> None:
         """SIGTERM the job's process group, SIGKILL after the grace period; then whatever

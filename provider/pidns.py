@@ -8,7 +8,7 @@ and knows by its pid — becomes three:
 - the stand-in, the process the daemon knows, outside the namespace: it waits for the
   namespace's init and then ends as the job did (its exit code, or killed by the same
   signal), so the daemon sees the job as before. It passes the drain request on (SIGUSR1,
-  which the daemon sends to its pid alone) and ignores SIGTERM and the like, which the daemon
+  which the daemon sends to its pid alone; a yield's and a split's alike) and ignores SIGTERM and the like, which the daemon
   sends to the job's whole process group: the job gets them itself, and the stand-in ends
   after it, not before.
 - the init, pid 1 of the namespace: it reaps the job's orphans and passes the drain request
@@ -32,7 +32,8 @@ import sys
 from typing import NoReturn
 
 CLONE_NEWPID = 0x20000000
-FORWARDED = (signal.SIGUSR1, signal.SIGUSR2)       # sent to the job's pid alone
+# Sent to the job's pid alone: drain, yield, split (provider/runners/base.py)
+FORWARDED = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGURG)
 HELD = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)   # to its group
 SIGNALS = FORWARDED + HELD
 STATUS = struct.Struct("i")

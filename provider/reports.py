@@ -60,6 +60,13 @@ class TaskEnded:
 
 
 @dataclass(frozen=True)
+class Split:
+    """A job array's lease answered a split (base.run_tasks): it gives its tasks from
+    ``from_task`` on (in the lease's order) to another lease; None: it gives none."""
+    from_task: int | None
+
+
+@dataclass(frozen=True)
 class Log:
     lines: tuple[str, ...]
 
@@ -91,7 +98,7 @@ class EngineAnswer:
     last: bool
 
 
-Report = Progress | Checkpoint | TaskEnded | Log | Done | Drained
+Report = Progress | Checkpoint | TaskEnded | Split | Log | Done | Drained
 
 # Events a runner may write that the daemon has no use for: not an error.
 IGNORED = frozenset({"resumed"})
@@ -166,6 +173,8 @@ def parse(raw: object, workdir: Path | None = None) -> Report | None:
             raise Malformed("error is not a string")
         return TaskEnded(_int(raw, "task", MAX_TASK), ok, error[:MAX_ERROR],
                          _seconds(raw, "seconds"))
+    if event == "split":
+        return Split(None if raw.get("from_task") is None else _int(raw, "from_task", MAX_TASK))
     if event == "log":
         return log_report(raw.get("lines"))
     if event == "done":

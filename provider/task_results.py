@@ -173,6 +173,20 @@ class TaskResults:
         if self.to_upload:
             self.wake.set()
 
+    def give_back(self, from_task: int | None, order: Iterable[int]) -> list[int]:
+        """The runner split the lease: its open tasks from ``from_task`` on, in the lease's
+        ``order``, are no longer its own; they go to the broker now, with what is held, in
+        an update (``yielded``) kept and sent again until acknowledged as any other. Returns
+        them (none where ``from_task`` is None or no open task of the lease)."""
+        order = list(order)
+        if from_task is None or from_task not in self.open:
+            return []
+        given = [t for t in order[order.index(from_task):] if t in self.open]
+        self.open.difference_update(given)
+        self.count -= len(given)
+        self.flush(yielded=given)
+        return given
+
     def queue(self, result: gw.TaskResult, blobs: dict[str, bytes] | None = None) -> None:
         self.results.append((result, blobs or {}))
         if self.due():
@@ -333,10 +347,11 @@ class TaskResults:
             await asyncio.gather(self.uploader, return_exceptions=True)
         self.flush()
 
-    def flush(self) -> None:
+    def flush(self, yielded: list[int] | None = None) -> None:
         """Send every task result told so far, in updates of at most TASKS_PER_UPDATE
         results and UPDATE_BYTES, each with the outputs that go with its results (within
-        the INLINE bounds); each kept until the broker acknowledges it (``settled``)."""
+        the INLINE bounds); each kept until the broker acknowledges it (``settled``). The
+        tasks ``yielded`` (a split) go in the last."""
         if self.flush_timer is not None:
             self.flush_timer.cancel()
             self.flush_timer = None
@@ -357,11 +372,12 @@ class TaskResults:
             blobs.update(new)
             size += result.ByteSize()
             blob_bytes += more
-        if batch:
-            self.send(batch, blobs)
+        if batch or yielded:
+            self.send(batch, blobs, yielded or [])
         self.results = []
 
-    def send(self, results: list[gw.TaskResult], blobs: dict[str, bytes]) -> None:
+    def send(self, results: list[gw.TaskResult], blobs: dict[str, bytes],
+             yielded: list[int] = ()) -> None:
         """Send one update, its succeeded tasks' outputs signed by one receipt over them
         (the broker checks one signature an update, not one a task); to a broker that does
         not take such receipts (before issue 32), by a receipt in each result, naming that
@@ -378,7 +394,7 @@ class TaskResults:
                 r.receipt.CopyFrom(self.sign(list(r.outputs), r.seconds))
                 r.ClearField("outputs")
         message = self.update(tasks=gw.TaskResults(
-            results=results, seq=self.sent, receipt=receipt,
+            results=results, seq=self.sent, receipt=receipt, yielded=yielded,
             blobs=[gw.TaskOutputBlob(sha256=sha, data=data) for sha, data in blobs.items()]))
         self.unacked[self.sent] = message
         self.host.send(message)

@@ -131,13 +131,18 @@ def test_a_steal_asks_the_provider_with_the_least_a_steal_needs(store):
 
 
 class Runner:
-    """The job's process as far as a yield goes: how often the runner was told to stop."""
+    """The job's process as far as a yield goes: how often the runner was told to stop (and
+    to split: tests/test_array_splits.py)."""
 
     def __init__(self) -> None:
         self.asked = 0
+        self.splits = 0
 
     def request_yield(self) -> None:
         self.asked += 1
+
+    def request_split(self) -> None:
+        self.splits += 1
 
 
 def test_a_provider_yields_to_a_steal_only_for_what_it_has_not_run(tmp_path, monkeypatch,

@@ -132,16 +132,19 @@ class Sessions:
         return False
 
     def ask_to_yield(self, provider_id: str, job_id: str, epoch: int, reason: str,
-                     min_left_s: float = 0.0) -> None:
+                     min_left_s: float = 0.0, split: bool = False) -> None:
         """Ask the provider to stop its lease ``job_id`` (of ``epoch``) after its current
         task, wherever its session is (an array's lease yielding to another client's job, or
         to an idle lane of its array: broker/jobs/arrays.py ``yield_lease``); with
-        ``min_left_s``, only if what it has not run yet would take it that long (a steal:
-        the provider knows how far it ran, the broker only what it reported)."""
+        ``split``, to go on and give the later part of its tasks not started to another
+        lease instead (a steal); with ``min_left_s``, only if what it has not run yet would
+        take it that long (a steal: the provider knows how far it ran, the broker only what
+        it reported)."""
         session = self.get(provider_id)
         if session is not None:
             session.send(gw.BrokerMessage(yield_lease=gw.YieldLease(
-                job_id=job_id, epoch=epoch, reason=reason, min_left_s=min_left_s)))
+                job_id=job_id, epoch=epoch, reason=reason, min_left_s=min_left_s,
+                split=split)))
 
     def end(self, provider_id: str) -> None:
         """End the provider's session (its handler then cleans up as after a disconnect)."""

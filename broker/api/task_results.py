@@ -47,28 +47,31 @@ async def record(state: BrokerState, provider_id: str, update: gw.JobUpdate, now
         await state.store.read(jobs.current, update.job_id, update.epoch, provider_id)
         await _store(state, provider_id, blobs, limit)
     stolen = await state.store.write(task_checks.record_results, update.job_id, update.epoch,
-                                     provider_id, results, now, receipts, sizes, limit)
+                                     provider_id, results, now, receipts, sizes, limit,
+                                     list(tasks.yielded))
+    if tasks.yielded:
+        state.placement.notify()        # tasks it gave back wait for an idle lane
     if stolen:
-        # A lane of the array went idle: this lease stops after its current task and the
-        # rest of its tasks are split between the lanes (arrays._steal).
+        # A lane of the array went idle: this lease gives the later part of the tasks it
+        # has not started to it (arrays._steal).
         state.sessions.ask_to_yield(provider_id, update.job_id, update.epoch,
-                                    f"a lane of the array is idle: {stolen} tasks go to it",
-                                    arrays.STEAL_MIN_S)
+                                    f"a lane of the array is idle: part of {stolen} tasks"
+                                    " go to it", arrays.STEAL_MIN_S, split=True)
 
 
 async def lane_freed(state: BrokerState, array_id: str, now: int) -> None:
     """A lease of the array ``array_id`` ended: if that left a lane of it idle, the running
     lease with the most tasks left yields the rest to it now (arrays.steal_for_idle_lane),
     not at its next report. Counted from the tasks it reported, which lag the tasks it ran
-    by up to a flush (provider/task_results.py): its provider yields only if what it has
+    by up to a flush (provider/task_results.py): its provider splits only if what it has
     really left is worth a steal (YieldLease.min_left_s), else runs it out and reports the
     tasks marked as usual."""
     stolen = await state.store.write(arrays.steal_for_idle_lane, array_id, now)
     if stolen:
         provider_id, batch_id, epoch, marked = stolen
         state.sessions.ask_to_yield(provider_id, batch_id, epoch,
-                                    f"a lane of the array is idle: {marked} tasks go to it",
-                                    arrays.STEAL_MIN_S)
+                                    f"a lane of the array is idle: part of {marked} tasks"
+                                    " go to it", arrays.STEAL_MIN_S, split=True)
 
 
 async def _store(state: BrokerState, provider_id: str, blobs: list[tuple[str, bytes]],

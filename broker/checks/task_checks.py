@@ -116,14 +116,16 @@ def lease_tasks(db: Database, job_id: str) -> list[int]:
 def record_results(db: Database, job_id: str, epoch: int, provider_id: str,
                    results: list[gw.TaskResult], now: int,
                    receipts: dict[int, pb.Receipt] | None = None,
-                   blobs: list[tuple[str, int]] = (), quota: int = 0) -> int:
+                   blobs: list[tuple[str, int]] = (), quota: int = 0,
+                   yielded: list[int] = ()) -> int:
     """A lease's task results (arrays.record_results, whose arguments these are): a batch's
     are its array's; a check's are kept with the check, the outputs of the tasks it
-    replays (its receipt names none), to be compared when its lease ends."""
+    replays (its receipt names none), to be compared when its lease ends (a check is never
+    asked to split: tasks it says it gives back are ignored)."""
     job = jobs.job_row(db, job_id)
     if not job.check_of:
         return arrays.record_results(db, job_id, epoch, provider_id, results, now, receipts,
-                                     blobs, quota)
+                                     blobs, quota, yielded)
     jobs.current(db, job_id, epoch, provider_id)
     if blobs:
         blob_holdings.record_many(db, list(blobs), provider_id, quota, now)

@@ -33,11 +33,15 @@ OPEN = (QUEUED, RUNNING)            # a task's states before it ends
 IN_LANE = (QUEUED, LEASED, RUNNING, PAUSED)
 STATE_FIELDS = {QUEUED: "queued", RUNNING: "running", SUCCEEDED: "succeeded",
                 FAILED: "failed", CANCELLED: "cancelled"}
-# Work stealing (``_steal``): a lease of an array yields the rest of its tasks to a lane of the
-# array gone idle when they would take it at least this long (two new leases cost 0.1-0.3 s
-# each; its reports come up to a second apart), at its pace: its tasks' own time as reported
-# or its wall time a task reported since it started, the larger (and at least the floor).
-STEAL_MIN_S = 0.75
+# Work stealing (``_steal``): a lease of an array splits, giving the later part of its tasks
+# not started to a lane of the array gone idle, when the tasks it has not reported would take
+# it at least this long at its pace: its tasks' own time as reported or its wall time a task
+# reported since it started, the larger (and at least the floor). A split costs the lease
+# nothing and the idle lane one new lease (0.06-0.2 s here, counted by the runner's split,
+# provider/runners/base.py split_point); its provider decides again on what it has really
+# left (its reports come up to a second apart). Before splits (a yield of all it had left,
+# two new leases of 0.1-0.3 s each) this was 0.75 s.
+STEAL_MIN_S = 0.3
 STEAL_TASK_FLOOR_S = 0.001
 
 
@@ -64,8 +68,9 @@ def submit(db: Database, job: NewJob, now: int, lanes: int = 0) -> None:
     add_batches(db, job.id, now)
 
 
-def add_batches(db: Database, array_id: str, now: int) -> int:
-    """Put the array's tasks that no batch runs into new batches; return how many."""
+def add_batches(db: Database, array_id: str, now: int, lanes: int = 0) -> int:
+    """Put the array's tasks that no batch runs into new batches, spread over ``lanes`` of
+    its lanes (0: all of them); return how many."""
     waiting = [r[0] for r in db.execute(
         "SELECT task FROM array_tasks WHERE array_id = ? AND state = ? AND batch_id IS NULL"
         " ORDER BY task", [array_id, QUEUED])]
@@ -77,7 +82,7 @@ def add_batches(db: Database, array_id: str, now: int) -> int:
         # Tasks back in the queue (yielded to an idle lane or another client, or failed)
         # spread over the array's lanes, not one batch that one device runs while the others
         # idle.
-        size = min(size, -(-len(waiting) // top.lanes))
+        size = min(size, -(-len(waiting) // (lanes or top.lanes)))
     made = top.parts or 0
     for batch in arrays.batches(waiting, size):
         made += 1
@@ -233,7 +238,8 @@ def receipted_outputs(db: Database, batch: Job, epoch: int, provider_id: str,
 def record_results(db: Database, batch_id: str, epoch: int, provider_id: str,
                    results: list[gw.TaskResult], now: int,
                    receipts: dict[int, pb.Receipt] | None = None,
-                   blobs: list[tuple[str, int]] = (), quota: int = 0) -> int:
+                   blobs: list[tuple[str, int]] = (), quota: int = 0,
+                   yielded: list[int] = ()) -> int:
     """Tasks of the provider's current lease of the batch ended (``gw.TaskResult``s): each
     succeeded, or failed and runs again later while it has attempts left. A succeeded task
     with its own receipt (``task_receipts``, checked) has its outputs from it at once.
@@ -242,8 +248,9 @@ def record_results(db: Database, batch_id: str, epoch: int, provider_id: str,
     (counted against its ``quota`` of bytes: ResourceExhausted, nothing recorded, over it).
     A task's first result in the update counts; one of a task that is not this batch's, or
     ended already, is ignored. A few statements for the whole update, not a few a task.
+    ``yielded``: tasks the lease gives back without running them, having split (``split``).
     Returns how many of the lease's tasks it yields to a lane of the array gone idle
-    (``_steal``; 0: none): its provider is to be asked to stop after its current task."""
+    (``_steal``; 0: none): its provider is to be asked to split."""
     batch, lease = jobs.current(db, batch_id, epoch, provider_id)
     if len(results) > arrays.MAX_PER_LEASE:
         raise InvalidArgument(f"at most {arrays.MAX_PER_LEASE:,} task results at once")
@@ -282,12 +289,42 @@ def record_results(db: Database, batch_id: str, epoch: int, provider_id: str,
                         succeeded)
     # The lease's progress is its tasks reported (its provider sends no progress beside them).
     add_to_job(db, batch_id, now, progress_step=len(told))
+    if yielded:
+        split(db, array_id, jobs.job_row(db, batch_id), yielded, now)
     _follow(db, array_id, now)
     if not succeeded:
         return 0
     return _steal(db, batch, epoch, _pace(lease["started_at_ms"], batch.progress_step
                                           + len(told), sum(row[2] for row in succeeded)
                                           / len(succeeded), now), now)
+
+
+def split(db: Database, array_id: str, batch: Job, tasks: list[int], now: int) -> int:
+    """The batch's lease split (asked by ``_steal``): those of ``tasks`` that the steal
+    marked and it has not reported leave the batch, without an attempt, for new batches on
+    the array's idle lanes (the lane of this one is not: it runs the rest); the marks left
+    on the tasks it keeps are cleared (a later steal may split it again). Only marked tasks
+    move: a provider gives back what it was asked for, not its lease's tasks at will (each
+    would run again elsewhere without counting an attempt). Returns how many moved."""
+    moved = db.execute(
+        "UPDATE array_tasks SET state = ?, batch_id = NULL, yielded = 0, updated_at_ms = ?"
+        " WHERE batch_id = ? AND state = ? AND yielded = 1 AND task IN"
+        " (SELECT CAST(value AS INTEGER) FROM json_each(?))",
+        [QUEUED, now, batch.id, RUNNING, json.dumps(sorted(set(tasks)))]).rowcount
+    if not moved:
+        return 0
+    db.execute("UPDATE array_tasks SET yielded = 0 WHERE batch_id = ? AND state = ? AND"
+               " yielded = 1", [batch.id, RUNNING])
+    left = max(1, (batch.tasks or 0) - moved)
+    update_job(db, batch.id, None, tasks=left, progress_total=left)
+    jobs.append_event(db, batch.id, "split", RUNNING, batch.attempt, now, mirror=False,
+                      message=f"{moved} of its tasks not started go to another lease")
+    top = jobs.job_row(db, array_id)
+    in_lane = db.execute(
+        f"SELECT count(*) FROM jobs WHERE parent_id = ? AND state IN"
+        f" ({', '.join(str(s) for s in IN_LANE)})", [array_id]).fetchone()[0]
+    add_batches(db, array_id, now, lanes=max(1, (top.lanes or 1) - in_lane))
+    return moved
 
 
 def _pace(started_at_ms: int | None, reported: int, task_s: float, now: int) -> float:
@@ -320,7 +357,7 @@ def _steal(db: Database, batch: Job, epoch: int, pace: float, now: int) -> int:
                       " AND yielded = 0", [batch.id, RUNNING]).fetchone()[0]
     if left < 2 or left * max(STEAL_TASK_FLOOR_S, pace) < STEAL_MIN_S:
         return 0
-    return yield_lease(db, batch.id, epoch, now,
+    return yield_lease(db, batch.id, epoch, now, split=True,
                        why=f"a lane of the array is idle ({open_batches} of its {top.lanes}"
                            f" lanes busy)")
 
@@ -374,11 +411,13 @@ def failed_on(db: Database, batch_id: str) -> set[str]:
 
 
 def yield_lease(db: Database, batch_id: str, epoch: int, now: int,
-                why: str = "another client waits") -> int:
+                why: str = "another client waits", split: bool = False) -> int:
     """The broker asks the batch's running lease (of ``epoch``) to yield its device after
     its current task: its tasks not reported yet are marked to go back to the queue when it
     ends, without counting an attempt (a task that still reports meanwhile is recorded as
-    usual). Returns how many were marked (0: the lease is not running, or asked already)."""
+    usual). With ``split`` it is asked to give the later part of them to another lease
+    instead (the marked tasks it gives back leave it then, ``split``). Returns how many were
+    marked (0: the lease is not running, or asked already)."""
     batch = jobs.job_row(db, batch_id)
     if batch.epoch != epoch or batch.state != RUNNING or not batch.parent_id:
         return 0
@@ -388,8 +427,10 @@ def yield_lease(db: Database, batch_id: str, epoch: int, now: int,
                         [now, batch_id, RUNNING, batch_id]).rowcount
     if marked:
         jobs.append_event(db, batch_id, "yielding", RUNNING, batch.attempt, now,
-                          mirror=False, message=f"asked to stop after its current task:"
-                          f" {why}; {marked} tasks go back to the queue")
+                          mirror=False, message=f"asked to split: {why}; of its {marked} tasks"
+                          f" not reported, those it has not started go back to the queue"
+                          if split else f"asked to stop after its current task: {why};"
+                          f" {marked} tasks go back to the queue")
     return marked
 
 

@@ -170,16 +170,18 @@ class JobUpdate(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., epoch: _Optional[int] = ..., started: _Optional[_Union[JobStarted, _Mapping]] = ..., progress: _Optional[_Union[_types_pb2.Progress, _Mapping]] = ..., failed: _Optional[_Union[JobFailed, _Mapping]] = ..., receipt: _Optional[_Union[_types_pb2.Envelope, _Mapping]] = ..., rejected: _Optional[_Union[JobRejected, _Mapping]] = ..., checkpoint: _Optional[_Union[CheckpointReport, _Mapping]] = ..., released: _Optional[_Union[JobReleased, _Mapping]] = ..., log: _Optional[_Union[JobLog, _Mapping]] = ..., ready: _Optional[_Union[ReplicaReady, _Mapping]] = ..., tasks: _Optional[_Union[TaskResults, _Mapping]] = ...) -> None: ...
 
 class TaskResults(_message.Message):
-    __slots__ = ("results", "seq", "blobs", "receipt")
+    __slots__ = ("results", "seq", "blobs", "receipt", "yielded")
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     BLOBS_FIELD_NUMBER: _ClassVar[int]
     RECEIPT_FIELD_NUMBER: _ClassVar[int]
+    YIELDED_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[TaskResult]
     seq: int
     blobs: _containers.RepeatedCompositeFieldContainer[TaskOutputBlob]
     receipt: _types_pb2.Envelope
-    def __init__(self, results: _Optional[_Iterable[_Union[TaskResult, _Mapping]]] = ..., seq: _Optional[int] = ..., blobs: _Optional[_Iterable[_Union[TaskOutputBlob, _Mapping]]] = ..., receipt: _Optional[_Union[_types_pb2.Envelope, _Mapping]] = ...) -> None: ...
+    yielded: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, results: _Optional[_Iterable[_Union[TaskResult, _Mapping]]] = ..., seq: _Optional[int] = ..., blobs: _Optional[_Iterable[_Union[TaskOutputBlob, _Mapping]]] = ..., receipt: _Optional[_Union[_types_pb2.Envelope, _Mapping]] = ..., yielded: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TaskOutputBlob(_message.Message):
     __slots__ = ("sha256", "data")
@@ -244,16 +246,18 @@ class CancelLease(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., epoch: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class YieldLease(_message.Message):
-    __slots__ = ("job_id", "epoch", "reason", "min_left_s")
+    __slots__ = ("job_id", "epoch", "reason", "min_left_s", "split")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     MIN_LEFT_S_FIELD_NUMBER: _ClassVar[int]
+    SPLIT_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     epoch: int
     reason: str
     min_left_s: float
-    def __init__(self, job_id: _Optional[str] = ..., epoch: _Optional[int] = ..., reason: _Optional[str] = ..., min_left_s: _Optional[float] = ...) -> None: ...
+    split: bool
+    def __init__(self, job_id: _Optional[str] = ..., epoch: _Optional[int] = ..., reason: _Optional[str] = ..., min_left_s: _Optional[float] = ..., split: _Optional[bool] = ...) -> None: ...
 
 class PreemptLease(_message.Message):
     __slots__ = ("job_id", "epoch", "reason", "grace_s")

@@ -19,6 +19,12 @@ if TYPE_CHECKING:   # imported when read: a runner listens for a drain before th
 MARKER = "COMPLETE"
 _drain = False
 _yield = False         # run_tasks: the broker asked the lease to stop after its current task
+_split = False         # run_tasks: ... to give the later part of its tasks to an idle lane
+SPLIT_SIGNAL = signal.SIGURG    # the split request: ignored by default, so one that comes
+                                # before the runner listens ends nothing
+SPLIT_START_S = 0.1    # what a split costs the lane that takes the tasks given, before its
+                       # first one runs (the report read, a lease, a fork, the sandbox):
+                       # 0.06-0.2 s measured here (issue 32)
 _task: tuple[Path, RunnerJob] | None = None    # run_tasks: the task running now, and its job
 
 
@@ -62,6 +68,27 @@ def listen_for_yield() -> None:
         _yield = True
 
     signal.signal(signal.SIGUSR2, note)
+
+
+def listen_for_split() -> None:
+    """Note SPLIT_SIGNAL (the broker asks a job array's lease to give the later part of its
+    tasks not started to an idle lane of its array; it runs the rest)."""
+    def note(signum, frame) -> None:
+        global _split
+        _split = True
+
+    signal.signal(SPLIT_SIGNAL, note)
+
+
+def split_point(left: int, pace_s: float, start_s: float = SPLIT_START_S) -> int:
+    """How many of its ``left`` tasks not started a lease keeps when it splits, at ``pace_s``
+    a task: the two lanes end together, the other's starting ``start_s`` later (it keeps
+    (left + start/pace) / 2, at most all: a split that would end no sooner gives nothing)."""
+    if left <= 0:
+        return 0
+    if pace_s <= 0:
+        return -(-left // 2)
+    return min(left, math.ceil((left + start_s / pace_s) / 2))
 
 
 class Cadence:
@@ -223,17 +250,25 @@ def run_tasks(fn: Callable, workdir: Path, job: RunnerJob, reporter) -> None:
     one array), each in ``tasks/NNNNNN/`` (its outputs in ``outputs/`` there), each reported
     as it ends (``task`` reports) while a failed task does not stop the others. On a drain
     request it stops between tasks: the rest run elsewhere. Asked to yield, it ends after
-    the current task as if its list ended there (the broker queues the rest again)."""
+    the current task as if its list ended there (the broker queues the rest again). Asked
+    to split, it keeps the first part of the tasks it has not started (``split_point``, at
+    its pace so far) and reports the first one it gives (a ``split`` report, ``from_task``
+    null when it gives none): its list ends there."""
     import traceback
 
-    global _task
+    global _task, _split
     listen_for_drain()
     listen_for_yield()
-    tasks = job.tasks
+    listen_for_split()
+    tasks = list(job.tasks)
     ok_count = 0
     home = os.getcwd()
+    began = time.monotonic()
     (workdir / "tasks").mkdir(exist_ok=True)
-    for i, item in enumerate(tasks):
+    i = -1
+    while i + 1 < len(tasks):
+        i += 1
+        item = tasks[i]
         n = item.task
         tdir = workdir / "tasks" / f"{n:06d}"
         tdir.mkdir(exist_ok=True)
@@ -273,4 +308,10 @@ def run_tasks(fn: Callable, workdir: Path, job: RunnerJob, reporter) -> None:
             reporter.done(tasks_ok=ok_count, tasks_failed=i + 1 - ok_count,
                           tasks_yielded=len(tasks) - i - 1)
             return
+        if _split:
+            _split = False
+            left = len(tasks) - i - 1
+            keep = split_point(left, (ended - began) / (i + 1))
+            reporter.send("split", from_task=tasks[i + 1 + keep].task if keep < left else None)
+            del tasks[i + 1 + keep:]
     reporter.done(tasks_ok=ok_count, tasks_failed=len(tasks) - ok_count)
