@@ -39,10 +39,12 @@ def test_a_split_moves_the_tasks_given_to_the_idle_lane_and_keeps_the_rest(store
     """Lane p1 ended; p2 reported 1 of its 20 tasks, so its 19 are marked. It answers with
     tasks 21-25 run and 33-39 given: those 7 go to one new batch (for the one idle lane), no
     attempt counted; 26-32 stay its own, their marks cleared, and it ends with them. A
-    provider that gives back tasks it was not asked for (no marks) moves nothing."""
+    provider that gives back tasks it was not asked for (no marks) moves nothing, and one
+    that names more tasks than a lease holds is refused."""
     from gpumarket.broker.jobs import arrays as broker_arrays
     from gpumarket.broker.jobs import transitions as jobs
     from gpumarket.broker.jobs import views
+    from gpumarket.proto.errors import InvalidArgument
     from gpumarket.proto.v1 import types_pb2 as pb
 
     w, r = store.write, store.read
@@ -74,6 +76,9 @@ def test_a_split_moves_the_tasks_given_to_the_idle_lane_and_keeps_the_rest(store
         got = await r(rows, "s2")
         assert all(got[t][2] == "s2-2" and got[t][1] == 0 for t in range(20, 40))
         assert (await r(jobs.job_row, "s2")).parts == 2
+        with pytest.raises(InvalidArgument, match="given back"):   # bounded as results are
+            await w(broker_arrays.record_results, "s2-2", 1, "p2", [], 8, None, (), 0,
+                    list(range(1001)))
 
     asyncio.run(scenario())
 

@@ -252,8 +252,9 @@ def record_results(db: Database, batch_id: str, epoch: int, provider_id: str,
     Returns how many of the lease's tasks it yields to a lane of the array gone idle
     (``_steal``; 0: none): its provider is to be asked to split."""
     batch, lease = jobs.current(db, batch_id, epoch, provider_id)
-    if len(results) > arrays.MAX_PER_LEASE:
-        raise InvalidArgument(f"at most {arrays.MAX_PER_LEASE:,} task results at once")
+    if len(results) > arrays.MAX_PER_LEASE or len(yielded) > arrays.MAX_PER_LEASE:
+        raise InvalidArgument(f"at most {arrays.MAX_PER_LEASE:,} task results (and as many"
+                              " tasks given back) at once")
     if blobs:
         blob_holdings.record_many(db, list(blobs), provider_id, quota, now)
     array_id = batch.parent_id
