@@ -7,6 +7,7 @@ same trainings submitted as separate jobs.
     .venv/bin/python bench/throughput.py [--tasks 10000] [--outputs 2000] [--heavy 1000]
                                          [--sweep 100] [--separate 6] [--cpu-devices 1]
                                          [--repeats 2] [--unpinned]
+                                         [--only noop|outputs|heavy]
 
 The cases: no-op tasks (``--tasks``); tasks that each do a little hashing (about 1 ms) and
 write one small ``result.json`` through ``task.output_dir()`` (``--outputs``), every one then
@@ -26,7 +27,8 @@ Ray runs in the interpreter that $RAY_PYTHON names (Ray pins its own dependencie
 in a virtual environment of its own), or in this one if it can import ray; without either
 its figures are null. The last line is one JSON object: tasks_per_s, ray_tasks_per_s,
 ratio_vs_ray, the same for the outputs and heavy cases, lost_outputs, small_array_wait_s,
-array_speedup and the latencies.
+array_speedup and the latencies. ``--only CASE`` runs that case's pairs alone (no fairness,
+no sweep), its last line the case's figures.
 """
 
 from __future__ import annotations
@@ -495,6 +497,26 @@ def rounded(value: float | None, digits: int) -> float | None:
     return None if value is None else round(value, digits)
 
 
+# --only's cases: (label, run name, the option that counts its tasks, hashing rounds).
+CASES = {"noop": ("no-op", "noop", "tasks", None),
+         "outputs": ("one result.json each", "outputs", "outputs", LIGHT_ROUNDS),
+         "heavy": ("35 ms and one result.json each", "heavy", "heavy", HEAVY_ROUNDS)}
+
+
+def one_case(market: Marketplace, root: Path, args: argparse.Namespace) -> dict:
+    """``--only``: one case's pairs alone; its figures."""
+    label, name, option, rounds = CASES[args.only]
+    tasks = getattr(args, option)
+    ours, ray, ratio = paired(market, root, label, name, tasks, rounds, args.repeats)
+    return {"case": args.only, "tasks": tasks, "repeats": args.repeats,
+            "tasks_per_s": mean(ours, "tasks_per_s", 2),
+            "ray_tasks_per_s": mean(ray, "tasks_per_s", 2),
+            "ratio_vs_ray": rounded(ratio, 3),
+            "lost_outputs": sum(run["lost"] for run in ours),
+            "lane_end_s": [[lane["end_s"] for lane in run["lanes"]] for run in ours],
+            "steals": [run["steals"] for run in ours]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tasks", type=int, default=10_000, help="no-op tasks in the array")
@@ -509,6 +531,8 @@ def main() -> None:
                     help="devices each of the two providers offers its cores as (lanes)")
     ap.add_argument("--repeats", type=int, default=2,
                     help="runs of each case a side, ours and Ray's alternating (A B B A)")
+    ap.add_argument("--only", choices=sorted(CASES),
+                    help="run this case's pairs alone (its count from its option)")
     ap.add_argument("--unpinned", action="store_true",
                     help="start the providers on every core, not each on one of its own")
     args = ap.parse_args()
@@ -523,6 +547,7 @@ def main() -> None:
         os.environ["TESTS_PROVIDER_CPUS"] = "all"
     root = Path(tempfile.mkdtemp(prefix="gpumarket-throughput-"))
     market = Marketplace(root)
+    only = None
     try:
         market.start_broker("--heartbeat-interval", "1")
         market.cli("keys", "init")
@@ -540,6 +565,9 @@ def main() -> None:
                                for kind in ("script", "training")),
                    "the providers' forkservers", timeout=300)
         run_array(market, root, "warm-up", 100, None)    # as Ray's run has (workers started)
+        if args.only:
+            only = one_case(market, root, args)
+            return
         noop, ray_noop, ratio = paired(market, root, "no-op", "noop", args.tasks, None,
                                        args.repeats)
         light, ray_light, ratio_outputs = paired(market, root, "one result.json each",
@@ -564,6 +592,8 @@ def main() -> None:
               f" {speedup:.1f}x")
     finally:
         market.close()
+        if only is not None:
+            print(json.dumps(only))
     print(json.dumps({
         "pinned": not args.unpinned,
         "repeats": args.repeats,
