@@ -281,13 +281,21 @@ class Attempt:
         not run yet would take it that long at its pace (``TaskResults.left_s``): the broker
         counted the tasks not reported, those this daemon holds among them; declined, the
         lease runs them out (a later ask decides again). The runner is told once it has
-        reported a task: before that it may not be listening."""
-        if not self.assignment.lease.tasks or self.yield_asked or self.yield_sent:
+        reported a task: before that it may not be listening. A stop asked while a split
+        is (its answer not come) is told at once: a split frees no device."""
+        if not self.assignment.lease.tasks or (self.yield_asked or self.yield_sent) and (
+                split or not self.yield_split):
             return
-        self.yield_asked = True
+        if split and self.task_results.giving_back():
+            # Asked before the broker recorded the tasks its last split gave (it asks while
+            # they are marked; the acknowledgement comes after any such ask): stale. A later
+            # ask splits again, on what the broker marks once that is recorded.
+            return
+        told = self.yield_sent
+        self.yield_asked, self.yield_sent = True, False
         self.yield_split = split
         self.yield_min_left_s = max(0.0, min_left_s) if min_left_s == min_left_s else 0.0
-        if len(self.task_results.open) < len(self.assignment.lease.tasks):
+        if told or len(self.task_results.open) < len(self.assignment.lease.tasks):
             self.tell_yield()
 
     def tell_yield(self) -> None:

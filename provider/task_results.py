@@ -187,6 +187,10 @@ class TaskResults:
         self.flush(yielded=given)
         return given
 
+    def giving_back(self) -> bool:
+        """Whether an update giving tasks back (``give_back``) is not acknowledged yet."""
+        return any(m.job_update.tasks.yielded for m in self.unacked.values())
+
     def queue(self, result: gw.TaskResult, blobs: dict[str, bytes] | None = None) -> None:
         self.results.append((result, blobs or {}))
         if self.due():

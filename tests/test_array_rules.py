@@ -490,7 +490,8 @@ def test_a_lane_gone_idle_steals_the_rest_of_a_slower_lease_split_between_them(s
         # Lane p1 idle; a9-2 has 18 left: at 1 ms a task, quicker than two new leases.
         assert await w(broker_arrays.record_results, "a9-2", 1, "p2", ok([21], 0.001), 7) == 0
         assert await w(broker_arrays.record_results, "a9-2", 1, "p2", ok([22]), 8) == 17
-        assert await w(broker_arrays.record_results, "a9-2", 1, "p2", ok([23]), 9) == 0
+        # Asked again while the lane is idle (a provider whose split is pending ignores it).
+        assert await w(broker_arrays.record_results, "a9-2", 1, "p2", ok([23]), 9) == 16
         await end_lease("a9-2", "p2", 10)
         got = await r(tasks)
         S, Q = pb.JOB_STATE_SUCCEEDED, pb.JOB_STATE_QUEUED
@@ -516,7 +517,8 @@ def test_a_lease_ending_asks_the_busiest_lease_of_its_array_to_yield_at_once(sto
     """The steal for a lane gone idle is made when its lease ends (gateway: a batch's
     receipt), not at the other lease's next report: the running lease with the most tasks
     left yields them; none while every lane is busy, none for a lease that has reported no
-    task yet (no pace), and a lease asked once is not asked again."""
+    task yet (no pace); a lease asked to split is asked again (its answer may have been
+    none: it tells nothing then), one asked to stop is not."""
     import asyncio
 
     from gpumarket.broker.jobs import arrays as broker_arrays
@@ -548,7 +550,9 @@ def test_a_lease_ending_asks_the_busiest_lease_of_its_array_to_yield_at_once(sto
         assert await w(broker_arrays.record_results, "a8-2", 1, "p2", ok([20]), 4) == 0
         await first_lane_ends("a8", 5)
         assert await w(broker_arrays.steal_for_idle_lane, "a8", 7) == ("p2", "a8-2", 1, 19)
-        assert await w(broker_arrays.steal_for_idle_lane, "a8", 8) is None     # asked once
+        assert await w(broker_arrays.steal_for_idle_lane, "a8", 8) == ("p2", "a8-2", 1, 19)
+        assert await w(broker_arrays.yield_lease, "a8-2", 1, 9) == 19     # another client
+        assert await w(broker_arrays.steal_for_idle_lane, "a8", 10) is None    # it stops
         await two_lanes("a7", 10)
         await first_lane_ends("a7", 12)
         assert await w(broker_arrays.steal_for_idle_lane, "a7", 14) is None    # no pace yet

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from gpumarket.proto.v1 import gateway_pb2 as gw
 from gpumarket.provider import task_results
 from gpumarket.provider.attempt import Attempt
 from gpumarket.provider.reports import Split, TaskEnded, parse
@@ -110,6 +111,9 @@ def test_a_provider_passes_on_the_tasks_its_runner_gave(tmp_path, monkeypatch,
         assert list(update.yielded) == list(range(60, 100))
         assert job.task_results.open == set(range(10, 60))
         assert update.seq in job.task_results.unacked           # sent again until settled
+        job.request_yield(0.3, split=True)      # asked before the broker recorded it: stale
+        assert (runner.splits, runner.asked) == (1, 0) and not job.yield_asked
+        job.task_results.settled(gw.TaskResultsSettled(seq=update.seq, accepted=True))
         job.request_yield(0.3, split=True)                      # asked again: told again
         assert (runner.splits, runner.asked) == (2, 0)
         job.split_answered(Split(None))                         # it gave none
@@ -219,3 +223,71 @@ tasks = "{tmp_path / 'tasks.jsonl'}"
     assert '"split"' in events and "asked to stop" not in events, events
     logs = "".join(p.text() for p in market.providers.values())
     assert "gives" in logs and "tasks not started to another lease" in logs, logs[-2000:]
+
+
+def test_a_split_that_gives_nothing_leaves_the_lease_to_later_asks(store):
+    """A steal's marks ask a split, not a stop: its provider declining (little left at its
+    pace, nothing sent) or the split still unanswered, the lease is asked again at its next
+    report while the lane stays idle, and a fair share's yield may still be asked of it (a
+    split frees no device). That yield's marks stay on what the lease keeps when its split's
+    answer comes late: its unreported tasks go back without an attempt when it stops."""
+    from gpumarket.broker.jobs import arrays as broker_arrays
+    from gpumarket.proto.v1 import types_pb2 as pb
+
+    w, r = store.write, store.read
+    two = TwoLanes(store)
+    Q, R = pb.JOB_STATE_QUEUED, pb.JOB_STATE_RUNNING
+
+    def lease(db, batch: str) -> dict:
+        return next(x for x in broker_arrays.running_leases(db) if x["id"] == batch)
+
+    async def scenario():
+        await two.start("s4")
+        assert await w(broker_arrays.steal_for_idle_lane, "s4", 6) == ("p2", "s4-2", 1, 19)
+        assert not (await r(lease, "s4-2"))["yielding"]     # its device stays busy
+        # Declined: its tasks reported as usual; the lane is still idle, 14 left at 0.1 s.
+        assert await w(broker_arrays.record_results, "s4-2", 1, "p2", ok(range(21, 26)),
+                       7) == 14
+        # Another client waits: the lease is asked to stop after its current task.
+        assert await w(broker_arrays.yield_lease, "s4-2", 1, 8) == 14
+        assert (await r(lease, "s4-2"))["yielding"]
+        assert await w(broker_arrays.record_results, "s4-2", 1, "p2", ok([26]), 9) == 0
+        # The split's answer, late: the tasks given move; the rest stay marked to go back.
+        await w(broker_arrays.record_results, "s4-2", 1, "p2", [], 10, None, (), 0,
+                list(range(33, 40)))
+        got = await r(rows, "s4")
+        assert all(got[t] == (Q, 0, "s4-3", 0) for t in range(33, 40))
+        assert all(got[t][0] == R and got[t][3] for t in range(27, 33))
+        await two.end("s4-2", "p2", 11)
+        got = await r(rows, "s4")
+        assert all(got[t][:2] == (Q, 0) for t in range(27, 33))     # no attempt counted
+
+    asyncio.run(scenario())
+
+
+def test_a_yield_asked_while_a_split_is_pending_is_told_to_the_runner(
+        tmp_path, monkeypatch, checksum_kind):  # noqa: F811
+    """Another client waits while the runner has not answered a split: the lease stops
+    after its current task (the split frees no device); the split's late answer then gives
+    nothing (the runner stops: what it did not run goes back with the lease's end)."""
+    monkeypatch.setattr(task_results, "TASK_FLUSH_S", 60.0)
+    host = FakeHost(tmp_path, {})
+    a = checksum_assignment(b"x")
+    a.lease.tasks.extend(range(100))
+    job = Attempt(a, tmp_path / "j.1", host)
+    job.process = runner = Runner()
+
+    async def scenario():
+        for t in range(10):
+            job.task_results.ended(TaskEnded(t, True, "", 0.01))
+        job.task_results.began -= 0.1
+        job.request_yield(0.3, split=True)
+        assert (runner.splits, runner.asked) == (1, 0)
+        job.request_yield(0.0)
+        assert (runner.splits, runner.asked) == (1, 1)
+        assert job.task_results.stopping            # what it holds goes at once
+        job.split_answered(Split(60))
+        assert len(job.task_results.open) == 90
+        assert not any(m.job_update.tasks.yielded for m in host.sent)
+
+    asyncio.run(scenario())

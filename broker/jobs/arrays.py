@@ -33,6 +33,9 @@ OPEN = (QUEUED, RUNNING)            # a task's states before it ends
 IN_LANE = (QUEUED, LEASED, RUNNING, PAUSED)
 STATE_FIELDS = {QUEUED: "queued", RUNNING: "running", SUCCEEDED: "succeeded",
                 FAILED: "failed", CANCELLED: "cancelled"}
+# A task's mark (array_tasks.yielded, ``yield_lease``): its lease was asked to stop (its device
+# frees) or to split (it goes on); unreported when it ends, it goes back without an attempt.
+STOP, SPLIT = 1, 2
 # Work stealing (``_steal``): a lease of an array splits, giving the later part of its tasks
 # not started to a lane of the array gone idle, when the tasks it has not reported would take
 # it at least this long at its pace: its tasks' own time as reported or its wall time a task
@@ -303,19 +306,20 @@ def record_results(db: Database, batch_id: str, epoch: int, provider_id: str,
 def split(db: Database, array_id: str, batch: Job, tasks: list[int], now: int) -> int:
     """The batch's lease split (asked by ``_steal``): those of ``tasks`` that the steal
     marked and it has not reported leave the batch, without an attempt, for new batches on
-    the array's idle lanes (the lane of this one is not: it runs the rest); the marks left
-    on the tasks it keeps are cleared (a later steal may split it again). Only marked tasks
-    move: a provider gives back what it was asked for, not its lease's tasks at will (each
-    would run again elsewhere without counting an attempt). Returns how many moved."""
+    the array's idle lanes (the lane of this one is not: it runs the rest); the split's
+    marks left on the tasks it keeps are cleared (a later steal may split it again), not a
+    stop's asked since (it stops: they go back when it ends). Only marked tasks move: a
+    provider gives back what it was asked for, not its lease's tasks at will (each would
+    run again elsewhere without counting an attempt). Returns how many moved."""
     moved = db.execute(
         "UPDATE array_tasks SET state = ?, batch_id = NULL, yielded = 0, updated_at_ms = ?"
-        " WHERE batch_id = ? AND state = ? AND yielded = 1 AND task IN"
+        " WHERE batch_id = ? AND state = ? AND yielded != 0 AND task IN"
         " (SELECT CAST(value AS INTEGER) FROM json_each(?))",
         [QUEUED, now, batch.id, RUNNING, json.dumps(sorted(set(tasks)))]).rowcount
     if not moved:
         return 0
     db.execute("UPDATE array_tasks SET yielded = 0 WHERE batch_id = ? AND state = ? AND"
-               " yielded = 1", [batch.id, RUNNING])
+               " yielded = ?", [batch.id, RUNNING, SPLIT])
     left = max(1, (batch.tasks or 0) - moved)
     update_job(db, batch.id, None, tasks=left, progress_total=left)
     jobs.append_event(db, batch.id, "split", RUNNING, batch.attempt, now, mirror=False,
@@ -338,13 +342,14 @@ def _steal(db: Database, batch: Job, epoch: int, pace: float, now: int) -> int:
     """Work stealing: where fewer of the array's batches are in a lane than it has lanes
     (``IN_LANE``), none of them waiting for a device (a lane ended its lease, or waits for
     its checks, and has nothing left to take), this
-    lease yields the tasks it has not run yet if they would take it at least STEAL_MIN_S at
-    ``pace`` (seconds a task): they go back to the queue as ``lanes`` batches
-    (``add_batches``), one for the idle lane, one for this one. Returns how many were
-    marked (``yield_lease``). The tasks not reported include those its provider ran and
-    holds (up to a flush, provider/task_results.py): the provider, asked with STEAL_MIN_S
-    (YieldLease.min_left_s), yields only if what it has really left is worth it, and
-    reports the marked tasks it ran either way (recorded as usual, their marks cleared)."""
+    lease is asked to split if the tasks it has not reported would take it at least
+    STEAL_MIN_S at ``pace`` (seconds a task; ``split``). Returns how many are marked
+    (``yield_lease``). The tasks not reported include those its provider ran and holds (up
+    to a flush, provider/task_results.py): the provider, asked with STEAL_MIN_S
+    (YieldLease.min_left_s), splits only if what it has really left is worth it, and
+    reports the marked tasks it ran either way (recorded as usual, their marks cleared).
+    One that gave nothing (declined, or its runner kept all) tells the broker nothing: it
+    is asked again at its next report while the lane is idle (a pending split ignores it)."""
     top = jobs.job_row(db, batch.parent_id)
     if top.state in TERMINAL_STATES or top.lanes < 2:
         return 0
@@ -355,7 +360,7 @@ def _steal(db: Database, batch: Job, epoch: int, pace: float, now: int) -> int:
     if waiting or open_batches >= top.lanes:
         return 0
     left = db.execute("SELECT count(*) FROM array_tasks WHERE batch_id = ? AND state = ?"
-                      " AND yielded = 0", [batch.id, RUNNING]).fetchone()[0]
+                      " AND yielded != ?", [batch.id, RUNNING, STOP]).fetchone()[0]
     if left < 2 or left * max(STEAL_TASK_FLOOR_S, pace) < STEAL_MIN_S:
         return 0
     return yield_lease(db, batch.id, epoch, now, split=True,
@@ -371,9 +376,9 @@ def steal_for_idle_lane(db: Database, array_id: str, now: int) -> tuple[str, str
     row = db.execute(
         "SELECT j.id, j.epoch, l.started_at_ms, j.progress_step, count(t.task) FROM jobs j"
         " JOIN leases l ON l.id = j.lease_id JOIN array_tasks t ON t.batch_id = j.id"
-        " AND t.state = ? AND t.yielded = 0 WHERE j.parent_id = ? AND j.state = ?"
+        " AND t.state = ? AND t.yielded != ? WHERE j.parent_id = ? AND j.state = ?"
         " GROUP BY j.id, l.started_at_ms ORDER BY count(t.task) DESC, j.id LIMIT 1",
-        [RUNNING, array_id, RUNNING]).fetchone()
+        [RUNNING, STOP, array_id, RUNNING]).fetchone()
     if row is None or not row[3] or row[2] is None:
         return None        # no lease running, or none that has reported a task: no pace yet
     batch = jobs.job_row(db, row[0])
@@ -417,16 +422,21 @@ def yield_lease(db: Database, batch_id: str, epoch: int, now: int,
     its current task: its tasks not reported yet are marked to go back to the queue when it
     ends, without counting an attempt (a task that still reports meanwhile is recorded as
     usual). With ``split`` it is asked to give the later part of them to another lease
-    instead (the marked tasks it gives back leave it then, ``split``). Returns how many were
-    marked (0: the lease is not running, or asked already)."""
+    instead (the marked tasks it gives back leave it then, ``split``); a split frees no
+    device and its answer may be none (or not come): it may be asked again, or to stop.
+    Returns how many are marked (0: the lease is not running, or asked to stop already)."""
     batch = jobs.job_row(db, batch_id)
     if batch.epoch != epoch or batch.state != RUNNING or not batch.parent_id:
         return 0
-    marked = db.execute("UPDATE array_tasks SET yielded = 1, updated_at_ms = ? WHERE"
-                        " batch_id = ? AND state = ? AND yielded = 0 AND NOT EXISTS (SELECT 1"
-                        " FROM array_tasks y WHERE y.batch_id = ? AND y.yielded = 1)",
-                        [now, batch_id, RUNNING, batch_id]).rowcount
-    if marked:
+    mark = SPLIT if split else STOP
+    new = db.execute("UPDATE array_tasks SET yielded = ?, updated_at_ms = ? WHERE batch_id = ?"
+                     " AND state = ? AND yielded != ? AND NOT EXISTS (SELECT 1 FROM array_tasks"
+                     " y WHERE y.batch_id = ? AND y.state = ? AND y.yielded = ?)",
+                     [mark, now, batch_id, RUNNING, mark, batch_id, RUNNING, STOP]).rowcount
+    marked = new if not split else db.execute(
+        "SELECT count(*) FROM array_tasks WHERE batch_id = ? AND state = ? AND yielded = ?",
+        [batch_id, RUNNING, SPLIT]).fetchone()[0]
+    if new:
         jobs.append_event(db, batch_id, "yielding", RUNNING, batch.attempt, now,
                           mirror=False, message=f"asked to split: {why}; of its {marked} tasks"
                           f" not reported, those it has not started go back to the queue"
@@ -438,15 +448,15 @@ def yield_lease(db: Database, batch_id: str, epoch: int, now: int,
 def running_leases(db: Database) -> list[dict]:
     """The running leases of job arrays' batches, for the scheduler's fair share: each
     with its client, provider, epoch, devices, tasks not reported yet, and whether it was
-    asked to yield already."""
+    asked to stop already (a split frees no device: not counted)."""
     rows = db.execute(
         "SELECT j.id, j.epoch, j.client_id, j.provider_id, l.device_indices, j.updated_at_ms,"
-        " count(t.task), coalesce(max(t.yielded), 0) FROM jobs j"
-        " JOIN leases l ON l.id = j.lease_id"
+        " count(t.task), coalesce(max(CASE WHEN t.yielded = ? THEN 1 ELSE 0 END), 0)"
+        " FROM jobs j JOIN leases l ON l.id = j.lease_id"
         " LEFT JOIN array_tasks t ON t.batch_id = j.id AND t.state = ?"
         " WHERE j.state = ? AND j.tasks > 0 AND j.parent_id IS NOT NULL"
         " GROUP BY j.id, l.device_indices",
-        [RUNNING, RUNNING]).fetchall()
+        [STOP, RUNNING, RUNNING]).fetchall()
     return [{"id": r[0], "epoch": r[1], "client_id": r[2], "provider_id": r[3],
              "devices": len(json.loads(r[4])), "updated_at_ms": r[5], "open": r[6],
              "yielding": bool(r[7])} for r in rows]
@@ -514,7 +524,7 @@ def _lease_over(db: Database, array_id: str, batch: Job, now: int) -> None:
         return
     # Tasks its lease yielded before running them go back to the queue as they were.
     db.execute("UPDATE array_tasks SET state = ?, batch_id = NULL, yielded = 0,"
-               " updated_at_ms = ? WHERE batch_id = ? AND state IN (?, ?) AND yielded = 1",
+               " updated_at_ms = ? WHERE batch_id = ? AND state IN (?, ?) AND yielded != 0",
                [QUEUED, now, batch.id, *OPEN])
     error = (batch.error or "its lease ended without a result for it")[:1000]
     for task, attempts, yielded in open_tasks:

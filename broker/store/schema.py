@@ -516,7 +516,7 @@ def m017_failed_leases_confirmed(db: Database) -> None:
 def m018_array_task_yields(db: Database) -> None:
     """An array task whose lease was asked to yield its device before the task ended
     (broker/jobs/arrays.py yield_lease): when that lease ends it goes back to the queue without
-    counting an attempt."""
+    counting an attempt. 1: asked to stop after its current task; 2: to split (STOP, SPLIT)."""
     db.execute("ALTER TABLE array_tasks ADD COLUMN yielded INTEGER NOT NULL DEFAULT 0")
 
 
