@@ -297,6 +297,40 @@ def test_a_provider_in_doubt_on_an_array_never_checks_its_other_leases(w, monkey
     assert verification.excluded(w.db, rerun_check) == {"h1", "liar"}
 
 
+def test_a_check_whose_checker_is_found_wrong_meanwhile_is_checked_again_elsewhere(
+        w, monkeypatch):
+    """Fixed (seen once in a fresh clone's suite, a render job's part stuck VERIFYING): the
+    cheat was replaying the check of an honest lease when its own lease was found wrong;
+    that check was cancelled with nothing in its place, so the honest lease waited for a
+    verdict forever and the array never ended. Now the check is queued again, for another
+    provider, and the honest lease ends when that one passes."""
+    monkeypatch.setattr(task_checks, "sample", first_tasks)
+    w.write(broker_arrays.submit, array_job("a", "exact", 2 * TASKS), w.now)
+    start(w, "a-1", "h1")
+    report(w, "a-1", "h1", list(range(TASKS)))
+    end(w, "a-1", "h1")
+    (honest,) = checks(w, "a-1")
+    start(w, honest, "liar")                    # the cheat replays h1's lease, not done yet
+    start(w, "a-2", "liar")
+    report(w, "a-2", "liar", list(range(TASKS, 2 * TASKS)), doctored=TASKS)
+    end(w, "a-2", "liar")
+    tiebreak = disagree(w, "a-2", "h2")
+    replay(w, tiebreak, "h3")
+    out = w.write(disputes.conclude, tiebreak, False, True, "tie-break", w.now)
+    assert checks(w, "a-2")[tiebreak]["liar"] == "liar"
+    assert (honest, w.job(honest)["epoch"], "liar") in out.stop
+    c = checks(w, "a-1")
+    assert c[honest]["state"] == "cancelled"
+    (again,) = [k for k, row in c.items() if row["state"] == "queued"]
+    assert "liar" in verification.excluded(w.db, again)
+    assert w.job("a-1")["state"] == pb.JOB_STATE_VERIFYING     # waits for the new check
+    replay(w, again, "h2")
+    w.write(disputes.conclude, again, True, False, "same", w.now)
+    assert w.job("a-1")["state"] == jobs.SUCCEEDED
+    assert ledger.balance(w.db, ledger.provider("h1")) > 0      # its held pay paid on
+    assert ledger.audit(w.db) == []
+
+
 def task_files(tasks: list[int], doctored: int = -1) -> tuple[dict[str, str], dict[str, str]]:
     """(the provider's delivery, the checker's replay) of two files a task, by name."""
     honest = {arrays.output_name(t, n): f'{{"task": {t}, "file": "{n}"}}'

@@ -232,12 +232,17 @@ def _convict(db: Database, c: dict, detail: str, now: int, ban_after: int) -> Ou
             f" ({MARKS})", [job_id, liar, *OPEN]).fetchall():
         stop += _cancel(db, _row(db, other), f"{liar}'s work on this job was found wrong",
                         now, finish=False)
-    # Its replays on this job's checks cannot be trusted either: ended, and not paid.
+    # Its replays on this job's checks cannot be trusted either: ended, and not paid. One of
+    # another part's (or lease's) work is queued again first, for another provider: that work
+    # still waits for a verdict (VERIFYING), and its held pay stays held for the new check.
     for (other, state) in db.execute("SELECT id, state FROM checks WHERE top_id = ? AND"
                                      " checker_id = ?", [c["top_id"], liar]).fetchall():
         if state in OPEN:
-            stop += _cancel(db, _row(db, other), "its checker was found wrong on this job",
-                            now, finish=False)
+            void = _row(db, other)
+            if void["job_id"] != job_id:
+                _check_again(db, void, now)
+            stop += _cancel(db, void, "its checker was found wrong on this job", now,
+                            finish=False)
         _reverse(db, other, liar, now)
     job = _job(db, job_id)
     paid = ledger.settled_to(db, c["settle_seq"]) if c["settle_seq"] is not None else 0
@@ -268,6 +273,17 @@ def _convict(db: Database, c: dict, detail: str, now: int, ban_after: int) -> Ou
         finish_if_checked(db, job_id, now)
     banned = _maybe_ban(db, liar, ban_after, now)
     return Outcome(stop=tuple(stop), banned=banned)
+
+
+def _check_again(db: Database, c: dict, now: int) -> None:
+    """Queue check ``c`` again as it was made (its role, its first check for a tie-break),
+    for a checker other than the one just found wrong (verification.excluded keeps that one
+    from it)."""
+    verification.queue(db, _job(db, c["job_id"]), c["provider_id"], c["lease_id"],
+                       c["settle_seq"], c["step_from"], c["step_to"],
+                       json.loads(c["start"]) if c["start"] else None,
+                       json.loads(c["expect"]), json.loads(c["scope"]), c["role"],
+                       c["first_check"], now, c["paid_by"])
 
 
 def _reverse(db: Database, job_id: str, provider_id: str, now: int) -> None:
