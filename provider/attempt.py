@@ -277,12 +277,12 @@ class Attempt:
         client waits for its device, or a lane of its array is idle): it ends with its
         receipt for the tasks it ran. With ``split`` (a steal) it goes on instead, and gives
         the later part of its tasks not started to another lease (``split_answered``). With
-        ``min_left_s`` (a steal) only if the tasks it has
-        not run yet would take it that long at its pace (``TaskResults.left_s``): the broker
-        counted the tasks not reported, those this daemon holds among them; declined, the
-        lease runs them out (a later ask decides again). The runner is told once it has
-        reported a task: before that it may not be listening. A stop asked while a split
-        is (its answer not come) is told at once: a split frees no device."""
+        ``min_left_s`` (a steal) only if the tasks it has not run yet would take it that
+        long at its pace (``TaskResults.left_s``): the broker counted the tasks not
+        reported, those this daemon holds among them; declined, the lease runs them out (a
+        later ask decides again). The runner is told once it has reported a task: before
+        that it may not be listening. A stop asked while a split is (its answer not come)
+        is told at once: a split frees no device."""
         if not self.assignment.lease.tasks or (self.yield_asked or self.yield_sent) and (
                 split or not self.yield_split):
             return

@@ -8,9 +8,9 @@ and knows by its pid — becomes three:
 - the stand-in, the process the daemon knows, outside the namespace: it waits for the
   namespace's init and then ends as the job did (its exit code, or killed by the same
   signal), so the daemon sees the job as before. It passes the drain request on (SIGUSR1,
-  which the daemon sends to its pid alone; a yield's and a split's alike) and ignores SIGTERM and the like, which the daemon
-  sends to the job's whole process group: the job gets them itself, and the stand-in ends
-  after it, not before.
+  which the daemon sends to its pid alone; a yield's and a split's alike) and ignores
+  SIGTERM and the like, which the daemon sends to the job's whole process group: the job
+  gets them itself, and the stand-in ends after it, not before.
 - the init, pid 1 of the namespace: it reaps the job's orphans and passes the drain request
   on; when the job's process ends it reports how and exits, and with it the kernel kills
   every process left in the namespace, however it detached.
