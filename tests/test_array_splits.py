@@ -84,6 +84,20 @@ def test_a_split_moves_the_tasks_given_to_the_idle_lane_and_keeps_the_rest(store
     asyncio.run(scenario())
 
 
+def ten_run(tmp_path: Path) -> tuple[Attempt, Runner, FakeHost]:
+    """A lease of 100 tasks whose runner (a Runner: what it was asked) reported 10 of them in
+    0.1 s, their results held (made in the event loop)."""
+    host = FakeHost(tmp_path, {})
+    a = checksum_assignment(b"x")
+    a.lease.tasks.extend(range(100))
+    job = Attempt(a, tmp_path / "j.1", host)
+    job.process = runner = Runner()
+    for t in range(10):
+        job.task_results.ended(TaskEnded(t, True, "", 0.01))
+    job.task_results.began -= 0.1
+    return job, runner, host
+
+
 def test_a_provider_passes_on_the_tasks_its_runner_gave(tmp_path, monkeypatch,
                                                          checksum_kind):  # noqa: F811
     """Asked to split with enough left, the daemon tells the runner (no yield: the lease
@@ -91,16 +105,9 @@ def test_a_provider_passes_on_the_tasks_its_runner_gave(tmp_path, monkeypatch,
     what it held, and the lease forgets them (a later ask may split it again). An answer
     nobody asked for, or naming no open task, gives nothing."""
     monkeypatch.setattr(task_results, "TASK_FLUSH_S", 60.0)
-    host = FakeHost(tmp_path, {})
-    a = checksum_assignment(b"x")
-    a.lease.tasks.extend(range(100))
-    job = Attempt(a, tmp_path / "j.1", host)
-    job.process = runner = Runner()
 
     async def scenario():
-        for t in range(10):
-            job.task_results.ended(TaskEnded(t, True, "", 0.01))
-        job.task_results.began -= 0.1
+        job, runner, host = ten_run(tmp_path)
         job.split_answered(Split(60))               # not asked: nothing moves
         assert len(job.task_results.open) == 90 and not any(
             m.job_update.tasks.yielded for m in host.sent)
@@ -271,16 +278,9 @@ def test_a_yield_asked_while_a_split_is_pending_is_told_to_the_runner(
     after its current task (the split frees no device); the split's late answer then gives
     nothing (the runner stops: what it did not run goes back with the lease's end)."""
     monkeypatch.setattr(task_results, "TASK_FLUSH_S", 60.0)
-    host = FakeHost(tmp_path, {})
-    a = checksum_assignment(b"x")
-    a.lease.tasks.extend(range(100))
-    job = Attempt(a, tmp_path / "j.1", host)
-    job.process = runner = Runner()
 
     async def scenario():
-        for t in range(10):
-            job.task_results.ended(TaskEnded(t, True, "", 0.01))
-        job.task_results.began -= 0.1
+        job, runner, host = ten_run(tmp_path)
         job.request_yield(0.3, split=True)
         assert (runner.splits, runner.asked) == (1, 0)
         job.request_yield(0.0)
