@@ -42,8 +42,7 @@ STOP, SPLIT = 1, 2
 # reported since it started, the larger (and at least the floor). A split costs the lease
 # nothing and the idle lane one new lease (0.06-0.2 s here, counted by the runner's split,
 # provider/runners/base.py split_point); its provider decides again on what it has really
-# left (its reports come up to a second apart). Before splits (a yield of all it had left,
-# two new leases of 0.1-0.3 s each) this was 0.75 s.
+# left (its reports come up to a second apart). (0.75 s before splits: docs/jobs.md.)
 STEAL_MIN_S = 0.3
 STEAL_TASK_FLOOR_S = 0.001
 
@@ -306,11 +305,10 @@ def record_results(db: Database, batch_id: str, epoch: int, provider_id: str,
 def split(db: Database, array_id: str, batch: Job, tasks: list[int], now: int) -> int:
     """The batch's lease split (asked by ``_steal``): those of ``tasks`` that the steal
     marked and it has not reported leave the batch, without an attempt, for new batches on
-    the array's idle lanes (the lane of this one is not: it runs the rest); the split's
-    marks left on the tasks it keeps are cleared (a later steal may split it again), not a
-    stop's asked since (it stops: they go back when it ends). Only marked tasks move: a
-    provider gives back what it was asked for, not its lease's tasks at will (each would
-    run again elsewhere without counting an attempt). Returns how many moved."""
+    the array's idle lanes (not this one's: it runs the rest); the split's marks on the
+    tasks it keeps are cleared (it may split again), not a stop's asked since (those go
+    back when it ends). Only marked tasks move: a provider gives back what it was asked
+    for, not its tasks at will (each would rerun without an attempt). Returns how many."""
     moved = db.execute(
         "UPDATE array_tasks SET state = ?, batch_id = NULL, yielded = 0, updated_at_ms = ?"
         " WHERE batch_id = ? AND state = ? AND yielded != 0 AND task IN"
@@ -324,12 +322,17 @@ def split(db: Database, array_id: str, batch: Job, tasks: list[int], now: int) -
     update_job(db, batch.id, None, tasks=left, progress_total=left)
     jobs.append_event(db, batch.id, "split", RUNNING, batch.attempt, now, mirror=False,
                       message=f"{moved} of its tasks not started go to another lease")
-    top = jobs.job_row(db, array_id)
-    in_lane = db.execute(
-        f"SELECT count(*) FROM jobs WHERE parent_id = ? AND state IN"
-        f" ({', '.join(str(s) for s in IN_LANE)})", [array_id]).fetchone()[0]
-    add_batches(db, array_id, now, lanes=max(1, (top.lanes or 1) - in_lane))
+    lanes = jobs.job_row(db, array_id).lanes or 1
+    add_batches(db, array_id, now, lanes=max(1, lanes - _in_lane(db, array_id)[0]))
     return moved
+
+
+def _in_lane(db: Database, array_id: str) -> tuple[int, int]:
+    """The array's batches in a lane or waiting for one (``IN_LANE``); of those, waiting."""
+    return tuple(db.execute(
+        f"SELECT count(*), coalesce(sum(CASE WHEN state = ? THEN 1 ELSE 0 END), 0) FROM jobs"
+        f" WHERE parent_id = ? AND state IN ({', '.join(str(s) for s in IN_LANE)})",
+        [QUEUED, array_id]).fetchone())
 
 
 def _pace(started_at_ms: int | None, reported: int, task_s: float, now: int) -> float:
@@ -353,10 +356,7 @@ def _steal(db: Database, batch: Job, epoch: int, pace: float, now: int) -> int:
     top = jobs.job_row(db, batch.parent_id)
     if top.state in TERMINAL_STATES or top.lanes < 2:
         return 0
-    open_batches, waiting = db.execute(
-        f"SELECT count(*), coalesce(sum(CASE WHEN state = ? THEN 1 ELSE 0 END), 0) FROM jobs"
-        f" WHERE parent_id = ? AND state IN ({', '.join(str(s) for s in IN_LANE)})",
-        [QUEUED, top.id]).fetchone()
+    open_batches, waiting = _in_lane(db, top.id)
     if waiting or open_batches >= top.lanes:
         return 0
     left = db.execute("SELECT count(*) FROM array_tasks WHERE batch_id = ? AND state = ?"
